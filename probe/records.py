@@ -1,0 +1,120 @@
+"""What the probe hands over: plain host-side records, one per forward pass.
+
+The probe builds these after its single device-to-host transfer per forward; everything here is
+numpy or Python scalars, so exporters (Parquet, Prometheus, in-memory) never touch torch or the
+model's device. `store.schema` maps each record onto the Parquet tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A hooked MoE layer, as found at attach time.
+
+    `layer` is the 0-based index of the MoE layer in module order; `module` its qualified name in
+    the model. `num_experts` counts routed experts with parameters; `zero_experts` counts
+    identity ("zero") experts that the router may choose but that hold no parameters.
+    """
+
+    layer: int
+    module: str
+    family: str
+    num_experts: int
+    top_k: int
+    params_per_expert: int
+    zero_experts: int = 0
+    expert_capacity: int | None = None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One attach of the probe to one model in one process."""
+
+    run_id: str
+    started_at: dt.datetime
+    model_class: str
+    total_params: int
+    routed_expert_params: int
+    tags: dict[str, str]
+    rank: int = 0
+    world_size: int = 1
+    layers: tuple[LayerInfo, ...] = ()
+
+
+@dataclass
+class Routes:
+    """Per-token routing of one layer in one forward; rows are the flattened batch (batch-major)."""
+
+    expert_ids: np.ndarray  # (tokens, k) int32, in the model's order
+    gate_weights: np.ndarray  # (tokens, k) float32, as the experts received them
+    kept: np.ndarray  # (tokens, k) bool; False where a capacity limit dropped the slot
+    token_ids: np.ndarray | None  # (tokens,) int64 input ids where the layer saw the input ids
+    sequence: np.ndarray  # (tokens,) int32 batch row
+    position: np.ndarray  # (tokens,) int32 position in the row
+
+
+@dataclass
+class TokenSample:
+    """A bounded sample of tokens of one layer: router logits or router inputs for those tokens."""
+
+    token: np.ndarray  # (n,) int32 row in the flattened batch
+    token_ids: np.ndarray | None  # (n,) int64
+    values: np.ndarray  # (n, width) float32
+    top1_expert: np.ndarray  # (n,) int32, the expert each sampled token went to first
+
+
+@dataclass
+class LayerStep:
+    """Reductions of one MoE layer over one forward; exact, computed on the model's device."""
+
+    layer: int
+    tokens: int
+    expert_load: np.ndarray  # (num_experts + zero_experts,) int64 tokens per expert (kept slots)
+    gate_weight_sum: np.ndarray  # (num_experts + zero_experts,) float64
+    router_entropy_mean: float
+    router_entropy_p95: float
+    top1_margin_mean: float
+    dropped_tokens: int  # tokens that no expert processed (every slot dropped)
+    dropped_assignments: int  # (token, slot) pairs dropped at capacity
+    capacity: int | None  # slots per expert in this forward, where the router has a capacity
+    capacity_use: float | None  # fullest expert's kept load / capacity
+    active_params_per_token: float  # routed-expert parameters used, averaged over tokens
+    coselection: np.ndarray | None = None  # (E, E) int64 tokens choosing both i and j
+    routes: Routes | None = None
+    router_logits: TokenSample | None = None
+    router_inputs: TokenSample | None = None
+
+
+@dataclass
+class KVCacheLayer:
+    layer: int  # the model's attention-layer index
+    bytes: int
+    seq_len: int
+
+
+@dataclass
+class StepRecord:
+    """Everything recorded about one forward pass of the probed model."""
+
+    run_id: str
+    step: int
+    ts: dt.datetime
+    duration_s: float  # host wall time of the forward, hooks included
+    tokens: int  # tokens in the forward's main input
+    batch_size: int
+    seq_len: int
+    active_params: float  # parameters used per token, averaged over the forward's tokens
+    total_params: int
+    tags: dict[str, str] = field(default_factory=dict)
+    layers: list[LayerStep] = field(default_factory=list)
+    kv_cache: list[KVCacheLayer] | None = None
+
+    @property
+    def active_param_fraction(self) -> float:
+        return self.active_params / self.total_params if self.total_params else float("nan")
