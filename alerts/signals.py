@@ -1,0 +1,262 @@
+"""Routing signals: pure functions of recorded expert loads and routes.
+
+Every function here takes numpy arrays (or plain numbers) and returns a float or a small dict; no
+I/O, no state. The rules engine and the Prometheus exporter compute the same numbers through
+these functions, and the tests check each one against scipy or a brute-force loop.
+
+Conventions, stated once:
+
+- A *load* is a vector of token counts per expert (the `expert_load` column), summed over a
+  window of steps by the caller.
+- Logarithms are natural (nats). Normalised entropies divide by the log of the number of
+  outcomes, so they lie in [0, 1].
+- KL divergence needs every expert of the reference to be non-zero. `kl_divergence` therefore
+  adds `alpha` pseudo-tokens to every expert of *both* loads before normalising (additive
+  smoothing; `alpha=0.5` is the Jeffreys prior). With that, an empty expert costs a large but
+  finite amount instead of infinity. Jensen-Shannon is bounded by ln 2 without smoothing, so
+  `js_divergence` smooths nothing unless asked.
+- An empty window (no tokens at all) has no distribution: those functions return NaN, which a
+  rule treats as "no data" (never fires, never resolves on it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_SMOOTHING = 0.5
+CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
+
+
+def _as_load(load: np.ndarray | list[float]) -> np.ndarray:
+    arr = np.asarray(load, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"an expert load must be a non-empty 1-D vector, got shape {arr.shape}")
+    if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+        raise ValueError("an expert load must hold finite, non-negative token counts")
+    return arr
+
+
+def load_distribution(load: np.ndarray | list[float], alpha: float = 0.0) -> np.ndarray:
+    """Return the load as a probability vector after adding `alpha` to every expert.
+
+    Returns an all-NaN vector when the load (plus smoothing) sums to zero.
+    """
+    arr = _as_load(load) + alpha
+    total = arr.sum()
+    if total <= 0:
+        return np.full(arr.shape, np.nan)
+    return arr / total
+
+
+def uniform_load(num_experts: int) -> np.ndarray:
+    """Return the load vector of a perfectly balanced router (one token per expert)."""
+    if num_experts < 1:
+        raise ValueError("num_experts must be at least 1")
+    return np.ones(num_experts, dtype=np.float64)
+
+
+def kl_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = DEFAULT_SMOOTHING) -> float:
+    """Return KL(load || reference) in nats, both smoothed by `alpha` pseudo-tokens per expert.
+
+    Raises ValueError when the two vectors differ in length. NaN when either load is empty and
+    `alpha` is 0.
+    """
+    p = load_distribution(load, alpha)
+    q = load_distribution(reference, alpha)
+    if p.shape != q.shape:
+        raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
+    if np.isnan(p).any() or np.isnan(q).any():
+        return float("nan")
+    mask = p > 0
+    if np.any(q[mask] == 0):
+        return float("inf")
+    return float(np.sum(p[mask] * np.log(p[mask] / q[mask])))
+
+
+def js_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = 0.0) -> float:
+    """Return the Jensen-Shannon divergence (nats, in [0, ln 2]) between two loads.
+
+    This is the divergence itself, the square of scipy's `jensenshannon` distance.
+    """
+    p = load_distribution(load, alpha)
+    q = load_distribution(reference, alpha)
+    if p.shape != q.shape:
+        raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
+    if np.isnan(p).any() or np.isnan(q).any():
+        return float("nan")
+    m = 0.5 * (p + q)
+
+    def _kl(a: np.ndarray) -> float:
+        mask = a > 0
+        return float(np.sum(a[mask] * np.log(a[mask] / m[mask])))
+
+    return max(0.0, 0.5 * _kl(p) + 0.5 * _kl(q))
+
+
+def coefficient_of_variation(load: np.ndarray) -> float:
+    """Return std/mean of the load (population std, ddof=0); NaN for an empty load."""
+    arr = _as_load(load)
+    mean = arr.mean()
+    return float(arr.std() / mean) if mean > 0 else float("nan")
+
+
+def max_mean_ratio(load: np.ndarray) -> float:
+    """Return max/mean load: 1.0 is perfect balance; this is MaxVio + 1. NaN for an empty load."""
+    arr = _as_load(load)
+    mean = arr.mean()
+    return float(arr.max() / mean) if mean > 0 else float("nan")
+
+
+def balancedness(load: np.ndarray) -> float:
+    """Return mean/max load in (0, 1], as SGLang and vLLM report expert balancedness."""
+    arr = _as_load(load)
+    peak = arr.max()
+    return float(arr.mean() / peak) if peak > 0 else float("nan")
+
+
+def normalized_entropy(entropy_nats: float, num_choices: int) -> float:
+    """Return an entropy in nats divided by ln(num_choices), i.e. in [0, 1].
+
+    A router that spreads its probability evenly over all experts scores 1; one that always puts
+    all of it on a single expert scores 0. With one choice the entropy is 0 by definition.
+    """
+    if num_choices < 1:
+        raise ValueError("num_choices must be at least 1")
+    if num_choices == 1:
+        return 0.0
+    return float(entropy_nats) / math.log(num_choices)
+
+
+def load_entropy(load: np.ndarray) -> float:
+    """Return the normalised entropy of the load distribution itself."""
+    p = load_distribution(load)
+    if np.isnan(p).any():
+        return float("nan")
+    nz = p[p > 0]
+    return normalized_entropy(float(-np.sum(nz * np.log(nz))), p.size)
+
+
+def dead_expert_fraction(load: np.ndarray) -> float:
+    """Return the fraction of experts that received no token in the window's summed load.
+
+    NaN when the window holds no token at all: then nothing can be called dead.
+    """
+    arr = _as_load(load)
+    if arr.sum() <= 0:
+        return float("nan")
+    return float(np.count_nonzero(arr == 0) / arr.size)
+
+
+def dropped_token_rate(dropped_tokens: float, tokens: float) -> float:
+    """Return dropped/processed tokens; NaN when no token was processed."""
+    if tokens < 0 or dropped_tokens < 0:
+        raise ValueError("token counts must be non-negative")
+    return float(dropped_tokens) / float(tokens) if tokens > 0 else float("nan")
+
+
+def _adjacent_pairs(top1: np.ndarray, sequence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return (previous, next) top-1 experts of tokens adjacent in the same sequence."""
+    top1 = np.asarray(top1)
+    sequence = np.asarray(sequence)
+    position = np.asarray(position)
+    if not (top1.shape == sequence.shape == position.shape) or top1.ndim != 1:
+        raise ValueError("top1, sequence and position must be 1-D arrays of one length")
+    order = np.lexsort((position, sequence))
+    e, s, p = top1[order], sequence[order], position[order]
+    adjacent = (s[1:] == s[:-1]) & (p[1:] == p[:-1] + 1)
+    return e[:-1][adjacent], e[1:][adjacent]
+
+
+def routing_drift_rate(top1: np.ndarray, sequence: np.ndarray, position: np.ndarray) -> float:
+    """Return how often the top-1 expert changes between adjacent tokens, per 1000 token pairs.
+
+    `sequence` identifies a sequence (callers combine step and batch row into one key); two
+    tokens are adjacent when they share a sequence and their positions differ by one. NaN when
+    there is no adjacent pair.
+    """
+    prev, nxt = _adjacent_pairs(top1, sequence, position)
+    if prev.size == 0:
+        return float("nan")
+    return float(np.count_nonzero(prev != nxt) * 1000.0 / prev.size)
+
+
+def switch_entropy(
+    top1: np.ndarray, sequence: np.ndarray, position: np.ndarray, num_experts: int, last_n: int | None = None
+) -> float:
+    """Return the normalised entropy of expert-to-expert transitions over the last `last_n` tokens.
+
+    Tokens are taken in the order given (callers pass them in recording order); of the last
+    `last_n`, each adjacent pair in a sequence is a transition (a -> b), including a == b. The
+    Shannon entropy of the transition frequencies is divided by ln(num_experts**2). Near 0: the
+    router follows a few fixed paths; near 1: every transition is as likely as any other.
+    NaN when there is no adjacent pair.
+    """
+    top1 = np.asarray(top1)
+    if last_n is not None:
+        if last_n < 2:
+            raise ValueError("last_n must be at least 2 tokens")
+        top1, sequence, position = top1[-last_n:], np.asarray(sequence)[-last_n:], np.asarray(position)[-last_n:]
+    prev, nxt = _adjacent_pairs(top1, sequence, position)
+    if prev.size == 0:
+        return float("nan")
+    codes = prev.astype(np.int64) * num_experts + nxt.astype(np.int64)
+    counts = np.unique(codes, return_counts=True)[1].astype(np.float64)
+    p = counts / counts.sum()
+    return normalized_entropy(float(-np.sum(p * np.log(p))), num_experts * num_experts)
+
+
+@dataclass(frozen=True)
+class WhatIfCapacity:
+    """Drops that a capacity limit of `capacity` slots per expert would have caused."""
+
+    capacity_factor: float
+    capacity: int
+    dropped_tokens: int  # tokens whose every slot would be dropped
+    dropped_assignments: int  # (token, slot) pairs over capacity
+    tokens: int
+
+    @property
+    def dropped_token_rate(self) -> float:
+        return self.dropped_tokens / self.tokens if self.tokens else float("nan")
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Return ceil(capacity_factor * tokens * top_k / num_experts), the GShard/Switch capacity."""
+    return int(math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def whatif_capacity(
+    expert_ids: np.ndarray, num_experts: int, capacity_factors: tuple[float, ...] = CAPACITY_FACTORS
+) -> dict[float, WhatIfCapacity]:
+    """Return, per capacity factor, the drops the observed routes of one forward would have had.
+
+    `expert_ids` is the (tokens, k) choice of one forward. Slots are admitted in priority order
+    as GShard does it: every token's first choice before any second choice, tokens in batch
+    order within a slot; an expert admits `expert_capacity(...)` slots and drops the rest.
+    """
+    ids = np.asarray(expert_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"expert_ids must be (tokens, k), got shape {ids.shape}")
+    tokens, top_k = ids.shape
+    flat = ids.T.reshape(-1).astype(np.int64)  # slot-major priority order
+    # rank of each assignment among the earlier assignments to the same expert
+    order = np.argsort(flat, kind="stable")
+    sorted_ids = flat[order]
+    starts = np.searchsorted(sorted_ids, sorted_ids, side="left")
+    rank = np.empty_like(flat)
+    rank[order] = np.arange(flat.size) - starts
+    out: dict[float, WhatIfCapacity] = {}
+    for cf in capacity_factors:
+        cap = expert_capacity(tokens, top_k, num_experts, cf)
+        kept = (rank < cap).reshape(top_k, tokens).T
+        out[cf] = WhatIfCapacity(
+            capacity_factor=cf,
+            capacity=cap,
+            dropped_tokens=int(np.count_nonzero(~kept.any(axis=1))),
+            dropped_assignments=int(np.count_nonzero(~kept)),
+            tokens=tokens,
+        )
+    return out

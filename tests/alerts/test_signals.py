@@ -1,0 +1,160 @@
+"""Each signal against an independent oracle: scipy, numpy, or a brute-force loop."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy import stats
+from scipy.spatial.distance import jensenshannon
+
+from alerts import signals as sig
+
+RNG = np.random.default_rng(1234)
+LOADS = [
+    np.array([10, 0, 3, 7, 0, 1, 40, 2]),
+    RNG.integers(0, 100, size=16),
+    np.array([5, 5, 5, 5]),
+    np.array([0, 0, 9, 0]),
+]
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_kl_matches_scipy_with_stated_smoothing(load, alpha):
+    ref = RNG.integers(0, 50, size=load.size)
+    p = (load + alpha) / (load + alpha).sum()
+    q = (ref + alpha) / (ref + alpha).sum()
+    assert sig.kl_divergence(load, ref, alpha=alpha) == pytest.approx(stats.entropy(p, q), rel=1e-12)
+    u = np.full(load.size, 1.0 / load.size)  # smoothing a uniform load leaves it uniform
+    assert sig.kl_divergence(load, sig.uniform_load(load.size), alpha=alpha) == pytest.approx(
+        stats.entropy(p, u), rel=1e-12
+    )
+
+
+def test_kl_of_identical_loads_is_zero_and_empty_expert_is_finite():
+    load = np.array([3, 0, 5])
+    assert sig.kl_divergence(load, load) == pytest.approx(0.0, abs=1e-15)
+    assert math.isfinite(sig.kl_divergence(np.array([0, 10]), np.array([10, 0])))
+    assert math.isinf(sig.kl_divergence(np.array([0, 10]), np.array([10, 0]), alpha=0.0))
+    assert math.isnan(sig.kl_divergence(np.array([0, 0]), np.array([1, 1]), alpha=0.0))
+    with pytest.raises(ValueError, match="differ in number of experts"):
+        sig.kl_divergence(np.array([1, 2]), np.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_js_matches_scipy(load):
+    ref = RNG.integers(0, 50, size=load.size)
+    expected = jensenshannon(load / load.sum(), ref / ref.sum()) ** 2
+    assert sig.js_divergence(load, ref) == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert sig.js_divergence(load, ref) <= math.log(2) + 1e-12
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_cv_max_mean_balancedness_against_numpy(load):
+    assert sig.coefficient_of_variation(load) == pytest.approx(stats.variation(load), rel=1e-12)
+    mean = sum(load) / len(load)
+    assert sig.max_mean_ratio(load) == pytest.approx(max(load) / mean, rel=1e-12)
+    assert sig.balancedness(load) == pytest.approx(mean / max(load), rel=1e-12)
+    assert math.isnan(sig.max_mean_ratio(np.zeros(4)))
+
+
+def test_normalized_entropy_against_scipy():
+    probs = RNG.dirichlet(np.ones(8), size=50)
+    ent = stats.entropy(probs, axis=1).mean()
+    assert sig.normalized_entropy(ent, 8) == pytest.approx(ent / math.log(8))
+    assert sig.normalized_entropy(math.log(8), 8) == pytest.approx(1.0)
+    assert sig.normalized_entropy(0.0, 1) == 0.0
+    load = np.array([4, 0, 4, 8])
+    assert sig.load_entropy(load) == pytest.approx(stats.entropy(load / 16) / math.log(4))
+
+
+def test_dead_expert_fraction_and_dropped_rate_by_counting():
+    load = np.array([0, 3, 0, 0, 1])
+    assert sig.dead_expert_fraction(load) == sum(1 for x in load if x == 0) / 5
+    assert math.isnan(sig.dead_expert_fraction(np.zeros(3)))
+    assert sig.dropped_token_rate(3, 200) == 0.015
+    assert math.isnan(sig.dropped_token_rate(0, 0))
+
+
+def _random_routes(n_seq=5, seq_len=40, experts=6):
+    top1, seq, pos = [], [], []
+    for s in range(n_seq):
+        for p in range(seq_len):
+            # sticky routing: often keep the previous expert
+            top1.append(top1[-1] if p and RNG.random() < 0.6 else int(RNG.integers(experts)))
+            seq.append(s)
+            pos.append(p)
+    perm = RNG.permutation(len(top1))  # order must not matter to the drift rate
+    return np.array(top1)[perm], np.array(seq)[perm], np.array(pos)[perm], experts
+
+
+def test_routing_drift_rate_against_loop():
+    top1, seq, pos, _ = _random_routes()
+    by_key = {(s, p): e for e, s, p in zip(top1, seq, pos)}
+    changes = pairs = 0
+    for (s, p), e in by_key.items():
+        if (s, p + 1) in by_key:
+            pairs += 1
+            changes += by_key[(s, p + 1)] != e
+    assert sig.routing_drift_rate(top1, seq, pos) == pytest.approx(changes * 1000 / pairs)
+    # a gap in positions is not an adjacency
+    assert math.isnan(sig.routing_drift_rate(np.array([1, 2]), np.array([0, 0]), np.array([0, 2])))
+    assert sig.routing_drift_rate(np.array([1, 2, 2]), np.array([0, 0, 0]), np.array([0, 1, 2])) == 500
+
+
+def test_switch_entropy_against_loop():
+    top1, seq, pos, experts = _random_routes()
+    order = np.lexsort((pos, seq))
+    top1, seq, pos = top1[order], seq[order], pos[order]
+    last_n = 100
+    t, s, p = top1[-last_n:], seq[-last_n:], pos[-last_n:]
+    counts = Counter()
+    for i in range(len(t) - 1):
+        if s[i] == s[i + 1] and p[i + 1] == p[i] + 1:
+            counts[(t[i], t[i + 1])] += 1
+    total = sum(counts.values())
+    h = -sum(c / total * math.log(c / total) for c in counts.values())
+    assert sig.switch_entropy(top1, seq, pos, experts, last_n=last_n) == pytest.approx(h / math.log(experts**2))
+
+
+def _whatif_loop(ids, experts, cf):
+    tokens, k = ids.shape
+    cap = math.ceil(cf * tokens * k / experts)
+    used = [0] * experts
+    kept = [[False] * k for _ in range(tokens)]
+    for slot in range(k):
+        for t in range(tokens):
+            e = ids[t, slot]
+            if used[e] < cap:
+                used[e] += 1
+                kept[t][slot] = True
+    dropped_tokens = sum(1 for row in kept if not any(row))
+    dropped_assign = sum(1 for row in kept for x in row if not x)
+    return cap, dropped_tokens, dropped_assign
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_whatif_capacity_against_loop(k):
+    experts, tokens = 8, 300
+    # skewed routes: expert 0 is hot
+    probs = np.array([0.4] + [0.6 / (experts - 1)] * (experts - 1))
+    ids = np.stack([RNG.choice(experts, size=k, replace=False, p=probs) for _ in range(tokens)]).astype(np.int32)
+    result = sig.whatif_capacity(ids, experts)
+    assert set(result) == set(sig.CAPACITY_FACTORS)
+    for cf, got in result.items():
+        cap, dt, da = _whatif_loop(ids, experts, cf)
+        assert (got.capacity, got.dropped_tokens, got.dropped_assignments) == (cap, dt, da)
+        assert got.dropped_token_rate == dt / tokens
+    assert result[1.0].dropped_assignments > 0  # the hot expert overflows at cf 1.0
+    rates = [result[cf].dropped_assignments for cf in sig.CAPACITY_FACTORS]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_bad_loads_are_rejected():
+    with pytest.raises(ValueError, match="non-negative"):
+        sig.max_mean_ratio(np.array([1, -1]))
+    with pytest.raises(ValueError, match="1-D"):
+        sig.coefficient_of_variation(np.zeros((2, 2)))
