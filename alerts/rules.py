@@ -1,0 +1,417 @@
+"""Alert rules: the rules file, its validation, and the condition each rule tests.
+
+A rules file is YAML (`.yaml`/`.yml`) or TOML (`.toml`). Every error names the file, the line
+and the field, and says what would be accepted, e.g.::
+
+    rules.yaml:14: rules[2].expr: unknown signal 'load_maxmean'; known signals: ...
+
+The shape (YAML shown; TOML uses `[defaults]`, `[baseline]` and `[[rules]]`)::
+
+    version: 1
+    defaults: {window: 32, for: 2m, cooldown: 5m, severity: warning}
+    baseline: {first_steps: 32}        # or {run_id: "golden-run", first_steps: 200}
+    rules:
+      - name: ExpertLoadSkew
+        expr: load_max_mean > 2.0      # conditions joined by `and`
+        window: 32                     # steps, or a duration such as 10m
+        for: 2m                        # how long the condition must hold before firing
+        cooldown: 5m                   # how long it must be false before the alert resolves
+        severity: warning              # info | warning | critical
+        labels: {team: training}
+        annotations: {summary: "...", runbook_url: "https://..."}
+
+`alerts/default_rules.yaml` is the default rule pack; each rule there says why its threshold is
+what it is.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Callable
+
+import yaml
+
+# signal name -> what it measures; the engine computes exactly these (alerts.window)
+SIGNALS: dict[str, str] = {
+    "load_cv": "coefficient of variation of tokens per expert over the window",
+    "load_max_mean": "max/mean tokens per expert over the window (MaxVio + 1)",
+    "load_balancedness": "mean/max tokens per expert over the window (SGLang/vLLM balancedness)",
+    "load_entropy": "normalised entropy of the window's load distribution",
+    "kl_uniform": "KL(load || uniform) in nats, 0.5-token smoothing",
+    "js_uniform": "Jensen-Shannon divergence of the load against uniform, nats",
+    "kl_baseline": "KL(load || baseline load) in nats, 0.5-token smoothing",
+    "js_baseline": "Jensen-Shannon divergence of the load against the baseline, nats",
+    "router_entropy": "mean per-token router entropy / ln(experts), averaged over the window",
+    "dead_expert_fraction": "fraction of experts with no token over the window",
+    "dropped_token_rate": "dropped tokens / tokens over the window",
+    "capacity_use": "fullest expert's load / capacity, averaged over the window",
+    "active_param_fraction": "this layer's routed-expert parameters used per token / model parameters",
+    "routing_drift_rate": "top-1 expert changes between adjacent tokens, per 1000 pairs (needs routes)",
+    "switch_entropy": "normalised entropy of top-1 transitions over the last 1024 routed tokens",
+    "whatif_drop_rate_cf1": "dropped-token rate the routes would have had at capacity factor 1.0",
+    "whatif_drop_rate_cf1_25": "same at capacity factor 1.25",
+    "whatif_drop_rate_cf1_5": "same at capacity factor 1.5",
+    "whatif_drop_rate_cf2": "same at capacity factor 2.0",
+}
+
+OPERATORS: dict[str, Callable[[float, float], bool]] = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+}
+SEVERITIES = ("info", "warning", "critical")
+# labels the engine sets itself; a rule may not override them
+RESERVED_LABELS = ("alertname", "severity", "run_id", "layer")
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_TOP_KEYS = {"version", "defaults", "baseline", "rules"}
+_DEFAULT_KEYS = {"window", "for", "cooldown", "severity"}
+_BASELINE_KEYS = {"run_id", "first_steps"}
+_RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels", "annotations"}
+
+
+class RulesError(ValueError):
+    """A rules file that cannot be used; the message names file, line and field."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    signal: str
+    op: str
+    threshold: float
+
+    def holds(self, value: float) -> bool | None:
+        """Return whether value meets the condition; None when the value is NaN (no data)."""
+        if value is None or math.isnan(value):
+            return None
+        return OPERATORS[self.op](value, self.threshold)
+
+    def __str__(self) -> str:
+        return f"{self.signal} {self.op} {self.threshold:g}"
+
+
+@dataclass(frozen=True)
+class Window:
+    """The steps a rule looks at: the last `steps` steps, or the steps of the last `seconds`."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    def key(self) -> tuple:
+        return (self.steps, self.seconds)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    expr: str
+    conditions: tuple[Condition, ...]
+    window: Window
+    for_s: float
+    cooldown_s: float
+    severity: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    line: int | None = None
+
+    @property
+    def signals(self) -> tuple[str, ...]:
+        return tuple(c.signal for c in self.conditions)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Where the baseline load comes from: another run, or the run's own first steps."""
+
+    run_id: str | None = None
+    first_steps: int = 32
+
+
+@dataclass(frozen=True)
+class RulePack:
+    rules: tuple[Rule, ...]
+    baseline: Baseline
+    source: str
+
+    def max_window_steps(self) -> int:
+        return max((r.window.steps or 0 for r in self.rules), default=0)
+
+
+def parse_duration(value: Any) -> float:
+    """Return seconds for `90`, `"30s"`, `"5m"`, `"1h30m"`, `"250ms"`; raise ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be a number of seconds or a string like '5m'")
+    if isinstance(value, (int, float)):
+        if value < 0 or not math.isfinite(value):
+            raise ValueError("a duration must be a finite, non-negative number of seconds")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "0":
+            return 0.0
+        pos, total = 0, 0.0
+        for m in _DURATION_RE.finditer(text):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _UNITS[m.group(2)]
+            pos = m.end()
+        if text and pos == len(text):
+            return total
+    raise ValueError(f"{value!r} is not a duration; write seconds (90) or units such as 30s, 5m, 1h30m")
+
+
+def parse_expr(expr: str) -> tuple[Condition, ...]:
+    """Return the conditions of `signal op number [and signal op number ...]`; raise ValueError."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise ValueError("expr must be a string such as 'load_max_mean > 2.0'")
+    conditions = []
+    for part in re.split(r"\s+and\s+", expr.strip()):
+        m = _COND_RE.match(part)
+        if not m:
+            raise ValueError(
+                f"cannot read {part!r}; write '<signal> <op> <number>' with op one of "
+                f"{', '.join(OPERATORS)}, conditions joined by 'and'"
+            )
+        signal, op, number = m.groups()
+        if signal not in SIGNALS:
+            raise ValueError(f"unknown signal {signal!r}; known signals: {', '.join(SIGNALS)}")
+        conditions.append(Condition(signal, op, float(number)))
+    return tuple(conditions)
+
+
+# ---- reading files with line numbers -------------------------------------------------------
+
+Path = tuple  # a path into the document: ("rules", 2, "expr")
+
+
+def _yaml_lines(text: str) -> dict[Path, int]:
+    """Map every key and item path of a YAML document to its 1-based line."""
+    lines: dict[Path, int] = {}
+
+    def walk(node: yaml.Node, path: Path) -> None:
+        lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = key_node.value
+                walk(value_node, path + (key,))
+                lines[path + (key,)] = key_node.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _toml_lines(text: str) -> dict[Path, int]:
+    """Map top-level keys, tables and `[[rules]]` keys of a TOML document to their lines.
+
+    tomllib keeps no positions, so this reads the text line by line; it handles the layouts
+    this module documents (one key per line), which is what error messages need.
+    """
+    lines: dict[Path, int] = {}
+    section: Path = ()
+    rule_index = -1
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if line.startswith("[["):
+            name = line.strip("[] ")
+            if name == "rules":
+                rule_index += 1
+                section = ("rules", rule_index)
+                lines.setdefault(("rules",), number)
+            else:
+                section = (name,)
+            lines.setdefault(section, number)
+        elif line.startswith("["):
+            name = line.strip("[] ")
+            parts = tuple(name.split("."))
+            if parts[0] == "rules" and rule_index >= 0:
+                section = ("rules", rule_index) + parts[1:]
+            else:
+                section = parts
+            lines.setdefault(section, number)
+        elif "=" in line and not line.startswith("#"):
+            key = line.split("=", 1)[0].strip().strip('"')
+            lines.setdefault(section + (key,), number)
+    return lines
+
+
+class _Reader:
+    """Validates a parsed document, raising RulesError with file:line: field."""
+
+    def __init__(self, source: str, lines: dict[Path, int]):
+        self.source = source
+        self.lines = lines
+
+    def fail(self, path: Path, message: str) -> RulesError:
+        line = None
+        for cut in range(len(path), -1, -1):
+            line = self.lines.get(path[:cut])
+            if line is not None:
+                break
+        field_name = ""
+        for part in path:
+            field_name += f"[{part}]" if isinstance(part, int) else (f".{part}" if field_name else part)
+        where = f"{self.source}:{line}" if line is not None else self.source
+        return RulesError(f"{where}: {field_name or '(top level)'}: {message}")
+
+    def mapping(self, value: Any, path: Path, allowed: set[str]) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping, got {type(value).__name__}")
+        for key in value:
+            if key not in allowed:
+                raise self.fail(path + (key,), f"unknown field; allowed fields: {', '.join(sorted(allowed))}")
+        return value
+
+    def duration(self, value: Any, path: Path) -> float:
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise self.fail(path, str(exc)) from None
+
+    def window(self, value: Any, path: Path) -> Window:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise self.fail(path, "a window of steps must be at least 1")
+            return Window(steps=value)
+        seconds = self.duration(value, path)
+        if seconds <= 0:
+            raise self.fail(path, "a window must be a positive number of steps (32) or a duration (10m)")
+        return Window(seconds=seconds)
+
+    def severity(self, value: Any, path: Path) -> str:
+        if value not in SEVERITIES:
+            raise self.fail(path, f"{value!r} is not a severity; use one of {', '.join(SEVERITIES)}")
+        return value
+
+    def string_map(self, value: Any, path: Path, reserved: tuple[str, ...] = ()) -> dict[str, str]:
+        if not isinstance(value, dict):
+            raise self.fail(path, "must be a mapping of names to strings")
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or not _LABEL_RE.match(key) or key.startswith("__"):
+                raise self.fail(path + (key,), "names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with __")
+            if key in reserved:
+                raise self.fail(path + (key,), f"{key!r} is set by moescope and cannot be overridden")
+            if not isinstance(item, (str, int, float)) or isinstance(item, bool):
+                raise self.fail(path + (key,), "values must be strings")
+            out[key] = str(item)
+        return out
+
+
+def _build(doc: Any, reader: _Reader) -> RulePack:
+    doc = reader.mapping(doc if doc is not None else {}, (), _TOP_KEYS)
+    version = doc.get("version", 1)
+    if version != 1:
+        raise reader.fail(("version",), f"unsupported version {version!r}; this moescope reads version 1")
+    defaults_doc = reader.mapping(doc.get("defaults", {}), ("defaults",), _DEFAULT_KEYS)
+    default_window = reader.window(defaults_doc.get("window", 32), ("defaults", "window"))
+    default_for = reader.duration(defaults_doc.get("for", "1m"), ("defaults", "for"))
+    default_cooldown = reader.duration(defaults_doc.get("cooldown", "5m"), ("defaults", "cooldown"))
+    default_severity = reader.severity(defaults_doc.get("severity", "warning"), ("defaults", "severity"))
+
+    base_doc = reader.mapping(doc.get("baseline", {}), ("baseline",), _BASELINE_KEYS)
+    run_id = base_doc.get("run_id")
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise reader.fail(("baseline", "run_id"), "must be the run_id of a recorded run, as a string")
+    first_steps = base_doc.get("first_steps", 32)
+    if not isinstance(first_steps, int) or isinstance(first_steps, bool) or first_steps < 1:
+        raise reader.fail(("baseline", "first_steps"), "must be a whole number of steps, at least 1")
+
+    rules_doc = doc.get("rules")
+    if not isinstance(rules_doc, list) or not rules_doc:
+        raise reader.fail(("rules",), "must be a non-empty list of rules")
+    rules: list[Rule] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(rules_doc):
+        path = ("rules", i)
+        item = reader.mapping(item, path, _RULE_KEYS)
+        for required in ("name", "expr"):
+            if required not in item:
+                raise reader.fail(path, f"missing required field {required!r}")
+        name = item["name"]
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise reader.fail(path + ("name",), "must be an identifier such as ExpertLoadSkew ([A-Za-z_][A-Za-z0-9_]*)")
+        if name in seen:
+            raise reader.fail(path + ("name",), f"duplicate rule name {name!r} (first used by rules[{seen[name]}])")
+        seen[name] = i
+        try:
+            conditions = parse_expr(item["expr"])
+        except ValueError as exc:
+            raise reader.fail(path + ("expr",), str(exc)) from None
+        rules.append(
+            Rule(
+                name=name,
+                expr=item["expr"].strip(),
+                conditions=conditions,
+                window=reader.window(item["window"], path + ("window",)) if "window" in item else default_window,
+                for_s=reader.duration(item["for"], path + ("for",)) if "for" in item else default_for,
+                cooldown_s=(
+                    reader.duration(item["cooldown"], path + ("cooldown",)) if "cooldown" in item else default_cooldown
+                ),
+                severity=reader.severity(item["severity"], path + ("severity",)) if "severity" in item else default_severity,
+                labels=reader.string_map(item.get("labels", {}), path + ("labels",), RESERVED_LABELS),
+                annotations=reader.string_map(item.get("annotations", {}), path + ("annotations",)),
+                line=reader.lines.get(path),
+            )
+        )
+    return RulePack(rules=tuple(rules), baseline=Baseline(run_id=run_id, first_steps=first_steps), source=reader.source)
+
+
+def parse_rules(text: str, source: str = "<rules>", fmt: str = "yaml") -> RulePack:
+    """Return the rule pack in `text` (fmt 'yaml' or 'toml'); raise RulesError naming source:line: field."""
+    if fmt == "toml":
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise RulesError(f"{source}: not valid TOML: {exc}") from None
+        return _build(doc, _Reader(source, _toml_lines(text)))
+    if fmt != "yaml":
+        raise RulesError(f"{source}: unknown rules format {fmt!r}; use .yaml, .yml or .toml")
+    try:
+        doc = yaml.safe_load(text)
+        lines = _yaml_lines(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        raise RulesError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    return _build(doc, _Reader(source, lines))
+
+
+def load_rules(path: str | os.PathLike) -> RulePack:
+    """Return the rule pack in the file at `path`; raise RulesError (or FileNotFoundError)."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    fmt = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(ext)
+    if fmt is None:
+        raise RulesError(f"{path}: rules files end in .yaml, .yml or .toml")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise RulesError(f"{path}: no such rules file; `moescope alerts run --help` shows an example") from None
+    return parse_rules(text, source=path, fmt=fmt)
+
+
+def default_rules_text() -> str:
+    return resources.files("alerts").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+
+
+def default_rules() -> RulePack:
+    """Return the default rule pack shipped in alerts/default_rules.yaml."""
+    return parse_rules(default_rules_text(), source="alerts/default_rules.yaml")

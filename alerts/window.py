@@ -1,0 +1,183 @@
+"""Windows of recent layer steps, and the rule signals computed over them.
+
+The rules engine (over the store or the live stream) and the Prometheus exporter both keep a
+bounded history of `LayerObservation`s per (run, layer) and call `compute_signals` on a slice
+of it, so the numbers an alert fires on are the numbers `/metrics` shows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from alerts import signals as sig
+from alerts.rules import SIGNALS, Window
+from probe.records import LayerStep, StepRecord
+
+SWITCH_ENTROPY_TOKENS = 1024
+_WHATIF = {
+    "whatif_drop_rate_cf1": 1.0,
+    "whatif_drop_rate_cf1_25": 1.25,
+    "whatif_drop_rate_cf1_5": 1.5,
+    "whatif_drop_rate_cf2": 2.0,
+}
+
+
+@dataclass
+class LayerObservation:
+    """One layer in one step, reduced to what the signals need."""
+
+    run_id: str
+    layer: int
+    step: int
+    ts: dt.datetime
+    tokens: int
+    expert_load: np.ndarray  # (experts,) int64
+    router_entropy_mean: float  # nats
+    dropped_tokens: int
+    capacity_use: float | None
+    active_param_fraction: float | None
+    expert_ids: np.ndarray | None = None  # (tokens, k) routes, where recorded
+    sequence: np.ndarray | None = None  # (tokens,) batch row
+    position: np.ndarray | None = None  # (tokens,)
+
+    @classmethod
+    def from_layer_step(cls, record: StepRecord, layer: LayerStep) -> LayerObservation:
+        routes = layer.routes
+        return cls(
+            run_id=record.run_id,
+            layer=layer.layer,
+            step=record.step,
+            ts=record.ts,
+            tokens=int(layer.tokens),
+            expert_load=np.asarray(layer.expert_load, dtype=np.int64),
+            router_entropy_mean=float(layer.router_entropy_mean),
+            dropped_tokens=int(layer.dropped_tokens),
+            capacity_use=None if layer.capacity_use is None else float(layer.capacity_use),
+            active_param_fraction=(
+                float(layer.active_params_per_token) / record.total_params if record.total_params else None
+            ),
+            expert_ids=None if routes is None else np.asarray(routes.expert_ids),
+            sequence=None if routes is None else np.asarray(routes.sequence),
+            position=None if routes is None else np.asarray(routes.position),
+        )
+
+
+def observations_from_record(record: StepRecord) -> list[LayerObservation]:
+    return [LayerObservation.from_layer_step(record, layer) for layer in record.layers]
+
+
+class LayerHistory:
+    """The last `max_steps` observations of one (run, layer), oldest first."""
+
+    def __init__(self, max_steps: int):
+        self.items: deque[LayerObservation] = deque(maxlen=max(1, max_steps))
+
+    def append(self, obs: LayerObservation) -> None:
+        self.items.append(obs)
+
+    def window(self, window: Window) -> list[LayerObservation]:
+        """Return the observations a rule's window covers, ending at the latest one."""
+        items = list(self.items)
+        if not items:
+            return []
+        if window.steps is not None:
+            return items[-window.steps :]
+        start = items[-1].ts - dt.timedelta(seconds=window.seconds or 0)
+        return [o for o in items if o.ts > start]
+
+
+def summed_load(observations: Sequence[LayerObservation]) -> np.ndarray:
+    return np.sum([o.expert_load for o in observations], axis=0).astype(np.int64)
+
+
+def _nanmean(values: Iterable[float | None]) -> float:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.mean(kept)) if kept else float("nan")
+
+
+def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Return (top1, sequence key, position) over the window in recording order, or None."""
+    parts = [o for o in observations if o.expert_ids is not None and len(o.expert_ids)]
+    if not parts:
+        return None
+    top1 = np.concatenate([o.expert_ids[:, 0] for o in parts]).astype(np.int64)
+    # a sequence is a batch row of one step: tokens of different steps are never adjacent
+    seq = np.concatenate([o.step * (1 << 20) + o.sequence.astype(np.int64) for o in parts])
+    pos = np.concatenate([o.position.astype(np.int64) for o in parts])
+    return top1, seq, pos
+
+
+def compute_signals(
+    observations: Sequence[LayerObservation],
+    names: Iterable[str] | None = None,
+    baseline_load: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Return {signal: value} over the observations (one layer, oldest first).
+
+    Values are NaN where the window lacks what a signal needs (no tokens, no routes, no
+    capacity, no baseline). `names` limits the work to the signals asked for.
+    """
+    wanted = set(SIGNALS if names is None else names)
+    unknown = wanted - set(SIGNALS)
+    if unknown:
+        raise ValueError(f"unknown signals: {', '.join(sorted(unknown))}")
+    out: dict[str, float] = {name: float("nan") for name in wanted}
+    if not observations:
+        return out
+    load = summed_load(observations)
+    tokens = sum(o.tokens for o in observations)
+    has_load = load.sum() > 0
+    experts = load.size
+    if has_load:
+        uniform = sig.uniform_load(experts)
+        table = {
+            "load_cv": lambda: sig.coefficient_of_variation(load),
+            "load_max_mean": lambda: sig.max_mean_ratio(load),
+            "load_balancedness": lambda: sig.balancedness(load),
+            "load_entropy": lambda: sig.load_entropy(load),
+            "kl_uniform": lambda: sig.kl_divergence(load, uniform),
+            "js_uniform": lambda: sig.js_divergence(load, uniform),
+            "dead_expert_fraction": lambda: sig.dead_expert_fraction(load),
+        }
+        if baseline_load is not None and np.size(baseline_load) == experts and np.sum(baseline_load) > 0:
+            table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
+            table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
+        for name, fn in table.items():
+            if name in wanted:
+                out[name] = fn()
+    if "router_entropy" in wanted:
+        out["router_entropy"] = _nanmean(sig.normalized_entropy(o.router_entropy_mean, experts) for o in observations)
+    if "dropped_token_rate" in wanted and tokens > 0:
+        out["dropped_token_rate"] = sig.dropped_token_rate(sum(o.dropped_tokens for o in observations), tokens)
+    if "capacity_use" in wanted:
+        out["capacity_use"] = _nanmean(o.capacity_use for o in observations)
+    if "active_param_fraction" in wanted:
+        out["active_param_fraction"] = _nanmean(o.active_param_fraction for o in observations)
+    route_names = {"routing_drift_rate", "switch_entropy"} | set(_WHATIF)
+    if wanted & route_names:
+        routes = _routes(observations)
+        if routes is not None:
+            top1, seq, pos = routes
+            if "routing_drift_rate" in wanted:
+                out["routing_drift_rate"] = sig.routing_drift_rate(top1, seq, pos)
+            if "switch_entropy" in wanted:
+                out["switch_entropy"] = sig.switch_entropy(top1, seq, pos, experts, last_n=SWITCH_ENTROPY_TOKENS)
+            asked = [(name, cf) for name, cf in _WHATIF.items() if name in wanted]
+            if asked:
+                dropped = {cf: 0 for _, cf in asked}
+                routed = 0
+                for o in observations:
+                    if o.expert_ids is None or not len(o.expert_ids):
+                        continue
+                    routed += len(o.expert_ids)
+                    for cf, result in sig.whatif_capacity(o.expert_ids, experts, tuple(dropped)).items():
+                        dropped[cf] += result.dropped_tokens
+                for name, cf in asked:
+                    out[name] = dropped[cf] / routed if routed else float("nan")
+    return out
