@@ -85,6 +85,7 @@ class LayerStep:
     capacity: int | None  # slots per expert in this forward, where the router has a capacity
     capacity_use: float | None  # fullest expert's kept load / capacity
     active_params_per_token: float  # routed-expert parameters used, averaged over tokens
+    router_prob_sum: np.ndarray | None = None  # (E,) float64 sum over tokens of softmax(logits)
     coselection: np.ndarray | None = None  # (E, E) int64 tokens choosing both i and j
     routes: Routes | None = None
     router_logits: TokenSample | None = None

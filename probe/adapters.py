@@ -1,0 +1,291 @@
+"""Finding the MoE layers of a model and reading what each router decided.
+
+A `MoELayer` names three modules of one MoE block: the router (whose output holds the logits),
+the experts module (whose inputs hold the final choice: ids and weights after bias correction,
+grouping and normalisation) and the block itself. Families in `transformers` declare their router
+class in `_can_record_outputs["router_logits"]`; most experts modules take
+`(hidden_states, top_k_index, top_k_weights)`, so one generic reading covers them. The few that
+route differently (Switch's capacity mask, Llama4's dense scores) get a small `Choice` reader.
+A user describes a custom MoE module with `MoESpec`.
+
+Sharp edge: readers see the tensors the model really passed, so a family whose experts module
+changes signature in a new `transformers` release fails loudly at attach or in the exactness
+tests, never silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class NoMoELayersError(ValueError):
+    """The model has no MoE layer that the probe recognises."""
+
+
+@dataclass
+class Choice:
+    """The experts each token really went to: ids and weights (tokens, k), and which slots were kept."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor | None = None  # (tokens, k) bool; None means every slot was processed
+
+
+# Readers: router output -> logits (tokens, E); experts call -> Choice; router output -> Choice.
+LogitsReader = Callable[[Any], torch.Tensor]
+ChoiceReader = Callable[[tuple, dict, "torch.Tensor | None"], Choice]
+
+
+@dataclass
+class MoESpec:
+    """How to read a custom MoE module.
+
+    router / experts: attribute names (relative to the MoE block) of the router and experts
+    modules; `match` says which modules are MoE blocks (a class, a predicate or a name suffix).
+    `logits` turns the router's output into (tokens, num_experts) logits; `choice` turns the
+    experts module's (args, kwargs, logits) into a `Choice`, or `router_choice` turns the router's
+    output and logits into one when the experts never see ids.
+    """
+
+    match: type | Callable[[str, nn.Module], bool] | str
+    num_experts: int
+    top_k: int
+    router: str = "gate"
+    experts: str | None = "experts"
+    logits: LogitsReader | None = None
+    choice: ChoiceReader | None = None
+    router_choice: Callable[[Any, torch.Tensor], Choice] | None = None
+    expert_capacity: int | None = None
+    zero_experts: int = 0
+    family: str = "custom"
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        if isinstance(self.match, type):
+            return isinstance(module, self.match)
+        if isinstance(self.match, str):
+            return name == self.match or name.endswith("." + self.match) or type(module).__name__ == self.match
+        return bool(self.match(name, module))
+
+
+@dataclass
+class MoELayer:
+    index: int
+    name: str
+    family: str
+    block: nn.Module
+    router: nn.Module
+    experts: nn.Module | None
+    num_experts: int
+    top_k: int
+    read_logits: LogitsReader
+    read_choice: ChoiceReader | None = None  # from the experts call
+    read_router_choice: Callable[[Any, torch.Tensor], Choice] | None = None  # from the router output
+    expert_capacity: int | None = None
+    zero_experts: int = 0
+    params_per_expert: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# -- readers ---------------------------------------------------------------------------------------
+
+def logits_at(index: int | None) -> LogitsReader:
+    def read(output: Any) -> torch.Tensor:
+        logits = output if index is None or isinstance(output, torch.Tensor) else output[index]
+        return logits.reshape(-1, logits.shape[-1])
+    return read
+
+
+_ID_NAMES = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_indices")
+_WEIGHT_NAMES = ("top_k_weights", "routing_weights", "router_scores", "topk_weights", "expert_weights")
+
+
+def experts_arguments(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (ids, weights) an experts module was called with, by position or by keyword."""
+    ids = next((kwargs[n] for n in _ID_NAMES if n in kwargs), None)
+    weights = next((kwargs[n] for n in _WEIGHT_NAMES if n in kwargs), None)
+    rest = list(args[1:])
+    if ids is None and rest:
+        ids = rest.pop(0)
+    if weights is None and rest:
+        weights = rest.pop(0)
+    if ids is None or weights is None:
+        raise TypeError("experts module was not called with (hidden_states, ids, weights)")
+    return ids, weights
+
+
+def topk_experts_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
+    ids, weights = experts_arguments(args, kwargs)
+    ids = ids.reshape(-1, ids.shape[-1])
+    return Choice(ids=ids, weights=weights.reshape(ids.shape))
+
+
+def switch_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
+    """Switch/NLLB-style: the experts get a one-hot dispatch mask with over-capacity slots zeroed.
+
+    The token's own choice is the router's argmax; the mask tells whether it was kept.
+    """
+    mask, weights = experts_arguments(args, kwargs)
+    mask = mask.reshape(-1, mask.shape[-1])
+    assert logits is not None, "switch routing needs the router logits"
+    ids = logits.argmax(dim=-1, keepdim=True)
+    kept = mask.gather(1, ids) > 0
+    return Choice(ids=ids, weights=weights.reshape(-1, 1).to(torch.float32), kept=kept)
+
+
+def dense_scores_choice(top_k: int) -> Callable[[Any, torch.Tensor], Choice]:
+    """Llama4-style: the router returns dense (tokens, E) scores that scale each expert's input."""
+    def read(output: Any, logits: torch.Tensor) -> Choice:
+        scores = output[0].reshape(-1, logits.shape[-1])
+        ids = torch.topk(logits, top_k, dim=-1).indices
+        return Choice(ids=ids, weights=scores.gather(1, ids))
+    return read
+
+
+# -- discovery -------------------------------------------------------------------------------------
+
+def _router_recorders(model: nn.Module) -> list[tuple[type, int | None]]:
+    """(router class, output index) pairs declared by the model's classes for `router_logits`."""
+    found: list[tuple[type, int | None]] = []
+    seen = set()
+    for module in model.modules():
+        declared = getattr(type(module), "_can_record_outputs", None) or {}
+        recorders = declared.get("router_logits")
+        if recorders is None:
+            continue
+        for recorder in recorders if isinstance(recorders, (list, tuple)) else [recorders]:
+            target = getattr(recorder, "target_class", recorder)
+            index = getattr(recorder, "index", 0)
+            if isinstance(target, type) and target not in seen:
+                seen.add(target)
+                found.append((target, index))
+    return found
+
+
+def _int_attr(objects: Iterable[Any], names: Iterable[str]) -> int | None:
+    for obj in objects:
+        if obj is None:
+            continue
+        for name in names:
+            value = getattr(obj, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _config_of(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) if config is not None else None
+    return text or config
+
+
+def _count_params(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _experts_child(block: nn.Module, router: nn.Module) -> nn.Module | None:
+    experts = getattr(block, "experts", None)
+    if isinstance(experts, nn.Module) and experts is not router:
+        return experts
+    for name, child in block.named_children():
+        if child is not router and "expert" in name and "shared" not in name:
+            return child
+    return None
+
+
+def _parent_map(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    parents: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            parents[id(child)] = (f"{name}.{child_name}" if name else child_name, module)
+    return parents
+
+
+def find_moe_layers(model: nn.Module, specs: Iterable[MoESpec] = (),
+                    select: Callable[[str], bool] | None = None) -> list[MoELayer]:
+    """Every MoE layer of `model`, in module order.
+
+    `specs` describe custom MoE modules and take precedence over what the model declares.
+    `select` filters by the block's qualified name. Raises NoMoELayersError when none is found.
+    """
+    specs = list(specs)
+    config = _config_of(model)
+    family = getattr(config, "model_type", None) or type(model).__name__
+    recorders = _router_recorders(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    parents = _parent_map(model)
+    layers: list[MoELayer] = []
+    claimed: set[int] = set()
+
+    for name, module in model.named_modules():
+        spec = next((s for s in specs if s.matches(name, module)), None)
+        if spec is not None:
+            router = module.get_submodule(spec.router)
+            experts = module.get_submodule(spec.experts) if spec.experts else None
+            layers.append(MoELayer(
+                index=-1, name=name, family=spec.family, block=module, router=router, experts=experts,
+                num_experts=spec.num_experts, top_k=spec.top_k, read_logits=spec.logits or logits_at(None),
+                read_choice=spec.choice or (topk_experts_choice if spec.router_choice is None else None),
+                read_router_choice=spec.router_choice, expert_capacity=spec.expert_capacity,
+                zero_experts=spec.zero_experts))
+            claimed.add(id(router))
+            continue
+        match = next(((cls, idx) for cls, idx in recorders if isinstance(module, cls)), None)
+        if match is None or id(module) in claimed:
+            continue
+        router_name, block = parents.get(id(module), (name, module))
+        block_name = names.get(id(block), name)
+        layers.append(_transformers_layer(block_name, block, module, match[1], family, config))
+
+    if select is not None:
+        layers = [layer for layer in layers if select(layer.name)]
+    if not layers:
+        hint = ("pass a probe.MoESpec describing your MoE module (router and experts attribute names, "
+                "number of experts, k)")
+        raise NoMoELayersError(
+            f"{type(model).__name__} has no MoE layer that moescope recognises: no module is a router "
+            f"declared by the model ({', '.join(c.__name__ for c, _ in recorders) or 'none declared'})"
+            f" and no MoESpec matched. If this is a dense model there is nothing to probe; if it is a "
+            f"custom MoE, {hint}.")
+    for index, layer in enumerate(layers):
+        layer.index = index
+        if layer.experts is not None and layer.num_experts:
+            layer.params_per_expert = _count_params(layer.experts) // layer.num_experts
+    return layers
+
+
+def _transformers_layer(block_name: str, block: nn.Module, router: nn.Module, index: int | None,
+                        family: str, config: Any) -> MoELayer:
+    experts = _experts_child(block, router)
+    num_experts = _int_attr([router, experts, block, config],
+                            ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                             "out_features"])
+    top_k = _int_attr([router, block, config], ["top_k", "num_experts_per_tok", "moe_top_k", "moe_topk"])
+    capacity = getattr(router, "expert_capacity", None)
+    if isinstance(capacity, int) and top_k is None:
+        top_k = 1  # Switch-style top-1 routers carry no k
+    ffn_config = getattr(config, "ffn_config", None)  # DBRX keeps its MoE fields here
+    if num_experts is None or top_k is None:
+        num_experts = num_experts or _int_attr([ffn_config], ["moe_num_experts"])
+        top_k = top_k or _int_attr([ffn_config], ["moe_top_k"])
+    if num_experts is None or top_k is None:
+        raise NoMoELayersError(f"cannot tell the number of experts or k of {block_name}; describe it "
+                               "with a probe.MoESpec")
+    layer = MoELayer(index=-1, name=block_name, family=family, block=block, router=router,
+                     experts=experts, num_experts=num_experts, top_k=top_k, read_logits=logits_at(index),
+                     read_choice=topk_experts_choice)
+    if isinstance(capacity, int):  # Switch-style routers mask over-capacity tokens
+        layer.expert_capacity = capacity
+        layer.top_k = 1
+        layer.read_choice = switch_choice
+    elif experts is None or "hidden_states" in inspect.signature(experts.forward).parameters and len(
+            inspect.signature(experts.forward).parameters) == 1:
+        # Llama4: experts see pre-scaled inputs, never ids; the choice is in the router's output.
+        layer.read_choice = None
+        layer.read_router_choice = dense_scores_choice(top_k)
+    return layer

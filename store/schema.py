@@ -1,0 +1,167 @@
+"""Arrow schemas of every table in a store, and the conversion of probe records into them.
+
+This module is the contract: the Parquet files follow these schemas, `store.Store` reads them,
+and any engine that reads Parquet can read them too. Columns are only ever added, never renamed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from probe.records import RunInfo, StepRecord, TokenSample
+
+TAGS = pa.map_(pa.string(), pa.string())
+TS = pa.timestamp("us", tz="UTC")
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "runs": pa.schema([
+        ("run_id", pa.string()), ("started_at", TS), ("model_class", pa.string()),
+        ("total_params", pa.int64()), ("routed_expert_params", pa.int64()), ("tags", TAGS),
+        ("rank", pa.int32()), ("world_size", pa.int32()),
+    ]),
+    "layers": pa.schema([
+        ("run_id", pa.string()), ("layer", pa.int32()), ("module", pa.string()), ("family", pa.string()),
+        ("num_experts", pa.int32()), ("zero_experts", pa.int32()), ("top_k", pa.int32()),
+        ("params_per_expert", pa.int64()), ("expert_capacity", pa.int64()), ("rank", pa.int32()),
+    ]),
+    "steps": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("ts", TS), ("duration_s", pa.float64()),
+        ("tokens", pa.int64()), ("batch_size", pa.int32()), ("seq_len", pa.int32()),
+        ("active_params", pa.float64()), ("total_params", pa.int64()),
+        ("active_param_fraction", pa.float64()), ("tags", TAGS), ("rank", pa.int32()),
+    ]),
+    "layer_steps": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("ts", TS), ("layer", pa.int32()),
+        ("tokens", pa.int64()), ("expert_load", pa.list_(pa.int64())),
+        ("gate_weight_sum", pa.list_(pa.float64())), ("router_prob_sum", pa.list_(pa.float64())),
+        ("router_entropy_mean", pa.float64()),
+        ("router_entropy_p95", pa.float64()), ("top1_margin_mean", pa.float64()),
+        ("dropped_tokens", pa.int64()), ("dropped_assignments", pa.int64()), ("capacity", pa.int64()),
+        ("capacity_use", pa.float64()), ("active_params_per_token", pa.float64()),
+        ("coselection", pa.list_(pa.int64())), ("tags", TAGS), ("rank", pa.int32()),
+    ]),
+    "routes": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
+        ("sequence", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()),
+        ("expert_ids", pa.list_(pa.int32())), ("gate_weights", pa.list_(pa.float32())),
+        ("kept", pa.list_(pa.bool_())), ("tags", TAGS), ("rank", pa.int32()),
+    ]),
+    "router_logits": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
+        ("token_id", pa.int64()), ("top1_expert", pa.int32()), ("logits", pa.list_(pa.float32())),
+        ("tags", TAGS), ("rank", pa.int32()),
+    ]),
+    "router_inputs": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
+        ("token_id", pa.int64()), ("top1_expert", pa.int32()), ("hidden", pa.list_(pa.float32())),
+        ("tags", TAGS), ("rank", pa.int32()),
+    ]),
+    "kv_cache": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("ts", TS), ("layer", pa.int32()),
+        ("bytes", pa.int64()), ("seq_len", pa.int64()), ("rank", pa.int32()),
+    ]),
+    "probe_stats": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("table_name", pa.string()), ("written_rows", pa.int64()),
+        ("dropped_rows", pa.int64()), ("dropped_records", pa.int64()), ("reason", pa.string()),
+        ("rank", pa.int32()), ("pid", pa.int64()),
+    ]),
+}
+
+TABLES = tuple(SCHEMAS)
+
+
+def _tags(tags: dict[str, str], n: int) -> pa.Array:
+    return pa.array([list(tags.items())] * n, type=TAGS)
+
+
+def _const(value, n: int, type_: pa.DataType) -> pa.Array:
+    return pa.array(np.full(n, value) if not isinstance(value, str) else [value] * n, type=type_)
+
+
+def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """A (rows, width) array as a list column without a Python loop."""
+    rows, width = matrix.shape
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32) if rows else [0], pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=type_))
+
+
+def run_table(run: RunInfo) -> pa.Table:
+    row = dict(run_id=run.run_id, started_at=run.started_at, model_class=run.model_class,
+               total_params=run.total_params, routed_expert_params=run.routed_expert_params,
+               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size)
+    return pa.Table.from_pylist([row], schema=SCHEMAS["runs"])
+
+
+def layers_table(run: RunInfo) -> pa.Table:
+    rows = [dict(run_id=run.run_id, layer=info.layer, module=info.module, family=info.family,
+                 num_experts=info.num_experts, zero_experts=info.zero_experts, top_k=info.top_k,
+                 params_per_expert=info.params_per_expert, expert_capacity=info.expert_capacity,
+                 rank=run.rank) for info in run.layers]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["layers"])
+
+
+def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
+    """The rows one forward adds to each table; tables with no rows are left out."""
+    out: dict[str, pa.Table] = {}
+    out["steps"] = pa.Table.from_pylist([dict(
+        run_id=record.run_id, step=record.step, ts=record.ts, duration_s=record.duration_s,
+        tokens=record.tokens, batch_size=record.batch_size, seq_len=record.seq_len,
+        active_params=record.active_params, total_params=record.total_params,
+        active_param_fraction=record.active_param_fraction, tags=list(record.tags.items()), rank=rank,
+    )], schema=SCHEMAS["steps"])
+    if record.layers:
+        out["layer_steps"] = pa.Table.from_pylist([dict(
+            run_id=record.run_id, step=record.step, ts=record.ts, layer=ls.layer, tokens=ls.tokens,
+            expert_load=ls.expert_load.tolist(), gate_weight_sum=ls.gate_weight_sum.tolist(),
+            router_prob_sum=None if ls.router_prob_sum is None else ls.router_prob_sum.tolist(),
+            router_entropy_mean=ls.router_entropy_mean, router_entropy_p95=ls.router_entropy_p95,
+            top1_margin_mean=ls.top1_margin_mean, dropped_tokens=ls.dropped_tokens,
+            dropped_assignments=ls.dropped_assignments, capacity=ls.capacity, capacity_use=ls.capacity_use,
+            active_params_per_token=ls.active_params_per_token,
+            coselection=None if ls.coselection is None else ls.coselection.reshape(-1).tolist(),
+            tags=list(record.tags.items()), rank=rank,
+        ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
+    routes = [_routes_table(record, ls.layer, ls.routes, rank) for ls in record.layers if ls.routes is not None]
+    if routes:
+        out["routes"] = pa.concat_tables(routes)
+    for name, column, attr in (("router_logits", "logits", "router_logits"),
+                               ("router_inputs", "hidden", "router_inputs")):
+        samples = [_sample_table(record, ls.layer, getattr(ls, attr), name, column, rank)
+                   for ls in record.layers if getattr(ls, attr) is not None]
+        if samples:
+            out[name] = pa.concat_tables(samples)
+    if record.kv_cache:
+        out["kv_cache"] = pa.Table.from_pylist([dict(
+            run_id=record.run_id, step=record.step, ts=record.ts, layer=kv.layer, bytes=kv.bytes,
+            seq_len=kv.seq_len, rank=rank) for kv in record.kv_cache], schema=SCHEMAS["kv_cache"])
+    return out
+
+
+def _routes_table(record: StepRecord, layer: int, routes, rank: int) -> pa.Table:
+    n = len(routes.expert_ids)
+    token_ids = (pa.array(routes.token_ids, pa.int64()) if routes.token_ids is not None
+                 else pa.nulls(n, pa.int64()))
+    return pa.Table.from_arrays([
+        _const(record.run_id, n, pa.string()), _const(record.step, n, pa.int64()),
+        _const(layer, n, pa.int32()), pa.array(np.arange(n, dtype=np.int32)),
+        pa.array(routes.sequence, pa.int32()), pa.array(routes.position, pa.int32()), token_ids,
+        _lists(routes.expert_ids.astype(np.int32), pa.int32()),
+        _lists(routes.gate_weights.astype(np.float32), pa.float32()),
+        _lists(routes.kept.astype(bool), pa.bool_()), _tags(record.tags, n), _const(rank, n, pa.int32()),
+    ], schema=SCHEMAS["routes"])
+
+
+def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str, column: str,
+                  rank: int) -> pa.Table:
+    n = len(sample.token)
+    token_ids = (pa.array(sample.token_ids, pa.int64()) if sample.token_ids is not None
+                 else pa.nulls(n, pa.int64()))
+    arrays = {
+        "run_id": _const(record.run_id, n, pa.string()), "step": _const(record.step, n, pa.int64()),
+        "layer": _const(layer, n, pa.int32()), "token": pa.array(sample.token, pa.int32()),
+        "token_id": token_ids, "top1_expert": pa.array(sample.top1_expert, pa.int32()),
+        column: _lists(sample.values.astype(np.float32), pa.float32()),
+        "tags": _tags(record.tags, n), "rank": _const(rank, n, pa.int32()),
+    }
+    return pa.Table.from_arrays([arrays[f.name] for f in SCHEMAS[name]], schema=SCHEMAS[name])

@@ -1,0 +1,295 @@
+"""The write path: a batch processor that owns the queue and thread, and exporters that write.
+
+The model thread only calls `BatchProcessor.emit(record)`, which never raises and, under the
+`drop` policy, never waits. A worker thread hands batches to exporters. `ParquetExporter` writes
+each table's rows to `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>.parquet` through a
+temporary name and a rename, so a reader (or a crash) never sees a torn file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from probe.records import RunInfo, StepRecord
+from store.schema import SCHEMAS, layers_table, run_table, step_tables
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+POLICIES = ("block", "drop")
+
+
+class Exporter(Protocol):
+    def export(self, records: Sequence[StepRecord]) -> bool: ...
+    def force_flush(self, timeout_s: float = 30.0) -> bool: ...
+    def shutdown(self) -> None: ...
+
+
+def record_rows(record: StepRecord) -> dict[str, int]:
+    """Rows a record would add to each table; what a dropped record costs, table by table."""
+    rows = {"steps": 1, "layer_steps": len(record.layers)}
+    for layer in record.layers:
+        if layer.routes is not None:
+            rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
+        for name in ("router_logits", "router_inputs"):
+            sample = getattr(layer, name)
+            if sample is not None:
+                rows[name] = rows.get(name, 0) + len(sample.token)
+    if record.kv_cache:
+        rows["kv_cache"] = len(record.kv_cache)
+    return rows
+
+
+class BatchProcessor:
+    """A bounded queue and one worker thread between the model and the exporters.
+
+    policy="block" is lossless: when the queue is full the model waits. policy="drop" never makes
+    the model wait: a record that does not fit is dropped and counted, per table, with a reason.
+    """
+
+    def __init__(self, exporters: Sequence[Exporter], max_queue: int = 256, policy: str = "block",
+                 flush_interval_s: float = 5.0, max_batch: int = 32):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        self.exporters = list(exporters)
+        self.policy = policy
+        self.flush_interval_s = flush_interval_s
+        self.max_batch = max_batch
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self.dropped_records: Counter[str] = Counter()  # reason -> records
+        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
+        self.exported_records = 0
+        self._flush_requests: list[threading.Event] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="moescope-writer", daemon=True)
+        self._worker.start()
+
+    def emit(self, record: StepRecord) -> None:
+        """Hand a record over; never raises."""
+        if self._closed:
+            self._count_drop(record, "closed")
+            return
+        try:
+            if self.policy == "block":
+                self._queue.put(record)
+            else:
+                self._queue.put_nowait(record)
+        except queue.Full:
+            self._count_drop(record, "queue_full")
+        except Exception:  # the model thread must never see the probe fail
+            self._count_drop(record, "error")
+
+    def _count_drop(self, record: StepRecord, reason: str) -> None:
+        with self._lock:
+            self.dropped_records[reason] += 1
+            for table, rows in record_rows(record).items():
+                self.dropped_rows[(table, reason)] += rows
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self.flush_interval_s)
+            except queue.Empty:
+                self._flush_exporters()
+                continue
+            batch: list[StepRecord] = []
+            stop = False
+            while item is not None:
+                if isinstance(item, threading.Event):
+                    self._export(batch)
+                    batch = []
+                    self._flush_exporters()
+                    item.set()
+                elif item is _STOP:
+                    stop = True
+                    break
+                else:
+                    batch.append(item)
+                if len(batch) >= self.max_batch:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            self._export(batch)
+            if stop:
+                self._flush_exporters()
+                return
+
+    def _export(self, batch: list[StepRecord]) -> None:
+        if not batch:
+            return
+        for exporter in self.exporters:
+            try:
+                ok = exporter.export(batch)
+            except Exception:
+                log.exception("exporter %s failed", type(exporter).__name__)
+                ok = False
+            if not ok:
+                for record in batch:
+                    self._count_drop(record, f"export_failed:{type(exporter).__name__}")
+        self.exported_records += len(batch)
+
+    def _flush_exporters(self) -> None:
+        for exporter in self.exporters:
+            try:
+                exporter.force_flush()
+            except Exception:
+                log.exception("flush of %s failed", type(exporter).__name__)
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Export everything queued so far and flush the exporters; False on timeout."""
+        if self._closed:
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Drain the queue, flush and join; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._worker.join(timeout_s)
+        for exporter in self.exporters:
+            try:
+                exporter.shutdown()
+            except Exception:
+                log.exception("shutdown of %s failed", type(exporter).__name__)
+
+
+_STOP = object()
+
+
+class InMemoryExporter:
+    """Keeps every exported record; for tests and in-process consumers."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        self.records.extend(records)
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.Table, rank: int = 0,
+                     seq: int = 0, row_group_size: int = 128 * 1024) -> str:
+    """Write one Parquet file atomically into the store layout; returns its path."""
+    folder = os.path.join(os.fspath(root), table, f"run_id={run_id}")
+    os.makedirs(folder, exist_ok=True)
+    name = f"part-{rank:05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**9:09d}.parquet"
+    final = os.path.join(folder, name)
+    tmp = os.path.join(folder, TMP_PREFIX + name)
+    # run_id lives in the folder name (hive partitioning); keeping it in the file too means a
+    # file copied elsewhere still says which run it belongs to.
+    pq.write_table(data, tmp, compression="zstd", row_group_size=row_group_size)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+class ParquetExporter:
+    """Buffers rows per table and writes a Parquet file per table when a buffer is big or old.
+
+    One instance writes one run from one process; file names carry rank, pid and a sequence
+    number, so processes and ranks write side by side without locks.
+    """
+
+    def __init__(self, root: str | os.PathLike, run: RunInfo, max_rows: int = 256 * 1024,
+                 max_age_s: float = 5.0, processor: BatchProcessor | None = None):
+        self.root = os.fspath(root)
+        self.run = run
+        self.max_rows = max_rows
+        self.max_age_s = max_age_s
+        self.processor = processor  # whose drop counters go into probe_stats
+        self._buffers: dict[str, list[pa.Table]] = {}
+        self._rows: Counter[str] = Counter()
+        self._first_at: dict[str, float] = {}
+        self.written_rows: Counter[str] = Counter()
+        self.files: list[str] = []
+        self._seq = 0
+        self._closed = False
+        self._write("runs", run_table(run))
+        if run.layers:
+            self._write("layers", layers_table(run))
+
+    def _write(self, table: str, data: pa.Table) -> None:
+        self._seq += 1
+        self.files.append(write_table_file(self.root, table, self.run.run_id, data, self.run.rank, self._seq))
+        self.written_rows[table] += data.num_rows
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        if self._closed:
+            return False
+        now = time.monotonic()
+        for record in records:
+            for table, rows in step_tables(record, self.run.rank).items():
+                self._buffers.setdefault(table, []).append(rows)
+                self._rows[table] += rows.num_rows
+                self._first_at.setdefault(table, now)
+        for table in list(self._buffers):
+            if self._rows[table] >= self.max_rows or now - self._first_at[table] >= self.max_age_s:
+                self._flush_table(table)
+        return True
+
+    def _flush_table(self, table: str) -> None:
+        parts = self._buffers.pop(table, [])
+        self._rows.pop(table, None)
+        self._first_at.pop(table, None)
+        if parts:
+            self._write(table, pa.concat_tables(parts).combine_chunks())
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        for table in list(self._buffers):
+            self._flush_table(table)
+        return True
+
+    def write_probe_stats(self) -> None:
+        """Write what was written and what was dropped, per table and reason, into probe_stats."""
+        now = dt.datetime.now(dt.timezone.utc)
+        rows = []
+        dropped = self.processor.dropped_rows if self.processor else Counter()
+        dropped_records = self.processor.dropped_records if self.processor else Counter()
+        for table in SCHEMAS:
+            if table in ("probe_stats",):
+                continue
+            reasons = {reason for (t, reason) in dropped if t == table}
+            base = dict(run_id=self.run.run_id, ts=now, table_name=table, rank=self.run.rank,
+                        pid=os.getpid())
+            if not reasons and not self.written_rows.get(table):
+                continue
+            rows.append(dict(base, written_rows=self.written_rows.get(table, 0), dropped_rows=0,
+                             dropped_records=0, reason=None))
+            for reason in sorted(reasons):
+                rows.append(dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
+                                 dropped_records=dropped_records[reason] if table == "steps" else 0,
+                                 reason=reason))
+        if rows:
+            self._write("probe_stats", pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self.force_flush()
+        self.write_probe_stats()
+        self._closed = True
