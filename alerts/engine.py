@@ -1,0 +1,273 @@
+"""The rules engine: windows of layer steps in, alert state transitions out.
+
+`AlertEngine` is fed `LayerObservation`s (from the store by `alerts.storage.StoreAlertRunner`,
+or from the live stream by `EngineExporter` inside the probe's pipeline) and, after each step,
+evaluates every rule on every layer of that run. Each (rule, run, layer) is one alert with a
+fingerprint over its labels, and moves through
+
+    inactive -> pending -> firing -> resolved        (pending -> inactive if it clears early)
+
+- `for`: the condition must hold that long (pending) before the alert fires.
+- `cooldown`: a firing alert stays firing until its condition has been false that long, so a
+  value hovering around the threshold neither flaps nor notifies twice.
+
+Time is *event time*: the timestamps of the recorded steps, not the wall clock. Replaying a
+recorded run therefore gives the same transitions as watching it live, and notifications keyed
+on (fingerprint, episode start, status) are the same on every replay, which lets the outbox
+drop the repeats of an engine that restarted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
+
+import numpy as np
+
+from alerts.rules import Rule, RulePack
+from alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record, summed_load
+from probe.records import StepRecord
+
+MAX_HISTORY_STEPS = 4096  # bound on a time-based window's memory per layer
+
+INACTIVE, PENDING, FIRING, RESOLVED = "inactive", "pending", "firing", "resolved"
+
+
+def fingerprint(labels: dict[str, str]) -> str:
+    """Return a stable 16-hex-digit id of an alert's label set."""
+    text = json.dumps(sorted(labels.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class AlertTransition:
+    """One change of one alert's state, as written to the `alerts` table and notified."""
+
+    fingerprint: str
+    alertname: str
+    state: str
+    previous_state: str
+    at: dt.datetime  # event time of the step that caused the change
+    step: int
+    run_id: str
+    layer: int
+    severity: str
+    expr: str
+    labels: dict[str, str]  # the full label set: alertname, severity, run_id, layer + the rule's
+    annotations: dict[str, str]
+    values: dict[str, float]  # the signals of the rule's expression at `at`
+    starts_at: dt.datetime  # when this episode began (pending or firing since)
+    ends_at: dt.datetime | None  # set on resolved
+
+    @property
+    def notifies(self) -> bool:
+        """Whether receivers hear of this change: only firing and resolved reach them."""
+        return self.state in (FIRING, RESOLVED)
+
+    def idempotency_key(self) -> str:
+        """Return the key that makes a notification unique: fingerprint, episode, status."""
+        return f"{self.fingerprint}:{self.starts_at.isoformat()}:{self.state}"
+
+
+@dataclass
+class _AlertState:
+    state: str = INACTIVE
+    since: dt.datetime | None = None  # pending since, or firing since
+    last_true: dt.datetime | None = None
+
+
+class TransitionSink(Protocol):
+    def handle(self, transitions: Sequence[AlertTransition]) -> None: ...
+
+
+BaselineLoader = Callable[[str, int, int], "np.ndarray | None"]  # (baseline run_id, layer, steps)
+
+
+@dataclass
+class _RunState:
+    history: dict[int, LayerHistory] = field(default_factory=dict)
+    baseline_parts: dict[int, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
+
+
+class AlertEngine:
+    """Evaluates a rule pack over per-layer windows and keeps every alert's state."""
+
+    def __init__(self, pack: RulePack, baseline_loader: BaselineLoader | None = None):
+        self.pack = pack
+        self.baseline_loader = baseline_loader
+        steps = max(pack.max_window_steps(), 1)
+        if any(r.window.seconds for r in pack.rules):
+            steps = MAX_HISTORY_STEPS
+        self._history_steps = steps
+        self._runs: dict[str, _RunState] = {}
+        self._alerts: dict[str, _AlertState] = {}
+        self._external_baselines: dict[int, np.ndarray | None] = {}
+
+    # -- input ------------------------------------------------------------------------------
+
+    def observe(self, obs: LayerObservation) -> None:
+        """Add one layer step to its run's window; call `evaluate` once a step is complete."""
+        run = self._runs.setdefault(obs.run_id, _RunState())
+        history = run.history.get(obs.layer)
+        if history is None:
+            history = run.history[obs.layer] = LayerHistory(self._history_steps)
+        history.append(obs)
+        parts = run.baseline_parts[obs.layer]
+        if self.pack.baseline.run_id is None and len(parts) < self.pack.baseline.first_steps:
+            parts.append(obs.expert_load)
+
+    def baseline(self, run_id: str, layer: int) -> np.ndarray | None:
+        """Return the baseline load for a layer, or None while it is not yet known."""
+        spec = self.pack.baseline
+        if spec.run_id is not None:
+            if layer not in self._external_baselines:
+                loaded = self.baseline_loader(spec.run_id, layer, spec.first_steps) if self.baseline_loader else None
+                self._external_baselines[layer] = loaded
+            return self._external_baselines[layer]
+        parts = self._runs[run_id].baseline_parts.get(layer, [])
+        if len(parts) < spec.first_steps:
+            return None
+        return np.sum(parts, axis=0)
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def signals(self, rule: Rule, run_id: str, layer: int) -> dict[str, float]:
+        """Return the values of the rule's signals over its window for one layer."""
+        window = self._runs[run_id].history[layer].window(rule.window)
+        return compute_signals(window, rule.signals, self.baseline(run_id, layer))
+
+    def evaluate(self, run_id: str) -> list[AlertTransition]:
+        """Evaluate every rule on every layer of the run at its latest step; return the changes."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        out: list[AlertTransition] = []
+        for rule in self.pack.rules:
+            for layer, history in sorted(run.history.items()):
+                if not history.items:
+                    continue
+                latest = history.items[-1]
+                values = self.signals(rule, run_id, layer)
+                verdicts = [c.holds(values[c.signal]) for c in rule.conditions]
+                if any(v is None for v in verdicts):
+                    continue  # no data: leave the alert where it is
+                out.extend(self._step(rule, latest, all(verdicts), values))
+        return out
+
+    def _labels(self, rule: Rule, run_id: str, layer: int) -> dict[str, str]:
+        labels = dict(rule.labels)
+        labels.update(alertname=rule.name, severity=rule.severity, run_id=run_id, layer=str(layer))
+        return labels
+
+    def _step(self, rule: Rule, obs: LayerObservation, active: bool, values: dict[str, float]) -> list[AlertTransition]:
+        labels = self._labels(rule, obs.run_id, obs.layer)
+        fp = fingerprint(labels)
+        st = self._alerts.setdefault(fp, _AlertState())
+        now = obs.ts
+        changes: list[tuple[str, str]] = []
+
+        def move(new: str) -> None:
+            changes.append((st.state, new))
+            st.state = new
+
+        if active:
+            st.last_true = now
+            if st.state in (INACTIVE, RESOLVED):
+                st.since = now
+                move(PENDING)
+            if st.state == PENDING and (now - st.since).total_seconds() >= rule.for_s:
+                st.since = now
+                move(FIRING)
+        else:
+            if st.state == PENDING:
+                move(INACTIVE)
+            elif st.state == FIRING and (now - st.last_true).total_seconds() >= rule.cooldown_s:
+                move(RESOLVED)
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}
+        return [
+            AlertTransition(
+                fingerprint=fp,
+                alertname=rule.name,
+                state=new,
+                previous_state=old,
+                at=now,
+                step=obs.step,
+                run_id=obs.run_id,
+                layer=obs.layer,
+                severity=rule.severity,
+                expr=rule.expr,
+                labels=labels,
+                annotations=dict(rule.annotations),
+                values=clean,
+                starts_at=st.since,
+                ends_at=now if new == RESOLVED else None,
+            )
+            for old, new in changes
+        ]
+
+    def ingest(self, observations: Iterable[LayerObservation]) -> list[AlertTransition]:
+        """Observe layer steps in (run, step) order, evaluating after each complete step."""
+        ordered = sorted(observations, key=lambda o: (o.run_id, o.step, o.layer))
+        out: list[AlertTransition] = []
+        for i, obs in enumerate(ordered):
+            self.observe(obs)
+            last_of_step = i + 1 == len(ordered) or (ordered[i + 1].run_id, ordered[i + 1].step) != (obs.run_id, obs.step)
+            if last_of_step:
+                out.extend(self.evaluate(obs.run_id))
+        return out
+
+    def states(self) -> dict[str, str]:
+        """Return {fingerprint: state} of every alert seen so far."""
+        return {fp: st.state for fp, st in self._alerts.items()}
+
+    def window_load(self, run_id: str, layer: int, steps: int) -> np.ndarray:
+        return summed_load(list(self._runs[run_id].history[layer].items)[-steps:])
+
+
+class EngineExporter:
+    """Runs the engine inside the probe's pipeline: an exporter fed the live StepRecords.
+
+    Each exported batch is observed and evaluated; transitions go to every sink (the outbox
+    dispatcher, the alerts-table writer). A sink that raises is counted, never propagated: the
+    probe's worker thread must keep going.
+    """
+
+    def __init__(self, engine: AlertEngine, sinks: Sequence[TransitionSink]):
+        self.engine = engine
+        self.sinks = list(sinks)
+        self.transitions: list[AlertTransition] = []  # bounded: the most recent 1000
+        self.sink_errors = 0
+        self._closed = False
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        if self._closed:
+            return False
+        found: list[AlertTransition] = []
+        for record in records:
+            found.extend(self.engine.ingest(observations_from_record(record)))
+        ok = True
+        if found:
+            self.transitions = (self.transitions + found)[-1000:]
+            for sink in self.sinks:
+                try:
+                    sink.handle(found)
+                except Exception:  # noqa: BLE001 - the probe thread must survive a bad sink
+                    self.sink_errors += 1
+                    ok = False
+        return ok
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        ok = True
+        for sink in self.sinks:
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                ok = bool(flush(timeout_s)) and ok
+        return ok
+
+    def shutdown(self) -> None:
+        self._closed = True
