@@ -1,0 +1,270 @@
+"""Notifiers: how an alert transition becomes an HTTP request for one kind of receiver.
+
+A notifier only *renders* (body at enqueue time, headers at send time); the outbox
+(`alerts.outbox`) stores the body and does the sending, retrying and de-duplicating. Four kinds:
+
+`webhook` — plain JSON, POSTed with `Content-Type: application/json`::
+
+    {
+      "schema": "moescope.alert/v1",
+      "idempotency_key": "<fingerprint>:<episode start>:<status>",
+      "status": "firing" | "resolved",
+      "alert": {
+        "name": "ExpertLoadSkew", "fingerprint": "3f2a...", "severity": "warning",
+        "run_id": "...", "layer": 3, "step": 812, "at": "2025-01-01T00:13:32+00:00",
+        "starts_at": "...", "ends_at": null | "...", "expr": "load_max_mean > 2.0",
+        "values": {"load_max_mean": 4.5}, "labels": {...}, "annotations": {...}
+      }
+    }
+
+  Headers: `X-Moescope-Idempotency-Key` (same key as in the body: a receiver that sees a key
+  twice has already handled it), and, when a secret is set, `X-Moescope-Timestamp` (Unix
+  seconds at sending) and `X-Moescope-Signature: sha256=<hex>`, the HMAC-SHA256 with the secret
+  of `<timestamp>.<raw body>`. Receivers check it with `verify_signature`, rejecting stale
+  timestamps so a captured request cannot be replayed later.
+
+`slack` — a Slack incoming webhook: `text` (the fallback shown in notifications) plus `blocks`.
+
+`alertmanager` — pushes to an existing Alertmanager's `POST /api/v2/alerts` (give the
+Alertmanager's base URL). Firing alerts carry `endsAt` = now + `firing_ttl_s`, so an alert whose
+engine died resolves by itself; resolved ones carry the resolve time.
+
+`alertmanager-webhook` — the Alertmanager webhook payload, version 4, POSTed to any receiver
+that understands Alertmanager's webhook_config (one alert per notification).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Protocol
+
+from alerts.engine import RESOLVED, AlertTransition
+
+SCHEMA = "moescope.alert/v1"
+SIGNATURE_HEADER = "X-Moescope-Signature"
+TIMESTAMP_HEADER = "X-Moescope-Timestamp"
+IDEMPOTENCY_HEADER = "X-Moescope-Idempotency-Key"
+_ZERO_TIME = "0001-01-01T00:00:00Z"
+
+
+class NotifierError(ValueError):
+    """A receiver cannot be configured as given; the message says what to write instead."""
+
+
+def validate_url(url: str, what: str = "receiver") -> str:
+    """Return `url` if it is an http(s) URL with a host; raise NotifierError otherwise."""
+    example = "e.g. https://hooks.example.com/moescope or http://127.0.0.1:9093"
+    if not isinstance(url, str) or not url or any(c.isspace() for c in url):
+        raise NotifierError(f"{what} URL {url!r} is empty or contains spaces; give a full URL, {example}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise NotifierError(f"{what} URL {url!r} must start with http:// or https://, {example}")
+    if not parts.hostname:
+        raise NotifierError(f"{what} URL {url!r} names no host, {example}")
+    try:
+        parts.port
+    except ValueError:
+        raise NotifierError(f"{what} URL {url!r} has an invalid port, {example}") from None
+    return url
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    """Return the signature header value for a body sent at `timestamp` (Unix seconds, as text)."""
+    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
+    return "sha256=" + mac.hexdigest()
+
+
+def verify_signature(
+    secret: str, timestamp: str, body: bytes, signature: str, tolerance_s: float = 300, now: float | None = None
+) -> bool:
+    """Return True when `signature` is ours for this body and the timestamp is recent enough."""
+    try:
+        age = abs((time.time() if now is None else now) - float(timestamp))
+    except (TypeError, ValueError):
+        return False
+    return age <= tolerance_s and hmac.compare_digest(sign(secret, timestamp, body), signature or "")
+
+
+def _iso(ts: dt.datetime | None) -> str | None:
+    return None if ts is None else ts.astimezone(dt.timezone.utc).isoformat()
+
+
+def _rfc3339(ts: dt.datetime) -> str:
+    return ts.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Notifier(Protocol):
+    name: str  # unique among configured receivers; the outbox routes deliveries by it
+    url: str  # where the request goes
+
+    def render(self, transition: AlertTransition) -> bytes: ...
+
+    def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]: ...
+
+
+@dataclass
+class _Base:
+    url: str
+    name: str = ""
+
+    kind = "base"
+
+    def __post_init__(self) -> None:
+        validate_url(self.url, self.kind)
+        self.name = self.name or f"{self.kind}:{self.url}"
+
+    def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]:
+        return {"Content-Type": "application/json", "User-Agent": "moescope-alerts", IDEMPOTENCY_HEADER: idempotency_key}
+
+
+def alert_document(t: AlertTransition) -> dict:
+    return {
+        "name": t.alertname,
+        "fingerprint": t.fingerprint,
+        "severity": t.severity,
+        "run_id": t.run_id,
+        "layer": t.layer,
+        "step": t.step,
+        "at": _iso(t.at),
+        "starts_at": _iso(t.starts_at),
+        "ends_at": _iso(t.ends_at),
+        "expr": t.expr,
+        "values": t.values,
+        "labels": t.labels,
+        "annotations": t.annotations,
+    }
+
+
+@dataclass
+class WebhookNotifier(_Base):
+    """Plain JSON webhook; signs with HMAC-SHA256 when `secret` is set."""
+
+    secret: str | None = None
+    kind = "webhook"
+
+    def render(self, transition: AlertTransition) -> bytes:
+        doc = {
+            "schema": SCHEMA,
+            "idempotency_key": transition.idempotency_key(),
+            "status": transition.state,
+            "alert": alert_document(transition),
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]:
+        headers = super().headers(body, idempotency_key)
+        if self.secret:
+            timestamp = str(int(time.time()))
+            headers[TIMESTAMP_HEADER] = timestamp
+            headers[SIGNATURE_HEADER] = sign(self.secret, timestamp, body)
+        return headers
+
+
+def _summary(t: AlertTransition) -> str:
+    return t.annotations.get("summary") or f"{t.alertname}: {t.expr}"
+
+
+@dataclass
+class SlackNotifier(_Base):
+    """Slack incoming webhook: `text` for notifications, `blocks` for the message body."""
+
+    kind = "slack"
+
+    def render(self, transition: AlertTransition) -> bytes:
+        t = transition
+        icon = ":white_check_mark:" if t.state == RESOLVED else ":rotating_light:"
+        status = "RESOLVED" if t.state == RESOLVED else f"FIRING ({t.severity})"
+        values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.values.items())
+        text = f"{icon} [{status}] {t.alertname} run {t.run_id} layer {t.layer}: {_summary(t)}"
+        blocks = [
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"{icon} *[{status}] {t.alertname}*\n{_summary(t)}"}},
+            {
+                "type": "section",
+                "fields": [
+                    {"type": "mrkdwn", "text": f"*Run*\n`{t.run_id}`"},
+                    {"type": "mrkdwn", "text": f"*Layer*\n{t.layer}"},
+                    {"type": "mrkdwn", "text": f"*Rule*\n`{t.expr}`"},
+                    {"type": "mrkdwn", "text": f"*Values*\n{values or '-'}"},
+                ],
+            },
+            {"type": "context", "elements": [{"type": "mrkdwn", "text": f"step {t.step} at {_iso(t.at)} · {t.fingerprint}"}]},
+        ]
+        return json.dumps({"text": text, "blocks": blocks}).encode()
+
+
+def _am_alert(t: AlertTransition, ends_at: str) -> dict:
+    annotations = dict(t.annotations)
+    annotations.setdefault("summary", _summary(t))
+    annotations["expr"] = t.expr
+    annotations["values"] = json.dumps(t.values, sort_keys=True)
+    return {
+        "labels": t.labels,
+        "annotations": annotations,
+        "startsAt": _rfc3339(t.starts_at),
+        "endsAt": ends_at,
+        "generatorURL": "",
+    }
+
+
+@dataclass
+class AlertmanagerNotifier(_Base):
+    """Pushes alerts to an Alertmanager at `url` (its base URL) through /api/v2/alerts."""
+
+    firing_ttl_s: float = 24 * 3600
+    kind = "alertmanager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.base_url = self.url.rstrip("/")
+        self.url = self.base_url + "/api/v2/alerts"
+
+    def render(self, transition: AlertTransition) -> bytes:
+        t = transition
+        if t.state == RESOLVED:
+            ends = _rfc3339(t.ends_at or t.at)
+        else:
+            ends = _rfc3339(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=self.firing_ttl_s))
+        return json.dumps([_am_alert(t, ends)]).encode()
+
+
+@dataclass
+class AlertmanagerWebhookNotifier(_Base):
+    """Speaks Alertmanager's webhook payload (version 4) to any receiver that reads it."""
+
+    receiver: str = "moescope"
+    external_url: str = ""
+    kind = "alertmanager-webhook"
+
+    def render(self, transition: AlertTransition) -> bytes:
+        t = transition
+        alert = _am_alert(t, _rfc3339(t.ends_at) if t.state == RESOLVED and t.ends_at else _ZERO_TIME)
+        alert["status"] = t.state
+        alert["fingerprint"] = t.fingerprint
+        group_labels = {"alertname": t.alertname}
+        doc = {
+            "version": "4",
+            "groupKey": "{}:" + json.dumps(group_labels, sort_keys=True),
+            "truncatedAlerts": 0,
+            "status": t.state,
+            "receiver": self.receiver,
+            "groupLabels": group_labels,
+            "commonLabels": t.labels,
+            "commonAnnotations": alert["annotations"],
+            "externalURL": self.external_url,
+            "alerts": [alert],
+        }
+        return json.dumps(doc).encode()
+
+
+KINDS = {
+    "webhook": WebhookNotifier,
+    "slack": SlackNotifier,
+    "alertmanager": AlertmanagerNotifier,
+    "alertmanager-webhook": AlertmanagerWebhookNotifier,
+}
