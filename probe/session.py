@@ -128,14 +128,18 @@ class ProbeSession:
     # -- hooks ---------------------------------------------------------------------------------
 
     def _install(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._on_forward_end, with_kwargs=True,
+        # Hooks are host-side bookkeeping: under torch.compile they run eagerly at graph breaks
+        # (tracing them would bake one forward's Python state into the graph).
+        eager = torch.compiler.disable
+        self._handles.append(self.model.register_forward_pre_hook(eager(self._on_forward_start),
+                                                                  with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(eager(self._on_forward_end), with_kwargs=True,
                                                               always_call=True))
         for layer in self.layers:
-            self._handles.append(layer.router.register_forward_hook(self._router_hook(layer)))
+            self._handles.append(layer.router.register_forward_hook(eager(self._router_hook(layer))))
             if layer.read_choice is not None and layer.experts is not None:
                 self._handles.append(layer.experts.register_forward_pre_hook(
-                    self._experts_hook(layer), with_kwargs=True))
+                    eager(self._experts_hook(layer)), with_kwargs=True))
 
     def _remove_hooks(self) -> None:
         while self._handles:

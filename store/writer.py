@@ -27,6 +27,7 @@ from store.schema import SCHEMAS, layers_table, run_table, step_tables
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
+TMP_SUFFIX = ".inprogress"
 POLICIES = ("block", "drop")
 
 
@@ -198,7 +199,8 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
     os.makedirs(folder, exist_ok=True)
     name = f"part-{rank:05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**9:09d}.parquet"
     final = os.path.join(folder, name)
-    tmp = os.path.join(folder, TMP_PREFIX + name)
+    # The temporary name does not end in .parquet, so no reader's glob ever matches a file in flight.
+    tmp = os.path.join(folder, TMP_PREFIX + name + TMP_SUFFIX)
     # run_id lives in the folder name (hive partitioning); keeping it in the file too means a
     # file copied elsewhere still says which run it belongs to.
     pq.write_table(data, tmp, compression="zstd", row_group_size=row_group_size)
