@@ -1,0 +1,57 @@
+"""`moescope`: the command line. Each package registers its own subcommands here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Packages that add subcommands through `add_subcommands(subparsers)`.
+SUBCOMMAND_MODULES = ("moescope.commands",)
+
+DESCRIPTION = """\
+moescope watches how a Mixture-of-Experts model routes its tokens.
+
+  moescope demo                    record a demo run and print what it found
+  moescope summary runs/           per-layer load, entropy and drops of the latest run
+  moescope dashboard runs/         open the dashboard on 127.0.0.1
+
+In Python, one call attaches the probe to any transformers MoE model:
+
+  import probe
+  with probe.attach(model, store="runs/", routes=True):
+      model(**batch)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moescope", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a user-facing error: say what went wrong, not a traceback
+        from store import StoreError
+        from probe import NoMoELayersError, ProbeAttachError
+
+        if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, FileNotFoundError, ValueError)):
+            print(f"moescope {args.command}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
