@@ -48,6 +48,23 @@ CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries (state, next_attempt_at)
 """
 
 
+def post(notifier: Notifier, idempotency_key: str, body: bytes, timeout_s: float = 5.0) -> tuple[bool, bool, str | None]:
+    """POST one rendered notification; return (delivered, permanent failure, error text)."""
+    request = urllib.request.Request(
+        notifier.url, data=body, method="POST", headers=notifier.headers(body, idempotency_key)
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            response.read(65536)
+            return True, False, None
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(512).decode("utf-8", "replace") if exc.fp else ""
+        permanent = 400 <= exc.code < 500 and exc.code not in _PERMANENT_RETRYABLE
+        return False, permanent, f"HTTP {exc.code}: {detail}".strip()
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        return False, False, f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+
+
 @dataclass(frozen=True)
 class DeliveryReport:
     delivered: int = 0
@@ -108,20 +125,6 @@ class Outbox:
 
     # -- delivering --------------------------------------------------------------------------
 
-    def _send(self, notifier: Notifier, key: str, body: bytes) -> tuple[bool, bool, str | None]:
-        """Return (delivered, permanent failure, error text)."""
-        request = urllib.request.Request(notifier.url, data=body, method="POST", headers=notifier.headers(body, key))
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read(65536)
-                return True, False, None
-        except urllib.error.HTTPError as exc:
-            detail = exc.read(512).decode("utf-8", "replace") if exc.fp else ""
-            permanent = 400 <= exc.code < 500 and exc.code not in _PERMANENT_RETRYABLE
-            return False, permanent, f"HTTP {exc.code}: {detail}".strip()
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            return False, False, f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-
     def backoff_s(self, attempts: int) -> float:
         """Delay before retry number `attempts` (1-based), jittered by up to +10%."""
         delay = min(self.max_backoff_s, self.base_backoff_s * 2 ** (attempts - 1))
@@ -144,7 +147,7 @@ class Outbox:
                 continue  # configured in another run of the engine; kept until it is configured again
             if receiver in down:
                 continue
-            ok, permanent, error = self._send(notifier, key, bytes(body))
+            ok, permanent, error = post(notifier, key, bytes(body), self.timeout_s)
             attempts += 1
             now = self.clock()
             with self._lock:

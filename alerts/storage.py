@@ -1,0 +1,207 @@
+"""The engine over a store: read new layer steps as they land, write transitions to `alerts`.
+
+`StoreAlertRunner.poll_once()` refreshes the store's views, reads the `layer_steps` (and, when
+a rule needs them, `routes`) of every run past the last step it has seen, feeds them to the
+`AlertEngine` step by step, writes the resulting transitions to the `alerts` table and hands
+them to the sinks (the outbox). `run()` repeats that every few seconds.
+
+On start the runner replays each run from its first step: the windows and the alert states are
+rebuilt exactly (event time), transitions already in the `alerts` table are not written twice,
+and notifications already in the outbox are not enqueued twice (same idempotency keys).
+
+The `alerts` table follows the store layout, `<root>/alerts/run_id=<id>/part-*.parquet`,
+written through `store.writer.write_table_file` (atomic rename). Sharp edges: a step is read
+once, when its `layer_steps` file has landed; rows that another rank writes later for a step
+already read are not counted, and routes that land after their step's `layer_steps` are missed
+by the route signals of that step.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from alerts.engine import AlertEngine, AlertTransition, TransitionSink
+from alerts.rules import RulePack
+from alerts.window import LayerObservation
+from store.store import Store, table_files
+from store.writer import write_table_file
+
+ALERTS_TABLE = "alerts"
+_TS = pa.timestamp("us", tz="UTC")
+_STRMAP = pa.map_(pa.string(), pa.string())
+ALERTS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("fingerprint", pa.string()),
+        ("alertname", pa.string()),
+        ("state", pa.string()),
+        ("previous_state", pa.string()),
+        ("ts", _TS),  # event time of the step that caused the transition
+        ("step", pa.int64()),
+        ("layer", pa.int32()),
+        ("severity", pa.string()),
+        ("expr", pa.string()),
+        ("labels", _STRMAP),
+        ("annotations", _STRMAP),
+        ("signal_values", pa.map_(pa.string(), pa.float64())),
+        ("starts_at", _TS),
+        ("ends_at", _TS),
+        ("written_at", _TS),
+    ]
+)
+_ROUTE_SIGNALS = {"routing_drift_rate", "switch_entropy", "whatif_drop_rate_cf1", "whatif_drop_rate_cf1_25",
+                  "whatif_drop_rate_cf1_5", "whatif_drop_rate_cf2"}
+
+
+def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
+    now = dt.datetime.now(dt.timezone.utc)
+    rows = [
+        dict(
+            run_id=t.run_id, fingerprint=t.fingerprint, alertname=t.alertname, state=t.state,
+            previous_state=t.previous_state, ts=t.at, step=t.step, layer=t.layer, severity=t.severity,
+            expr=t.expr, labels=list(t.labels.items()), annotations=list(t.annotations.items()),
+            signal_values=[(k, v) for k, v in t.values.items()], starts_at=t.starts_at, ends_at=t.ends_at,
+            written_at=now,
+        )
+        for t in transitions
+    ]
+    return pa.Table.from_pylist(rows, schema=ALERTS_SCHEMA)
+
+
+class AlertTableWriter:
+    """A TransitionSink that appends transitions to the store's `alerts` table, one file per batch."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._seq = 0
+
+    def handle(self, transitions: Sequence[AlertTransition]) -> None:
+        by_run: dict[str, list[AlertTransition]] = {}
+        for t in transitions:
+            by_run.setdefault(t.run_id, []).append(t)
+        for run_id, items in by_run.items():
+            self._seq += 1
+            write_table_file(self.root, ALERTS_TABLE, run_id, transitions_table(items), seq=self._seq)
+
+
+def read_alerts(store: Store, run_id: str | None = None):
+    """Return the `alerts` table (a DataFrame ordered by time), empty when nothing was written."""
+    files = table_files(store.root, ALERTS_TABLE)
+    if not files:
+        return pa.Table.from_batches([], schema=ALERTS_SCHEMA).to_pandas()
+    query = "SELECT * FROM read_parquet(?, hive_partitioning = false, union_by_name = true)"
+    params: list = [files]
+    if run_id is not None:
+        query += " WHERE run_id = ?"
+        params.append(run_id)
+    return store.sql(query + " ORDER BY ts, step, alertname, layer", params)
+
+
+class StoreAlertRunner:
+    """Evaluates a rule pack over a store as new data lands."""
+
+    def __init__(self, root: str, pack: RulePack, sinks: Sequence[TransitionSink] = (),
+                 run_ids: Sequence[str] | None = None, write_alerts: bool = True):
+        self.store = Store(root)
+        self.pack = pack
+        self.run_ids = list(run_ids) if run_ids else None
+        self.engine = AlertEngine(pack, baseline_loader=self._load_baseline)
+        self.sinks = list(sinks)
+        self.writer = AlertTableWriter(self.store.root) if write_alerts else None
+        self._needs_routes = any(set(r.signals) & _ROUTE_SIGNALS for r in pack.rules)
+        self._last_step: dict[str, int] = {}
+        self._total_params: dict[str, int] = {}
+        existing = read_alerts(self.store)
+        self._recorded = {
+            (fp, state, pd_ts.to_pydatetime()) for fp, state, pd_ts in zip(existing.fingerprint, existing.state, existing.ts)
+        }
+
+    def _load_baseline(self, run_id: str, layer: int, steps: int) -> np.ndarray | None:
+        rows = self.store.sql(
+            "SELECT expert_load FROM layer_steps WHERE run_id = ? AND layer = ? ORDER BY step LIMIT ?",
+            [run_id, layer, steps],
+        )
+        if rows.empty:
+            return None
+        return np.sum([np.asarray(v, dtype=np.int64) for v in rows.expert_load], axis=0)
+
+    def _runs(self) -> list[str]:
+        found = self.store.sql("SELECT DISTINCT run_id FROM layer_steps ORDER BY run_id").run_id.tolist()
+        return [r for r in found if self.run_ids is None or r in self.run_ids]
+
+    def _observations(self, run_id: str) -> list[LayerObservation]:
+        last = self._last_step.get(run_id, -1)
+        rows = self.store.sql(
+            "SELECT step, ts, layer, rank, tokens, expert_load, router_entropy_mean, dropped_tokens, capacity_use,"
+            " active_params_per_token FROM layer_steps WHERE run_id = ? AND step > ? ORDER BY step, layer, rank",
+            [run_id, last],
+        )
+        if rows.empty:
+            return []
+        if run_id not in self._total_params:
+            total = self.store.sql("SELECT max(total_params) AS t FROM runs WHERE run_id = ?", [run_id]).t[0]
+            self._total_params[run_id] = int(total) if total == total and total is not None else 0
+        total_params = self._total_params[run_id]
+        routes: dict[tuple[int, int], list] = {}
+        if self._needs_routes:
+            r = self.store.sql(
+                "SELECT step, layer, rank, sequence, position, expert_ids FROM routes"
+                " WHERE run_id = ? AND step > ? AND step <= ? ORDER BY step, layer, rank, token",
+                [run_id, last, int(rows.step.max())],
+            )
+            for (step, layer), group in r.groupby(["step", "layer"], sort=False):
+                routes[(int(step), int(layer))] = [
+                    np.stack([np.asarray(v, dtype=np.int64) for v in group.expert_ids]),
+                    group["rank"].to_numpy(np.int64) * 65536 + group.sequence.to_numpy(np.int64),
+                    group.position.to_numpy(np.int64),
+                ]
+        out = []
+        for (step, layer), group in rows.groupby(["step", "layer"], sort=True):
+            # ranks of one step are summed: the load of the whole data-parallel batch
+            load = np.sum([np.asarray(v, dtype=np.int64) for v in group.expert_load], axis=0)
+            capacity = group.capacity_use.dropna()
+            route = routes.get((int(step), int(layer)))
+            out.append(LayerObservation(
+                run_id=run_id, layer=int(layer), step=int(step), ts=group.ts.iloc[0].to_pydatetime(),
+                tokens=int(group.tokens.sum()), expert_load=load,
+                router_entropy_mean=float(group.router_entropy_mean.mean()),
+                dropped_tokens=int(group.dropped_tokens.sum()),
+                capacity_use=float(capacity.max()) if len(capacity) else None,
+                active_param_fraction=(float(group.active_params_per_token.mean()) / total_params
+                                       if total_params else None),
+                expert_ids=None if route is None else route[0],
+                sequence=None if route is None else route[1],
+                position=None if route is None else route[2],
+            ))
+        self._last_step[run_id] = int(rows.step.max())
+        return out
+
+    def poll_once(self) -> list[AlertTransition]:
+        """Evaluate whatever landed since the last poll; return the new transitions."""
+        self.store.refresh()
+        found: list[AlertTransition] = []
+        for run_id in self._runs():
+            found.extend(self.engine.ingest(self._observations(run_id)))
+        new = [t for t in found if (t.fingerprint, t.state, t.at) not in self._recorded]
+        if new and self.writer is not None:
+            self.writer.handle(new)
+            self._recorded.update((t.fingerprint, t.state, t.at) for t in new)
+        for sink in self.sinks:
+            sink.handle(found)  # the outbox drops what it already holds
+        return new
+
+    def run(self, interval_s: float = 5.0, stop: threading.Event | None = None, max_polls: int | None = None) -> None:
+        """Poll every `interval_s` until `stop` is set (or `max_polls` polls are done)."""
+        stop = stop or threading.Event()
+        polls = 0
+        while not stop.is_set():
+            self.poll_once()
+            polls += 1
+            if max_polls is not None and polls >= max_polls:
+                return
+            stop.wait(interval_s)
