@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from store.errors import EmptyStoreError, QueryError, StoreError
+from store.queries import Selection
+from store.quarantine import BadFileWarning, QuarantinedFile
 from store.schema import SCHEMAS, TABLES
-from store.store import EmptyStoreError, Store, StoreError
+from store.store import Store
 from store.writer import BatchProcessor, InMemoryExporter, ParquetExporter
 
-__all__ = ["BatchProcessor", "EmptyStoreError", "InMemoryExporter", "ParquetExporter", "SCHEMAS", "Store",
-           "StoreError", "TABLES"]
+__all__ = ["BadFileWarning", "BatchProcessor", "EmptyStoreError", "InMemoryExporter", "ParquetExporter",
+           "QuarantinedFile", "QueryError", "SCHEMAS", "Selection", "Store", "StoreError", "TABLES"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from probe.records import RunInfo, StepRecord, TokenSample
+from probe.records import Routes, RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")
@@ -66,17 +66,32 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("dropped_rows", pa.int64()), ("dropped_records", pa.int64()), ("reason", pa.string()),
         ("rank", pa.int32()), ("pid", pa.int64()),
     ]),
+    # -- expert health and trust gate (alerts/health.py, alerts/trust_policy.py) --
+    "expert_health": pa.schema([
+        ("run_id", pa.string()), ("window", pa.int64()), ("step_start", pa.int64()), ("step_end", pa.int64()),
+        ("ts", TS), ("layer", pa.int32()), ("expert", pa.int32()), ("score", pa.float64()),
+        ("load", pa.float64()), ("confidence", pa.float64()), ("output", pa.float64()), ("weight", pa.float64()),
+        ("grad", pa.float64()), ("load_share_ratio", pa.float64()), ("gate_weight_mean", pa.float64()),
+        ("output_norm_mean", pa.float64()), ("output_nonfinite_fraction", pa.float64()),
+        ("weight_cosine", pa.float64()), ("weight_norm_ratio", pa.float64()), ("grad_norm", pa.float64()),
+        ("trust_weight", pa.float64()), ("reasons", pa.string()), ("rank", pa.int32()),
+    ]),
+    "trust_gate_events": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("step", pa.int64()), ("layer", pa.int32()), ("expert", pa.int32()),
+        ("old_weight", pa.float64()), ("new_weight", pa.float64()), ("score", pa.float64()),
+        ("reason", pa.string()), ("source", pa.string()), ("rank", pa.int32()),
+    ]),
 }
 
 TABLES = tuple(SCHEMAS)
 
 
 def _tags(tags: dict[str, str], n: int) -> pa.Array:
-    return pa.array([list(tags.items())] * n, type=TAGS)
+    return pa.repeat(pa.scalar(list(tags.items()), type=TAGS), n)
 
 
 def _const(value, n: int, type_: pa.DataType) -> pa.Array:
-    return pa.array(np.full(n, value) if not isinstance(value, str) else [value] * n, type=type_)
+    return pa.repeat(pa.scalar(value, type=type_), n)
 
 
 def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
@@ -122,9 +137,9 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             coselection=None if ls.coselection is None else ls.coselection.reshape(-1).tolist(),
             tags=list(record.tags.items()), rank=rank,
         ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
-    routes = [_routes_table(record, ls.layer, ls.routes, rank) for ls in record.layers if ls.routes is not None]
+    routes = [(record.step, ls.layer, record.tags, ls.routes) for ls in record.layers if ls.routes is not None]
     if routes:
-        out["routes"] = pa.concat_tables(routes)
+        out["routes"] = routes_table(record.run_id, rank, routes)
     for name, column, attr in (("router_logits", "logits", "router_logits"),
                                ("router_inputs", "hidden", "router_inputs")):
         samples = [_sample_table(record, ls.layer, getattr(ls, attr), name, column, rank)
@@ -138,18 +153,51 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
     return out
 
 
-def _routes_table(record: StepRecord, layer: int, routes, rank: int) -> pa.Table:
-    n = len(routes.expert_ids)
-    token_ids = (pa.array(routes.token_ids, pa.int64()) if routes.token_ids is not None
-                 else pa.nulls(n, pa.int64()))
+def routes_table(run_id: str, rank: int, pieces: list[tuple[int, int, dict[str, str], Routes]]) -> pa.Table:
+    """The routes rows of many (step, layer, tags, Routes) pieces, built in one vectorised pass.
+
+    The writer keeps the probe's numpy arrays until it flushes and converts them here all at once:
+    per-piece Arrow tables and a concat would cost more than writing the Parquet file.
+    """
+    schema = SCHEMAS["routes"]
+    if not pieces:
+        return schema.empty_table()
+    counts = np.array([len(p[3].expert_ids) for p in pieces], dtype=np.int64)
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    token = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+    widths = np.repeat(np.array([p[3].expert_ids.shape[1] for p in pieces], dtype=np.int32), counts)
+    offsets = np.zeros(total + 1, dtype=np.int32)
+    np.cumsum(widths, out=offsets[1:])
+    offsets = pa.array(offsets)
+
+    def flat(name: str, dtype) -> np.ndarray:
+        return np.concatenate([getattr(p[3], name).reshape(-1) for p in pieces]).astype(dtype, copy=False)
+
+    if all(p[3].token_ids is not None for p in pieces):
+        token_ids = pa.array(np.concatenate([p[3].token_ids for p in pieces]).astype(np.int64, copy=False))
+    else:
+        values = np.concatenate([p[3].token_ids if p[3].token_ids is not None else np.zeros(len(p[3].expert_ids))
+                                 for p in pieces]).astype(np.int64)
+        missing = np.concatenate([np.full(len(p[3].expert_ids), p[3].token_ids is None) for p in pieces])
+        token_ids = pa.array(values, mask=missing)
+    tag_sets: dict[tuple, int] = {}
+    tag_index = np.repeat(np.array([tag_sets.setdefault(tuple(sorted(p[2].items())), len(tag_sets))
+                                    for p in pieces], dtype=np.int32), counts)
+    tags = pa.array([list(t) for t in tag_sets], type=TAGS).take(pa.array(tag_index))
     return pa.Table.from_arrays([
-        _const(record.run_id, n, pa.string()), _const(record.step, n, pa.int64()),
-        _const(layer, n, pa.int32()), pa.array(np.arange(n, dtype=np.int32)),
-        pa.array(routes.sequence, pa.int32()), pa.array(routes.position, pa.int32()), token_ids,
-        _lists(routes.expert_ids.astype(np.int32), pa.int32()),
-        _lists(routes.gate_weights.astype(np.float32), pa.float32()),
-        _lists(routes.kept.astype(bool), pa.bool_()), _tags(record.tags, n), _const(rank, n, pa.int32()),
-    ], schema=SCHEMAS["routes"])
+        pa.repeat(pa.scalar(run_id, pa.string()), total),
+        pa.array(np.repeat(np.array([p[0] for p in pieces], dtype=np.int64), counts)),
+        pa.array(np.repeat(np.array([p[1] for p in pieces], dtype=np.int32), counts)),
+        pa.array(token),
+        pa.array(np.concatenate([p[3].sequence for p in pieces]).astype(np.int32, copy=False)),
+        pa.array(np.concatenate([p[3].position for p in pieces]).astype(np.int32, copy=False)),
+        token_ids,
+        pa.ListArray.from_arrays(offsets, pa.array(flat("expert_ids", np.int32))),
+        pa.ListArray.from_arrays(offsets, pa.array(flat("gate_weights", np.float32))),
+        pa.ListArray.from_arrays(offsets, pa.array(flat("kept", bool))),
+        tags, pa.array(np.full(total, rank, dtype=np.int32)),
+    ], schema=schema)
 
 
 def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str, column: str,

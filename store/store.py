@@ -1,141 +1,165 @@
-"""Reading a store: DuckDB views over the Parquet files, and typed queries on top.
+"""Reading a store: DuckDB views over the live Parquet files, and typed queries on top.
 
-Every table of `store.schema` is a view named after it. A table with no file yet is an empty view
-of the right schema, so a query over a new or empty store answers with no rows instead of failing.
-Every value that comes from a user goes into the SQL as a `?` parameter.
+Every table of `store.schema` (and any other table folder found in the store) is a view named
+after it, over the files `Catalog` says are live: complete, footer-checked, not replaced by a
+compacted file. A table with no file yet is an empty view of the right schema, so a query over a
+new or empty store answers with no rows ("no data yet") instead of failing. Every value that
+comes from a user goes into the SQL as a `?` parameter.
+
+Sharp edges: the views hold the file list of the last `refresh()`. A file that vanished since
+(compacted, pruned) makes DuckDB fail; `Store` then refreshes and runs the query again, so a
+query always answers from one consistent set of files. A file that fails to read is checked
+through, moved to quarantine if it is bad, and the query runs again without it.
 """
 
 from __future__ import annotations
 
-import glob
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from store.schema import SCHEMAS, TABLES
+from store.catalog import Catalog, FileInfo
+from store.errors import EmptyStoreError, QueryError, StoreError
+from store.queries import StoreQueries
+from store.quarantine import QuarantinedFile, deep_check, quarantine, quarantined
+from store.schema import SCHEMAS
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+QUERY_ATTEMPTS = 6
 
 
-class StoreError(Exception):
-    """A store could not be read or a query over it failed; the message says what to do."""
+def connect() -> duckdb.DuckDBPyConnection:
+    """The one place connections are opened: in-memory (the data are the Parquet files), UTC.
 
-
-class EmptyStoreError(StoreError):
-    """The store holds no data yet."""
-
-
-def connect(read_only: bool = True) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection set to UTC; views are made on it by `Store`."""
+    Footers are cached between queries: files are immutable once they have their final name.
+    """
     con = duckdb.connect(":memory:")
     con.execute("SET TimeZone = 'UTC'")
+    con.execute("SET parquet_metadata_cache = true")
     return con
 
 
-def table_files(root: str | os.PathLike, table: str) -> list[str]:
-    """Committed Parquet files of a table (temporary names of writes in flight are not matched)."""
-    pattern = os.path.join(os.fspath(root), table, "run_id=*", "part-*.parquet")
-    return sorted(glob.glob(pattern))
+def map_error(error: duckdb.Error, root: str) -> StoreError:
+    """The one place database errors become the project's exceptions."""
+    if isinstance(error, (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
+                          duckdb.InvalidInputException)) and "parquet" not in str(error).lower():
+        return QueryError(f"query over the store {root!r} is not valid: {error}. Tables: "
+                          + ", ".join(sorted(SCHEMAS)) + ", e.g. `SELECT * FROM runs`")
+    return StoreError(f"query over the store {root!r} failed: {error}")
 
 
-class Store:
-    """A read-only view of a store folder. Re-open (or call `refresh`) to see files written since."""
+class Store(StoreQueries):
+    """A read-only view of a store folder. Call `refresh()` to see files written since opening.
 
-    def __init__(self, root: str | os.PathLike):
+    Raises EmptyStoreError when `root` does not exist ("no data yet"). Bad files found while
+    opening are moved to `<root>/_quarantine` with a `BadFileWarning`; see `quarantined()`.
+    """
+
+    def __init__(self, root: str | os.PathLike, quarantine_bad: bool = True):
         self.root = os.fspath(root)
         if not os.path.isdir(self.root):
             raise EmptyStoreError(
-                f"no store at {self.root!r}: record a run first, e.g. `probe.attach(model, store={self.root!r})`"
-                " or `moescope demo`")
+                f"no data yet: there is no store at {self.root!r}: record a run first, e.g. "
+                f"`probe.attach(model, store={self.root!r})`, or `moescope demo`")
         self.con = connect()
+        self.catalog = Catalog(self.root, quarantine_bad=quarantine_bad)
+        self.files: dict[str, list[FileInfo]] = {}
+        self._deep_checked: set[tuple[str, int]] = set()
         self.refresh()
 
+    # -- views ---------------------------------------------------------------------------------
+
+    def tables(self) -> list[str]:
+        """Tables of the schema, plus any other table folder another component wrote."""
+        extra = []
+        for name in sorted(os.listdir(self.root)):
+            if name not in SCHEMAS and not name.startswith(("_", ".")) and os.path.isdir(
+                    os.path.join(self.root, name)):
+                extra.append(name)
+        return list(SCHEMAS) + extra
+
     def refresh(self) -> None:
-        """Re-create the views over the files present now."""
-        for table in TABLES:
-            files = table_files(self.root, table)
-            self.con.execute(f'DROP VIEW IF EXISTS "{table}"')
-            if files:
-                listing = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-                self.con.execute(
-                    f'CREATE VIEW "{table}" AS SELECT * FROM read_parquet([{listing}], '
-                    "hive_partitioning = false, union_by_name = true)")
+        """Re-create every view over the files live now (the one place views are made)."""
+        self.files = self.catalog.snapshot(tuple(self.tables()))
+        for table, infos in self.files.items():
+            if infos:
+                columns = {info.columns for info in infos}
+                relation = self.con.read_parquet([i.path for i in infos], hive_partitioning=False,
+                                                 union_by_name=len(columns) > 1)
+            elif table in SCHEMAS:
+                relation = self.con.from_arrow(SCHEMAS[table].empty_table())
             else:
-                empty = pa.Table.from_batches([], schema=SCHEMAS[table])
-                self.con.register(f"_empty_{table}", empty)
-                self.con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM "_empty_{table}"')
+                continue
+            relation.create_view(table, replace=True)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether any run has been recorded; False means "no data yet"."""
+        return bool(self.files.get("runs"))
+
+    # -- running SQL ---------------------------------------------------------------------------
+
+    def _run(self, fetch: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+        for attempt in range(QUERY_ATTEMPTS):
+            try:
+                return fetch(self.con)
+            except duckdb.Error as error:
+                if attempt + 1 < QUERY_ATTEMPTS and (self._files_vanished() or self._quarantine_bad(error)):
+                    self.refresh()
+                    continue
+                raise map_error(error, self.root) from error
+        raise AssertionError("unreachable")
+
+    def _files_vanished(self) -> bool:
+        return any(not os.path.exists(i.path) for infos in self.files.values() for i in infos)
+
+    def _quarantine_bad(self, error: duckdb.Error) -> bool:
+        """Read through the files a failed query may have tripped on; move bad ones aside."""
+        if not isinstance(error, (duckdb.IOException, duckdb.InvalidInputException, duckdb.InternalException)):
+            return False
+        infos = [i for infos in self.files.values() for i in infos]
+        named = [i for i in infos if i.path in str(error)]
+        moved = False
+        for info in named or infos:
+            key = (info.path, info.rows)
+            if key in self._deep_checked:
+                continue
+            problem = deep_check(info.path)
+            if problem is None:
+                self._deep_checked.add(key)
+            elif quarantine(self.root, info.path, f"unreadable data: {problem}"):
+                moved = True
+        return moved
 
     def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:
         """Run a query over the views with `?` parameters; returns a DataFrame.
 
-        Raises StoreError with the database's message when the query fails.
+        Raises QueryError when the SQL is wrong, StoreError when the store cannot be read.
         """
-        try:
-            return self.con.execute(query, list(params or [])).df()
-        except duckdb.Error as e:
-            raise StoreError(f"query over {self.root!r} failed: {e}") from e
+        return self._run(lambda con: con.execute(query, list(params or [])).df())
 
     def arrow(self, query: str, params: Sequence | None = None) -> pa.Table:
-        try:
-            return self.con.execute(query, list(params or [])).fetch_arrow_table()
-        except duckdb.Error as e:
-            raise StoreError(f"query over {self.root!r} failed: {e}") from e
+        """As `sql`, returning an Arrow table."""
+        return self._run(lambda con: con.execute(query, list(params or [])).fetch_arrow_table())
 
-    # -- typed queries -------------------------------------------------------------------------
+    # -- housekeeping --------------------------------------------------------------------------
 
-    def runs(self) -> pd.DataFrame:
-        """One row per run: id, start, model class, parameters, tags, steps and tokens recorded."""
-        return self.sql("""
-            SELECT r.run_id, min(r.started_at) AS started_at, any_value(r.model_class) AS model_class,
-                   any_value(r.total_params) AS total_params, any_value(r.tags) AS tags,
-                   max(r.world_size) AS world_size,
-                   (SELECT count(*) FROM steps s WHERE s.run_id = r.run_id) AS steps,
-                   (SELECT coalesce(sum(tokens), 0) FROM steps s WHERE s.run_id = r.run_id) AS tokens
-            FROM runs r GROUP BY r.run_id ORDER BY started_at""")
+    def quarantined(self) -> list[QuarantinedFile]:
+        """Files moved aside as unreadable (by this or any other reader), with the reason."""
+        return quarantined(self.root)
 
-    def latest_run(self) -> str:
-        """The id of the most recently started run; raises EmptyStoreError when there is none."""
-        runs = self.sql("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1")
-        if runs.empty:
-            raise EmptyStoreError(f"the store {self.root!r} holds no run yet: record one first")
-        return str(runs.run_id[0])
+    def close(self) -> None:
+        self.con.close()
 
-    def layers(self, run_id: str) -> pd.DataFrame:
-        return self.sql("SELECT DISTINCT * EXCLUDE (rank) FROM layers WHERE run_id = ? ORDER BY layer",
-                        [run_id])
+    def __enter__(self) -> Store:
+        return self
 
-    def load_per_step(self, run_id: str, layer: int) -> pd.DataFrame:
-        """Tokens per expert at each step of one layer: columns step, expert, load."""
-        return self.sql("""
-            SELECT step, e.expert - 1 AS expert, sum(e.load)::BIGINT AS load
-            FROM (SELECT step, unnest(expert_load) AS load, generate_subscripts(expert_load, 1) AS expert
-                  FROM layer_steps WHERE run_id = ? AND layer = ?) e
-            GROUP BY step, expert ORDER BY step, expert""", [run_id, layer])
-
-    def layer_summary(self, run_id: str) -> pd.DataFrame:
-        """Per layer over the whole run: tokens, expert load totals, mean entropy, drops."""
-        return self.sql("""
-            WITH per_expert AS (
-                SELECT layer, e.expert - 1 AS expert, sum(e.load) AS load
-                FROM (SELECT layer, unnest(expert_load) AS load,
-                             generate_subscripts(expert_load, 1) AS expert
-                      FROM layer_steps WHERE run_id = ?) e
-                GROUP BY layer, expert)
-            SELECT p.layer, list(p.load::BIGINT ORDER BY p.expert) AS expert_load,
-                   (SELECT sum(tokens) FROM layer_steps l WHERE l.run_id = ? AND l.layer = p.layer) AS tokens,
-                   (SELECT avg(router_entropy_mean) FROM layer_steps l
-                     WHERE l.run_id = ? AND l.layer = p.layer) AS router_entropy_mean,
-                   (SELECT sum(dropped_tokens) FROM layer_steps l
-                     WHERE l.run_id = ? AND l.layer = p.layer) AS dropped_tokens
-            FROM per_expert p GROUP BY p.layer ORDER BY p.layer""", [run_id] * 4)
-
-    def expert_routes(self, run_id: str, layer: int, expert: int, limit: int = 1000) -> pd.DataFrame:
-        """Tokens that layer `layer` sent to `expert`: step, token, token_id, slot, weight, tags."""
-        return self.sql("""
-            SELECT step, token, sequence, position, token_id,
-                   list_position(expert_ids, ?::INTEGER) - 1 AS slot,
-                   gate_weights[list_position(expert_ids, ?::INTEGER)] AS gate_weight, tags
-            FROM routes
-            WHERE run_id = ? AND layer = ? AND list_contains(expert_ids, ?::INTEGER)
-            ORDER BY step, token LIMIT ?""", [expert, expert, run_id, layer, expert, limit])
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -2,12 +2,14 @@
 
 The model thread only calls `BatchProcessor.emit(record)`, which never raises and, under the
 `drop` policy, never waits. A worker thread hands batches to exporters. `ParquetExporter` writes
-each table's rows to `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>.parquet` through a
+each table's rows to `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet` through a
 temporary name and a rename, so a reader (or a crash) never sees a torn file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -21,8 +23,10 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from probe.records import RunInfo, StepRecord
-from store.schema import SCHEMAS, layers_table, run_table, step_tables
+from probe.records import Routes, RunInfo, StepRecord
+from store.layout import (COLUMN_ENCODING, COMPRESSION, DICTIONARY_COLUMNS, TMP_PREFIX, WRITER_ROW_GROUP_ROWS,
+                          part_name, run_folder)
+from store.schema import SCHEMAS, layers_table, routes_table, run_table, step_tables
 
 log = logging.getLogger(__name__)
 
@@ -193,28 +197,46 @@ class InMemoryExporter:
 
 
 def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.Table, rank: int = 0,
-                     seq: int = 0, row_group_size: int = 128 * 1024) -> str:
-    """Write one Parquet file atomically into the store layout; returns its path."""
-    folder = os.path.join(os.fspath(root), table, f"run_id={run_id}")
+                     seq: int = 0, row_group_size: int = WRITER_ROW_GROUP_ROWS,
+                     name: str | None = None, metadata: dict[bytes, bytes] | None = None) -> str:
+    """Write one Parquet file atomically into the store layout; returns its path.
+
+    The rows go to a temporary name, are fsynced, and the file is renamed into place: readers
+    and crashes see the whole file or nothing. Raises OSError (disk full, permissions) after
+    removing the temporary file.
+    """
+    folder = run_folder(root, table, run_id)
     os.makedirs(folder, exist_ok=True)
-    name = f"part-{rank:05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**9:09d}.parquet"
+    name = name or part_name(rank, seq)
     final = os.path.join(folder, name)
-    # The temporary name does not end in .parquet, so no reader's glob ever matches a file in flight.
-    tmp = os.path.join(folder, TMP_PREFIX + name + TMP_SUFFIX)
+    tmp = os.path.join(folder, TMP_PREFIX + name)
+    if metadata:
+        data = data.replace_schema_metadata({**(data.schema.metadata or {}), **metadata})
     # run_id lives in the folder name (hive partitioning); keeping it in the file too means a
     # file copied elsewhere still says which run it belongs to.
-    pq.write_table(data, tmp, compression="zstd", row_group_size=row_group_size)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        pq.write_table(data, tmp, compression=COMPRESSION, row_group_size=row_group_size,
+                       use_dictionary=[c for c in DICTIONARY_COLUMNS if c in data.column_names],
+                       column_encoding={c: e for c, e in COLUMN_ENCODING.items() if c in data.column_names},
+                       write_page_index=False)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     return final
 
 
 class ParquetExporter:
     """Buffers rows per table and writes a Parquet file per table when a buffer is big or old.
 
-    One instance writes one run from one process; file names carry rank, pid and a sequence
-    number, so processes and ranks write side by side without locks.
+    One instance writes one run from one process; file names carry rank, pid, a sequence number
+    and the clock, so processes and ranks write side by side without locks. Rows are lost to a
+    crash only from the buffers, which hold at most `max_age_s` seconds (the flush interval) of
+    data; a write that fails (disk full) is counted in `dropped_rows` with reason `write_failed`.
+    Route rows stay numpy arrays until their flush, which converts them in one vectorised pass.
     """
 
     def __init__(self, root: str | os.PathLike, run: RunInfo, max_rows: int = 256 * 1024,
@@ -225,11 +247,14 @@ class ParquetExporter:
         self.max_age_s = max_age_s
         self.processor = processor  # whose drop counters go into probe_stats
         self._buffers: dict[str, list[pa.Table]] = {}
+        self._route_pieces: list[tuple[int, int, dict[str, str], Routes]] = []
         self._rows: Counter[str] = Counter()
         self._first_at: dict[str, float] = {}
         self.written_rows: Counter[str] = Counter()
+        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, write side
         self.files: list[str] = []
         self._seq = 0
+        self._stats_written: tuple | None = None
         self._closed = False
         self._write("runs", run_table(run))
         if run.layers:
@@ -237,61 +262,93 @@ class ParquetExporter:
 
     def _write(self, table: str, data: pa.Table) -> None:
         self._seq += 1
-        self.files.append(write_table_file(self.root, table, self.run.run_id, data, self.run.rank, self._seq))
+        try:
+            path = write_table_file(self.root, table, self.run.run_id, data, self.run.rank, self._seq)
+        except OSError as e:
+            log.error("moescope: writing %d rows of %s to %s failed: %s", data.num_rows, table, self.root, e)
+            self.dropped_rows[(table, "write_failed")] += data.num_rows
+            return
+        self.files.append(path)
         self.written_rows[table] += data.num_rows
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         if self._closed:
             return False
         now = time.monotonic()
+        rank = self.run.rank
         for record in records:
-            for table, rows in step_tables(record, self.run.rank).items():
+            for ls in record.layers:
+                if ls.routes is not None:
+                    self._route_pieces.append((record.step, ls.layer, record.tags, ls.routes))
+                    self._rows["routes"] += len(ls.routes.expert_ids)
+                    self._first_at.setdefault("routes", now)
+            light = dataclasses.replace(record, layers=[dataclasses.replace(ls, routes=None)
+                                                        for ls in record.layers])
+            for table, rows in step_tables(light, rank).items():
                 self._buffers.setdefault(table, []).append(rows)
                 self._rows[table] += rows.num_rows
                 self._first_at.setdefault(table, now)
-        for table in list(self._buffers):
+        for table in list(self._first_at):
             if self._rows[table] >= self.max_rows or now - self._first_at[table] >= self.max_age_s:
                 self._flush_table(table)
         return True
 
     def _flush_table(self, table: str) -> None:
-        parts = self._buffers.pop(table, [])
         self._rows.pop(table, None)
         self._first_at.pop(table, None)
+        if table == "routes":
+            pieces, self._route_pieces = self._route_pieces, []
+            if pieces:
+                self._write(table, routes_table(self.run.run_id, self.run.rank, pieces))
+            return
+        parts = self._buffers.pop(table, [])
         if parts:
-            self._write(table, pa.concat_tables(parts).combine_chunks())
+            self._write(table, pa.concat_tables(parts))
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        for table in list(self._buffers):
+        for table in list(self._first_at):
             self._flush_table(table)
+        if self._drop_counts() != self._stats_written and any(self._drop_counts()):
+            self.write_probe_stats()  # drops are made durable at the next flush, not only at exit
         return True
 
-    def write_probe_stats(self) -> None:
-        """Write what was written and what was dropped, per table and reason, into probe_stats."""
-        now = dt.datetime.now(dt.timezone.utc)
-        rows = []
+    def _drop_counts(self) -> tuple:
         dropped = self.processor.dropped_rows if self.processor else Counter()
+        return tuple(sorted((dropped + self.dropped_rows).items()))
+
+    def write_probe_stats(self) -> None:
+        """Write cumulative written and dropped rows, per table and reason, into probe_stats.
+
+        Each write is a snapshot of this writer's counters (rank, pid); readers take the latest
+        snapshot per writer (`Store.probe_stats`).
+        """
+        now = dt.datetime.now(dt.timezone.utc)
+        drops = self._drop_counts()
+        dropped = Counter(dict(drops))
         dropped_records = self.processor.dropped_records if self.processor else Counter()
+        rows = []
         for table in SCHEMAS:
-            if table in ("probe_stats",):
+            if table == "probe_stats":
                 continue
             reasons = {reason for (t, reason) in dropped if t == table}
-            base = dict(run_id=self.run.run_id, ts=now, table_name=table, rank=self.run.rank,
-                        pid=os.getpid())
             if not reasons and not self.written_rows.get(table):
                 continue
+            base = dict(run_id=self.run.run_id, ts=now, table_name=table, rank=self.run.rank,
+                        pid=os.getpid())
             rows.append(dict(base, written_rows=self.written_rows.get(table, 0), dropped_rows=0,
                              dropped_records=0, reason=None))
             for reason in sorted(reasons):
                 rows.append(dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
-                                 dropped_records=dropped_records[reason] if table == "steps" else 0,
+                                 dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0,
                                  reason=reason))
+        self._stats_written = drops
         if rows:
             self._write("probe_stats", pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]))
 
     def shutdown(self) -> None:
         if self._closed:
             return
-        self.force_flush()
+        for table in list(self._first_at):
+            self._flush_table(table)
         self.write_probe_stats()
         self._closed = True

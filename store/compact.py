@@ -1,0 +1,244 @@
+"""Long runs: merge a run's small files into large sorted ones, and drop old runs.
+
+Compaction never stops writers and never shows a reader a row twice or misses one:
+
+1. It takes the live files of one (table, run) (`Catalog`), picks the small ones, and merges them
+   with DuckDB into a file sorted by (layer, step, ...), written under a temporary name.
+2. The merged file's footer names the files it replaces (`moescope.replaces`); it is fsynced and
+   renamed into place. From that instant every new listing reads the merged file and leaves the
+   sources out; a listing taken just before still reads the sources, which are all still there.
+3. After a grace period, longer than any listing takes, the sources are deleted. A reader whose
+   views still point at them fails to open one, refreshes and runs its query again.
+
+Writers keep appending new parts throughout; those are not in the replaced list and stay live.
+One compaction per (table, run) at a time (an advisory lock; a second one skips it). A crash
+at any point leaves a readable store: before the rename nothing changed (a `.tmp-` file remains,
+which readers ignore and `clean_tmp` removes), after it the leftover sources are excluded by the
+footer and deleted by the next compaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from store.catalog import Catalog, FileInfo, Vanished
+from store.layout import (COMPACT_FILE_ROWS, COMPACT_ROW_GROUP_ROWS, REPLACES_KEY, TMP_PREFIX, clean_tmp,
+                          compacted_name, list_runs, run_folder)
+from store.schema import TABLES
+from store.store import connect
+
+log = logging.getLogger(__name__)
+
+SORT_KEYS = {
+    "routes": "layer, step, rank, token",
+    "router_logits": "layer, step, rank, token",
+    "router_inputs": "layer, step, rank, token",
+    "layer_steps": "layer, step, rank",
+    "steps": "step, rank",
+    "kv_cache": "layer, step, rank",
+}
+LOCK_DIR = "_locks"
+
+
+@dataclass
+class CompactResult:
+    table: str
+    run_id: str
+    merged_files: int = 0  # sources merged away
+    written_files: list[str] = field(default_factory=list)
+    rows: int = 0
+    skipped: str | None = None  # why nothing was done
+
+
+@contextlib.contextmanager
+def _lock(root: str, table: str, run_id: str) -> Iterator[bool]:
+    folder = os.path.join(root, LOCK_DIR)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"compact-{table}-{run_id}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _live(catalog: Catalog, table: str, run_id: str) -> list[FileInfo]:
+    for attempt in range(50):
+        try:
+            return catalog.live_files(table, run_id)
+        except Vanished:
+            time.sleep(0.01 * attempt)
+    raise RuntimeError(f"files of {table}/{run_id} kept vanishing")
+
+
+def _groups(small: list[FileInfo], target_rows: int) -> list[list[FileInfo]]:
+    groups: list[list[FileInfo]] = [[]]
+    rows = 0
+    for info in small:
+        if groups[-1] and rows + info.rows > target_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(info)
+        rows += info.rows
+    return [g for g in groups if len(g) >= 2]
+
+
+def _delete_sources(folder: str, names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+
+
+def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: int = COMPACT_FILE_ROWS,
+                row_group_rows: int = COMPACT_ROW_GROUP_ROWS, grace_s: float = 2.0,
+                memory_limit: str = "4GB") -> CompactResult:
+    """Merge the small live files of one table of one run; see the module docstring.
+
+    Returns what was done. Raises OSError when the disk cannot take the merged file (nothing
+    is changed then) and RuntimeError when the merged rows do not add up (nothing is published).
+    """
+    root = os.fspath(root)
+    result = CompactResult(table, run_id)
+    with _lock(root, table, run_id) as locked:
+        if not locked:
+            result.skipped = "another compaction of this run is in progress"
+            return result
+        catalog = Catalog(root)
+        folder = run_folder(root, table, run_id)
+        live = _live(catalog, table, run_id)
+        # Sources a crashed compaction published over but did not delete: excluded already.
+        for info in live:
+            leftovers = [n for n in info.replaces if os.path.exists(os.path.join(folder, n))]
+            if leftovers:
+                time.sleep(max(0.0, grace_s - (time.time() - os.path.getmtime(info.path))))
+                _delete_sources(folder, leftovers)
+        small = sorted((i for i in live if i.rows < target_rows // 2), key=lambda i: os.path.getmtime(i.path))
+        groups = _groups(small, target_rows)
+        if not groups:
+            result.skipped = "nothing to merge"
+            return result
+        con = connect()
+        con.execute("SET memory_limit = ?", [memory_limit])
+        con.execute("SET preserve_insertion_order = true")
+        published: list[list[str]] = []
+        try:
+            for group in groups:
+                name = compacted_name()
+                tmp = os.path.join(folder, TMP_PREFIX + name)
+                names = sorted(os.path.basename(i.path) for i in group)
+                columns = {i.columns for i in group}
+                con.read_parquet([i.path for i in group], hive_partitioning=False,
+                                 union_by_name=len(columns) > 1).create_view("sources", replace=True)
+                order = f" ORDER BY {SORT_KEYS[table]}" if table in SORT_KEYS else ""
+                replaces = json.dumps(names).replace("'", "''")
+                literal = tmp.replace("'", "''")
+                try:
+                    con.execute(
+                        f"COPY (SELECT * FROM sources{order}) TO '{literal}' (FORMAT parquet, "
+                        f"COMPRESSION zstd, ROW_GROUP_SIZE {int(row_group_rows)}, "
+                        f"KV_METADATA {{'{REPLACES_KEY.decode()}': '{replaces}'}})")
+                    merged_rows = con.execute("SELECT count(*) FROM read_parquet(?)", [tmp]).fetchone()[0]
+                    expected = sum(i.rows for i in group)
+                    if merged_rows != expected:
+                        raise RuntimeError(f"merged {merged_rows} rows of {table}/{run_id}, expected {expected}")
+                    with open(tmp, "rb") as f:
+                        os.fsync(f.fileno())
+                    os.replace(tmp, os.path.join(folder, name))
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
+                published.append(names)
+                result.written_files.append(os.path.join(folder, name))
+                result.merged_files += len(group)
+                result.rows += expected
+        finally:
+            con.close()
+            if published:
+                time.sleep(grace_s)  # readers that listed just before the swap finish listing
+                for names in published:
+                    _delete_sources(folder, names)
+    return result
+
+
+def compact(root: str | os.PathLike, run_id: str | None = None, tables: tuple[str, ...] | None = None,
+            target_rows: int = COMPACT_FILE_ROWS, row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
+            grace_s: float = 2.0, tmp_older_than_s: float = 900.0) -> list[CompactResult]:
+    """Compact every table of one run (or of every run); also removes stale temporary files.
+
+    Returns one CompactResult per (table, run) looked at.
+    """
+    root = os.fspath(root)
+    results = []
+    for table in tables or TABLES:
+        for run in ([run_id] if run_id else list_runs(root, table)):
+            if os.path.isdir(run_folder(root, table, run)):
+                results.append(compact_run(root, table, run, target_rows, row_group_rows, grace_s))
+    clean_tmp(root, tmp_older_than_s)
+    return results
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '2w' as seconds; raises ValueError with the accepted forms."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if not match:
+        raise ValueError(f"cannot read the age {text!r}: write a number and a unit, e.g. 90s, 30m, 12h, 7d, 2w")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def run_last_write(root: str | os.PathLike, run_id: str) -> float:
+    """Newest modification time of any file of a run, over all tables (0 if none)."""
+    newest = 0.0
+    for table in os.listdir(root):
+        folder = run_folder(root, table, run_id)
+        if table.startswith("_") or not os.path.isdir(folder):
+            continue
+        for entry in os.scandir(folder):
+            newest = max(newest, entry.stat().st_mtime)
+    return newest
+
+
+def prune(root: str | os.PathLike, older_than_s: float, dry_run: bool = False,
+          now: float | None = None) -> list[str]:
+    """Remove every run whose newest file is older than `older_than_s`; returns their ids.
+
+    A run still being written keeps getting new files, so it is never pruned. Each table's run
+    folder is first renamed into `<root>/_trash` (atomic per table), then deleted; a reader with
+    stale views refreshes when a file vanishes. The quarantine folder is left to the user.
+    """
+    root = os.fspath(root)
+    now = time.time() if now is None else now
+    runs = sorted({run for table in os.listdir(root) if not table.startswith(("_", "."))
+                   for run in list_runs(root, table)})
+    old = [run for run in runs if now - run_last_write(root, run) > older_than_s]
+    if dry_run:
+        return old
+    trash = os.path.join(root, "_trash", uuid.uuid4().hex)
+    for run in old:
+        for table in os.listdir(root):
+            folder = run_folder(root, table, run)
+            if table.startswith("_") or not os.path.isdir(folder):
+                continue
+            target = os.path.join(trash, table, os.path.basename(folder))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(folder, target)
+        log.info("moescope: pruned run %s from %s", run, root)
+    shutil.rmtree(trash, ignore_errors=True)
+    return old

@@ -1,0 +1,358 @@
+"""Typed queries over a store, for the dashboard and the alerts engine.
+
+Every aggregate is computed inside DuckDB; Python only reshapes small results (a list per layer,
+an E x E matrix). Conventions shared by every query:
+
+- A step window is half-open: `step_from <= step < step_to`; None leaves that side open.
+- `tags` filters rows whose step tags hold every given key=value (`{"split": "eval"}`).
+- Rows of all ranks of a run are summed: a run's step n is every rank's step n.
+- An unknown run or an empty window gives an empty result, never an error; `latest_run` is the
+  one query that raises EmptyStoreError ("no data yet").
+- Expert ids are 0-based positions in `expert_load` (routed experts first, then zero experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from store.errors import EmptyStoreError
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A slice of a store to compare: a run, optionally narrowed to tag values and a step window."""
+
+    run_id: str
+    tags: dict[str, str] = field(default_factory=dict)
+    step_from: int | None = None
+    step_to: int | None = None
+
+
+def where(run_id: str, layer: int | None = None, step_from: int | None = None, step_to: int | None = None,
+          tags: dict[str, str] | None = None) -> tuple[str, list]:
+    """A WHERE clause of fixed SQL fragments and its parameters: values never enter the text."""
+    clauses, params = ["run_id = ?"], [str(run_id)]
+    if layer is not None:
+        clauses.append("layer = ?")
+        params.append(int(layer))
+    if step_from is not None:
+        clauses.append("step >= ?")
+        params.append(int(step_from))
+    if step_to is not None:
+        clauses.append("step < ?")
+        params.append(int(step_to))
+    for key, value in (tags or {}).items():
+        clauses.append("map_extract_value(tags, ?) = ?")
+        params += [str(key), str(value)]
+    return " AND ".join(clauses), params
+
+
+def _unnest_load(clause: str, extra: str = "") -> str:
+    """Layer steps exploded to one row per (step, layer, expert): the base of the load queries."""
+    return (f"SELECT layer, step, {extra} unnest(expert_load) AS load, "
+            f"unnest(range(len(expert_load)))::INTEGER AS expert FROM layer_steps WHERE {clause}")
+
+
+def _vectors(frame: pd.DataFrame, column: str) -> pd.DataFrame:
+    frame[column] = [np.asarray(v, dtype=np.int64) for v in frame[column]]
+    return frame
+
+
+class StoreQueries:
+    """Mixed into `store.Store`; every method runs through `self.sql` (parameters, error mapping)."""
+
+    def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:  # pragma: no cover
+        raise NotImplementedError
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def runs(self) -> pd.DataFrame:
+        """One row per run, oldest first.
+
+        Columns: run_id, started_at (UTC), model_class, total_params, routed_expert_params,
+        tags (dict), world_size, ranks (ranks that wrote), steps (distinct steps), tokens (all
+        ranks), last_ts (time of the newest step).
+        """
+        frame = self.sql("""
+            WITH s AS (SELECT run_id, count(DISTINCT step) AS steps, coalesce(sum(tokens), 0) AS tokens,
+                              max(ts) AS last_ts FROM steps GROUP BY run_id)
+            SELECT r.run_id, min(r.started_at) AS started_at, any_value(r.model_class) AS model_class,
+                   any_value(r.total_params) AS total_params,
+                   any_value(r.routed_expert_params) AS routed_expert_params,
+                   any_value(r.tags) AS tags, max(r.world_size) AS world_size,
+                   count(DISTINCT r.rank) AS ranks, coalesce(any_value(s.steps), 0) AS steps,
+                   coalesce(any_value(s.tokens), 0)::BIGINT AS tokens, any_value(s.last_ts) AS last_ts
+            FROM runs r LEFT JOIN s USING (run_id) GROUP BY r.run_id ORDER BY started_at, run_id""")
+        frame["tags"] = [dict(t) if t is not None else {} for t in frame["tags"]]
+        return frame
+
+    def latest_run(self) -> str:
+        """The id of the most recently started run; raises EmptyStoreError when there is none."""
+        runs = self.sql("SELECT run_id FROM runs ORDER BY started_at DESC, run_id DESC LIMIT 1")
+        if runs.empty:
+            raise EmptyStoreError(f"no data yet: the store {self.root!r} holds no run. Record one first")
+        return str(runs.run_id[0])
+
+    def tag_values(self, run_id: str) -> pd.DataFrame:
+        """Step tags seen in a run: columns key, value, steps (distinct steps carrying it)."""
+        return self.sql("""
+            SELECT t.key AS key, t.value AS value, count(DISTINCT step) AS steps
+            FROM (SELECT step, unnest(map_entries(tags)) AS t FROM steps WHERE run_id = ?)
+            GROUP BY ALL ORDER BY ALL""", [run_id])
+
+    def layers(self, run_id: str) -> pd.DataFrame:
+        """The run's MoE layers: layer, module, family, num_experts, zero_experts, top_k, ..."""
+        return self.sql("SELECT DISTINCT * EXCLUDE (rank) FROM layers WHERE run_id = ? ORDER BY layer",
+                        [run_id])
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load_matrix(self, run_id: str, layer: int, bucket_steps: int = 1, step_from: int | None = None,
+                    step_to: int | None = None, tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Tokens per expert per step bucket of one layer, for a heatmap.
+
+        Returns a long frame: step_bucket (first step of the bucket; buckets are aligned to
+        multiples of bucket_steps), expert, load (kept slots, all ranks). Raises ValueError for
+        bucket_steps < 1.
+        """
+        if bucket_steps < 1:
+            raise ValueError(f"bucket_steps must be at least 1, not {bucket_steps}")
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        return self.sql(f"""
+            SELECT (step // ?) * ? AS step_bucket, expert, sum(load)::BIGINT AS load
+            FROM ({_unnest_load(clause)}) GROUP BY ALL ORDER BY step_bucket, expert""",
+                        [int(bucket_steps), int(bucket_steps), *params])
+
+    def load_per_step(self, run_id: str, layer: int) -> pd.DataFrame:
+        """Tokens per expert at each step of one layer: columns step, expert, load."""
+        return self.load_matrix(run_id, layer).rename(columns={"step_bucket": "step"})
+
+    def layer_summary(self, run_id: str) -> pd.DataFrame:
+        """Per layer over the whole run: layer, expert_load (list, index = expert), tokens,
+        router_entropy_mean (token-weighted, nats), dropped_tokens."""
+        clause, params = where(run_id)
+        return self.sql(f"""
+            WITH p AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL),
+                 s AS (SELECT layer, sum(tokens)::BIGINT AS tokens,
+                              sum(router_entropy_mean * tokens) / nullif(sum(tokens), 0) AS router_entropy_mean,
+                              sum(dropped_tokens)::BIGINT AS dropped_tokens
+                       FROM layer_steps WHERE {clause} GROUP BY layer)
+            SELECT layer, list(p.load::BIGINT ORDER BY p.expert) AS expert_load, any_value(s.tokens) AS tokens,
+                   any_value(s.router_entropy_mean) AS router_entropy_mean,
+                   any_value(s.dropped_tokens) AS dropped_tokens
+            FROM p JOIN s USING (layer) GROUP BY layer ORDER BY layer""", params + params)
+
+    def expert_share(self, run_id: str, step_from: int | None = None, step_to: int | None = None,
+                     tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Layer x expert load over a window: columns layer, expert, load, share (of the layer's)."""
+        clause, params = where(run_id, None, step_from, step_to, tags)
+        return self.sql(f"""
+            WITH t AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL)
+            SELECT layer, expert, load::BIGINT AS load,
+                   load / nullif(sum(load) OVER (PARTITION BY layer), 0) AS share
+            FROM t ORDER BY layer, expert""", params)
+
+    def coselection(self, run_id: str, layer: int, step_from: int | None = None, step_to: int | None = None,
+                    tags: dict[str, str] | None = None) -> np.ndarray:
+        """Tokens that chose both expert i and expert j, summed over a window: an (E, E) int64 array.
+
+        The diagonal is each expert's token count. Returns a (0, 0) array when the window has no
+        co-selection counts (none recorded: top-1 routers, or more experts than the probe's limit).
+        """
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        flat = self.sql(f"""
+            SELECT i, sum(v)::BIGINT AS v FROM (
+                SELECT unnest(coselection) AS v, unnest(range(len(coselection))) AS i
+                FROM layer_steps WHERE {clause} AND coselection IS NOT NULL)
+            GROUP BY i ORDER BY i""", params)
+        size = int(round(np.sqrt(len(flat))))
+        if size * size != len(flat):
+            raise ValueError(f"co-selection lists of layer {layer} in run {run_id!r} have mixed lengths")
+        return flat["v"].to_numpy(np.int64).reshape(size, size)
+
+    # -- drift ---------------------------------------------------------------------------------
+
+    def load_distribution(self, run_id: str, layer: int | None = None, step_from: int | None = None,
+                          step_to: int | None = None, tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Expert load vector per layer over one window (a baseline, say).
+
+        Columns: layer, steps, tokens, expert_load (np.ndarray of int64, index = expert).
+        """
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        return _vectors(self.sql(f"""
+            WITH p AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL),
+                 s AS (SELECT layer, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens
+                       FROM layer_steps WHERE {clause} GROUP BY layer)
+            SELECT layer, any_value(s.steps) AS steps, any_value(s.tokens) AS tokens,
+                   list(p.load::BIGINT ORDER BY p.expert) AS expert_load
+            FROM p JOIN s USING (layer) GROUP BY layer ORDER BY layer""", params + params), "expert_load")
+
+    def load_windows(self, run_id: str, window_steps: int, layer: int | None = None,
+                     step_from: int | None = None, step_to: int | None = None,
+                     tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Expert load vector per layer and per window of `window_steps` steps (aligned to multiples).
+
+        Columns: layer, window_start, window_end (exclusive), steps, tokens, expert_load
+        (np.ndarray of int64). Raises ValueError for window_steps < 1.
+        """
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        w = int(window_steps)
+        return _vectors(self.sql(f"""
+            WITH p AS (SELECT layer, step // ? AS w, expert, sum(load) AS load
+                       FROM ({_unnest_load(clause)}) GROUP BY ALL),
+                 s AS (SELECT layer, step // ? AS w, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens
+                       FROM layer_steps WHERE {clause} GROUP BY ALL)
+            SELECT layer, w * ? AS window_start, (w + 1) * ? AS window_end, any_value(s.steps) AS steps,
+                   any_value(s.tokens) AS tokens, list(p.load::BIGINT ORDER BY p.expert) AS expert_load
+            FROM p JOIN s USING (layer, w) GROUP BY layer, w ORDER BY layer, window_start""",
+                                 [w, *params, w, *params, w, w]), "expert_load")
+
+    def drift_windows(self, run_id: str, window_steps: int, baseline_run: str | None = None,
+                      baseline_steps: tuple[int | None, int | None] | None = None, layer: int | None = None,
+                      step_from: int | None = None, step_to: int | None = None) -> pd.DataFrame:
+        """Each window's expert load next to a baseline's, per layer: the input of drift alerts.
+
+        The baseline is `baseline_run` (its `baseline_steps` window, or all of it), or else the
+        `baseline_steps` window of this run, or else this run's first window. Columns: those of
+        `load_windows` plus baseline_load (np.ndarray of int64, same experts) and baseline_tokens;
+        windows of layers the baseline lacks are left out.
+        """
+        windows = self.load_windows(run_id, window_steps, layer, step_from, step_to)
+        if windows.empty:
+            return windows.assign(baseline_load=[], baseline_tokens=[])
+        if baseline_run is None and baseline_steps is None:
+            first = int(windows.window_start.min())
+            baseline_steps = (first, first + int(window_steps))
+        start, end = baseline_steps or (None, None)
+        base = self.load_distribution(baseline_run or run_id, layer, start, end)
+        base = base.rename(columns={"expert_load": "baseline_load", "tokens": "baseline_tokens"})
+        return windows.merge(base[["layer", "baseline_load", "baseline_tokens"]], on="layer", how="inner")
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def expert_routes(self, run_id: str, layer: int, expert: int, step_from: int | None = None,
+                      step_to: int | None = None, tags: dict[str, str] | None = None,
+                      limit: int = 1000) -> pd.DataFrame:
+        """Tokens that layer `layer` routed to `expert`, oldest first, at most `limit` rows.
+
+        Columns: step, rank, token (row in the flattened batch), sequence, position, token_id
+        (None where the layer did not see input ids), slot (0 = the router's first choice),
+        gate_weight, kept (False where a capacity limit dropped it), tags (dict). Needs
+        `routes=True` at attach; empty otherwise.
+        """
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        e = int(expert)
+        frame = self.sql(f"""
+            SELECT step, rank, token, sequence, position, token_id,
+                   list_position(expert_ids, ?::INTEGER) - 1 AS slot,
+                   gate_weights[list_position(expert_ids, ?::INTEGER)] AS gate_weight,
+                   kept[list_position(expert_ids, ?::INTEGER)] AS kept, tags
+            FROM routes WHERE {clause} AND list_contains(expert_ids, ?::INTEGER)
+            ORDER BY step, rank, token LIMIT ?""", [e, e, e, *params, e, int(limit)])
+        frame["tags"] = [dict(t) if t is not None else {} for t in frame["tags"]]
+        return frame
+
+    # -- breakdowns and comparisons ------------------------------------------------------------
+
+    def tag_breakdown(self, run_id: str, key: str, step_from: int | None = None,
+                      step_to: int | None = None) -> pd.DataFrame:
+        """Per value of tag `key` (None: steps without it) and per layer.
+
+        Columns: tag_value, layer, steps, tokens, active_param_fraction (token-weighted mean over
+        the value's steps), router_entropy_mean (token-weighted, nats), load_entropy (entropy of
+        the summed expert load, nats), dropped_tokens.
+        """
+        clause, params = where(run_id, None, step_from, step_to)
+        return self.sql(f"""
+            WITH ls AS (SELECT *, map_extract_value(tags, ?) AS tag_value FROM layer_steps WHERE {clause}),
+                 st AS (SELECT map_extract_value(tags, ?) AS tag_value,
+                               sum(active_param_fraction * tokens) / nullif(sum(tokens), 0) AS active_param_fraction
+                        FROM steps WHERE {clause} GROUP BY ALL),
+                 per AS (SELECT tag_value, layer, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens,
+                                sum(router_entropy_mean * tokens) / nullif(sum(tokens), 0) AS router_entropy_mean,
+                                sum(dropped_tokens)::BIGINT AS dropped_tokens
+                         FROM ls GROUP BY ALL),
+                 load AS (SELECT tag_value, layer, expert, sum(load) AS load FROM (
+                              SELECT tag_value, layer, unnest(expert_load) AS load,
+                                     unnest(range(len(expert_load))) AS expert FROM ls) GROUP BY ALL),
+                 ent AS (SELECT tag_value, layer,
+                                -sum(CASE WHEN load > 0 THEN p * ln(p) ELSE 0 END) AS load_entropy
+                         FROM (SELECT *, load / nullif(sum(load) OVER (PARTITION BY tag_value, layer), 0) AS p
+                               FROM load) GROUP BY ALL)
+            SELECT per.tag_value, per.layer, per.steps, per.tokens, st.active_param_fraction,
+                   per.router_entropy_mean, ent.load_entropy, per.dropped_tokens
+            FROM per LEFT JOIN st ON per.tag_value IS NOT DISTINCT FROM st.tag_value
+                     LEFT JOIN ent ON per.tag_value IS NOT DISTINCT FROM ent.tag_value AND per.layer = ent.layer
+            ORDER BY per.tag_value NULLS LAST, per.layer""", [str(key), *params, str(key), *params])
+
+    def compare(self, a: Selection, b: Selection) -> pd.DataFrame:
+        """Layer x expert load share of two selections side by side.
+
+        Columns: layer, expert, load_a, load_b, share_a, share_b, delta (share_b - share_a).
+        An expert missing on one side has load 0 and share 0 there (NaN share if that side has no
+        rows for the layer at all).
+        """
+        clause_a, params_a = where(a.run_id, None, a.step_from, a.step_to, a.tags)
+        clause_b, params_b = where(b.run_id, None, b.step_from, b.step_to, b.tags)
+        return self.sql(f"""
+            WITH la AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause_a)}) GROUP BY ALL),
+                 lb AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause_b)}) GROUP BY ALL),
+                 j AS (SELECT layer, expert, coalesce(la.load, 0) AS load_a, coalesce(lb.load, 0) AS load_b
+                       FROM la FULL OUTER JOIN lb USING (layer, expert))
+            SELECT layer, expert, load_a::BIGINT AS load_a, load_b::BIGINT AS load_b,
+                   load_a / nullif(sum(load_a) OVER (PARTITION BY layer), 0) AS share_a,
+                   load_b / nullif(sum(load_b) OVER (PARTITION BY layer), 0) AS share_b,
+                   share_b - share_a AS delta
+            FROM j ORDER BY layer, expert""", params_a + params_b)
+
+    def compare_runs(self, run_a: str, run_b: str) -> pd.DataFrame:
+        """`compare` of two whole runs."""
+        return self.compare(Selection(run_a), Selection(run_b))
+
+    def compare_tags(self, run_id: str, key: str, value_a: str, value_b: str) -> pd.DataFrame:
+        """`compare` of the steps tagged key=value_a against those tagged key=value_b, in one run."""
+        return self.compare(Selection(run_id, {key: value_a}), Selection(run_id, {key: value_b}))
+
+    def compare_summary(self, a: Selection, b: Selection) -> pd.DataFrame:
+        """Headline figures of two selections: one row per side ("a", "b").
+
+        Columns: side, steps, tokens, active_param_fraction (token-weighted), router_entropy_mean
+        (token-weighted over layers and steps), dropped_tokens.
+        """
+        parts, params = [], []
+        for side, sel in (("a", a), ("b", b)):
+            clause, p = where(sel.run_id, None, sel.step_from, sel.step_to, sel.tags)
+            parts.append(f"""
+                SELECT ? AS side,
+                       (SELECT count(DISTINCT step) FROM steps WHERE {clause}) AS steps,
+                       (SELECT coalesce(sum(tokens), 0)::BIGINT FROM steps WHERE {clause}) AS tokens,
+                       (SELECT sum(active_param_fraction * tokens) / nullif(sum(tokens), 0)
+                          FROM steps WHERE {clause}) AS active_param_fraction,
+                       (SELECT sum(router_entropy_mean * tokens) / nullif(sum(tokens), 0)
+                          FROM layer_steps WHERE {clause}) AS router_entropy_mean,
+                       (SELECT coalesce(sum(dropped_tokens), 0)::BIGINT
+                          FROM layer_steps WHERE {clause}) AS dropped_tokens""")
+            params += [side, *p, *p, *p, *p, *p]
+        return self.sql(" UNION ALL ".join(parts) + " ORDER BY side", params)
+
+    # -- the probe's own accounting ------------------------------------------------------------
+
+    def probe_stats(self, run_id: str) -> pd.DataFrame:
+        """Rows written and dropped per table and reason, over all writers of a run.
+
+        Each writer (rank, pid) writes cumulative snapshots; this sums the latest of each.
+        Columns: table_name, reason (None on the written row), written_rows, dropped_rows,
+        dropped_records.
+        """
+        return self.sql("""
+            WITH latest AS (SELECT *, max(ts) OVER (PARTITION BY rank, pid) AS last_ts
+                            FROM probe_stats WHERE run_id = ?)
+            SELECT table_name, reason, sum(written_rows)::BIGINT AS written_rows,
+                   sum(dropped_rows)::BIGINT AS dropped_rows, sum(dropped_records)::BIGINT AS dropped_records
+            FROM latest WHERE ts = last_ts GROUP BY ALL ORDER BY table_name, reason NULLS FIRST""", [run_id])
