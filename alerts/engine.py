@@ -24,13 +24,20 @@ import hashlib
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from alerts.rules import Rule, RulePack
-from alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record, summed_load
+from alerts.window import (
+    LayerHistory,
+    LayerObservation,
+    compute_signals,
+    observations_from_record,
+    summed_load,
+)
 from probe.records import StepRecord
 
 MAX_HISTORY_STEPS = 4096  # bound on a time-based window's memory per layer

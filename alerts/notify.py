@@ -68,7 +68,7 @@ def validate_url(url: str, what: str = "receiver") -> str:
     if not parts.hostname:
         raise NotifierError(f"{what} URL {url!r} names no host, {example}")
     try:
-        parts.port
+        _ = parts.port  # raises ValueError for a port out of range
     except ValueError:
         raise NotifierError(f"{what} URL {url!r} has an invalid port, {example}") from None
     return url

@@ -21,8 +21,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from alerts.engine import AlertTransition
 from alerts.notify import Notifier

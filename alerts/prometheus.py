@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
@@ -188,23 +188,23 @@ class PrometheusExporter:
                 baseline = self._baselines.get(index)
                 if baseline is None and len(layer.baseline_parts) >= self.baseline_steps:
                     baseline = np.sum(layer.baseline_parts, axis=0)
-                layers[index] = dict(
-                    window=list(layer.history.items),
-                    tokens_total=layer.tokens_total,
-                    dropped_total=layer.dropped_total,
-                    expert_tokens_total=None if layer.expert_tokens_total is None else layer.expert_tokens_total.copy(),
-                    baseline=baseline,
-                )
-            return dict(
-                run_id=self._run_id,
-                model_class=self._model_class,
-                layers=layers,
-                steps_total=self._steps_total,
-                last_ts=self._last_ts,
-                active_ratio=self._active_ratio,
-                written=dict(self._written),
-                dropped=dict(self._dropped),
-            )
+                layers[index] = {
+                    "window": list(layer.history.items),
+                    "tokens_total": layer.tokens_total,
+                    "dropped_total": layer.dropped_total,
+                    "expert_tokens_total": None if layer.expert_tokens_total is None else layer.expert_tokens_total.copy(),
+                    "baseline": baseline,
+                }
+            return {
+                "run_id": self._run_id,
+                "model_class": self._model_class,
+                "layers": layers,
+                "steps_total": self._steps_total,
+                "last_ts": self._last_ts,
+                "active_ratio": self._active_ratio,
+                "written": dict(self._written),
+                "dropped": dict(self._dropped),
+            }
 
 
 class _RoutingCollector(Collector):

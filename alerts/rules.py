@@ -30,11 +30,12 @@ import math
 import operator
 import os
 import re
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
+import tomllib
 import yaml
 
 # signal name -> what it measures; the engine computes exactly these (alerts.window)
@@ -152,7 +153,7 @@ class RulePack:
 def parse_duration(value: Any) -> float:
     """Return seconds for `90`, `"30s"`, `"5m"`, `"1h30m"`, `"250ms"`; raise ValueError otherwise."""
     if isinstance(value, bool):
-        raise ValueError("a duration must be a number of seconds or a string like '5m'")
+        raise TypeError("a duration must be a number of seconds or a string like '5m'")
     if isinstance(value, (int, float)):
         if value < 0 or not math.isfinite(value):
             raise ValueError("a duration must be a finite, non-negative number of seconds")
@@ -281,7 +282,7 @@ class _Reader:
     def duration(self, value: Any, path: Path) -> float:
         try:
             return parse_duration(value)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise self.fail(path, str(exc)) from None
 
     def window(self, value: Any, path: Path) -> Window:

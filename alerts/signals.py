@@ -225,7 +225,7 @@ class WhatIfCapacity:
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Return ceil(capacity_factor * tokens * top_k / num_experts), the GShard/Switch capacity."""
-    return int(math.ceil(capacity_factor * tokens * top_k / num_experts))
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
 def whatif_capacity(

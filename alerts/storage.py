@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
 from alerts.engine import AlertEngine, AlertTransition, TransitionSink
 from alerts.rules import RulePack
 from alerts.window import LayerObservation
-from store.store import Store, table_files
+from store.store import Store
 from store.writer import write_table_file
 
 ALERTS_TABLE = "alerts"
@@ -61,13 +62,13 @@ _ROUTE_SIGNALS = {"routing_drift_rate", "switch_entropy", "whatif_drop_rate_cf1"
 def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
     now = dt.datetime.now(dt.timezone.utc)
     rows = [
-        dict(
-            run_id=t.run_id, fingerprint=t.fingerprint, alertname=t.alertname, state=t.state,
-            previous_state=t.previous_state, ts=t.at, step=t.step, layer=t.layer, severity=t.severity,
-            expr=t.expr, labels=list(t.labels.items()), annotations=list(t.annotations.items()),
-            signal_values=[(k, v) for k, v in t.values.items()], starts_at=t.starts_at, ends_at=t.ends_at,
-            written_at=now,
-        )
+        {
+            "run_id": t.run_id, "fingerprint": t.fingerprint, "alertname": t.alertname, "state": t.state,
+            "previous_state": t.previous_state, "ts": t.at, "step": t.step, "layer": t.layer, "severity": t.severity,
+            "expr": t.expr, "labels": list(t.labels.items()), "annotations": list(t.annotations.items()),
+            "signal_values": [(k, v) for k, v in t.values.items()], "starts_at": t.starts_at, "ends_at": t.ends_at,
+            "written_at": now,
+        }
         for t in transitions
     ]
     return pa.Table.from_pylist(rows, schema=ALERTS_SCHEMA)
@@ -90,12 +91,15 @@ class AlertTableWriter:
 
 
 def read_alerts(store: Store, run_id: str | None = None):
-    """Return the `alerts` table (a DataFrame ordered by time), empty when nothing was written."""
-    files = table_files(store.root, ALERTS_TABLE)
-    if not files:
-        return pa.Table.from_batches([], schema=ALERTS_SCHEMA).to_pandas()
-    query = "SELECT * FROM read_parquet(?, hive_partitioning = false, union_by_name = true)"
-    params: list = [files]
+    """Return the `alerts` table (a DataFrame ordered by time), empty when nothing was written.
+
+    Refreshes the store's views first, so transitions written a moment ago are included.
+    """
+    store.refresh()
+    if not store.files.get(ALERTS_TABLE):  # the store makes a view of every table folder it finds
+        return ALERTS_SCHEMA.empty_table().to_pandas()
+    query = f"SELECT * FROM {ALERTS_TABLE}"
+    params: list = []
     if run_id is not None:
         query += " WHERE run_id = ?"
         params.append(run_id)
@@ -145,7 +149,7 @@ class StoreAlertRunner:
             return []
         if run_id not in self._total_params:
             total = self.store.sql("SELECT max(total_params) AS t FROM runs WHERE run_id = ?", [run_id]).t[0]
-            self._total_params[run_id] = int(total) if total == total and total is not None else 0
+            self._total_params[run_id] = int(total) if pd.notna(total) else 0
         total_params = self._total_params[run_id]
         routes: dict[tuple[int, int], list] = {}
         if self._needs_routes:

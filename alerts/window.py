@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 

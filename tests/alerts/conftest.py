@@ -63,7 +63,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's naming
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if receiver.delay_s:
                     time.sleep(receiver.delay_s)
@@ -121,7 +121,7 @@ class Server:
 
     def __init__(self, argv: list[str], ready_url: str, log_path, timeout_s: float = 30.0):
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open for the server's lifetime, closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_until(lambda: self.proc.poll() is not None or _ready(ready_url), timeout_s, what=ready_url)

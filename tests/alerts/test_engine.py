@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from alerts import signals as sig
 from alerts.engine import AlertEngine, EngineExporter, fingerprint
 from alerts.rules import parse_rules
 from alerts.window import LayerObservation, compute_signals, observations_from_record
-from alerts import signals as sig
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_record
 
 PACK = """\

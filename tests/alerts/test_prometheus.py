@@ -11,8 +11,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from alerts import signals as sig
-from alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
 from alerts.prometheus import PrometheusExporter
+from alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
 from alerts.rules import RulesError, default_rules, parse_rules
 from tests.alerts.conftest import promtool
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_record
@@ -117,7 +117,7 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     path = tmp_path / "moescope.rules.yml"
     path.write_text(prometheus_rules_yaml(pack))
     assert yaml.safe_load(path.read_text()) == doc
-    check = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    check = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 7 rules found" in check.stdout
 

@@ -1,0 +1,222 @@
+"""`moescope alerts ...`: run the rules over a store, test a receiver, export Prometheus rules.
+
+`moescope/cli.py` calls `add_subcommands(subparsers)`; each command's function returns the
+process exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import signal
+import sys
+import threading
+
+from alerts.engine import FIRING, AlertTransition
+from alerts.notify import KINDS, NotifierError
+from alerts.outbox import Outbox, OutboxWorker, post
+from alerts.promrules import prometheus_rules_yaml
+from alerts.rules import RulesError, default_rules, load_rules
+
+_RUN_HELP = """\
+Evaluate alert rules over a moescope store, as new steps land, and notify receivers.
+
+Why: catch expert skew, dead experts, drift from a baseline or dropped tokens while a run is
+going, in the tools you already watch (a webhook, Slack, Alertmanager).
+
+Every transition (pending, firing, resolved) is written to the store's `alerts` table.
+Notifications go through a persistent outbox (--outbox), so a receiver that is down gets every
+alert when it comes back, once. Without --rules the default rule pack is used
+(alerts/default_rules.yaml); `moescope alerts check FILE` validates your own.
+
+example:
+  export MOESCOPE_WEBHOOK_SECRET=...   # signs JSON webhooks (HMAC-SHA256)
+  moescope alerts run runs/ --rules my_rules.yaml \\
+      --webhook https://hooks.example.com/moe --alertmanager http://127.0.0.1:9093
+"""
+
+
+def _receivers(args: argparse.Namespace) -> list:
+    secret = os.environ.get(args.secret_env) if args.secret_env else None
+    if args.secret_env and not secret:
+        raise NotifierError(f"--secret-env {args.secret_env}: that environment variable is not set or empty")
+    notifiers = [KINDS["webhook"](url, secret=secret) for url in args.webhook]
+    notifiers += [KINDS["slack"](url) for url in args.slack]
+    notifiers += [KINDS["alertmanager"](url) for url in args.alertmanager]
+    notifiers += [KINDS["alertmanager-webhook"](url) for url in args.am_webhook]
+    return notifiers
+
+
+def _load_pack(path: str | None):
+    return load_rules(path) if path else default_rules()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from alerts.storage import StoreAlertRunner
+    from store.store import StoreError
+
+    try:
+        pack = _load_pack(args.rules)
+        notifiers = _receivers(args)
+    except (RulesError, NotifierError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    outbox_path = args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
+    os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
+    outbox = Outbox(outbox_path, notifiers)
+    try:
+        runner = StoreAlertRunner(args.store, pack, sinks=[outbox], run_ids=args.run or None)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        outbox.close()
+        return 2
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    worker = OutboxWorker(outbox, interval_s=1.0).start()
+    print(f"evaluating {len(pack.rules)} rules from {pack.source} over {args.store}; "
+          f"{len(notifiers)} receivers; outbox {outbox_path}", file=sys.stderr)
+    try:
+        if args.once:
+            for t in runner.poll_once():
+                print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer} {t.values}")
+        else:
+            while not stop.is_set():
+                for t in runner.poll_once():
+                    print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer}", flush=True)
+                stop.wait(args.interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.stop()
+        outbox.flush(args.flush_timeout)
+        left = outbox.counts().get("pending", 0)
+        if left:
+            print(f"{left} notifications still pending in {outbox_path}; they are sent on the next run",
+                  file=sys.stderr)
+        outbox.close()
+    return 0
+
+
+def sample_transition() -> AlertTransition:
+    """A firing ExpertLoadSkew alert, as `test-webhook` sends it."""
+    now = dt.datetime.now(dt.timezone.utc)
+    labels = {"alertname": "ExpertLoadSkew", "severity": "warning", "run_id": "moescope-test", "layer": "0"}
+    return AlertTransition(
+        fingerprint="0000000000000000", alertname="ExpertLoadSkew", state=FIRING, previous_state="pending",
+        at=now, step=0, run_id="moescope-test", layer=0, severity="warning", expr="load_max_mean > 2.0",
+        labels=labels, annotations={"summary": "Test alert from `moescope alerts test-webhook`"},
+        values={"load_max_mean": 4.5}, starts_at=now, ends_at=None,
+    )
+
+
+def cmd_test_webhook(args: argparse.Namespace) -> int:
+    secret = os.environ.get(args.secret_env) if args.secret_env else None
+    try:
+        notifier = KINDS[args.kind](args.url, **({"secret": secret} if args.kind == "webhook" else {}))
+    except NotifierError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    transition = sample_transition()
+    key = transition.idempotency_key() + ":test"
+    ok, _permanent, error = post(notifier, key, notifier.render(transition), timeout_s=args.timeout)
+    if ok:
+        print(f"sent a sample {args.kind} alert to {notifier.url}")
+        return 0
+    print(f"error: {notifier.url} did not accept the sample alert: {error}", file=sys.stderr)
+    return 1
+
+
+def cmd_prometheus_rules(args: argparse.Namespace) -> int:
+    try:
+        text = prometheus_rules_yaml(_load_pack(args.rules), group=args.group)
+    except RulesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        pack = load_rules(args.rules)
+    except RulesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for rule in pack.rules:
+        print(f"{rule.name}: {rule.expr} (for {rule.for_s:g}s, cooldown {rule.cooldown_s:g}s, {rule.severity})")
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    """Register `alerts run|test-webhook|prometheus-rules|check` on a `moescope` subparsers object."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    alerts = subparsers.add_parser("alerts", help="judge recorded routing and notify receivers",
+                                   description="Alert rules over moescope stores.", formatter_class=fmt)
+    sub = alerts.add_subparsers(dest="alerts_command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="evaluate rules over a store as data lands", description=_RUN_HELP,
+                         formatter_class=fmt)
+    run.add_argument("store", metavar="STORE", help="the store folder the probe writes")
+    run.add_argument("--rules", metavar="FILE", help="rules file (.yaml/.toml); default: the built-in pack")
+    run.add_argument("--run", action="append", default=[], metavar="RUN_ID", help="only these runs (repeatable)")
+    run.add_argument("--interval", type=float, default=5.0, help="seconds between polls of the store (default 5)")
+    run.add_argument("--once", action="store_true", help="evaluate what is there, deliver, and exit")
+    run.add_argument("--webhook", action="append", default=[], metavar="URL", help="plain JSON webhook (repeatable)")
+    run.add_argument("--slack", action="append", default=[], metavar="URL", help="Slack incoming-webhook URL")
+    run.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+                     help="Alertmanager base URL; alerts are pushed to URL/api/v2/alerts")
+    run.add_argument("--am-webhook", action="append", default=[], metavar="URL",
+                     help="any receiver of Alertmanager's webhook payload (version 4)")
+    run.add_argument("--secret-env", metavar="VAR", default=None,
+                     help="environment variable holding the HMAC secret for --webhook (never pass it inline)")
+    run.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    run.add_argument("--flush-timeout", type=float, default=10.0, help="seconds to keep delivering at exit")
+    run.set_defaults(func=cmd_run)
+
+    test = sub.add_parser(
+        "test-webhook", formatter_class=fmt, help="send a sample alert to a receiver",
+        description="Send one sample firing alert to URL and report whether it was accepted.\n\n"
+                    "Why: check a receiver's URL, secret and format before a real alert depends on it.\n\n"
+                    "example:\n  moescope alerts test-webhook https://hooks.slack.com/services/T/B/X --kind slack")
+    test.add_argument("url", metavar="URL")
+    test.add_argument("--kind", choices=sorted(KINDS), default="webhook", help="payload format (default webhook)")
+    test.add_argument("--secret-env", metavar="VAR", default=None, help="environment variable with the HMAC secret")
+    test.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the receiver")
+    test.set_defaults(func=cmd_test_webhook)
+
+    prom = sub.add_parser(
+        "prometheus-rules", formatter_class=fmt, help="write a Prometheus rules file equivalent to a rule pack",
+        description="Write the rule pack as Prometheus alerting rules over the exporter's moe_* metrics.\n\n"
+                    "Why: alert from Prometheus (and route through its Alertmanager) instead of running\n"
+                    "`moescope alerts run`. Check the result with `promtool check rules FILE`.\n\n"
+                    "example:\n  moescope alerts prometheus-rules -o /etc/prometheus/rules/moescope.yml")
+    prom.add_argument("--rules", metavar="FILE", help="rules file; default: the built-in pack")
+    prom.add_argument("-o", "--output", metavar="FILE", help="where to write (default: stdout)")
+    prom.add_argument("--group", default="moescope", help="rule group name (default moescope)")
+    prom.set_defaults(func=cmd_prometheus_rules)
+
+    check = sub.add_parser(
+        "check", formatter_class=fmt, help="validate a rules file",
+        description="Validate a rules file and list its rules; errors name the file, line and field.\n\n"
+                    "example:\n  moescope alerts check my_rules.yaml")
+    check.add_argument("rules", metavar="FILE")
+    check.set_defaults(func=cmd_check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the alerts commands on their own (`python -m alerts.cli alerts ...`)."""
+    parser = argparse.ArgumentParser(prog="moescope")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
