@@ -38,6 +38,14 @@ from typing import Any
 import tomllib
 import yaml
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser is the `tomli` package
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
+
 # signal name -> what it measures; the engine computes exactly these (alerts.window)
 SIGNALS: dict[str, str] = {
     "load_cv": "coefficient of variation of tokens per expert over the window",
@@ -377,6 +385,8 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
 def parse_rules(text: str, source: str = "<rules>", fmt: str = "yaml") -> RulePack:
     """Return the rule pack in `text` (fmt 'yaml' or 'toml'); raise RulesError naming source:line: field."""
     if fmt == "toml":
+        if tomllib is None:
+            raise RulesError(f"{source}: TOML rules need Python 3.11+ or `pip install tomli`; or write YAML")
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
