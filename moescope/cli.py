@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
-SUBCOMMAND_MODULES = ("moescope.commands",)
+SUBCOMMAND_MODULES = ("moescope.commands", "alerts.cli")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.
@@ -15,6 +15,7 @@ moescope watches how a Mixture-of-Experts model routes its tokens.
   moescope demo                    record a demo run and print what it found
   moescope summary runs/           per-layer load, entropy and drops of the latest run
   moescope dashboard runs/         open the dashboard on 127.0.0.1
+  moescope alerts run runs/        watch a store with the default rules, notify webhooks
 
 In Python, one call attaches the probe to any transformers MoE model:
 
