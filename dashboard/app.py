@@ -1,0 +1,93 @@
+"""moescope dashboard: the Streamlit entry file.
+
+Run through `moescope dashboard STORE` (see `dashboard/cli.py`), or by hand with
+`streamlit run dashboard/app.py -- STORE`. This file only draws the sidebar that every page
+shares (run picker, tag filter, live refresh) and hands over to the page chosen in the
+navigation; the pages live in `dashboard/pages/`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# `streamlit run dashboard/app.py` puts dashboard/ on sys.path, not the repository root.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import streamlit as st
+
+from dashboard import common, data
+from store.store import StoreError
+
+st.set_page_config(page_title="moescope", page_icon="🔭", layout="wide")
+
+PAGES = [
+    st.Page("pages/overview.py", title="Overview", icon="📊", url_path="overview", default=True),
+    st.Page("pages/heatmaps.py", title="Heatmaps", icon="🟥", url_path="heatmaps"),
+    st.Page("pages/clusters.py", title="Semantic clusters", icon="🫧", url_path="clusters"),
+    st.Page("pages/drift.py", title="Drift and alerts", icon="🚨", url_path="drift"),
+    st.Page("pages/health.py", title="Expert health", icon="🩺", url_path="health"),
+    st.Page("pages/compare.py", title="Compare", icon="⚖️", url_path="compare"),
+]
+navigation = st.navigation(PAGES)
+
+
+@st.fragment(run_every=common.current_settings().refresh_s if common.current_settings() else None)
+def _watch_store(root: str, seen: str) -> None:
+    # Re-run the whole app only when a writer has committed a new file since this run began.
+    if data.store_version(root) != seen:
+        st.rerun(scope="app")
+    st.caption(f"live · checked {time.strftime('%H:%M:%S')}")
+
+
+def sidebar() -> None:
+    conf = common.current_settings()
+    st.sidebar.title("🔭 moescope")
+    if conf is None:
+        st.sidebar.info("No store given: start with `moescope dashboard STORE`.")
+        return
+    root = os.path.abspath(conf.store)
+    st.sidebar.caption(f"store `{root}`" + (" · writes allowed" if conf.allow_writes else ""))
+    if not os.path.isdir(root):
+        return
+    version = data.store_version(root)
+    try:
+        runs = data.runs(root, version)
+        if runs.empty:
+            return
+        ids = list(runs.run_id)
+        if st.session_state.get(common.RUN_KEY) not in ids:
+            st.session_state[common.RUN_KEY] = ids[0]
+        run_id = st.sidebar.selectbox("Run", ids, key=common.RUN_KEY,
+                                      format_func=lambda r: common.run_label(runs, r),
+                                      help="Runs in the store, newest first.")
+        tags = data.tag_values(root, version, run_id)
+        keys = sorted(set(tags.key))
+        if st.session_state.get(common.TAG_KEY_KEY) not in [None, *keys]:
+            st.session_state[common.TAG_KEY_KEY] = None
+        key = st.sidebar.selectbox("Filter by tag", [None, *keys], key=common.TAG_KEY_KEY,
+                                   format_func=lambda k: "— all steps —" if k is None else k)
+        if key is not None:
+            values = sorted(tags[tags.key == key].value)
+            chosen = [v for v in st.session_state.get(common.TAG_VALUES_KEY, []) if v in values]
+            st.session_state[common.TAG_VALUES_KEY] = chosen
+            st.sidebar.multiselect(f"{key} is one of", values, key=common.TAG_VALUES_KEY,
+                                   placeholder="any value")
+    except StoreError as e:
+        st.sidebar.warning(f"The store could not be read: {e}")
+        return
+    newest_write = float(version.split(":")[1]) if version else 0.0
+    recent = time.time() - newest_write < 300  # a store written in the last 5 minutes is live
+    if common.LIVE_KEY not in st.session_state:
+        st.session_state[common.LIVE_KEY] = recent
+    if st.sidebar.toggle("Live refresh", key=common.LIVE_KEY,
+                         help=f"Re-draw when new data lands (checked every {conf.refresh_s:g} s)."):
+        with st.sidebar:
+            _watch_store(root, version)
+
+
+sidebar()
+navigation.run()

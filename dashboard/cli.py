@@ -1,0 +1,113 @@
+"""`moescope dashboard STORE`: start the Streamlit dashboard over a store.
+
+`add_subcommands(subparsers)` registers the subcommand on moescope's command line; `python -m
+dashboard.cli STORE` runs it alone. The app runs as a `streamlit run` subprocess (headless, no
+usage statistics, bound to --host) and gets the store and flags through environment variables
+(see `dashboard.settings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from dashboard.settings import DEFAULT_REFRESH_S, Settings
+
+APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
+
+DESCRIPTION = """\
+Open a store in the browser: run overview and the active-parameter fraction, load heatmaps
+(click a cell to see which tokens went to that expert), UMAP clusters of router inputs, drift
+against a baseline with the alert history, expert health and the trust gate, and run or tag
+comparisons. Works on a finished store and on one still being written (live refresh).
+
+The dashboard only reads the store, unless --allow-writes is given: then the Expert health
+page offers a manual trust-gate control, which writes requests into the store's
+trust_gate_requests table for the model-side trust policy to apply.
+"""
+
+EPILOG = """\
+examples:
+  moescope dashboard runs/demo                       # http://127.0.0.1:8501
+  moescope dashboard runs/demo --port 8600 --tokenizer moescope/demo_model
+  moescope dashboard /data/store --host 0.0.0.0      # reachable from other machines: mind who can
+"""
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("store", metavar="STORE", help="store folder (as given to probe.attach(store=...))")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
+    parser.add_argument("--allow-writes", action="store_true",
+                        help="show the manual trust-gate control (writes gate requests into the store)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="local tokenizer folder (transformers.AutoTokenizer, never downloaded) to show "
+                             "token text instead of ids, e.g. moescope/demo_model")
+    parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
+                        help=f"how often live refresh checks for new data (default {DEFAULT_REFRESH_S:g} s)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_subcommands(subparsers) -> None:
+    """Register `dashboard STORE [--host] [--port] [--allow-writes] [--tokenizer PATH]`."""
+    build_parser(subparsers.add_parser(
+        "dashboard", help="open a store in the browser (Streamlit dashboard)", description=DESCRIPTION,
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The `streamlit run` command line for these arguments."""
+    return [sys.executable, "-m", "streamlit", "run", APP,
+            "--server.address", args.host, "--server.port", str(args.port), "--server.headless", "true",
+            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+            "--global.developmentMode", "false"]
+
+
+def environment(args: argparse.Namespace) -> dict[str, str]:
+    settings = Settings(store=args.store, allow_writes=args.allow_writes, tokenizer=args.tokenizer,
+                        refresh_s=args.refresh_s)
+    env = dict(os.environ)
+    env.update(settings.env())
+    root = os.path.dirname(os.path.dirname(APP))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server in the foreground; returns its exit status (Ctrl-C stops it)."""
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        print(f"moescope dashboard: no tokenizer folder at {args.tokenizer!r}; give a local folder holding "
+              "tokenizer.json (e.g. moescope/demo_model), or leave --tokenizer out to show token ids",
+              file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.store):
+        print(f"moescope dashboard: no store at {args.store!r} yet; the dashboard waits for the first run "
+              "to be recorded there", file=sys.stderr)
+    print(f"moescope dashboard: http://{args.host}:{args.port}  (store {os.path.abspath(args.store)})",
+          file=sys.stderr)
+    process = subprocess.Popen(command(args), env=environment(args))
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        try:
+            return process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser(argparse.ArgumentParser(
+        prog="moescope dashboard", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What every page shares: the run and tag filter chosen in the sidebar, empty states, guards.
+
+The entry file (`dashboard/app.py`) draws the sidebar widgets (keys prefixed `ms_`, shared by all
+pages); a page asks `page_context()` for the result and stops with a friendly message when there
+is nothing to show. `guard()` turns the store's errors into a warning instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data, settings
+from dashboard.queries import TagFilter
+from store.store import StoreError
+
+log = logging.getLogger(__name__)
+
+RUN_KEY = "ms_run"
+TAG_KEY_KEY = "ms_tag_key"
+TAG_VALUES_KEY = "ms_tag_values"
+LIVE_KEY = "ms_live"
+
+
+@dataclass(frozen=True)
+class PageContext:
+    root: str
+    version: str
+    run_id: str
+    tag: TagFilter
+    settings: settings.Settings
+    layers: pd.DataFrame  # the run's MoE layers (may be empty for a run that recorded nothing yet)
+
+    def layer_ids(self) -> list[int]:
+        return [int(v) for v in self.layers.layer] if not self.layers.empty else []
+
+    def num_experts(self, layer: int) -> int:
+        rows = self.layers[self.layers.layer == layer]
+        return int(rows.num_experts.iloc[0] + rows.zero_experts.fillna(0).iloc[0]) if not rows.empty else 0
+
+
+def current_settings() -> settings.Settings | None:
+    import sys
+
+    return settings.load(argv=sys.argv[1:] if sys.argv and sys.argv[0].endswith("app.py") else None)
+
+
+def run_label(runs: pd.DataFrame, run_id: str) -> str:
+    rows = runs[runs.run_id == run_id]
+    if rows.empty:
+        return run_id
+    row = rows.iloc[0]
+    started = pd.Timestamp(row.started_at).strftime("%Y-%m-%d %H:%M:%S") if pd.notna(row.started_at) else "?"
+    return f"{run_id} · {row.model_class} · {int(row.steps)} steps · {started}"
+
+
+def tag_filter_from_state() -> TagFilter:
+    key = st.session_state.get(TAG_KEY_KEY)
+    values = st.session_state.get(TAG_VALUES_KEY) or []
+    return (str(key), tuple(str(v) for v in values)) if key and values else None
+
+
+def page_context() -> PageContext | None:
+    """The sidebar's choices for this page, or None after showing why there is nothing to show."""
+    conf = current_settings()
+    if conf is None:
+        st.info("No store given. Start the dashboard with `moescope dashboard STORE`.")
+        return None
+    root = os.path.abspath(conf.store)
+    if not os.path.isdir(root):
+        st.info(f"There is no store at `{root}` yet. Record a run into it, e.g. "
+                f"`probe.attach(model, store={conf.store!r}, routes=True)`, or run `moescope demo`; "
+                "this page shows it as soon as the first files land.")
+        return None
+    version = data.store_version(root)
+    with guard():
+        runs = data.runs(root, version)
+        if runs.empty:
+            st.info(f"The store at `{root}` holds no run yet. Attach the probe to a model with "
+                    f"`store={conf.store!r}`; runs appear here while they are being written.")
+            return None
+        run_id = st.session_state.get(RUN_KEY)
+        if run_id not in set(runs.run_id):
+            run_id = str(runs.run_id.iloc[0])
+        return PageContext(root=root, version=version, run_id=run_id, tag=tag_filter_from_state(),
+                           settings=conf, layers=data.layers(root, version, run_id))
+    return None
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Show a store error as a warning (the page goes on with what it has drawn)."""
+    try:
+        yield
+    except data.NoStore as e:
+        st.info(f"There is no store at `{e}` yet.")
+    except StoreError as e:
+        log.warning("store query failed: %s", e)
+        st.warning(f"The store could not answer this view: {e}")
+
+
+def layer_picker(ctx: PageContext, key: str, label: str = "MoE layer") -> int | None:
+    layers = ctx.layer_ids()
+    if not layers:
+        st.info("This run has no MoE layer recorded yet.")
+        return None
+    if st.session_state.get(key) not in layers:
+        st.session_state[key] = layers[0]
+    return st.selectbox(label, layers, key=key)
+
+
+def tags_text(tags) -> str:
+    """A tags map (as DuckDB returns it) as 'k=v, k=v'."""
+    if tags is None or (not isinstance(tags, (dict, list)) and pd.isna(tags)):
+        return ""
+    items = tags.items() if isinstance(tags, dict) else tags
+    return ", ".join(f"{k}={v}" for k, v in items)
+
+
+def filter_caption(ctx: PageContext) -> None:
+    if ctx.tag:
+        st.caption(f"Filtered to {ctx.tag[0]} ∈ {{{', '.join(ctx.tag[1])}}} (sidebar).")

@@ -1,0 +1,58 @@
+"""Manual trust-gate requests from the dashboard: written into the store, applied by the model.
+
+The dashboard runs in another process than the model, so it cannot call `TrustGate.set`. A
+request is one row appended to the store's `trust_gate_requests` table, written atomically like
+every other table (`<root>/trust_gate_requests/run_id=<id>/part-dashboard-<pid>-<seq>.parquet`);
+the model-side policy reads new requests, applies them through the gate's API (which records a
+`GateChange`, source "manual", in `trust_gate_events`) and so closes the loop. Only a dashboard
+started with `--allow-writes` writes anything.
+
+Row format (`REQUESTS_SCHEMA`): request_id (uuid4 hex, lets the reader apply each once),
+run_id, requested_at (UTC), layer, expert, weight in [0, 1] (0 masks the expert, 1 restores it),
+reason (free text from the operator), requested_by ("dashboard@<host>").
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import socket
+import uuid
+
+import pyarrow as pa
+
+from store.writer import write_table_file
+
+REQUESTS_TABLE = "trust_gate_requests"
+REQUESTS_SCHEMA = pa.schema([
+    ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", pa.timestamp("us", tz="UTC")),
+    ("layer", pa.int32()), ("expert", pa.int32()), ("weight", pa.float64()), ("reason", pa.string()),
+    ("requested_by", pa.string()),
+])
+_seq = itertools.count()
+
+
+class GateRequestError(ValueError):
+    """A gate request that cannot be written; the message says what to change."""
+
+
+def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int, weight: float,
+                  reason: str) -> dict:
+    """Append one trust-gate request to the store; returns the row written.
+
+    Raises GateRequestError for a weight outside [0, 1], a negative layer or expert, or an empty
+    reason (every change of the gate must say why)."""
+    if not 0.0 <= float(weight) <= 1.0:
+        raise GateRequestError(f"a trust weight lies in [0, 1] (0 masks the expert), got {weight}")
+    if int(layer) < 0 or int(expert) < 0:
+        raise GateRequestError("layer and expert are 0-based indices")
+    if not reason.strip():
+        raise GateRequestError("say why the expert's weight changes: the reason is kept with the change")
+    row = {"request_id": uuid.uuid4().hex, "run_id": run_id, "requested_at": dt.datetime.now(dt.timezone.utc),
+               "layer": int(layer), "expert": int(expert), "weight": float(weight), "reason": reason.strip()[:500],
+               "requested_by": f"dashboard@{socket.gethostname()}"}
+    table = pa.Table.from_pylist([row], schema=REQUESTS_SCHEMA)
+    name = f"part-dashboard-{os.getpid()}-{next(_seq):06d}-{row['request_id'][:8]}.parquet"
+    write_table_file(root, REQUESTS_TABLE, run_id, table, name=name)
+    return row

@@ -1,0 +1,79 @@
+"""Compare: two runs, or two values of one tag (router version A/B), side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from dashboard import common, data
+from dashboard import figures as fg
+
+st.title("Compare")
+ctx = common.page_context()
+if ctx is None:
+    st.stop()
+
+
+def per_layer(layers: pd.DataFrame) -> pd.DataFrame:
+    """Per-layer comparison columns from `queries.layer_totals` rows."""
+    if layers.empty:
+        return pd.DataFrame(columns=["layer", "cv", "max_mean", "router_entropy", "dropped_rate"])
+    spread = pd.DataFrame([fg.load_spread(v) for v in layers.expert_load])
+    return pd.DataFrame({"layer": layers.layer, "cv": spread.cv, "max_mean": spread.max_mean,
+                         "router_entropy": layers.router_entropy,
+                         "dropped_rate": layers.dropped_tokens / layers.tokens.replace(0, np.nan)})
+
+
+with common.guard():
+    runs = data.runs(ctx.root, ctx.version)
+    mode = st.radio("Compare", ["two runs", "two tag values"], horizontal=True, key="cp_mode")
+    sides: dict[str, tuple[str, object]] = {}
+    a, b = st.columns(2)
+    if mode == "two runs":
+        ids = list(runs.run_id)
+        if len(ids) < 2:
+            st.info("The store holds one run: record another (e.g. a new router version), or compare two "
+                    "tag values of this run.")
+            st.stop()
+        first = a.selectbox("Run A", ids, index=0, key="cp_run_a", format_func=lambda r: common.run_label(runs, r))
+        second = b.selectbox("Run B", ids, index=1, key="cp_run_b", format_func=lambda r: common.run_label(runs, r))
+        sides = {f"A: {first[-8:]}": (first, None), f"B: {second[-8:]}": (second, None)}
+    else:
+        tags = data.tag_values(ctx.root, ctx.version, ctx.run_id)
+        keys = [k for k in sorted(set(tags.key)) if (tags.key == k).sum() >= 2]
+        if not keys:
+            st.info("No tag of this run has two values to compare: tag traffic with "
+                    "`session.tag(router='A')` / `session.tag(router='B')`.")
+            st.stop()
+        key = st.selectbox("Tag", keys, key="cp_tag")
+        values = sorted(tags[tags.key == key].value)
+        first = a.selectbox("Value A", values, index=0, key="cp_value_a")
+        second = b.selectbox("Value B", values, index=1, key="cp_value_b")
+        sides = {f"A: {key}={first}": (ctx.run_id, (key, (first,))),
+                 f"B: {key}={second}": (ctx.run_id, (key, (second,)))}
+
+    summaries = {name: data.side_summary(ctx.root, ctx.version, run_id, tag)
+                 for name, (run_id, tag) in sides.items()}
+    rows, layer_frames = [], {}
+    for name, summary in summaries.items():
+        steps = summary["steps"]
+        layers = per_layer(summary["layers"])
+        layer_frames[name] = layers
+        rows += [
+            {"side": name, "metric": "active params / token (%)", "value": 100 * (steps["active_fraction"] or np.nan)},
+            {"side": name, "metric": "load CV (mean of layers)", "value": layers.cv.mean()},
+            {"side": name, "metric": "router entropy (nats)", "value": layers.router_entropy.mean()},
+            {"side": name, "metric": "dropped tokens (%)", "value": 100 * layers.dropped_rate.mean()},
+            {"side": name, "metric": "latency / token (ms)", "value": 1000 * (steps["seconds_per_token"] or np.nan)},
+        ]
+    values = pd.DataFrame(rows)
+    table = values.pivot(index="metric", columns="side", values="value").reindex(list(dict.fromkeys(values.metric)))
+    st.dataframe(table, key="cp_table")
+    st.plotly_chart(fg.compare_scalars_figure(values.dropna(subset=["value"])), key="cp_scalars_chart")
+    st.caption("Latency per token is the forward's host wall time (hooks included) over its tokens, as "
+               "the probe recorded it.")
+    left, right = st.columns(2)
+    left.plotly_chart(fg.compare_layers_figure(layer_frames, "cv", "Load spread (CV) per layer"), key="cp_cv_chart")
+    right.plotly_chart(fg.compare_layers_figure(layer_frames, "router_entropy", "Router entropy per layer (nats)"),
+                       key="cp_entropy_chart")

@@ -1,0 +1,108 @@
+"""Heatmaps: where the tokens went, and which tokens they were.
+
+Click a cell of either heatmap to list the tokens routed there; the layer and expert pickers
+below do the same by hand. On first load the hottest expert of the run is selected.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from dashboard import common, data
+from dashboard import figures as fg
+
+LAYER, EXPERT, STEPS = "hm_layer", "hm_expert", "hm_steps"  # page-only session keys
+
+st.title("Heatmaps")
+ctx = common.page_context()
+if ctx is None:
+    st.stop()
+
+
+def _points(chart_key: str) -> list[dict]:
+    state = st.session_state.get(chart_key)
+    try:
+        return list(state["selection"]["points"]) if state else []
+    except (KeyError, TypeError):
+        return []
+
+
+def _on_share_click() -> None:
+    points = [p for p in _points("hm_share_chart") if p.get("customdata")]
+    if points:
+        layer, expert = points[0]["customdata"][:2]
+        st.session_state[LAYER], st.session_state[EXPERT] = int(layer), int(expert)
+        st.session_state[STEPS] = None
+
+
+def _on_time_click() -> None:
+    points = [p for p in _points("hm_time_chart") if p.get("customdata")]
+    if points:
+        expert, start, end = points[0]["customdata"][:3]
+        st.session_state[EXPERT] = int(expert)
+        st.session_state[STEPS] = (int(start), int(end))
+
+
+with common.guard():
+    common.filter_caption(ctx)
+    share = data.layer_expert_load(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    layers = ctx.layer_ids()
+    if share.empty or not layers:
+        st.info("No expert load recorded for this run yet (or none with the chosen tag).")
+        st.stop()
+
+    if st.session_state.get(LAYER) not in layers:
+        # Start where a newcomer wants to look: the expert with the largest share of its layer.
+        totals = share.groupby("layer").load.transform("sum").replace(0, np.nan)
+        hot = share.assign(s=share.load / totals).sort_values("s", ascending=False).iloc[0]
+        st.session_state[LAYER], st.session_state[EXPERT] = int(hot.layer), int(hot.expert)
+        st.session_state[STEPS] = None
+
+    st.plotly_chart(fg.layer_share_heatmap(share), key="hm_share_chart", on_select=_on_share_click,
+                    selection_mode="points")
+    st.caption("Click a cell to list the tokens that layer sent to that expert.")
+
+    left, right = st.columns([1, 1])
+    layer = left.selectbox("MoE layer", layers, key=LAYER, on_change=lambda: st.session_state.update({STEPS: None}))
+    experts = list(range(ctx.num_experts(layer) or int(share[share.layer == layer].expert.max()) + 1))
+    if st.session_state.get(EXPERT) not in experts:
+        st.session_state[EXPERT] = experts[0]
+    expert = right.selectbox("Expert", experts, key=EXPERT)
+
+    matrix = data.load_matrix(ctx.root, ctx.version, ctx.run_id, layer, ctx.tag)
+    st.plotly_chart(fg.load_heatmap(matrix, layer), key="hm_time_chart", on_select=_on_time_click,
+                    selection_mode="points")
+
+    steps = st.session_state.get(STEPS)
+    head, clear = st.columns([4, 1])
+    where = f", steps {steps[0]}–{steps[1]}" if steps else ""
+    head.subheader(f"Tokens routed to expert {expert} of layer {layer}{where}")
+    if steps and clear.button("All steps", key="hm_clear_steps"):
+        st.session_state[STEPS] = None
+        st.rerun()
+    limit = st.select_slider("Tokens to list", [50, 100, 200, 500], value=200, key="hm_limit")
+    tokens = data.expert_tokens(ctx.root, ctx.version, ctx.run_id, layer, expert,
+                                tuple(steps) if steps else None, ctx.tag, limit)
+    if tokens.empty:
+        st.info("No routed token recorded for this cell. Per-token routes are only kept when the probe "
+                "was attached with `routes=True`.")
+    else:
+        texts = data.token_texts(tokens.token_id, ctx.settings.tokenizer)
+        table = pd.DataFrame({
+            "token": texts,
+            "context": [data.context_text(i, p, c, ctx.settings.tokenizer) for i, p, c in
+                        zip(tokens.context_ids, tokens.context_positions, tokens.position)],
+            "token id": tokens.token_id, "step": tokens.step, "sequence": tokens.sequence,
+            "position": tokens.position, "slot": tokens.slot, "gate weight": tokens.gate_weight,
+            "kept": tokens.kept, "tags": [common.tags_text(t) for t in tokens.tags],
+        })
+        st.dataframe(table, hide_index=True, key="hm_tokens_table")
+        st.caption(f"{len(table)} tokens shown (at most {limit}); slot 0 is the expert's first choice."
+                   + ("" if ctx.settings.tokenizer else " Token ids only: start the dashboard with "
+                      "`--tokenizer PATH` to see their text."))
+
+    st.subheader("Co-selection")
+    st.plotly_chart(fg.coselection_heatmap(data.coselection(ctx.root, ctx.version, ctx.run_id, layer, ctx.tag),
+                                           layer), key="hm_cosel_chart")

@@ -1,0 +1,92 @@
+"""Overview: what the run did, in headline numbers and a few figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from dashboard import common, data
+from dashboard import figures as fg
+
+st.title("Overview")
+ctx = common.page_context()
+if ctx is None:
+    st.stop()
+
+with common.guard():
+    common.filter_caption(ctx)
+    totals = data.step_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    if not totals.get("steps"):
+        st.info("This run has no step recorded yet (or none with the chosen tag). Forward passes "
+                "appear here once the probe has flushed them.")
+        st.stop()
+    layer_totals = data.layer_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    alerts = data.run_rows(ctx.root, ctx.version, "alerts", ctx.run_id, fg.ALERT_TIME)
+    firing = fg.firing_now(alerts) if alerts is not None else pd.DataFrame()
+
+    spreads = pd.DataFrame([fg.load_spread(v) for v in layer_totals.expert_load]) if not layer_totals.empty \
+        else pd.DataFrame(columns=["cv", "max_mean", "top_share", "hottest"])
+    tokens = float(layer_totals.tokens.sum()) if not layer_totals.empty else 0.0
+    dropped = float(layer_totals.dropped_tokens.sum()) if not layer_totals.empty else 0.0
+
+    cols = st.columns(7)
+    cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
+    cols[1].metric("Steps", f"{int(totals['steps']):,}")
+    cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}",
+                   help="Parameters each token really used (shared + the experts it was routed to), "
+                        "token-weighted over the run, as a share of all parameters.")
+    cols[3].metric("Load spread (CV)", f"{np.nanmean(spreads.cv):.3f}" if len(spreads) else "—",
+                   help="Coefficient of variation of tokens per expert, averaged over layers; 0 is even.")
+    cols[4].metric("Router entropy", f"{layer_totals.router_entropy.mean():.3f} nats" if len(layer_totals) else "—")
+    cols[5].metric("Dropped tokens", f"{int(dropped):,}",
+                   help="Tokens no expert processed because every chosen expert was at capacity, summed "
+                        "over layers." + (f" {dropped / tokens:.2%} of layer-tokens." if tokens else ""))
+    cols[6].metric("Alerts firing now", "—" if alerts is None else str(len(firing)),
+                   help="No alerts table in this store yet." if alerts is None else None)
+
+    total_params = totals.get("total_params")
+    used = totals["active_fraction"] * total_params if total_params else float("nan")
+    st.markdown(
+        f"**This model used {totals['active_fraction']:.2%} of its parameters per token** "
+        f"({used:,.0f} of {total_params:,.0f})." if total_params else "")
+    st.caption(f"By batch it ranged from {totals['active_min']:.2%} to {totals['active_max']:.2%} "
+               f"(5th–95th percentile {totals['active_p5']:.2%}–{totals['active_p95']:.2%}).")
+
+    if len(spreads) and spreads.hottest.ge(0).any():
+        worst = int(np.nanargmax(spreads.top_share.to_numpy(dtype=float)))
+        layer, expert = int(layer_totals.layer.iloc[worst]), int(spreads.hottest.iloc[worst])
+        left, right = st.columns([3, 1])
+        left.markdown(f"🔥 Hottest expert: **layer {layer}, expert {expert}** takes "
+                      f"{spreads.top_share.iloc[worst]:.1%} of its layer's tokens "
+                      f"(max/mean {spreads.max_mean.iloc[worst]:.2f}).")
+        right.page_link("pages/heatmaps.py", label="Which tokens go there? →", icon="🟥")
+
+    over_time = data.active_fraction_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    left, right = st.columns(2)
+    left.plotly_chart(fg.active_fraction_figure(over_time), key="ov_active_chart")
+    tags = data.tag_values(ctx.root, ctx.version, ctx.run_id)
+    keys = sorted(set(tags.key))
+    with right:
+        if keys:
+            default = "domain" if "domain" in keys else keys[0]
+            key = st.selectbox("Swing by tag", keys, index=keys.index(default), key="ov_tag_key")
+            by_tag = data.active_fraction_by_tag(ctx.root, ctx.version, ctx.run_id, key)
+            st.plotly_chart(fg.active_by_tag_figure(by_tag, key), key="ov_tag_chart")
+        else:
+            st.info("No step carries a tag: tag traffic with `session.tag(domain=...)` to compare.")
+
+    entropy = data.entropy_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    a, b, c = st.columns(3)
+    a.plotly_chart(fg.layer_spread_figure(layer_totals), key="ov_spread_chart")
+    b.plotly_chart(fg.entropy_figure(entropy), key="ov_entropy_chart")
+    c.plotly_chart(fg.dropped_figure(entropy), key="ov_dropped_chart")
+
+    st.subheader("Alerts firing now")
+    if alerts is None:
+        st.info("This store has no alerts table yet: run the rules engine (`moescope alerts run STORE`) "
+                "or attach it live to record alert transitions.")
+    elif firing.empty:
+        st.success("No alert is firing.")
+    else:
+        st.dataframe(firing, hide_index=True)
