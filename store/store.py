@@ -122,8 +122,8 @@ class Store(StoreQueries):
 
     def _quarantine_bad(self, error: duckdb.Error) -> bool:
         """Read through the files a failed query may have tripped on; move bad ones aside."""
-        if not isinstance(error, (duckdb.IOException, duckdb.InvalidInputException, duckdb.InternalException)):
-            return False
+        if isinstance(error, (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException)):
+            return False  # the SQL is wrong, not a file (a damaged page may raise a bare duckdb.Error)
         infos = [i for infos in self.files.values() for i in infos]
         named = [i for i in infos if i.path in str(error)]
         moved = False

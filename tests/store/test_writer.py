@@ -1,0 +1,119 @@
+"""Back-pressure: `block` loses nothing and makes the model wait; `drop` never waits and counts
+every row it drops, per table, in probe_stats. A failed write (disk full) is counted too."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from store import Store
+from store.writer import BatchProcessor, ParquetExporter, record_rows
+from tests.store.helpers import make_record, run_info
+
+
+class SlowDisk:
+    """The real Parquet exporter behind a disk that takes `delay_s` per batch."""
+
+    def __init__(self, exporter: ParquetExporter, delay_s: float):
+        self.exporter, self.delay_s = exporter, delay_s
+
+    def export(self, records):
+        time.sleep(self.delay_s)
+        return self.exporter.export(records)
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        return self.exporter.force_flush(timeout_s)
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+
+def _emit(policy: str, root, n: int = 60):
+    rng = np.random.default_rng(0)
+    records = [make_record("r", step, rng) for step in range(n)]
+    processor = BatchProcessor([], max_queue=2, policy=policy, flush_interval_s=0.2, max_batch=1)
+    exporter = ParquetExporter(root, run_info("r"), max_age_s=0.2, processor=processor)
+    processor.exporters.append(SlowDisk(exporter, 0.01))
+    started = time.perf_counter()
+    for record in records:
+        processor.emit(record)
+    emit_s = time.perf_counter() - started
+    processor.shutdown()
+    return records, processor, emit_s
+
+
+def _written(store: Store, table: str) -> int:
+    return int(store.sql(f"SELECT count(*) AS n FROM {table}").n[0])
+
+
+def test_block_policy_is_lossless_and_waits(tmp_path):
+    records, processor, emit_s = _emit("block", tmp_path)
+    store = Store(tmp_path)
+    assert sum(processor.dropped_records.values()) == 0
+    for table in ("steps", "layer_steps", "routes"):
+        assert _written(store, table) == sum(record_rows(r).get(table, 0) for r in records)
+    assert emit_s >= 0.01 * (len(records) - 4)  # the model waited for the disk
+    stats = store.probe_stats("r")
+    assert stats.dropped_rows.sum() == 0
+
+
+def test_drop_policy_never_waits_and_counts_every_row(tmp_path):
+    records, processor, emit_s = _emit("drop", tmp_path)
+    store = Store(tmp_path)
+    assert processor.dropped_records["queue_full"] > 0
+    assert emit_s < 0.01 * len(records) / 2
+    stats = store.probe_stats("r")
+    for table in ("steps", "layer_steps", "routes"):
+        emitted = sum(record_rows(r).get(table, 0) for r in records)
+        dropped = int(stats[stats.table_name == table].dropped_rows.sum())
+        assert dropped > 0
+        assert _written(store, table) + dropped == emitted, table
+        assert int(stats[(stats.table_name == table) & stats.reason.isna()].written_rows.iloc[0]) == _written(store, table)
+    steps = stats[(stats.table_name == "steps") & (stats.reason == "queue_full")]
+    assert int(steps.dropped_records.iloc[0]) == processor.dropped_records["queue_full"]
+
+
+def test_drop_counts_are_durable_before_shutdown(tmp_path):
+    processor = BatchProcessor([], max_queue=1, policy="drop", flush_interval_s=0.1, max_batch=1)
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=0.1, processor=processor)
+    processor.exporters.append(SlowDisk(exporter, 0.05))
+    rng = np.random.default_rng(1)
+    for step in range(20):
+        processor.emit(make_record("r", step, rng))
+    assert processor.force_flush(10)
+    # a crash now would lose nothing of the accounting: the counts are already on disk
+    stats = Store(tmp_path).probe_stats("r")
+    dropped = sum(n for (table, _), n in processor.dropped_rows.items() if table == "steps")
+    assert int(stats[stats.table_name == "steps"].dropped_rows.sum()) == dropped > 0
+    processor.shutdown()
+
+
+def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path):
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=100)
+    rng = np.random.default_rng(2)
+    record = make_record("r", 0, rng)
+    exporter.export([record])
+    blocker = tmp_path / "routes"  # nothing flushed yet: the folder does not exist
+    blocker.write_text("a file where the routes folder should be: every write under it fails")
+    exporter.shutdown()
+    assert exporter.dropped_rows[("routes", "write_failed")] == record_rows(record)["routes"]
+    blocker.unlink()
+    stats = Store(tmp_path).probe_stats("r")
+    row = stats[(stats.table_name == "routes") & (stats.reason == "write_failed")]
+    assert int(row.dropped_rows.iloc[0]) == record_rows(record)["routes"]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp-")]
+
+
+def test_policy_must_be_known():
+    with pytest.raises(ValueError, match="policy"):
+        BatchProcessor([], policy="sometimes")
+
+
+def test_rank_and_pid_in_file_names(tmp_path):
+    exporter = ParquetExporter(tmp_path, run_info("r", rank=3, world_size=4))
+    exporter.shutdown()
+    names = [p.name for p in tmp_path.rglob("part-*.parquet")]
+    assert names and all(n.startswith(f"part-00003-{os.getpid()}-") for n in names)
