@@ -90,6 +90,15 @@ class LayerStep:
     routes: Routes | None = None
     router_logits: TokenSample | None = None
     router_inputs: TokenSample | None = None
+    # -- expert health (probe/health.py, probe/gate.py); None when health / the gate is off --
+    expert_output_samples: np.ndarray | None = None  # (E,) int64 sampled token evaluations per expert
+    expert_output_norm_sum: np.ndarray | None = None  # (E,) float64 sum of L2 norms of finite sampled outputs
+    expert_output_nonfinite: np.ndarray | None = None  # (E,) int64 sampled outputs holding a NaN or inf
+    expert_weight_cosine: np.ndarray | None = None  # (E,) weight sketch vs attach fingerprint; weight-check steps only
+    expert_weight_norm_ratio: np.ndarray | None = None  # (E,) weight norm / norm at attach; weight-check steps only
+    expert_grad_norm: np.ndarray | None = None  # (E,) gradient norm of the expert's weights, when grads exist
+    trust_weight: np.ndarray | None = None  # (E,) trust-gate weight in force during this forward
+    nonfinite_input_tokens: int | None = None  # tokens reaching the layer with a NaN/inf already in them
 
 
 @dataclass

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from probe.adapters import Choice, MoELayer, MoESpec, find_moe_layers
+from probe.gate import TrustGate
+from probe.health import HealthSampler
 from probe.records import (KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord,
                            TokenSample)
 from probe.reduce import pack, reduce_layer, unpack
@@ -75,7 +77,8 @@ class ProbeSession:
                  router_logits: bool | int = False, router_inputs: bool | int = False,
                  kv_cache: bool = False, coselection: bool | None = None, tags: dict | None = None,
                  run_id: str | None = None, policy: str = "block", max_queue: int = 256,
-                 flush_interval_s: float = 5.0, sample_seed: int = 0):
+                 flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
+                 trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None):
         from store.writer import BatchProcessor, ParquetExporter  # store may import probe, not vice versa at import time
 
         self.model = model
@@ -118,6 +121,19 @@ class ProbeSession:
         for exporter in exporters:
             if hasattr(exporter, "on_attach"):
                 exporter.on_attach(self.run)
+        # -- expert health and trust gate (probe/health.py, probe/gate.py, alerts/trust_policy.py) --
+        if trust_gate not in (None, "manual", "auto"):
+            raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
+        health = health or trust_gate == "auto"  # the auto policy judges by health scores
+        self.health = HealthSampler(layers, on_error=self._hook_failed, **(health_options or {})) if health else None
+        self.gate = TrustGate(layers, on_error=self._hook_failed) if trust_gate else None
+        self.trust = None
+        if health or trust_gate:
+            from alerts.trust_policy import bind_policy  # alerts imports probe: only when asked for
+
+            self.trust = bind_policy(self, trust_policy, trust_gate, store)
+            self.processor.exporters.append(self.trust)
+        # -- end expert health and trust gate --
         try:
             self._install()
         except BaseException:
@@ -140,6 +156,10 @@ class ProbeSession:
             if layer.read_choice is not None and layer.experts is not None:
                 self._handles.append(layer.experts.register_forward_pre_hook(
                     eager(self._experts_hook(layer)), with_kwargs=True))
+        if self.gate is not None:  # prepended to the routers: the recorder above sees the gated routing
+            self._handles.extend(self.gate.install())
+        if self.health is not None:
+            self._handles.extend(self.health.install(lambda: self._forward is not None))
 
     def _remove_hooks(self) -> None:
         while self._handles:
@@ -230,6 +250,8 @@ class ProbeSession:
                 layer.top_k > 1 and slots <= COSELECTION_MAX_EXPERTS)
             for name, value in reduce_layer(logits, choice, slots, layer.num_experts, cosel).items():
                 tensors[(layer.index, name)] = value
+            if self.health is not None:  # expert-health samples join the one transfer
+                tensors.update({(layer.index, name): value for name, value in self.health.take(layer.index).items()})
             tokens = choice.ids.shape[0]
             decoder = "decoder" in layer.name
             ids, shape = self._input_shape(forward.inputs, decoder)
@@ -286,7 +308,8 @@ class ProbeSession:
                 router_prob_sum=got["router_prob_sum"].astype(np.float64),
                 coselection=got.get("coselection"),
                 routes=self._routes(got, info) if self.routes else None,
-                router_logits=self._sample(got, "logits"), router_inputs=self._sample(got, "inputs")))
+                router_logits=self._sample(got, "logits"), router_inputs=self._sample(got, "inputs"),
+                **self._health_fields(layer, got)))
 
         ids, shape = self._input_shape(forward.inputs, decoder=False)
         batch_size, seq_len = shape if shape else (1, layer_steps[0].tokens if layer_steps else 0)
@@ -296,6 +319,12 @@ class ProbeSession:
             batch_size=batch_size, seq_len=seq_len, active_params=active, total_params=self.total_params,
             tags=forward.tags, layers=layer_steps,
             kv_cache=kv_cache_layers(output) if self.kv_cache else None)
+
+    def _health_fields(self, layer: MoELayer, got: dict[str, np.ndarray]) -> dict[str, Any]:
+        fields: dict[str, Any] = HealthSampler.fields(got) if self.health is not None else {}
+        if self.gate is not None:
+            fields["trust_weight"] = self.gate.weights(layer.index)
+        return fields
 
     @staticmethod
     def _routes(got: dict[str, np.ndarray], info: dict[str, Any]) -> Routes:
@@ -388,7 +417,9 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
            coselection: bool | None = None, tags: dict | None = None, run_id: str | None = None,
            exporters: Sequence[Any] = (), specs: Iterable[MoESpec] = (),
            layers: str | Sequence[str] | Callable[[str], bool] | None = None, policy: str = "block",
-           max_queue: int = 256, flush_interval_s: float = 5.0, sample_seed: int = 0) -> ProbeSession:
+           max_queue: int = 256, flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
+           trust_gate: str | None = None, health_options: dict | None = None,
+           trust_policy: Any = None) -> ProbeSession:
     """Hook every MoE layer of `model` and record each forward pass.
 
     store: a folder to write Parquet tables into (see the README for the tables); exporters:
@@ -399,6 +430,11 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
     specs: `MoESpec`s describing custom MoE modules. layers: only hook blocks with these names
     (a name, a list of names or a predicate). policy: "block" (lossless, the model waits if the
     disk cannot keep up) or "drop" (the model never waits; drops are counted in probe_stats).
+    health: sample expert outputs and weight fingerprints and score expert health (docs/health.md;
+    health_options go to `probe.health.HealthSampler`). trust_gate: None (default: nothing in the
+    model changes), "manual" (a `TrustGate` at `session.gate`, changed by `session.trust.override`)
+    or "auto" (health on, and the policy gates unhealthy experts). trust_policy: an
+    `alerts.trust_policy.TrustPolicy` (thresholds, alert sink); a default one otherwise.
 
     Returns the session (a context manager). Raises NoMoELayersError for a model with no MoE layer
     and ProbeAttachError for a model compiled before attaching.
@@ -420,4 +456,6 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
     return ProbeSession(model, moe_layers, exporters=exporters, store=store, routes=routes,
                         router_logits=router_logits, router_inputs=router_inputs, kv_cache=kv_cache,
                         coselection=coselection, tags=tags, run_id=run_id, policy=policy,
-                        max_queue=max_queue, flush_interval_s=flush_interval_s, sample_seed=sample_seed)
+                        max_queue=max_queue, flush_interval_s=flush_interval_s, sample_seed=sample_seed,
+                        health=health, trust_gate=trust_gate, health_options=health_options,
+                        trust_policy=trust_policy)

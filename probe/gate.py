@@ -1,0 +1,386 @@
+"""The trust gate: a per (layer, expert) weight in [0, 1] applied where the model routes.
+
+A weight w_e < 1 multiplies expert e's routing score before the family's own selection and
+normalisation run again: for softmax routers it is a logit offset of log(w_e) (so w_e scales the
+expert's probability and the remaining weights renormalise exactly as the model's rule does:
+over the top-k where the family renormalises the top-k, over all experts where it normalises
+over all); for sigmoid routers (DeepSeek-V3) it scales the sigmoid score before bias correction,
+group limiting and top-k. At w_e = 0 the expert is masked: it is never chosen, and each of its
+tokens goes to the next-best expert by the router's own scores.
+
+How it reaches the model: a forward hook on the router rewrites the router's output (the rule of
+each family lives in `RULES`, one entry per family, checked against the router's own output in
+the tests). Llama4 also needs a hook on its experts: every expert there processes every token
+(scaled by a score that is zero when not chosen), so non-finite weights would leak through a zero
+score; the hook removes the masked experts' rows from the experts' output. DBRX routes inside its
+block, from the router's logits, so the gated logits are all it needs.
+
+Sharp edges:
+- The router output the rest of the model (and the probe's records) sees is the gated one:
+  logits + log(w) (masked: -1e4, finite so entropies stay finite), and the gated choice.
+- A layer whose weights are all 1 is left alone: the hook returns without touching anything, so
+  an untouched gate changes no bit of the output.
+- A custom MoE (`MoESpec`) has no rule: the gate then scales the weights the experts module
+  receives (no renormalisation, no re-routing; a masked expert still computes, with weight 0).
+- Changes happen only through `set`/`reset`, from any thread; each forward reads one consistent
+  snapshot of a layer's weights. Every change is an `GateChange`, kept in `changes` and passed
+  to each listener.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from probe.adapters import MoELayer, experts_arguments
+
+log = logging.getLogger(__name__)
+
+MASKED_LOGIT = -1.0e4  # logit offset of a masked expert: exp() is 0 in every float dtype, never -inf
+
+
+class TrustGateError(ValueError):
+    """A gate change was asked for that cannot be made; the message says why."""
+
+
+@dataclass(frozen=True)
+class GateChange:
+    """One change of one expert's trust weight."""
+
+    at: dt.datetime
+    layer: int
+    expert: int
+    old_weight: float
+    new_weight: float
+    reason: str
+    score: float | None = None
+    source: str = "manual"  # "manual" (API), "auto" (policy), "override" (operator pin)
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class _LayerState:
+    weight: torch.Tensor  # (E,) float32 on the router's device
+    offset: torch.Tensor  # (E,) float32: log(weight), MASKED_LOGIT at 0
+    masked: torch.Tensor  # (E,) bool
+    host: np.ndarray  # (E,) float64 mirror; the hot path never reads the device copy back
+    active: bool  # any weight < 1
+
+
+def _module_function(module: nn.Module, name: str) -> Callable:
+    return getattr(sys.modules[type(module).__module__], name)
+
+
+def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
+    return logits + state.offset.to(logits.dtype)
+
+
+# -- the family rules: router output in, gated router output out -------------------------------
+# Each rule gets (router, router args, router output, state) and returns the new output, built
+# exactly as the family's router builds it; with every weight at 1 it reproduces the router's
+# own output bit for bit (tests/probe/test_gate.py checks each family).
+
+def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, sort: bool = True) -> Callable:
+    """softmax over all experts, top-k, optional renormalisation of the top-k, optional scale."""
+    def rule(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+        logits = output[0]
+        probs = F.softmax(logits.float() + state.offset, dim=-1)
+        top_value, top_index = torch.topk(probs, router.top_k, dim=-1, sorted=sort)
+        renorm = getattr(router, norm) if isinstance(norm, str) else norm
+        if renorm:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        if scale is not None:
+            top_value = top_value * getattr(router, scale)
+        if cast == "logits":
+            top_value = top_value.to(logits.dtype)
+        elif cast == "input":
+            top_value = top_value.to(args[0].dtype)
+        return (_gated_logits(logits, state), top_value, top_index)
+    return rule
+
+
+def _deepseek_v2(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    logits = output[0]
+    scores = (logits + state.offset).softmax(dim=-1, dtype=torch.float32)
+    if router.topk_method == "group_limited_greedy":
+        per_group = router.num_experts // router.num_group
+        group_scores = scores.view(-1, router.num_group, per_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+    top_value, top_index = torch.topk(scores, k=router.top_k, dim=-1, sorted=False)
+    return (_gated_logits(logits, state), top_value * router.routed_scaling_factor, top_index)
+
+
+def _deepseek_v3(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    """Sigmoid scores scaled by w; bias correction, group limiting and top-k as the router does."""
+    logits = output[0]
+    scores = logits.sigmoid() * state.weight
+    for_choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    # a group's score is its best two *unmasked* experts (a missing one counts 0), so masking an
+    # expert does not starve the rest of its group
+    group_top = for_choice.masked_fill(state.masked, float("-inf")).view(-1, router.num_group, per_group).topk(
+        2, dim=-1)[0]
+    group_scores = torch.where(torch.isinf(group_top), torch.zeros_like(group_top), group_top).sum(dim=-1)
+    for_choice = for_choice.masked_fill(state.masked, MASKED_LOGIT)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
+    for_choice = for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    top_index = torch.topk(for_choice, k=router.top_k, dim=-1, sorted=False)[1]
+    top_weight = scores.gather(1, top_index)
+    if router.norm_topk_prob:
+        top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
+    return (_gated_logits(logits, state), top_weight * router.routed_scaling_factor, top_index)
+
+
+def _topk_softmax(cast_input: bool) -> Callable:
+    """top-k over the logits, softmax over the k chosen (GPT-OSS, GraniteMoE)."""
+    def rule(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+        logits = _gated_logits(output[0], state)
+        top_value, top_index = torch.topk(logits, router.top_k, dim=-1)
+        weights = torch.softmax(top_value, dim=-1, dtype=top_value.dtype)
+        if cast_input:
+            weights = weights.type_as(args[0])
+        return (logits, weights, top_index)
+    return rule
+
+
+def _phimoe(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    logits = _gated_logits(output[0], state)
+    sparsemixer = _module_function(router, "sparsemixer")
+    weights, index = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training,
+                                 top_k=router.top_k)
+    return (logits, weights, index)
+
+
+def _llama4(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    """Dense scores: sigmoid of the chosen logits, zero elsewhere; w scales the score."""
+    _, raw = output
+    logits = _gated_logits(raw, state)
+    top_index = torch.topk(logits, router.top_k, dim=1).indices
+    scores = torch.full_like(raw, float("-inf")).scatter_(1, top_index, raw.gather(1, top_index))
+    scores = torch.sigmoid(scores.float())
+    scores = (scores * state.weight).to(raw.dtype)
+    return (scores, logits)
+
+
+def _switch(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    """Top-1 of the softmax, then the capacity mask, recomputed from the gated logits."""
+    logits = _gated_logits(output[2], state)
+    input_dtype = args[0].dtype
+    probs = F.softmax(logits, dim=-1, dtype=router.dtype).to(input_dtype)
+    index = F.one_hot(torch.argmax(probs, dim=-1), num_classes=router.num_experts)
+    index = index * (torch.cumsum(index, dim=-2) <= router.expert_capacity)
+    return (index, probs.max(dim=-1).values.unsqueeze(-1), logits)
+
+
+def _dbrx(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    return _gated_logits(output, state)  # the block's own softmax/top-k/normalisation follow
+
+
+RULES: dict[str, Callable] = {
+    "mixtral": _softmax_topk(norm=True, cast=None),
+    "qwen2_moe": _softmax_topk(norm="norm_topk_prob", cast="logits"),
+    "qwen3_moe": _softmax_topk(norm="norm_topk_prob", cast="logits"),
+    "olmoe": _softmax_topk(norm="norm_topk_prob", cast="logits"),
+    "jamba": _softmax_topk(norm=False, cast="input"),
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _topk_softmax(cast_input=False),
+    "granitemoe": _topk_softmax(cast_input=True),
+    "phimoe": _phimoe,
+    "llama4": _llama4,
+    "llama4_text": _llama4,
+    "dbrx": _dbrx,
+    "switch_transformers": _switch,
+}
+
+# Families whose experts process every token whatever the routing says (dense dispatch): the
+# masked experts' output rows are removed after the experts ran.
+DENSE_EXPERTS = {"llama4", "llama4_text"}
+
+
+class TrustGate:
+    """Per (layer, expert) trust weights in [0, 1], applied at routing time.
+
+    Build it from the probe's `MoELayer`s; `install()` adds the hooks and returns their handles
+    (the probe session keeps and removes them). Every weight starts at 1.
+    """
+
+    def __init__(self, layers: list[MoELayer], on_error: Callable[[], None] | None = None):
+        self.layers = {layer.index: layer for layer in layers}
+        self._states: dict[int, _LayerState] = {}
+        self._lock = threading.Lock()
+        self.changes: list[GateChange] = []
+        self.listeners: list[Callable[[GateChange], None]] = []
+        self.on_error = on_error
+        for layer in layers:
+            self._states[layer.index] = self._state(layer, np.ones(layer.num_experts))
+
+    @staticmethod
+    def _device(layer: MoELayer) -> torch.device:
+        for tensor in list(layer.router.parameters()) + list(layer.router.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    def _state(self, layer: MoELayer, host: np.ndarray) -> _LayerState:
+        device = self._device(layer)
+        weight = torch.tensor(host, dtype=torch.float32)
+        offset = torch.where(weight > 0, torch.log(weight.clamp_min(1e-30)), torch.tensor(MASKED_LOGIT))
+        offset = offset.clamp_min(MASKED_LOGIT)
+        return _LayerState(weight=weight.to(device), offset=offset.to(device), masked=(weight == 0).to(device),
+                           host=host.copy(), active=bool((host < 1).any()))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def weights(self, layer: int) -> np.ndarray:
+        """The trust weights of a layer's experts, as a new host array."""
+        return self._states[self._check_layer(layer)].host.copy()
+
+    def weight(self, layer: int, expert: int) -> float:
+        return float(self.weights(layer)[self._check_expert(layer, expert)])
+
+    def is_rerouting(self, layer: int) -> bool:
+        """Whether the layer's family re-routes a masked expert's tokens (else they are dropped)."""
+        return self.layers[self._check_layer(layer)].family in RULES
+
+    # -- changing ------------------------------------------------------------------------------
+
+    def set(self, layer: int, expert: int, weight: float, reason: str, *, score: float | None = None,
+            source: str = "manual", step: int | None = None) -> GateChange | None:
+        """Set one expert's trust weight; returns the change, or None if the weight was already so.
+
+        Raises TrustGateError for an unknown layer or expert or a weight outside [0, 1], and when
+        masking would leave the layer fewer unmasked experts than its k.
+        """
+        layer = self._check_layer(layer)
+        expert = self._check_expert(layer, expert)
+        weight = float(weight)
+        if not 0.0 <= weight <= 1.0 or weight != weight:
+            raise TrustGateError(f"trust weight must lie in [0, 1], got {weight}")
+        moe = self.layers[layer]
+        with self._lock:
+            host = self._states[layer].host.copy()
+            old = float(host[expert])
+            if old == weight:
+                return None
+            host[expert] = weight
+            if int((host > 0).sum()) < moe.top_k:
+                raise TrustGateError(
+                    f"masking expert {expert} would leave layer {layer} with {int((host > 0).sum())} experts, "
+                    f"fewer than its k={moe.top_k}; lift another expert first")
+            self._states[layer] = self._state(moe, host)
+            change = GateChange(at=dt.datetime.now(dt.timezone.utc), layer=layer, expert=expert, old_weight=old,
+                                new_weight=weight, reason=reason, score=score, source=source, step=step)
+            self.changes.append(change)
+        for listener in list(self.listeners):
+            try:
+                listener(change)
+            except Exception:
+                log.exception("trust-gate listener failed")
+        return change
+
+    def reset(self, reason: str = "reset", source: str = "manual") -> list[GateChange]:
+        """Every weight back to 1; returns the changes made."""
+        changes = []
+        for layer, state in list(self._states.items()):
+            for expert in np.flatnonzero(state.host < 1):
+                change = self.set(layer, int(expert), 1.0, reason, source=source)
+                if change is not None:
+                    changes.append(change)
+        return changes
+
+    def _check_layer(self, layer: int) -> int:
+        if layer not in self._states:
+            raise TrustGateError(f"no MoE layer {layer}; the probe found layers {sorted(self._states)}")
+        return int(layer)
+
+    def _check_expert(self, layer: int, expert: int) -> int:
+        count = self.layers[layer].num_experts
+        if not 0 <= int(expert) < count:
+            raise TrustGateError(f"layer {layer} has experts 0..{count - 1}, not {expert}")
+        return int(expert)
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def install(self) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hook every layer's router (and Llama4's experts); returns the handles to remove later.
+
+        The router hook is prepended, so hooks added before it (the probe's recorder) already see
+        the gated output.
+        """
+        handles = []
+        for layer in self.layers.values():
+            rule = RULES.get(layer.family)
+            if rule is not None:
+                handles.append(layer.router.register_forward_hook(self._router_hook(layer, rule), prepend=True))
+                if layer.family in DENSE_EXPERTS and layer.experts is not None:
+                    handles.append(layer.experts.register_forward_hook(self._dense_hook(layer)))
+            elif layer.experts is not None:
+                handles.append(layer.experts.register_forward_pre_hook(
+                    self._weights_hook(layer), with_kwargs=True, prepend=True))
+        return handles
+
+    def _failed(self) -> None:
+        if self.on_error is not None:
+            self.on_error()
+        else:
+            log.exception("trust gate hook failed; the forward goes on ungated")
+
+    def _router_hook(self, layer: MoELayer, rule: Callable) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            state = self._states[layer.index]
+            if not state.active:
+                return None
+            try:
+                return rule(module, args, output, state)
+            except Exception:
+                self._failed()
+                return None
+        return hook
+
+    def _dense_hook(self, layer: MoELayer) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
+            state = self._states[layer.index]
+            if not state.active or not bool(state.host.min() == 0):
+                return None
+            try:
+                rows = output.view(layer.num_experts, -1, output.shape[-1])
+                rows = torch.where(state.masked.view(-1, 1, 1), torch.zeros((), dtype=rows.dtype,
+                                                                             device=rows.device), rows)
+                return rows.view_as(output)
+            except Exception:
+                self._failed()
+                return None
+        return hook
+
+    def _weights_hook(self, layer: MoELayer) -> Callable:
+        """Custom MoE: scale the weights the experts receive (no rule to re-route by)."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            state = self._states[layer.index]
+            if not state.active:
+                return None
+            try:
+                ids, weights = experts_arguments(args, kwargs)
+                scaled = weights * state.weight.to(weights.dtype)[ids.long()]
+                for name in ("top_k_weights", "routing_weights", "router_scores", "topk_weights", "expert_weights"):
+                    if name in kwargs:
+                        return args, {**kwargs, name: scaled}
+                return (args[0], args[1], scaled, *args[3:]), kwargs
+            except Exception:
+                self._failed()
+                return None
+        return hook
