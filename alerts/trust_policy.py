@@ -1,0 +1,345 @@
+"""The trust policy: expert-health scores in, trust-gate weights, events and alerts out.
+
+`TrustPolicy` is an exporter in the probe's pipeline (it runs on the writer thread, never on
+the model's). For every record it feeds the `HealthScorer`; for every closed window it writes the
+scores to the `expert_health` table and judges each (layer, expert):
+
+- bad after `gate_after` consecutive windows scoring below `bad_below`: the `ExpertUnhealthy`
+  alert fires and, when the gate is "auto", the expert's weight goes to `gated_weight` (0: masked);
+- good after `lift_after` consecutive windows scoring at least `good_above`: the alert resolves
+  and the weight goes back to 1. Between the two thresholds nothing changes (hysteresis).
+- guard rails: the policy never gates more than `max_gated_share` of a layer's experts, and never
+  leaves fewer than `min_active` (default: the layer's k) ungated; the worst score goes first.
+  A judgement the rails stop is still alerted, annotated with the rail that stopped it.
+
+Every change of the gate, whoever made it (this policy, `override`, or a direct
+`TrustGate.set`), is written to the `trust_gate_events` table and sent as a `TrustGateChanged`
+alert (firing when the weight drops below 1, resolved when it is back at 1) through `sink`, e.g.
+an `alerts.outbox.Outbox`, which delivers to the configured notifiers.
+
+`override(layer, expert, weight, reason)` pins an expert's weight: the policy leaves a pinned
+expert alone until `release(layer, expert)` hands it back (at weight 1).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint
+from alerts.health import ExpertHealth, HealthConfig, HealthScorer
+from probe.gate import GateChange, TrustGate, TrustGateError
+from probe.records import StepRecord
+from store.schema import SCHEMAS
+from store.writer import write_table_file
+
+log = logging.getLogger(__name__)
+
+MODES = (None, "manual", "auto")
+
+
+class TransitionSink(Protocol):
+    def handle(self, transitions: Sequence[AlertTransition]) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrustPolicyConfig:
+    bad_below: float = 40.0
+    good_above: float = 70.0
+    gate_after: int = 2
+    lift_after: int = 3
+    gated_weight: float = 0.0
+    max_gated_share: float = 0.25
+    min_active: int | None = None  # None: the layer's k
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.bad_below <= self.good_above <= 100:
+            raise ValueError("need 0 <= bad_below <= good_above <= 100")
+        if self.gate_after < 1 or self.lift_after < 1:
+            raise ValueError("gate_after and lift_after count windows and must be at least 1")
+        if not 0 <= self.gated_weight < 1:
+            raise ValueError("gated_weight must lie in [0, 1)")
+
+
+@dataclass
+class _Judgement:
+    bad_run: int = 0
+    good_run: int = 0
+    unhealthy: bool = False
+    since: dt.datetime | None = None
+
+
+class TrustPolicy:
+    """Scores, judges and (mode "auto") gates; see the module docstring.
+
+    Build it with its configuration and a sink, pass it to `probe.attach(..., trust_policy=)`
+    (or let `attach` build a default one), and the session binds it to its gate and store.
+    """
+
+    def __init__(self, config: TrustPolicyConfig | None = None, health: HealthConfig | None = None,
+                 sink: TransitionSink | None = None, max_buffer_rows: int = 4096, max_age_s: float = 5.0):
+        self.config = config or TrustPolicyConfig()
+        self.scorer = HealthScorer(health)
+        self.sink = sink
+        self.mode: str | None = None
+        self.gate: TrustGate | None = None
+        self.session: Any = None
+        self.root: str | None = None
+        self.run_id = ""
+        self.rank = 0
+        self.top_k: dict[int, int] = {}
+        self.num_experts: dict[int, int] = {}
+        self.pinned: set[tuple[int, int]] = set()
+        self.judgements: dict[tuple[int, int], _Judgement] = {}
+        self.health_rows: list[ExpertHealth] = []  # every row scored, kept for in-process readers
+        self.events: list[GateChange] = []
+        self.alerts: list[AlertTransition] = []
+        self._episodes: dict[tuple[int, int], dt.datetime] = {}
+        self._buffer: list[dict] = []
+        self._first_at: float | None = None
+        self._lock = threading.RLock()
+        self._seq = 0
+        self.max_buffer_rows = max_buffer_rows
+        self.max_age_s = max_age_s
+        self.last_step = 0
+
+    # -- binding -------------------------------------------------------------------------------
+
+    def bind(self, session: Any, mode: str | None, store: str | os.PathLike | None) -> TrustPolicy:
+        """Attach to a probe session: its run, layers, gate (if any) and store folder."""
+        if mode not in MODES:
+            raise ValueError(f"trust_gate must be one of None, 'manual', 'auto', not {mode!r}")
+        self.session = session
+        self.mode = mode
+        self.gate = session.gate
+        self.root = None if store is None else os.fspath(store)
+        self.run_id = session.run.run_id
+        self.rank = session.run.rank
+        for info in session.run.layers:
+            self.top_k[info.layer] = info.top_k
+            self.num_experts[info.layer] = info.num_experts
+            self.scorer.set_experts(info.layer, info.num_experts)
+        if self.gate is not None:
+            self.gate.listeners.append(self._on_change)
+        return self
+
+    # -- the exporter interface ----------------------------------------------------------------
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        for record in records:
+            self.last_step = record.step
+            rows = self.scorer.observe(record)
+            if rows:
+                self.judge(rows, record.step)
+        self._write_due()
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self._write_health()
+        return True
+
+    def shutdown(self) -> None:
+        self._write_health()
+        if self.gate is not None and self._on_change in self.gate.listeners:
+            self.gate.listeners.remove(self._on_change)
+
+    # -- judging -------------------------------------------------------------------------------
+
+    def judge(self, rows: list[ExpertHealth], step: int) -> None:
+        """Record and judge the scored rows of closed windows (gating in "auto" mode)."""
+        cfg = self.config
+        with self._lock:
+            self.health_rows.extend(rows)
+            self._buffer.extend(row.as_row() | {"rank": self.rank} for row in rows)
+            self._first_at = self._first_at or time.monotonic()
+            to_gate: list[ExpertHealth] = []
+            to_lift: list[ExpertHealth] = []
+            for row in rows:
+                key = (row.layer, row.expert)
+                j = self.judgements.setdefault(key, _Judgement())
+                if row.score < cfg.bad_below:
+                    j.bad_run, j.good_run = j.bad_run + 1, 0
+                elif row.score >= cfg.good_above:
+                    j.good_run, j.bad_run = j.good_run + 1, 0
+                else:
+                    j.bad_run = j.good_run = 0
+                if not j.unhealthy and j.bad_run >= cfg.gate_after:
+                    to_gate.append(row)
+                elif j.unhealthy and j.good_run >= cfg.lift_after:
+                    to_lift.append(row)
+            for row in to_lift:
+                self._lift(row, step)
+            for row in sorted(to_gate, key=lambda r: r.score):
+                self._gate(row, step)
+
+    def _gate(self, row: ExpertHealth, step: int) -> None:
+        key = (row.layer, row.expert)
+        j = self.judgements[key]
+        j.unhealthy, j.since = True, row.ts
+        action = "not gated: trust gate off" if self.mode != "auto" else ""
+        if self.mode == "auto" and key not in self.pinned:
+            blocked = self._guard_rail(row.layer)
+            if blocked:
+                action = f"not gated: {blocked}"
+            else:
+                reason = f"score {row.score:.1f} < {self.config.bad_below:g} for {j.bad_run} windows: {row.reasons}"
+                try:
+                    self.gate.set(row.layer, row.expert, self.config.gated_weight, reason, score=row.score,
+                                  source="auto", step=step)
+                    action = f"gated to {self.config.gated_weight:g}"
+                except TrustGateError as e:
+                    action = f"not gated: {e}"
+        elif key in self.pinned:
+            action = "not gated: pinned by an operator override"
+        self._notify_health(row, FIRING, INACTIVE, step, action)
+
+    def _lift(self, row: ExpertHealth, step: int) -> None:
+        key = (row.layer, row.expert)
+        j = self.judgements[key]
+        j.unhealthy = False
+        action = ""
+        if self.mode == "auto" and key not in self.pinned and self.gate.weight(*key) < 1:
+            reason = f"score {row.score:.1f} >= {self.config.good_above:g} for {j.good_run} windows"
+            self.gate.set(row.layer, row.expert, 1.0, reason, score=row.score, source="auto", step=step)
+            action = "gate lifted"
+        self._notify_health(row, RESOLVED, FIRING, step, action)
+
+    def _guard_rail(self, layer: int) -> str:
+        """Why gating one more expert of `layer` is not allowed, or '' if it is."""
+        experts = self.num_experts[layer]
+        gated = int((self.gate.weights(layer) < 1).sum())
+        limit = int(self.config.max_gated_share * experts)
+        if gated + 1 > limit:
+            return f"guard rail: at most {self.config.max_gated_share:.0%} of layer {layer} ({limit} experts) gated"
+        min_active = self.config.min_active if self.config.min_active is not None else self.top_k[layer]
+        if experts - gated - 1 < min_active:
+            return f"guard rail: at least {min_active} experts of layer {layer} stay ungated"
+        return ""
+
+    # -- the operator's API --------------------------------------------------------------------
+
+    def override(self, layer: int, expert: int, weight: float, reason: str) -> GateChange | None:
+        """Pin an expert's trust weight; the policy leaves it alone until `release`.
+
+        Raises TrustGateError (from the gate) for a bad layer, expert or weight, and RuntimeError
+        when no gate is installed (attach with trust_gate="manual" or "auto").
+        """
+        gate = self._require_gate()
+        with self._lock:
+            change = gate.set(layer, expert, weight, reason, source="override", step=self._step())
+            self.pinned.add((int(layer), int(expert)))
+        return change
+
+    def release(self, layer: int, expert: int, reason: str = "override released") -> GateChange | None:
+        """Un-pin an expert and put its weight back to 1; the policy judges it again from here."""
+        gate = self._require_gate()
+        with self._lock:
+            self.pinned.discard((int(layer), int(expert)))
+            self.judgements.pop((int(layer), int(expert)), None)
+            return gate.set(layer, expert, 1.0, reason, source="override", step=self._step())
+
+    def _require_gate(self) -> TrustGate:
+        if self.gate is None:
+            raise RuntimeError("no trust gate in this model: attach with trust_gate='manual' or 'auto'")
+        return self.gate
+
+    def _step(self) -> int:
+        return int(getattr(self.session, "step", self.last_step))
+
+    # -- events and alerts ---------------------------------------------------------------------
+
+    def _on_change(self, change: GateChange) -> None:
+        step = change.step if change.step is not None else self._step()
+        self.events.append(change)
+        if self.root is not None:
+            row = dict(run_id=self.run_id, ts=change.at, step=step, layer=change.layer, expert=change.expert,
+                       old_weight=change.old_weight, new_weight=change.new_weight, score=change.score,
+                       reason=change.reason, source=change.source, rank=self.rank)
+            self._write("trust_gate_events", [row])
+        key = (change.layer, change.expert)
+        if change.new_weight < 1:
+            self._episodes[key] = change.at  # each drop is its own notification
+            state, previous, starts = FIRING, (FIRING if change.old_weight < 1 else INACTIVE), change.at
+        else:
+            state, previous, starts = RESOLVED, FIRING, self._episodes.pop(key, change.at)
+        labels = self._labels("TrustGateChanged", change.layer, change.expert)
+        values = {"old_weight": change.old_weight, "new_weight": change.new_weight}
+        if change.score is not None:
+            values["score"] = change.score
+        self._send(AlertTransition(
+            fingerprint=fingerprint(labels), alertname="TrustGateChanged", state=state, previous_state=previous,
+            at=change.at, step=step, run_id=self.run_id, layer=change.layer, severity="critical",
+            expr=f"trust_weight {change.old_weight:g} -> {change.new_weight:g}", labels=labels,
+            annotations={"summary": f"layer {change.layer} expert {change.expert}: trust weight "
+                                    f"{change.old_weight:g} -> {change.new_weight:g} ({change.source})",
+                         "reason": change.reason, "source": change.source},
+            values=values, starts_at=starts, ends_at=change.at if state == RESOLVED else None))
+
+    def _notify_health(self, row: ExpertHealth, state: str, previous: str, step: int, action: str) -> None:
+        key = (row.layer, row.expert)
+        labels = self._labels("ExpertUnhealthy", row.layer, row.expert)
+        starts = self.judgements[key].since or row.ts
+        summary = (f"layer {row.layer} expert {row.expert} unhealthy: score {row.score:.1f}" if state == FIRING
+                   else f"layer {row.layer} expert {row.expert} healthy again: score {row.score:.1f}")
+        self._send(AlertTransition(
+            fingerprint=fingerprint(labels), alertname="ExpertUnhealthy", state=state, previous_state=previous,
+            at=row.ts, step=step, run_id=self.run_id, layer=row.layer, severity="critical",
+            expr=f"expert_health_score < {self.config.bad_below:g}", labels=labels,
+            annotations={"summary": summary + (f"; {action}" if action else ""), "reasons": row.reasons,
+                         "action": action},
+            values={k: v for k, v in (("score", row.score), ("load", row.load), ("confidence", row.confidence),
+                                      ("output", row.output), ("weight", row.weight), ("grad", row.grad))
+                    if v is not None},
+            starts_at=starts, ends_at=row.ts if state == RESOLVED else None))
+
+    def _labels(self, name: str, layer: int, expert: int) -> dict[str, str]:
+        return {"alertname": name, "severity": "critical", "run_id": self.run_id, "layer": str(layer),
+                "expert": str(expert)}
+
+    def _send(self, transition: AlertTransition) -> None:
+        self.alerts.append(transition)
+        if self.sink is None:
+            return
+        try:
+            self.sink.handle([transition])
+        except Exception:  # a broken sink must not stop the judging; the transition stays in self.alerts
+            log.exception("trust policy could not hand alert %s to its sink", transition.alertname)
+
+    # -- tables --------------------------------------------------------------------------------
+
+    def _write_due(self) -> None:
+        with self._lock:
+            due = len(self._buffer) >= self.max_buffer_rows or (
+                self._first_at is not None and time.monotonic() - self._first_at >= self.max_age_s)
+        if due:
+            self._write_health()
+
+    def _write_health(self) -> None:
+        with self._lock:
+            rows, self._buffer, self._first_at = self._buffer, [], None
+        if rows and self.root is not None:
+            self._write("expert_health", rows)
+
+    def _write(self, table: str, rows: list[dict]) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = 500_000 + self._seq  # apart from the ParquetExporter's sequence in the same process
+        try:
+            write_table_file(self.root, table, self.run_id, pa.Table.from_pylist(rows, schema=SCHEMAS[table]),
+                             self.rank, seq)
+        except Exception:
+            log.exception("could not write %d rows to %s", len(rows), table)
+
+
+def bind_policy(session: Any, policy: TrustPolicy | None, mode: str | None,
+                store: str | os.PathLike | None) -> TrustPolicy:
+    """The policy a probe session runs: the one given, or a default one, bound to the session."""
+    return (policy or TrustPolicy()).bind(session, mode, store)
