@@ -5,8 +5,10 @@ the experts module (whose inputs hold the final choice: ids and weights after bi
 grouping and normalisation) and the block itself. Families in `transformers` declare their router
 class in `_can_record_outputs["router_logits"]`; most experts modules take
 `(hidden_states, top_k_index, top_k_weights)`, so one generic reading covers them. The few that
-route differently (Switch's capacity mask, Llama4's dense scores) get a small `Choice` reader.
-A user describes a custom MoE module with `MoESpec`.
+route differently get a small reader, chosen in one table, `ROUTINGS`: capacity masks (Switch
+top-1, NLLB top-2), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
+(LongCat-Flash) and a parameter-free skip expert (ZAYA). A user describes a custom MoE module with
+`MoESpec`.
 
 Sharp edge: readers see the tensors the model really passed, so a family whose experts module
 changes signature in a new `transformers` release fails loudly at attach or in the exactness
@@ -35,6 +37,7 @@ class Choice:
     ids: torch.Tensor
     weights: torch.Tensor
     kept: torch.Tensor | None = None  # (tokens, k) bool; None means every slot was processed
+    capacity: int | None = None  # slots per expert in this forward, where the router sizes it per batch
 
 
 # Readers: router output -> logits (tokens, E); experts call -> Choice; router output -> Choice.
@@ -89,6 +92,9 @@ class MoELayer:
     expert_capacity: int | None = None
     zero_experts: int = 0
     params_per_expert: int = 0
+    unused_params: int = 0  # parameters in the experts module that no token can use (see _expert_params)
+    expert_modules: tuple[nn.Module, ...] = ()  # where the experts' parameters live, when not in `experts`
+    routing: str = "experts inputs"
     extra: dict = field(default_factory=dict)
 
 
@@ -147,6 +153,49 @@ def dense_scores_choice(top_k: int) -> Callable[[Any, torch.Tensor], Choice]:
     return read
 
 
+def capacity_top2_choice(router: nn.Module) -> ChoiceReader:
+    """NLLB-style: top-2 under a capacity. The experts get the kept first choice as a one-hot mask
+    and the combine weights (tokens, E), zero where a slot was dropped at capacity (or, under
+    `second_expert_policy="random"`, not sampled).
+
+    The first expert is the mask's where kept, else the logits' argmax; the second is the argmax of
+    the logits without the first, the router's own rule (under "sampling" the router adds its
+    Gumbel noise to the very logits it returns, so the noise is included). A slot is kept when its
+    combine weight is non-zero. The capacity is the router's for this forward: in eval mode NLLB
+    sizes it to the batch (`moe_eval_capacity_token_fraction` of all its tokens).
+    Sharp edge: under "sampling", a dropped first choice is read from the noisy logits.
+    """
+    def read(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
+        mask, combine = experts_arguments(args, kwargs)
+        assert logits is not None, "top-2 capacity routing needs the router logits"
+        mask = mask.reshape(-1, mask.shape[-1])
+        combine = combine.reshape(mask.shape)
+        first_kept = mask.sum(dim=-1) > 0
+        first = torch.where(first_kept, mask.argmax(dim=-1), logits.argmax(dim=-1))
+        second = logits.scatter(1, first[:, None], float("-inf")).argmax(dim=-1)
+        ids = torch.stack([first, second], dim=1)
+        weights = combine.gather(1, ids)
+        kept = torch.stack([first_kept, weights[:, 1] > 0], dim=1)
+        return Choice(ids=ids, weights=weights, kept=kept, capacity=int(router.expert_capacity))
+    return read
+
+
+def grouped_gating_choice(top_k: int) -> Callable[[Any, torch.Tensor], Choice]:
+    """JetMoE-style: the router returns its choice already grouped by expert, as the experts
+    consume it: (slot order, token index, gates, tokens per expert, logits), where slot order
+    sorts the flattened (token, slot) pairs by expert. Undoing that sort gives per-token ids and
+    the gates the experts applied.
+    """
+    def read(output: Any, logits: torch.Tensor) -> Choice:
+        order, _, gates, per_expert, _ = output
+        sorted_ids = torch.repeat_interleave(torch.arange(len(per_expert), device=order.device),
+                                             torch.as_tensor(per_expert, device=order.device))
+        ids = torch.empty_like(order).scatter_(0, order, sorted_ids).reshape(-1, top_k)
+        weights = torch.empty_like(gates).scatter_(0, order, gates).reshape(-1, top_k)
+        return Choice(ids=ids, weights=weights)
+    return read
+
+
 # -- discovery -------------------------------------------------------------------------------------
 
 def _router_recorders(model: nn.Module) -> list[tuple[type, int | None]]:
@@ -182,10 +231,6 @@ def _config_of(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     text = getattr(config, "text_config", None) if config is not None else None
     return text or config
-
-
-def _count_params(module: nn.Module | None) -> int:
-    return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
 def _experts_child(block: nn.Module, router: nn.Module) -> nn.Module | None:
@@ -254,9 +299,97 @@ def find_moe_layers(model: nn.Module, specs: Iterable[MoESpec] = (),
             f"custom MoE, {hint}.")
     for index, layer in enumerate(layers):
         layer.index = index
-        if layer.experts is not None and layer.num_experts:
-            layer.params_per_expert = _count_params(layer.experts) // layer.num_experts
+        modules = layer.expert_modules or ((layer.experts,) if layer.experts is not None else ())
+        if modules and layer.num_experts:
+            layer.params_per_expert, layer.unused_params = _expert_params(modules, layer.num_experts,
+                                                                          layer.zero_experts)
     return layers
+
+
+def _expert_params(modules: Iterable[nn.Module], num_experts: int, zero_experts: int) -> tuple[int, int]:
+    """(parameters per routed expert, parameters no token can use) of the experts' modules.
+
+    Fused weights stacked over the router's every slot, zero experts included (LongCat-Flash's
+    `gate_up_proj` is (E + Z, ...) though identity experts never read it), hold rows that no token
+    uses: those count as unused, never as active and never as shared.
+    """
+    total = unused = 0
+    for module in modules:
+        for param in module.parameters():
+            total += param.numel()
+            if zero_experts and param.dim() and param.shape[0] == num_experts + zero_experts:
+                unused += param.numel() // (num_experts + zero_experts) * zero_experts
+    return (total - unused) // num_experts, unused
+
+
+# -- how each kind of router hands its choice to the experts ---------------------------------------
+
+@dataclass(frozen=True)
+class Routing:
+    """One way of routing: which layers it describes, and how it sets their readers.
+
+    `applies(router, block, experts)` looks at the modules; `configure(layer)` replaces the
+    generic reading (ids and weights from the experts module's inputs) where that is not the
+    final choice.
+    """
+
+    name: str
+    applies: Callable[[nn.Module, nn.Module, nn.Module | None], bool]
+    configure: Callable[[MoELayer], None]
+
+
+def _router_named(*names: str) -> Callable[[nn.Module, nn.Module, nn.Module | None], bool]:
+    return lambda router, block, experts: type(router).__name__ in names
+
+
+def _capacity_top2(layer: MoELayer) -> None:
+    layer.top_k = 2
+    layer.expert_capacity = layer.router.expert_capacity
+    layer.read_choice = capacity_top2_choice(layer.router)
+
+
+def _capacity_top1(layer: MoELayer) -> None:
+    layer.top_k = 1
+    layer.expert_capacity = layer.router.expert_capacity
+    layer.read_choice = switch_choice
+
+
+def _grouped_gating(layer: MoELayer) -> None:
+    # JetMoE's experts are two stacked projections of the block (input_linear, output_linear),
+    # in its MLP (MoE) and in its attention (MoA, one query/output projection pair per expert).
+    layer.experts = None
+    layer.expert_modules = tuple(getattr(layer.block, n) for n in ("input_linear", "output_linear"))
+    layer.read_choice = None
+    layer.read_router_choice = grouped_gating_choice(layer.top_k)
+
+
+def _dense_scores(layer: MoELayer) -> None:
+    layer.read_choice = None
+    layer.read_router_choice = dense_scores_choice(layer.top_k)
+
+
+def _zero_experts(layer: MoELayer) -> None:
+    layer.zero_experts = layer.experts.zero_expert_num
+
+
+def _experts_take_only_hidden_states(experts: nn.Module | None) -> bool:
+    if experts is None:
+        return True
+    parameters = inspect.signature(experts.forward).parameters
+    return len(parameters) == 1 and "hidden_states" in parameters
+
+
+# First match wins; the last entry is the generic reading.
+ROUTINGS: tuple[Routing, ...] = (
+    Routing("capacity top-2 (NLLB-MoE)", lambda r, b, e: hasattr(r, "second_expert_policy"), _capacity_top2),
+    Routing("capacity top-1 (Switch)", lambda r, b, e: isinstance(getattr(r, "expert_capacity", None), int),
+            _capacity_top1),
+    Routing("grouped gating (JetMoE)", _router_named("JetMoeTopKGating"), _grouped_gating),
+    Routing("dense scores (Llama4)", lambda r, b, e: _experts_take_only_hidden_states(e), _dense_scores),
+    Routing("zero experts (LongCat-Flash)", lambda r, b, e: (getattr(e, "zero_expert_num", 0) or 0) > 0,
+            _zero_experts),
+    Routing("experts inputs", lambda r, b, e: True, lambda layer: None),
+)
 
 
 def _transformers_layer(block_name: str, block: nn.Module, router: nn.Module, index: int | None,
@@ -266,9 +399,8 @@ def _transformers_layer(block_name: str, block: nn.Module, router: nn.Module, in
                             ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                              "out_features"])
     top_k = _int_attr([router, block, config], ["top_k", "num_experts_per_tok", "moe_top_k", "moe_topk"])
-    capacity = getattr(router, "expert_capacity", None)
-    if isinstance(capacity, int) and top_k is None:
-        top_k = 1  # Switch-style top-1 routers carry no k
+    if isinstance(getattr(router, "expert_capacity", None), int) and top_k is None:
+        top_k = 1  # Switch-style top-1 routers carry no k; NLLB's top-2 is set by its Routing
     ffn_config = getattr(config, "ffn_config", None)  # DBRX keeps its MoE fields here
     if num_experts is None or top_k is None:
         num_experts = num_experts or _int_attr([ffn_config], ["moe_num_experts"])
@@ -279,13 +411,7 @@ def _transformers_layer(block_name: str, block: nn.Module, router: nn.Module, in
     layer = MoELayer(index=-1, name=block_name, family=family, block=block, router=router,
                      experts=experts, num_experts=num_experts, top_k=top_k, read_logits=logits_at(index),
                      read_choice=topk_experts_choice)
-    if isinstance(capacity, int):  # Switch-style routers mask over-capacity tokens
-        layer.expert_capacity = capacity
-        layer.top_k = 1
-        layer.read_choice = switch_choice
-    elif experts is None or "hidden_states" in inspect.signature(experts.forward).parameters and len(
-            inspect.signature(experts.forward).parameters) == 1:
-        # Llama4: experts see pre-scaled inputs, never ids; the choice is in the router's output.
-        layer.read_choice = None
-        layer.read_router_choice = dense_scores_choice(top_k)
+    routing = next(r for r in ROUTINGS if r.applies(router, block, experts))
+    layer.routing = routing.name
+    routing.configure(layer)
     return layer

@@ -99,7 +99,8 @@ class ProbeSession:
 
         rank, world_size = _distributed()
         total = sum(p.numel() for p in model.parameters())
-        routed = sum(layer.params_per_expert * layer.num_experts for layer in layers)
+        # Rows no token can use (LongCat's zero-expert slots in fused weights) are never active.
+        routed = sum(layer.params_per_expert * layer.num_experts + layer.unused_params for layer in layers)
         self.total_params = total
         self.shared_params = total - routed  # counted for every token, by the model-card convention
         self.run = RunInfo(
@@ -203,7 +204,8 @@ class ProbeSession:
             try:
                 choice = layer.read_choice(args, kwargs, forward.logits.get(layer.index))
                 forward.choice[layer.index] = Choice(choice.ids.detach(), choice.weights.detach(),
-                                                     None if choice.kept is None else choice.kept.detach())
+                                                     None if choice.kept is None else choice.kept.detach(),
+                                                     choice.capacity)
             except Exception:
                 self._hook_failed()
         return hook
@@ -259,7 +261,7 @@ class ProbeSession:
                 ids = None
             if shape and shape[0] * shape[1] != tokens:
                 shape = ()
-            meta[layer.index] = dict(tokens=tokens, shape=shape, has_ids=ids is not None)
+            meta[layer.index] = dict(tokens=tokens, shape=shape, has_ids=ids is not None, capacity=choice.capacity)
             if ids is not None and (self.routes or self.router_logits or self.router_inputs):
                 tensors[(layer.index, "token_ids")] = ids.reshape(-1)
             if self.routes:
@@ -290,11 +292,12 @@ class ProbeSession:
             tokens = info["tokens"]
             per_token = float(got["real_slots_kept"][0]) / tokens * layer.params_per_expert if tokens else 0.0
             active += per_token
-            capacity = None
+            capacity = info["capacity"]  # set per forward where the router sizes it to the batch (NLLB)
             capacity_use = None
-            if layer.expert_capacity is not None:
+            if capacity is None and layer.expert_capacity is not None:
                 sequences = info["shape"][0] if info["shape"] else 1
-                capacity = layer.expert_capacity * sequences
+                capacity = layer.expert_capacity * sequences  # Switch: a capacity per sequence
+            if capacity is not None:
                 capacity_use = float(got["expert_load"][: layer.num_experts].max()) / capacity
             layer_steps.append(LayerStep(
                 layer=layer.index, tokens=tokens, expert_load=got["expert_load"],
