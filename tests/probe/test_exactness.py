@@ -19,12 +19,13 @@ from probe.zoo import FAMILIES, tiny_model
 from store import InMemoryExporter
 
 BATCH, SEQ = 3, 7
+ENCODER_DECODER = {"switch_transformers", "nllb_moe"}
 
 
 def _inputs(family: str, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
-    if family == "switch_transformers":
+    if family in ENCODER_DECODER:
         return dict(input_ids=ids, decoder_input_ids=torch.randint(0, 128, (BATCH, SEQ), generator=g))
     return dict(input_ids=ids)
 
@@ -75,6 +76,37 @@ def _expected_choice(family: str, layer, oracle: _Oracle, model) -> tuple[np.nda
     if family == "dbrx":
         weights, ids = layer.block.route_tokens_to_experts(out)
         return ids.numpy(), weights.numpy(), np.ones(ids.shape, bool)
+    if family == "nllb_moe":
+        # The experts got the kept first choice as a one-hot mask and the combine weights; decode
+        # both token by token, the second choice by NLLB's rule (best logit after the first).
+        args, _ = oracle.experts_in[layer.index]
+        mask, combine, logits = args[1], args[2], out[2]
+        ids, weights, kept = [], [], []
+        for t in range(logits.shape[0]):
+            row = logits[t].tolist()
+            first = int(np.argmax(row)) if mask[t].sum() == 0 else int(mask[t].tolist().index(1))
+            second = max((e for e in range(len(row)) if e != first), key=lambda e: row[e])
+            ids.append([first, second])
+            weights.append([float(combine[t, first]), float(combine[t, second])])
+            kept.append([bool(mask[t, first]), float(combine[t, second]) > 0])
+        return np.array(ids), np.array(weights, dtype=np.float32), np.array(kept)
+    if family == "jetmoe":
+        # The router hands the experts (token, slot) pairs sorted by expert, with run lengths per
+        # expert: walk the runs and put each pair back at its token and slot.
+        order, batch_index, gates, per_expert, logits = out
+        k = layer.top_k
+        ids = np.full((logits.shape[0], k), -1)
+        weights = np.zeros((logits.shape[0], k), dtype=np.float32)
+        position = 0
+        for expert, count in enumerate(per_expert):
+            for _ in range(count):
+                token, slot = divmod(int(order[position]), k)
+                assert token == int(batch_index[position])
+                ids[token, slot], weights[token, slot] = expert, float(gates[position])
+                position += 1
+        assert (ids >= 0).all()
+        np.testing.assert_array_equal(ids, logits.topk(k, dim=1).indices.numpy())  # JetMoE's own rule
+        return ids, weights, np.ones(ids.shape, bool)
     # Every other family: the router returns (logits, weights, ids) and the experts got exactly those.
     _, weights, ids = out
     args, kwargs = oracle.experts_in[layer.index]
@@ -83,11 +115,32 @@ def _expected_choice(family: str, layer, oracle: _Oracle, model) -> tuple[np.nda
 
 
 def _model_router_logits(family: str, output) -> list[torch.Tensor]:
-    if family == "switch_transformers":
+    """The model's own router logits, in the probe's layer order (module order)."""
+    if family in ENCODER_DECODER:
         logits = list(output.encoder_router_logits) + list(output.decoder_router_logits)
     else:
         logits = list(output.router_logits)
-    return [t.reshape(-1, t.shape[-1]) for t in logits if t is not None and t.numel()]
+    logits = [t.reshape(-1, t.shape[-1]) for t in logits if t is not None and t.numel()]
+    if family == "jetmoe":
+        # Output order is call order, attention (MoA) before MLP (MoE) in each layer; the decoder
+        # layer declares its MLP first, so module order swaps each pair.
+        logits = [t for pair in zip(logits[1::2], logits[0::2]) for t in pair]
+    return logits
+
+
+def _real_expert_params(family: str, layer) -> float:
+    """Parameters of one routed expert, counted by hand from the family's own layout."""
+    if family == "jetmoe":
+        return layer.block.input_linear.weight[0].numel() + layer.block.output_linear.weight[0].numel()
+    if family == "longcat_flash":  # gate_up_proj also has rows for the zero experts, never read
+        return layer.experts.gate_up_proj[0].numel() + layer.experts.down_proj[0].numel()
+    return sum(p.numel() for p in layer.experts.parameters()) / layer.num_experts
+
+
+def _experts_params(family: str, layer) -> int:
+    if family == "jetmoe":
+        return layer.block.input_linear.weight.numel() + layer.block.output_linear.weight.numel()
+    return sum(p.numel() for p in layer.experts.parameters())
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -132,15 +185,17 @@ def test_load_is_a_bincount_of_kept_ids(recorded):
     family, model, session, oracle, output, record = recorded
     for layer, ls in zip(session.layers, record.layers):
         ids, weights, kept = _expected_choice(family, layer, oracle, model)
-        expected = np.bincount(ids[kept], minlength=layer.num_experts)
+        slots = layer.num_experts + layer.zero_experts  # zero experts' load is recorded after the real ones
+        expected = np.bincount(ids[kept], minlength=slots)
         np.testing.assert_array_equal(ls.expert_load, expected)
-        gate_sum = np.zeros(layer.num_experts)
+        gate_sum = np.zeros(slots)
         for t in range(ids.shape[0]):
             for s in range(ids.shape[1]):
                 if kept[t, s]:
                     gate_sum[ids[t, s]] += float(weights[t, s])
         np.testing.assert_allclose(ls.gate_weight_sum, gate_sum, rtol=1e-6, atol=1e-7)
         assert ls.dropped_tokens == int((~kept).all(axis=1).sum())
+        assert ls.dropped_assignments == int((~kept).sum())
 
 
 def test_entropy_and_margin_by_brute_force(recorded):
@@ -166,7 +221,8 @@ def test_coselection_counts_pairs(recorded):
             assert ls.coselection is None
             continue
         ids, _, kept = _expected_choice(family, layer, oracle, model)
-        expected = np.zeros((layer.num_experts, layer.num_experts), dtype=np.int64)
+        slots = layer.num_experts + layer.zero_experts
+        expected = np.zeros((slots, slots), dtype=np.int64)
         for row, keep in zip(ids, kept):
             chosen = [e for e, k in zip(row, keep) if k]
             for i in chosen:
@@ -186,8 +242,13 @@ def test_load_balancing_loss_matches_transformers(recorded):
     layer = session.layers[0]
     expected = loss_func(tuple(_model_router_logits(family, output)), layer.num_experts, layer.top_k)
     # From the records alone: loss = E * sum_e f_e * P_e, where f_e is the share of all
-    # (token, slot) assignments over all layers and P_e the mean router probability.
-    load = sum(ls.expert_load for ls in record.layers).astype(np.float64)
+    # (token, slot) assignments over all layers and P_e the mean router probability. The loss
+    # counts choices before any capacity drop, so the per-token routes (kept or not) give f_e.
+    if any(layer.expert_capacity is not None for layer in session.layers):
+        load = sum(np.bincount(ls.routes.expert_ids.ravel(), minlength=layer.num_experts)
+                   for ls in record.layers).astype(np.float64)
+    else:
+        load = sum(ls.expert_load for ls in record.layers).astype(np.float64)
     prob = sum(ls.router_prob_sum for ls in record.layers)
     tokens = sum(ls.tokens for ls in record.layers)
     recomputed = layer.num_experts * float(np.sum(load / tokens * prob / tokens))
@@ -197,16 +258,14 @@ def test_load_balancing_loss_matches_transformers(recorded):
 def test_active_parameter_fraction_counted_by_hand(recorded):
     family, model, session, oracle, output, record = recorded
     total = sum(p.numel() for p in model.parameters())
-    # Every parameter outside the routed experts counts for every token; an expert's parameters
-    # count for a token only when it processed that token.
-    expert_params = {layer.index: [sum(p.numel() for p in layer.experts.parameters()) / layer.num_experts]
-                     for layer in session.layers}
-    shared = total - sum(v[0] * layer.num_experts for layer, v in zip(session.layers, expert_params.values()))
-    per_token = float(shared)
+    # Every parameter outside the experts modules counts for every token; an expert's parameters
+    # count for a token only when it processed that token; zero experts and a slot dropped at
+    # capacity count nothing, and neither do weight rows stacked for zero experts (LongCat).
+    per_token = float(total - sum(_experts_params(family, layer) for layer in session.layers))
     for layer in session.layers:
         ids, _, kept = _expected_choice(family, layer, oracle, model)
         used = [sum(1 for e, k in zip(row, keep) if k and e < layer.num_experts) for row, keep in zip(ids, kept)]
-        per_token += np.mean(used) * expert_params[layer.index][0]
+        per_token += np.mean(used) * _real_expert_params(family, layer)
     assert record.total_params == total
     assert record.active_params == pytest.approx(per_token, rel=1e-9)
     assert record.active_param_fraction == pytest.approx(per_token / total, rel=1e-9)
@@ -264,3 +323,55 @@ def test_switch_capacity_drops_counted_by_brute_force():
         assert ls.capacity == 2 * BATCH
         assert ls.capacity_use == pytest.approx(load.max() / (2 * BATCH))
     assert sum(ls.dropped_tokens for ls in memory.records[0].layers) > 0, "inputs should overflow capacity"
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.35])
+def test_nllb_top2_capacity_drops_counted_by_brute_force(fraction):
+    model = tiny_model("nllb_moe", moe_eval_capacity_token_fraction=fraction)
+    memory = InMemoryExporter()
+    with probe.attach(model, exporters=[memory], routes=True, router_logits=True) as session:
+        with torch.no_grad():
+            model(**_inputs("nllb_moe"))
+    tokens = BATCH * SEQ
+    capacity = int(np.ceil(fraction * tokens))  # eval mode: a share of all the batch's tokens
+    for layer, ls in zip(session.layers, memory.records[0].layers):
+        logits = ls.router_logits.values.astype(np.float64)
+        first = [int(np.argmax(row)) for row in logits]
+        second = [max((e for e in range(layer.num_experts) if e != f), key=lambda e: row[e])
+                  for f, row in zip(first, logits)]
+        # Fairseq's order: every first choice is placed (token order) before any second choice.
+        placed = np.zeros(layer.num_experts, dtype=int)
+        kept = np.zeros((tokens, 2), dtype=bool)
+        for t, e in enumerate(first):
+            kept[t, 0] = placed[e] < capacity
+            placed[e] += 1
+        for t, e in enumerate(second):
+            kept[t, 1] = placed[e] < capacity
+            placed[e] += 1
+        load = np.zeros(layer.num_experts, dtype=int)
+        for t in range(tokens):
+            for s, e in enumerate((first[t], second[t])):
+                load[e] += kept[t, s]
+        np.testing.assert_array_equal(ls.routes.expert_ids, np.array([first, second]).T)
+        np.testing.assert_array_equal(ls.routes.kept, kept)
+        np.testing.assert_array_equal(ls.expert_load, load)
+        assert ls.dropped_assignments == int((~kept).sum())
+        assert ls.dropped_tokens == int((~kept).all(axis=1).sum())
+        assert ls.capacity == capacity
+        assert ls.capacity_use == pytest.approx(load.max() / capacity)
+    assert sum(ls.dropped_assignments for ls in memory.records[0].layers) > 0, "inputs should overflow capacity"
+
+
+def test_longcat_zero_experts_take_load_but_no_parameters():
+    model = tiny_model("longcat_flash")
+    memory = InMemoryExporter()
+    with probe.attach(model, exporters=[memory], routes=True) as session, torch.no_grad():
+        model(**_inputs("longcat_flash"))
+    for layer, info, ls in zip(session.layers, session.run.layers, memory.records[0].layers):
+        assert (info.num_experts, info.zero_experts) == (8, 2)
+        assert ls.expert_load.shape == (10,)
+        assert ls.expert_load[8:].sum() == (ls.routes.expert_ids >= 8).sum() > 0
+        used = (ls.routes.expert_ids < 8).sum(axis=1).mean()
+        assert ls.active_params_per_token == pytest.approx(used * info.params_per_expert)
+        # The zero experts' rows of the fused gate_up_proj exist but are never used.
+        assert layer.unused_params == 2 * layer.experts.gate_up_proj[0].numel()
