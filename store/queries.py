@@ -246,8 +246,20 @@ class StoreQueries:
         gate_weight, kept (False where a capacity limit dropped it), tags (dict). Needs
         `routes=True` at attach; empty otherwise.
         """
-        clause, params = where(run_id, layer, step_from, step_to, tags)
         e = int(expert)
+        # The layer's recorded load says in which steps the expert got tokens: find the step by
+        # which it had `limit` of them, and scan routes only up to there. Compacted files are
+        # sorted by (layer, step), so the bound skips all but a few row groups. Kept load never
+        # exceeds the routed rows (dropped slots are rows too), so the bound never cuts short.
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        bound = self.sql(f"""
+            SELECT step FROM (
+                SELECT step, sum(sum(expert_load[?])) OVER (ORDER BY step) AS reached
+                FROM layer_steps WHERE {clause} GROUP BY step)
+            WHERE reached >= ? ORDER BY step LIMIT 1""", [e + 1, *params, int(limit)])
+        if not bound.empty:
+            end = int(bound.step[0]) + 1
+            clause, params = where(run_id, layer, step_from, end if step_to is None else min(end, step_to), tags)
         frame = self.sql(f"""
             SELECT step, rank, token, sequence, position, token_id,
                    list_position(expert_ids, ?::INTEGER) - 1 AS slot,

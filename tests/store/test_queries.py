@@ -178,3 +178,11 @@ def test_empty_and_missing_store(tmp_path):
     assert store.runs().empty and store.load_matrix("x", 0).empty and store.expert_routes("x", 0, 0).empty
     with pytest.raises(EmptyStoreError, match="no data yet"):
         store.latest_run()
+
+
+def test_expert_routes_limit_takes_the_first_rows(written):
+    root, records = written
+    full = Store(root).expert_routes("b", 0, 2, limit=10_000)
+    for limit in (1, 7, 40):
+        got = Store(root).expert_routes("b", 0, 2, limit=limit)
+        assert got[["step", "rank", "token"]].values.tolist() == full[["step", "rank", "token"]].values.tolist()[:limit]
