@@ -151,7 +151,7 @@ def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: i
                         f"COPY (SELECT * FROM sources{order}) TO '{literal}' (FORMAT parquet, "
                         f"COMPRESSION zstd, ROW_GROUP_SIZE {int(row_group_rows)}, "
                         f"KV_METADATA {{'{REPLACES_KEY.decode()}': '{replaces}'}})")
-                    merged_rows = con.execute("SELECT count(*) FROM read_parquet(?)", [tmp]).fetchone()[0]
+                    merged_rows = con.execute("SELECT count(*) FROM read_parquet(?)", [tmp]).fetchall()[0][0]
                     expected = sum(i.rows for i in group)
                     if merged_rows != expected:
                         raise RuntimeError(f"merged {merged_rows} rows of {table}/{run_id}, expected {expected}")
