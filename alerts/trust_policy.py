@@ -8,6 +8,8 @@ scores to the `expert_health` table and judges each (layer, expert):
   alert fires and, when the gate is "auto", the expert's weight goes to `gated_weight` (0: masked);
 - good after `lift_after` consecutive windows scoring at least `good_above`: the alert resolves
   and the weight goes back to 1. Between the two thresholds nothing changes (hysteresis).
+- a dead expert (low load and nothing else wrong) is alerted but not gated: it gets no tokens, so
+  gating it would change nothing.
 - guard rails: the policy never gates more than `max_gated_share` of a layer's experts, and never
   leaves fewer than `min_active` (default: the layer's k) ungated; the worst score goes first.
   A judgement the rails stop is still alerted, annotated with the rail that stopped it.
@@ -185,7 +187,12 @@ class TrustPolicy:
         j = self.judgements[key]
         j.unhealthy, j.since = True, row.ts
         action = "not gated: trust gate off" if self.mode != "auto" else ""
-        if self.mode == "auto" and key not in self.pinned:
+        dead_only = (row.load is not None and row.load < self.config.bad_below and row.load_share_ratio is not None
+                     and row.load_share_ratio < 1 and all(c is None or c >= self.config.bad_below
+                                                           for c in (row.output, row.weight, row.grad)))
+        if self.mode == "auto" and key not in self.pinned and dead_only:
+            action = "not gated: a dead expert gets no tokens, gating it would change nothing"
+        elif self.mode == "auto" and key not in self.pinned:
             blocked = self._guard_rail(row.layer)
             if blocked:
                 action = f"not gated: {blocked}"

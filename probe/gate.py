@@ -20,8 +20,10 @@ Sharp edges:
   logits + log(w) (masked: -1e4, finite so entropies stay finite), and the gated choice.
 - A layer whose weights are all 1 is left alone: the hook returns without touching anything, so
   an untouched gate changes no bit of the output.
-- A custom MoE (`MoESpec`) has no rule: the gate then scales the weights the experts module
-  receives (no renormalisation, no re-routing; a masked expert still computes, with weight 0).
+- A family without a rule (a custom `MoESpec`, or a family added to the probe after this table)
+  is not re-routed: the gate scales the weights its experts module receives (no
+  renormalisation) and removes a masked expert's slots (the sentinel id `num_experts` where the
+  experts module skips it, as transformers' fused experts do; else weight 0).
 - Changes happen only through `set`/`reset`, from any thread; each forward reads one consistent
   snapshot of a layer's weights. Every change is an `GateChange`, kept in `changes` and passed
   to each listener.
@@ -30,6 +32,7 @@ Sharp edges:
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import logging
 import sys
 import threading
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from probe.adapters import MoELayer, experts_arguments
+from probe.adapters import MoELayer, experts_arguments, topk_experts_choice
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,14 @@ class _LayerState:
 
 def _module_function(module: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(module).__module__], name)
+
+
+def _skips_sentinel(experts: nn.Module | None) -> bool:
+    """Whether the experts module skips id `num_experts` (transformers' fused experts do)."""
+    try:
+        return experts is not None and "num_experts + 1" in inspect.getsource(type(experts).forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
@@ -129,11 +140,11 @@ def _deepseek_v3(router: nn.Module, args: tuple, output: Any, state: _LayerState
     scores = logits.sigmoid() * state.weight
     for_choice = scores + router.e_score_correction_bias
     per_group = router.num_experts // router.num_group
-    # a group's score is its best two *unmasked* experts (a missing one counts 0), so masking an
-    # expert does not starve the rest of its group
+    # A group's score is the sum of its best two *unmasked* experts; a group left with one counts
+    # it twice, so masking an expert does not starve the rest of its group.
     group_top = for_choice.masked_fill(state.masked, float("-inf")).view(-1, router.num_group, per_group).topk(
         2, dim=-1)[0]
-    group_scores = torch.where(torch.isinf(group_top), torch.zeros_like(group_top), group_top).sum(dim=-1)
+    group_scores = torch.where(torch.isinf(group_top), group_top[..., :1], group_top).sum(dim=-1)
     for_choice = for_choice.masked_fill(state.masked, MASKED_LOGIT)
     group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
@@ -253,9 +264,15 @@ class TrustGate:
     def weight(self, layer: int, expert: int) -> float:
         return float(self.weights(layer)[self._check_expert(layer, expert)])
 
-    def is_rerouting(self, layer: int) -> bool:
-        """Whether the layer's family re-routes a masked expert's tokens (else they are dropped)."""
-        return self.layers[self._check_layer(layer)].family in RULES
+    def mechanism(self, layer: int) -> str | None:
+        """How the gate acts on a layer: "reroute" (a family rule), "remove" (masked slots skipped
+        by the experts module), "zero-weight" (masked slots kept with weight 0), or None (cannot)."""
+        moe = self.layers[self._check_layer(layer)]
+        if moe.family in RULES:
+            return "reroute"
+        if moe.experts is None or moe.read_choice is not topk_experts_choice:
+            return None  # no experts module, or one that is not called with (states, ids, weights)
+        return "remove" if _skips_sentinel(moe.experts) else "zero-weight"
 
     # -- changing ------------------------------------------------------------------------------
 
@@ -272,6 +289,9 @@ class TrustGate:
         if not 0.0 <= weight <= 1.0 or weight != weight:
             raise TrustGateError(f"trust weight must lie in [0, 1], got {weight}")
         moe = self.layers[layer]
+        if weight < 1 and self.mechanism(layer) is None:
+            raise TrustGateError(f"layer {layer} ({moe.family}) cannot be gated: its experts are not a separate "
+                                 "module the gate can reach; describe it with a probe.MoESpec")
         with self._lock:
             host = self._states[layer].host.copy()
             old = float(host[expert])
@@ -329,7 +349,7 @@ class TrustGate:
                 handles.append(layer.router.register_forward_hook(self._router_hook(layer, rule), prepend=True))
                 if layer.family in DENSE_EXPERTS and layer.experts is not None:
                     handles.append(layer.experts.register_forward_hook(self._dense_hook(layer)))
-            elif layer.experts is not None:
+            elif self.mechanism(layer.index) is not None:
                 handles.append(layer.experts.register_forward_pre_hook(
                     self._weights_hook(layer), with_kwargs=True, prepend=True))
         return handles
@@ -368,18 +388,39 @@ class TrustGate:
         return hook
 
     def _weights_hook(self, layer: MoELayer) -> Callable:
-        """Custom MoE: scale the weights the experts receive (no rule to re-route by)."""
+        """No rule to re-route by: scale the weights the experts receive, and remove masked slots.
+
+        A masked slot's id becomes the sentinel `num_experts` where the experts module skips it
+        (transformers' fused experts do), so the expert is not even computed; elsewhere its weight
+        is 0 (a non-finite expert would still leak through 0 * inf).
+        """
+        sentinel = _skips_sentinel(layer.experts)
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             state = self._states[layer.index]
             if not state.active:
                 return None
             try:
                 ids, weights = experts_arguments(args, kwargs)
-                scaled = weights * state.weight.to(weights.dtype)[ids.long()]
-                for name in ("top_k_weights", "routing_weights", "router_scores", "topk_weights", "expert_weights"):
-                    if name in kwargs:
-                        return args, {**kwargs, name: scaled}
-                return (args[0], args[1], scaled, *args[3:]), kwargs
+                in_range = ids.long().clamp(0, layer.num_experts - 1)
+                scale = torch.where(ids < layer.num_experts, state.weight.to(weights.dtype)[in_range],
+                                    torch.ones((), dtype=weights.dtype, device=weights.device))
+                scaled = weights * scale
+                if sentinel:
+                    ids = torch.where(state.masked[in_range] & (ids < layer.num_experts),
+                                      torch.full_like(ids, layer.num_experts), ids)
+                new = dict(kwargs)
+                rest = list(args[1:])
+                for names, value in ((("top_k_index", "router_indices", "selected_experts", "expert_indices",
+                                       "topk_indices"), ids),
+                                     (("top_k_weights", "routing_weights", "router_scores", "topk_weights",
+                                       "expert_weights"), scaled)):
+                    name = next((n for n in names if n in kwargs), None)
+                    if name is not None:
+                        new[name] = value
+                    else:
+                        rest[0 if value is ids else (0 if len(rest) == 1 else 1)] = value
+                return (args[0], *rest), new
             except Exception:
                 self._failed()
                 return None

@@ -23,10 +23,15 @@ torch.set_num_threads(1)
 BATCH, SEQ = 3, 7
 
 
+# Families the gate cannot mask cleanly, and what it does there instead (see probe/gate.py):
+UNGATEABLE = {"jetmoe", "nllb_moe"}  # no (states, ids, weights) experts module and no rule: set() refuses
+ZERO_WEIGHT = {"longcat_flash"}  # the experts module has no skip id (zero experts use it): weight 0
+
+
 def _inputs(family: str, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
-    if family == "switch_transformers":
+    if family in ("switch_transformers", "nllb_moe"):
         return dict(input_ids=ids, decoder_input_ids=torch.randint(0, 128, (BATCH, SEQ), generator=g))
     return dict(input_ids=ids)
 
@@ -58,7 +63,7 @@ def _poison(layer, expert: int, value: float = float("nan")) -> None:
             (param.view(-1) if row is None else param.view(layer.num_experts, -1)[row]).fill_(value)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f in RULES))
 def test_rule_rebuilds_the_router_output_at_weight_one(family):
     model = _model(family)
     layers = probe.find_moe_layers(model)
@@ -80,7 +85,7 @@ def test_rule_rebuilds_the_router_output_at_weight_one(family):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - UNGATEABLE))
 def test_untouched_gate_changes_no_bit(family):
     model = _model(family)
     inputs = _inputs(family)
@@ -99,7 +104,7 @@ def test_untouched_gate_changes_no_bit(family):
     assert not torch.equal(bare, touched)  # the gate did act in between: the comparison can fail
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - UNGATEABLE - ZERO_WEIGHT))
 def test_masked_expert_contributes_nothing(family):
     model = _model(family)
     inputs = _inputs(family)
@@ -134,6 +139,27 @@ def test_masked_expert_contributes_nothing(family):
     assert not torch.isfinite(released).all()  # un-masked, the poisoned expert does reach the output
 
 
+@pytest.mark.parametrize("family", sorted(UNGATEABLE | ZERO_WEIGHT))
+def test_families_without_a_clean_mask_say_so(family):
+    model = _model(family)
+    with probe.attach(model, trust_gate="manual") as session, torch.no_grad():
+        if family in UNGATEABLE:
+            assert session.gate.mechanism(0) is None
+            with pytest.raises(TrustGateError, match="cannot be gated"):
+                session.trust.override(0, 0, 0.0, "test")
+            return
+        assert session.gate.mechanism(0) == "zero-weight"
+        layer = session.layers[0]
+        weights = []
+        handle = layer.experts.register_forward_pre_hook(
+            lambda m, a, k: weights.append(experts_arguments(a, k)), with_kwargs=True)
+        session.trust.override(0, 3, 0.0, "test")
+        model(**_inputs(family))
+        handle.remove()
+        ids, got = weights[0]
+        assert (got[ids == 3] == 0).all() and (ids == 3).any()
+
+
 def _router_io(model, family: str, layer) -> tuple[torch.Tensor, tuple]:
     seen = {}
     handle = layer.router.register_forward_hook(lambda m, a, o: seen.setdefault("out", o))
@@ -164,7 +190,8 @@ def _brute_force(family: str, router, logits: torch.Tensor, expert: int, weight:
             group_score = []
             for g in range(router.num_group):
                 members = sorted((score[e] + bias[e] for e in allowed if e // per == g), reverse=True)[:2]
-                group_score.append((sum(members), g))
+                members = members * 2 if len(members) == 1 else members  # a lone survivor counts twice
+                group_score.append((sum(members) if members else float("-inf"), g))
             groups = {g for _, g in sorted(group_score, reverse=True)[: router.topk_group]}
             chosen = sorted(((score[e] + bias[e], e) for e in allowed if e // per in groups), reverse=True)[:k]
             total = sum(score[e] for _, e in chosen)
