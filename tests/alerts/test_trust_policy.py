@@ -1,0 +1,99 @@
+"""The policy's hysteresis, guard rails and overrides, on a real gate of a tiny model."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import torch
+
+import probe
+from alerts.health import ExpertHealth
+from alerts.trust_policy import TrustPolicy, TrustPolicyConfig
+from probe.gate import TrustGateError
+from probe.zoo import tiny_model
+from store.store import Store
+
+torch.set_num_threads(1)
+
+
+def _row(expert: int, score: float, window: int, layer: int = 0) -> ExpertHealth:
+    return ExpertHealth(run_id="r", window=window, step_start=window, step_end=window,
+                        ts=dt.datetime(2025, 1, 1, 0, 0, window, tzinfo=dt.timezone.utc), layer=layer, expert=expert,
+                        score=score, load=None, confidence=None, output=score, weight=None, grad=None,
+                        load_share_ratio=None, gate_weight_mean=None, output_norm_mean=None,
+                        output_nonfinite_fraction=None, weight_cosine=None, weight_norm_ratio=None, grad_norm=None,
+                        trust_weight=1.0, reasons="test")
+
+
+@pytest.fixture
+def session(tmp_path):
+    model = tiny_model("mixtral")
+    policy = TrustPolicy(TrustPolicyConfig(gate_after=2, lift_after=3, max_gated_share=0.25))
+    with probe.attach(model, store=tmp_path, trust_gate="auto", trust_policy=policy) as s:
+        yield s
+
+
+def test_hysteresis_gates_after_n_bad_and_lifts_after_m_good(session):
+    policy, gate = session.trust, session.gate
+    policy.judge([_row(2, 10, 0)], 0)
+    assert gate.weight(0, 2) == 1  # one bad window is not enough
+    policy.judge([_row(2, 55, 1)], 1)  # in between: the run of bad windows is broken
+    policy.judge([_row(2, 10, 2)], 2)
+    assert gate.weight(0, 2) == 1
+    policy.judge([_row(2, 10, 3)], 3)
+    assert gate.weight(0, 2) == 0
+    for window in (4, 5):
+        policy.judge([_row(2, 90, window)], window)
+        assert gate.weight(0, 2) == 0
+    policy.judge([_row(2, 90, 6)], 6)
+    assert gate.weight(0, 2) == 1
+    assert [(a.alertname, a.state) for a in policy.alerts] == [
+        ("TrustGateChanged", "firing"), ("ExpertUnhealthy", "firing"),
+        ("TrustGateChanged", "resolved"), ("ExpertUnhealthy", "resolved")]
+
+
+def test_guard_rails_cap_the_share_and_worst_goes_first(session):
+    policy, gate = session.trust, session.gate  # 8 experts, 25%: at most 2 gated
+    for window in range(2):
+        policy.judge([_row(e, s, window) for e, s in ((1, 30), (4, 5), (6, 20))], window)
+    assert (gate.weights(0) == 0).nonzero()[0].tolist() == [4, 6]
+    blocked = [a for a in policy.alerts if a.alertname == "ExpertUnhealthy" and a.labels["expert"] == "1"]
+    assert "guard rail: at most 25%" in blocked[0].annotations["action"]
+
+
+def test_min_active_experts():
+    model = tiny_model("mixtral")
+    policy = TrustPolicy(TrustPolicyConfig(max_gated_share=1.0, min_active=6))
+    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+        for window in range(2):
+            policy.judge([_row(e, 0, window) for e in range(8)], window)
+        assert int((s.gate.weights(0) == 0).sum()) == 2
+
+
+def test_override_pins_and_events_land_in_the_table(session, tmp_path):
+    policy, gate = session.trust, session.gate
+    policy.override(0, 5, 0.5, "operator: suspicious")
+    for window in range(4):
+        policy.judge([_row(5, 95, window)], window)
+    assert gate.weight(0, 5) == 0.5  # pinned: the policy leaves it alone
+    policy.release(0, 5)
+    assert gate.weight(0, 5) == 1
+    with pytest.raises(TrustGateError):
+        policy.override(0, 5, 2.0, "bad weight")
+    session.close()
+    events = Store(tmp_path).sql("SELECT expert, old_weight, new_weight, source, reason FROM trust_gate_events ORDER BY ts")
+    assert events.values.tolist() == [[5, 1.0, 0.5, "override", "operator: suspicious"],
+                                      [5, 0.5, 1.0, "override", "override released"]]
+
+
+def test_health_without_gate_alerts_but_changes_nothing():
+    model = tiny_model("mixtral")
+    with probe.attach(model, health=True) as s:
+        assert s.gate is None
+        for window in range(2):
+            s.trust.judge([_row(3, 0, window)], window)
+        assert [(a.alertname, a.state) for a in s.trust.alerts] == [("ExpertUnhealthy", "firing")]
+        assert "trust gate off" in s.trust.alerts[0].annotations["action"]
+        with pytest.raises(RuntimeError, match="trust_gate="):
+            s.trust.override(0, 3, 0.0, "no gate")
