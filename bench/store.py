@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord  # noqa: E402
-from store import Store  # noqa: E402
-from store.compact import compact  # noqa: E402
-from store.writer import ParquetExporter  # noqa: E402
+from probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from store import Store
+from store.compact import compact
+from store.writer import ParquetExporter
 
 WRITER_TARGET = 2_000_000
 QUERY_TARGET_MS = 300.0

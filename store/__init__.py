@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from store.errors import EmptyStoreError, QueryError, StoreError
-from store.queries import Selection
 from store.quarantine import BadFileWarning, QuarantinedFile
+from store.queries import Selection
 from store.schema import SCHEMAS, TABLES
 from store.store import Store
 from store.writer import BatchProcessor, InMemoryExporter, ParquetExporter
 
-__all__ = ["BadFileWarning", "BatchProcessor", "EmptyStoreError", "InMemoryExporter", "ParquetExporter",
-           "QuarantinedFile", "QueryError", "SCHEMAS", "Selection", "Store", "StoreError", "TABLES"]
+__all__ = [
+           "SCHEMAS",
+           "TABLES",
+           "BadFileWarning",
+           "BatchProcessor",
+           "EmptyStoreError",
+           "InMemoryExporter",
+           "ParquetExporter",
+           "QuarantinedFile",
+           "QueryError",
+           "Selection",
+           "Store",
+           "StoreError",
+]

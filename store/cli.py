@@ -100,7 +100,7 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from store import EmptyStoreError, StoreError, Store
+    from store import EmptyStoreError, Store, StoreError
 
     try:
         with Store(args.store) as store:

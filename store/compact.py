@@ -32,8 +32,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from store.catalog import Catalog, FileInfo, Vanished
-from store.layout import (COMPACT_FILE_ROWS, COMPACT_ROW_GROUP_ROWS, REPLACES_KEY, TMP_PREFIX, clean_tmp,
-                          compacted_name, list_runs, run_folder)
+from store.layout import (
+    COMPACT_FILE_ROWS,
+    COMPACT_ROW_GROUP_ROWS,
+    REPLACES_KEY,
+    clean_tmp,
+    compacted_name,
+    list_runs,
+    run_folder,
+    tmp_path,
+)
 from store.schema import TABLES
 from store.store import connect
 
@@ -138,7 +146,7 @@ def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: i
         try:
             for group in groups:
                 name = compacted_name()
-                tmp = os.path.join(folder, TMP_PREFIX + name)
+                tmp = tmp_path(os.path.join(folder, name))
                 names = sorted(os.path.basename(i.path) for i in group)
                 columns = {i.columns for i in group}
                 con.read_parquet([i.path for i in group], hive_partitioning=False,

@@ -2,7 +2,7 @@
 
     <root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet     written by a probe
     <root>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet      written by `compact`
-    <root>/<table>/run_id=<id>/.tmp-<name>                              a write in flight
+    <root>/<table>/run_id=<id>/.tmp-<name>.inprogress                   a write in flight
     <root>/_quarantine/<table>/run_id=<id>/<name>                       a file moved aside as bad
 
 Every file appears under its final name by one `os.replace`, so a name matching `part-*.parquet`
@@ -21,6 +21,8 @@ import time
 import uuid
 
 TMP_PREFIX = ".tmp-"
+# A temporary name does not end in .parquet either, so no engine's `*.parquet` glob reads a write in flight.
+TMP_SUFFIX = ".inprogress"
 QUARANTINE_DIR = "_quarantine"
 REPLACES_KEY = b"moescope.replaces"
 COMPACTED_PREFIX = "part-compacted-"
@@ -52,6 +54,11 @@ def run_folder(root: str | os.PathLike, table: str, run_id: str) -> str:
 def part_name(rank: int, seq: int) -> str:
     """A file name no other writer can choose: rank, pid, sequence and the clock's nanoseconds."""
     return f"part-{rank:05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**12:012d}.parquet"
+
+
+def tmp_path(final: str) -> str:
+    """The temporary name a file is written under before its rename to `final`."""
+    return os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final) + TMP_SUFFIX)
 
 
 def compacted_name() -> str:

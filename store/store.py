@@ -25,8 +25,8 @@ import pyarrow as pa
 
 from store.catalog import Catalog, FileInfo
 from store.errors import EmptyStoreError, QueryError, StoreError
-from store.queries import StoreQueries
 from store.quarantine import QuarantinedFile, deep_check, quarantine, quarantined
+from store.queries import StoreQueries
 from store.schema import SCHEMAS
 
 log = logging.getLogger(__name__)

@@ -24,14 +24,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from probe.records import Routes, RunInfo, StepRecord
-from store.layout import (COLUMN_ENCODING, COMPRESSION, DICTIONARY_COLUMNS, TMP_PREFIX, WRITER_ROW_GROUP_ROWS,
-                          part_name, run_folder)
+from store.layout import (
+    COLUMN_ENCODING,
+    COMPRESSION,
+    DICTIONARY_COLUMNS,
+    WRITER_ROW_GROUP_ROWS,
+    part_name,
+    run_folder,
+    tmp_path,
+)
 from store.schema import SCHEMAS, layers_table, routes_table, run_table, step_tables
 
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
-TMP_SUFFIX = ".inprogress"
 POLICIES = ("block", "drop")
 
 
@@ -209,7 +214,7 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
     os.makedirs(folder, exist_ok=True)
     name = name or part_name(rank, seq)
     final = os.path.join(folder, name)
-    tmp = os.path.join(folder, TMP_PREFIX + name)
+    tmp = tmp_path(final)
     if metadata:
         data = data.replace_schema_metadata({**(data.schema.metadata or {}), **metadata})
     # run_id lives in the folder name (hive partitioning); keeping it in the file too means a

@@ -16,7 +16,7 @@ from tests.store.helpers import make_record, run_info
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "store.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
 
 
 def _write(root, run_id: str, steps: int = 4) -> None:

@@ -62,7 +62,7 @@ def test_sigkill_mid_run_loses_at_most_one_flush_interval(tmp_path, spawn):
         assert lost <= len(recent), f"{table}: lost {lost} steps, more than the last flush interval ({len(recent)})"
 
     # a temporary file a crash leaves behind is never read, and is cleaned once it is old
-    leftover = tmp_path / "routes" / "run_id=crash" / ".tmp-part-00000-1-000001-1.parquet"
+    leftover = tmp_path / "routes" / "run_id=crash" / ".tmp-part-00000-1-000001-1.parquet.inprogress"
     leftover.write_bytes(files[0].read_bytes()[:100])
     Store(tmp_path).sql("SELECT count(*) FROM routes")
     assert str(leftover) in tmp_files(tmp_path)

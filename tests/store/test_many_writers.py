@@ -42,7 +42,7 @@ def test_four_gloo_ranks_write_one_run(tmp_path):
             got = store.sql("""SELECT token_id FROM routes WHERE run_id = ? AND rank = ? AND step = ? AND layer = 0
                                ORDER BY token""", [run_id, rank, step]).token_id.to_numpy()
             np.testing.assert_array_equal(got, gloo_child.inputs(rank, step).reshape(-1).numpy())
-    assert len(list(tmp_path.rglob("part-*.parquet"))) == len(set(p.name for p in tmp_path.rglob("part-*.parquet")))
+    assert len(list(tmp_path.rglob("part-*.parquet"))) == len({p.name for p in tmp_path.rglob("part-*.parquet")})
 
 
 ROWS_PER_STEP = 3 * 16  # helpers.make_record: 3 layers of 16 tokens

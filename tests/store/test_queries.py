@@ -181,7 +181,7 @@ def test_empty_and_missing_store(tmp_path):
 
 
 def test_expert_routes_limit_takes_the_first_rows(written):
-    root, records = written
+    root, _ = written
     full = Store(root).expert_routes("b", 0, 2, limit=10_000)
     for limit in (1, 7, 40):
         got = Store(root).expert_routes("b", 0, 2, limit=limit)
