@@ -42,6 +42,19 @@ def new_run_id() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
+def shared_run_id() -> str:
+    """A new run id; under torch.distributed, rank 0's, so that every rank writes one run.
+
+    This is a collective call when a process group is initialised: every rank must attach.
+    """
+    run_id = new_run_id()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [run_id]
+        torch.distributed.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    return run_id
+
+
 def _distributed() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -104,7 +117,7 @@ class ProbeSession:
         self.total_params = total
         self.shared_params = total - routed  # counted for every token, by the model-card convention
         self.run = RunInfo(
-            run_id=run_id or os.environ.get("MOESCOPE_RUN_ID") or new_run_id(),
+            run_id=run_id or os.environ.get("MOESCOPE_RUN_ID") or shared_run_id(),
             started_at=dt.datetime.now(dt.timezone.utc), model_class=type(model).__name__,
             total_params=total, routed_expert_params=routed, tags=dict(self._tags[0]), rank=rank,
             world_size=world_size, layers=tuple(LayerInfo(

@@ -27,7 +27,8 @@ def test_four_gloo_ranks_write_one_run(tmp_path):
     port = _free_port()
     mp.spawn(gloo_child.run, args=(4, port, str(tmp_path)), nprocs=4, join=True)
     store = Store(tmp_path)
-    run_id = f"dist-{port}"
+    assert len(store.runs()) == 1, "attach should share rank 0's run id with every rank"
+    run_id = store.latest_run()
     runs = store.sql("SELECT rank, world_size FROM runs WHERE run_id = ? ORDER BY rank", [run_id])
     assert runs["rank"].tolist() == [0, 1, 2, 3] and set(runs.world_size) == {4}
     layers = len(store.layers(run_id))
