@@ -27,6 +27,12 @@ VARIANTS: dict[str, dict] = {
     "aggregates": dict(routes=False),
     "routes to Parquet": dict(routes=True),
 }
+# --health: expert-health sampling (docs/health.md), and the same with the trust gate installed
+# (auto policy; no expert is gated in a healthy run, so this is the cost of watching).
+HEALTH_VARIANTS: dict[str, dict] = {
+    "health": dict(health=True),
+    "health + trust gate": dict(trust_gate="auto"),
+}
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -91,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="timed forwards per variant per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--health", action="store_true", help="also time health sampling and the trust gate (target 1.03)")
     return p
 
 
@@ -98,9 +105,9 @@ def main() -> None:
     args = parser().parse_args()
     print(f"Mixtral-shaped: hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
           f"{args.batch}x{args.seq} tokens, {args.threads} threads")
-    times = measure(args, VARIANTS)
+    times = measure(args, {**VARIANTS, **(HEALTH_VARIANTS if args.health else {})})
     print()
-    print(report(times, {"aggregates": 1.01, "routes to Parquet": 1.05}))
+    print(report(times, {"aggregates": 1.01, "routes to Parquet": 1.05, "health": 1.03, "health + trust gate": 1.03}))
 
 
 if __name__ == "__main__":

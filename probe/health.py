@@ -4,9 +4,9 @@ Two measurements per MoE layer, both torch ops on the model's device, both joini
 single packed transfer per forward:
 
 - Output sample. At each recorded forward the router's input (the block's token states) is
-  sampled: `tokens_per_expert` tokens, run through `experts_per_forward` experts (all of them by
-  default; with many experts a rotating subset, so each expert is visited every
-  ceil(E / experts_per_forward) forwards) with gate weight 1, whatever the router chose. So a
+  sampled: `tokens_per_expert` tokens (default 4), run through `experts_per_forward` experts
+  (default 4, a rotating subset, so each expert is visited every ceil(E / experts_per_forward)
+  forwards; None: all of them) with gate weight 1, whatever the router chose. So a
   masked expert keeps being measured and can be seen to recover. Per expert: samples taken, sum
   of the L2 norms of the finite outputs, and how many outputs held a NaN or an infinity. Cost:
   tokens_per_expert x experts_per_forward expert evaluations per layer and forward.
@@ -153,8 +153,8 @@ class HealthSampler:
     them); `fields(got, num_experts)` turns their host copies into `LayerStep` keyword arguments.
     """
 
-    def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = None,
-                 weight_every: int = 8, seed: int = 0, on_error: Callable[[], None] | None = None):
+    def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = 4,
+                 weight_every: int = 32, seed: int = 0, on_error: Callable[[], None] | None = None):
         if tokens_per_expert < 1:
             raise ValueError("tokens_per_expert must be at least 1")
         if weight_every < 1:
