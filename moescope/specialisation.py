@@ -1,0 +1,195 @@
+"""How much a MoE model's experts specialise: mutual information between domain and expert.
+
+For every token of some domain-tagged texts we record, per MoE layer, the expert the router
+ranks first (argmax of its logits), then measure the normalised mutual information (NMI)
+between the token's domain and that expert. 0 means the expert choice says nothing about the
+domain; 1 means each domain has experts of its own. A router that has learned nothing still
+scores above 0, because tokens differ between domains and even random weights send different
+tokens to different experts, so the figure is always read against the same config with random
+weights (:func:`random_twin`).
+
+Routers are read with plain forward hooks on ``model.model.layers[i].mlp.gate``, which in
+``transformers`` 5.24 (Mixtral and families built the same way) returns
+``(router_logits, router_scores, router_indices)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+def nmi_from_contingency(contingency: np.ndarray) -> float:
+    """Normalised mutual information of the joint counts ``contingency[label_a, label_b]``.
+
+    Normalised by the arithmetic mean of the two entropies, the default of
+    ``sklearn.metrics.normalized_mutual_info_score``, with the same limit cases: 1.0 when both
+    labellings have a single class each, 0.0 when the mutual information is 0.
+
+    Raises:
+        ValueError: the table is not 2-D, has negative counts, or is empty.
+    """
+    counts = np.asarray(contingency, dtype=np.float64)
+    if counts.ndim != 2:
+        raise ValueError(f"contingency must be a 2-D table of counts, got shape {counts.shape}")
+    if (counts < 0).any():
+        raise ValueError("contingency counts must not be negative")
+    total = counts.sum()
+    if total == 0:
+        raise ValueError("contingency is empty: there are no labelled items to compare")
+    # Classes that never occur carry no information; dropping them matches the label-based form.
+    counts = counts[counts.sum(axis=1) > 0][:, counts.sum(axis=0) > 0]
+    if counts.shape[0] == 1 and counts.shape[1] == 1:
+        return 1.0
+    joint = counts / total
+    marginal_a = joint.sum(axis=1)
+    marginal_b = joint.sum(axis=0)
+    nonzero = joint > 0
+    mutual_info = float(np.sum(joint[nonzero] * np.log(joint[nonzero] / np.outer(marginal_a, marginal_b)[nonzero])))
+    # Rounding can leave a tiny negative value where the true figure is exactly 0.
+    if mutual_info <= 1e-15:
+        return 0.0
+    entropy_a = -float(np.sum(marginal_a * np.log(marginal_a)))
+    entropy_b = -float(np.sum(marginal_b * np.log(marginal_b)))
+    return min(1.0, mutual_info / ((entropy_a + entropy_b) / 2))
+
+
+def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Sequence[int] | np.ndarray) -> float:
+    """Normalised mutual information between two labellings of the same items (see
+    :func:`nmi_from_contingency` for the normalisation).
+
+    Raises:
+        ValueError: the labellings differ in length or are empty.
+    """
+    a = np.asarray(labels_a).ravel()
+    b = np.asarray(labels_b).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"labellings differ in length: {a.size} and {b.size}")
+    if a.size == 0:
+        raise ValueError("labellings are empty: there are no items to compare")
+    _, a_codes = np.unique(a, return_inverse=True)
+    _, b_codes = np.unique(b, return_inverse=True)
+    contingency = np.zeros((a_codes.max() + 1, b_codes.max() + 1), dtype=np.int64)
+    np.add.at(contingency, (a_codes, b_codes), 1)
+    return nmi_from_contingency(contingency)
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router of every MoE layer, in layer order (``model.model.layers[i].mlp.gate``).
+
+    Raises:
+        ValueError: the model is not laid out like Mixtral (no ``model.layers[i].mlp.gate``).
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers; expected a Mixtral-style causal LM")
+    routers = [getattr(getattr(layer, "mlp", None), "gate", None) for layer in layers]
+    if any(router is None for router in routers):
+        raise ValueError(f"{type(model).__name__} has a layer without mlp.gate; expected a Mixtral-style MoE")
+    return routers
+
+
+@torch.no_grad()
+def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Mapping[str, Sequence[str]],
+                         batch_size: int = 16) -> np.ndarray:
+    """Token counts ``[layer, domain, expert]`` of each domain's tokens by top-1 expert.
+
+    Domains are in the mapping's order. Texts are tokenised one by one (no special tokens
+    added), right-padded in batches, and padding positions are left out of the counts.
+
+    Raises:
+        ValueError: no texts, or the model is not Mixtral-style (see :func:`router_modules`).
+    """
+    routers = router_modules(model)
+    num_experts = int(model.config.num_local_experts)
+    counts = np.zeros((len(routers), len(texts_by_domain), num_experts), dtype=np.int64)
+    if not any(texts_by_domain.values()):
+        raise ValueError("no texts to route; give at least one text for one domain")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    top1_per_layer: list[torch.Tensor | None] = [None] * len(routers)
+
+    def recorder(layer: int):
+        def hook(module: torch.nn.Module, inputs: tuple, output) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            top1_per_layer[layer] = logits.argmax(dim=-1)
+        return hook
+
+    handles = [router.register_forward_hook(recorder(i)) for i, router in enumerate(routers)]
+    was_training = model.training
+    model.eval()
+    try:
+        for domain_index, texts in enumerate(texts_by_domain.values()):
+            encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+            encoded = [ids for ids in encoded if ids]
+            for start in range(0, len(encoded), batch_size):
+                batch = encoded[start:start + batch_size]
+                width = max(len(ids) for ids in batch)
+                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, ids in enumerate(batch):
+                    input_ids[row, :len(ids)] = torch.tensor(ids)
+                    mask[row, :len(ids)] = 1
+                model(input_ids=input_ids.to(device), attention_mask=mask.to(device))
+                keep = mask.reshape(-1).bool()
+                for layer, top1 in enumerate(top1_per_layer):
+                    experts = top1.reshape(-1).cpu()[keep]
+                    counts[layer, domain_index] += np.bincount(experts.numpy(), minlength=num_experts)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return counts
+
+
+def random_twin(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A model of the same class and config as `model` with fresh random weights, in eval mode."""
+    torch.manual_seed(seed)
+    twin = type(model)(copy.deepcopy(model.config))
+    return twin.to(next(model.parameters()).device).eval()
+
+
+@dataclass
+class SpecialisationReport:
+    """Domain/expert NMI per MoE layer for a model and for its random-weight twin."""
+
+    domains: tuple[str, ...]
+    trained_nmi: list[float]
+    random_nmi: list[float]
+    tokens_per_domain: dict[str, int]
+    # [layer, domain, expert] top-1 counts of the trained model, for figures and the model card.
+    trained_counts: np.ndarray = field(repr=False)
+
+    def favourite_experts(self) -> list[dict[str, tuple[int, float]]]:
+        """Per layer, each domain's most chosen top-1 expert and the share of its tokens it gets."""
+        favourites = []
+        for layer_counts in self.trained_counts:
+            per_domain = {}
+            for domain, row in zip(self.domains, layer_counts):
+                expert = int(row.argmax())
+                per_domain[domain] = (expert, float(row[expert] / max(row.sum(), 1)))
+            favourites.append(per_domain)
+        return favourites
+
+
+def measure_specialisation(model: torch.nn.Module, tokenizer, texts_by_domain: Mapping[str, Sequence[str]],
+                           random_seed: int = 0) -> SpecialisationReport:
+    """NMI between domain and top-1 expert per layer, for `model` and for its random twin.
+
+    Raises:
+        ValueError: as :func:`domain_expert_counts`.
+    """
+    trained_counts = domain_expert_counts(model, tokenizer, texts_by_domain)
+    random_counts = domain_expert_counts(random_twin(model, random_seed), tokenizer, texts_by_domain)
+    domains = tuple(texts_by_domain)
+    return SpecialisationReport(
+        domains=domains,
+        trained_nmi=[nmi_from_contingency(layer) for layer in trained_counts],
+        random_nmi=[nmi_from_contingency(layer) for layer in random_counts],
+        tokens_per_domain={d: int(n) for d, n in zip(domains, trained_counts[0].sum(axis=1))},
+        trained_counts=trained_counts,
+    )
