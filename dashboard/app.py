@@ -3,7 +3,8 @@
 Run through `moescope dashboard STORE` (see `dashboard/cli.py`), or by hand with
 `streamlit run dashboard/app.py -- STORE`. This file only draws the sidebar that every page
 shares (run picker, tag filter, live refresh) and hands over to the page chosen in the
-navigation; the pages live in `dashboard/pages/`.
+navigation; the pages live in `dashboard/views/` (not `pages/`: Streamlit would also
+list a `pages/` folder as a second, automatic navigation).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ import streamlit as st
 from dashboard import common, data
 from store.store import StoreError
 
-st.set_page_config(page_title="moescope", page_icon="🔭", layout="wide")
+st.set_page_config(page_title="moescope", page_icon=":material/troubleshoot:", layout="wide")
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon="📊", url_path="overview", default=True),
-    st.Page("pages/heatmaps.py", title="Heatmaps", icon="🟥", url_path="heatmaps"),
-    st.Page("pages/clusters.py", title="Semantic clusters", icon="🫧", url_path="clusters"),
-    st.Page("pages/drift.py", title="Drift and alerts", icon="🚨", url_path="drift"),
-    st.Page("pages/health.py", title="Expert health", icon="🩺", url_path="health"),
-    st.Page("pages/compare.py", title="Compare", icon="⚖️", url_path="compare"),
+    st.Page("views/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
+    st.Page("views/heatmaps.py", title="Heatmaps", icon=":material/grid_on:", url_path="heatmaps"),
+    st.Page("views/clusters.py", title="Semantic clusters", icon=":material/bubble_chart:", url_path="clusters"),
+    st.Page("views/drift.py", title="Drift and alerts", icon=":material/notifications_active:", url_path="drift"),
+    st.Page("views/health.py", title="Expert health", icon=":material/health_and_safety:", url_path="health"),
+    st.Page("views/compare.py", title="Compare", icon=":material/compare:", url_path="compare"),
 ]
 navigation = st.navigation(PAGES)
 
@@ -45,7 +46,7 @@ def _watch_store(root: str, seen: str) -> None:
 
 def sidebar() -> None:
     conf = common.current_settings()
-    st.sidebar.title("🔭 moescope")
+    st.sidebar.title("moescope")
     if conf is None:
         st.sidebar.info("No store given: start with `moescope dashboard STORE`.")
         return
@@ -72,10 +73,9 @@ def sidebar() -> None:
                                    format_func=lambda k: "— all steps —" if k is None else k)
         if key is not None:
             values = sorted(tags[tags.key == key].value)
-            chosen = [v for v in st.session_state.get(common.TAG_VALUES_KEY, []) if v in values]
-            st.session_state[common.TAG_VALUES_KEY] = chosen
-            st.sidebar.multiselect(f"{key} is one of", values, key=common.TAG_VALUES_KEY,
-                                   placeholder="any value")
+            if st.session_state.get(common.TAG_VALUE_KEY) not in values:
+                st.session_state[common.TAG_VALUE_KEY] = values[0]
+            st.sidebar.selectbox(f"{key} =", values, key=common.TAG_VALUE_KEY)
     except StoreError as e:
         st.sidebar.warning(f"The store could not be read: {e}")
         return

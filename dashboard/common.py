@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 RUN_KEY = "ms_run"
 TAG_KEY_KEY = "ms_tag_key"
-TAG_VALUES_KEY = "ms_tag_values"
+TAG_VALUE_KEY = "ms_tag_value"
 LIVE_KEY = "ms_live"
 
 
@@ -61,9 +61,8 @@ def run_label(runs: pd.DataFrame, run_id: str) -> str:
 
 
 def tag_filter_from_state() -> TagFilter:
-    key = st.session_state.get(TAG_KEY_KEY)
-    values = st.session_state.get(TAG_VALUES_KEY) or []
-    return (str(key), tuple(str(v) for v in values)) if key and values else None
+    key, value = st.session_state.get(TAG_KEY_KEY), st.session_state.get(TAG_VALUE_KEY)
+    return (str(key), str(value)) if key is not None and value is not None else None
 
 
 def page_context() -> PageContext | None:
@@ -125,4 +124,4 @@ def tags_text(tags) -> str:
 
 def filter_caption(ctx: PageContext) -> None:
     if ctx.tag:
-        st.caption(f"Filtered to {ctx.tag[0]} ∈ {{{', '.join(ctx.tag[1])}}} (sidebar).")
+        st.caption(f"Only steps tagged {ctx.tag[0]}={ctx.tag[1]} (sidebar filter).")

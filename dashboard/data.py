@@ -95,17 +95,15 @@ layer_expert_load = _cached(queries.layer_expert_load)
 coselection = _cached(queries.coselection)
 expert_tokens = _cached(queries.expert_tokens)
 expert_tag_load = _cached(queries.expert_tag_load)
-load_windows = _cached(queries.load_windows)
-baseline_load = _cached(queries.baseline_load)
+drift_windows = _cached(queries.drift_windows)
 run_rows = _cached(queries.run_rows)
 side_summary = _cached(queries.side_summary)
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
 def router_input_sample(root: str, run_id: str, layer: int, size: int, data_version: str) -> pd.DataFrame:
-    """The cluster page's sample; keyed by (run, layer, size) and the run's row count of router
-    inputs, so a finished run is sampled (and embedded) once."""
-    return with_store(root, store_version(root), queries.router_input_sample, run_id, layer, size)
+    """The cluster page's sample of router inputs, keyed by (run, layer, size, store version)."""
+    return with_store(root, data_version, queries.router_input_sample, run_id, layer, size)
 
 
 @st.cache_resource(show_spinner=False)

@@ -1,9 +1,11 @@
-"""UMAP embeddings of sampled router inputs, computed once per (store, run, layer, sample).
+"""UMAP embeddings of sampled router inputs, computed once per sample.
 
 Fitting UMAP costs seconds to minutes (numba compiles on first use), so an embedding is kept in
 memory by the page (`st.cache_data`) and on disk here, under the user's cache folder
 (`$XDG_CACHE_HOME/moescope/embeddings`, else `~/.cache/...`), never inside the store: a
-read-only dashboard writes nothing next to the data. A restarted dashboard reuses it.
+read-only dashboard writes nothing next to the data. A restarted dashboard reuses it. The disk
+cache is keyed by the sampled vectors themselves, so it can never hand back the embedding of
+other data.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ def cache_dir() -> str:
     return os.path.join(base, "moescope", "embeddings")
 
 
-def embedding_key(root: str, run_id: str, layer: int, size: int, data_version: str, seed: int = 0) -> str:
-    text = "\0".join([os.path.abspath(root), run_id, str(layer), str(size), data_version, str(seed)])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+def embedding_key(hidden: np.ndarray, seed: int = 0) -> str:
+    """A content key: the same vectors (in the same order) and seed give the same key."""
+    digest = hashlib.sha256(np.ascontiguousarray(hidden, dtype=np.float32).tobytes())
+    digest.update(f"{hidden.shape}:{seed}".encode())
+    return digest.hexdigest()[:40]
 
 
 def umap_2d(hidden: np.ndarray, seed: int = 0) -> np.ndarray:

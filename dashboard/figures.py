@@ -71,20 +71,20 @@ def contingency(expert_tag_load: pd.DataFrame, layer: int) -> tuple[np.ndarray, 
     return table.to_numpy(dtype=np.float64), [int(e) for e in table.index], [str(v) for v in table.columns]
 
 
-def divergence_over_time(windows: pd.DataFrame, baseline: pd.DataFrame) -> pd.DataFrame:
+def divergence_over_time(drift: pd.DataFrame) -> pd.DataFrame:
     """KL and JS divergence (nats, `alerts.signals`) of each window's load against its layer's
-    baseline: columns layer, step_start, step_end, ts, kl, js. Layers without a baseline are
-    left out."""
-    base = {int(r.layer): np.asarray(r.expert_load, dtype=np.float64) for r in baseline.itertuples()}
+    baseline, from `Store.drift_windows` rows: columns layer, window_start, window_end
+    (exclusive), step_end (last step), kl, js. Windows whose baseline is empty are left out."""
     rows = []
-    for r in windows.itertuples():
-        ref = base.get(int(r.layer))
+    for r in drift.itertuples():
         load = np.asarray(r.expert_load, dtype=np.float64)
-        if ref is None or ref.size != load.size or ref.sum() <= 0:
+        ref = np.asarray(r.baseline_load, dtype=np.float64)
+        if ref.size != load.size or ref.sum() <= 0 or load.sum() <= 0:
             continue
-        rows.append({"layer": int(r.layer), "step_start": int(r.step_start), "step_end": int(r.step_end), "ts": r.ts,
-                         "kl": signals.kl_divergence(load, ref), "js": signals.js_divergence(load, ref)})
-    return pd.DataFrame(rows, columns=["layer", "step_start", "step_end", "ts", "kl", "js"])
+        rows.append({"layer": int(r.layer), "window_start": int(r.window_start), "window_end": int(r.window_end),
+                         "step_end": int(r.window_end) - 1, "kl": signals.kl_divergence(load, ref),
+                         "js": signals.js_divergence(load, ref)})
+    return pd.DataFrame(rows, columns=["layer", "window_start", "window_end", "step_end", "kl", "js"])
 
 
 # -- overview --------------------------------------------------------------------------------

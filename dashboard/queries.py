@@ -25,7 +25,7 @@ import pandas as pd
 
 from store.store import Store
 
-TagFilter = tuple[str, tuple[str, ...]] | None  # (tag key, accepted values) or no filter
+TagFilter = tuple[str, str] | None  # (tag key, value) or no filter; the store's `tags={key: value}`
 
 MAX_BUCKETS = 240  # points on a time axis; more steps than this are summed into buckets
 MAX_TOKENS_LISTED = 500
@@ -33,12 +33,15 @@ MAX_SAMPLE = 5000
 MAX_OPTIONAL_ROWS = 5000
 
 
-def _tag_sql(tag: TagFilter, alias: str = "") -> tuple[str, list]:
+def _tag_sql(tag: TagFilter) -> tuple[str, list]:
     """A constant SQL fragment and its parameters that keep only rows whose tag matches."""
-    if not tag or not tag[1]:
+    if not tag:
         return "", []
-    prefix = f"{alias}." if alias else ""
-    return f" AND list_contains(?::VARCHAR[], {prefix}tags[?::VARCHAR])", [list(tag[1]), tag[0]]
+    return " AND map_extract_value(tags, ?) = ?", [str(tag[0]), str(tag[1])]
+
+
+def _tags(tag: TagFilter) -> dict[str, str] | None:
+    return {str(tag[0]): str(tag[1])} if tag else None
 
 
 # -- runs, tags, layers ----------------------------------------------------------------------
@@ -50,11 +53,7 @@ def runs(store: Store) -> pd.DataFrame:
 
 def tag_values(store: Store, run_id: str, limit: int = 500) -> pd.DataFrame:
     """The distinct (key, value) tags of a run's steps: columns key, value, steps."""
-    return store.sql("""
-        SELECT key, value, count(*) AS steps FROM (
-            SELECT unnest(map_keys(tags)) AS key, unnest(map_values(tags)) AS value
-            FROM steps WHERE run_id = ?)
-        GROUP BY key, value ORDER BY key, value LIMIT ?""", [run_id, limit])
+    return store.tag_values(run_id).head(limit).reset_index(drop=True)
 
 
 def layers(store: Store, run_id: str) -> pd.DataFrame:
@@ -110,10 +109,10 @@ def active_fraction_over_time(store: Store, run_id: str, tag: TagFilter = None,
 def active_fraction_by_tag(store: Store, run_id: str, key: str, limit: int = 100) -> pd.DataFrame:
     """Per value of tag `key`: steps, tokens, token-weighted active fraction, min and max."""
     return store.sql("""
-        SELECT tags[?::VARCHAR] AS value, count(*) AS steps, sum(tokens) AS tokens,
+        SELECT map_extract_value(tags, ?) AS value, count(*) AS steps, sum(tokens) AS tokens,
                sum(active_param_fraction * tokens) / nullif(sum(tokens), 0) AS active_fraction,
                min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max
-        FROM steps WHERE run_id = ? AND tags[?::VARCHAR] IS NOT NULL
+        FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL
         GROUP BY value ORDER BY value LIMIT ?""", [key, run_id, key, limit])
 
 
@@ -156,78 +155,57 @@ def entropy_over_time(store: Store, run_id: str, tag: TagFilter = None,
 
 def load_matrix(store: Store, run_id: str, layer: int, tag: TagFilter = None,
                 max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
-    """Tokens per (step bucket, expert) of one layer: step_start, step_end, ts, expert, load."""
-    clause, params = _tag_sql(tag)
-    return store.sql(f"""
-        WITH {_bucket_cte("layer_steps", " AND layer = ?")}
-        SELECT step_start, max(step_end) AS step_end, min(ts) AS ts, expert, sum(load)::BIGINT AS load
-        FROM (SELECT b.s0 + ((step - b.s0) // b.w) * b.w AS step_start, step AS step_end, ts,
-                     unnest(expert_load) AS load, generate_subscripts(expert_load, 1) - 1 AS expert
-              FROM layer_steps, b WHERE run_id = ? AND layer = ?{clause})
-        GROUP BY step_start, expert ORDER BY step_start, expert LIMIT ?""",
-        [max_buckets, run_id, layer, run_id, layer, *params, 4096 * (max_buckets + 1)])
+    """Tokens per (step bucket, expert) of one layer: step_start, step_end, expert, load.
+
+    Buckets are as wide as needed for the run to fit in `max_buckets` of them."""
+    span = store.sql("SELECT min(step) AS lo, max(step) AS hi FROM layer_steps WHERE run_id = ? AND layer = ?",
+                     [run_id, layer])
+    if span.empty or pd.isna(span.lo.iloc[0]):
+        return pd.DataFrame(columns=["step_start", "step_end", "expert", "load"])
+    hi = int(span.hi.iloc[0])
+    width = max(1, math.ceil((hi + 1) / max(1, int(max_buckets))))
+    frame = store.load_matrix(run_id, layer, bucket_steps=width, tags=_tags(tag))
+    frame = frame.rename(columns={"step_bucket": "step_start"})
+    frame.insert(1, "step_end", np.minimum(frame.step_start + width - 1, hi))
+    return frame
 
 
 def layer_expert_load(store: Store, run_id: str, tag: TagFilter = None) -> pd.DataFrame:
-    """Tokens per (layer, expert) over the run: layer, expert, load."""
-    clause, params = _tag_sql(tag)
-    return store.sql(f"""
-        SELECT layer, expert, sum(load)::BIGINT AS load
-        FROM (SELECT layer, unnest(expert_load) AS load, generate_subscripts(expert_load, 1) - 1 AS expert
-              FROM layer_steps WHERE run_id = ?{clause})
-        GROUP BY layer, expert ORDER BY layer, expert LIMIT 262144""", [run_id, *params])
+    """Tokens per (layer, expert) over the run: layer, expert, load, share (of the layer's)."""
+    return store.expert_share(run_id, tags=_tags(tag))
 
 
 def coselection(store: Store, run_id: str, layer: int, tag: TagFilter = None) -> np.ndarray | None:
     """The (E, E) count of tokens that chose both experts i and j, summed over the run; None
     where the probe recorded no co-selection for this layer."""
-    clause, params = _tag_sql(tag)
-    df = store.sql(f"""
-        SELECT i, sum(c)::BIGINT AS c, any_value(n) AS n
-        FROM (SELECT unnest(coselection) AS c, generate_subscripts(coselection, 1) - 1 AS i,
-                     len(coselection) AS n
-              FROM layer_steps WHERE run_id = ? AND layer = ? AND coselection IS NOT NULL{clause})
-        GROUP BY i ORDER BY i LIMIT 1048576""", [run_id, layer, *params])
-    if df.empty:
-        return None
-    size = round(math.sqrt(int(df.n.iloc[0])))
-    matrix = np.zeros(size * size, dtype=np.int64)
-    matrix[df.i.to_numpy()] = df.c.to_numpy()
-    return matrix.reshape(size, size)
+    matrix = store.coselection(run_id, layer, tags=_tags(tag))
+    return matrix if matrix.size else None
 
 
 def expert_tokens(store: Store, run_id: str, layer: int, expert: int, step_range: tuple[int, int] | None = None,
                   tag: TagFilter = None, limit: int = 200, context: int = 4) -> pd.DataFrame:
-    """Tokens that `layer` routed to `expert` (within `step_range`, inclusive), at most `limit`:
-    step, token, sequence, position, token_id, slot, gate_weight, kept, tags, and the ids and
-    positions of up to `context` neighbours either side in the same sequence (context_ids,
-    context_positions). Sorted by step and token."""
-    clause, params = _tag_sql(tag)
-    lo, hi = step_range if step_range is not None else (-(2**62), 2**62)
+    """Tokens that `layer` routed to `expert` (within `step_range`, inclusive), at most `limit`,
+    oldest first: the columns of `Store.expert_routes` plus the ids and positions of up to
+    `context` neighbours either side in the same sequence (context_ids, context_positions)."""
     limit = max(1, min(int(limit), MAX_TOKENS_LISTED))
-    # No ORDER BY inside `hits`: the LIMIT can then stop the scan early on a large store.
-    return store.sql(f"""
-        WITH hits AS (
-            SELECT step, token, sequence, position, token_id, rank, tags,
-                   list_position(expert_ids, ?::INTEGER) AS slot1, gate_weights, kept
-            FROM routes
-            WHERE run_id = ? AND layer = ? AND step BETWEEN ? AND ?
-              AND list_contains(expert_ids, ?::INTEGER){clause}
-            LIMIT ?),
-        ctx AS (
-            SELECT h.step, h.token, h.rank, list(r.token_id ORDER BY r.position) AS context_ids,
-                   list(r.position ORDER BY r.position) AS context_positions
-            FROM hits h JOIN routes r
-              ON r.run_id = ? AND r.layer = ? AND r.step = h.step AND r.rank = h.rank
-             AND r.sequence = h.sequence AND r.position BETWEEN h.position - ? AND h.position + ?
-            WHERE r.step BETWEEN (SELECT min(step) FROM hits) AND (SELECT max(step) FROM hits)
-            GROUP BY h.step, h.token, h.rank)
-        SELECT h.step, h.token, h.sequence, h.position, h.token_id, h.slot1 - 1 AS slot,
-               h.gate_weights[h.slot1] AS gate_weight, h.kept[h.slot1] AS kept, h.tags,
-               c.context_ids, c.context_positions
-        FROM hits h LEFT JOIN ctx c USING (step, token, rank)
-        ORDER BY h.step, h.token""",
-        [expert, run_id, layer, lo, hi, expert, *params, limit, run_id, layer, context, context])
+    lo, hi = (int(step_range[0]), int(step_range[1]) + 1) if step_range is not None else (None, None)
+    hits = store.expert_routes(run_id, layer, expert, step_from=lo, step_to=hi, tags=_tags(tag), limit=limit)
+    if hits.empty:
+        return hits.assign(context_ids=[], context_positions=[])
+    ctx = store.sql("""
+        WITH h AS (SELECT unnest(?::BIGINT[]) AS step, unnest(?::INTEGER[]) AS rank,
+                          unnest(?::INTEGER[]) AS sequence, unnest(?::INTEGER[]) AS position)
+        SELECT h.step, h.rank, h.sequence, h.position,
+               list(r.token_id ORDER BY r.position) AS context_ids,
+               list(r.position ORDER BY r.position) AS context_positions
+        FROM h JOIN routes r
+          ON r.step = h.step AND r.rank = h.rank AND r.sequence = h.sequence
+         AND r.position BETWEEN h.position - ? AND h.position + ?
+        WHERE r.run_id = ? AND r.layer = ? AND r.step BETWEEN ? AND ?
+        GROUP BY ALL""",
+        [hits.step.tolist(), hits["rank"].tolist(), hits.sequence.tolist(), hits.position.tolist(),
+         int(context), int(context), run_id, int(layer), int(hits.step.min()), int(hits.step.max())])
+    return hits.merge(ctx, on=["step", "rank", "sequence", "position"], how="left")
 
 
 # -- semantic clusters ----------------------------------------------------------------------
@@ -266,50 +244,27 @@ def expert_tag_load(store: Store, run_id: str, key: str) -> pd.DataFrame:
     Steps without that tag are left out."""
     return store.sql("""
         SELECT layer, expert, value, sum(load)::BIGINT AS load
-        FROM (SELECT layer, tags[?::VARCHAR] AS value, unnest(expert_load) AS load,
+        FROM (SELECT layer, map_extract_value(tags, ?) AS value, unnest(expert_load) AS load,
                      generate_subscripts(expert_load, 1) - 1 AS expert
-              FROM layer_steps WHERE run_id = ? AND tags[?::VARCHAR] IS NOT NULL)
+              FROM layer_steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL)
         GROUP BY layer, expert, value ORDER BY layer, expert, value LIMIT 262144""", [key, run_id, key])
 
 
 # -- drift -----------------------------------------------------------------------------------
 
-def load_windows(store: Store, run_id: str, window_steps: int, tag: TagFilter = None,
-                 limit_windows: int = MAX_BUCKETS) -> pd.DataFrame:
-    """Per layer and window of `window_steps` consecutive steps (from the run's first step):
-    layer, step_start, step_end, ts (last), expert_load (list). At most `limit_windows` windows
-    (the latest ones) per layer."""
-    clause, params = _tag_sql(tag)
-    window_steps = max(1, int(window_steps))
-    return store.sql(f"""
-        WITH b AS (SELECT coalesce(min(step), 0) AS s0 FROM layer_steps WHERE run_id = ?),
-        per_expert AS (
-            SELECT layer, step_start, expert, sum(load)::BIGINT AS load, max(step) AS step_end, max(ts) AS ts
-            FROM (SELECT layer, step, ts, b.s0 + ((step - b.s0) // ?) * ? AS step_start,
-                         unnest(expert_load) AS load, generate_subscripts(expert_load, 1) - 1 AS expert
-                  FROM layer_steps, b WHERE run_id = ?{clause})
-            GROUP BY layer, step_start, expert),
-        windows AS (
-            SELECT layer, step_start, max(step_end) AS step_end, max(ts) AS ts,
-                   list(load ORDER BY expert) AS expert_load
-            FROM per_expert GROUP BY layer, step_start),
-        ranked AS (SELECT *, row_number() OVER (PARTITION BY layer ORDER BY step_start DESC) AS age FROM windows)
-        SELECT layer, step_start, step_end, ts, expert_load FROM ranked WHERE age <= ?
-        ORDER BY layer, step_start""",
-        [run_id, window_steps, window_steps, run_id, *params, limit_windows])
-
-
-def baseline_load(store: Store, run_id: str, first_steps: int) -> pd.DataFrame:
-    """Per layer, the load summed over the run's first `first_steps` steps: layer, expert_load."""
-    return store.sql("""
-        WITH first AS (SELECT DISTINCT step FROM layer_steps WHERE run_id = ? ORDER BY step LIMIT ?),
-        per_expert AS (
-            SELECT layer, expert, sum(load)::BIGINT AS load
-            FROM (SELECT layer, unnest(expert_load) AS load, generate_subscripts(expert_load, 1) - 1 AS expert
-                  FROM layer_steps WHERE run_id = ? AND step IN (SELECT step FROM first))
-            GROUP BY layer, expert)
-        SELECT layer, list(load ORDER BY expert) AS expert_load FROM per_expert GROUP BY layer ORDER BY layer""",
-        [run_id, max(1, int(first_steps)), run_id])
+def drift_windows(store: Store, run_id: str, window_steps: int, baseline_run: str | None,
+                  first_steps: int) -> pd.DataFrame:
+    """`Store.drift_windows` with the baseline being the first `first_steps` steps of
+    `baseline_run` (this run when None), at most `MAX_BUCKETS` (the latest) windows per layer."""
+    source = baseline_run or run_id
+    first = store.sql("SELECT min(step) AS s FROM layer_steps WHERE run_id = ?", [source])
+    if first.empty or pd.isna(first.s.iloc[0]):
+        return pd.DataFrame(columns=["layer", "window_start", "window_end", "expert_load", "baseline_load"])
+    start = int(first.s.iloc[0])
+    frame = store.drift_windows(run_id, max(1, int(window_steps)),
+                                baseline_run=None if source == run_id else source,
+                                baseline_steps=(start, start + max(1, int(first_steps))))
+    return frame.groupby("layer", group_keys=False).tail(MAX_BUCKETS).reset_index(drop=True)
 
 
 # -- tables written by other parts of moescope -----------------------------------------------

@@ -26,7 +26,7 @@ def embedding(root: str, run_id: str, layer: int, size: int, data_version: str) 
     if len(sample) < 4:
         return points.assign(x=np.nan, y=np.nan)
     hidden = np.stack([np.asarray(h, dtype=np.float32) for h in sample.hidden])
-    xy = cached_umap_2d(hidden, embedding_key(root, run_id, layer, size, data_version))
+    xy = cached_umap_2d(hidden, embedding_key(hidden))
     return points.assign(x=xy[:, 0], y=xy[:, 1])
 
 
@@ -41,8 +41,7 @@ with common.guard():
     size = mid.select_slider("Sampled tokens", [250, 500, 1000, 2000, 5000], value=1000, key="cl_size")
     colour = right.selectbox("Colour by", ["top-1 expert", *keys], key="cl_colour")
 
-    totals = data.step_totals(ctx.root, ctx.version, ctx.run_id)
-    points = embedding(ctx.root, ctx.run_id, layer, size, f"{int(totals['steps'])}:{int(totals['tokens'])}")
+    points = embedding(ctx.root, ctx.run_id, layer, size, ctx.version)
     if points.empty:
         st.info("No router inputs recorded for this layer. Attach the probe with `router_inputs=N` to "
                 "sample N router inputs per layer and forward.")

@@ -50,8 +50,8 @@ with common.guard():
         values = sorted(tags[tags.key == key].value)
         first = a.selectbox("Value A", values, index=0, key="cp_value_a")
         second = b.selectbox("Value B", values, index=1, key="cp_value_b")
-        sides = {f"A: {key}={first}": (ctx.run_id, (key, (first,))),
-                 f"B: {key}={second}": (ctx.run_id, (key, (second,)))}
+        sides = {f"A: {key}={first}": (ctx.run_id, (key, first)),
+                 f"B: {key}={second}": (ctx.run_id, (key, second))}
 
     summaries = {name: data.side_summary(ctx.root, ctx.version, run_id, tag)
                  for name, (run_id, tag) in sides.items()}

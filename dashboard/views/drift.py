@@ -27,7 +27,8 @@ def rule_thresholds() -> dict[str, list[tuple[str, float]]]:
 
 
 with common.guard():
-    common.filter_caption(ctx)
+    if ctx.tag:
+        st.caption("Drift is measured over all steps of the run; the tag filter does not apply here.")
     totals = data.step_totals(ctx.root, ctx.version, ctx.run_id)
     steps = int(totals.get("steps") or 0)
     if not steps:
@@ -45,9 +46,9 @@ with common.guard():
                                 value=max(1, min(64, steps // 8)), key="dr_window",
                                 help="Loads are summed over windows of this many steps before comparing; "
                                      "the drift rule uses 64.")
-    baseline = data.baseline_load(ctx.root, ctx.version, baseline_run, int(first))
-    windows = data.load_windows(ctx.root, ctx.version, ctx.run_id, int(window), ctx.tag)
-    divergence = fg.divergence_over_time(windows, baseline)
+    drift = data.drift_windows(ctx.root, ctx.version, ctx.run_id, int(window),
+                               None if baseline_run == ctx.run_id else baseline_run, int(first))
+    divergence = fg.divergence_over_time(drift)
     thresholds = rule_thresholds()
     a, b = st.columns(2)
     a.plotly_chart(fg.divergence_figure(divergence, "kl", thresholds["kl"]), key="dr_kl_chart")

@@ -21,28 +21,31 @@ if ctx is None:
     st.stop()
 
 
-def _points(chart_key: str) -> list[dict]:
+def _clicked_cell(chart_key: str) -> list[int] | None:
+    """The customdata of the clicked cell (see `figures._click_layer`), or None."""
     state = st.session_state.get(chart_key)
     try:
-        return list(state["selection"]["points"]) if state else []
-    except (KeyError, TypeError):
-        return []
+        for point in state["selection"]["points"]:
+            custom = point.get("customdata")
+            if isinstance(custom, dict):  # the frontend may send an array as {"0": .., "1": ..}
+                custom = [custom[k] for k in sorted(custom, key=int)]
+            if custom:
+                return [int(v) for v in custom[:3]]
+    except (KeyError, TypeError, ValueError):
+        pass
+    return None
 
 
 def _on_share_click() -> None:
-    points = [p for p in _points("hm_share_chart") if p.get("customdata")]
-    if points:
-        layer, expert = points[0]["customdata"][:2]
-        st.session_state[LAYER], st.session_state[EXPERT] = int(layer), int(expert)
-        st.session_state[STEPS] = None
+    cell = _clicked_cell("hm_share_chart")
+    if cell:
+        st.session_state[LAYER], st.session_state[EXPERT], st.session_state[STEPS] = cell[0], cell[1], None
 
 
 def _on_time_click() -> None:
-    points = [p for p in _points("hm_time_chart") if p.get("customdata")]
-    if points:
-        expert, start, end = points[0]["customdata"][:3]
-        st.session_state[EXPERT] = int(expert)
-        st.session_state[STEPS] = (int(start), int(end))
+    cell = _clicked_cell("hm_time_chart")
+    if cell:
+        st.session_state[EXPERT], st.session_state[STEPS] = cell[0], (cell[1], cell[2])
 
 
 with common.guard():

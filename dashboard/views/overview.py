@@ -30,7 +30,7 @@ with common.guard():
     tokens = float(layer_totals.tokens.sum()) if not layer_totals.empty else 0.0
     dropped = float(layer_totals.dropped_tokens.sum()) if not layer_totals.empty else 0.0
 
-    cols = st.columns(7)
+    cols = st.columns(4) + st.columns(4)[:3]
     cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
     cols[1].metric("Steps", f"{int(totals['steps']):,}")
     cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}",
@@ -57,10 +57,10 @@ with common.guard():
         worst = int(np.nanargmax(spreads.top_share.to_numpy(dtype=float)))
         layer, expert = int(layer_totals.layer.iloc[worst]), int(spreads.hottest.iloc[worst])
         left, right = st.columns([3, 1])
-        left.markdown(f"🔥 Hottest expert: **layer {layer}, expert {expert}** takes "
+        left.markdown(f"Hottest expert: **layer {layer}, expert {expert}** takes "
                       f"{spreads.top_share.iloc[worst]:.1%} of its layer's tokens "
                       f"(max/mean {spreads.max_mean.iloc[worst]:.2f}).")
-        right.page_link("pages/heatmaps.py", label="Which tokens go there? →", icon="🟥")
+        right.page_link("views/heatmaps.py", label="Which tokens go there?", icon=":material/arrow_forward:")
 
     over_time = data.active_fraction_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     left, right = st.columns(2)

@@ -1,0 +1,157 @@
+"""The dashboard's queries, checked against loops over the Parquet rows read without DuckDB."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+from collections import Counter, defaultdict
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from alerts import signals
+from dashboard import figures as fg
+from dashboard import queries as q
+from store.store import Store
+
+
+def rows(root: str, table: str, run_id: str) -> list[dict]:
+    files = sorted(glob.glob(os.path.join(root, table, f"run_id={run_id}", "part-*.parquet")))
+    out = []
+    for path in files:
+        for row in pq.read_table(path).to_pylist():
+            row["tags"] = dict(row["tags"]) if row.get("tags") is not None else {}
+            out.append(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(recorded) -> Store:
+    return Store(recorded["root"])
+
+
+@pytest.fixture(scope="module")
+def run_id(recorded) -> str:
+    return recorded["runs"][0]
+
+
+def test_layer_expert_load_equals_count_of_kept_routes(store, recorded, run_id):
+    # Two independent sources: the probe's per-step reductions (via DuckDB) and the per-token
+    # routes (read with pyarrow and counted in a loop).
+    counted = Counter()
+    for row in rows(recorded["root"], "routes", run_id):
+        for expert, kept in zip(row["expert_ids"], row["kept"]):
+            if kept:
+                counted[(row["layer"], expert)] += 1
+    got = q.layer_expert_load(store, run_id)
+    assert {(int(r.layer), int(r.expert)): int(r.load) for r in got.itertuples() if r.load} == dict(counted)
+
+
+def test_tag_filter_and_load_matrix_match_a_loop(store, recorded, run_id):
+    steps = rows(recorded["root"], "layer_steps", run_id)
+    code = [r for r in steps if r["tags"]["domain"] == "code" and r["layer"] == 1]
+    matrix = q.load_matrix(store, run_id, 1, ("domain", "code"), max_buckets=5)
+    width = int(np.ceil((max(r["step"] for r in steps) + 1) / 5))
+    expected = defaultdict(int)
+    for r in code:
+        for expert, load in enumerate(r["expert_load"]):
+            expected[((r["step"] // width) * width, expert)] += load
+    assert {(int(r.step_start), int(r.expert)): int(r.load) for r in matrix.itertuples()} == dict(expected)
+    assert matrix.step_start.nunique() <= 5
+
+
+def test_step_totals_and_active_fraction_by_tag(store, recorded, run_id):
+    steps = rows(recorded["root"], "steps", run_id)
+    totals = q.step_totals(store, run_id, ("domain", "math"))
+    chosen = [r for r in steps if r["tags"]["domain"] == "math"]
+    assert totals["steps"] == len(chosen)
+    assert totals["tokens"] == sum(r["tokens"] for r in chosen)
+    weighted = sum(r["active_param_fraction"] * r["tokens"] for r in chosen) / sum(r["tokens"] for r in chosen)
+    assert totals["active_fraction"] == pytest.approx(weighted, rel=1e-12)
+    assert totals["active_min"] == pytest.approx(min(r["active_param_fraction"] for r in chosen))
+    # Active fraction = (shared params + top-k experts' params) / all params: check it from the layers.
+    layers = rows(recorded["root"], "layers", run_id)
+    run = rows(recorded["root"], "runs", run_id)[0]
+    shared = run["total_params"] - run["routed_expert_params"]
+    per_token = sum(info["top_k"] * info["params_per_expert"] for info in layers)
+    assert totals["active_fraction"] == pytest.approx((shared + per_token) / run["total_params"], rel=1e-9)
+    by_tag = q.active_fraction_by_tag(store, run_id, "domain")
+    assert sorted(by_tag.value) == ["code", "math", "prose"]
+    assert by_tag.steps.sum() == len(steps)
+
+
+def test_coselection_matches_pairs_of_routes(store, recorded, run_id):
+    pairs = np.zeros((8, 8), dtype=np.int64)
+    for row in rows(recorded["root"], "routes", run_id):
+        if row["layer"] != 0:
+            continue
+        chosen = sorted(set(row["expert_ids"]))
+        for i in chosen:
+            pairs[i, i] += 1
+        for i, j in itertools.permutations(chosen, 2):
+            pairs[i, j] += 1
+    assert np.array_equal(q.coselection(store, run_id, 0), pairs)
+
+
+def test_expert_tokens_lists_exactly_the_routed_tokens_with_context(store, recorded, run_id):
+    routes = rows(recorded["root"], "routes", run_id)
+    wanted = {(r["step"], r["token"]) for r in routes
+              if r["layer"] == 1 and 4 in r["expert_ids"] and 3 <= r["step"] <= 7}
+    got = q.expert_tokens(store, run_id, 1, 4, (3, 7), limit=500, context=2)
+    assert {(int(r.step), int(r.token)) for r in got.itertuples()} == wanted
+    by_position = {(r["step"], r["sequence"], r["position"]): r["token_id"] for r in routes if r["layer"] == 1}
+    for r in got.itertuples():
+        expected = [by_position[(r.step, r.sequence, p)] for p in range(r.position - 2, r.position + 3)
+                    if (r.step, r.sequence, p) in by_position]
+        assert list(r.context_ids) == expected
+        assert r.token_id == by_position[(r.step, r.sequence, r.position)]
+    limited = q.expert_tokens(store, run_id, 1, 4, None, limit=7)
+    assert len(limited) == 7
+
+
+def test_user_text_never_becomes_sql(store, run_id):
+    hostile = "code') OR 1=1; DROP VIEW steps; --"
+    assert q.step_totals(store, run_id, ("domain", hostile))["steps"] == 0
+    assert q.step_totals(store, hostile)["steps"] == 0
+    assert q.active_fraction_by_tag(store, run_id, hostile).empty
+    assert q.step_totals(store, run_id)["steps"] > 0  # the view is still there
+
+
+def test_drift_windows_against_baseline(store, recorded, run_id):
+    steps = rows(recorded["root"], "layer_steps", run_id)
+    div = fg.divergence_over_time(q.drift_windows(store, run_id, 6, None, 8))
+    layer0 = sorted((r for r in steps if r["layer"] == 0), key=lambda r: r["step"])
+    reference = np.sum([r["expert_load"] for r in layer0[:8]], axis=0)
+    first = np.sum([r["expert_load"] for r in layer0 if r["step"] < 6], axis=0)
+    row = div[(div.layer == 0) & (div.window_start == 0)].iloc[0]
+    assert row.kl == pytest.approx(signals.kl_divergence(first, reference))
+    assert row.js == pytest.approx(signals.js_divergence(first, reference))
+    assert len(div[div.layer == 0]) == int(np.ceil(len(layer0) / 6))
+    # Against the other run's first 8 steps.
+    other = recorded["runs"][1]
+    other0 = sorted((r for r in rows(recorded["root"], "layer_steps", other) if r["layer"] == 0),
+                    key=lambda r: r["step"])
+    versus = fg.divergence_over_time(q.drift_windows(store, run_id, 6, other, 8))
+    row = versus[(versus.layer == 0) & (versus.window_start == 0)].iloc[0]
+    assert row.kl == pytest.approx(signals.kl_divergence(first, np.sum([r["expert_load"] for r in other0[:8]], axis=0)))
+
+
+def test_optional_tables(store, recorded, run_id):
+    assert q.run_rows(store, "trust_gate_requests", run_id) is None  # no such table (yet)
+    assert q.run_rows(store, "expert_health", run_id).empty  # in the schema, nothing written
+    alerts = q.run_rows(store, "alerts", run_id, fg.ALERT_TIME)
+    assert alerts is not None and len(alerts) > 0
+    assert alerts.ts.is_monotonic_increasing
+    assert len(q.run_rows(store, "alerts", run_id, fg.ALERT_TIME, limit=3)) == 3
+
+
+def test_router_input_sample_is_fixed_and_has_context(store, recorded, run_id):
+    a = q.router_input_sample(store, run_id, 0, size=50)
+    b = q.router_input_sample(store, run_id, 0, size=50)
+    assert len(a) == 50 and a[["step", "token"]].equals(b[["step", "token"]])
+    inputs = {(r["step"], r["token"]): r for r in rows(recorded["root"], "router_inputs", run_id) if r["layer"] == 0}
+    for r in a.itertuples():
+        assert r.top1_expert == inputs[(r.step, r.token)]["top1_expert"]
+        assert r.token_id in list(r.context_ids)
