@@ -22,8 +22,8 @@ Sharp edges:
   an untouched gate changes no bit of the output.
 - A family without a rule (a custom `MoESpec`, or a family added to the probe after this table)
   is not re-routed: the gate scales the weights its experts module receives (no
-  renormalisation) and removes a masked expert's slots (the sentinel id `num_experts` where the
-  experts module skips it, as transformers' fused experts do; else weight 0).
+  renormalisation) and removes a masked expert's slots (pointed, with weight 0, at an expert the
+  token already uses, so the masked expert is never computed).
 - Changes happen only through `set`/`reset`, from any thread; each forward reads one consistent
   snapshot of a layer's weights. Every change is an `GateChange`, kept in `changes` and passed
   to each listener.
@@ -32,7 +32,6 @@ Sharp edges:
 from __future__ import annotations
 
 import datetime as dt
-import inspect
 import logging
 import sys
 import threading
@@ -82,14 +81,6 @@ class _LayerState:
 
 def _module_function(module: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(module).__module__], name)
-
-
-def _skips_sentinel(experts: nn.Module | None) -> bool:
-    """Whether the experts module skips id `num_experts` (transformers' fused experts do)."""
-    try:
-        return experts is not None and "num_experts + 1" in inspect.getsource(type(experts).forward)
-    except (OSError, TypeError):
-        return False
 
 
 def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
@@ -265,14 +256,14 @@ class TrustGate:
         return float(self.weights(layer)[self._check_expert(layer, expert)])
 
     def mechanism(self, layer: int) -> str | None:
-        """How the gate acts on a layer: "reroute" (a family rule), "remove" (masked slots skipped
-        by the experts module), "zero-weight" (masked slots kept with weight 0), or None (cannot)."""
+        """How the gate acts on a layer: "reroute" (a family rule), "remove" (masked slots taken
+        out before the experts run, no re-routing), or None (the gate cannot reach it)."""
         moe = self.layers[self._check_layer(layer)]
         if moe.family in RULES:
             return "reroute"
         if moe.experts is None or moe.read_choice is not topk_experts_choice:
             return None  # no experts module, or one that is not called with (states, ids, weights)
-        return "remove" if _skips_sentinel(moe.experts) else "zero-weight"
+        return "remove"
 
     # -- changing ------------------------------------------------------------------------------
 
@@ -390,25 +381,29 @@ class TrustGate:
     def _weights_hook(self, layer: MoELayer) -> Callable:
         """No rule to re-route by: scale the weights the experts receive, and remove masked slots.
 
-        A masked slot's id becomes the sentinel `num_experts` where the experts module skips it
-        (transformers' fused experts do), so the expert is not even computed; elsewhere its weight
-        is 0 (a non-finite expert would still leak through 0 * inf).
+        A masked slot is pointed at an unmasked expert the token already uses (else the first
+        unmasked expert) with weight 0: the masked expert is never computed, whatever the experts
+        implementation (transformers' grouped kernels leave skipped rows uninitialised, so an
+        out-of-range id is not safe), and the stand-in adds exactly 0.
         """
-        sentinel = _skips_sentinel(layer.experts)
-
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             state = self._states[layer.index]
             if not state.active:
                 return None
             try:
                 ids, weights = experts_arguments(args, kwargs)
+                real = ids < layer.num_experts  # ids past E are zero experts (LongCat): never masked
                 in_range = ids.long().clamp(0, layer.num_experts - 1)
-                scale = torch.where(ids < layer.num_experts, state.weight.to(weights.dtype)[in_range],
+                masked = state.masked[in_range] & real
+                scale = torch.where(real, state.weight.to(weights.dtype)[in_range],
                                     torch.ones((), dtype=weights.dtype, device=weights.device))
-                scaled = weights * scale
-                if sentinel:
-                    ids = torch.where(state.masked[in_range] & (ids < layer.num_experts),
-                                      torch.full_like(ids, layer.num_experts), ids)
+                scaled = torch.where(masked, torch.zeros((), dtype=weights.dtype, device=weights.device),
+                                     weights * scale)
+                usable = ~masked & real
+                first = usable.to(torch.int8).argmax(dim=-1, keepdim=True)
+                fallback = torch.full_like(ids[..., :1], int(np.flatnonzero(state.host > 0)[0]))
+                stand_in = torch.where(usable.any(dim=-1, keepdim=True), ids.gather(-1, first), fallback)
+                ids = torch.where(masked, stand_in.expand_as(ids), ids)
                 new = dict(kwargs)
                 rest = list(args[1:])
                 for names, value in ((("top_k_index", "router_indices", "selected_experts", "expert_indices",
