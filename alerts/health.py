@@ -51,6 +51,10 @@ class HealthConfig:
     load_band: float = 8.0
     load_baseline_band: float = 4.0
     min_window_assignments: int = 16  # fewer assignments in a layer's window: no load/confidence component
+    # ...nor when an expert's fair share of the window is under this many assignments: with 8
+    # expected, an expert with a fair share stays empty by chance with probability ~e^-8 (3e-4),
+    # so small decode batches do not read as dead experts.
+    min_expected_per_expert: float = 8.0
     min_expert_assignments: int = 4  # fewer for this expert: no confidence component
     confidence_floor: float = 0.5
     output_band: float = 4.0
@@ -236,7 +240,8 @@ class HealthScorer:
         total = w.load[ungated].sum()
         shares = w.load * ungated.sum() / total if total > 0 else np.zeros(experts)
         # Routing on non-finite inputs (a fault upstream) says nothing about this layer's experts.
-        routed = total >= cfg.min_window_assignments and w.input_nonfinite == 0
+        routed = (total >= max(cfg.min_window_assignments, cfg.min_expected_per_expert * max(ungated.sum(), 1))
+                  and w.input_nonfinite == 0)
         gate_mean = np.divide(w.gate_sum, w.load, out=np.full(experts, np.nan), where=w.load > 0)
         trusted = ungated & (w.load >= cfg.min_expert_assignments)
         gate_median = float(np.median(gate_mean[trusted])) if trusted.any() else float("nan")

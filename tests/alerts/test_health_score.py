@@ -85,3 +85,19 @@ def test_scorer_windows_components_and_gated_experts():
     rows = scorer.observe(_step(3, load, gate, trust=trust, **kw))
     assert rows[3].load is None and rows[3].confidence is None and rows[3].output == 0 and rows[3].trust_weight == 0
     assert "non-finite outputs: 2/4" in rows[3].reasons
+
+
+def test_small_windows_do_not_read_as_dead_experts():
+    """Decode steps route a few tokens: an empty expert there is chance, not a dead expert."""
+    cfg = HealthConfig(window_steps=2)
+    # 4 experts, 20 assignments in the window (over min_window_assignments=16) but a fair share of
+    # 5 per expert, under min_expected_per_expert=8: two empty experts say nothing yet.
+    scorer = HealthScorer(cfg)
+    scorer.observe(_step(0, [6, 4, 0, 0], [3.0, 2.0, 0.0, 0.0]))
+    rows = scorer.observe(_step(1, [4, 6, 0, 0], [2.0, 3.0, 0.0, 0.0]))
+    assert all(r.load is None for r in rows) and all(r.score == 100 for r in rows)
+    # The same empty expert with 8 or more expected assignments is flagged.
+    scorer = HealthScorer(cfg)
+    scorer.observe(_step(0, [8, 8, 8, 0], [4.0, 4.0, 4.0, 0.0]))
+    rows = scorer.observe(_step(1, [8, 8, 8, 0], [4.0, 4.0, 4.0, 0.0]))
+    assert rows[3].load == 0 and "load dead" in rows[3].reasons
