@@ -11,16 +11,21 @@ the median, reported as a ratio to the bare forward's median.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-import torch
+# Run as a file, bench/ would come first on sys.path and bench/store.py would shadow the store package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import probe
-from probe.zoo import tiny_model
+import torch  # noqa: E402
+
+import probe  # noqa: E402
+from probe.zoo import tiny_model  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
     "bare": {},
