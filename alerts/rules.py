@@ -48,6 +48,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser is the `tomli` packa
 
 # signal name -> what it measures; the engine computes exactly these (alerts.window)
 SIGNALS: dict[str, str] = {
+    "window_tokens": "tokens the layer routed over the window (guards a rule against small samples)",
     "load_cv": "coefficient of variation of tokens per expert over the window",
     "load_max_mean": "max/mean tokens per expert over the window (MaxVio + 1)",
     "load_balancedness": "mean/max tokens per expert over the window (SGLang/vLLM balancedness)",

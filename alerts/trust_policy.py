@@ -61,6 +61,10 @@ class TrustPolicyConfig:
     gated_weight: float = 0.0
     max_gated_share: float = 0.25
     min_active: int | None = None  # None: the layer's k
+    # Components whose failure lets the policy gate. Load and confidence describe what the router
+    # does with the expert (a traffic shift moves them too); output, weight and gradient describe
+    # the expert's own computation. An expert that is only unusual in routing is alerted, not gated.
+    gate_on: tuple[str, ...] = ("output", "weight", "grad")
 
     def __post_init__(self) -> None:
         if not 0 <= self.bad_below <= self.good_above <= 100:
@@ -69,6 +73,10 @@ class TrustPolicyConfig:
             raise ValueError("gate_after and lift_after count windows and must be at least 1")
         if not 0 <= self.gated_weight < 1:
             raise ValueError("gated_weight must lie in [0, 1)")
+        unknown = set(self.gate_on) - {"load", "confidence", "output", "weight", "grad"}
+        if unknown or not self.gate_on:
+            raise ValueError(f"gate_on names health components (load, confidence, output, weight, grad), "
+                             f"not {sorted(unknown) or 'nothing'}")
 
 
 @dataclass
@@ -187,11 +195,16 @@ class TrustPolicy:
         j = self.judgements[key]
         j.unhealthy, j.since = True, row.ts
         action = "not gated: trust gate off" if self.mode != "auto" else ""
-        dead_only = (row.load is not None and row.load < self.config.bad_below and row.load_share_ratio is not None
-                     and row.load_share_ratio < 1 and all(c is None or c >= self.config.bad_below
-                                                           for c in (row.output, row.weight, row.grad)))
-        if self.mode == "auto" and key not in self.pinned and dead_only:
-            action = "not gated: a dead expert gets no tokens, gating it would change nothing"
+        failing = [name for name in self.config.gate_on
+                   if getattr(row, name) is not None and getattr(row, name) < self.config.bad_below]
+        dead = (row.load is not None and row.load < self.config.bad_below and row.load_share_ratio is not None
+                and row.load_share_ratio < 1)
+        if self.mode == "auto" and key not in self.pinned and not failing:
+            action = ("not gated: a dead expert gets no tokens, gating it would change nothing" if dead else
+                      "not gated: only its routing looks wrong (" + ", ".join(
+                          n for n in ("load", "confidence")
+                          if getattr(row, n) is not None and getattr(row, n) < self.config.bad_below)
+                      + "); its own outputs and weights are fine")
         elif self.mode == "auto" and key not in self.pinned:
             blocked = self._guard_rail(row.layer)
             if blocked:

@@ -134,6 +134,8 @@ def compute_signals(
     tokens = sum(o.tokens for o in observations)
     has_load = load.sum() > 0
     experts = load.size
+    if "window_tokens" in wanted:
+        out["window_tokens"] = float(tokens)
     if has_load:
         uniform = sig.uniform_load(experts)
         table = {

@@ -95,6 +95,7 @@ def test_compute_signals_over_a_window_with_routes():
     assert vals["load_max_mean"] == pytest.approx(sig.max_mean_ratio(load))
     assert vals["kl_uniform"] == pytest.approx(sig.kl_divergence(load, np.ones(EXPERTS)))
     assert vals["dropped_token_rate"] == pytest.approx(6 / 384)
+    assert vals["window_tokens"] == 384
     assert vals["capacity_use"] == pytest.approx(0.9)
     assert vals["dead_expert_fraction"] == 0.0
     assert np.isnan(vals["kl_baseline"])  # no baseline given

@@ -97,3 +97,29 @@ def test_health_without_gate_alerts_but_changes_nothing():
         assert "trust gate off" in s.trust.alerts[0].annotations["action"]
         with pytest.raises(RuntimeError, match="trust_gate="):
             s.trust.override(0, 3, 0.0, "no gate")
+
+
+def test_routing_only_anomalies_are_alerted_not_gated(tmp_path):
+    """Low load or confidence is what the router does with an expert (a traffic shift does it too):
+    alert, but gate only when the expert's own outputs, weights or gradients fail."""
+    from dataclasses import replace
+
+    def shy(window):  # chosen only as a weak second choice: confidence 0, outputs fine
+        return replace(_row(3, 20, window), confidence=0.0, output=100.0, load=80.0, load_share_ratio=0.5)
+
+    model = tiny_model("mixtral")
+    policy = TrustPolicy(TrustPolicyConfig(gate_after=2))
+    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+        for window in range(3):
+            policy.judge([shy(window)], window)
+        assert s.gate.weight(0, 3) == 1
+        fired = [a for a in policy.alerts if a.alertname == "ExpertUnhealthy"]
+        assert fired and "only its routing looks wrong (confidence)" in fired[0].annotations["action"]
+    # a user who wants routing anomalies gated says so
+    policy = TrustPolicy(TrustPolicyConfig(gate_after=2, gate_on=("confidence", "output")))
+    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+        for window in range(2):
+            policy.judge([shy(window)], window)
+        assert s.gate.weight(0, 3) == 0
+    with pytest.raises(ValueError, match="gate_on names health components"):
+        TrustPolicyConfig(gate_on=("latency",))
