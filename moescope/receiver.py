@@ -1,0 +1,85 @@
+"""A local webhook receiver: what a user's alert endpoint sees, for the demo and for trying rules.
+
+It listens on 127.0.0.1, checks the HMAC signature when given the secret, drops repeats by
+idempotency key (as a real receiver should), and hands each alert document to a callback.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
+
+
+class WebhookReceiver:
+    """A JSON webhook endpoint on a free local port; use as a context manager."""
+
+    def __init__(self, on_alert: Callable[[dict], None] | None = None, secret: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0):
+        self.on_alert = on_alert
+        self.secret = secret
+        self.received: list[dict] = []
+        self.rejected = 0
+        self._keys: set[str] = set()
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server API
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if receiver.secret and not verify_signature(
+                        receiver.secret, self.headers.get(TIMESTAMP_HEADER, ""),
+                        body, self.headers.get(SIGNATURE_HEADER, "")):
+                    receiver.rejected += 1
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                try:
+                    document = json.loads(body)
+                except ValueError:
+                    self.send_response(400)
+                    self.end_headers()
+                    return
+                key = self.headers.get(IDEMPOTENCY_HEADER) or document.get("idempotency_key", "")
+                with receiver._lock:
+                    fresh = key not in receiver._keys
+                    receiver._keys.add(key)
+                    if fresh:
+                        receiver.received.append(document)
+                if fresh and receiver.on_alert is not None:
+                    receiver.on_alert(document)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:  # quiet: the callback reports
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="moescope-receiver", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/alerts"
+
+    def start(self) -> WebhookReceiver:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> WebhookReceiver:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def names(self, status: str | None = None) -> list[str]:
+        """Alert names received, optionally only those with `status` (firing/resolved)."""
+        with self._lock:
+            return [d["alert"]["name"] for d in self.received if status is None or d.get("status") == status]
