@@ -250,12 +250,14 @@ def coselection_heatmap(matrix: np.ndarray | None, layer: int) -> go.Figure:
 # -- semantic clusters ----------------------------------------------------------------------
 
 def cluster_scatter(points: pd.DataFrame, colour: str, title: str) -> go.Figure:
-    """UMAP scatter: columns x, y, the `colour` column (categories) and `hover` (text)."""
+    """UMAP scatter: columns x, y, the `colour` column (categories) and `hover` (text).
+
+    SVG, not WebGL: at most a few thousand points, and it draws without a GPU (headless too)."""
     if points.empty:
         return empty_figure("no router inputs sampled")
     fig = go.Figure()
     for i, (value, rows) in enumerate(points.groupby(points[colour].astype(str), sort=True)):
-        fig.add_trace(go.Scattergl(
+        fig.add_trace(go.Scatter(
             x=rows.x, y=rows.y, mode="markers", name=f"{colour} {value}", text=rows.hover,
             marker={"size": 6, "color": PALETTE[i % len(PALETTE)], "opacity": 0.8},
             hovertemplate="%{text}<extra></extra>"))
@@ -402,14 +404,26 @@ ALERT_NAME = ("alertname", "rule", "name")
 
 
 def latest_alert_states(alerts: pd.DataFrame) -> pd.DataFrame:
-    """The latest transition of each alert (by fingerprint, else name and layer)."""
+    """The latest transition of each alert (by fingerprint, else name and layer).
+
+    Several transitions of one alert can share a timestamp (pending and firing at once when a
+    rule has no `for`); the latest of those is the end of their chain: the one whose state no
+    other of them left from."""
     if alerts is None or alerts.empty:
         return pd.DataFrame()
     time_col = pick_column(alerts.columns, ALERT_TIME)
     name_col = pick_column(alerts.columns, ALERT_NAME)
     keys = ["fingerprint"] if "fingerprint" in alerts else [c for c in (name_col, "layer") if c in alerts]
-    ordered = alerts.sort_values(time_col, kind="stable") if time_col else alerts
-    return ordered.groupby(keys, sort=False).tail(1).reset_index(drop=True)
+    latest = []
+    for _, rows in alerts.groupby(keys, sort=False):
+        if time_col:
+            rows = rows[rows[time_col] == rows[time_col].max()]
+        if len(rows) > 1 and {"state", "previous_state"} <= set(rows.columns):
+            left = set(rows.previous_state.astype(str))
+            ends = rows[~rows.state.astype(str).isin(left)]
+            rows = ends if not ends.empty else rows
+        latest.append(rows.iloc[-1])
+    return pd.DataFrame(latest).reset_index(drop=True)
 
 
 def firing_now(alerts: pd.DataFrame) -> pd.DataFrame:

@@ -3,13 +3,17 @@
 The dashboard runs in another process than the model, so it cannot call `TrustGate.set`. A
 request is one row appended to the store's `trust_gate_requests` table, written atomically like
 every other table (`<root>/trust_gate_requests/run_id=<id>/part-dashboard-<pid>-<seq>.parquet`);
-the model-side policy reads new requests, applies them through the gate's API (which records a
-`GateChange`, source "manual", in `trust_gate_events`) and so closes the loop. Only a dashboard
-started with `--allow-writes` writes anything.
+the model-side policy reads new requests and applies each once, through its API:
+action "override" is `TrustPolicy.override(layer, expert, weight, reason)` (pin the weight),
+action "release" is `TrustPolicy.release(layer, expert, reason)` (weight back to 1, the policy
+judges the expert again). The gate records the change in `trust_gate_events`, which the Expert
+health page shows, so the loop is closed in the store. Only a dashboard started with
+`--allow-writes` writes anything.
 
 Row format (`REQUESTS_SCHEMA`): request_id (uuid4 hex, lets the reader apply each once),
-run_id, requested_at (UTC), layer, expert, weight in [0, 1] (0 masks the expert, 1 restores it),
-reason (free text from the operator), requested_by ("dashboard@<host>").
+run_id, requested_at (UTC), layer, expert, action ("override" or "release"), weight in [0, 1]
+(0 masks the expert; 1.0 for a release), reason (free text from the operator), requested_by
+("dashboard@<host>").
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from store.writer import write_table_file
 REQUESTS_TABLE = "trust_gate_requests"
 REQUESTS_SCHEMA = pa.schema([
     ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", pa.timestamp("us", tz="UTC")),
-    ("layer", pa.int32()), ("expert", pa.int32()), ("weight", pa.float64()), ("reason", pa.string()),
+    ("layer", pa.int32()), ("expert", pa.int32()), ("action", pa.string()), ("weight", pa.float64()),
+    ("reason", pa.string()),
     ("requested_by", pa.string()),
 ])
+ACTIONS = ("override", "release")
 _seq = itertools.count()
 
 
@@ -38,11 +44,15 @@ class GateRequestError(ValueError):
 
 
 def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int, weight: float,
-                  reason: str) -> dict:
+                  reason: str, action: str = "override") -> dict:
     """Append one trust-gate request to the store; returns the row written.
 
-    Raises GateRequestError for a weight outside [0, 1], a negative layer or expert, or an empty
-    reason (every change of the gate must say why)."""
+    Raises GateRequestError for an unknown action, a weight outside [0, 1], a negative layer or
+    expert, or an empty reason (every change of the gate must say why)."""
+    if action not in ACTIONS:
+        raise GateRequestError(f"action is one of {ACTIONS}, got {action!r}")
+    if action == "release":
+        weight = 1.0
     if not 0.0 <= float(weight) <= 1.0:
         raise GateRequestError(f"a trust weight lies in [0, 1] (0 masks the expert), got {weight}")
     if int(layer) < 0 or int(expert) < 0:
@@ -50,7 +60,8 @@ def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int,
     if not reason.strip():
         raise GateRequestError("say why the expert's weight changes: the reason is kept with the change")
     row = {"request_id": uuid.uuid4().hex, "run_id": run_id, "requested_at": dt.datetime.now(dt.timezone.utc),
-               "layer": int(layer), "expert": int(expert), "weight": float(weight), "reason": reason.strip()[:500],
+               "layer": int(layer), "expert": int(expert), "action": action, "weight": float(weight),
+               "reason": reason.strip()[:500],
                "requested_by": f"dashboard@{socket.gethostname()}"}
     table = pa.Table.from_pylist([row], schema=REQUESTS_SCHEMA)
     name = f"part-dashboard-{os.getpid()}-{next(_seq):06d}-{row['request_id'][:8]}.parquet"

@@ -74,10 +74,13 @@ with common.guard():
                                     step=1, key="he_req_expert")
             weight = c.slider("Trust weight", 0.0, 1.0, 1.0, 0.05, key="he_req_weight",
                               help="0 masks the expert (its tokens go to the next choice), 1 restores it.")
+            action = st.radio("Action", ["override", "release"], horizontal=True, key="he_req_action",
+                              format_func=lambda a: {"override": "pin this weight",
+                                                     "release": "release the pin (back to the automatic policy)"}[a])
             reason = st.text_input("Reason", key="he_req_reason", placeholder="why this change")
             if st.form_submit_button("Request change"):
                 try:
-                    row = write_request(ctx.root, ctx.run_id, layer, int(expert), weight, reason)
+                    row = write_request(ctx.root, ctx.run_id, layer, int(expert), weight, reason, action)
                     st.success(f"Requested weight {row['weight']:g} for layer {row['layer']}, expert "
                                f"{row['expert']} (request {row['request_id'][:8]}).")
                 except GateRequestError as e:

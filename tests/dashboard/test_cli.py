@@ -1,0 +1,72 @@
+"""`moescope dashboard`: the command line, the settings it hands the app, and gate requests."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+
+import pytest
+
+from dashboard import cli, settings
+from dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
+from store.store import Store
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="moescope")
+    cli.add_subcommands(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_subcommand_defaults_and_flags():
+    args = parse(["dashboard", "runs/demo"])
+    assert (args.host, args.port, args.allow_writes, args.tokenizer) == ("127.0.0.1", 8501, False, None)
+    assert args.func is cli.run
+    args = parse(["dashboard", "s", "--host", "0.0.0.0", "--port", "9000", "--allow-writes", "--tokenizer", "tok"])
+    assert (args.host, args.port, args.allow_writes, args.tokenizer) == ("0.0.0.0", 9000, True, "tok")
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit):
+        parse(["dashboard", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("STORE", "--allow-writes", "--tokenizer", "127.0.0.1", "trust_gate_requests", "examples:"):
+        assert needle in text
+
+
+def test_command_is_headless_streamlit_bound_to_the_host(tmp_path):
+    args = parse(["dashboard", str(tmp_path), "--port", "8600", "--allow-writes", "--tokenizer", str(tmp_path)])
+    command = cli.command(args)
+    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/app.py")
+    pairs = dict(zip(command[5::2], command[6::2]))
+    assert pairs["--server.address"] == "127.0.0.1" and pairs["--server.port"] == "8600"
+    assert pairs["--server.headless"] == "true" and pairs["--browser.gatherUsageStats"] == "false"
+    loaded = settings.load(cli.environment(args))
+    assert loaded == settings.Settings(store=str(tmp_path), allow_writes=True, tokenizer=str(tmp_path),
+                                       refresh_s=settings.DEFAULT_REFRESH_S)
+
+
+def test_settings_from_script_arguments_and_missing():
+    loaded = settings.load({}, ["runs/x", "--allow-writes"])
+    assert loaded.store == "runs/x" and loaded.allow_writes and loaded.tokenizer is None
+    assert settings.load({}, []) is None
+
+
+def test_missing_tokenizer_folder_is_refused(tmp_path, capsys):
+    assert cli.main([str(tmp_path), "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert "no tokenizer folder" in capsys.readouterr().err
+
+
+def test_gate_request_is_an_atomic_store_row(tmp_path):
+    root = str(tmp_path / "store")
+    row = write_request(root, "run-1", 2, 5, 0.0, "  NaN outputs  ")
+    assert row["reason"] == "NaN outputs" and row["requested_at"] <= dt.datetime.now(dt.timezone.utc)
+    write_request(root, "run-1", 2, 5, 0.3, "recovered", action="release")
+    written = Store(root).sql(
+        f"SELECT layer, expert, action, weight, reason FROM {REQUESTS_TABLE} ORDER BY requested_at")
+    assert written.values.tolist() == [[2, 5, "override", 0.0, "NaN outputs"], [2, 5, "release", 1.0, "recovered"]]
+    assert not list((tmp_path / "store").rglob(".tmp-*")) and not list((tmp_path / "store").rglob("*.inprogress"))
+    for bad in [{"weight": 1.5}, {"weight": -0.1}, {"reason": " "}, {"expert": -1}, {"action": "mask"}]:
+        kwargs = {"layer": 0, "expert": 0, "weight": 0.5, "reason": "why"} | bad
+        with pytest.raises(GateRequestError):
+            write_request(root, "run-1", **kwargs)
