@@ -85,10 +85,13 @@ _NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.
 def pack(tensors: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor | None, list[Slot]]:
     """One uint8 buffer holding every tensor (still on the device), and where each one lies."""
     parts, slots, offset = [], [], 0
+    device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
     for key, tensor in tensors.items():
         if tensor.dtype not in _NUMPY:
             tensor = tensor.to(torch.float32)
-        flat = tensor.detach().contiguous().reshape(-1)
+        # A few small tensors start on the host (sampled token indices): they join the device
+        # buffer so that the forward still makes one transfer.
+        flat = tensor.detach().to(device, non_blocking=True).contiguous().reshape(-1)
         raw = flat.view(torch.uint8)
         slots.append(Slot(key, tensor.dtype, tuple(tensor.shape), offset, raw.numel()))
         offset += raw.numel()

@@ -15,7 +15,9 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -82,6 +84,20 @@ class _Forward:
         self.choice: dict[int, Choice] = {}
 
 
+@dataclass
+class _Collected:
+    """A forward whose reductions are packed on the device, waiting for (or done with) the transfer."""
+
+    forward: _Forward
+    buffer: torch.Tensor | None
+    slots: list
+    meta: dict[int, dict[str, Any]]
+    ts: dt.datetime
+    duration_s: float
+    kv_cache: list[KVCacheLayer] | None
+    event: Any = None  # a CUDA event while the copy to pinned host memory is in flight
+
+
 class ProbeSession:
     """A probe attached to one model. Use as a context manager, or call `close()`."""
 
@@ -104,6 +120,7 @@ class ProbeSession:
         self._tags: list[dict[str, str]] = [{str(k): str(v) for k, v in (tags or {}).items()}]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._forward: _Forward | None = None
+        self._in_flight: deque[_Collected] = deque()
         self._lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(sample_seed)
         self.step = 0
@@ -229,11 +246,34 @@ class ProbeSession:
             return
         self.step += 1
         try:
-            record = self._build_record(forward, output)
+            collected = self._collect(forward, output)
+            if collected.buffer is not None and collected.buffer.is_cuda:
+                # Start the forward's one transfer without waiting for it: the record is built
+                # at a later forward (or flush) once the copy is done, so the model never syncs.
+                host = torch.empty(collected.buffer.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(collected.buffer, non_blocking=True)
+                collected.buffer, collected.event = host, torch.cuda.Event()
+                collected.event.record()
+            self._in_flight.append(collected)
         except Exception:
             self._hook_failed()
-            return
-        self.processor.emit(record)
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        """Emit the records whose transfer is done (all of them when `block`), oldest first."""
+        while self._in_flight:
+            collected = self._in_flight[0]
+            if collected.event is not None and not block and not collected.event.query():
+                return
+            self._in_flight.popleft()
+            try:
+                if collected.event is not None:
+                    collected.event.synchronize()
+                record = self._finish(collected)
+            except Exception:
+                self._hook_failed()
+                continue
+            self.processor.emit(record)
 
     def _hook_failed(self) -> None:
         # The model thread must never see the probe fail: count, log once, carry on.
@@ -252,7 +292,8 @@ class ProbeSession:
                 return ids, tuple(value.shape[:2]) if value.dim() >= 2 else (1, value.shape[0])
         return None, ()
 
-    def _build_record(self, forward: _Forward, output: Any) -> StepRecord:
+    def _collect(self, forward: _Forward, output: Any) -> _Collected:
+        """Device side of a record: every reduction of the forward, packed into one buffer."""
         tensors: dict[tuple, torch.Tensor] = {}
         meta: dict[int, dict[str, Any]] = {}
         for layer in self.layers:
@@ -274,7 +315,8 @@ class ProbeSession:
                 ids = None
             if shape and shape[0] * shape[1] != tokens:
                 shape = ()
-            meta[layer.index] = dict(tokens=tokens, shape=shape, has_ids=ids is not None, capacity=choice.capacity)
+            meta[layer.index] = dict(tokens=tokens, shape=shape, has_ids=ids is not None, capacity=choice.capacity,
+                                     trust_weight=None if self.gate is None else self.gate.weights(layer.index))
             if ids is not None and (self.routes or self.router_logits or self.router_inputs):
                 tensors[(layer.index, "token_ids")] = ids.reshape(-1)
             if self.routes:
@@ -294,7 +336,14 @@ class ProbeSession:
                 tensors[(layer.index, f"{kind}_top1")] = choice.ids[:, 0].index_select(0, index)
 
         buffer, slots = pack(tensors)
-        host = unpack(buffer, slots)
+        return _Collected(forward=forward, buffer=buffer, slots=slots, meta=meta,
+                          ts=dt.datetime.now(dt.timezone.utc), duration_s=time.perf_counter() - forward.started,
+                          kv_cache=kv_cache_layers(output) if self.kv_cache else None)
+
+    def _finish(self, collected: _Collected) -> StepRecord:
+        """Host side of a record, from the transferred buffer."""
+        forward, meta = collected.forward, collected.meta
+        host = unpack(collected.buffer, collected.slots)
         layer_steps = []
         active = float(self.shared_params)
         for layer in self.layers:
@@ -325,21 +374,19 @@ class ProbeSession:
                 coselection=got.get("coselection"),
                 routes=self._routes(got, info) if self.routes else None,
                 router_logits=self._sample(got, "logits"), router_inputs=self._sample(got, "inputs"),
-                **self._health_fields(layer, got)))
+                **self._health_fields(info, got)))
 
         ids, shape = self._input_shape(forward.inputs, decoder=False)
         batch_size, seq_len = shape if shape else (1, layer_steps[0].tokens if layer_steps else 0)
         return StepRecord(
-            run_id=self.run.run_id, step=forward.step, ts=dt.datetime.now(dt.timezone.utc),
-            duration_s=time.perf_counter() - forward.started, tokens=batch_size * seq_len,
-            batch_size=batch_size, seq_len=seq_len, active_params=active, total_params=self.total_params,
-            tags=forward.tags, layers=layer_steps,
-            kv_cache=kv_cache_layers(output) if self.kv_cache else None)
+            run_id=self.run.run_id, step=forward.step, ts=collected.ts, duration_s=collected.duration_s,
+            tokens=batch_size * seq_len, batch_size=batch_size, seq_len=seq_len, active_params=active,
+            total_params=self.total_params, tags=forward.tags, layers=layer_steps, kv_cache=collected.kv_cache)
 
-    def _health_fields(self, layer: MoELayer, got: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _health_fields(self, info: dict[str, Any], got: dict[str, np.ndarray]) -> dict[str, Any]:
         fields: dict[str, Any] = HealthSampler.fields(got) if self.health is not None else {}
-        if self.gate is not None:
-            fields["trust_weight"] = self.gate.weights(layer.index)
+        if info["trust_weight"] is not None:
+            fields["trust_weight"] = info["trust_weight"]  # as it was during the forward
         return fields
 
     @staticmethod
@@ -379,6 +426,7 @@ class ProbeSession:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Write everything recorded so far; False if the writer did not finish in time."""
+        self._drain(block=True)
         return self.processor.force_flush(timeout_s)
 
     def close(self) -> None:
@@ -387,6 +435,7 @@ class ProbeSession:
             return
         self.closed = True
         self._remove_hooks()
+        self._drain(block=True)
         self.processor.shutdown()
 
     @property

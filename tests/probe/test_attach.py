@@ -210,3 +210,21 @@ def test_a_failing_reader_never_breaks_the_forward(caplog):
     assert session.hook_errors >= 1
     # The layer that failed is missing from the record; the other layer is still there.
     assert [ls.layer for ls in memory.records[0].layers] == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the deferred copy path)")
+def test_cuda_records_arrive_without_a_sync_and_match_the_cpu():
+    cpu_model = tiny_model("mixtral")
+    gpu_model = tiny_model("mixtral").cuda()
+    x = torch.randint(0, 128, (2, 6))
+    cpu, gpu = InMemoryExporter(), InMemoryExporter()
+    with probe.attach(cpu_model, exporters=[cpu], routes=True, router_inputs=4), torch.no_grad():
+        cpu_model(x)
+    with probe.attach(gpu_model, exporters=[gpu], routes=True, router_inputs=4) as session, torch.no_grad():
+        for _ in range(3):
+            gpu_model(x.cuda())
+        session.flush()
+        assert [r.step for r in gpu.records] == [0, 1, 2]
+    for a, b in zip(cpu.records[0].layers, gpu.records[0].layers):
+        np.testing.assert_array_equal(a.expert_load, b.expert_load)
+        np.testing.assert_array_equal(a.routes.expert_ids, b.routes.expert_ids)
