@@ -19,7 +19,7 @@ from alerts import signals
 HEIGHT = 380
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
            "#9D755D", "#BAB0AC")
-STATE_COLOURS = {"pending": "#EECA3B", "firing": "#E45756", "resolved": "#54A24B", "inactive": "#BAB0AC"}
+STATE_COLOURS = {"inactive": "#BAB0AC", "pending": "#EECA3B", "resolved": "#54A24B", "firing": "#E45756"}
 
 
 def _layout(fig: go.Figure, title: str, **kwargs) -> go.Figure:
@@ -281,7 +281,7 @@ def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Se
                                          "(%{z:.1%} of the tag's)<extra></extra>"))
     fig.update_xaxes(title=key, type="category")
     fig.update_yaxes(title="expert", type="category")
-    return _layout(fig, f"Layer {layer}: expert specialisation by {key} — I(expert; {key}) = {mi:.4f} bits")
+    return _layout(fig, f"Layer {layer}: {key} share per expert · I(expert; {key}) = {mi:.4f} bits")
 
 
 def mutual_information_figure(per_layer: pd.DataFrame, key: str) -> go.Figure:
@@ -325,7 +325,10 @@ def alert_timeline(alerts: pd.DataFrame, time_col: str, name_col: str) -> go.Fig
     if "layer" in alerts:
         label = label + " · layer " + alerts["layer"].astype(str)
     fig = go.Figure()
-    for state, rows in alerts.assign(_label=label).groupby(alerts["state"].astype(str)):
+    frame = alerts.assign(_label=label, _state=alerts["state"].astype(str))
+    order = list(STATE_COLOURS)  # later states drawn on top: a pending->firing at one instant shows firing
+    for state in sorted(frame._state.unique(), key=lambda s: order.index(s) if s in order else -1):
+        rows = frame[frame._state == state]
         fig.add_trace(go.Scatter(
             x=rows[time_col], y=rows["_label"], mode="markers", name=state,
             marker={"size": 12, "symbol": "square", "color": STATE_COLOURS.get(state, PALETTE[0])},
@@ -350,14 +353,18 @@ def health_trend(health: pd.DataFrame, x: str, columns: Sequence[str], layer: in
 
 
 def gate_history(events: pd.DataFrame, time_col: str, weight_col: str) -> go.Figure:
-    """Trust weight of each (layer, expert) that the gate ever changed, as steps over time."""
+    """Trust weight of each (layer, expert) that the gate ever changed, as steps over time: at each
+    change the line drops (or rises) from the old weight to the new one."""
     if events.empty:
         return empty_figure("the trust gate has not changed any weight")
     fig = go.Figure()
     for i, ((layer, expert), rows) in enumerate(events.groupby(["layer", "expert"])):
-        fig.add_trace(go.Scatter(x=rows[time_col], y=rows[weight_col], mode="lines+markers", line_shape="hv",
-                                 name=f"layer {layer} · expert {expert}",
-                                 line={"color": PALETTE[i % len(PALETTE)]}))
+        x = np.repeat(rows[time_col].to_numpy(), 2)
+        old = rows["old_weight"].to_numpy() if "old_weight" in rows else rows[weight_col].to_numpy()
+        y = np.stack([old, rows[weight_col].to_numpy()], axis=1).reshape(-1)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"layer {layer} · expert {expert}",
+                                 line={"color": PALETTE[i % len(PALETTE)]},
+                                 hovertemplate="%{x}: weight %{y:.2f}<extra></extra>"))
     fig.update_yaxes(title="trust weight", range=[-0.05, 1.05])
     return _layout(fig, "Trust-gate weights")
 

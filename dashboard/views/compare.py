@@ -27,7 +27,8 @@ def per_layer(layers: pd.DataFrame) -> pd.DataFrame:
 
 with common.guard():
     runs = data.runs(ctx.root, ctx.version)
-    mode = st.radio("Compare", ["two runs", "two tag values"], horizontal=True, key="cp_mode")
+    mode = st.radio("Compare", ["two runs", "two tag values"], horizontal=True, key="cp_mode",
+                    index=0 if len(runs) >= 2 else 1)
     sides: dict[str, tuple[str, object]] = {}
     a, b = st.columns(2)
     if mode == "two runs":

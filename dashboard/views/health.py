@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import common, data
@@ -11,8 +10,11 @@ from dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_requ
 
 HEALTH_TIME = ("ts", "at", "window_end", "step", "window")
 GATE_TIME = ("ts", "at", "time")
+# The score's components, on its 0-100 scale (alerts' health score); other numeric columns are the
+# raw measurements behind them and go in the table only.
+COMPONENTS = ("load", "confidence", "output", "weight", "grad")
 KEYS = {"run_id", "layer", "expert", "rank", "step", "ts", "at", "window", "window_start", "window_end",
-        "window_steps", "pid"}
+        "window_steps", "step_start", "step_end", "pid", "score"}
 
 st.title("Expert health")
 ctx = common.page_context()
@@ -30,10 +32,12 @@ with common.guard():
         st.dataframe(health, hide_index=True)
     else:
         time_col = fg.pick_column(health.columns, HEALTH_TIME)
-        components = [c for c in health.columns if c not in KEYS and c != "score"
-                      and pd.api.types.is_numeric_dtype(health[c])]
+        components = [c for c in COMPONENTS if c in health.columns and health[c].notna().any()]
+        measured = [c for c in health.columns if c not in KEYS and c not in COMPONENTS]
         latest = health.groupby(["layer", "expert"], sort=True).tail(1)
-        st.dataframe(latest.sort_values("score")[["layer", "expert", "score", *components]
+        st.caption("Latest window of each expert, worst first: the score (0-100) and its components, then the "
+                   "raw measurements behind them.")
+        st.dataframe(latest.sort_values("score")[["layer", "expert", "score", *components, *measured]
                                                  + ([time_col] if time_col else [])],
                      hide_index=True, key="he_scores")
         worst = latest.sort_values("score").iloc[0]

@@ -165,3 +165,31 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
         assert_clean(at)
         assert not at.warning, (page, [w.value for w in at.warning])
         assert at.info or at.success, page
+
+
+def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
+    import probe
+    import torch
+    from probe.zoo import tiny_model
+
+    root = str(tmp_path / "live")
+    model = tiny_model("mixtral")
+    session = probe.attach(model, store=root, routes=True, run_id="live-run", flush_interval_s=0.05)
+    try:
+        def forwards(n: int) -> None:
+            with torch.no_grad():
+                for _ in range(n):
+                    model(torch.randint(0, 128, (2, 8)))
+            assert session.flush(30)
+
+        forwards(3)
+        at = open_page(app_for(monkeypatch, root), "views/overview.py")
+        assert_clean(at)
+        assert {m.label: m.value for m in at.metric}["Steps"] == "3"
+        forwards(4)  # the run goes on while the dashboard is open
+        at.run()
+        assert_clean(at)
+        assert {m.label: m.value for m in at.metric}["Steps"] == "7"
+        assert {m.label: m.value for m in at.metric}["Tokens"] == f"{7 * 16:,}"
+    finally:
+        session.close()
