@@ -219,9 +219,9 @@ def router_input_sample(store: Store, run_id: str, layer: int, size: int = 2000,
     size = max(1, min(int(size), MAX_SAMPLE))
     return store.sql("""
         WITH s AS (
-            SELECT step, token, rank, token_id, top1_expert, hidden, tags
-            FROM router_inputs WHERE run_id = ? AND layer = ?
-            ORDER BY hash(step, token, rank, ?::BIGINT) LIMIT ?),
+            SELECT DISTINCT ON (step, token, rank) step, token, rank, token_id, top1_expert, hidden, tags
+            FROM (SELECT * FROM router_inputs WHERE run_id = ? AND layer = ?
+                  ORDER BY hash(step, token, rank, ?::BIGINT) LIMIT ?)),
         pos AS (
             SELECT s.step, s.token, s.rank, r.sequence, r.position
             FROM s JOIN routes r ON r.run_id = ? AND r.layer = ? AND r.step = s.step AND r.token = s.token
