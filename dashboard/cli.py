@@ -64,7 +64,7 @@ def command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", APP,
             "--server.address", args.host, "--server.port", str(args.port), "--server.headless", "true",
             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-            "--global.developmentMode", "false"]
+            "--global.developmentMode", "false", "--client.toolbarMode", "viewer"]
 
 
 def environment(args: argparse.Namespace) -> dict[str, str]:
