@@ -26,6 +26,7 @@ expert alone until `release(layer, expert)` hands it back (at weight 1).
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint
 from alerts.health import ExpertHealth, HealthConfig, HealthScorer
@@ -46,6 +48,7 @@ from store.writer import write_table_file
 log = logging.getLogger(__name__)
 
 MODES = (None, "manual", "auto")
+REQUESTS_TABLE = "trust_gate_requests"
 
 
 class TransitionSink(Protocol):
@@ -95,7 +98,8 @@ class TrustPolicy:
     """
 
     def __init__(self, config: TrustPolicyConfig | None = None, health: HealthConfig | None = None,
-                 sink: TransitionSink | None = None, max_buffer_rows: int = 4096, max_age_s: float = 5.0):
+                 sink: TransitionSink | None = None, max_buffer_rows: int = 4096, max_age_s: float = 5.0,
+                 accept_requests: bool = False, request_poll_s: float = 2.0):
         self.config = config or TrustPolicyConfig()
         self.scorer = HealthScorer(health)
         self.sink = sink
@@ -120,6 +124,14 @@ class TrustPolicy:
         self.max_buffer_rows = max_buffer_rows
         self.max_age_s = max_age_s
         self.last_step = 0
+        # Gate requests written into the store by another process (the dashboard started with
+        # --allow-writes). Off unless the model's owner opts in here too: a file in a folder
+        # must not be able to change a running model by default.
+        self.accept_requests = accept_requests
+        self.request_poll_s = request_poll_s
+        self.applied_requests: dict[str, str] = {}  # request_id -> what happened
+        self._request_files: set[str] = set()
+        self._polled_at = 0.0
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -149,6 +161,8 @@ class TrustPolicy:
             rows = self.scorer.observe(record)
             if rows:
                 self.judge(rows, record.step)
+        if self.accept_requests and time.monotonic() - self._polled_at >= self.request_poll_s:
+            self.apply_requests()
         self._write_due()
         return True
 
@@ -265,6 +279,45 @@ class TrustPolicy:
             self.pinned.discard((int(layer), int(expert)))
             self.judgements.pop((int(layer), int(expert)), None)
             return gate.set(layer, expert, 1.0, reason, source="override", step=self._step())
+
+    def apply_requests(self) -> dict[str, str]:
+        """Apply the store's new `trust_gate_requests` rows for this run, each request_id once.
+
+        Returns {request_id: outcome} of the requests handled in this call. A request the gate
+        refuses (bad expert, guard rail) is recorded with the error and not retried; a file that
+        cannot be read is skipped with a warning and read again at the next poll.
+        """
+        self._polled_at = time.monotonic()
+        if self.root is None or self.gate is None:
+            return {}
+        folder = os.path.join(self.root, REQUESTS_TABLE, f"run_id={self.run_id}")
+        handled: dict[str, str] = {}
+        for path in sorted(glob.glob(os.path.join(folder, "part-*.parquet"))):
+            if path in self._request_files:
+                continue
+            try:
+                rows = pq.read_table(path, schema=SCHEMAS[REQUESTS_TABLE]).to_pylist()
+            except Exception as e:  # noqa: BLE001 - a bad file must not stop the policy
+                log.warning("cannot read gate request file %s: %s", path, e)
+                continue
+            self._request_files.add(path)
+            for row in sorted(rows, key=lambda r: r["requested_at"]):
+                if row["request_id"] in self.applied_requests or row["run_id"] != self.run_id:
+                    continue
+                reason = f"{row['reason']} (requested by {row['requested_by']}, request {row['request_id'][:8]})"
+                try:
+                    if row["action"] == "release":
+                        self.release(row["layer"], row["expert"], reason)
+                    elif row["action"] == "override":
+                        self.override(row["layer"], row["expert"], row["weight"], reason)
+                    else:
+                        raise ValueError(f"unknown action {row['action']!r}")
+                    outcome = "applied"
+                except (TrustGateError, ValueError) as e:
+                    outcome = f"refused: {e}"
+                    log.warning("gate request %s refused: %s", row["request_id"], e)
+                self.applied_requests[row["request_id"]] = handled[row["request_id"]] = outcome
+        return handled
 
     def _require_gate(self) -> TrustGate:
         if self.gate is None:

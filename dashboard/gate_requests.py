@@ -26,15 +26,11 @@ import uuid
 
 import pyarrow as pa
 
+from store.schema import SCHEMAS
 from store.writer import write_table_file
 
 REQUESTS_TABLE = "trust_gate_requests"
-REQUESTS_SCHEMA = pa.schema([
-    ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", pa.timestamp("us", tz="UTC")),
-    ("layer", pa.int32()), ("expert", pa.int32()), ("action", pa.string()), ("weight", pa.float64()),
-    ("reason", pa.string()),
-    ("requested_by", pa.string()),
-])
+REQUESTS_SCHEMA = SCHEMAS[REQUESTS_TABLE]
 ACTIONS = ("override", "release")
 _seq = itertools.count()
 

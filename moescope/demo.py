@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     secret = secrets.token_hex(16)
     receiver = WebhookReceiver(on_alert=_alert_line, secret=secret).start()
-    outbox = Outbox(os.path.join(store_root, ".moescope", "outbox.sqlite"),
+    outbox = Outbox(os.path.join(store_root, ".moescope", "alerts-outbox.sqlite"),
                     [WebhookNotifier(receiver.url, secret=secret)], base_backoff_s=0.2)
     worker = OutboxWorker(outbox, interval_s=0.1).start()
     rules = load_rules(resources.files("moescope").joinpath("rules", "demo.yaml"))

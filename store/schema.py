@@ -81,6 +81,13 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("old_weight", pa.float64()), ("new_weight", pa.float64()), ("score", pa.float64()),
         ("reason", pa.string()), ("source", pa.string()), ("rank", pa.int32()),
     ]),
+    # Manual gate requests from another process (the dashboard with --allow-writes); a trust
+    # policy that accepts requests applies each request_id once.
+    "trust_gate_requests": pa.schema([
+        ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", TS), ("layer", pa.int32()),
+        ("expert", pa.int32()), ("action", pa.string()), ("weight", pa.float64()), ("reason", pa.string()),
+        ("requested_by", pa.string()),
+    ]),
 }
 
 TABLES = tuple(SCHEMAS)

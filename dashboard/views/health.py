@@ -68,8 +68,10 @@ with common.guard():
 
     if ctx.settings.allow_writes:
         st.subheader("Manual gate control")
-        st.caption("Writes a request into the store's `trust_gate_requests` table; the model-side trust "
-                   "policy applies it through the gate's API, which records it as a change above.")
+        st.caption("Writes a request into the store's `trust_gate_requests` table. The running model applies "
+                   "it only if its owner opted in too (`probe.attach(..., trust_gate='manual' or 'auto', "
+                   "trust_policy=TrustPolicy(accept_requests=True))`), through the gate's API, which records "
+                   "it as a change above. A finished run applies nothing.")
         layers = ctx.layer_ids()
         with st.form("he_gate_form"):
             a, b, c = st.columns(3)

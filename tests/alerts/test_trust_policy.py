@@ -123,3 +123,40 @@ def test_routing_only_anomalies_are_alerted_not_gated(tmp_path):
         assert s.gate.weight(0, 3) == 0
     with pytest.raises(ValueError, match="gate_on names health components"):
         TrustPolicyConfig(gate_on=("latency",))
+
+
+def test_dashboard_requests_are_applied_once_only_when_accepted(tmp_path):
+    from dashboard.gate_requests import write_request
+
+    model = tiny_model("mixtral")
+    x = torch.randint(0, 128, (1, 4))
+    refused = TrustPolicy()
+    with probe.attach(model, store=tmp_path / "a", trust_gate="manual", trust_policy=refused) as s:
+        write_request(tmp_path / "a", s.run.run_id, 0, 3, 0.0, "looks broken")
+        with torch.no_grad():
+            model(x)
+        s.flush()
+        assert s.gate.weight(0, 3) == 1 and refused.applied_requests == {}
+
+    policy = TrustPolicy(accept_requests=True, request_poll_s=0)
+    root = tmp_path / "b"
+    with probe.attach(model, store=root, trust_gate="manual", trust_policy=policy) as s:
+        first = write_request(root, s.run.run_id, 0, 3, 0.0, "looks broken")
+        write_request(root, s.run.run_id, 0, 99, 0.0, "no such expert")
+        with torch.no_grad():
+            model(x)
+        s.flush()
+        assert s.gate.weight(0, 3) == 0
+        assert policy.applied_requests[first["request_id"]] == "applied"
+        assert sum(v.startswith("refused") for v in policy.applied_requests.values()) == 1
+        with torch.no_grad():  # a later poll does not apply the same request twice
+            model(x)
+        s.flush()
+        write_request(root, s.run.run_id, 0, 3, 1.0, "fixed", action="release")
+        with torch.no_grad():
+            model(x)
+        s.flush()
+        assert s.gate.weight(0, 3) == 1
+    events = Store(root).sql("SELECT expert, new_weight, reason, source FROM trust_gate_events ORDER BY ts")
+    assert events.new_weight.tolist() == [0.0, 1.0]
+    assert "looks broken (requested by dashboard@" in events.reason[0] and set(events.source) == {"override"}
