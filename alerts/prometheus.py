@@ -181,7 +181,18 @@ class PrometheusExporter:
 
     # -- what the collector reads -----------------------------------------------------------
 
+    def bind_probe_stats(self, source) -> None:
+        """Called by the probe at attach: `source()` returns (written, dropped) as in
+        `observe_probe_stats`, and is read afresh at every scrape."""
+        self._stats_source = source
+
     def _snapshot(self) -> dict:
+        source = getattr(self, "_stats_source", None)
+        if source is not None:
+            try:
+                self.observe_probe_stats(*source())
+            except Exception:  # noqa: BLE001 - a scrape must not fail because the probe went away
+                pass
         with self._lock:
             layers = {}
             for index, layer in self._layers.items():

@@ -152,6 +152,8 @@ class ProbeSession:
         for exporter in exporters:
             if hasattr(exporter, "on_attach"):
                 exporter.on_attach(self.run)
+            if hasattr(exporter, "bind_probe_stats"):
+                exporter.bind_probe_stats(self.probe_stats)
         # -- expert health and trust gate (probe/health.py, probe/gate.py, alerts/trust_policy.py) --
         if trust_gate not in (None, "manual", "auto"):
             raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
@@ -437,6 +439,11 @@ class ProbeSession:
         self._remove_hooks()
         self._drain(block=True)
         self.processor.shutdown()
+
+    def probe_stats(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+        """What the probe wrote (rows per table) and dropped (rows per table and reason), so far."""
+        written = dict(self.parquet.written_rows) if self.parquet is not None else {}
+        return written, dict(self.processor.dropped_rows)
 
     @property
     def dropped_records(self) -> int:

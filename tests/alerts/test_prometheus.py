@@ -126,3 +126,25 @@ def test_rules_on_signals_without_a_metric_are_refused():
     pack = parse_rules("rules:\n  - name: X\n    expr: switch_entropy < 0.1\n")
     with pytest.raises(RulesError, match="switch_entropy.*no Prometheus metric"):
         prometheus_rules(pack)
+
+
+def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
+    import torch
+
+    import probe
+    from probe.zoo import tiny_model
+    from store import InMemoryExporter
+
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(registry=registry)
+    memory = InMemoryExporter()
+    model = tiny_model("mixtral")
+    with probe.attach(model, store=tmp_path, routes=True, exporters=[exporter, memory]) as session:
+        with torch.no_grad():
+            model(torch.randint(0, 128, (2, 4)))
+            model(torch.randint(0, 128, (2, 4)))
+        session.flush()
+        written = lambda table: registry.get_sample_value("moe_probe_records_written_total", {"table": table})  # noqa: E731
+        assert written("steps") == 2 and written("layer_steps") == 2 * 2 and written("routes") == 2 * 2 * 8
+    session.processor.emit(memory.records[0])  # too late: dropped, and counted with its reason
+    assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "routes", "reason": "closed"}) == 16
