@@ -212,6 +212,11 @@ class HealthScorer:
         self._baseline_norm: dict[int, np.ndarray] = {}
         self._baseline_seen: dict[int, np.ndarray] = {}
         self._experts: dict[int, int] = {}
+        # The last measured output and weight components per (layer, expert): the sampler visits
+        # each expert's outputs every few forwards and its weights every `weight_every`, and an
+        # expert's own computation does not change between visits unless its weights do (which
+        # the next visit sees), so a window without a visit reuses the last one.
+        self._last: dict[tuple[int, int, str], tuple[float, str]] = {}
 
     def set_experts(self, layer: int, num_experts: int) -> None:
         """Routed experts with parameters (zero experts are not scored)."""
@@ -281,6 +286,14 @@ class HealthScorer:
                 comps["grad"] = grad_component(w.grad[e], grad_median, cfg)
                 if comps["grad"] < 50:
                     reasons.append(f"gradient norm outlier: {w.grad[e]:.3g} vs median {grad_median:.3g}")
+            for name in ("output", "weight"):
+                if comps[name] is not None:
+                    self._last[(layer, e, name)] = (comps[name], next(
+                        (r for r in reasons if r.startswith(("non-finite", "output", "weights"))), ""))
+                elif (layer, e, name) in self._last:
+                    comps[name], reason = self._last[(layer, e, name)]
+                    if reason and comps[name] < 50:
+                        reasons.append(f"{reason} (last measured)")
             score = combine(comps, cfg.weights)
             rows.append(ExpertHealth(
                 run_id=run_id, window=index, step_start=w.steps[0], step_end=w.steps[-1], ts=w.ts, layer=layer,

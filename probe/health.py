@@ -5,8 +5,11 @@ single packed transfer per forward:
 
 - Output sample. At each recorded forward the router's input (the block's token states) is
   sampled: `tokens_per_expert` tokens (default 4), run through `experts_per_forward` experts
-  (default 4, a rotating subset, so each expert is visited every ceil(E / experts_per_forward)
-  forwards; None: all of them) with gate weight 1, whatever the router chose. So a
+  (default 1, rotating, so each expert is visited every ceil(E / experts_per_forward)
+  forwards; None: all of them) with gate weight 1, whatever the router chose. The cost is
+  reading that expert's weights once more (memory-bound for a few tokens), so one expert per
+  forward keeps it near 1/E of the layer's expert-weight traffic; the score carries each
+  expert's last measurement between visits. So a
   masked expert keeps being measured and can be seen to recover. Per expert: samples taken, sum
   of the L2 norms of the finite outputs, and how many outputs held a NaN or an infinity. Cost:
   tokens_per_expert x experts_per_forward expert evaluations per layer and forward.
@@ -153,7 +156,7 @@ class HealthSampler:
     them); `fields(got, num_experts)` turns their host copies into `LayerStep` keyword arguments.
     """
 
-    def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = 4,
+    def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = 1,
                  weight_every: int = 32, seed: int = 0, on_error: Callable[[], None] | None = None):
         if tokens_per_expert < 1:
             raise ValueError("tokens_per_expert must be at least 1")

@@ -101,3 +101,19 @@ def test_small_windows_do_not_read_as_dead_experts():
     scorer.observe(_step(0, [8, 8, 8, 0], [4.0, 4.0, 4.0, 0.0]))
     rows = scorer.observe(_step(1, [8, 8, 8, 0], [4.0, 4.0, 4.0, 0.0]))
     assert rows[3].load == 0 and "load dead" in rows[3].reasons
+
+
+def test_output_and_weight_verdicts_carry_over_windows_without_a_visit():
+    """The sampler visits one expert per forward; between visits the last measurement stands."""
+    scorer = HealthScorer(HealthConfig(window_steps=1))
+    load, gate = [10, 10, 10, 10], [5.0] * 4
+    bad = dict(samples=[0, 0, 2, 0], norms=[0.0, 0.0, 0.0, 0.0], nonfinite=[0, 0, 2, 0],
+               cosine=[1, 1, 0.2, 1], ratio=[1, 1, 1, 1])
+    first = scorer.observe(_step(0, load, gate, **bad))[2]
+    assert first.output == 0 and first.weight == 0 and first.score == 0
+    later = scorer.observe(_step(1, load, gate, samples=[2, 0, 0, 0], norms=[2.0, 0, 0, 0], nonfinite=[0] * 4))
+    assert later[2].output == 0 and later[2].weight == 0 and "(last measured)" in later[2].reasons
+    assert later[1].output is None  # never measured: nothing to carry
+    healed = scorer.observe(_step(2, load, gate, samples=[0, 0, 2, 0], norms=[0, 0, 2.0, 0], nonfinite=[0] * 4,
+                                  cosine=[1] * 4, ratio=[1] * 4))[2]
+    assert healed.output == 100 and healed.weight == 100
