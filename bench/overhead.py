@@ -1,16 +1,19 @@
 """What the probe costs the model: bare forward vs probe variants, side by side in one run.
 
-Variants run in blocks that rotate order every round, so drift in the machine's speed (other
-processes, thermal) spreads over all of them; each forward is timed on its own and the figure is
-the median, reported as a ratio to the bare forward's median.
+Each variant runs on its own copy of the same model, attached once. A round times one forward
+of every variant, in an order that rotates each round, so drift in the machine's speed (other
+processes, thermal) hits all of them alike. The figure is the median over rounds of the paired
+ratio variant / bare, with its interquartile range.
 
     python bench/overhead.py                # the issue's shape: hidden 512, 8 layers, 16 experts top-2, 4x256
-    python bench/overhead.py --rounds 3     # quicker
+    python bench/overhead.py --health       # also health sampling and the trust gate
+    python bench/overhead.py --rounds 10    # quicker
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import statistics
@@ -23,6 +26,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import probe  # noqa: E402
 from probe.zoo import tiny_model  # noqa: E402
@@ -48,44 +52,52 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 def measure(args: argparse.Namespace, variants: dict[str, dict],
             attach: Callable[..., probe.ProbeSession] = probe.attach) -> dict[str, list[float]]:
+    """Seconds per forward of each variant. Every variant has its own copy of the same model,
+    attached once; a round runs one forward of each, in an order that rotates every round, so
+    the machine's drift hits all variants alike and each round gives a paired sample."""
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = build_model(args)
     batch = torch.randint(0, 1024, (args.batch, args.seq))
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    store = tempfile.mkdtemp(prefix="moescope-bench-")
     names = list(variants)
+    models = {name: model if i == 0 else copy.deepcopy(model) for i, name in enumerate(names)}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    store = tempfile.mkdtemp(prefix="moescope-bench-")
+    sessions = []
     try:
+        for name in names:
+            if variants[name]:
+                sessions.append(attach(models[name], store=store, **variants[name]))
         with torch.no_grad():
             for _ in range(args.warmup):
-                model(batch)
-            for round_ in range(args.rounds):
+                for name in names:
+                    models[name](batch)
+            for round_ in tqdm(range(args.rounds), desc="rounds", unit="round"):
                 order = names[round_ % len(names):] + names[: round_ % len(names)]
                 for name in order:
-                    options = variants[name]
-                    session = attach(model, store=store, **options) if options else None
-                    for _ in range(args.repeat):
-                        start = time.perf_counter()
-                        model(batch)
-                        times[name].append(time.perf_counter() - start)
-                    if session is not None:
-                        session.close()
-                print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
-                    f"{n} {statistics.median(t) * 1e3:.0f} ms" for n, t in times.items()), flush=True)
+                    start = time.perf_counter()
+                    models[name](batch)
+                    times[name].append(time.perf_counter() - start)
     finally:
+        for session in sessions:
+            session.close()
         shutil.rmtree(store, ignore_errors=True)
     return times
 
 
 def report(times: dict[str, list[float]], targets: dict[str, float]) -> str:
-    bare = statistics.median(times["bare"])
-    lines = [f"{'variant':<22} {'median ms':>10} {'ratio':>7} {'target':>7}  n"]
+    """Median time per variant, and the median over rounds of the paired ratio to bare."""
+    bare = times["bare"]
+    lines = [f"{'variant':<22} {'median ms':>10} {'ratio':>7} {'IQR':>13} {'target':>7}  n"]
     for name, values in times.items():
-        median = statistics.median(values)
+        ratios = sorted(v / b for v, b in zip(values, bare))
+        ratio = statistics.median(ratios)
+        q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
         target = targets.get(name)
-        verdict = "" if target is None else ("ok" if median / bare <= target else "MISS")
-        lines.append(f"{name:<22} {median * 1e3:>10.1f} {median / bare:>7.3f} "
-                     f"{'' if target is None else f'{target:.2f}':>7}  {len(values)} {verdict}")
+        verdict = "" if target is None else ("ok" if ratio <= target else "MISS")
+        lines.append(f"{name:<22} {statistics.median(values) * 1e3:>10.1f} {ratio:>7.3f} "
+                     f"{f'{q1:.3f}-{q3:.3f}':>13} {'' if target is None else f'{target:.2f}':>7}  "
+                     f"{len(values)} {verdict}")
     return "\n".join(lines)
 
 
@@ -98,8 +110,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--repeat", type=int, default=3, help="timed forwards per variant per round")
+    p.add_argument("--rounds", type=int, default=30, help="forwards per variant (one per round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--health", action="store_true", help="also time health sampling and the trust gate (target 1.03)")
