@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a user-facing error: say what went wrong, not a traceback
-        from store import StoreError
         from probe import NoMoELayersError, ProbeAttachError
+        from store import StoreError
 
         if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, FileNotFoundError, ValueError)):
             print(f"moescope {args.command}: {e}", file=sys.stderr)

@@ -27,8 +27,7 @@ from torch import nn
 from probe.adapters import Choice, MoELayer, MoESpec, find_moe_layers
 from probe.gate import TrustGate
 from probe.health import HealthSampler
-from probe.records import (KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord,
-                           TokenSample)
+from probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
 from probe.reduce import pack, reduce_layer, unpack
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,10 @@ class ProbeSession:
                  run_id: str | None = None, policy: str = "block", max_queue: int = 256,
                  flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
                  trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None):
-        from store.writer import BatchProcessor, ParquetExporter  # store may import probe, not vice versa at import time
+        from store.writer import (  # store may import probe, not vice versa at import time
+            BatchProcessor,
+            ParquetExporter,
+        )
 
         self.model = model
         self.layers = layers

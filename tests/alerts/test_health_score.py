@@ -8,8 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from alerts.health import (HealthConfig, HealthScorer, band_score, combine, confidence_component, grad_component,
-                           load_component, output_component, weight_component)
+from alerts.health import (
+    HealthConfig,
+    HealthScorer,
+    band_score,
+    combine,
+    confidence_component,
+    grad_component,
+    load_component,
+    output_component,
+    weight_component,
+)
 from probe.records import LayerStep, StepRecord
 
 CFG = HealthConfig()
@@ -52,7 +61,6 @@ def test_combine_is_a_weighted_geometric_mean_of_what_is_present():
 
 
 def _step(step, load, gate, samples=None, norms=None, nonfinite=None, cosine=None, ratio=None, trust=None):
-    e = len(load)
     return StepRecord(run_id="r", step=step, ts=dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc), duration_s=0.0,
                       tokens=int(sum(load)), batch_size=1, seq_len=int(sum(load)), active_params=0.0, total_params=1,
                       layers=[LayerStep(layer=0, tokens=int(sum(load)), expert_load=np.array(load, dtype=np.int64),

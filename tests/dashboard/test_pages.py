@@ -168,8 +168,9 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
 
 
 def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
-    import probe
     import torch
+
+    import probe
     from probe.zoo import tiny_model
 
     root = str(tmp_path / "live")

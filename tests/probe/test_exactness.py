@@ -288,7 +288,7 @@ def test_route_rows_map_to_batch_rows(recorded):
 def test_deepseek_v3_records_the_biased_choice_not_the_logit_topk():
     model = _model("deepseek_v3")
     memory = InMemoryExporter()
-    with probe.attach(model, exporters=[memory], routes=True) as session:
+    with probe.attach(model, exporters=[memory], routes=True):
         with torch.no_grad():
             output = model(**_inputs("deepseek_v3"), output_router_logits=True)
     logits = _model_router_logits("deepseek_v3", output)
