@@ -208,15 +208,3 @@ def add_subcommands(subparsers) -> None:
                     "example:\n  moescope alerts check my_rules.yaml")
     check.add_argument("rules", metavar="FILE")
     check.set_defaults(func=cmd_check)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the alerts commands on their own (`python -m alerts.cli alerts ...`)."""
-    parser = argparse.ArgumentParser(prog="moescope")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

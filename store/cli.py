@@ -124,15 +124,3 @@ def _query(args: argparse.Namespace) -> int:
         if len(frame) > args.max_rows:
             print(f"... {len(frame) - args.max_rows} more rows (use --max-rows)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m store.cli ...`) until the lead's CLI wires these in."""
-    parser = argparse.ArgumentParser(prog="moescope")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,13 +13,13 @@ from prometheus_client import CollectorRegistry
 
 import probe
 from alerts.cli import add_subcommands
-from alerts.cli import main as alerts_main
 from alerts.notify import AlertmanagerNotifier, AlertmanagerWebhookNotifier, WebhookNotifier
 from alerts.outbox import Outbox
 from alerts.prometheus import PrometheusExporter
 from alerts.promrules import prometheus_rules_yaml
 from alerts.rules import default_rules
 from alerts.storage import StoreAlertRunner, read_alerts
+from moescope.cli import main as moescope_main
 from probe.zoo import tiny_model
 from tests.alerts.conftest import Receiver, http_get_json, start_alertmanager, start_prometheus, wait_until
 
@@ -140,35 +140,35 @@ def test_cli_run_once_check_prometheus_rules_and_test_webhook(tmp_path, receiver
     record_skewed_run(store, steps=3)
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - {name: Skew, expr: load_max_mean > 2.0, for: 0}\n")
-    assert alerts_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
+    assert moescope_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
                         "--webhook", receiver.url + "/hook", "--outbox", str(tmp_path / "o.db")]) == 0
     out = capsys.readouterr().out
     assert "firing    Skew run=skewed-run layer=0" in out
     assert {r.json()["alert"]["layer"] for r in receiver.received("/hook")} == {0, 1}
     # a second run over the same store and outbox notifies nothing again
-    assert alerts_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
+    assert moescope_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
                         "--webhook", receiver.url + "/hook", "--outbox", str(tmp_path / "o.db")]) == 0
     assert len(receiver.received("/hook")) == 2
 
-    assert alerts_main(["alerts", "run", str(store), "--webhook", "ftp://x"]) == 2
+    assert moescope_main(["alerts", "run", str(store), "--webhook", "ftp://x"]) == 2
     assert "must start with http:// or https://" in capsys.readouterr().err
     rules.write_text("rules:\n  - {name: Skew, expr: load_maxmean > 2.0}\n")
-    assert alerts_main(["alerts", "check", str(rules)]) == 2
+    assert moescope_main(["alerts", "check", str(rules)]) == 2
     assert f"{rules}:2: rules[0].expr: unknown signal 'load_maxmean'" in capsys.readouterr().err
 
     os.environ["MOESCOPE_TEST_SECRET"] = "s3cret"
     try:
-        assert alerts_main(["alerts", "test-webhook", receiver.url + "/test", "--secret-env", "MOESCOPE_TEST_SECRET"]) == 0
+        assert moescope_main(["alerts", "test-webhook", receiver.url + "/test", "--secret-env", "MOESCOPE_TEST_SECRET"]) == 0
     finally:
         del os.environ["MOESCOPE_TEST_SECRET"]
     [sample] = receiver.received("/test")
     assert sample.json()["alert"]["run_id"] == "moescope-test" and "X-Moescope-Signature" in sample.headers
     receiver.status = 500
-    assert alerts_main(["alerts", "test-webhook", receiver.url + "/test", "--timeout", "2"]) == 1
+    assert moescope_main(["alerts", "test-webhook", receiver.url + "/test", "--timeout", "2"]) == 1
     assert "HTTP 500" in capsys.readouterr().err
 
     out_file = tmp_path / "prom.yml"
-    assert alerts_main(["alerts", "prometheus-rules", "-o", str(out_file)]) == 0
+    assert moescope_main(["alerts", "prometheus-rules", "-o", str(out_file)]) == 0
     assert "moe_layer_load_max_mean_ratio > 2.0" in out_file.read_text()
 
 

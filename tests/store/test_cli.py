@@ -15,7 +15,7 @@ from tests.store.helpers import make_record, run_info
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "store.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moescope.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)
 
 
