@@ -58,17 +58,25 @@ def uniform_load(num_experts: int) -> np.ndarray:
     return np.ones(num_experts, dtype=np.float64)
 
 
+def _pair(load: np.ndarray, reference: np.ndarray, alpha: float) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Both loads as smoothed distributions; (None, None) when either is undefined (empty, alpha 0)."""
+    p = load_distribution(load, alpha)
+    q = load_distribution(reference, alpha)
+    if p.shape != q.shape:
+        raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
+    if np.isnan(p).any() or np.isnan(q).any():
+        return None, None
+    return p, q
+
+
 def kl_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = DEFAULT_SMOOTHING) -> float:
     """Return KL(load || reference) in nats, both smoothed by `alpha` pseudo-tokens per expert.
 
     Raises ValueError when the two vectors differ in length. NaN when either load is empty and
     `alpha` is 0.
     """
-    p = load_distribution(load, alpha)
-    q = load_distribution(reference, alpha)
-    if p.shape != q.shape:
-        raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
-    if np.isnan(p).any() or np.isnan(q).any():
+    p, q = _pair(load, reference, alpha)
+    if p is None:
         return float("nan")
     mask = p > 0
     if np.any(q[mask] == 0):
@@ -81,11 +89,8 @@ def js_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = 0.0) -
 
     This is the divergence itself, the square of scipy's `jensenshannon` distance.
     """
-    p = load_distribution(load, alpha)
-    q = load_distribution(reference, alpha)
-    if p.shape != q.shape:
-        raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
-    if np.isnan(p).any() or np.isnan(q).any():
+    p, q = _pair(load, reference, alpha)
+    if p is None:
         return float("nan")
     m = 0.5 * (p + q)
 
