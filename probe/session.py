@@ -78,7 +78,6 @@ class _Forward:
         self.inputs = inputs
         self.started = time.perf_counter()
         self.logits: dict[int, torch.Tensor] = {}
-        self.router_out: dict[int, Any] = {}
         self.router_in: dict[int, torch.Tensor] = {}
         self.choice: dict[int, Choice] = {}
 
@@ -319,7 +318,7 @@ class ProbeSession:
                 ids = None
             if shape and shape[0] * shape[1] != tokens:
                 shape = ()
-            meta[layer.index] = dict(tokens=tokens, shape=shape, has_ids=ids is not None, capacity=choice.capacity,
+            meta[layer.index] = dict(tokens=tokens, shape=shape, capacity=choice.capacity,
                                      trust_weight=None if self.gate is None else self.gate.weights(layer.index))
             if ids is not None and (self.routes or self.router_logits or self.router_inputs):
                 tensors[(layer.index, "token_ids")] = ids.reshape(-1)

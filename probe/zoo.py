@@ -20,6 +20,15 @@ import torch
 _COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=128)
 
+# DeepSeek-V3.2 and GLM-MoE-DSA share their shape: MLA with an indexer ("sparse attention").
+_SPARSE_INDEXED = dict(
+    vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=128, num_key_value_heads=4,
+    intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, head_dim=8, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
+    q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=8,
+    index_n_heads=2, layer_types=['indexed_attention', 'indexed_attention'], mlp_layer_types=['sparse', 'sparse'],
+    pad_token_id=0)
+
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         _COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)),
@@ -57,8 +66,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=1, attention_chunk_size=64)),
     "dbrx": ("DbrxConfig", "DbrxForCausalLM", dict(
         vocab_size=128, d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
-        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 8,
-                                                    "moe_top_k": 2})),
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 8, "moe_top_k": 2})),
     "switch_transformers": ("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration", dict(
         vocab_size=128, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
         num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_experts=8, expert_capacity=4,
@@ -104,13 +113,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         _COMMON, intermediate_size=48, num_hidden_layers=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
         num_shared_experts=1, sliding_window=16, layer_types=['sliding_attention', 'full_attention'],
         mlp_layer_types=['sparse', 'sparse'])),
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=128, num_key_value_heads=4,
-        intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, head_dim=8, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
-        q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=8,
-        index_n_heads=2, layer_types=['indexed_attention', 'indexed_attention'], mlp_layer_types=['sparse', 'sparse'],
-        pad_token_id=0)),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", _SPARSE_INDEXED),
     "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
         _COMMON, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0, sliding_window=16,
@@ -136,13 +139,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, mlp_layer_types=['sparse', 'sparse'], pad_token_id=0)),
-    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
-        vocab_size=128, hidden_size=32, num_attention_heads=4, max_position_embeddings=128, num_key_value_heads=4,
-        intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, head_dim=8, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
-        q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_topk=4, index_head_dim=8,
-        index_n_heads=2, layer_types=['indexed_attention', 'indexed_attention'], mlp_layer_types=['sparse', 'sparse'],
-        pad_token_id=0)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", _SPARSE_INDEXED),
     "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
         _COMMON, intermediate_size=48, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=16, shared_intermediate_size=24, layer_types=['full_attention', 'sliding_attention'])),
