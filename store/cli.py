@@ -75,8 +75,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 def _compact(args: argparse.Namespace) -> int:
     from store.compact import compact
+    from store.layout import InvalidNameError
 
-    results = compact(args.store, run_id=args.run, grace_s=args.grace)
+    try:
+        results = compact(args.store, run_id=args.run, grace_s=args.grace)
+    except InvalidNameError as e:
+        print(f"moescope compact: {e}", file=sys.stderr)
+        return 2
     merged = [r for r in results if r.merged_files]
     for r in merged:
         print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows)")

@@ -36,8 +36,10 @@ from store.layout import (
     COMPACT_FILE_ROWS,
     COMPACT_ROW_GROUP_ROWS,
     REPLACES_KEY,
+    check_name,
     clean_tmp,
     compacted_name,
+    is_valid_name,
     list_runs,
     run_folder,
     tmp_path,
@@ -120,13 +122,13 @@ def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: i
     is changed then) and RuntimeError when the merged rows do not add up (nothing is published).
     """
     root = os.fspath(root)
+    folder = run_folder(root, table, run_id)  # checks both names before the lock file is named after them
     result = CompactResult(table, run_id)
     with _lock(root, table, run_id) as locked:
         if not locked:
             result.skipped = "another compaction of this run is in progress"
             return result
         catalog = Catalog(root)
-        folder = run_folder(root, table, run_id)
         live = _live(catalog, table, run_id)
         # Sources a crashed compaction published over but did not delete: excluded already.
         for info in live:
@@ -188,9 +190,12 @@ def compact(root: str | os.PathLike, run_id: str | None = None, tables: tuple[st
             grace_s: float = 2.0, tmp_older_than_s: float = 900.0) -> list[CompactResult]:
     """Compact every table of one run (or of every run); also removes stale temporary files.
 
-    Returns one CompactResult per (table, run) looked at.
+    Returns one CompactResult per (table, run) looked at. Raises InvalidNameError for a run id
+    not of `store.layout.NAME_FORM`.
     """
     root = os.fspath(root)
+    if run_id is not None:
+        check_name("run_id", run_id)
     results = []
     for table in tables or TABLES:
         for run in ([run_id] if run_id else list_runs(root, table)):
@@ -211,12 +216,18 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
+def _tables(root: str | os.PathLike) -> list[str]:
+    """Table folders of a store (not `_quarantine`, `_locks`, nor a folder whose name is not a table's)."""
+    return [name for name in sorted(os.listdir(root))
+            if is_valid_name(name, "table") and os.path.isdir(os.path.join(root, name))]
+
+
 def run_last_write(root: str | os.PathLike, run_id: str) -> float:
     """Newest modification time of any file of a run, over all tables (0 if none)."""
     newest = 0.0
-    for table in os.listdir(root):
+    for table in _tables(root):
         folder = run_folder(root, table, run_id)
-        if table.startswith("_") or not os.path.isdir(folder):
+        if not os.path.isdir(folder):
             continue
         for entry in os.scandir(folder):
             newest = max(newest, entry.stat().st_mtime)
@@ -233,16 +244,15 @@ def prune(root: str | os.PathLike, older_than_s: float, dry_run: bool = False,
     """
     root = os.fspath(root)
     now = time.time() if now is None else now
-    runs = sorted({run for table in os.listdir(root) if not table.startswith(("_", "."))
-                   for run in list_runs(root, table)})
+    runs = sorted({run for table in _tables(root) for run in list_runs(root, table)})
     old = [run for run in runs if now - run_last_write(root, run) > older_than_s]
     if dry_run:
         return old
     trash = os.path.join(root, "_trash", uuid.uuid4().hex)
     for run in old:
-        for table in os.listdir(root):
+        for table in _tables(root):
             folder = run_folder(root, table, run)
-            if table.startswith("_") or not os.path.isdir(folder):
+            if not os.path.isdir(folder):
                 continue
             target = os.path.join(trash, table, os.path.basename(folder))
             os.makedirs(os.path.dirname(target), exist_ok=True)

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import re
 import time
 import uuid
+
+log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 # A temporary name does not end in .parquet either, so no engine's `*.parquet` glob reads a write in flight.
@@ -47,13 +51,58 @@ COMPACT_FILE_ROWS = 8 * 1024 * 1024
 COMPACT_ROW_GROUP_ROWS = 256 * 1024
 
 
+# Names that become parts of a path: a table, a run id. A run id can come from a data file (the
+# alerts runner reads it from `layer_steps`), so it is never trusted: no separator, no `..`, no
+# leading dot (hidden, `.tmp-` files), no `=` (hive partitioning), nothing a shell must quote.
+NAME_FORM = "1 to 128 characters of A-Za-z0-9 . _ -, not starting with a dot"
+_NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
+# A table is a folder beside the store's own (`_quarantine`, `_locks`, `_trash`), which start with `_`.
+TABLE_FORM = "1 to 64 characters of A-Za-z0-9 _ -, starting with a letter or digit"
+_TABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_PART = re.compile(r"part-[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}\.parquet")
+
+
+class InvalidNameError(ValueError):
+    """A run id, table, rank or file name that cannot be used in a store path; says the allowed form."""
+
+
+def is_valid_name(value: object, kind: str = "run_id") -> bool:
+    """Whether `value` may be a run id (kind "run_id") or a table name (kind "table") in a path."""
+    pattern = _TABLE if kind == "table" else _NAME
+    return isinstance(value, str) and pattern.fullmatch(value) is not None
+
+
+def check_name(kind: str, value: object) -> str:
+    """`value` if it may be a `kind` ("table" or "run_id") in a path; raises InvalidNameError otherwise."""
+    if not is_valid_name(value, kind):
+        form, example = (TABLE_FORM, "routes") if kind == "table" else (NAME_FORM, "20250101T120000-ab12cd34")
+        raise InvalidNameError(f"{kind} {value!r} cannot be used in a store path: use {form} (e.g. {example})")
+    return value  # type: ignore[return-value]
+
+
+def check_rank(rank: object) -> int:
+    """`rank` if it is a non-negative int; raises InvalidNameError otherwise."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise InvalidNameError(f"rank {rank!r} cannot be used in a file name: use a non-negative int")
+    return rank
+
+
+def check_part_name(name: object) -> str:
+    """`name` if it is a part file's base name (`part-....parquet`); raises InvalidNameError otherwise."""
+    if not isinstance(name, str) or _PART.fullmatch(name) is None:
+        raise InvalidNameError(f"file name {name!r} is not a part of the store: use part-<letters, digits, "
+                               f". _ ->.parquet, with no folder")
+    return name
+
+
 def run_folder(root: str | os.PathLike, table: str, run_id: str) -> str:
-    return os.path.join(os.fspath(root), table, f"run_id={run_id}")
+    """`<root>/<table>/run_id=<run_id>`; raises InvalidNameError for a table or run id not of NAME_FORM."""
+    return os.path.join(os.fspath(root), check_name("table", table), f"run_id={check_name('run_id', run_id)}")
 
 
 def part_name(rank: int, seq: int) -> str:
     """A file name no other writer can choose: rank, pid, sequence and the clock's nanoseconds."""
-    return f"part-{rank:05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**12:012d}.parquet"
+    return f"part-{check_rank(rank):05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**12:012d}.parquet"
 
 
 def tmp_path(final: str) -> str:
@@ -65,24 +114,35 @@ def compacted_name() -> str:
     return f"{COMPACTED_PREFIX}{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
 
 
-def run_id_of(path: str) -> str:
-    folder = os.path.basename(os.path.dirname(path))
-    return folder[len("run_id="):] if folder.startswith("run_id=") else ""
-
-
 def list_parts(root: str | os.PathLike, table: str, run_id: str | None = None) -> list[str]:
-    """Complete Parquet files of a table, live or replaced (writes in flight are not matched)."""
-    folder = f"run_id={glob.escape(run_id)}" if run_id is not None else "run_id=*"
-    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(root)), table, folder, "part-*.parquet")))
+    """Complete Parquet files of a table, live or replaced (writes in flight are not matched).
+
+    Raises InvalidNameError for a table or run id not of NAME_FORM; folders and files whose names
+    are not valid are left out (see `list_runs`).
+    """
+    if run_id is not None:
+        folders = [run_folder(root, table, run_id)]
+    else:
+        folders = [run_folder(root, table, run) for run in list_runs(root, table)]
+    return sorted(path for folder in folders for path in glob.glob(os.path.join(glob.escape(folder), "part-*.parquet"))
+                  if _PART.fullmatch(os.path.basename(path)))
 
 
 def list_runs(root: str | os.PathLike, table: str) -> list[str]:
-    base = os.path.join(os.fspath(root), table)
+    """Run ids with a folder in `table`; a folder whose run id is not of NAME_FORM is left out, with a warning."""
+    base = os.path.join(os.fspath(root), check_name("table", table))
     try:
         names = os.listdir(base)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(n[len("run_id="):] for n in names if n.startswith("run_id="))
+    runs = []
+    for name in sorted(n[len("run_id="):] for n in names if n.startswith("run_id=")):
+        if is_valid_name(name):
+            runs.append(name)
+        else:
+            log.warning("moescope store: skipping folder %r in %s: a run id must be %s", f"run_id={name}", base,
+                        NAME_FORM)
+    return runs
 
 
 def encode_replaces(names: list[str]) -> dict[bytes, bytes]:
@@ -90,9 +150,14 @@ def encode_replaces(names: list[str]) -> dict[bytes, bytes]:
 
 
 def decode_replaces(metadata: dict[bytes, bytes] | None) -> list[str]:
+    """The base names a compacted file replaces; raises InvalidNameError (a ValueError) for a name
+    that is not a part in the same folder: compaction deletes these files, so none may point elsewhere."""
     if not metadata or REPLACES_KEY not in metadata:
         return []
-    return list(json.loads(metadata[REPLACES_KEY]))
+    names = json.loads(metadata[REPLACES_KEY])
+    if not isinstance(names, list):
+        raise InvalidNameError(f"{REPLACES_KEY.decode()} must be a list of part names, not {names!r}")
+    return [check_part_name(name) for name in names]
 
 
 def tmp_files(root: str | os.PathLike) -> list[str]:

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from store.catalog import Catalog, FileInfo
 from store.errors import EmptyStoreError, QueryError, StoreError
+from store.layout import TABLE_FORM, is_valid_name
 from store.quarantine import QuarantinedFile, deep_check, quarantine, quarantined
 from store.queries import StoreQueries
 from store.schema import SCHEMAS
@@ -80,9 +81,13 @@ class Store(StoreQueries):
         """Tables of the schema, plus any other table folder another component wrote."""
         extra = []
         for name in sorted(os.listdir(self.root)):
-            if name not in SCHEMAS and not name.startswith(("_", ".")) and os.path.isdir(
-                    os.path.join(self.root, name)):
+            if name in SCHEMAS or name.startswith(("_", ".")) or not os.path.isdir(os.path.join(self.root, name)):
+                continue
+            if is_valid_name(name, "table"):
                 extra.append(name)
+            else:
+                log.warning("moescope store: skipping folder %r in %s: a table name must be %s", name, self.root,
+                            TABLE_FORM)
         return list(SCHEMAS) + extra
 
     def refresh(self) -> None:

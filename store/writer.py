@@ -29,6 +29,8 @@ from store.layout import (
     COMPRESSION,
     DICTIONARY_COLUMNS,
     WRITER_ROW_GROUP_ROWS,
+    check_part_name,
+    check_rank,
     part_name,
     run_folder,
     tmp_path,
@@ -208,11 +210,13 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
 
     The rows go to a temporary name, are fsynced, and the file is renamed into place: readers
     and crashes see the whole file or nothing. Raises OSError (disk full, permissions) after
-    removing the temporary file.
+    removing the temporary file, InvalidNameError (a ValueError) for a table, run id, rank or name
+    that cannot be part of a path (see `store.layout.NAME_FORM`), before anything is written.
     """
     folder = run_folder(root, table, run_id)
+    name = check_part_name(name) if name is not None else part_name(rank, seq)
+    check_rank(rank)
     os.makedirs(folder, exist_ok=True)
-    name = name or part_name(rank, seq)
     final = os.path.join(folder, name)
     tmp = tmp_path(final)
     if metadata:

@@ -20,9 +20,9 @@ def run_info(run_id: str, layers: int = 3, experts: int = 6, top_k: int = 2, ran
              world_size: int = 1, tags: dict | None = None) -> RunInfo:
     return RunInfo(run_id=run_id, started_at=dt.datetime.now(dt.timezone.utc), model_class="Synthetic",
                    total_params=1000, routed_expert_params=600, tags=dict(tags or {}), rank=rank,
-                   world_size=world_size, layers=tuple(LayerInfo(layer=i, module=f"layers.{i}.moe", family="synthetic",
-                                                                 num_experts=experts, top_k=top_k, params_per_expert=100)
-                                                       for i in range(layers)))
+                   world_size=world_size,
+                   layers=tuple(LayerInfo(layer=i, module=f"layers.{i}.moe", family="synthetic", num_experts=experts,
+                                          top_k=top_k, params_per_expert=100) for i in range(layers)))
 
 
 def make_record(run_id: str, step: int, rng: np.random.Generator, layers: int = 3, experts: int = 6,

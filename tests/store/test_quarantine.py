@@ -63,7 +63,8 @@ def test_damage_inside_a_file_is_found_when_a_query_trips_on_it(store_root):
     os.replace(tmp, victim)
     store.refresh()
     with pytest.warns(BadFileWarning, match="unreadable data"):
-        n = int(store.sql("SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes").n[0])
+        query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
+        n = int(store.sql(query).n[0])
     assert n == good_rows
     assert [q.original_path for q in store.quarantined()] == [str(victim)]
     other = Store(store_root)  # a fresh reader does not trip on it again

@@ -23,8 +23,8 @@ def written(tmp_path_factory):
             exporter = ParquetExporter(root, run_info(run_id, LAYERS, EXPERTS, rank=rank, world_size=len(ranks),
                                                       tags={"model": run_id}), max_rows=40)
             for step in range(STEPS):
-                record = make_record(run_id, step, rng, LAYERS, EXPERTS, tags={"split": "train" if step % 3 else "eval"},
-                                     skew=skew)
+                record = make_record(run_id, step, rng, LAYERS, EXPERTS,
+                                     tags={"split": "train" if step % 3 else "eval"}, skew=skew)
                 exporter.export([record])
                 records[run_id].append((rank, record))
             exporter.shutdown()
@@ -101,7 +101,8 @@ def test_load_windows_and_drift(written):
     assert len(windows) == LAYERS * 3
     drift = store.drift_windows("b", 4, baseline_run="a")
     for row in drift.itertuples():
-        np.testing.assert_array_equal(row.baseline_load, sum(ls.expert_load for _, _, ls in _rows(records, "a", row.layer)))
+        baseline = sum(ls.expert_load for _, _, ls in _rows(records, "a", row.layer))
+        np.testing.assert_array_equal(row.baseline_load, baseline)
     own = store.drift_windows("b", 4)
     first = sum(ls.expert_load for _, _, ls in _rows(records, "b", 0, 0, 4))
     for row in own[own.layer == 0].itertuples():
@@ -134,7 +135,8 @@ def test_tag_breakdown(written):
         picked = list(_rows(records, "a", row.layer, tags={"split": row.tag_value}))
         tokens = sum(ls.tokens for _, _, ls in picked)
         assert row.tokens == tokens
-        assert row.router_entropy_mean == pytest.approx(sum(ls.router_entropy_mean * ls.tokens for _, _, ls in picked) / tokens)
+        entropy = sum(ls.router_entropy_mean * ls.tokens for _, _, ls in picked) / tokens
+        assert row.router_entropy_mean == pytest.approx(entropy)
         load = sum(ls.expert_load for _, _, ls in picked)
         p = load[load > 0] / load.sum()
         assert row.load_entropy == pytest.approx(-(p * np.log(p)).sum())

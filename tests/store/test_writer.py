@@ -71,7 +71,8 @@ def test_drop_policy_never_waits_and_counts_every_row(tmp_path):
         dropped = int(stats[stats.table_name == table].dropped_rows.sum())
         assert dropped > 0
         assert _written(store, table) + dropped == emitted, table
-        assert int(stats[(stats.table_name == table) & stats.reason.isna()].written_rows.iloc[0]) == _written(store, table)
+        written_row = stats[(stats.table_name == table) & stats.reason.isna()]
+        assert int(written_row.written_rows.iloc[0]) == _written(store, table)
     steps = stats[(stats.table_name == "steps") & (stats.reason == "queue_full")]
     assert int(steps.dropped_records.iloc[0]) == processor.dropped_records["queue_full"]
 
