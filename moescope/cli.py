@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
-SUBCOMMAND_MODULES = ("moescope.commands", "store.cli", "alerts.cli", "dashboard.cli")
+SUBCOMMAND_MODULES = ("moescope.commands", "store.cli", "store.importers.cli", "alerts.cli", "dashboard.cli")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.

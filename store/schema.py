@@ -19,6 +19,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("run_id", pa.string()), ("started_at", TS), ("model_class", pa.string()),
         ("total_params", pa.int64()), ("routed_expert_params", pa.int64()), ("tags", TAGS),
         ("rank", pa.int32()), ("world_size", pa.int32()),
+        # what recorded the run: "probe", or the engine an importer read ("vllm", "sglang", ...);
+        # null in stores written before the column existed, which only the probe wrote
+        ("source", pa.string()),
     ]),
     "layers": pa.schema([
         ("run_id", pa.string()), ("layer", pa.int32()), ("module", pa.string()), ("family", pa.string()),
@@ -30,6 +33,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("tokens", pa.int64()), ("batch_size", pa.int32()), ("seq_len", pa.int32()),
         ("active_params", pa.float64()), ("total_params", pa.int64()),
         ("active_param_fraction", pa.float64()), ("tags", TAGS), ("rank", pa.int32()),
+        # a row covers the forwards step..step_end (a window; one forward when forwards = 1)
+        ("step_end", pa.int64()), ("forwards", pa.int64()),
     ]),
     "layer_steps": pa.schema([
         ("run_id", pa.string()), ("step", pa.int64()), ("ts", TS), ("layer", pa.int32()),
@@ -40,6 +45,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("dropped_tokens", pa.int64()), ("dropped_assignments", pa.int64()), ("capacity", pa.int64()),
         ("capacity_use", pa.float64()), ("active_params_per_token", pa.float64()),
         ("coselection", pa.list_(pa.int64())), ("tags", TAGS), ("rank", pa.int32()),
+        ("step_end", pa.int64()), ("forwards", pa.int64()),
     ]),
     "routes": pa.schema([
         ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
@@ -111,7 +117,7 @@ def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
 def run_table(run: RunInfo) -> pa.Table:
     row = dict(run_id=run.run_id, started_at=run.started_at, model_class=run.model_class,
                total_params=run.total_params, routed_expert_params=run.routed_expert_params,
-               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size)
+               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size, source="probe")
     return pa.Table.from_pylist([row], schema=SCHEMAS["runs"])
 
 
@@ -131,6 +137,7 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
         tokens=record.tokens, batch_size=record.batch_size, seq_len=record.seq_len,
         active_params=record.active_params, total_params=record.total_params,
         active_param_fraction=record.active_param_fraction, tags=list(record.tags.items()), rank=rank,
+        step_end=record.step_end, forwards=record.forwards,
     )], schema=SCHEMAS["steps"])
     if record.layers:
         out["layer_steps"] = pa.Table.from_pylist([dict(
@@ -142,7 +149,7 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             dropped_assignments=ls.dropped_assignments, capacity=ls.capacity, capacity_use=ls.capacity_use,
             active_params_per_token=ls.active_params_per_token,
             coselection=None if ls.coselection is None else ls.coselection.reshape(-1).tolist(),
-            tags=list(record.tags.items()), rank=rank,
+            tags=list(record.tags.items()), rank=rank, step_end=record.step_end, forwards=ls.forwards,
         ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
     routes = [(record.step, ls.layer, record.tags, ls.routes) for ls in record.layers if ls.routes is not None]
     if routes:
@@ -173,6 +180,9 @@ def routes_table(run_id: str, rank: int, pieces: list[tuple[int, int, dict[str, 
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     token = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+    if any(p[3].token is not None for p in pieces):  # a window's pieces span several forwards
+        token = np.concatenate([p[3].token if p[3].token is not None else np.arange(len(p[3].expert_ids))
+                                for p in pieces]).astype(np.int32, copy=False)
     widths = np.repeat(np.array([p[3].expert_ids.shape[1] for p in pieces], dtype=np.int32), counts)
     offsets = np.zeros(total + 1, dtype=np.int32)
     np.cumsum(widths, out=offsets[1:])
@@ -194,7 +204,8 @@ def routes_table(run_id: str, rank: int, pieces: list[tuple[int, int, dict[str, 
     tags = pa.array([list(t) for t in tag_sets], type=TAGS).take(pa.array(tag_index))
     return pa.Table.from_arrays([
         pa.repeat(pa.scalar(run_id, pa.string()), total),
-        pa.array(np.repeat(np.array([p[0] for p in pieces], dtype=np.int64), counts)),
+        pa.array(np.concatenate([p[3].step if p[3].step is not None else np.full(len(p[3].expert_ids), p[0])
+                                 for p in pieces]).astype(np.int64, copy=False)),
         pa.array(np.repeat(np.array([p[1] for p in pieces], dtype=np.int32), counts)),
         pa.array(token),
         pa.array(np.concatenate([p[3].sequence for p in pieces]).astype(np.int32, copy=False)),
@@ -213,7 +224,8 @@ def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str
     token_ids = (pa.array(sample.token_ids, pa.int64()) if sample.token_ids is not None
                  else pa.nulls(n, pa.int64()))
     arrays = {
-        "run_id": _const(record.run_id, n, pa.string()), "step": _const(record.step, n, pa.int64()),
+        "run_id": _const(record.run_id, n, pa.string()),
+        "step": (pa.array(sample.step, pa.int64()) if sample.step is not None else _const(record.step, n, pa.int64())),
         "layer": _const(layer, n, pa.int32()), "token": pa.array(sample.token, pa.int32()),
         "token_id": token_ids, "top1_expert": pa.array(sample.top1_expert, pa.int32()),
         column: _lists(sample.values.astype(np.float32), pa.float32()),

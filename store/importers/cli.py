@@ -1,0 +1,103 @@
+"""`moescope import` and `moescope proxy`: engines' routing into a store, from files or live.
+
+`moescope/cli.py` calls `add_subcommands(subparsers)`; each subcommand sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+IMPORT_HELP = """\
+Bring an engine's routing into a store, as a new run the dashboard, rules and queries read like
+a probed one. Every file is checked before anything is written.
+
+  vllm      responses of a server started with --enable-return-routed-experts (JSON, JSON Lines,
+            streamed chunks), or CompletionOutput.routed_experts saved as .npy (or base64 of it)
+  sglang    expert_distribution_recorder_*.pt dumps (stat, per_pass, per_token), the legacy CSV,
+            or /generate responses with meta_info.routed_experts (needs --num-layers, --top-k)
+  trtllm    the EXPERT_STATISTIC_PATH folder (meta_info.json, rank*.safetensors)
+  megatron  the --moe-routing-trace-path folder or its router_trace_rank*.jsonl files
+
+Router logits, entropy, gate weights, drops and parameter counts are not in these files: they
+are left empty and the dashboard says "not recorded by this source".
+
+example:  moescope import vllm responses.jsonl --store runs/ --tag router=v2
+          moescope import sglang dumps/*.pt --store runs/ --top-k 8
+          moescope import trtllm expert_statistic/ --store runs/
+"""
+
+PROXY_HELP = """\
+Record the routed experts a vLLM or SGLang server returns, per request, while forwarding
+requests and responses unchanged (streaming included). Requests carrying x-router-version or
+x-moescope-tag-<key> headers are tagged with them, so the compare page can set router v1 against
+v2. Writing happens on a background thread with a bounded queue: a full queue drops and counts a
+record, never delays a response. Listens on 127.0.0.1 unless told otherwise.
+
+example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-experts 64
+          then send requests to http://127.0.0.1:8100 instead of :8000
+"""
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register import and proxy on the moescope command's subparsers."""
+    from store.importers import KINDS
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser("import", help="bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store",
+                              description=IMPORT_HELP, formatter_class=raw)
+    p.add_argument("kind", choices=KINDS, help="which engine wrote the files")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to read")
+    p.add_argument("--store", required=True, help="the store folder to write the run into")
+    p.add_argument("--run-id", help="id of the new run (default: time, source and a random suffix)")
+    p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
+    p.add_argument("--num-experts", type=int, help="routed experts per layer (default: from the files, else the "
+                                                   "largest id seen + 1)")
+    p.add_argument("--top-k", type=int, help="experts per token; needed where the files only count slots")
+    p.add_argument("--num-layers", type=int, help="layers in SGLang's flat meta_info.routed_experts")
+    p.add_argument("--model", help="model name shown for the run (default: from the files)")
+    p.add_argument("--in-order", action="store_true",
+                   help="SGLang stat dumps: the buffer was unbounded (size -1), so a full buffer is still in order")
+    p.set_defaults(func=_import)
+
+    p = subparsers.add_parser("proxy", help="record routed experts in front of a vLLM or SGLang server",
+                              description=PROXY_HELP, formatter_class=raw)
+    p.add_argument("--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--store", required=True, help="the store folder to write the run into")
+    p.add_argument("--listen", default="127.0.0.1:8100", help="address to listen on (default 127.0.0.1:8100)")
+    p.add_argument("--num-experts", type=int, required=True, help="routed experts per MoE layer of the model")
+    p.add_argument("--num-layers", type=int, help="SGLang: layers in meta_info.routed_experts")
+    p.add_argument("--top-k", type=int, help="SGLang: experts per token in meta_info.routed_experts")
+    p.add_argument("--run-id", help="id of the new run (default: time, source and a random suffix)")
+    p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
+    p.add_argument("--max-queue", type=int, default=1024, help="responses waiting to be recorded before new ones "
+                                                              "are dropped and counted (default 1024)")
+    p.set_defaults(func=_proxy)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from store.importers import import_files
+    from store.importers.tables import parse_tags
+
+    summary = import_files(args.kind, args.paths, args.store, run_id=args.run_id, tags=parse_tags(args.tag),
+                           num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
+                           model=args.model, in_order=args.in_order)
+    print(summary.report())
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from store.importers.tables import parse_tags
+    from store.proxy import RoutingProxy, parse_listen
+
+    host, port = parse_listen(args.listen)
+    proxy = RoutingProxy(args.upstream, args.store, num_experts=args.num_experts, host=host, port=port,
+                         run_id=args.run_id, tags=parse_tags(args.tag), num_layers=args.num_layers,
+                         top_k=args.top_k, max_queue=args.max_queue)
+    print(f"moescope proxy: http://{proxy.host}:{proxy.port} -> {proxy.upstream_url}, recording run "
+          f"{proxy.recorder.spec.run_id} into {args.store}", flush=True)
+    try:
+        proxy.serve_forever()
+    finally:
+        proxy.shutdown()
+        print(proxy.recorder.report(), flush=True)
+    return 0

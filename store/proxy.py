@@ -1,0 +1,503 @@
+"""`moescope proxy`: record the routed experts a vLLM or SGLang server returns, live, per request.
+
+The proxy sits in front of an OpenAI-compatible server and forwards every request and response
+unchanged: status, headers and body, streamed chunk by chunk (server-sent events included) and
+flushed as they arrive. On the side it keeps a copy of each successful response body and hands it
+to a `RoutingRecorder`, whose one worker thread parses the routed experts out of it
+(`store.importers.responses`) and writes a step per request through the store's atomic writer.
+
+Three layers with one job each, as in the probe: the request thread only hands a captured body
+over (`RoutingRecorder.submit`, never blocking: a full queue drops the record and counts it); the
+worker owns parsing and buffering; `store.importers.tables` owns the rows. A response without a
+routing field is counted, not fatal. Request headers become step tags: `x-router-version: v2`
+becomes `router_version=v2`, `x-moescope-tag-<key>: <value>` becomes `<key>=<value>`. Counts of
+recorded and dropped responses go to `probe_stats` (table_name "steps"), like the probe's own.
+
+Listens on 127.0.0.1 unless told otherwise; the upstream must be http:// (a proxy on the same
+host or network as the engine).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.client
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+
+from store.importers.responses import (
+    is_sglang,
+    is_vllm,
+    merge_vllm_stream,
+    sequences_step,
+    sglang_sequences,
+    vllm_sequences,
+)
+from store.importers.tables import (
+    LayerShape,
+    RunSpec,
+    SourceFormatError,
+    SourceStep,
+    build_step_tables,
+    check_name,
+    check_new_run,
+    check_tags,
+    new_run_id,
+    run_tables,
+    write_tables,
+)
+from store.schema import SCHEMAS
+from store.writer import write_table_file
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "trailers", "transfer-encoding", "upgrade", "proxy-connection"}
+TAG_HEADER_PREFIX = "x-moescope-tag-"
+ROUTER_VERSION_HEADER = "x-router-version"
+MAX_CAPTURE_BYTES = 64 * 1024 * 1024  # a response larger than this is forwarded but not recorded
+READ_CHUNK = 64 * 1024
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' (or ':PORT', meaning 127.0.0.1) as (host, port); raises ValueError."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen {listen!r}: write it as HOST:PORT, e.g. 127.0.0.1:8100")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def request_tags(headers) -> dict[str, str]:
+    """Step tags from request headers; a header that makes no valid tag is ignored."""
+    tags = {}
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower == ROUTER_VERSION_HEADER:
+            tags["router_version"] = value.strip()
+        elif lower.startswith(TAG_HEADER_PREFIX) and len(lower) > len(TAG_HEADER_PREFIX):
+            tags[lower[len(TAG_HEADER_PREFIX):]] = value.strip()
+    valid = {}
+    for key, value in tags.items():
+        try:
+            valid.update(check_tags({key: value}))
+        except ValueError:
+            log.debug("moescope proxy: ignoring tag header %s", key)
+    return valid
+
+
+@dataclass
+class Captured:
+    """One response as the request thread handed it over."""
+
+    body: bytes
+    content_type: str
+    tags: dict[str, str]
+    ts: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+
+
+def sse_events(body: bytes) -> list:
+    """The JSON payloads of a server-sent event stream, `[DONE]` left out."""
+    events, data = [], []
+    for line in body.decode("utf-8", errors="replace").splitlines() + [""]:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+        elif not line.strip() and data:
+            payload = "\n".join(data).strip()
+            data = []
+            if payload and payload != "[DONE]":
+                events.append(json.loads(payload))
+    return events
+
+
+class RoutingRecorder:
+    """A bounded queue and one worker that turns captured responses into steps of one run.
+
+    `submit` never blocks and never raises. Steps are buffered and written every
+    `flush_interval_s` or `max_steps`, whichever comes first; `shutdown()` drains the queue, writes
+    what is left and the counters, and is safe to call twice.
+    """
+
+    def __init__(self, root: str | os.PathLike, num_experts: int, run_id: str | None = None,
+                 tags: dict[str, str] | None = None, num_layers: int | None = None, top_k: int | None = None,
+                 max_queue: int = 1024, flush_interval_s: float = 2.0, max_steps: int = 256,
+                 model: str = "served model"):
+        if num_experts < 1:
+            raise ValueError(f"--num-experts must be positive, not {num_experts}")
+        self.root = os.fspath(root)
+        self.num_experts = num_experts
+        self.num_layers, self.top_k = num_layers, top_k
+        run_id = check_name(run_id, "run id") if run_id else new_run_id("proxy")
+        check_new_run(self.root, run_id)
+        self.spec = RunSpec(run_id=run_id, source="proxy", model=model, tags=check_tags(dict(tags or {})),
+                            started_at=dt.datetime.now(dt.timezone.utc))
+        self.flush_interval_s, self.max_steps = flush_interval_s, max_steps
+        self.counts: Counter[str] = Counter()  # recorded, and each reason a response was not recorded
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._shapes: dict[int, LayerShape] = {}
+        self._pending: list[SourceStep] = []
+        self._next_step = 0
+        self._seq = 0
+        self._stats_written: tuple = ()
+        self._closed = False
+        self._write(run_tables(self.spec, {}, [0]))
+        self._worker = threading.Thread(target=self._run, name="moescope-proxy-recorder", daemon=True)
+        self._worker.start()
+
+    # -- the request thread's side -------------------------------------------------------------
+
+    def submit(self, captured: Captured) -> None:
+        """Hand a response over; never blocks, never raises (a full queue drops and counts it)."""
+        try:
+            if self._closed:
+                self._count("closed")
+            else:
+                self._queue.put_nowait(captured)
+        except queue.Full:
+            self._count("queue_full")
+        except Exception:  # noqa: BLE001 - the response path must never fail because of recording
+            self._count("error")
+
+    def count(self, reason: str) -> None:
+        """Count a response that was not handed over (too large, upstream error, ...)."""
+        self._count(reason)
+
+    def _count(self, reason: str) -> None:
+        with self._lock:
+            self.counts[reason] += 1
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            timeout = max(0.0, self.flush_interval_s - (time.monotonic() - last_flush))
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._flush()
+                return
+            if isinstance(item, threading.Event):
+                self._flush()
+                item.set()
+                last_flush = time.monotonic()
+                continue
+            if item is not None:
+                self._record(item)
+            if len(self._pending) >= self.max_steps or time.monotonic() - last_flush >= self.flush_interval_s:
+                self._flush()
+                last_flush = time.monotonic()
+
+    def _record(self, captured: Captured) -> None:
+        try:
+            sequences = self._sequences(captured)
+            if sequences is None:
+                self._count("no_routing")
+                return
+            step, _ = sequences_step(sequences, self._next_step, captured.ts, "response", tags=captured.tags)
+            self._check(step)
+        except (SourceFormatError, ValueError) as e:  # json errors are ValueErrors too
+            log.warning("moescope proxy: a response's routing could not be read: %s", e)
+            self._count("bad_routing")
+            return
+        self._next_step += 1
+        self._pending.append(step)
+        self._count("recorded")
+
+    def _sequences(self, captured: Captured):
+        if "text/event-stream" in captured.content_type:
+            bodies, stream = sse_events(captured.body), True
+        else:
+            value = json.loads(captured.body)
+            bodies, stream = (value if isinstance(value, list) else [value]), False
+        if any(is_vllm(b) for b in bodies):
+            body = bodies[0] if len(bodies) == 1 and not stream else merge_vllm_stream(bodies, "response")
+            return vllm_sequences(body, "response")
+        if any(is_sglang(b) for b in bodies):
+            return sglang_sequences(bodies, self.num_layers, self.top_k, "response", stream=stream)
+        return None
+
+    def _check(self, step: SourceStep) -> None:
+        for layer, routes in step.routes.items():
+            k = routes.expert_ids.shape[1]
+            known = self._shapes.get(layer)
+            if known is not None and known.top_k != k:
+                raise SourceFormatError(f"layer {layer} routes {k} experts per token, earlier responses {known.top_k}")
+            if len(routes.expert_ids) and int(routes.expert_ids.max()) >= self.num_experts:
+                raise SourceFormatError(f"layer {layer} routes to expert {int(routes.expert_ids.max())}, outside "
+                                        f"--num-experts {self.num_experts}")
+
+    def _flush(self) -> None:
+        steps, self._pending = self._pending, []
+        if steps:
+            new = {layer: LayerShape(self.num_experts, s.routes[layer].expert_ids.shape[1])
+                   for s in steps for layer in s.routes if layer not in self._shapes}
+            self._shapes.update(new)
+            tables = build_step_tables(steps, self.spec, self._shapes)
+            if new:
+                tables["layers"] = run_tables(self.spec, new, [0])["layers"]
+            try:
+                self._write(tables)
+            except OSError as e:
+                log.error("moescope proxy: writing %d steps to %s failed: %s", len(steps), self.root, e)
+                with self._lock:
+                    self.counts["recorded"] -= len(steps)
+                    self.counts["write_failed"] += len(steps)
+        self._write_stats()
+
+    def _write(self, tables: dict[str, pa.Table]) -> None:
+        write_tables(self.root, self.spec.run_id, tables, seq=self._seq)
+        self._seq += len(tables)
+
+    def _write_stats(self) -> None:
+        with self._lock:
+            counts = dict(self.counts)
+        snapshot = tuple(sorted(counts.items()))
+        if snapshot == self._stats_written:
+            return
+        now, base = dt.datetime.now(dt.timezone.utc), dict(run_id=self.spec.run_id, table_name="steps", rank=0,
+                                                           pid=os.getpid())
+        rows = [dict(base, ts=now, written_rows=counts.get("recorded", 0), dropped_rows=0, dropped_records=0,
+                     reason=None)]
+        rows += [dict(base, ts=now, written_rows=0, dropped_rows=n, dropped_records=n, reason=reason)
+                 for reason, n in sorted(counts.items()) if reason != "recorded" and n]
+        try:
+            write_table_file(self.root, "probe_stats", self.spec.run_id,
+                             pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]), seq=self._seq)
+            self._seq += 1
+            self._stats_written = snapshot
+        except OSError as e:
+            log.error("moescope proxy: writing its counters to %s failed: %s", self.root, e)
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Record everything submitted so far and write it; False on timeout."""
+        if self._closed:
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Drain the queue, write what is left and the counters; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._worker.join(timeout_s)
+
+    def report(self) -> str:
+        with self._lock:
+            counts = dict(self.counts)
+        others = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()) if reason != "recorded" and n)
+        return (f"moescope proxy: recorded {counts.get('recorded', 0)} responses into run {self.spec.run_id}"
+                + (f"; not recorded: {others}" if others else ""))
+
+
+_STOP = object()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Forwards one client connection's requests; one instance per connection (keep-alive reuses it)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server: _ProxyServer
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        log.debug("moescope proxy: " + format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._forward()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_HEAD = do_GET
+
+    def _request_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return b"".join(parts)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _upstream_headers(self, body: bytes) -> dict[str, str]:
+        named = {h.strip().lower() for h in self.headers.get("Connection", "").split(",")}
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in HOP_BY_HOP | named | {"host", "content-length", "expect"}}
+        headers["Host"] = self.server.upstream_host
+        if body or self.command in ("POST", "PUT", "PATCH"):
+            headers["Content-Length"] = str(len(body))
+        return headers
+
+    def _send_upstream(self, body: bytes) -> http.client.HTTPResponse:
+        headers = self._upstream_headers(body)
+        path = self.server.upstream_path + self.path
+        for attempt in (0, 1):
+            conn = getattr(self, "_upstream", None)
+            fresh = conn is None
+            if fresh:
+                conn = self._upstream = http.client.HTTPConnection(self.server.upstream_hostname,
+                                                                   self.server.upstream_port,
+                                                                   timeout=self.server.upstream_timeout_s)
+            try:
+                conn.request(self.command, path, body=body or None, headers=headers)
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                conn.close()
+                self._upstream = None
+                if fresh or attempt:  # a kept-alive connection the upstream closed: retry once on a new one
+                    raise OSError(str(e)) from e
+        raise AssertionError("unreachable")
+
+    def _forward(self) -> None:
+        recorder = self.server.recorder
+        body = self._request_body()
+        tags = request_tags(self.headers)
+        try:
+            response = self._send_upstream(body)
+        except (OSError, http.client.HTTPException) as e:
+            self._upstream = None
+            recorder.count("upstream_unreachable")
+            message = json.dumps({"error": {"message": f"moescope proxy: the upstream {self.server.upstream_url} "
+                                                       f"did not answer: {e}", "type": "bad_gateway"}}).encode()
+            self.send_response(502)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(message)))
+            self.end_headers()
+            self.wfile.write(message)
+            return
+        capture = (self.command == "POST" and 200 <= response.status < 300)
+        content_type = response.getheader("Content-Type", "")
+        if capture and "json" not in content_type and "event-stream" not in content_type:
+            capture = False
+        if self.command == "POST" and response.status >= 300:
+            recorder.count(f"upstream_status_{response.status // 100}xx")
+        kept, size, complete = [], 0, False
+        try:
+            self.send_response_only(response.status, response.reason)
+            for name, value in response.getheaders():
+                if name.lower() not in HOP_BY_HOP:
+                    self.send_header(name, value)
+            has_body = self.command != "HEAD" and response.status not in (204, 304) and response.status >= 200
+            chunked = has_body and response.getheader("Content-Length") is None
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            if response.will_close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            while has_body:
+                piece = response.read1(READ_CHUNK) if chunked else response.read(READ_CHUNK)
+                if not piece:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                if capture:
+                    size += len(piece)
+                    if size <= MAX_CAPTURE_BYTES:
+                        kept.append(piece)
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
+            complete = True
+        except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:  # the client went away, or stalled
+            log.debug("moescope proxy: client connection ended mid-response: %s", e)
+            self.close_connection = True
+            if capture:
+                recorder.count("client_disconnected")
+        finally:
+            if not complete or response.will_close:
+                response.close()
+                if getattr(self, "_upstream", None) is not None:
+                    self._upstream.close()
+                    self._upstream = None
+        if capture and complete:
+            if size > MAX_CAPTURE_BYTES:
+                recorder.count("too_large")
+            else:
+                recorder.submit(Captured(b"".join(kept), content_type, tags))
+
+    def finish(self) -> None:
+        super().finish()
+        if getattr(self, "_upstream", None) is not None:
+            self._upstream.close()
+
+
+class _ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    recorder: RoutingRecorder
+    upstream_url: str
+    upstream_host: str
+    upstream_hostname: str
+    upstream_port: int
+    upstream_path: str
+    upstream_timeout_s: float
+
+
+class RoutingProxy:
+    """The proxy: a threading HTTP server forwarding to `upstream`, and its recorder.
+
+    `start()` serves on a background thread (tests, embedding); `serve_forever()` in the caller's.
+    `port=0` picks a free port (see `.port`). Raises ValueError for an upstream that is not
+    http://HOST[:PORT], or a run id the store already has.
+    """
+
+    def __init__(self, upstream: str, store: str | os.PathLike, num_experts: int, host: str = "127.0.0.1",
+                 port: int = 8100, run_id: str | None = None, tags: dict[str, str] | None = None,
+                 num_layers: int | None = None, top_k: int | None = None, max_queue: int = 1024,
+                 flush_interval_s: float = 2.0, upstream_timeout_s: float = 600.0):
+        parts = urlsplit(upstream)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"--upstream {upstream!r}: give the engine's base URL as http://HOST:PORT")
+        self.upstream_url = upstream.rstrip("/")
+        self.recorder = RoutingRecorder(store, num_experts, run_id=run_id, tags=tags, num_layers=num_layers,
+                                        top_k=top_k, max_queue=max_queue, flush_interval_s=flush_interval_s)
+        self.server = _ProxyServer((host, port), _Handler)
+        self.server.recorder = self.recorder
+        self.server.upstream_url = self.upstream_url
+        self.server.upstream_hostname = parts.hostname
+        self.server.upstream_port = parts.port or 80
+        self.server.upstream_host = parts.netloc
+        self.server.upstream_path = parts.path.rstrip("/")
+        self.server.upstream_timeout_s = upstream_timeout_s
+        self.host, self.port = self.server.server_address[:2]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> RoutingProxy:
+        self._thread = threading.Thread(target=self.server.serve_forever, name="moescope-proxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def shutdown(self) -> None:
+        """Stop serving, then drain and write what was captured; safe to call twice."""
+        if self._thread is not None:
+            self.server.shutdown()
+            self._thread.join(10)
+            self._thread = None
+        self.server.server_close()
+        self.recorder.shutdown()
+
+    def __enter__(self) -> RoutingProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
