@@ -149,28 +149,37 @@ class _Fingerprint:
 
 
 class HealthSampler:
-    """Samples expert outputs and re-checks weight fingerprints at recorded forwards.
+    """Samples expert outputs and re-checks weight fingerprints, at every `sample_every`-th forward.
 
-    `install(active)` hooks the routers; `active()` says whether the current forward is being
-    recorded. `take(layer)` hands the forward's device tensors over for packing (and forgets
-    them); `fields(got, num_experts)` turns their host copies into `LayerStep` keyword arguments.
+    `install(active)` hooks the routers; `active()` says whether the current forward is recorded.
+    At a sampling forward each hooked layer adds its measurements into its row of the probe's
+    device buffer (`bind`); a window's record carries their sums. The token and expert choices
+    are made on the device from a device visit counter (no host sync, replays under CUDA graphs).
+    `sample(layer, hidden)` returns one layer's measurements as named device tensors.
     """
 
     def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = 1,
-                 weight_every: int = 32, seed: int = 0, on_error: Callable[[], None] | None = None):
+                 weight_every: int = 32, sample_every: int = 4, seed: int = 0,
+                 on_error: Callable[[], None] | None = None):
         if tokens_per_expert < 1:
             raise ValueError("tokens_per_expert must be at least 1")
         if weight_every < 1:
-            raise ValueError("weight_every must be at least 1 (recorded forwards between weight checks)")
+            raise ValueError("weight_every must be at least 1 (sampled forwards between weight checks)")
+        if sample_every < 1:
+            raise ValueError("sample_every must be at least 1 (forwards between health samples)")
         self.layers = [layer for layer in layers if layer.experts is not None]
         self.tokens_per_expert = tokens_per_expert
         self.experts_per_forward = experts_per_forward
         self.weight_every = weight_every
+        self.sample_every = sample_every
         self.on_error = on_error
         self.seed = seed
-        self._device_generators: dict[str, torch.Generator] = {}
-        self._forwards: dict[int, int] = {layer.index: 0 for layer in self.layers}
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.now = False  # this forward samples (decided on the host before the forward)
+        self.weights_now = False  # this forward also re-checks weight fingerprints
+        self._forwards = 0
+        self._samples = 0
+        self._visits: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, tuple[torch.Tensor, Any]] = {}
         self.fingerprints = {layer.index: _Fingerprint(layer, seed + layer.index) for layer in self.layers}
 
     def refingerprint(self, layer: int | None = None) -> None:
@@ -179,15 +188,27 @@ class HealthSampler:
             if layer is None or moe.index == layer:
                 self.fingerprints[moe.index] = _Fingerprint(moe, self.seed + moe.index)
 
+    def bind(self, rows: dict[int, tuple[torch.Tensor, Any]]) -> None:
+        """Where each layer accumulates: layer -> (its row of the device buffer, its Columns)."""
+        self._rows = rows
+
+    def begin_forward(self) -> None:
+        """Host side, before a forward: decide whether it samples, and whether weights are checked."""
+        self.now = self._forwards % self.sample_every == 0
+        self.weights_now = self.now and self._samples % self.weight_every == 0
+        self._forwards += 1
+        if self.now:
+            self._samples += 1
+
     def install(self, active: Callable[[], bool]) -> list[torch.utils.hooks.RemovableHandle]:
         return [layer.router.register_forward_hook(self._hook(layer, active)) for layer in self.layers]
 
     def _hook(self, layer: MoELayer, active: Callable[[], bool]) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not active() or not args or not isinstance(args[0], torch.Tensor):
+            if not self.now or not active() or not args or not isinstance(args[0], torch.Tensor):
                 return
             try:
-                self._pending[layer.index] = self.sample(layer, args[0])
+                self.accumulate(layer, self.sample(layer, args[0], weights=self.weights_now))
             except Exception:
                 if self.on_error is not None:
                     self.on_error()
@@ -195,32 +216,56 @@ class HealthSampler:
                     raise
         return hook
 
-    def _experts_now(self, layer: MoELayer, visit: int) -> torch.Tensor:
-        count = layer.num_experts
-        per = count if dispatch_style(layer) == "dense" else min(self.experts_per_forward or count, count)
-        start = (visit * per) % count
-        return (torch.arange(per) + start) % count
+    @torch.no_grad()
+    def accumulate(self, layer: MoELayer, measured: dict[str, torch.Tensor]) -> None:
+        if layer.index not in self._rows:
+            return
+        row, cols = self._rows[layer.index]
+        if "health_samples" in measured:
+            row[cols["samples"]].add_(measured["health_samples"].to(row.dtype))
+            row[cols["norm_sum"]].add_(measured["health_norm_sum"].to(row.dtype))
+            row[cols["nonfinite"]].add_(measured["health_nonfinite"].to(row.dtype))
+            row[cols["input_nonfinite"]].add_(measured["health_input_nonfinite"].to(row.dtype))
+        if "weight_cosine" in measured:  # the latest check of the window counts
+            row[cols["weight_cosine"]].copy_(measured["weight_cosine"])
+            row[cols["weight_norm_ratio"]].copy_(measured["weight_norm_ratio"])
+            row[cols["weight_checked"]].fill_(1.0)
+            if "grad_norm" in measured:
+                row[cols["grad_norm"]].copy_(measured["grad_norm"])
+                row[cols["grad_present"]].fill_(1.0)
+
+    def _visit(self, layer: MoELayer, device: torch.device) -> torch.Tensor:
+        if layer.index not in self._visits:
+            self._visits[layer.index] = torch.zeros((), dtype=torch.int64, device=device)
+        return self._visits[layer.index]
 
     @torch.no_grad()
-    def sample(self, layer: MoELayer, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The device tensors of one layer for one forward (see the module docstring)."""
-        visit = self._forwards[layer.index]
-        self._forwards[layer.index] = visit + 1
+    def sample(self, layer: MoELayer, hidden: torch.Tensor, weights: bool | None = None) -> dict[str, torch.Tensor]:
+        """The device tensors of one layer for one sampling forward (see the module docstring).
+
+        weights: also re-check the weight fingerprint (default: every `weight_every`-th visit).
+        """
         hidden = hidden.detach().reshape(-1, hidden.shape[-1])
         tokens = hidden.shape[0]
         count = layer.num_experts
         device = hidden.device
+        visit = self._visit(layer, device)
         out: dict[str, torch.Tensor] = {}
+        if weights is None:
+            weights = self._samples % self.weight_every == 0
+            self._samples += 1
         if tokens:
             n = min(self.tokens_per_expert, tokens)
             # Tokens whose input is already non-finite (a fault upstream) say nothing about this
-            # layer's experts: sample finite ones first, and count only those.
+            # layer's experts: sample finite ones first, and count only those. The order among
+            # finite tokens is a hash of the visit: spread, reproducible, no random state moved.
             finite_in = torch.isfinite(hidden).all(dim=-1)
-            key = torch.rand(tokens, generator=self._device_generator(device), device=device) + (~finite_in) * 2.0
+            rank = (torch.arange(tokens, device=device) * 1_000_003 + visit * 2_654_435_761 + self.seed) % tokens
+            key = rank.to(torch.float32) + (~finite_in) * float(2 * tokens)
             rows = key.topk(n, largest=False).indices
             valid = finite_in.index_select(0, rows)  # (n,)
-            experts = self._experts_now(layer, visit)
-            index = experts.to(device)
+            per = count if dispatch_style(layer) == "dense" else min(self.experts_per_forward or count, count)
+            index = (torch.arange(per, device=device) + visit * per) % count
             result = expert_outputs(layer, hidden.index_select(0, rows), index).to(torch.float32)
             finite = torch.isfinite(result).all(dim=-1)  # (m, n)
             norms = torch.where(finite & valid, torch.linalg.vector_norm(torch.nan_to_num(result), dim=-1),
@@ -232,34 +277,7 @@ class HealthSampler:
             out["health_nonfinite"] = torch.zeros(count, dtype=torch.int64, device=device).index_copy(
                 0, index, (~finite & valid).sum(dim=1))
             out["health_input_nonfinite"] = (~finite_in).sum().reshape(1)
-        if visit % self.weight_every == 0:
+        visit.add_(1)
+        if weights:
             out.update(self.fingerprints[layer.index].compare())
         return out
-
-    def _device_generator(self, device: torch.device) -> torch.Generator:
-        # A generator of our own: sampling must not move the model's global random state.
-        key = str(device)
-        if key not in self._device_generators:
-            self._device_generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._device_generators[key]
-
-    def take(self, layer: int) -> dict[str, torch.Tensor]:
-        return self._pending.pop(layer, {})
-
-    def discard(self) -> None:
-        self._pending.clear()
-
-    @staticmethod
-    def fields(got: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-        """`LayerStep` keyword arguments from a layer's unpacked host arrays."""
-        def get(name: str, dtype: type) -> np.ndarray | None:
-            value = got.get(name)
-            return None if value is None else value.astype(dtype)
-        return dict(expert_output_samples=get("health_samples", np.int64),
-                    expert_output_norm_sum=get("health_norm_sum", np.float64),
-                    expert_output_nonfinite=get("health_nonfinite", np.int64),
-                    expert_weight_cosine=get("weight_cosine", np.float64),
-                    expert_weight_norm_ratio=get("weight_norm_ratio", np.float64),
-                    expert_grad_norm=get("grad_norm", np.float64),
-                    nonfinite_input_tokens=None if "health_input_nonfinite" not in got
-                    else int(got["health_input_nonfinite"][0]))

@@ -57,6 +57,8 @@ class Routes:
     token_ids: np.ndarray | None  # (tokens,) int64 input ids where the layer saw the input ids
     sequence: np.ndarray  # (tokens,) int32 batch row
     position: np.ndarray  # (tokens,) int32 position in the row
+    step: np.ndarray | None = None  # (tokens,) int64 the forward each row came from (windows span several)
+    token: np.ndarray | None = None  # (tokens,) int32 row in its forward's flattened batch
 
 
 @dataclass
@@ -67,18 +69,23 @@ class TokenSample:
     token_ids: np.ndarray | None  # (n,) int64
     values: np.ndarray  # (n, width) float32
     top1_expert: np.ndarray  # (n,) int32, the expert each sampled token went to first
+    step: np.ndarray | None = None  # (n,) int64 the forward each row came from
 
 
 @dataclass
 class LayerStep:
-    """Reductions of one MoE layer over one forward; exact, computed on the model's device."""
+    """Reductions of one MoE layer over one window of forwards; exact, computed on the model's device.
+
+    Sums (loads, drops, co-selection) are over the window's tokens; means (entropy, margin,
+    active parameters) are token-weighted; capacity use is the largest in any of its forwards.
+    """
 
     layer: int
     tokens: int
     expert_load: np.ndarray  # (num_experts + zero_experts,) int64 tokens per expert (kept slots)
     gate_weight_sum: np.ndarray  # (num_experts + zero_experts,) float64
     router_entropy_mean: float
-    router_entropy_p95: float
+    router_entropy_p95: float  # from a histogram: within ln(E) / 256 of the exact quantile
     top1_margin_mean: float
     dropped_tokens: int  # tokens that no expert processed (every slot dropped)
     dropped_assignments: int  # (token, slot) pairs dropped at capacity
@@ -99,6 +106,7 @@ class LayerStep:
     expert_grad_norm: np.ndarray | None = None  # (E,) gradient norm of the expert's weights, when grads exist
     trust_weight: np.ndarray | None = None  # (E,) trust-gate weight in force during this forward
     nonfinite_input_tokens: int | None = None  # tokens reaching the layer with a NaN/inf already in them
+    forwards: int = 1  # forwards of the window
 
 
 @dataclass
@@ -110,20 +118,29 @@ class KVCacheLayer:
 
 @dataclass
 class StepRecord:
-    """Everything recorded about one forward pass of the probed model."""
+    """Everything recorded about one window of forwards (one forward when `forwards == 1`).
+
+    `step` is the window's first forward (0-based, counted on the device), `step_end` its last.
+    """
 
     run_id: str
     step: int
     ts: dt.datetime
-    duration_s: float  # host wall time of the forward, hooks included
-    tokens: int  # tokens in the forward's main input
-    batch_size: int
-    seq_len: int
-    active_params: float  # parameters used per token, averaged over the forward's tokens
+    duration_s: float  # host wall time of the window's forwards, hooks included (0 for CUDA-graph replays)
+    tokens: int  # tokens in the window's main input (the first MoE layer's tokens)
+    batch_size: int  # of the last forward
+    seq_len: int  # of the last forward
+    active_params: float  # parameters used per token, averaged over the window's tokens
     total_params: int
     tags: dict[str, str] = field(default_factory=dict)
     layers: list[LayerStep] = field(default_factory=list)
-    kv_cache: list[KVCacheLayer] | None = None
+    kv_cache: list[KVCacheLayer] | None = None  # after the window's last forward
+    forwards: int = 1
+    step_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.step_end is None:
+            self.step_end = self.step + self.forwards - 1
 
     @property
     def active_param_fraction(self) -> float:

@@ -15,20 +15,28 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from probe.adapters import Choice, MoELayer, MoESpec, find_moe_layers
+from probe.accumulate import (
+    SAMPLE_MIX,
+    SAMPLE_STRIDE,
+    TOTAL_FORWARDS,
+    WINDOW_FORWARDS,
+    Columns,
+    DeviceBuffer,
+    HealthRows,
+    LayerGroup,
+    Ring,
+)
+from probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
 from probe.gate import TrustGate
 from probe.health import HealthSampler
-from probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
-from probe.reduce import pack, reduce_layer, unpack
+from probe.records import KVCacheLayer, LayerInfo, RunInfo
+from probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -69,35 +77,42 @@ def _sample_size(option: bool | int) -> int:
     return max(int(option or 0), 0)
 
 
-class _Forward:
-    """What the hooks gather during one forward of the root module."""
-
-    def __init__(self, step: int, tags: dict[str, str], inputs: dict[str, Any]):
-        self.step = step
-        self.tags = tags
-        self.inputs = inputs
-        self.started = time.perf_counter()
-        self.logits: dict[int, torch.Tensor] = {}
-        self.router_in: dict[int, torch.Tensor] = {}
-        self.choice: dict[int, Choice] = {}
+DEFAULT_WINDOW_FORWARDS = 32
+DEFAULT_WINDOW_S = 1.0
+DEFAULT_RING_TOKENS = 16384
 
 
-@dataclass
-class _Collected:
-    """A forward whose reductions are packed on the device, waiting for (or done with) the transfer."""
+def _device_of(layer: MoELayer, fallback: torch.device) -> torch.device:
+    for module in (layer.router, layer.experts, layer.block):
+        if module is None:
+            continue
+        for param in module.parameters():
+            return param.device
+        for buffer in module.buffers():
+            return buffer.device
+    return fallback
 
-    forward: _Forward
-    buffer: torch.Tensor | None
-    slots: list
-    meta: dict[int, dict[str, Any]]
-    ts: dt.datetime
-    duration_s: float
-    kv_cache: list[KVCacheLayer] | None
-    event: Any = None  # a CUDA event while the copy to pinned host memory is in flight
+
+def _router_input_width(layer: MoELayer, config: Any) -> int:
+    weight = getattr(layer.router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    for name in ("hidden_size", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ProbeAttachError(f"cannot tell the router input width of {layer.name}; pass router_inputs=False")
 
 
 class ProbeSession:
-    """A probe attached to one model. Use as a context manager, or call `close()`."""
+    """A probe attached to one model. Use as a context manager, or call `close()`.
+
+    Per forward the hooks keep references to each MoE layer's router logits and final choice; at
+    the end of the forward one stacked reduction per group of like layers adds them to device
+    accumulators (probe/accumulate.py). Every `window` forwards, or `window_s` seconds, or when a
+    tag changes, the window closes: one asynchronous copy out, and the record is built on the
+    writer's thread (probe/window.py). `window=1` gives one record per forward.
+    """
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Any] = (),
                  store: str | os.PathLike | None = None, routes: bool = False,
@@ -105,35 +120,46 @@ class ProbeSession:
                  kv_cache: bool = False, coselection: bool | None = None, tags: dict | None = None,
                  run_id: str | None = None, policy: str = "block", max_queue: int = 256,
                  flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
-                 trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None):
+                 trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None,
+                 window: int = DEFAULT_WINDOW_FORWARDS, window_s: float | None = DEFAULT_WINDOW_S,
+                 ring_tokens: int = DEFAULT_RING_TOKENS, all_layers: list[MoELayer] | None = None):
         from store.writer import (  # store may import probe, not vice versa at import time
             BatchProcessor,
             ParquetExporter,
         )
 
+        if window < 1:
+            raise ValueError("window counts forwards per record and must be at least 1 (1: a record per forward)")
+        if ring_tokens < 1:
+            raise ValueError("ring_tokens must be at least 1")
         self.model = model
         self.layers = layers
         self.routes = routes
         self.router_logits = _sample_size(router_logits)
         self.router_inputs = _sample_size(router_inputs)
         self.kv_cache = kv_cache
-        self.coselection = coselection
+        self.window = window
+        self.window_s = window_s
+        self.sample_seed = sample_seed
         self._tags: list[dict[str, str]] = [{str(k): str(v) for k, v in (tags or {}).items()}]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._forward: _Forward | None = None
-        self._in_flight: deque[_Collected] = deque()
         self._lock = threading.Lock()
-        self._generator = torch.Generator().manual_seed(sample_seed)
         self.step = 0
         self.hook_errors = 0
         self.closed = False
+        self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
 
         rank, world_size = _distributed()
         total = sum(p.numel() for p in model.parameters())
+        every = all_layers if all_layers is not None else layers
         # Rows no token can use (LongCat's zero-expert slots in fused weights) are never active.
-        routed = sum(layer.params_per_expert * layer.num_experts + layer.unused_params for layer in layers)
+        routed = sum(layer.params_per_expert * layer.num_experts + layer.unused_params for layer in every)
+        watched = {id(layer) for layer in layers}
         self.total_params = total
         self.shared_params = total - routed  # counted for every token, by the model-card convention
+        # Layers not watched: their experts' share is estimated as k experts per token (no drops).
+        self.unwatched_params = float(sum(layer.top_k * layer.params_per_expert for layer in every
+                                          if id(layer) not in watched))
         self.run = RunInfo(
             run_id=run_id or os.environ.get("MOESCOPE_RUN_ID") or shared_run_id(),
             started_at=dt.datetime.now(dt.timezone.utc), model_class=type(model).__name__,
@@ -161,6 +187,7 @@ class ProbeSession:
         health = health or trust_gate == "auto"  # the auto policy judges by health scores
         self.health = HealthSampler(layers, on_error=self._hook_failed, **(health_options or {})) if health else None
         self.gate = TrustGate(layers, on_error=self._hook_failed) if trust_gate else None
+        self._build_buffers(model, coselection, ring_tokens)
         self.trust = None
         if health or trust_gate:
             from alerts.trust_policy import bind_policy  # alerts imports probe: only when asked for
@@ -168,6 +195,8 @@ class ProbeSession:
             self.trust = bind_policy(self, trust_policy, trust_gate, store)
             self.processor.exporters.append(self.trust)
         # -- end expert health and trust gate --
+        self._reset_forward()
+        self._window_open(time.monotonic())
         try:
             self._install()
         except BaseException:
@@ -175,108 +204,300 @@ class ProbeSession:
             self.processor.shutdown()
             raise
 
+    # -- layout --------------------------------------------------------------------------------
+
+    def _build_buffers(self, model: nn.Module, coselection: bool | None, ring_tokens: int) -> None:
+        fallback = next((p.device for p in model.parameters()), torch.device("cpu"))
+        config = getattr(model, "config", None)
+        config = getattr(config, "text_config", None) or config
+        by_key: dict[tuple, list[MoELayer]] = {}
+        devices: dict[int, torch.device] = {}
+        for layer in self.layers:
+            device = _device_of(layer, fallback)
+            devices[layer.index] = device
+            slots = layer.num_experts + layer.zero_experts
+            cosel = coselection if coselection is not None else (layer.top_k > 1 and slots <= COSELECTION_MAX_EXPERTS)
+            key = (layer.num_experts, slots, layer.top_k, str(device), "decoder" in layer.name, cosel,
+                   layer.expert_capacity is not None)
+            by_key.setdefault(key, []).append(layer)
+        groups_by_device: dict[str, list[LayerGroup]] = {}
+        rings_by_device: dict[str, list[Ring]] = {}
+        self._position = {layer.index: i for i, layer in enumerate(self.layers)}
+        for key, members in by_key.items():
+            device = devices[members[0].index]
+            group = LayerGroup(members, device, coselection=key[5])
+            groups_by_device.setdefault(str(device), []).append(group)
+            rings = rings_by_device.setdefault(str(device), [])
+            n = len(members)
+            k = group.top_k
+            if self.routes:
+                cols = Columns()
+                for name in ("forward", "token", "sequence", "position", "token_id"):
+                    cols.add(name, 1)
+                cols.add("ids", n * k)
+                cols.add("weights", n * k)
+                cols.add("kept", n * k)
+                rings.append(Ring("routes", group, cols, ring_tokens))
+            for kind, size, width in (("logits", self.router_logits, group.router_width),
+                                      ("inputs", self.router_inputs, None)):
+                if not size:
+                    continue
+                if width is None:
+                    width = _router_input_width(members[0], config)
+                cols = Columns()
+                for name in ("forward", "token", "token_id"):
+                    cols.add(name, 1)
+                cols.add("top1", n)
+                cols.add("values", n * width)
+                capacity = ring_tokens if size < 0 else size * self.window
+                rings.append(Ring(kind, group, cols, max(capacity, 1)))
+        self.buffers: list[DeviceBuffer] = []
+        health_layers = {layer.index for layer in self.health.layers} if self.health is not None else set()
+        for name, groups in groups_by_device.items():
+            members = [layer for group in groups for layer in group.layers if layer.index in health_layers]
+            health_rows = None
+            if members:
+                width = max(HealthRows.columns(layer.num_experts).width for layer in members)
+                health_rows = HealthRows({layer.index: layer.num_experts for layer in members},
+                                         [layer.index for layer in members], width)
+            self.buffers.append(DeviceBuffer(groups[0].device, groups, rings_by_device.get(name, []), health_rows))
+        if self.health is not None:
+            rows = {}
+            for buffer in self.buffers:
+                if buffer.health is None:
+                    continue
+                for layer in buffer.health.positions:
+                    cols = HealthRows.columns(buffer.health.num_experts[layer])
+                    rows[layer] = (buffer.health.row(buffer.flat, layer), cols)
+            self.health.bind(rows)
+        self._pool = PinnedPool()
+        self._sample_base: torch.Tensor | None = None
+
     # -- hooks ---------------------------------------------------------------------------------
 
     def _install(self) -> None:
-        # Hooks are host-side bookkeeping: under torch.compile they run eagerly at graph breaks
-        # (tracing them would bake one forward's Python state into the graph).
+        # The root's pre-hook and its host post-hook are bookkeeping: they stay out of any
+        # compiled graph (under torch.compile the root's hooks run as frames of their own, so a
+        # disabled one is simply run eagerly, with no graph break). The layers' hooks and the
+        # reduction are device work that traces into the graph.
         eager = torch.compiler.disable
         self._handles.append(self.model.register_forward_pre_hook(eager(self._on_forward_start),
                                                                   with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._reduce_forward))
         self._handles.append(self.model.register_forward_hook(eager(self._on_forward_end), with_kwargs=True,
                                                               always_call=True))
         for layer in self.layers:
-            self._handles.append(layer.router.register_forward_hook(eager(self._router_hook(layer))))
+            self._handles.append(layer.router.register_forward_hook(self._router_hook(layer)))
             if layer.read_choice is not None and layer.experts is not None:
                 self._handles.append(layer.experts.register_forward_pre_hook(
-                    eager(self._experts_hook(layer)), with_kwargs=True))
+                    self._experts_hook(layer), with_kwargs=True))
         if self.gate is not None:  # prepended to the routers: the recorder above sees the gated routing
             self._handles.extend(self.gate.install())
         if self.health is not None:
-            self._handles.extend(self.health.install(lambda: self._forward is not None))
+            self._handles.extend(self.health.install(lambda: self._recording))
 
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
 
+    def _reset_forward(self) -> None:
+        n = len(self.layers)
+        self._recording = False
+        self._reduced = False
+        self._logits: list[torch.Tensor | None] = [None] * n
+        self._choice: list[Choice | None] = [None] * n
+        self._inputs: list[torch.Tensor | None] = [None] * n
+        self._main_ids: torch.Tensor | None = None
+        self._decoder_ids: torch.Tensor | None = None
+        self._shape: tuple = ()
+        self._decoder_shape: tuple = ()
+
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
-            if self._forward is not None:  # re-entrant call of the root: record the outer one only
+            if self._recording:  # re-entrant call of the root: record the outer one only
                 return
+            self._reset_forward()
             inputs = dict(kwargs)
             if args and "input_ids" not in inputs and isinstance(args[0], torch.Tensor):
                 inputs["input_ids"] = args[0]
-            tags: dict[str, str] = {}
-            for layer_tags in self._tags:
-                tags.update(layer_tags)
-            self._forward = _Forward(self.step, tags, inputs)
+            self._main_ids, self._shape = _main_input(inputs, decoder=False)
+            self._decoder_ids, self._decoder_shape = _main_input(inputs, decoder=True)
+            self._started = time.perf_counter()
+            expected = max(_tokens(self._shape), _tokens(self._decoder_shape))
+            if not _capturing() and any(ring.host_rows and ring.host_rows + self._ring_rows(ring, expected)
+                                        > ring.capacity for buffer in self.buffers for ring in buffer.rings):
+                self._close_window()  # this forward would not fit: start a new window first
+            if self.router_inputs > 0 or self.router_logits > 0:
+                size = max(self.router_inputs, self.router_logits)
+                base = self.buffers[0].flat[TOTAL_FORWARDS].to(torch.int64) * SAMPLE_MIX + self.sample_seed
+                self._sample_base = (base + torch.arange(size, device=base.device) * SAMPLE_STRIDE)
+            if self.health is not None:
+                self.health.begin_forward()
+            self._recording = True
         except Exception:
             self._hook_failed()
 
+    def _ring_rows(self, ring: Ring, tokens: int) -> int:
+        size = {"routes": -1, "logits": self.router_logits, "inputs": self.router_inputs}[ring.kind]
+        return tokens if size < 0 else min(size, tokens)
+
     def _router_hook(self, layer: MoELayer) -> Callable:
+        position = self._position[layer.index]
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            forward = self._forward
-            if forward is None:
+            if not self._recording:
                 return
             try:
-                logits = layer.read_logits(output).detach()
-                forward.logits[layer.index] = logits
+                logits = layer.read_logits(output)
+                self._logits[position] = logits
                 if self.router_inputs and args and isinstance(args[0], torch.Tensor):
-                    forward.router_in[layer.index] = args[0].detach().reshape(-1, args[0].shape[-1])
+                    hidden = args[0].reshape(-1, args[0].shape[-1])
+                    if self.router_inputs > 0:
+                        hidden = hidden.index_select(0, self._sample_base[: min(self.router_inputs, hidden.shape[0])]
+                                                     % hidden.shape[0])
+                    self._inputs[position] = hidden
                 if layer.read_router_choice is not None:
-                    forward.choice[layer.index] = layer.read_router_choice(output, logits)
+                    self._choice[position] = layer.read_router_choice(output, logits)
             except Exception:
                 self._hook_failed()
         return hook
 
     def _experts_hook(self, layer: MoELayer) -> Callable:
+        position = self._position[layer.index]
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            forward = self._forward
-            if forward is None:
+            if not self._recording:
                 return
             try:
-                choice = layer.read_choice(args, kwargs, forward.logits.get(layer.index))
-                forward.choice[layer.index] = Choice(choice.ids.detach(), choice.weights.detach(),
-                                                     None if choice.kept is None else choice.kept.detach(),
-                                                     choice.capacity)
+                self._choice[position] = layer.read_choice(args, kwargs, self._logits[position])
             except Exception:
                 self._hook_failed()
         return hook
 
-    def _on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        forward, self._forward = self._forward, None
-        if forward is None:
+    @torch.no_grad()
+    def _reduce_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Device side of a forward: every group's stacked reduction and ring writes, and the
+        forward counters. Traceable: under torch.compile it is a graph of its own, with no break."""
+        if not self._recording or self._reduced:
             return
-        self.step += 1
+        self._reduced = True
+        for buffer in self.buffers:
+            flat = buffer.flat
+            for group in buffer.groups:
+                present = [self._position[layer.index] for layer in group.layers
+                           if self._logits[self._position[layer.index]] is not None
+                           and self._choice[self._position[layer.index]] is not None]
+                if len(present) != len(group.layers):
+                    self._reduce_partial(flat, group, buffer)
+                    continue
+                self._reduce_group(flat, group, buffer, present, slice(0, len(present)))
+            flat[: WINDOW_FORWARDS + 1].add_(1)
+
+    def _reduce_partial(self, flat: torch.Tensor, group: LayerGroup, buffer: DeviceBuffer) -> None:
+        # Some layers did not run (or a reader failed): reduce the ones that did, one by one; no
+        # ring rows, since a ring row holds every layer of the group.
+        for row, layer in enumerate(group.layers):
+            position = self._position[layer.index]
+            if self._logits[position] is not None and self._choice[position] is not None:
+                self._reduce_group(flat, group, None, [position], slice(row, row + 1))
+
+    def _reduce_group(self, flat: torch.Tensor, group: LayerGroup, buffer: DeviceBuffer | None,
+                      present: list[int], rows: slice) -> None:
+        choices = [self._choice[p] for p in present]
+        tokens = {c.ids.reshape(-1, c.ids.shape[-1]).shape[0] for c in choices}
+        if len(tokens) != 1:  # layers of one group saw different token counts: reduce one by one
+            if len(present) > 1:
+                for i, p in enumerate(present):
+                    self._reduce_group(flat, group, None, [p], slice(rows.start + i, rows.start + i + 1))
+            return
+        ids = [c.ids.reshape(-1, c.ids.shape[-1]) for c in choices]
+        stacked = group.reduce(
+            flat, [self._logits[p] for p in present], ids, [c.weights.reshape(i.shape) for c, i in zip(choices, ids)],
+            [None if c.kept is None else c.kept.reshape(i.shape) for c, i in zip(choices, ids)],
+            [self._capacity(group.layers[rows.start + i], c) for i, c in enumerate(choices)], rows)
+        if buffer is None:
+            return
+        for ring in buffer.rings:
+            if ring.group is group:
+                self._write_ring(flat, ring, stacked, present)
+
+    def _capacity(self, layer: MoELayer, choice: Choice) -> int | None:
+        if choice.capacity is not None:  # set per forward where the router sizes it to the batch (NLLB)
+            return choice.capacity
+        if layer.expert_capacity is not None:
+            shape = self._decoder_shape if "decoder" in layer.name else self._shape
+            return layer.expert_capacity * (shape[0] if shape else 1)  # Switch: a capacity per sequence
+        return None
+
+    def _write_ring(self, flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int]) -> None:
+        ids_s, weights_s, kept_s, logits_s = stacked
+        n_layers, tokens = ids_s.shape[0], ids_s.shape[1]
+        acc = flat.dtype
+        device = flat.device
+        main = self._decoder_ids if ring.group.decoder else self._main_ids
+        seq_len = main.shape[-1] if main is not None and main.dim() >= 2 and main.numel() == tokens else tokens
+        if ring.kind == "routes":
+            rows = min(tokens, ring.capacity)
+            token = torch.arange(rows, device=device)
+        else:
+            size = self.router_logits if ring.kind == "logits" else self.router_inputs
+            rows = tokens if size < 0 else min(size, tokens)
+            rows = min(rows, ring.capacity)
+            token = torch.arange(rows, device=device) if size < 0 else self._sample_base[:rows] % tokens
+        if main is not None and main.numel() == tokens:
+            token_id = main.reshape(-1).index_select(0, token).to(acc)
+        else:
+            token_id = torch.full((rows,), -1.0, dtype=acc, device=device)
+        forward = flat[TOTAL_FORWARDS].expand(rows)
+        if ring.kind == "routes":
+            payload = [forward, token.to(acc), (token // seq_len).to(acc), (token % seq_len).to(acc), token_id,
+                       ids_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
+                       weights_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
+                       (torch.ones_like(ids_s[:, :rows], dtype=acc) if kept_s is None
+                        else kept_s[:, :rows].to(acc)).transpose(0, 1).reshape(rows, -1)]
+        else:
+            top1 = ids_s[:, :, 0].index_select(1, token).transpose(0, 1).to(acc)
+            if ring.kind == "logits":
+                values = logits_s.index_select(1, token).transpose(0, 1).reshape(rows, -1).to(acc)
+            else:
+                values = torch.stack([self._inputs[p][:rows] for p in present]).transpose(0, 1).reshape(rows, -1)
+                values = values.to(acc)
+            payload = [forward, token.to(acc), token_id, top1, values]
+        data = torch.cat([p.reshape(rows, -1) for p in payload], dim=1)
+        start = flat[ring.pos_col].to(torch.int64)
+        where = (start + torch.arange(rows, device=device)) % ring.capacity
+        ring.view(flat).index_copy_(0, where, data)
+        flat[ring.pos_col].add_(rows)
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._recording:
+            return
+        reduced = self._reduced
         try:
-            collected = self._collect(forward, output)
-            if collected.buffer is not None and collected.buffer.is_cuda:
-                # Start the forward's one transfer without waiting for it: the record is built
-                # at a later forward (or flush) once the copy is done, so the model never syncs.
-                host = torch.empty(collected.buffer.shape, dtype=torch.uint8, pin_memory=True)
-                host.copy_(collected.buffer, non_blocking=True)
-                collected.buffer, collected.event = host, torch.cuda.Event()
-                collected.event.record()
-            self._in_flight.append(collected)
+            if _capturing():
+                # Captured into a CUDA graph: the device work above replays with the graph; the
+                # host will not see those forwards, so from now on windows read the device counters.
+                self.graphed = True
+                return
+            if not reduced:
+                return  # the forward raised: nothing of it was added
+            self.step += 1
+            self._forwards_in_window += 1
+            self._duration_s += time.perf_counter() - self._started
+            expected = max(_tokens(self._shape), _tokens(self._decoder_shape))
+            for buffer in self.buffers:
+                for ring in buffer.rings:
+                    ring.host_rows += self._ring_rows(ring, expected)
+            self._last_shape = self._shape
+            if self.kv_cache:
+                self._last_kv = kv_cache_layers(output)
+            if (self._forwards_in_window >= self.window
+                    or (self.window_s is not None and time.monotonic() - self._window_started >= self.window_s)):
+                self._close_window()
         except Exception:
             self._hook_failed()
-        self._drain(block=False)
-
-    def _drain(self, block: bool) -> None:
-        """Emit the records whose transfer is done (all of them when `block`), oldest first."""
-        while self._in_flight:
-            collected = self._in_flight[0]
-            if collected.event is not None and not block and not collected.event.query():
-                return
-            self._in_flight.popleft()
-            try:
-                if collected.event is not None:
-                    collected.event.synchronize()
-                record = self._finish(collected)
-            except Exception:
-                self._hook_failed()
-                continue
-            self.processor.emit(record)
+        finally:
+            self._reset_forward()
 
     def _hook_failed(self) -> None:
         # The model thread must never see the probe fail: count, log once, carry on.
@@ -284,161 +505,83 @@ class ProbeSession:
         if self.hook_errors == 1:
             log.exception("moescope probe hook failed; the forward goes on unrecorded for that layer")
 
-    # -- building the record -------------------------------------------------------------------
+    # -- windows -------------------------------------------------------------------------------
 
-    def _input_shape(self, inputs: dict[str, Any], decoder: bool) -> tuple[torch.Tensor | None, tuple]:
-        names = ("decoder_input_ids", "decoder_inputs_embeds") if decoder else ("input_ids", "inputs_embeds")
-        for name in names:
-            value = inputs.get(name)
-            if isinstance(value, torch.Tensor):
-                ids = value if name.endswith("input_ids") else None
-                return ids, tuple(value.shape[:2]) if value.dim() >= 2 else (1, value.shape[0])
-        return None, ()
+    def _window_open(self, now: float) -> None:
+        self._window_started = now
+        self._forwards_in_window = 0
+        self._duration_s = 0.0
+        self._last_kv = None
+        self._last_shape = getattr(self, "_last_shape", ())
 
-    def _collect(self, forward: _Forward, output: Any) -> _Collected:
-        """Device side of a record: every reduction of the forward, packed into one buffer."""
-        tensors: dict[tuple, torch.Tensor] = {}
-        meta: dict[int, dict[str, Any]] = {}
-        for layer in self.layers:
-            logits = forward.logits.get(layer.index)
-            choice = forward.choice.get(layer.index)
-            if logits is None or choice is None:
-                continue
-            slots = layer.num_experts + layer.zero_experts
-            cosel = self.coselection if self.coselection is not None else (
-                layer.top_k > 1 and slots <= COSELECTION_MAX_EXPERTS)
-            for name, value in reduce_layer(logits, choice, slots, layer.num_experts, cosel).items():
-                tensors[(layer.index, name)] = value
-            if self.health is not None:  # expert-health samples join the one transfer
-                tensors.update({(layer.index, name): value for name, value in self.health.take(layer.index).items()})
-            tokens = choice.ids.shape[0]
-            decoder = "decoder" in layer.name
-            ids, shape = self._input_shape(forward.inputs, decoder)
-            if ids is not None and ids.numel() != tokens:
-                ids = None
-            if shape and shape[0] * shape[1] != tokens:
-                shape = ()
-            meta[layer.index] = dict(tokens=tokens, shape=shape, capacity=choice.capacity,
-                                     trust_weight=None if self.gate is None else self.gate.weights(layer.index))
-            if ids is not None and (self.routes or self.router_logits or self.router_inputs):
-                tensors[(layer.index, "token_ids")] = ids.reshape(-1)
-            if self.routes:
-                tensors[(layer.index, "ids")] = choice.ids.to(torch.int32)
-                tensors[(layer.index, "weights")] = choice.weights.to(torch.float32)
-                if choice.kept is not None:
-                    tensors[(layer.index, "kept")] = choice.kept
-            for kind, size, source in (("logits", self.router_logits, logits),
-                                       ("inputs", self.router_inputs, forward.router_in.get(layer.index))):
-                if not size or source is None:
-                    continue
-                n = tokens if size < 0 else min(size, tokens)
-                index = torch.randperm(tokens, generator=self._generator)[:n].sort().values
-                tensors[(layer.index, f"{kind}_token")] = index
-                index = index.to(source.device)
-                tensors[(layer.index, kind)] = source.index_select(0, index).to(torch.float32)
-                tensors[(layer.index, f"{kind}_top1")] = choice.ids[:, 0].index_select(0, index)
+    def _close_window(self, force: bool = False) -> None:
+        """Snapshot the device accumulators and hand the window to the writer. Model thread:
+        launches only (a gather, one non-blocking copy per device, an event)."""
+        with self._lock:
+            if not self._forwards_in_window and not (force and self.graphed):
+                self._window_open(time.monotonic())
+                return
+            snapshots = []
+            for buffer in self.buffers:
+                data, layout = buffer.snapshot(whole_rings=self.graphed)
+                if data.is_cuda:
+                    host = self._pool.take(data.numel(), data.dtype)
+                    host.copy_(data, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    snapshots.append(Snapshot(buffer, host, layout, event, self._pool))
+                else:
+                    snapshots.append(Snapshot(buffer, data, layout))
+            tags: dict[str, str] = {}
+            for layer_tags in self._tags:
+                tags.update(layer_tags)
+            shape = self._last_shape
+            context = HostContext(
+                run_id=self.run.run_id, ts=dt.datetime.now(dt.timezone.utc), tags=tags,
+                host_forwards=self._forwards_in_window, duration_s=self._duration_s,
+                batch_size=shape[0] if shape else 1, seq_len=shape[1] if shape else 0, shape_known=bool(shape),
+                active_base=self.shared_params + self.unwatched_params, total_params=self.total_params,
+                kv_cache=self._last_kv,
+                trust_weights={} if self.gate is None else {layer.index: self.gate.weights(layer.index)
+                                                            for layer in self.layers})
+            self._window_open(time.monotonic())
+        self.processor.emit(PendingWindow(context, snapshots, {layer.index: layer for layer in self.layers},
+                                          on_dropped=self._count_ring_drop))
 
-        buffer, slots = pack(tensors)
-        return _Collected(forward=forward, buffer=buffer, slots=slots, meta=meta,
-                          ts=dt.datetime.now(dt.timezone.utc), duration_s=time.perf_counter() - forward.started,
-                          kv_cache=kv_cache_layers(output) if self.kv_cache else None)
-
-    def _finish(self, collected: _Collected) -> StepRecord:
-        """Host side of a record, from the transferred buffer."""
-        forward, meta = collected.forward, collected.meta
-        host = unpack(collected.buffer, collected.slots)
-        layer_steps = []
-        active = float(self.shared_params)
-        for layer in self.layers:
-            if layer.index not in meta:
-                continue
-            info = meta[layer.index]
-            got = {name: value for (index, name), value in host.items() if index == layer.index}
-            tokens = info["tokens"]
-            per_token = float(got["real_slots_kept"][0]) / tokens * layer.params_per_expert if tokens else 0.0
-            active += per_token
-            capacity = info["capacity"]  # set per forward where the router sizes it to the batch (NLLB)
-            capacity_use = None
-            if capacity is None and layer.expert_capacity is not None:
-                sequences = info["shape"][0] if info["shape"] else 1
-                capacity = layer.expert_capacity * sequences  # Switch: a capacity per sequence
-            if capacity is not None:
-                capacity_use = float(got["expert_load"][: layer.num_experts].max()) / capacity
-            layer_steps.append(LayerStep(
-                layer=layer.index, tokens=tokens, expert_load=got["expert_load"],
-                gate_weight_sum=got["gate_weight_sum"].astype(np.float64),
-                router_entropy_mean=float(got["entropy_mean"][0]),
-                router_entropy_p95=float(got["entropy_p95"][0]),
-                top1_margin_mean=float(got["margin_mean"][0]),
-                dropped_tokens=int(got["dropped_tokens"][0]),
-                dropped_assignments=int(got["dropped_assignments"][0]), capacity=capacity,
-                capacity_use=capacity_use, active_params_per_token=per_token,
-                router_prob_sum=got["router_prob_sum"].astype(np.float64),
-                coselection=got.get("coselection"),
-                routes=self._routes(got, info) if self.routes else None,
-                router_logits=self._sample(got, "logits"), router_inputs=self._sample(got, "inputs"),
-                **self._health_fields(info, got)))
-
-        ids, shape = self._input_shape(forward.inputs, decoder=False)
-        batch_size, seq_len = shape if shape else (1, layer_steps[0].tokens if layer_steps else 0)
-        return StepRecord(
-            run_id=self.run.run_id, step=forward.step, ts=collected.ts, duration_s=collected.duration_s,
-            tokens=batch_size * seq_len, batch_size=batch_size, seq_len=seq_len, active_params=active,
-            total_params=self.total_params, tags=forward.tags, layers=layer_steps, kv_cache=collected.kv_cache)
-
-    def _health_fields(self, info: dict[str, Any], got: dict[str, np.ndarray]) -> dict[str, Any]:
-        fields: dict[str, Any] = HealthSampler.fields(got) if self.health is not None else {}
-        if info["trust_weight"] is not None:
-            fields["trust_weight"] = info["trust_weight"]  # as it was during the forward
-        return fields
-
-    @staticmethod
-    def _routes(got: dict[str, np.ndarray], info: dict[str, Any]) -> Routes:
-        ids = got["ids"]
-        tokens = ids.shape[0]
-        row = np.arange(tokens, dtype=np.int32)
-        if info["shape"]:
-            seq_len = info["shape"][1]
-            sequence, position = row // seq_len, row % seq_len
-        else:
-            sequence, position = np.zeros_like(row), row
-        kept = got.get("kept")
-        return Routes(expert_ids=ids, gate_weights=got["weights"],
-                      kept=kept.reshape(ids.shape) if kept is not None else np.ones(ids.shape, dtype=bool),
-                      token_ids=got.get("token_ids"), sequence=sequence, position=position)
-
-    @staticmethod
-    def _sample(got: dict[str, np.ndarray], kind: str) -> TokenSample | None:
-        if kind not in got:
-            return None
-        token = got[f"{kind}_token"].astype(np.int32)
-        token_ids = got.get("token_ids")
-        return TokenSample(token=token, token_ids=None if token_ids is None else token_ids[token],
-                           values=got[kind], top1_expert=got[f"{kind}_top1"].astype(np.int32))
+    def _count_ring_drop(self, table: str, rows: int) -> None:
+        self.processor.count_dropped_rows(table, "ring_full", rows)
 
     # -- public API ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def tag(self, **tags: Any) -> Iterator[None]:
-        """Tags (key=value) that land on every record made inside the block; blocks nest."""
+        """Tags (key=value) that land on every record made inside the block; blocks nest. Entering
+        and leaving a block closes the current window, so a window never mixes tags."""
+        self._close_window()
         self._tags.append({str(k): str(v) for k, v in tags.items()})
         try:
             yield
         finally:
+            self._close_window()
             self._tags.pop()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Write everything recorded so far; False if the writer did not finish in time."""
-        self._drain(block=True)
+        """Close the current window and write everything recorded so far; False if the writer did
+        not finish in time. After CUDA-graph replays this reads the device counters out (without
+        a sync on the model's stream: the copy is queued behind the replays)."""
+        self._close_window(force=True)
         return self.processor.force_flush(timeout_s)
 
     def close(self) -> None:
-        """Remove exactly the hooks this session added, drain and flush the writer; safe twice."""
+        """Remove exactly the hooks this session added, close the window, flush the writer; safe twice."""
         if self.closed:
             return
         self.closed = True
         self._remove_hooks()
-        self._drain(block=True)
+        try:
+            self._close_window(force=True)
+        except Exception:
+            self._hook_failed()
         self.processor.shutdown()
 
     def probe_stats(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
@@ -455,6 +598,25 @@ class ProbeSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _tokens(shape: tuple) -> int:
+    return shape[0] * shape[1] if shape else 0
+
+
+def _main_input(inputs: dict[str, Any], decoder: bool) -> tuple[torch.Tensor | None, tuple]:
+    """The forward's token ids (when given as ids) and its (batch, sequence) shape."""
+    names = ("decoder_input_ids", "decoder_inputs_embeds") if decoder else ("input_ids", "inputs_embeds")
+    for name in names:
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor):
+            ids = value if name.endswith("input_ids") else None
+            return ids, tuple(value.shape[:2]) if value.dim() >= 2 else (1, value.shape[0])
+    return None, ()
 
 
 def kv_cache_layers(output: Any) -> list[KVCacheLayer] | None:
@@ -492,43 +654,68 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
            layers: str | Sequence[str] | Callable[[str], bool] | None = None, policy: str = "block",
            max_queue: int = 256, flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
            trust_gate: str | None = None, health_options: dict | None = None,
-           trust_policy: Any = None) -> ProbeSession:
-    """Hook every MoE layer of `model` and record each forward pass.
+           trust_policy: Any = None, window: int = DEFAULT_WINDOW_FORWARDS,
+           window_s: float | None = DEFAULT_WINDOW_S, ring_tokens: int = DEFAULT_RING_TOKENS) -> ProbeSession:
+    """Hook every MoE layer of `model` and record its forward passes.
 
     store: a folder to write Parquet tables into (see the README for the tables); exporters:
     more consumers of the records (e.g. the Prometheus exporter, an `InMemoryExporter`).
-    routes: write per-token expert ids and gate weights. router_logits / router_inputs: True for
-    every token, an int for a random sample of that many tokens per layer and forward.
-    kv_cache: record KV-cache bytes per attention layer (useful during `generate`).
-    specs: `MoESpec`s describing custom MoE modules. layers: only hook blocks with these names
-    (a name, a list of names or a predicate). policy: "block" (lossless, the model waits if the
-    disk cannot keep up) or "drop" (the model never waits; drops are counted in probe_stats).
-    health: sample expert outputs and weight fingerprints and score expert health (docs/health.md;
-    health_options go to `probe.health.HealthSampler`). trust_gate: None (default: nothing in the
-    model changes), "manual" (a `TrustGate` at `session.gate`, changed by `session.trust.override`)
-    or "auto" (health on, and the policy gates unhealthy experts). trust_policy: an
+    window / window_s: a record (one `steps` row, one `layer_steps` row per layer) covers up to
+    `window` forwards or `window_s` seconds, whichever ends first (default 32 forwards or 1 s: a
+    slow forward is a record of its own, fast decode steps are summed); `window=1` records every
+    forward. Rows say which steps they cover (`step`, `step_end`, `forwards`); every figure is
+    token-weighted, so windowed and per-forward stores give the same answers.
+    routes: write per-token expert ids and gate weights (kept in a device ring of `ring_tokens`
+    tokens per group of like layers; a window closes early when it is full).
+    router_logits / router_inputs: True for every token, an int for a sample of that many tokens
+    per layer and forward (chosen on the device). kv_cache: record KV-cache bytes per attention
+    layer (useful during `generate`). specs: `MoESpec`s describing custom MoE modules. layers: only
+    hook the MoE blocks with these names (a name, a list of names, or a predicate on the name);
+    each keeps its index among all the model's MoE layers, and the active-parameter figures count
+    the unwatched layers' experts as k experts per token (an estimate: their routing is not seen).
+    policy: "block" (lossless, the model waits if the disk cannot keep up) or "drop" (the model
+    never waits; drops are counted in probe_stats). health: sample expert outputs and weight
+    fingerprints and score expert health (docs/health.md; health_options go to
+    `probe.health.HealthSampler`). trust_gate: None (default: nothing in the model changes),
+    "manual" (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto"
+    (health on, and the policy gates unhealthy experts). trust_policy: an
     `alerts.trust_policy.TrustPolicy` (thresholds, alert sink); a default one otherwise.
 
+    Attach first, then compile (`torch.compile(model)`): the probe's device work traces into the
+    graphs without a break. Under CUDA-graph replay the device accumulators keep counting;
+    `session.flush()` reads them out.
+
     Returns the session (a context manager). Raises NoMoELayersError for a model with no MoE layer
-    and ProbeAttachError for a model compiled before attaching.
+    (or none matching `layers`) and ProbeAttachError for a model compiled before attaching.
     """
     if _is_compiled(model):
         raise ProbeAttachError(
             "this model was compiled with torch.compile before attaching: compiled graphs do not run "
             "hooks added afterwards, so nothing would be recorded. Attach first, then compile: "
             "`session = probe.attach(model, ...); model = torch.compile(model)`.")
-    select = None
-    if isinstance(layers, str):
-        select = lambda name: name == layers  # noqa: E731
-    elif isinstance(layers, Sequence):
-        wanted = set(layers)
-        select = lambda name: name in wanted  # noqa: E731
-    elif callable(layers):
-        select = layers
-    moe_layers = find_moe_layers(model, specs=specs, select=select)
+    every = find_moe_layers(model, specs=specs)
+    select = _layer_selector(layers)
+    moe_layers = every if select is None else [layer for layer in every if select(layer.name)]
+    if not moe_layers:
+        names = ", ".join(layer.name for layer in every)
+        raise NoMoELayersError(f"layers={layers!r} matches none of the model's MoE blocks: {names}")
     return ProbeSession(model, moe_layers, exporters=exporters, store=store, routes=routes,
                         router_logits=router_logits, router_inputs=router_inputs, kv_cache=kv_cache,
                         coselection=coselection, tags=tags, run_id=run_id, policy=policy,
                         max_queue=max_queue, flush_interval_s=flush_interval_s, sample_seed=sample_seed,
                         health=health, trust_gate=trust_gate, health_options=health_options,
-                        trust_policy=trust_policy)
+                        trust_policy=trust_policy, window=window, window_s=window_s, ring_tokens=ring_tokens,
+                        all_layers=every)
+
+
+def _layer_selector(layers: str | Sequence[str] | Callable[[str], bool] | None) -> Callable[[str], bool] | None:
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        return lambda name: name == layers
+    if callable(layers):
+        return layers
+    if isinstance(layers, Iterable):
+        wanted = set(layers)
+        return lambda name: name in wanted
+    raise TypeError(f"layers must be a module name, a list of names or a predicate, not {type(layers).__name__}")

@@ -49,7 +49,12 @@ class Exporter(Protocol):
 
 
 def record_rows(record: StepRecord) -> dict[str, int]:
-    """Rows a record would add to each table; what a dropped record costs, table by table."""
+    """Rows a record would add to each table; what a dropped record costs, table by table.
+
+    A window not yet built (the probe's `PendingWindow`) answers from its layout.
+    """
+    if hasattr(record, "materialize"):
+        return record.rows()
     rows = {"steps": 1, "layer_steps": len(record.layers)}
     for layer in record.layers:
         if layer.routes is not None:
@@ -109,6 +114,22 @@ class BatchProcessor:
             for table, rows in record_rows(record).items():
                 self.dropped_rows[(table, reason)] += rows
 
+    def count_dropped_rows(self, table: str, reason: str, rows: int) -> None:
+        """Rows a producer lost before they became a record (e.g. a full device ring)."""
+        with self._lock:
+            self.dropped_rows[(table, reason)] += rows
+
+    def _built(self, item: object) -> StepRecord | None:
+        """A record, building a probe window on this (the writer's) thread; None if that failed."""
+        if not hasattr(item, "materialize"):
+            return item  # type: ignore[return-value]
+        try:
+            return item.materialize()
+        except Exception:
+            log.exception("moescope: building a window's record failed; it is counted as dropped")
+            self._count_drop(item, "build_failed")  # type: ignore[arg-type]
+            return None
+
     def _run(self) -> None:
         while True:
             try:
@@ -128,7 +149,9 @@ class BatchProcessor:
                     stop = True
                     break
                 else:
-                    batch.append(item)
+                    record = self._built(item)
+                    if record is not None:
+                        batch.append(record)
                 if len(batch) >= self.max_batch:
                     break
                 try:

@@ -114,11 +114,12 @@ def test_tags_nest_and_land_on_records(tmp_path):
 def test_generate_records_every_step_with_kv_cache(tmp_path):
     model = tiny_model("mixtral")
     prompt = torch.randint(0, 128, (2, 5))
-    with probe.attach(model, store=tmp_path, routes=True, kv_cache=True), torch.no_grad():
+    with probe.attach(model, store=tmp_path, routes=True, kv_cache=True, window=1), torch.no_grad():
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     store = Store(tmp_path)
-    steps = store.sql("SELECT step, tokens, seq_len FROM steps ORDER BY step")
+    steps = store.sql("SELECT step, step_end, forwards, tokens, seq_len FROM steps ORDER BY step")
     assert steps.tokens.tolist() == [10, 2, 2, 2]
+    assert steps.step.tolist() == steps.step_end.tolist() == [0, 1, 2, 3] and set(steps.forwards) == {1}
     kv = store.sql("SELECT step, layer, bytes, seq_len FROM kv_cache ORDER BY step, layer")
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -129,6 +130,32 @@ def test_generate_records_every_step_with_kv_cache(tmp_path):
     # Decode steps route one new token per row; positions continue where the prompt ended is the
     # model's business, the routes table keeps the row and the position inside this forward.
     routes = store.sql("SELECT step, count(*) AS n FROM routes GROUP BY step ORDER BY step")
+    assert routes.n.tolist() == [2 * 10, 2 * 2, 2 * 2, 2 * 2]
+
+
+def test_a_window_sums_the_forwards_it_covers(tmp_path):
+    """Default windows: the four forwards of a short generate are one record, whose sums equal the
+    per-forward records' and whose routes still say which forward each token came from."""
+    model = tiny_model("mixtral")
+    prompt = torch.randint(0, 128, (2, 5))
+    per_forward, windowed = InMemoryExporter(), InMemoryExporter()
+    for exporter, window in ((per_forward, 1), (windowed, 32)):
+        with probe.attach(model, store=tmp_path / str(window), exporters=[exporter], routes=True,
+                          window=window, window_s=None), torch.no_grad():
+            model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert len(per_forward.records) == 4 and len(windowed.records) == 1
+    window = windowed.records[0]
+    assert (window.step, window.step_end, window.forwards, window.tokens) == (0, 3, 4, 16)
+    for layer, ls in enumerate(window.layers):
+        parts = [r.layers[layer] for r in per_forward.records]
+        np.testing.assert_array_equal(ls.expert_load, sum(p.expert_load for p in parts))
+        np.testing.assert_array_equal(ls.coselection, sum(p.coselection for p in parts))
+        assert ls.tokens == sum(p.tokens for p in parts) == 16
+        entropy = sum(p.router_entropy_mean * p.tokens for p in parts) / 16
+        assert ls.router_entropy_mean == pytest.approx(entropy, rel=1e-12)
+        np.testing.assert_array_equal(ls.routes.step, np.repeat([0, 1, 2, 3], [10, 2, 2, 2]))
+        np.testing.assert_array_equal(ls.routes.expert_ids, np.concatenate([p.routes.expert_ids for p in parts]))
+    routes = Store(tmp_path / "32").sql("SELECT step, count(*) AS n FROM routes GROUP BY step ORDER BY step")
     assert routes.n.tolist() == [2 * 10, 2 * 2, 2 * 2, 2 * 2]
 
 

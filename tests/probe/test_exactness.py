@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import probe
+from probe.accumulate import ENTROPY_BINS
 from probe.zoo import FAMILIES, tiny_model
 from store import InMemoryExporter
 
@@ -210,7 +211,9 @@ def test_entropy_and_margin_by_brute_force(recorded):
             top = sorted(p, reverse=True)
             margins.append(top[0] - top[1])
         assert ls.router_entropy_mean == pytest.approx(np.mean(entropies), rel=1e-5)
-        assert ls.router_entropy_p95 == pytest.approx(np.percentile(entropies, 95), rel=1e-5)
+        # The p95 comes from a 128-bin histogram over [0, ln E]: within half a bin of the exact one.
+        half_bin = np.log(rows.shape[1]) / (2 * ENTROPY_BINS)
+        assert abs(ls.router_entropy_p95 - np.percentile(entropies, 95)) <= half_bin + 1e-9
         assert ls.top1_margin_mean == pytest.approx(np.mean(margins), rel=1e-5, abs=1e-7)
 
 

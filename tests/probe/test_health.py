@@ -56,8 +56,9 @@ def test_sampled_norms_nonfinite_counts_and_weight_checks():
 
     handle = layer.router.register_forward_hook(keep_input)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))
-    with probe.attach(model, exporters=[memory], health=True,
-                      health_options=dict(tokens_per_expert=6, experts_per_forward=None, weight_every=1)) as session, torch.no_grad():
+    with probe.attach(model, exporters=[memory], health=True, window=1,
+                      health_options=dict(tokens_per_expert=6, experts_per_forward=None, weight_every=1,
+                                          sample_every=1)) as session, torch.no_grad():
         model(ids)  # every token sampled: the sums are exact
         views = [p.view(8, -1)[3] for p, _ in _expert_tensors(session.layers[0])[3]]
         for view in views:

@@ -1,0 +1,299 @@
+"""Device accumulators: one vectorised reduction per forward over all MoE layers at once.
+
+Per device the probe owns one flat buffer, preallocated at attach:
+
+    [ counters | group 0 accumulators (L0 x W0) | group 1 ... | health rows | ring 0 | ring 1 ... ]
+
+A *group* is a set of MoE layers with the same routing shape (router width, slots, k, device,
+encoder or decoder side); at the end of each forward their router logits and choices are stacked
+and reduced together into the group's rows with a handful of ops, whatever the number of layers.
+*Rings* hold per-token payloads (routes, sampled router logits or inputs) written at positions the
+device computes from its own counters. Everything is in-place torch arithmetic on the model's
+device: no host tensor, no `.item()`, no data-dependent shape, so the reduction traces into a
+`torch.compile` graph and replays under CUDA graphs. Closing a window copies the counters and the
+used part of the rings out in one transfer and zeroes the counters (`DeviceBuffer.snapshot`).
+
+Counts are stored as float64 (exact below 2^53); float32 on devices without float64 (MPS).
+Router entropy's 95th percentile comes from a fixed-bin histogram over [0, ln E]; read with
+`entropy_quantile`, it is within half a bin width (ln E / (2 * ENTROPY_BINS)) of `torch.quantile`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from probe.adapters import MoELayer
+
+ENTROPY_BINS = 128
+# Sampled tokens are (offset + j * SAMPLE_STRIDE) mod T: distinct for j < T because the stride is
+# a prime larger than any batch, and the offset moves with the device's forward counter.
+SAMPLE_STRIDE = 1_000_003
+SAMPLE_MIX = 2_654_435_761  # Knuth's multiplicative hash: spreads consecutive forwards' offsets
+
+# Counters at the head of each device buffer.
+TOTAL_FORWARDS = 0  # never zeroed: the device's own step counter
+WINDOW_FORWARDS = 1  # forwards in the window, zeroed at each snapshot
+HEAD = 2
+
+
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@dataclass
+class Columns:
+    """Named column ranges of a (rows, width) block."""
+
+    names: dict[str, tuple[int, int]] = field(default_factory=dict)
+    width: int = 0
+
+    def add(self, name: str, size: int) -> None:
+        self.names[name] = (self.width, self.width + size)
+        self.width += size
+
+    def __getitem__(self, name: str) -> slice:
+        start, stop = self.names[name]
+        return slice(start, stop)
+
+    def at(self, name: str) -> int:
+        """The column of a one-wide field."""
+        return self.names[name][0]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+
+@dataclass
+class Ring:
+    """A ring of per-token rows in a device buffer; `pos_col` counts rows written this window."""
+
+    kind: str  # "routes", "logits" or "inputs"
+    group: LayerGroup
+    columns: Columns
+    capacity: int
+    pos_col: int = -1  # index of its counter in the buffer's head region
+    offset: int = -1  # start of its data in the buffer
+    host_rows: int = 0  # rows the host knows were written this window (eager and compiled runs)
+
+    @property
+    def size(self) -> int:
+        return self.capacity * self.columns.width
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset: self.offset + self.size].view(self.capacity, self.columns.width)
+
+
+class LayerGroup:
+    """MoE layers reduced together: same router width, slots, k, device and side of the model."""
+
+    def __init__(self, layers: list[MoELayer], device: torch.device, coselection: bool):
+        first = layers[0]
+        self.layers = layers
+        self.positions = [layer.index for layer in layers]
+        self.device = device
+        self.router_width = first.num_experts + first.zero_experts if first.extra.get("router_width") is None \
+            else first.extra["router_width"]
+        self.slots = first.num_experts + first.zero_experts
+        self.num_experts = first.num_experts
+        self.top_k = first.top_k
+        self.coselection = coselection
+        self.capacity = any(layer.expert_capacity is not None for layer in layers)
+        self.decoder = "decoder" in first.name
+        cols = Columns()
+        cols.add("tokens", 1)
+        cols.add("expert_load", self.slots)
+        cols.add("gate_weight_sum", self.slots)
+        cols.add("router_prob_sum", self.router_width)
+        cols.add("entropy_sum", 1)
+        cols.add("entropy_hist", ENTROPY_BINS)
+        cols.add("margin_sum", 1)
+        cols.add("dropped_tokens", 1)
+        cols.add("dropped_assignments", 1)
+        cols.add("real_slots_kept", 1)
+        cols.add("capacity_use", 1)  # a running maximum, not a sum
+        cols.add("capacity", 1)  # a running maximum
+        if coselection:
+            cols.add("coselection", self.slots * self.slots)
+        self.columns = cols
+        self.offset = -1  # start of the (L, W) block in the buffer
+        self.entropy_scale = ENTROPY_BINS / max(math.log(self.router_width), 1e-12)
+
+    @property
+    def size(self) -> int:
+        return len(self.layers) * self.columns.width
+
+    def key(self) -> tuple:
+        return (self.router_width, self.slots, self.num_experts, self.top_k, str(self.device), self.decoder)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset: self.offset + self.size].view(len(self.layers), self.columns.width)
+
+    def reduce(self, flat: torch.Tensor, logits: Sequence[torch.Tensor], ids: Sequence[torch.Tensor],
+               weights: Sequence[torch.Tensor], kept: Sequence[torch.Tensor | None],
+               capacity: Sequence[int | None], rows: slice) -> tuple[torch.Tensor, ...]:
+        """Add one forward of the layers in `rows` (all the same token count) to the accumulators.
+
+        Returns the stacked (ids, weights, kept, logits) for the rings to reuse.
+        """
+        acc = flat.dtype
+        cols = self.columns
+        n_layers = len(logits)
+        logits_s = torch.stack(logits)  # (L, T, E)
+        ids_s = torch.stack(ids).long()  # (L, T, k)
+        weights_s = torch.stack(weights)
+        tokens = ids_s.shape[1]
+        if all(k is None for k in kept):
+            kept_s = None
+            kept_f = torch.ones_like(ids_s, dtype=acc)
+        else:
+            kept_s = torch.stack([torch.ones_like(i, dtype=torch.bool) if k is None else k for i, k in zip(ids, kept)])
+            kept_f = kept_s.to(acc)
+        flat_ids = ids_s.reshape(n_layers, -1).clamp(0, self.slots - 1)
+
+        log_probs = torch.log_softmax(logits_s.float(), dim=-1)
+        probs = log_probs.exp()
+        entropy = -(probs * log_probs).sum(dim=-1)  # (L, T)
+        if probs.shape[-1] > 1:
+            top2 = probs.topk(2, dim=-1).values
+            margin = top2[..., 0] - top2[..., 1]
+        else:
+            margin = torch.ones_like(entropy)
+        bins = (entropy * self.entropy_scale).long().clamp(0, ENTROPY_BINS - 1)
+
+        zeros = torch.zeros(n_layers, cols.width, dtype=acc, device=flat.device)
+        block = zeros
+        block[:, cols["tokens"]] = tokens
+        block[:, cols["expert_load"]].scatter_add_(1, flat_ids, kept_f.reshape(n_layers, -1))
+        block[:, cols["gate_weight_sum"]].scatter_add_(1, flat_ids, (weights_s.to(acc) * kept_f).reshape(n_layers, -1))
+        block[:, cols["router_prob_sum"]] = probs.sum(dim=1).to(acc)
+        block[:, cols["entropy_sum"]] = entropy.sum(dim=1, keepdim=True).to(acc)
+        block[:, cols["entropy_hist"]].scatter_add_(1, bins, torch.ones_like(bins, dtype=acc))
+        block[:, cols["margin_sum"]] = margin.sum(dim=1, keepdim=True).to(acc)
+        if kept_s is not None:
+            dropped = ~kept_s
+            block[:, cols["dropped_tokens"]] = dropped.all(dim=-1).sum(dim=1, keepdim=True).to(acc)
+            block[:, cols["dropped_assignments"]] = dropped.sum(dim=(1, 2)).unsqueeze(1).to(acc)
+            real = kept_s & (ids_s < self.num_experts)
+        else:
+            real = ids_s < self.num_experts
+        block[:, cols["real_slots_kept"]] = real.sum(dim=(1, 2)).unsqueeze(1).to(acc)
+        if self.coselection:
+            onehot = torch.zeros(n_layers, tokens, self.slots, dtype=torch.float32, device=flat.device)
+            onehot.scatter_add_(2, ids_s.clamp(0, self.slots - 1), kept_f.float())
+            block[:, cols["coselection"]] = torch.bmm(onehot.transpose(1, 2), onehot).reshape(n_layers, -1).to(acc)
+        view = self.view(flat)[rows]
+        if self.capacity and all(c is not None for c in capacity):
+            cap = capacity[0]
+            load = block[:, cols["expert_load"]][:, : self.num_experts]
+            use = load.amax(dim=1, keepdim=True) / cap
+            running = view[:, cols["capacity_use"]]
+            running.copy_(torch.maximum(running, use))
+            view[:, cols["capacity"]].clamp_(min=float(cap))
+        view.add_(block)
+        return ids_s, weights_s, kept_s, logits_s
+
+
+def entropy_quantile(hist: np.ndarray, q: float, router_width: int) -> float:
+    """The q-quantile of router entropy from a fixed-bin histogram over [0, ln E].
+
+    Uses torch.quantile's rule (linear interpolation at rank q * (n - 1)) with each order
+    statistic replaced by its bin's centre, so the result is within half a bin width
+    (ln E / (2 * ENTROPY_BINS)) of the exact quantile of the same tokens. NaN for no tokens.
+    """
+    n = float(hist.sum())
+    if n <= 0:
+        return float("nan")
+    width = max(math.log(router_width), 1e-12) / len(hist)
+    cumulative = np.cumsum(hist)
+    rank = q * (n - 1)
+    low = math.floor(rank)
+    high = min(low + 1, int(n) - 1)
+
+    def centre(order: int) -> float:  # the bin holding the order-th smallest value (0-based)
+        return (int(np.searchsorted(cumulative, order + 1 - 1e-9)) + 0.5) * width
+
+    a, b = centre(low), centre(high)
+    return a + (rank - low) * (b - a)
+
+
+@dataclass
+class HealthRows:
+    """Per-layer health accumulators (see probe/health.py): sums, and the last weight check."""
+
+    num_experts: dict[int, int]
+    positions: list[int]
+    width: int
+    offset: int = -1
+
+    @staticmethod
+    def columns(num_experts: int) -> Columns:
+        cols = Columns()
+        for name in ("samples", "norm_sum", "nonfinite"):
+            cols.add(name, num_experts)
+        cols.add("input_nonfinite", 1)
+        cols.add("summed_end", 0)
+        for name in ("weight_cosine", "weight_norm_ratio", "grad_norm"):
+            cols.add(name, num_experts)
+        cols.add("weight_checked", 1)
+        cols.add("grad_present", 1)
+        return cols
+
+    @property
+    def size(self) -> int:
+        return len(self.positions) * self.width
+
+    def row(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
+        start = self.offset + self.positions.index(layer) * self.width
+        return flat[start: start + self.width]
+
+
+class DeviceBuffer:
+    """The one preallocated accumulator buffer of a device, and its layout."""
+
+    def __init__(self, device: torch.device, groups: list[LayerGroup], rings: list[Ring],
+                 health: HealthRows | None):
+        self.device = device
+        self.groups = groups
+        self.rings = rings
+        self.health = health
+        head = HEAD
+        for ring in rings:
+            ring.pos_col = head
+            head += 1
+        offset = head
+        for group in groups:
+            group.offset = offset
+            offset += group.size
+        if health is not None:
+            health.offset = offset
+            offset += health.size
+        self.counters_end = offset  # counters and accumulators: what a snapshot always copies
+        for ring in rings:
+            ring.offset = offset
+            offset += ring.size
+        self.flat = torch.zeros(offset, dtype=accumulator_dtype(device), device=device)
+
+    def snapshot(self, whole_rings: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Counters, accumulators and each ring's used rows, gathered into one fresh tensor on the
+        device; then the window's counters are zeroed. Returns the tensor and, per ring, the
+        (rows, offset) of its rows in it. `whole_rings`: copy every ring whole (the host did not see
+        every forward, e.g. CUDA-graph replays, so it does not know how far each ring was written).
+        """
+        pieces = [self.flat[: self.counters_end]]
+        layout = []
+        at = self.counters_end
+        for ring in self.rings:
+            rows = ring.capacity if whole_rings else min(ring.host_rows, ring.capacity)
+            layout.append((rows, at))
+            if rows:
+                pieces.append(self.flat[ring.offset: ring.offset + rows * ring.columns.width])
+            at += rows * ring.columns.width
+            ring.host_rows = 0
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        self.flat[WINDOW_FORWARDS: self.counters_end].zero_()
+        return out, layout
