@@ -390,6 +390,17 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "POST" and response.status >= 300:
             recorder.count(f"upstream_status_{response.status // 100}xx")
         kept, size, complete = [], 0, False
+
+        def hand_over() -> None:
+            # Once the engine's whole body is read, before the client's last bytes go out: a client
+            # that has its response and flushes the recorder finds the request recorded.
+            if not capture:
+                return
+            if size > MAX_CAPTURE_BYTES:
+                recorder.count("too_large")
+            else:
+                recorder.submit(Captured(b"".join(kept), content_type, tags))
+
         try:
             self.send_response_only(response.status, response.reason)
             for name, value in response.getheaders():
@@ -407,18 +418,23 @@ class _Handler(BaseHTTPRequestHandler):
                 piece = response.read1(READ_CHUNK) if chunked else response.read(READ_CHUNK)
                 if not piece:
                     break
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
                 if capture:
                     size += len(piece)
                     if size <= MAX_CAPTURE_BYTES:
                         kept.append(piece)
+                if not chunked and not response.length:  # the last piece of a sized body
+                    complete = True
+                    hand_over()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if not complete:
+                complete = True
+                hand_over()
             if chunked:
                 self.wfile.write(b"0\r\n\r\n")
-            complete = True
         except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:  # the client went away, or stalled
             log.debug("moescope proxy: client connection ended mid-response: %s", e)
             self.close_connection = True
-            if capture:
+            if capture and not complete:
                 recorder.count("client_disconnected")
         finally:
             if not complete or response.will_close:
@@ -426,11 +442,6 @@ class _Handler(BaseHTTPRequestHandler):
                 if getattr(self, "_upstream", None) is not None:
                     self._upstream.close()
                     self._upstream = None
-        if capture and complete:
-            if size > MAX_CAPTURE_BYTES:
-                recorder.count("too_large")
-            else:
-                recorder.submit(Captured(b"".join(kept), content_type, tags))
 
     def finish(self) -> None:
         super().finish()
@@ -480,7 +491,8 @@ class RoutingProxy:
         self._thread: threading.Thread | None = None
 
     def start(self) -> RoutingProxy:
-        self._thread = threading.Thread(target=self.server.serve_forever, name="moescope-proxy", daemon=True)
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.1,), name="moescope-proxy",
+                                        daemon=True)
         self._thread.start()
         return self
 
