@@ -1,7 +1,8 @@
-"""Which files a reader should read now: listed, footer-checked, compaction-resolved.
+"""Which files a reader should read now: listed, checked, compaction-resolved.
 
-`Catalog.snapshot()` lists every table, checks the footer of each file it has not seen before
-(bad ones go to quarantine), and leaves out every file that a present compacted file replaces.
+`Catalog.snapshot()` lists every table, checks each file it has not seen before (its footer, then
+every page against its checksum: bad ones go to quarantine, or are skipped where they cannot be
+moved), and leaves out every file that a present compacted file replaces.
 If a listed file vanished while it was being checked, the listing may predate a compaction that
 has since finished, so the whole listing is taken again: a snapshot never mixes the two sides of
 a swap. `compact` waits a grace period between publishing a merged file and deleting its sources,
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 
 from store.layout import decode_replaces, list_parts
-from store.quarantine import quarantine
+from store.quarantine import deep_check, quarantine
 from store.schema import TABLES
 
 
@@ -34,14 +35,22 @@ class Vanished(Exception):
 
 
 class Catalog:
-    def __init__(self, root: str | os.PathLike, quarantine_bad: bool = True):
+    """Checked files of one store, cached by (path, size, mtime): each file is checked once per reader.
+
+    verify=False checks footers only (no read through the pages): faster on a large store, but a
+    damaged page is then found only if it makes a query fail, and bit rot can read as other values.
+    """
+
+    def __init__(self, root: str | os.PathLike, quarantine_bad: bool = True, verify: bool = True):
         self.root = os.fspath(root)
         self.quarantine_bad = quarantine_bad
+        self.verify = verify
         self._checked: dict[tuple[str, int, int], FileInfo] = {}  # (path, size, mtime) -> footer
+        self._bad: dict[tuple[str, int, int], str] = {}  # files found bad that are still in place -> why
         self.quarantined_now: list[str] = []
 
     def _info(self, path: str) -> FileInfo | None:
-        """The file's footer, cached; None if it was bad (and moved to quarantine)."""
+        """The file's footer, cached; None if it was bad (moved to quarantine, or skipped)."""
         try:
             stat = os.stat(path)
         except FileNotFoundError:
@@ -49,6 +58,8 @@ class Catalog:
         key = (path, stat.st_size, stat.st_mtime_ns)
         if key in self._checked:
             return self._checked[key]
+        if key in self._bad:
+            return None
         try:
             meta = pq.read_metadata(path)
             info = FileInfo(path, meta.num_rows, tuple(meta.schema.to_arrow_schema().names),
@@ -56,13 +67,30 @@ class Catalog:
         except FileNotFoundError:
             raise Vanished(path) from None
         except Exception as e:  # a truncated or foreign file: pyarrow raises several types
-            if self.quarantine_bad:
-                moved = quarantine(self.root, path, f"unreadable footer: {type(e).__name__}: {e}")
-                if moved:
-                    self.quarantined_now.append(moved)
+            self.reject(path, f"unreadable footer: {type(e).__name__}: {e}", key)
             return None
+        if self.verify and (problem := deep_check(path)) is not None:
+            self.reject(path, f"damaged data: {problem}", key)
+            return None
+        if not os.path.exists(path):
+            raise Vanished(path)  # deep_check reads a vanished file as "not bad": the listing is stale
         self._checked[key] = info
         return info
+
+    def reject(self, path: str, reason: str, key: tuple[str, int, int] | None = None) -> None:
+        """Take a bad file out of this reader's listings: to quarantine, or skipped where it cannot move."""
+        if key is None:
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                return
+            key = (path, stat.st_size, stat.st_mtime_ns)
+        self._checked.pop(key, None)
+        moved = quarantine(self.root, path, reason) if self.quarantine_bad else None
+        if moved:
+            self.quarantined_now.append(moved)
+        else:
+            self._bad[key] = reason
 
     def live_files(self, table: str, run_id: str | None = None) -> list[FileInfo]:
         """Files of a table that hold live rows (raises Vanished when the listing went stale)."""
@@ -86,3 +114,4 @@ class Catalog:
 
     def forget_missing(self) -> None:
         self._checked = {k: v for k, v in self._checked.items() if os.path.exists(k[0])}
+        self._bad = {k: v for k, v in self._bad.items() if os.path.exists(k[0])}

@@ -3,7 +3,8 @@
 Compaction never stops writers and never shows a reader a row twice or misses one:
 
 1. It takes the live files of one (table, run) (`Catalog`), picks the small ones, and merges them
-   with DuckDB into a file sorted by (layer, step, ...), written under a temporary name.
+   into a file sorted by (layer, step, ...) (DuckDB sorts, pyarrow writes it with page checksums),
+   under a temporary name. Sources that fail their checksums are quarantined, never merged.
 2. The merged file's footer names the files it replaces (`moescope.replaces`); it is fsynced and
    renamed into place. From that instant every new listing reads the merged file and leaves the
    sources out; a listing taken just before still reads the sources, which are all still there.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import re
@@ -31,16 +31,22 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from store.catalog import Catalog, FileInfo, Vanished
 from store.layout import (
     COMPACT_FILE_ROWS,
+    COMPACT_ROW_GROUP_BYTES,
     COMPACT_ROW_GROUP_ROWS,
-    REPLACES_KEY,
     check_name,
     clean_tmp,
     compacted_name,
+    encode_replaces,
     is_valid_name,
     list_runs,
+    parquet_options,
     run_folder,
     tmp_path,
 )
@@ -113,6 +119,40 @@ def _delete_sources(folder: str, names: list[str]) -> None:
             os.remove(os.path.join(folder, name))
 
 
+def _merge(con: duckdb.DuckDBPyConnection, table: str, group: list[FileInfo], tmp: str, row_group_rows: int,
+           metadata: dict[bytes, bytes]) -> int:
+    """Write the rows of `group`, sorted by the table's keys, to `tmp`; returns the rows in its footer.
+
+    DuckDB sorts within its memory limit (spilling if it must); pyarrow writes, so the merged
+    file has page checksums like every other file of the store (DuckDB's writer has none). Row
+    groups hold `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES.
+    """
+    schemas = [pq.read_schema(i.path) for i in group]
+    con.read_parquet([i.path for i in group], hive_partitioning=False,
+                     union_by_name=len({i.columns for i in group}) > 1).create_view("sources", replace=True)
+    order = f" ORDER BY {SORT_KEYS[table]}" if table in SORT_KEYS else ""
+    reader = con.sql(f"SELECT * FROM sources{order}").to_arrow_reader(min(row_group_rows, 64 * 1024))
+    # DuckDB's Arrow types differ in names only (list items, time zone spelling): write the sources' own.
+    unified = pa.unify_schemas([s.remove_metadata() for s in schemas], promote_options="permissive")
+    schema = pa.schema([unified.field(name) for name in reader.schema.names], metadata=metadata)
+    pending: list[pa.RecordBatch] = []
+    rows = size = 0
+    with pq.ParquetWriter(tmp, schema, **parquet_options(schema.names)) as writer:
+        for batch in reader:
+            batch = batch.cast(schema)
+            pending.append(batch)
+            rows, size = rows + batch.num_rows, size + batch.nbytes
+            while rows >= row_group_rows or (rows and size >= COMPACT_ROW_GROUP_BYTES):
+                held = pa.Table.from_batches(pending, schema)
+                take = min(rows, row_group_rows)
+                writer.write_table(held.slice(0, take), row_group_size=take)
+                rest = held.slice(take)
+                pending, rows, size = rest.to_batches(), rest.num_rows, rest.nbytes
+        if rows:
+            writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=rows)
+    return pq.read_metadata(tmp).num_rows
+
+
 def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: int = COMPACT_FILE_ROWS,
                 row_group_rows: int = COMPACT_ROW_GROUP_ROWS, grace_s: float = 2.0,
                 memory_limit: str = "4GB") -> CompactResult:
@@ -141,27 +181,15 @@ def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: i
         if not groups:
             result.skipped = "nothing to merge"
             return result
-        con = connect()
-        con.execute("SET memory_limit = ?", [memory_limit])
-        con.execute("SET preserve_insertion_order = true")
+        con = connect(memory_limit=memory_limit, preserve_insertion_order=True)
         published: list[list[str]] = []
         try:
             for group in groups:
                 name = compacted_name()
                 tmp = tmp_path(os.path.join(folder, name))
                 names = sorted(os.path.basename(i.path) for i in group)
-                columns = {i.columns for i in group}
-                con.read_parquet([i.path for i in group], hive_partitioning=False,
-                                 union_by_name=len(columns) > 1).create_view("sources", replace=True)
-                order = f" ORDER BY {SORT_KEYS[table]}" if table in SORT_KEYS else ""
-                replaces = json.dumps(names).replace("'", "''")
-                literal = tmp.replace("'", "''")
                 try:
-                    con.execute(
-                        f"COPY (SELECT * FROM sources{order}) TO '{literal}' (FORMAT parquet, "
-                        f"COMPRESSION zstd, ROW_GROUP_SIZE {int(row_group_rows)}, "
-                        f"KV_METADATA {{'{REPLACES_KEY.decode()}': '{replaces}'}})")
-                    merged_rows = con.execute("SELECT count(*) FROM read_parquet(?)", [tmp]).fetchall()[0][0]
+                    merged_rows = _merge(con, table, group, tmp, row_group_rows, encode_replaces(names))
                     expected = sum(i.rows for i in group)
                     if merged_rows != expected:
                         raise RuntimeError(f"merged {merged_rows} rows of {table}/{run_id}, expected {expected}")

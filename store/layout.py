@@ -21,6 +21,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,20 @@ COLUMN_ENCODING = {"gate_weights": "BYTE_STREAM_SPLIT"}
 WRITER_ROW_GROUP_ROWS = 128 * 1024
 COMPACT_FILE_ROWS = 8 * 1024 * 1024
 COMPACT_ROW_GROUP_ROWS = 256 * 1024
+# A row group is also cut at this size, so wide rows (router inputs of a large model) do not make
+# a merge hold gigabytes in memory.
+COMPACT_ROW_GROUP_BYTES = 128 * 1024 * 1024
+
+
+def parquet_options(columns: Sequence[str]) -> dict:
+    """Settings of `pyarrow.parquet` writers for a file with these columns (the writer's and compaction's).
+
+    Every page carries a CRC-32 checksum, which readers verify (`store.quarantine.deep_check`): a
+    flipped bit makes a file fail its check and go to quarantine instead of reading as other numbers.
+    """
+    return dict(compression=COMPRESSION, use_dictionary=[c for c in DICTIONARY_COLUMNS if c in columns],
+                column_encoding={c: e for c, e in COLUMN_ENCODING.items() if c in columns},
+                write_page_index=False, write_page_checksum=True)
 
 
 # Names that become parts of a path: a table, a run id. A run id can come from a data file (the

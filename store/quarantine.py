@@ -1,15 +1,19 @@
 """Bad files: detected, moved aside with the reason, listed; never deleted.
 
 A Parquet file can be bad because it was copied in by hand half-way, written by a disk that
-filled up, or damaged later. Readers check every new file's footer (cheap) when they list files,
-and read a file through (expensive) only when a query over it failed. A bad file is moved to
+filled up, or damaged later (bit rot). Readers check every new file when they first list it: its
+footer, then every page against the CRC-32 checksum the writer stored (a read through the file,
+about as costly as one query over all its columns, once per file per reader). A file that still
+makes a query fail is read through again, by DuckDB too. A bad file is moved to
 `<root>/_quarantine/<table>/run_id=<id>/<name>` with a `<name>.reason.json` beside it, a warning
-is logged with both paths, and the rest of the store stays queryable. The user decides what to do
-with what is in quarantine; nothing here deletes it.
+is logged with both paths, and the rest of the store stays queryable. On a full or read-only disk
+a bad file that cannot be moved stays where it is, with a warning, and readers skip it. The user
+decides what to do with what is in quarantine; nothing here deletes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -22,6 +26,7 @@ import pyarrow.parquet as pq
 from store.layout import QUARANTINE_DIR
 
 log = logging.getLogger(__name__)
+REASON_SUFFIX = ".reason.json"
 
 
 class BadFileWarning(UserWarning):
@@ -37,11 +42,23 @@ class QuarantinedFile:
 
 
 def deep_check(path: str) -> str | None:
-    """Read a file through (every row group, every column); the error text, or None if it reads."""
+    """Read a file through, every page checked against its checksum; the error text, or None if it reads.
+
+    Each column of each row group must also read back as many rows as the footer says: the
+    checksum covers a page's data, not its header, and a damaged value count in a header can make
+    a reader return fewer values without an error. Pages written without a checksum (files from
+    before checksums, other writers) are read but cannot be checked. Reads column by column in
+    batches, so a wide row group is never held whole.
+    """
     try:
-        file = pq.ParquetFile(path)
-        for index in range(file.num_row_groups):
-            file.read_row_group(index)
+        file = pq.ParquetFile(path, page_checksum_verification=True)
+        for group in range(file.metadata.num_row_groups):
+            expected = file.metadata.row_group(group).num_rows
+            for column in file.schema_arrow.names:
+                batches = file.iter_batches(batch_size=64 * 1024, row_groups=[group], columns=[column])
+                rows = sum(batch.num_rows for batch in batches)
+                if rows != expected:
+                    return f"column {column!r} of row group {group} holds {rows} rows, its footer says {expected}"
     except FileNotFoundError:
         return None  # gone (compacted or pruned meanwhile): not bad, just not there
     except Exception as e:  # pyarrow raises several types for a damaged file
@@ -50,25 +67,53 @@ def deep_check(path: str) -> str | None:
 
 
 def quarantine(root: str | os.PathLike, path: str, reason: str) -> str | None:
-    """Move `path` into the quarantine folder; returns the new path, None if it had vanished."""
+    """Move `path` into the quarantine folder; returns the new path, or None if it was not moved.
+
+    Never raises for the disk: a file that vanished meanwhile is left alone (another reader moved
+    it, or it was compacted away); one that cannot be moved (full or read-only disk) stays in place
+    with a warning, and the caller skips it. A reason that cannot be saved beside a moved file is
+    in the warning only; no partial reason file is left behind.
+    """
     root = os.fspath(root)
-    relative = os.path.relpath(path, root)
-    target = os.path.join(root, QUARANTINE_DIR, relative)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.exists(target):
-        stem, ext = os.path.splitext(target)
-        target = f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S%f}{ext}"
+    target = os.path.join(root, QUARANTINE_DIR, os.path.relpath(path, root))
     try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.exists(target):
+            stem, ext = os.path.splitext(target)
+            target = f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S%f}{ext}"
         os.replace(path, target)
-    except FileNotFoundError:
-        return None  # another reader moved it first, or it was compacted away
+    except OSError as e:
+        if not os.path.exists(path):
+            return None
+        _warn(f"moescope store: unreadable file {path} could not be moved to quarantine ({e}); it stays "
+              f"where it is and readers skip it ({reason}). Free space on the disk (or make the store writable) "
+              f"and open the store again to move it.")
+        return None
     moved_at = dt.datetime.now(dt.timezone.utc).isoformat()
-    with open(target + ".reason.json", "w") as f:
-        json.dump({"original_path": path, "reason": reason, "moved_at": moved_at}, f)
-    message = f"moescope store: unreadable file {path} moved to {target} ({reason})"
-    log.warning(message)
-    warnings.warn(message, BadFileWarning, stacklevel=3)
+    saved = _write_reason(target, {"original_path": path, "reason": reason, "moved_at": moved_at})
+    _warn(f"moescope store: unreadable file {path} moved to {target} ({reason})"
+          + ("" if saved is None else f"; the reason could not be saved beside it: {saved}"))
     return target
+
+
+def _write_reason(target: str, reason: dict) -> OSError | None:
+    """Write `<target>.reason.json` through a temporary name; the error, or None when it was written."""
+    final = target + REASON_SUFFIX
+    tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(final) + ".inprogress")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(reason, f)
+        os.replace(tmp, final)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return e
+    return None
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, BadFileWarning, stacklevel=4)
 
 
 def quarantined(root: str | os.PathLike) -> list[QuarantinedFile]:
@@ -77,14 +122,15 @@ def quarantined(root: str | os.PathLike) -> list[QuarantinedFile]:
     found = []
     for folder, _, names in os.walk(base):
         for name in sorted(names):
-            if name.endswith(".reason.json"):
+            if name.endswith(REASON_SUFFIX) or name.startswith("."):
                 continue
             path = os.path.join(folder, name)
             try:
-                with open(path + ".reason.json") as f:
+                with open(path + REASON_SUFFIX) as f:
                     info = json.load(f)
             except (OSError, ValueError):
-                info = {"original_path": "", "reason": "unknown", "moved_at": ""}
+                info = {"original_path": "", "reason": "unknown (not saved: the disk may have been full)",
+                        "moved_at": ""}
             found.append(QuarantinedFile(path=path, original_path=info.get("original_path", ""),
                                          reason=info.get("reason", ""), moved_at=info.get("moved_at", "")))
     return sorted(found, key=lambda q: q.path)

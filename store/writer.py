@@ -25,12 +25,10 @@ import pyarrow.parquet as pq
 
 from probe.records import Routes, RunInfo, StepRecord
 from store.layout import (
-    COLUMN_ENCODING,
-    COMPRESSION,
-    DICTIONARY_COLUMNS,
     WRITER_ROW_GROUP_ROWS,
     check_part_name,
     check_rank,
+    parquet_options,
     part_name,
     run_folder,
     tmp_path,
@@ -247,10 +245,7 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
     # run_id lives in the folder name (hive partitioning); keeping it in the file too means a
     # file copied elsewhere still says which run it belongs to.
     try:
-        pq.write_table(data, tmp, compression=COMPRESSION, row_group_size=row_group_size,
-                       use_dictionary=[c for c in DICTIONARY_COLUMNS if c in data.column_names],
-                       column_encoding={c: e for c, e in COLUMN_ENCODING.items() if c in data.column_names},
-                       write_page_index=False)
+        pq.write_table(data, tmp, row_group_size=row_group_size, **parquet_options(data.column_names))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -28,3 +29,47 @@ def spawn():
         for stream in (proc.stdout, proc.stderr):
             if stream:
                 stream.close()
+
+
+class SmallDisk:
+    """A real tmpfs of `size` bytes mounted for one test; `fill()` takes every free byte, `free()` gives them back."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._filler = os.path.join(path, "filler")
+        self._inodes = 0
+
+    def fill(self) -> None:
+        with open(self._filler, "ab", buffering=0) as f:
+            for chunk in (1 << 16, 1 << 12, 1):
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * chunk)
+        # and every inode: on a full disk a new folder needs space too (tmpfs counts inodes only)
+        with contextlib.suppress(OSError):
+            while True:
+                self._inodes += 1
+                open(f"{self._filler}-{self._inodes}", "xb").close()
+
+    def free(self) -> None:
+        for index in range(self._inodes + 1):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f"{self._filler}-{index}" if index else self._filler)
+        self._inodes = 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs of 512 inodes at tmp_path/disk; skips (saying why) where mounting needs root we do not have."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill a disk needs root: run as root (CI does) to test full disks")
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=512", "tmpfs", str(path)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}): the full-disk tests need it")
+    try:
+        yield SmallDisk(str(path))
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -49,7 +49,9 @@ def test_a_file_with_a_bad_footer_is_quarantined(store_root, damage):
     assert not bad.exists()
 
 
-def test_damage_inside_a_file_is_found_when_a_query_trips_on_it(store_root):
+def test_damage_inside_a_file_is_found_when_it_is_next_listed(store_root):
+    """A file damaged after a reader checked it is a new file to that reader (its mtime changed):
+    the next refresh reads it through, pages against their checksums, and moves it aside."""
     victim, total = _victim(store_root)
     good_rows = total - __import__("pyarrow.parquet").parquet.read_metadata(victim).num_rows
     store = Store(store_root)
@@ -61,10 +63,10 @@ def test_damage_inside_a_file_is_found_when_a_query_trips_on_it(store_root):
     tmp = victim.with_name(".tmp-damaged")
     tmp.write_bytes(bytes(data))
     os.replace(tmp, victim)
-    store.refresh()
-    with pytest.warns(BadFileWarning, match="unreadable data"):
-        query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
-        n = int(store.sql(query).n[0])
+    with pytest.warns(BadFileWarning, match="damaged data"):
+        store.refresh()
+    query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
+    n = int(store.sql(query).n[0])
     assert n == good_rows
     assert [q.original_path for q in store.quarantined()] == [str(victim)]
     other = Store(store_root)  # a fresh reader does not trip on it again
