@@ -104,6 +104,22 @@ def guard() -> Iterator[None]:
         st.warning(f"The store could not answer this view: {e}")
 
 
+NOT_RECORDED = "not recorded by this source"
+
+
+def run_source(ctx: PageContext) -> str:
+    """What recorded the run: "probe", or the engine an importer or the proxy read (`runs.source`)."""
+    rows = data.run_rows(ctx.root, ctx.version, "runs", ctx.run_id)
+    if rows is None or "source" not in rows.columns or rows.source.isna().all():
+        return "probe"  # stores written before the column existed were all written by the probe
+    return str(rows.source.dropna().iloc[0])
+
+
+def not_recorded(what: str, ctx: PageContext) -> str:
+    """'<what>: not recorded by this source (<source>)', the text a view shows instead of zeros."""
+    return f"{what}: {NOT_RECORDED} ({run_source(ctx)})"
+
+
 def layer_picker(ctx: PageContext, key: str, label: str = "MoE layer") -> int | None:
     layers = ctx.layer_ids()
     if not layers:

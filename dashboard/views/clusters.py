@@ -42,7 +42,9 @@ with common.guard():
     colour = right.selectbox("Colour by", ["top-1 expert", *keys], key="cl_colour")
 
     points = embedding(ctx.root, ctx.run_id, layer, size, ctx.version)
-    if points.empty:
+    if points.empty and common.run_source(ctx) != "probe":
+        st.info(common.not_recorded("Router inputs", ctx) + ": the engine hands out only the experts it chose.")
+    elif points.empty:
         st.info("No router inputs recorded for this layer. Attach the probe with `router_inputs=N` to "
                 "sample N router inputs per layer and forward.")
     elif points.x.isna().all():

@@ -71,10 +71,17 @@ with common.guard():
     values = pd.DataFrame(rows)
     table = values.pivot(index="metric", columns="side", values="value").reindex(list(dict.fromkeys(values.metric)))
     st.dataframe(table, key="cp_table")
+    missing = values[values.value.isna()]
+    if not missing.empty:  # an imported run has loads only: say so rather than show blanks as zeros
+        sides_missing = missing.groupby("side", sort=False)
+        st.caption("; ".join(f"{side}: {', '.join(group.metric)}" for side, group in sides_missing)
+                   + f" — {common.NOT_RECORDED}.")
     st.plotly_chart(fg.compare_scalars_figure(values.dropna(subset=["value"])), key="cp_scalars_chart")
     st.caption("Latency per token is the forward's host wall time (hooks included) over its tokens, as "
                "the probe recorded it.")
     left, right = st.columns(2)
     left.plotly_chart(fg.compare_layers_figure(layer_frames, "cv", "Load spread (CV) per layer"), key="cp_cv_chart")
-    right.plotly_chart(fg.compare_layers_figure(layer_frames, "router_entropy", "Router entropy per layer (nats)"),
+    has_entropy = any(df.router_entropy.notna().any() for df in layer_frames.values())
+    right.plotly_chart(fg.compare_layers_figure(layer_frames, "router_entropy", "Router entropy per layer (nats)")
+                       if has_entropy else fg.empty_figure(f"router entropy: {common.NOT_RECORDED}"),
                        key="cp_entropy_chart")

@@ -102,6 +102,8 @@ with common.guard():
             "kept": tokens.kept, "tags": [common.tags_text(t) for t in tokens.tags],
         })
         st.dataframe(table, hide_index=True, key="hm_tokens_table")
+        if tokens.gate_weight.isna().all() and tokens.kept.isna().all():
+            st.caption(common.not_recorded("Gate weights and capacity drops (kept)", ctx) + ".")
         st.caption(f"{len(table)} tokens shown (at most {limit}); slot 0 is the expert's first choice."
                    + ("" if ctx.settings.tokenizer else " Token ids only: start the dashboard with "
                       "`--tokenizer PATH` to see their text."))

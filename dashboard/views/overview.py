@@ -29,29 +29,38 @@ with common.guard():
         else pd.DataFrame(columns=["cv", "max_mean", "top_share", "hottest"])
     tokens = float(layer_totals.tokens.sum()) if not layer_totals.empty else 0.0
     dropped = float(layer_totals.dropped_tokens.sum()) if not layer_totals.empty else 0.0
+    # An imported run (vLLM, SGLang, ...) has loads but no logits, drops or parameter counts: null, not 0.
+    has_active = pd.notna(totals.get("active_fraction"))
+    has_entropy = not layer_totals.empty and layer_totals.router_entropy.notna().any()
+    has_dropped = layer_totals.empty or layer_totals.dropped_tokens.notna().any()
 
     cols = st.columns(4) + st.columns(4)[:3]
     cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
     cols[1].metric("Steps", f"{int(totals['steps']):,}")
-    cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}",
+    cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}" if has_active else "—",
                    help="Parameters each token really used (shared + the experts it was routed to), "
                         "token-weighted over the run, as a share of all parameters.")
     cols[3].metric("Load spread (CV)", f"{np.nanmean(spreads.cv):.3f}" if len(spreads) else "—",
                    help="Coefficient of variation of tokens per expert, averaged over layers; 0 is even.")
-    cols[4].metric("Router entropy", f"{layer_totals.router_entropy.mean():.3f} nats" if len(layer_totals) else "—")
-    cols[5].metric("Dropped tokens", f"{int(dropped):,}",
+    cols[4].metric("Router entropy", f"{layer_totals.router_entropy.mean():.3f} nats" if has_entropy else "—")
+    cols[5].metric("Dropped tokens", f"{int(dropped):,}" if has_dropped else "—",
                    help="Tokens no expert processed because every chosen expert was at capacity, summed "
                         "over layers." + (f" {dropped / tokens:.2%} of layer-tokens." if tokens else ""))
     cols[6].metric("Alerts firing now", "—" if alerts is None else str(len(firing)),
                    help="No alerts table in this store yet." if alerts is None else None)
 
+    missing = [what for what, has in (("active parameters", has_active), ("router entropy", has_entropy),
+                                      ("dropped tokens", has_dropped)) if not has]
+    if missing:
+        st.caption(common.not_recorded(", ".join(missing).capitalize(), ctx)
+                   + ": the engine hands out which experts it chose, not router logits, drops or parameter counts.")
     total_params = totals.get("total_params")
-    used = totals["active_fraction"] * total_params if total_params else float("nan")
-    st.markdown(
-        f"**This model used {totals['active_fraction']:.2%} of its parameters per token** "
-        f"({used:,.0f} of {total_params:,.0f})." if total_params else "")
-    st.caption(f"By batch it ranged from {totals['active_min']:.2%} to {totals['active_max']:.2%} "
-               f"(5th–95th percentile {totals['active_p5']:.2%}–{totals['active_p95']:.2%}).")
+    if has_active and pd.notna(total_params) and total_params:
+        used = totals["active_fraction"] * total_params
+        st.markdown(f"**This model used {totals['active_fraction']:.2%} of its parameters per token** "
+                    f"({used:,.0f} of {total_params:,.0f}).")
+        st.caption(f"By batch it ranged from {totals['active_min']:.2%} to {totals['active_max']:.2%} "
+                   f"(5th–95th percentile {totals['active_p5']:.2%}–{totals['active_p95']:.2%}).")
 
     if len(spreads) and spreads.hottest.ge(0).any():
         worst = int(np.nanargmax(spreads.top_share.to_numpy(dtype=float)))
@@ -64,7 +73,8 @@ with common.guard():
 
     over_time = data.active_fraction_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     left, right = st.columns(2)
-    left.plotly_chart(fg.active_fraction_figure(over_time), key="ov_active_chart")
+    left.plotly_chart(fg.active_fraction_figure(over_time) if has_active else
+                      fg.empty_figure(common.not_recorded("active parameters", ctx)), key="ov_active_chart")
     tags = data.tag_values(ctx.root, ctx.version, ctx.run_id)
     keys = sorted(set(tags.key))
     with right:
@@ -79,8 +89,10 @@ with common.guard():
     entropy = data.entropy_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     a, b, c = st.columns(3)
     a.plotly_chart(fg.layer_spread_figure(layer_totals), key="ov_spread_chart")
-    b.plotly_chart(fg.entropy_figure(entropy), key="ov_entropy_chart")
-    c.plotly_chart(fg.dropped_figure(entropy), key="ov_dropped_chart")
+    b.plotly_chart(fg.entropy_figure(entropy) if has_entropy else
+                   fg.empty_figure(common.not_recorded("router entropy", ctx)), key="ov_entropy_chart")
+    c.plotly_chart(fg.dropped_figure(entropy) if has_dropped else
+                   fg.empty_figure(common.not_recorded("dropped tokens", ctx)), key="ov_dropped_chart")
 
     st.subheader("Alerts firing now")
     if alerts is None:

@@ -53,7 +53,7 @@ class SourceStep:
     """One step of a source: a forward pass, a request, a training iteration or a window of them.
 
     `routes` holds per-token routes per layer, `counts` slots per expert per layer (sources that
-    only count); a layer is in one of the two. `tokens` overrides the token count of a counted layer.
+    only count; their tokens are slots / top-k); a layer is in one of the two.
     """
 
     step: int
