@@ -98,6 +98,7 @@ expert_tag_load = _cached(queries.expert_tag_load)
 drift_windows = _cached(queries.drift_windows)
 run_rows = _cached(queries.run_rows)
 side_summary = _cached(queries.side_summary)
+probe_stats = _cached(Store.probe_stats)
 
 
 @st.cache_data(max_entries=32, show_spinner=False)

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -38,6 +39,12 @@ from store.schema import SCHEMAS, layers_table, routes_table, run_table, step_ta
 log = logging.getLogger(__name__)
 
 POLICIES = ("block", "drop")
+# The queue between the model and the writer holds at most this many bytes of records (and at
+# most `max_queue` records): 256 MiB is a few seconds of per-token routes of a large model at
+# serving rates, or about 60 records of 4 Ki sampled router inputs of width 4096 in float32.
+DEFAULT_MAX_QUEUE_BYTES = 256 * 1024 * 1024
+# A table's rows are written once they hold this many bytes, even before `max_rows` or `max_age_s`.
+DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
 
 class Exporter(Protocol):
@@ -66,22 +73,54 @@ def record_rows(record: StepRecord) -> dict[str, int]:
     return rows
 
 
+def record_bytes(record: object) -> int:
+    """Host memory a queued record holds: its numpy arrays' bytes (a probe window not yet built:
+    its host buffers'), plus a small fixed cost for the Python objects."""
+    nbytes = getattr(record, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes + _RECORD_OVERHEAD
+    return _array_bytes(record) + _RECORD_OVERHEAD
+
+
+_RECORD_OVERHEAD = 1024
+
+
+def _array_bytes(value: object) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_array_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_array_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
 class BatchProcessor:
     """A bounded queue and one worker thread between the model and the exporters.
 
-    policy="block" is lossless: when the queue is full the model waits. policy="drop" never makes
-    the model wait: a record that does not fit is dropped and counted, per table, with a reason.
+    The queue is bounded by records (`max_queue`) and by bytes (`max_queue_bytes`, counted from
+    each record's arrays, and held until the record's batch is exported): a burst of large records
+    cannot hold more memory than that. A record larger than the whole byte bound is let into an
+    empty queue only. policy="block" is lossless: when the queue is full the model waits.
+    policy="drop" never makes the model wait: a record that does not fit is dropped and counted,
+    per table, with a reason ("queue_full" for the record bound, "queue_bytes_full" for bytes).
     """
 
     def __init__(self, exporters: Sequence[Exporter], max_queue: int = 256, policy: str = "block",
-                 flush_interval_s: float = 5.0, max_batch: int = 32):
+                 flush_interval_s: float = 5.0, max_batch: int = 32,
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        if max_queue_bytes < 1:
+            raise ValueError(f"max_queue_bytes must be at least 1, not {max_queue_bytes!r}")
         self.exporters = list(exporters)
         self.policy = policy
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
+        self.max_queue_bytes = max_queue_bytes
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._space = threading.Condition(threading.Lock())  # guards queued_bytes
+        self.queued_bytes = 0  # bytes of records emitted and not yet exported
         self._lock = threading.Lock()
         self.dropped_records: Counter[str] = Counter()  # reason -> records
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
@@ -96,15 +135,45 @@ class BatchProcessor:
         if self._closed:
             self._count_drop(record, "closed")
             return
+        size = 0
         try:
+            size = record_bytes(record)
+            refused = self._reserve(size)
+            if refused:
+                self._count_drop(record, refused)
+                return
             if self.policy == "block":
-                self._queue.put(record)
+                self._queue.put((record, size))
             else:
-                self._queue.put_nowait(record)
+                self._queue.put_nowait((record, size))
         except queue.Full:
+            self._release(size)
             self._count_drop(record, "queue_full")
         except Exception:  # the model thread must never see the probe fail
+            self._release(size)
             self._count_drop(record, "error")
+
+    def _reserve(self, size: int) -> str | None:
+        """Take `size` bytes of the queue's bound; the reason a record is refused, or None."""
+        with self._space:
+            def fits() -> bool:
+                return not self.queued_bytes or self.queued_bytes + size <= self.max_queue_bytes
+
+            if self.policy == "block":
+                while not fits() and not self._closed:
+                    self._space.wait()
+                if self._closed:
+                    return "closed"
+            elif not fits():
+                return "queue_bytes_full"
+            self.queued_bytes += size
+            return None
+
+    def _release(self, size: int) -> None:
+        if size:
+            with self._space:
+                self.queued_bytes -= size
+                self._space.notify_all()
 
     def _count_drop(self, record: StepRecord, reason: str) -> None:
         with self._lock:
@@ -113,9 +182,15 @@ class BatchProcessor:
                 self.dropped_rows[(table, reason)] += rows
 
     def count_dropped_rows(self, table: str, reason: str, rows: int) -> None:
-        """Rows a producer lost before they became a record (e.g. a full device ring)."""
+        """Rows lost outside the queue: before they became a record (e.g. a full device ring), or
+        after, by an exporter (e.g. a write that failed: `ParquetExporter`)."""
         with self._lock:
             self.dropped_rows[(table, reason)] += rows
+
+    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """A consistent copy of (rows dropped per (table, reason), records dropped per reason)."""
+        with self._lock:
+            return dict(self.dropped_rows), dict(self.dropped_records)
 
     def _built(self, item: object) -> StepRecord | None:
         """A record, building a probe window on this (the writer's) thread; None if that failed."""
@@ -136,18 +211,22 @@ class BatchProcessor:
                 self._flush_exporters()
                 continue
             batch: list[StepRecord] = []
+            held = 0  # queue bytes of the batch, given back once it is exported
             stop = False
             while item is not None:
                 if isinstance(item, threading.Event):
                     self._export(batch)
-                    batch = []
+                    self._release(held)
+                    batch, held = [], 0
                     self._flush_exporters()
                     item.set()
                 elif item is _STOP:
                     stop = True
                     break
                 else:
-                    record = self._built(item)
+                    pending, size = item
+                    held += size
+                    record = self._built(pending)
                     if record is not None:
                         batch.append(record)
                 if len(batch) >= self.max_batch:
@@ -157,6 +236,7 @@ class BatchProcessor:
                 except queue.Empty:
                     item = None
             self._export(batch)
+            self._release(held)
             if stop:
                 self._flush_exporters()
                 return
@@ -195,6 +275,8 @@ class BatchProcessor:
         if self._closed:
             return
         self._closed = True
+        with self._space:
+            self._space.notify_all()  # a model thread waiting for queue bytes gives up ("closed")
         self._queue.put(_STOP)
         self._worker.join(timeout_s)
         for exporter in self.exporters:
@@ -262,41 +344,78 @@ class ParquetExporter:
     One instance writes one run from one process; file names carry rank, pid, a sequence number
     and the clock, so processes and ranks write side by side without locks. Rows are lost to a
     crash only from the buffers, which hold at most `max_age_s` seconds (the flush interval) of
-    data; a write that fails (disk full) is counted in `dropped_rows` with reason `write_failed`.
-    Route rows stay numpy arrays until their flush, which converts them in one vectorised pass.
+    data, `max_rows` rows or `max_bytes` bytes per table. Route rows stay numpy arrays until their
+    flush, which converts them in one vectorised pass.
+
+    A write that fails (disk full) loses its rows: they are counted with reason `write_failed` in
+    the processor's `dropped_rows` (so `session.probe_stats()` and Prometheus see them; in this
+    exporter's own `dropped_rows` when it has no processor), one error is logged when failures
+    start and one line when writes work again, and the counts reach the `probe_stats` table at
+    the first flush the disk takes. The run's `runs` and `layers` rows are kept and retried
+    until they are written (counted as lost only if the exporter shuts down first).
     """
 
     def __init__(self, root: str | os.PathLike, run: RunInfo, max_rows: int = 256 * 1024,
-                 max_age_s: float = 5.0, processor: BatchProcessor | None = None):
+                 max_age_s: float = 5.0, processor: BatchProcessor | None = None,
+                 max_bytes: int = DEFAULT_MAX_BUFFER_BYTES):
+        run_folder(root, "runs", run.run_id)  # a run id that cannot be a folder is refused at attach
+        check_rank(run.rank)
         self.root = os.fspath(root)
         self.run = run
         self.max_rows = max_rows
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
         self.processor = processor  # whose drop counters go into probe_stats
         self._buffers: dict[str, list[pa.Table]] = {}
         self._route_pieces: list[tuple[int, int, dict[str, str], Routes]] = []
         self._rows: Counter[str] = Counter()
+        self._bytes: Counter[str] = Counter()
         self._first_at: dict[str, float] = {}
         self.written_rows: Counter[str] = Counter()
-        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, write side
+        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, without a processor
         self.files: list[str] = []
         self._seq = 0
         self._stats_written: tuple | None = None
+        self._stats_tried = time.monotonic()
+        self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
         self._closed = False
-        self._write("runs", run_table(run))
-        if run.layers:
-            self._write("layers", layers_table(run))
+        self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
+        self._write_run()
 
-    def _write(self, table: str, data: pa.Table) -> None:
+    def _write_run(self) -> None:
+        """Write the run's own rows that are not on disk yet (they are retried, not dropped)."""
+        self._unwritten_run = [(table, data) for table, data in self._unwritten_run
+                               if not self._write(table, data, retried=True)]
+
+    def _write(self, table: str, data: pa.Table, retried: bool = False) -> bool:
+        """Write `data` as a new part of `table`; False when the disk refused it.
+
+        Rows of a failed write are counted as dropped (`write_failed`) unless the caller keeps
+        them to write again (`retried`).
+        """
         self._seq += 1
         try:
             path = write_table_file(self.root, table, self.run.run_id, data, self.run.rank, self._seq)
         except OSError as e:
-            log.error("moescope: writing %d rows of %s to %s failed: %s", data.num_rows, table, self.root, e)
-            self.dropped_rows[(table, "write_failed")] += data.num_rows
-            return
+            if self._failing is None:
+                self._failing = Counter()
+                log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
+                          "write_failed (session.probe_stats(), Prometheus, the probe_stats table) until a "
+                          "write succeeds again", self.root, e)
+            if not retried:
+                self._failing[table] += data.num_rows
+                if self.processor is not None:
+                    self.processor.count_dropped_rows(table, "write_failed", data.num_rows)
+                else:
+                    self.dropped_rows[(table, "write_failed")] += data.num_rows
+            return False
+        if self._failing is not None:
+            lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
+            log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root, lost)
+            self._failing = None
         self.files.append(path)
         self.written_rows[table] += data.num_rows
+        return True
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         if self._closed:
@@ -308,20 +427,28 @@ class ParquetExporter:
                 if ls.routes is not None:
                     self._route_pieces.append((record.step, ls.layer, record.tags, ls.routes))
                     self._rows["routes"] += len(ls.routes.expert_ids)
+                    self._bytes["routes"] += _array_bytes(ls.routes)
                     self._first_at.setdefault("routes", now)
             light = dataclasses.replace(record, layers=[dataclasses.replace(ls, routes=None)
                                                         for ls in record.layers])
             for table, rows in step_tables(light, rank).items():
                 self._buffers.setdefault(table, []).append(rows)
                 self._rows[table] += rows.num_rows
+                self._bytes[table] += rows.nbytes
                 self._first_at.setdefault(table, now)
         for table in list(self._first_at):
-            if self._rows[table] >= self.max_rows or now - self._first_at[table] >= self.max_age_s:
+            if (self._rows[table] >= self.max_rows or self._bytes[table] >= self.max_bytes
+                    or now - self._first_at[table] >= self.max_age_s):
                 self._flush_table(table)
+        if self._unwritten_run:
+            self._write_run()
+        if now - self._stats_tried >= self.max_age_s:
+            self._write_changed_stats()  # drops reach the disk within a flush interval under steady load
         return True
 
     def _flush_table(self, table: str) -> None:
         self._rows.pop(table, None)
+        self._bytes.pop(table, None)
         self._first_at.pop(table, None)
         if table == "routes":
             pieces, self._route_pieces = self._route_pieces, []
@@ -335,24 +462,33 @@ class ParquetExporter:
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         for table in list(self._first_at):
             self._flush_table(table)
-        if self._drop_counts() != self._stats_written and any(self._drop_counts()):
-            self.write_probe_stats()  # drops are made durable at the next flush, not only at exit
+        if self._unwritten_run:
+            self._write_run()
+        self._write_changed_stats()  # drops are made durable at the next flush, not only at exit
         return True
 
-    def _drop_counts(self) -> tuple:
-        dropped = self.processor.dropped_rows if self.processor else Counter()
-        return tuple(sorted((dropped + self.dropped_rows).items()))
+    def _write_changed_stats(self) -> None:
+        """Write probe_stats if drops changed since the last snapshot on disk (or it failed)."""
+        self._stats_tried = time.monotonic()
+        drops = self._drop_counts()[0]
+        if drops != self._stats_written and drops:
+            self.write_probe_stats()
 
-    def write_probe_stats(self) -> None:
+    def _drop_counts(self) -> tuple[tuple, dict[str, int]]:
+        """(rows dropped per (table, reason), sorted; records dropped per reason), copied consistently."""
+        rows, records = self.processor.drop_counts() if self.processor else (dict(self.dropped_rows), {})
+        return tuple(sorted(rows.items())), records
+
+    def write_probe_stats(self) -> bool:
         """Write cumulative written and dropped rows, per table and reason, into probe_stats.
 
         Each write is a snapshot of this writer's counters (rank, pid); readers take the latest
-        snapshot per writer (`Store.probe_stats`).
+        snapshot per writer (`Store.probe_stats`). Returns False when the disk refused it: the
+        snapshot is then written at a later flush (it is cumulative; nothing is counted as lost).
         """
         now = dt.datetime.now(dt.timezone.utc)
-        drops = self._drop_counts()
+        drops, dropped_records = self._drop_counts()
         dropped = Counter(dict(drops))
-        dropped_records = self.processor.dropped_records if self.processor else Counter()
         rows = []
         for table in SCHEMAS:
             if table == "probe_stats":
@@ -368,14 +504,21 @@ class ParquetExporter:
                 rows.append(dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
                                  dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0,
                                  reason=reason))
+        if rows and not self._write("probe_stats", pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]),
+                                    retried=True):
+            return False
         self._stats_written = drops
-        if rows:
-            self._write("probe_stats", pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]))
+        return True
 
     def shutdown(self) -> None:
         if self._closed:
             return
         for table in list(self._first_at):
             self._flush_table(table)
-        self.write_probe_stats()
+        for table, data in self._unwritten_run:  # the last try: no later flush will retry them
+            self._write(table, data)
+        self._unwritten_run = []
+        if not self.write_probe_stats():
+            log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
+                      self.run.run_id, self.root, dict(self._drop_counts()[0]) or "no drops")
         self._closed = True

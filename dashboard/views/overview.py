@@ -34,7 +34,10 @@ with common.guard():
     has_entropy = not layer_totals.empty and layer_totals.router_entropy.notna().any()
     has_dropped = layer_totals.empty or layer_totals.dropped_tokens.notna().any()
 
-    cols = st.columns(4) + st.columns(4)[:3]
+    stats = data.probe_stats(ctx.root, ctx.version, ctx.run_id)
+    lost = stats[stats.reason.notna() & (stats.dropped_rows > 0)]
+
+    cols = st.columns(4) + st.columns(4)
     cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
     cols[1].metric("Steps", f"{int(totals['steps']):,}")
     cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}" if has_active else "—",
@@ -48,6 +51,14 @@ with common.guard():
                         "over layers." + (f" {dropped / tokens:.2%} of layer-tokens." if tokens else ""))
     cols[6].metric("Alerts firing now", "—" if alerts is None else str(len(firing)),
                    help="No alerts table in this store yet." if alerts is None else None)
+    cols[7].metric("Rows not recorded", f"{int(lost.dropped_rows.sum()):,}",
+                   help="Rows the probe recorded but could not keep (a full queue, a failed write), over all "
+                        "tables and writers of the run, as of the writers' last probe_stats on disk.")
+    if len(lost):
+        by_reason = ", ".join(f"{int(r.dropped_rows):,} rows of {r.table_name} ({r.reason})" for r in lost.itertuples())
+        st.warning(f"The probe could not record everything: {by_reason}. `write_failed`: the disk refused a write "
+                   "(full or read-only); `queue_full` / `queue_bytes_full`: the writer fell behind under "
+                   "policy=\"drop\". The numbers on this page leave those rows out.")
 
     missing = [what for what, has in (("active parameters", has_active), ("router entropy", has_entropy),
                                       ("dropped tokens", has_dropped)) if not has]

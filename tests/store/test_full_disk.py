@@ -68,3 +68,73 @@ def test_a_reason_that_cannot_be_saved_leaves_no_empty_file(small_disk):
     assert moved.path == str(root / "_quarantine" / "routes" / "run_id=r" / bad.name)
     assert moved.reason.startswith("unknown")
     assert _empty_files(root) == []
+
+
+def _rows_on_disk(root: Path, table: str) -> int:
+    return sum(pq.read_metadata(p).num_rows for p in (root / table).rglob("part-*.parquet"))
+
+
+def _latest_probe_stats(root: Path) -> dict[tuple[str, str], int]:
+    """The last probe_stats snapshot on disk, read from the raw Parquet rows: (table, reason) -> rows."""
+    rows = [row for p in (root / "probe_stats").rglob("part-*.parquet") for row in pq.read_table(p).to_pylist()]
+    last = max(row["ts"] for row in rows)
+    return {(r["table_name"], r["reason"]): r["dropped_rows"] for r in rows if r["ts"] == last and r["reason"]}
+
+
+def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_store(small_disk, caplog):
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    import probe
+    from alerts.prometheus import PrometheusExporter
+    from probe.zoo import tiny_model
+
+    root = Path(small_disk.path) / "store"
+    model = tiny_model("mixtral")
+    registry = CollectorRegistry()
+    generator = torch.Generator().manual_seed(0)
+    batch, seq = 2, 8
+    session = probe.attach(model, store=root, routes=True, window=1, flush_interval_s=0.05,
+                           exporters=[PrometheusExporter(registry=registry)])
+    layers = len(session.layers)
+    forwards = 0
+
+    def run(n: int) -> None:
+        nonlocal forwards
+        with torch.no_grad():
+            for i in range(n):
+                model(torch.randint(0, 128, (batch, seq), generator=generator))
+                forwards += 1
+                if i % 3 == 2:
+                    assert session.flush(30)
+        assert session.flush(30)
+
+    try:
+        run(3)
+        small_disk.fill()
+        with caplog.at_level("WARNING", logger="store.writer"):
+            run(12)
+            written, dropped = session.probe_stats()
+            lost = {table: dropped.get((table, "write_failed"), 0) for table in ("steps", "layer_steps", "routes")}
+            assert lost["steps"] >= 12 and lost["layer_steps"] == lost["steps"] * layers
+            assert lost["routes"] == lost["steps"] * layers * batch * seq  # tens of thousands at real sizes
+            for (table, reason), rows in dropped.items():
+                value = registry.get_sample_value("moe_probe_records_dropped_total", {"table": table, "reason": reason})
+                assert value == rows, (table, reason)
+            small_disk.free()
+            run(3)
+        failing = [r for r in caplog.records if "cannot write to the store" in r.getMessage()]
+        recovered = [r for r in caplog.records if "works again" in r.getMessage()]
+        assert len(failing) == 1 and len(recovered) == 1, "one log line when failures start, one when they end"
+    finally:
+        session.close()
+
+    written, dropped = session.probe_stats()
+    emitted = {"steps": forwards, "layer_steps": forwards * layers, "routes": forwards * layers * batch * seq}
+    for table, rows in emitted.items():
+        assert _rows_on_disk(root, table) == written[table], table
+        assert written[table] + dropped.get((table, "write_failed"), 0) == rows, table
+    on_disk = _latest_probe_stats(root)
+    assert on_disk == {key: rows for key, rows in dropped.items() if rows}
+    assert on_disk[("routes", "write_failed")] == lost["routes"]
+    assert _rows_on_disk(root, "runs") == 1 and _rows_on_disk(root, "layers") == layers

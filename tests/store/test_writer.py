@@ -3,10 +3,13 @@ every row it drops, per table, in probe_stats. A failed write (disk full) is cou
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 import time
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from store import Store
@@ -118,3 +121,115 @@ def test_rank_and_pid_in_file_names(tmp_path):
     exporter.shutdown()
     names = [p.name for p in tmp_path.rglob("part-*.parquet")]
     assert names and all(n.startswith(f"part-00003-{os.getpid()}-") for n in names)
+
+
+class GatedDisk:
+    """An exporter that holds each batch until the test opens the gate, as a stalled disk does."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.exporting = threading.Event()
+        self.records: list = []
+
+    def export(self, records):
+        self.exporting.set()
+        self.gate.wait(30)
+        self.records.extend(records)
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _nbytes(value) -> int:
+    """Bytes of every numpy array reachable from a record (the test's own walk)."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if hasattr(value, "__dict__"):
+        return sum(_nbytes(v) for v in vars(value).values())
+    return 0
+
+
+def _large_records(n: int) -> list:
+    """n records of 3 layers x 2048 tokens of routes (the same arrays: each record counts them all)."""
+    base = make_record("r", 0, np.random.default_rng(3), tokens=2048)
+    return [dataclasses.replace(base, step=step) for step in range(n)]
+
+
+def test_drop_policy_bounds_the_queue_by_bytes(tmp_path):
+    records = _large_records(10)
+    size = _nbytes(records[0])
+    assert size > 100_000 and all(_nbytes(r) == size for r in records)
+    disk = GatedDisk()
+    processor = BatchProcessor([disk], max_queue=1000, policy="drop", max_batch=1, flush_interval_s=0.1,
+                               max_queue_bytes=int(3.5 * size))
+    exporter = ParquetExporter(tmp_path, run_info("r"), processor=processor)
+    processor.emit(records[0])
+    assert disk.exporting.wait(10)  # the writer holds record 0 in a stalled export
+    started = time.perf_counter()
+    for record in records[1:]:
+        processor.emit(record)
+    assert time.perf_counter() - started < 1.0  # never waited
+    # record 0 in the stalled export, two more in the queue: 3 fit in 3.5 records' bytes, 7 do not
+    assert processor.dropped_records == {"queue_bytes_full": 7}
+    for table in ("steps", "layer_steps", "routes"):
+        assert processor.dropped_rows[(table, "queue_bytes_full")] == sum(record_rows(r)[table] for r in records[3:])
+    disk.gate.set()
+    processor.exporters.append(exporter)
+    processor.shutdown()
+    assert [r.step for r in disk.records] == [0, 1, 2]
+    stats = Store(tmp_path).probe_stats("r")
+    row = stats[(stats.table_name == "routes") & (stats.reason == "queue_bytes_full")]
+    assert int(row.dropped_rows.iloc[0]) == sum(record_rows(r)["routes"] for r in records[3:])
+
+
+def test_block_policy_waits_for_queue_bytes_and_loses_nothing():
+    records = _large_records(10)
+    size = _nbytes(records[0])
+    disk = GatedDisk()
+    processor = BatchProcessor([disk], max_queue=1000, policy="block", max_batch=1, flush_interval_s=0.1,
+                               max_queue_bytes=int(3.5 * size))
+    returned: list[int] = []
+
+    def model() -> None:
+        for record in records:
+            processor.emit(record)
+            returned.append(record.step)
+
+    thread = threading.Thread(target=model)
+    thread.start()
+    time.sleep(0.5)
+    assert returned == [0, 1, 2], "the model waits once 3.5 records' bytes are held"
+    disk.gate.set()
+    thread.join(30)
+    processor.shutdown()
+    assert returned == list(range(10)) and [r.step for r in disk.records] == list(range(10))
+    assert not processor.dropped_records
+
+
+def test_a_record_larger_than_the_byte_bound_still_passes_an_empty_queue():
+    [record] = _large_records(1)
+    disk = GatedDisk()
+    disk.gate.set()
+    processor = BatchProcessor([disk], policy="drop", max_queue_bytes=1000)
+    processor.emit(record)
+    processor.shutdown()
+    assert disk.records == [record] and not processor.dropped_records
+
+
+def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
+    records = _large_records(6)
+    route_bytes = _nbytes([ls.routes for ls in records[0].layers])
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9, max_bytes=int(2.5 * route_bytes))
+    for record in records:
+        exporter.export([record])
+    # 6 records' routes in parts of 3 (the third crosses 2.5 records' bytes): written before any age or row limit
+    parts = sorted((tmp_path / "routes" / "run_id=r").glob("part-*.parquet"))
+    per_record = record_rows(records[0])["routes"]
+    assert [pq.read_metadata(p).num_rows for p in parts] == [3 * per_record, 3 * per_record]
+    exporter.shutdown()
