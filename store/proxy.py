@@ -49,13 +49,13 @@ from store.importers.tables import (
     SourceFormatError,
     SourceStep,
     build_step_tables,
-    check_name,
     check_new_run,
     check_tags,
     new_run_id,
     run_tables,
     write_tables,
 )
+from store.layout import check_name
 from store.schema import SCHEMAS
 from store.writer import write_table_file
 
@@ -136,7 +136,7 @@ class RoutingRecorder:
         self.root = os.fspath(root)
         self.num_experts = num_experts
         self.num_layers, self.top_k = num_layers, top_k
-        run_id = check_name(run_id, "run id") if run_id else new_run_id("proxy")
+        run_id = check_name("run_id", run_id) if run_id else new_run_id("proxy")
         check_new_run(self.root, run_id)
         self.spec = RunSpec(run_id=run_id, source="proxy", model=model, tags=check_tags(dict(tags or {})),
                             started_at=dt.datetime.now(dt.timezone.utc))

@@ -22,13 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from store.layout import list_runs
+from store.layout import check_name, list_runs
 from store.schema import SCHEMAS, TAGS
 from store.writer import write_table_file
 
 # The probe's limit for co-selection (E x E counts per layer and step), kept for imports too.
 COSELECTION_MAX_EXPERTS = 64
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TAG_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 MAX_TAG_VALUE = 256
 
@@ -90,14 +89,6 @@ class RunSpec:
     model: str
     tags: dict[str, str]
     started_at: dt.datetime
-
-
-def check_name(value: str, what: str) -> str:
-    """Return `value` if it is safe in a folder name (run ids); raise ValueError saying what is."""
-    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
-        raise ValueError(f"{what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
-                         "starting with a letter or digit")
-    return value
 
 
 def check_tags(tags: dict[str, str]) -> dict[str, str]:
@@ -444,7 +435,7 @@ def import_source(root: str | os.PathLike, data: SourceData, source: str, run_id
     Raises SourceFormatError / ValueError (nothing written) when the data or options do not fit.
     """
     root = os.fspath(root)
-    run_id = check_name(run_id, "run id") if run_id else new_run_id(source)
+    run_id = check_name("run_id", run_id) if run_id else new_run_id(source)
     tags = check_tags({**(tags or {})})
     if not data.steps:
         raise SourceFormatError(f"{where}: no routed step found, so there is nothing to import")

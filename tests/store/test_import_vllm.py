@@ -259,4 +259,4 @@ def test_command_line_imports_and_reports_errors(tmp_path, recording, capsys):
     assert main(["import", "vllm", bad, "--store", root]) == 1
     assert "truncated.json" in capsys.readouterr().err
     assert main(["import", "vllm", recording.paths[0], "--store", root, "--run-id", "../escape"]) == 1
-    assert "not allowed" in capsys.readouterr().err
+    assert "cannot be used in a store path" in capsys.readouterr().err
