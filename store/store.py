@@ -1,15 +1,18 @@
 """Reading a store: DuckDB views over the live Parquet files, and typed queries on top.
 
 Every table of `store.schema` (and any other table folder found in the store) is a view named
-after it, over the files `Catalog` says are live: complete, footer-checked, not replaced by a
-compacted file. A table with no file yet is an empty view of the right schema, so a query over a
-new or empty store answers with no rows ("no data yet") instead of failing. Every value that
-comes from a user goes into the SQL as a `?` parameter.
+after it, over the files `Catalog` says are live: complete, checked (footer, page checksums),
+not replaced by a compacted file. A table with no file yet is an empty view of the right schema,
+so a query over a new or empty store answers with no rows ("no data yet") instead of failing.
+Every value that comes from a user goes into the SQL as a `?` parameter. The connection reads
+only the store's folder and runs only SELECTs (`connect`, `check_read_only`).
 
 Sharp edges: the views hold the file list of the last `refresh()`. A file that vanished since
 (compacted, pruned) makes DuckDB fail; `Store` then refreshes and runs the query again, so a
 query always answers from one consistent set of files. A file that fails to read is checked
-through, moved to quarantine if it is bad, and the query runs again without it.
+through (by pyarrow and by DuckDB), taken out of the views if it is bad, and the query runs
+again without it. Each file is checked once per Store: damage that happens to a file after this
+reader checked it, without changing its size or mtime, is not seen until the next Store.
 """
 
 from __future__ import annotations
