@@ -7,15 +7,18 @@ process exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
+import re
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 
 from alerts.engine import FIRING, AlertTransition
 from alerts.notify import KINDS, NotifierError
-from alerts.outbox import Outbox, OutboxWorker, post
+from alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
 from alerts.promrules import prometheus_rules_yaml
 from alerts.rules import RulesError, default_rules, load_rules
 
@@ -27,8 +30,14 @@ going, in the tools you already watch (a webhook, Slack, Alertmanager).
 
 Every transition (pending, firing, resolved) is written to the store's `alerts` table.
 Notifications go through a persistent outbox (--outbox), so a receiver that is down gets every
-alert when it comes back, once. Without --rules the default rule pack is used
-(alerts/default_rules.yaml); `moescope alerts check FILE` validates your own.
+alert when it comes back, once; receivers are stored by name, never by their secret URL, and
+`moescope alerts outbox list|drop` shows and drops what a receiver no longer configured is owed.
+Without --rules the default rule pack is used (alerts/default_rules.yaml); `moescope alerts
+check FILE` validates your own.
+
+On a full disk it keeps evaluating and delivering: the outbox moves to memory until the file can
+be written again, writes to the alerts table are retried every poll, and what could not be saved
+is reported at exit.
 
 example:
   export MOESCOPE_WEBHOOK_SECRET=...   # signs JSON webhooks (HMAC-SHA256)
@@ -37,15 +46,45 @@ example:
 """
 
 
-def _receivers(args: argparse.Namespace) -> list:
-    secret = os.environ.get(args.secret_env) if args.secret_env else None
-    if args.secret_env and not secret:
-        raise NotifierError(f"--secret-env {args.secret_env}: that environment variable is not set or empty")
-    notifiers = [KINDS["webhook"](url, secret=secret) for url in args.webhook]
-    notifiers += [KINDS["slack"](url) for url in args.slack]
-    notifiers += [KINDS["alertmanager"](url) for url in args.alertmanager]
-    notifiers += [KINDS["alertmanager-webhook"](url) for url in args.am_webhook]
+_NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.*)$")
+
+
+def receivers_from_options(webhook: Sequence[str] = (), slack: Sequence[str] = (), alertmanager: Sequence[str] = (),
+                           am_webhook: Sequence[str] = (), secret: str | None = None) -> list:
+    """The notifiers for `[NAME=]URL` receiver options; the secret signs the plain JSON webhooks.
+
+    A receiver is stored and shown by its name: `<kind>:NAME` when given, else `<kind>:` and the
+    URL without its secrets. Raises NotifierError for a bad URL.
+    """
+    notifiers = []
+    for kind, values in (("webhook", webhook), ("slack", slack), ("alertmanager", alertmanager),
+                         ("alertmanager-webhook", am_webhook)):
+        for value in values:
+            named = _NAMED.match(value)
+            name, url = (f"{kind}:{named.group(1)}", named.group(2)) if named else ("", value)
+            extra = {"secret": secret} if kind == "webhook" else {}
+            notifiers.append(KINDS[kind](url, name=name, **extra))
     return notifiers
+
+
+def _secret(args: argparse.Namespace) -> str | None:
+    """The HMAC secret named by --secret-env; raises NotifierError when that variable is unset or empty,
+    so nothing is ever sent unsigned by mistake."""
+    if not args.secret_env:
+        return None
+    secret = os.environ.get(args.secret_env)
+    if not secret:
+        raise NotifierError(f"--secret-env {args.secret_env}: that environment variable is not set or empty; "
+                            "export it, or leave --secret-env out to send unsigned")
+    return secret
+
+
+def _receivers(args: argparse.Namespace) -> list:
+    return receivers_from_options(args.webhook, args.slack, args.alertmanager, args.am_webhook, _secret(args))
+
+
+def _outbox_path(args: argparse.Namespace) -> str:
+    return args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
 
 
 def _load_pack(path: str | None):
@@ -59,11 +98,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         pack = _load_pack(args.rules)
         notifiers = _receivers(args)
+        notifiers_by_name(notifiers)
     except (RulesError, NotifierError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    outbox_path = args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
-    os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
+    outbox_path = _outbox_path(args)
+    with contextlib.suppress(OSError):  # a full disk: the outbox then says it runs in memory
+        os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
     outbox = Outbox(outbox_path, notifiers)
     try:
         runner = StoreAlertRunner(args.store, pack, sinks=[outbox], run_ids=args.run or None)
@@ -77,6 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     worker = OutboxWorker(outbox, interval_s=1.0).start()
     print(f"evaluating {len(pack.rules)} rules from {pack.source} over {args.store}; "
           f"{len(notifiers)} receivers; outbox {outbox_path}", file=sys.stderr)
+    if not outbox.persistent:
+        print(f"warning: cannot write the outbox {outbox_path} ({outbox.unsaved_reason}): notifications are kept "
+              "in memory only until there is room again", file=sys.stderr)
     try:
         if args.once:
             for t in runner.poll_once():
@@ -91,12 +135,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         worker.stop()
         outbox.flush(args.flush_timeout)
-        left = outbox.counts().get("pending", 0)
-        if left:
-            print(f"{left} notifications still pending in {outbox_path}; they are sent on the next run",
-                  file=sys.stderr)
+        left = outbox.pending()
         outbox.close()
+        _report_unsaved(runner, outbox, outbox_path, left)
     return 0
+
+
+def _report_unsaved(runner, outbox: Outbox, outbox_path: str, left: int) -> None:
+    """Say, at exit, what `alerts run` could not persist and what happens to it."""
+    writer = runner.writer
+    if writer is not None and writer.unwritten:
+        n = len(writer.unwritten)
+        print(f"error: {n} alert transition{'s' if n != 1 else ''} could not be written to the alerts table "
+              f"({writer.last_error}); they were notified, and a later `moescope alerts run` over this store "
+              "writes them (it replays the recorded steps)", file=sys.stderr)
+    if writer is not None and writer.lost:
+        print(f"error: {writer.lost} more transitions were over the in-memory limit and not kept", file=sys.stderr)
+    if outbox.unsaved:
+        pending = outbox.unsaved.get(PENDING, 0)
+        print(f"error: the outbox could not be saved to {outbox_path} ({outbox.unsaved_reason}): "
+              f"{pending} undelivered notifications are lost (a later run replays the store and enqueues them "
+              f"again), and the record of {outbox.unsaved.get(DELIVERED, 0)} delivered ones too (a later run may "
+              "send them once more, under the same idempotency keys)", file=sys.stderr)
+    elif left:
+        print(f"{left} notifications still pending in {outbox_path}; they are sent on the next run", file=sys.stderr)
 
 
 def sample_transition() -> AlertTransition:
@@ -112,8 +174,8 @@ def sample_transition() -> AlertTransition:
 
 
 def cmd_test_webhook(args: argparse.Namespace) -> int:
-    secret = os.environ.get(args.secret_env) if args.secret_env else None
     try:
+        secret = _secret(args)
         notifier = KINDS[args.kind](args.url, **({"secret": secret} if args.kind == "webhook" else {}))
     except NotifierError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -122,9 +184,9 @@ def cmd_test_webhook(args: argparse.Namespace) -> int:
     key = transition.idempotency_key() + ":test"
     ok, _permanent, error = post(notifier, key, notifier.render(transition), timeout_s=args.timeout)
     if ok:
-        print(f"sent a sample {args.kind} alert to {notifier.url}")
+        print(f"sent a sample {args.kind} alert to {notifier.name}")
         return 0
-    print(f"error: {notifier.url} did not accept the sample alert: {error}", file=sys.stderr)
+    print(f"error: {notifier.name} did not accept the sample alert: {error}", file=sys.stderr)
     return 1
 
 
@@ -147,15 +209,71 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         pack = load_rules(args.rules)
     except RulesError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        errors = getattr(exc, "errors", None) or [exc]
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+        if len(errors) > 1:
+            print(f"{len(errors)} errors in {args.rules}", file=sys.stderr)
         return 2
     for rule in pack.rules:
         print(f"{rule.name}: {rule.expr} (for {rule.for_s:g}s, cooldown {rule.cooldown_s:g}s, {rule.severity})")
     return 0
 
 
+def _open_outbox(args: argparse.Namespace) -> Outbox | None:
+    path = _outbox_path(args)
+    if not os.path.isfile(path):
+        print(f"error: no outbox at {path}; `moescope alerts run` creates it (or name one with --outbox)",
+              file=sys.stderr)
+        return None
+    return Outbox(path)
+
+
+def cmd_outbox_list(args: argparse.Namespace) -> int:
+    outbox = _open_outbox(args)
+    if outbox is None:
+        return 2
+    try:
+        summaries = outbox.receivers()
+    finally:
+        outbox.close()
+    if not summaries:
+        print("the outbox is empty")
+        return 0
+    for s in summaries:
+        oldest = s["oldest_pending_at"]
+        since = (f" since {dt.datetime.fromtimestamp(oldest, dt.timezone.utc).isoformat(timespec='seconds')}"
+                 if oldest else "")
+        print(f"{s['receiver']}: {s[PENDING]} pending{since}, {s[DELIVERED]} delivered, {s[DEAD]} dead, "
+              f"{s[DROPPED]} dropped")
+        if (s[PENDING] or s[DEAD]) and s["last_error"]:
+            print(f"    last error: {s['last_error'][:200]}")
+    print("\nrows are kept for a receiver until it is configured again; "
+          "`moescope alerts outbox drop STORE --receiver NAME` drops what it is owed", file=sys.stderr)
+    return 0
+
+
+def cmd_outbox_drop(args: argparse.Namespace) -> int:
+    outbox = _open_outbox(args)
+    if outbox is None:
+        return 2
+    try:
+        dropped = {name: outbox.drop(name) for name in args.receiver}
+    finally:
+        outbox.close()
+    status = 0
+    for name, n in dropped.items():
+        if n:
+            print(f"dropped {n} undelivered notifications to {name}")
+        else:
+            print(f"error: no undelivered notification for receiver {name!r}; `moescope alerts outbox list` "
+                  "shows the receivers by name", file=sys.stderr)
+            status = 2
+    return status
+
+
 def add_subcommands(subparsers) -> None:
-    """Register `alerts run|test-webhook|prometheus-rules|check` on a `moescope` subparsers object."""
+    """Register `alerts run|test-webhook|prometheus-rules|check|outbox` on a `moescope` subparsers object."""
     fmt = argparse.RawDescriptionHelpFormatter
     alerts = subparsers.add_parser("alerts", help="judge recorded routing and notify receivers",
                                    description="Alert rules over moescope stores.", formatter_class=fmt)
@@ -168,11 +286,12 @@ def add_subcommands(subparsers) -> None:
     run.add_argument("--run", action="append", default=[], metavar="RUN_ID", help="only these runs (repeatable)")
     run.add_argument("--interval", type=float, default=5.0, help="seconds between polls of the store (default 5)")
     run.add_argument("--once", action="store_true", help="evaluate what is there, deliver, and exit")
-    run.add_argument("--webhook", action="append", default=[], metavar="URL", help="plain JSON webhook (repeatable)")
-    run.add_argument("--slack", action="append", default=[], metavar="URL", help="Slack incoming-webhook URL")
-    run.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+    run.add_argument("--webhook", action="append", default=[], metavar="[NAME=]URL",
+                     help="plain JSON webhook (repeatable); NAME is how the outbox and dashboard show it")
+    run.add_argument("--slack", action="append", default=[], metavar="[NAME=]URL", help="Slack incoming-webhook URL")
+    run.add_argument("--alertmanager", action="append", default=[], metavar="[NAME=]URL",
                      help="Alertmanager base URL; alerts are pushed to URL/api/v2/alerts")
-    run.add_argument("--am-webhook", action="append", default=[], metavar="URL",
+    run.add_argument("--am-webhook", action="append", default=[], metavar="[NAME=]URL",
                      help="any receiver of Alertmanager's webhook payload (version 4)")
     run.add_argument("--secret-env", metavar="VAR", default=None,
                      help="environment variable holding the HMAC secret for --webhook (never pass it inline)")
@@ -208,3 +327,22 @@ def add_subcommands(subparsers) -> None:
                     "example:\n  moescope alerts check my_rules.yaml")
     check.add_argument("rules", metavar="FILE")
     check.set_defaults(func=cmd_check)
+
+    outbox = sub.add_parser(
+        "outbox", formatter_class=fmt, help="list or drop what the outbox still owes receivers",
+        description="List the receivers in a store's alerts outbox, or drop what one of them is owed.\n\n"
+                    "Why: an earlier `alerts run` with another receiver URL leaves its undelivered rows\n"
+                    "behind; they never block other receivers, but are kept until you drop them.\n\n"
+                    "example:\n  moescope alerts outbox list runs/\n"
+                    "  moescope alerts outbox drop runs/ --receiver 'webhook:https://old.example.com/hook'")
+    actions = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="receivers with their pending, delivered, dead and dropped counts")
+    listing.add_argument("store", metavar="STORE")
+    listing.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    listing.set_defaults(func=cmd_outbox_list)
+    drop = actions.add_parser("drop", help="drop a receiver's undelivered notifications (kept as 'dropped')")
+    drop.add_argument("store", metavar="STORE")
+    drop.add_argument("--receiver", action="append", required=True, metavar="NAME",
+                      help="receiver name as `outbox list` shows it (repeatable)")
+    drop.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    drop.set_defaults(func=cmd_outbox_drop)

@@ -17,11 +17,22 @@ A notifier only *renders* (body at enqueue time, headers at send time); the outb
       }
     }
 
-  Headers: `X-Moescope-Idempotency-Key` (same key as in the body: a receiver that sees a key
-  twice has already handled it), and, when a secret is set, `X-Moescope-Timestamp` (Unix
-  seconds at sending) and `X-Moescope-Signature: sha256=<hex>`, the HMAC-SHA256 with the secret
-  of `<timestamp>.<raw body>`. Receivers check it with `verify_signature`, rejecting stale
-  timestamps so a captured request cannot be replayed later.
+  Headers: `X-Moescope-Idempotency-Key` (a copy of the body's key, for receivers that cannot
+  read the body), and, when a secret is set, `X-Moescope-Timestamp` (Unix seconds at sending)
+  and `X-Moescope-Signature: sha256=<hex>`, the HMAC-SHA256 with the secret of
+  `<timestamp>.<raw body>`.
+
+  How a receiver should verify a request (`moescope.receiver.WebhookReceiver` does exactly this):
+
+  1. Read the raw body bytes; do not parse and re-serialise before checking.
+  2. Refuse a timestamp more than a few minutes from your clock (`verify_signature` allows
+     300 s): a captured request cannot be replayed later.
+  3. Compute HMAC-SHA256(secret, `<timestamp>.<raw body>`) and compare it with the header in
+     constant time (`hmac.compare_digest`), never with `==`.
+  4. Deduplicate on the `idempotency_key` *inside the body*, which the signature covers; never on
+     the header, which an attacker replaying a captured request within the window can change.
+     The outbox resends a key after a lost answer, possibly hours later under a fresh
+     timestamp, so keep seen keys for as long as you care about repeats (days, not minutes).
 
 `slack` — a Slack incoming webhook: `text` (the fallback shown in notifications) plus `blocks`.
 
@@ -31,6 +42,12 @@ engine died resolves by itself; resolved ones carry the resolve time.
 
 `alertmanager-webhook` — the Alertmanager webhook payload, version 4, POSTed to any receiver
 that understands Alertmanager's webhook_config (one alert per notification).
+
+A receiver's URL may hold secrets (a Slack token in the path, `user:password@`, `?token=`).
+The URL itself lives only in memory, in the notifier; everything that is stored or shown (the
+outbox's `receiver` column, logs, the dashboard) uses the notifier's `name`, which is
+`<kind>:<redact_url(url)>`. Two receivers whose URLs differ only in secrets would share a name,
+so they must be given names of their own.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -74,6 +92,41 @@ def validate_url(url: str, what: str = "receiver") -> str:
     return url
 
 
+_SECRET_SEGMENT = re.compile(r"^(?=.*[0-9])(?=.*[A-Za-z]).{8,}$|^.{20,}$")  # letters+digits, or long
+_SLACK_ID = re.compile(r"^[TB][A-Z0-9]{6,}$")  # Slack's team and hook ids: names, not credentials
+
+
+def redact_url(url: str) -> str:
+    """Return `url` as it may be stored and shown: `scheme://host[:port]/path`, with `user:password@`
+    left out, a query or fragment shown as `?***`, and every path segment that looks like a token
+    (8+ characters mixing letters and digits, or 20+ characters) replaced by `***`.
+
+    e.g. `https://hooks.slack.com/services/T0123/B0456/vKx3...` -> `.../services/T0123/B0456/***`.
+    Never raises: a URL it cannot read is shown as `<unreadable URL>`.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except (ValueError, AttributeError):
+        return "<unreadable URL>"
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port is not None else "")
+    slack = host == "hooks.slack.com"
+    segments = [
+        seg if not _SECRET_SEGMENT.match(urllib.parse.unquote(seg)) or (slack and _SLACK_ID.match(seg)) else "***"
+        for seg in parts.path.split("/")
+    ]
+    query = "?***" if parts.query or parts.fragment else ""
+    return f"{parts.scheme}://{netloc}{'/'.join(segments)}{query}"
+
+
+def redact_receiver_name(name: str) -> str:
+    """Return a receiver name (`<kind>:<URL>` or `<kind>:<NAME>`) with the URL in it, if any, redacted;
+    older moescope versions stored receivers by their full URL."""
+    kind, sep, rest = name.partition(":")
+    return f"{kind}:{redact_url(rest)}" if sep and "://" in rest else name
+
+
 def sign(secret: str, timestamp: str, body: bytes) -> str:
     """Return the signature header value for a body sent at `timestamp` (Unix seconds, as text)."""
     mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
@@ -100,8 +153,8 @@ def _rfc3339(ts: dt.datetime) -> str:
 
 
 class Notifier(Protocol):
-    name: str  # unique among configured receivers; the outbox routes deliveries by it
-    url: str  # where the request goes
+    name: str  # unique among configured receivers, free of secrets; the outbox stores and routes by it
+    url: str  # where the request goes; may hold secrets, so it is kept in memory only
 
     def render(self, transition: AlertTransition) -> bytes: ...
 
@@ -117,10 +170,11 @@ class _Base:
 
     def __post_init__(self) -> None:
         validate_url(self.url, self.kind)
-        self.name = self.name or f"{self.kind}:{self.url}"
+        self.name = self.name or f"{self.kind}:{redact_url(self.url)}"
 
     def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]:
-        return {"Content-Type": "application/json", "User-Agent": "moescope-alerts", IDEMPOTENCY_HEADER: idempotency_key}
+        return {"Content-Type": "application/json", "User-Agent": "moescope-alerts",
+                IDEMPOTENCY_HEADER: idempotency_key}
 
 
 def alert_document(t: AlertTransition) -> dict:
@@ -183,7 +237,8 @@ class SlackNotifier(_Base):
         values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.values.items())
         text = f"{icon} [{status}] {t.alertname} run {t.run_id} layer {t.layer}: {_summary(t)}"
         blocks = [
-            {"type": "section", "text": {"type": "mrkdwn", "text": f"{icon} *[{status}] {t.alertname}*\n{_summary(t)}"}},
+            {"type": "section",
+             "text": {"type": "mrkdwn", "text": f"{icon} *[{status}] {t.alertname}*\n{_summary(t)}"}},
             {
                 "type": "section",
                 "fields": [
@@ -193,7 +248,8 @@ class SlackNotifier(_Base):
                     {"type": "mrkdwn", "text": f"*Values*\n{values or '-'}"},
                 ],
             },
-            {"type": "context", "elements": [{"type": "mrkdwn", "text": f"step {t.step} at {_iso(t.at)} · {t.fingerprint}"}]},
+            {"type": "context",
+             "elements": [{"type": "mrkdwn", "text": f"step {t.step} at {_iso(t.at)} · {t.fingerprint}"}]},
         ]
         return json.dumps({"text": text, "blocks": blocks}).encode()
 

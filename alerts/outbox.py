@@ -9,26 +9,55 @@ is reached a receiver that comes back is retried within `max_backoff_s`. A 4xx a
 408/425/429 means the request itself is wrong and will never succeed: that delivery is marked
 `dead` with the answer kept in `last_error`, as is one still undelivered after `max_age_s`.
 
+Scheduling is per receiver. Each configured receiver gets its own `batch_size` due rows per
+round, oldest first, so a dead receiver's backlog never delays a live one. A failed attempt that
+may succeed later (no answer, a timeout, a 5xx, a redirect, an answer that is not HTTP) holds
+*that receiver's* queue until the retry time, so its deliveries stay in order and a dead port
+costs one connection per backoff, not one per row. Rows of receivers that are not configured
+(left by an earlier run with other URLs) are kept, never sent, never in anyone's way;
+`moescope alerts outbox list|drop` shows and drops them. Redirects are never followed: a 3xx is a
+failed attempt whose `last_error` says where it pointed.
+
+Receivers are stored by their `name`, which carries no secret (`alerts.notify.redact_url`); the
+URL with its token lives only in the notifier in memory.
+
+When the file cannot be written (a full disk, or it cannot even be created), the outbox moves to
+an in-memory copy with a loud warning, keeps enqueueing and delivering, tries every
+`persist_retry_s` to save itself back to the file, and tries once more at `close()`; what it
+still could not save is in `unsaved` (and lost when the process ends: a later `alerts run`
+replays the store, so undelivered alerts are enqueued again, and delivered ones may be sent once
+more under the same idempotency key).
+
 Delivery is at-least-once on the wire (a 2xx lost in transit means one resend) and exactly-once
-for a receiver that honours the idempotency key header, which every request carries.
+for a receiver that deduplicates on the idempotency key in the body (see `alerts.notify`).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
+import logging
+import os
 import random
 import sqlite3
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from alerts.engine import AlertTransition
-from alerts.notify import Notifier
+from alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
 
-PENDING, DELIVERED, DEAD = "pending", "delivered", "dead"
+log = logging.getLogger(__name__)
+
+PENDING, DELIVERED, DEAD, DROPPED = "pending", "delivered", "dead", "dropped"
 _PERMANENT_RETRYABLE = {408, 425, 429}
+_COLUMNS = ("receiver", "idempotency_key", "body", "state", "attempts", "created_at", "next_attempt_at",
+            "delivered_at", "last_error")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS deliveries (
@@ -44,24 +73,62 @@ CREATE TABLE IF NOT EXISTS deliveries (
     last_error TEXT,
     UNIQUE (receiver, idempotency_key)
 );
-CREATE INDEX IF NOT EXISTS deliveries_due ON deliveries (state, next_attempt_at);
+DROP INDEX IF EXISTS deliveries_due;
+CREATE INDEX IF NOT EXISTS deliveries_receiver_due ON deliveries (receiver, state, next_attempt_at);
 """
 
 
-def post(notifier: Notifier, idempotency_key: str, body: bytes, timeout_s: float = 5.0) -> tuple[bool, bool, str | None]:
-    """POST one rendered notification; return (delivered, permanent failure, error text)."""
-    request = urllib.request.Request(
-        notifier.url, data=body, method="POST", headers=notifier.headers(body, idempotency_key)
-    )
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Never follow a redirect: the 3xx reaches `post` as an HTTPError (a body-less GET carrying our
+    signature to a login page must not count as delivered)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _request(notifier: Notifier, idempotency_key: str, body: bytes) -> urllib.request.Request:
+    """The POST for one notification; `user:password@` in the URL becomes a Basic auth header."""
+    url = notifier.url
+    headers = notifier.headers(body, idempotency_key)
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        netloc = host + (f":{parts.port}" if parts.port is not None else "")
+        url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+        credentials = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
+    return urllib.request.Request(url, data=body, method="POST", headers=headers)
+
+
+def post(notifier: Notifier, idempotency_key: str, body: bytes,
+         timeout_s: float = 5.0) -> tuple[bool, bool, str | None]:
+    """POST one rendered notification; return (delivered, permanent failure, error text).
+
+    Never raises for anything the receiver does: a refused or reset connection, a timeout, an
+    answer that is not HTTP, a redirect (not followed) and an error status are all failures.
+    """
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        request = _request(notifier, idempotency_key, body)
+        with _OPENER.open(request, timeout=timeout_s) as response:
             response.read(65536)
             return True, False, None
     except urllib.error.HTTPError as exc:
-        detail = exc.read(512).decode("utf-8", "replace") if exc.fp else ""
+        detail = ""
+        with contextlib.suppress(Exception):  # the error body is a courtesy; a broken one changes nothing
+            detail = exc.read(512).decode("utf-8", "replace") if exc.fp else ""
+        if 300 <= exc.code < 400:
+            location = exc.headers.get("Location", "") if exc.headers else ""
+            target = redact_url(urllib.parse.urljoin(request.full_url, location)) if location else "nowhere"
+            return False, False, (f"HTTP {exc.code} redirect to {target}: not followed; configure the receiver's "
+                                  "final URL (a redirect usually means a login page or a moved endpoint)")
         permanent = 400 <= exc.code < 500 and exc.code not in _PERMANENT_RETRYABLE
         return False, permanent, f"HTTP {exc.code}: {detail}".strip()
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except http.client.HTTPException as exc:  # BadStatusLine, RemoteDisconnected, IncompleteRead...
+        return False, False, f"{type(exc).__name__}: not an HTTP answer: {str(exc)[:200]!r}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         return False, False, f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
 
 
@@ -72,8 +139,59 @@ class DeliveryReport:
     dead: int = 0
 
 
+def notifiers_by_name(notifiers: Sequence[Notifier]) -> dict[str, Notifier]:
+    """Return {name: notifier}; raise NotifierError when two share a name (URLs differing only in secrets)."""
+    out: dict[str, Notifier] = {}
+    for notifier in notifiers:
+        if notifier.name in out:
+            raise NotifierError(
+                f"two receivers have the same name {notifier.name!r}: their URLs differ only in what names leave "
+                "out (password, token, query); give each a name of its own, e.g. --webhook ops=URL --webhook dev=URL")
+        out[notifier.name] = notifier
+    return out
+
+
+def _redact_stored_names(db: sqlite3.Connection) -> None:
+    """Rename receivers an older moescope stored by their full URL (`kind:URL`) to the redacted
+    name, and make sure no copy of the old name's bytes is left in the file."""
+    changed = False
+    for (name,) in db.execute("SELECT DISTINCT receiver FROM deliveries").fetchall():
+        clean = redact_receiver_name(name)
+        if clean == name:
+            continue
+        db.execute("UPDATE OR IGNORE deliveries SET receiver = ? WHERE receiver = ?", (clean, name))
+        db.execute("DELETE FROM deliveries WHERE receiver = ?", (name,))  # keys the clean name already holds
+        changed = True
+    if changed:
+        with contextlib.suppress(sqlite3.Error):  # secure_delete already zeroed the old cells
+            db.execute("VACUUM")
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _prepare(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA secure_delete=ON")  # deleted or renamed rows leave no old bytes behind
+    db.executescript(_SCHEMA)
+    _redact_stored_names(db)
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection):
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 class Outbox:
-    """Deliveries kept in a SQLite file at `path`; safe to share between threads of one process."""
+    """Deliveries kept in a SQLite file at `path`; safe to share between threads of one process.
+
+    Raises NotifierError when two notifiers share a name. Never raises because the file cannot
+    be created or written: see `persistent` and `unsaved_reason`.
+    """
 
     def __init__(
         self,
@@ -85,35 +203,137 @@ class Outbox:
         max_age_s: float = 7 * 24 * 3600,
         batch_size: int = 100,
         clock: Callable[[], float] = time.time,
+        persist_retry_s: float = 30.0,
     ):
         self.path = path
-        self.notifiers: dict[str, Notifier] = {n.name: n for n in notifiers}
+        self.notifiers = notifiers_by_name(notifiers)
         self.timeout_s = timeout_s
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_age_s = max_age_s
         self.batch_size = batch_size
         self.clock = clock
+        self.persist_retry_s = persist_retry_s
+        self.persistent = True  # False while the deliveries live in memory only
+        self.unsaved_reason: str | None = None  # why the file cannot be written, while it cannot
+        self.unsaved: dict[str, int] = {}  # after close(): {state: rows} that could not be saved
+        self._last_persist_try = time.monotonic()
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # an enqueued alert survives a power cut
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = self._open_file()
+        except (sqlite3.Error, OSError) as exc:
+            self._db = self._to_memory(self._read_only_copy(), exc)
+
+    # -- where the rows live -----------------------------------------------------------------
+
+    def _open_file(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")  # an enqueued alert survives a power cut
+            _prepare(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _read_only_copy(self) -> sqlite3.Connection | None:
+        """The existing file opened read-only (to carry its rows into memory), or None."""
+        if not os.path.isfile(self.path):
+            return None
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path))
+        for mode in ("?mode=ro", "?mode=ro&immutable=1"):  # immutable: when not even the -shm can be made
+            try:
+                db = sqlite3.connect(uri + mode, uri=True, check_same_thread=False)
+                db.execute("SELECT count(*) FROM deliveries").fetchone()
+                return db
+            except sqlite3.Error:
+                with contextlib.suppress(Exception):
+                    db.close()
+        return None
+
+    def _to_memory(self, source: sqlite3.Connection | None, exc: BaseException) -> sqlite3.Connection:
+        memory = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+        if source is not None:
+            try:
+                source.backup(memory)
+            except sqlite3.Error as copy_exc:
+                log.error("alerts outbox: could not read %s (%s); starting an empty outbox in memory",
+                          self.path, copy_exc)
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    source.close()
+        _prepare(memory)
+        self.persistent = False
+        self.unsaved_reason = str(exc) or type(exc).__name__
+        self._last_persist_try = time.monotonic()
+        log.warning("alerts outbox: cannot write %s (%s): notifications are kept IN MEMORY ONLY and are lost if "
+                    "this process stops; delivery goes on, and saving to the file is retried every %g s. "
+                    "Free some disk space.", self.path, self.unsaved_reason, self.persist_retry_s)
+        return memory
+
+    def _write(self, statements: Callable[[sqlite3.Connection], object]):
+        """Run `statements` in one transaction (the caller holds the lock); if the file cannot take
+        the write, move to memory and run them there."""
+        try:
+            with _transaction(self._db) as db:
+                return statements(db)
+        except sqlite3.OperationalError as exc:
+            if not self.persistent:
+                raise
+            self._db = self._to_memory(self._db, exc)
+            with _transaction(self._db) as db:
+                return statements(db)
+
+    def _try_persist(self) -> bool:
+        """Merge the in-memory rows into the file and go back to it; True on success (lock held)."""
+        self._last_persist_try = time.monotonic()
+        db = None
+        try:
+            db = self._open_file()
+            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM deliveries ORDER BY id").fetchall()
+            updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[3:])
+            with _transaction(db):
+                db.executemany(
+                    f"INSERT INTO deliveries ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+                    f" ON CONFLICT (receiver, idempotency_key) DO UPDATE SET {updates}", rows)
+        except (sqlite3.Error, OSError) as exc:
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            self.unsaved_reason = str(exc) or type(exc).__name__
+            return False
+        self._db.close()
+        self._db = db
+        self.persistent = True
+        self.unsaved_reason = None
+        log.warning("alerts outbox: saved %d notifications to %s; the outbox is on disk again", len(rows), self.path)
+        return True
 
     # -- producing ---------------------------------------------------------------------------
 
     def enqueue(self, receiver: str, idempotency_key: str, body: bytes) -> bool:
-        """Store one delivery; return False if this receiver already has this key (a repeat)."""
+        """Store one delivery; return False if this receiver already has this key (a repeat).
+
+        A new delivery joins its receiver's schedule: while the receiver is in backoff, it waits
+        with the others, so the receiver gets its notifications in order. Raises KeyError for a
+        receiver that is not configured.
+        """
         if receiver not in self.notifiers:
             raise KeyError(f"no notifier named {receiver!r}; configured: {', '.join(self.notifiers) or 'none'}")
         now = self.clock()
-        with self._lock:
-            cur = self._db.execute(
+
+        def insert(db: sqlite3.Connection) -> bool:
+            cur = db.execute(
                 "INSERT OR IGNORE INTO deliveries (receiver, idempotency_key, body, created_at, next_attempt_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (receiver, idempotency_key, body, now, now),
+                " VALUES (?, ?, ?, ?, max(?, coalesce((SELECT max(next_attempt_at) FROM deliveries"
+                " WHERE receiver = ? AND state = ?), 0)))",
+                (receiver, idempotency_key, body, now, now, receiver, PENDING),
             )
             return cur.rowcount == 1
+
+        with self._lock:
+            return bool(self._write(insert))
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
         """Enqueue each firing/resolved transition for every notifier (a TransitionSink)."""
@@ -131,50 +351,76 @@ class Outbox:
         return delay * (1 + 0.1 * random.random())
 
     def deliver_due(self) -> DeliveryReport:
-        """Try every delivery that is due now, once; return what happened."""
-        now = self.clock()
+        """Try what is due now, receiver by receiver (up to `batch_size` each, oldest first); return
+        what happened. A receiver that fails is tried once per round; the others go on."""
+        if not self.persistent and time.monotonic() - self._last_persist_try >= self.persist_retry_s:
+            with self._lock:
+                self._try_persist()
+        totals = [0, 0, 0]
+        for name, notifier in self.notifiers.items():
+            for i, n in enumerate(self._deliver_to(name, notifier)):
+                totals[i] += n
+        return DeliveryReport(*totals)
+
+    def _deliver_to(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, receiver, idempotency_key, body, attempts, created_at FROM deliveries"
-                " WHERE state = ? AND next_attempt_at <= ? ORDER BY id LIMIT ?",
-                (PENDING, now, self.batch_size),
+                "SELECT id, idempotency_key, body, attempts, created_at FROM deliveries"
+                " WHERE receiver = ? AND state = ? AND next_attempt_at <= ? ORDER BY id LIMIT ?",
+                (name, PENDING, self.clock(), self.batch_size),
             ).fetchall()
-        delivered = retrying = dead = 0
-        down: set[str] = set()  # one failed connection per receiver per round is enough
-        for row_id, receiver, key, body, attempts, created_at in rows:
-            notifier = self.notifiers.get(receiver)
-            if notifier is None:
-                continue  # configured in another run of the engine; kept until it is configured again
-            if receiver in down:
-                continue
-            ok, permanent, error = post(notifier, key, bytes(body), self.timeout_s)
+        delivered = dead = 0
+        for row_id, key, body, attempts, created_at in rows:
+            try:
+                ok, permanent, error = post(notifier, key, bytes(body), self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - one receiver must never break the round for the others
+                ok, permanent, error = False, False, f"{type(exc).__name__}: {exc}"
             attempts += 1
             now = self.clock()
             with self._lock:
                 if ok:
-                    self._db.execute(
+                    self._write(lambda db: db.execute(
                         "UPDATE deliveries SET state=?, attempts=?, delivered_at=?, last_error=NULL WHERE id=?",
-                        (DELIVERED, attempts, now, row_id),
-                    )
+                        (DELIVERED, attempts, now, row_id)))
                     delivered += 1
-                elif permanent or now - created_at >= self.max_age_s:
-                    self._db.execute(
-                        "UPDATE deliveries SET state=?, attempts=?, last_error=? WHERE id=?", (DEAD, attempts, error, row_id)
-                    )
+                    continue
+                if permanent or now - created_at >= self.max_age_s:
+                    self._write(lambda db: db.execute(
+                        "UPDATE deliveries SET state=?, attempts=?, last_error=? WHERE id=?",
+                        (DEAD, attempts, error, row_id)))
+                    log.warning("alerts outbox: gave up a notification to %s after %d attempts: %s",
+                                name, attempts, error)
                     dead += 1
-                else:
-                    self._db.execute(
-                        "UPDATE deliveries SET attempts=?, next_attempt_at=?, last_error=? WHERE id=?",
-                        (attempts, now + self.backoff_s(attempts), error, row_id),
-                    )
-                    retrying += 1
-                    down.add(receiver)
-        return DeliveryReport(delivered, retrying, dead)
+                    continue
+                delay = self.backoff_s(attempts)
+
+                def hold(db: sqlite3.Connection) -> None:
+                    db.execute("UPDATE deliveries SET attempts=?, next_attempt_at=?, last_error=? WHERE id=?",
+                               (attempts, now + delay, error, row_id))
+                    db.execute("UPDATE deliveries SET next_attempt_at=? WHERE receiver=? AND state=?"
+                               " AND next_attempt_at < ?", (now + delay, name, PENDING, now + delay))
+
+                self._write(hold)
+            log.warning("alerts outbox: %s did not take a notification (attempt %d): %s; retrying in %.1f s",
+                        name, attempts, error, delay)
+            return delivered, 1, dead
+        return delivered, 0, dead
+
+    # -- reading and housekeeping ------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
         """Return {state: deliveries} over the whole outbox."""
         with self._lock:
             return dict(self._db.execute("SELECT state, count(*) FROM deliveries GROUP BY state").fetchall())
+
+    def pending(self) -> int:
+        """Return how many deliveries to the configured receivers are still to be made."""
+        if not self.notifiers:
+            return 0
+        with self._lock:
+            marks = ", ".join("?" * len(self.notifiers))
+            return self._db.execute(f"SELECT count(*) FROM deliveries WHERE state = ? AND receiver IN ({marks})",
+                                    (PENDING, *self.notifiers)).fetchone()[0]
 
     def deliveries(self) -> list[dict]:
         with self._lock:
@@ -184,19 +430,51 @@ class Outbox:
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row)) for row in cur.fetchall()]
 
+    def receivers(self) -> list[dict]:
+        """Return one summary per receiver name in the outbox: receiver, configured (in this
+        Outbox), pending, delivered, dead, dropped, oldest_pending_at (Unix s) and last_error."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT receiver, sum(state = ?), sum(state = ?), sum(state = ?), sum(state = ?),"
+                " min(CASE WHEN state = ? THEN created_at END),"
+                " (SELECT last_error FROM deliveries d2 WHERE d2.receiver = d.receiver AND last_error IS NOT NULL"
+                "  ORDER BY id DESC LIMIT 1)"
+                " FROM deliveries d GROUP BY receiver ORDER BY receiver",
+                (PENDING, DELIVERED, DEAD, DROPPED, PENDING),
+            ).fetchall()
+        keys = ("receiver", PENDING, DELIVERED, DEAD, DROPPED, "oldest_pending_at", "last_error")
+        return [dict(zip(keys, row), configured=row[0] in self.notifiers) for row in rows]
+
+    def drop(self, receiver: str) -> int:
+        """Mark every undelivered (pending or dead) delivery to `receiver` as dropped; return how
+        many. Dropped rows keep their keys, so the same alerts are not enqueued again."""
+        with self._lock:
+            return self._write(lambda db: db.execute(
+                "UPDATE deliveries SET state = ? WHERE receiver = ? AND state IN (?, ?)",
+                (DROPPED, receiver, PENDING, DEAD)).rowcount)
+
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Deliver until nothing is due or `timeout_s` passes; True when nothing is left pending."""
+        """Deliver until nothing is due for the configured receivers or `timeout_s` passes; True
+        when nothing is left pending for them."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.deliver_due()
-            if not self.counts().get(PENDING):
+            if not self.pending():
                 return True
             time.sleep(0.05)
-        return not self.counts().get(PENDING)
+        return not self.pending()
 
     def close(self) -> None:
+        """Save to the file if the outbox had moved to memory (see `unsaved`), and close; safe twice."""
         with self._lock:
+            if self._db is None:
+                return
+            if not self.persistent and not self._try_persist():
+                self.unsaved = dict(self._db.execute("SELECT state, count(*) FROM deliveries GROUP BY state"))
+                log.error("alerts outbox: could not save to %s (%s): %s notifications kept in memory are lost",
+                          self.path, self.unsaved_reason, sum(self.unsaved.values()))
             self._db.close()
+            self._db = None
 
 
 class OutboxWorker:
@@ -219,10 +497,10 @@ class OutboxWorker:
                 self.outbox.deliver_due()
             except Exception:  # noqa: BLE001 - keep delivering; a broken row must not stop the rest
                 self.errors += 1
+                log.exception("alerts outbox: a delivery round failed; the next round runs in %g s", self.interval_s)
             self._stop.wait(self.interval_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-

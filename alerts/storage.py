@@ -14,11 +14,15 @@ written through `store.writer.write_table_file` (atomic rename). Sharp edges: a 
 once, when its `layer_steps` file has landed; rows that another rank writes later for a step
 already read are not counted, and routes that land after their step's `layer_steps` are missed
 by the route signals of that step.
+
+A full disk stops neither evaluation nor notification: transitions the table cannot take wait
+in `AlertTableWriter.unwritten` and are written at the next poll that finds room.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -31,6 +35,8 @@ from alerts.rules import RulePack
 from alerts.window import LayerObservation
 from store.store import Store
 from store.writer import write_table_file
+
+log = logging.getLogger(__name__)
 
 ALERTS_TABLE = "alerts"
 _TS = pa.timestamp("us", tz="UTC")
@@ -75,19 +81,45 @@ def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
 
 
 class AlertTableWriter:
-    """A TransitionSink that appends transitions to the store's `alerts` table, one file per batch."""
+    """A TransitionSink that appends transitions to the store's `alerts` table, one file per run and batch.
 
-    def __init__(self, root: str):
+    A write that fails (a full disk) does not raise: its transitions are kept in `unwritten` (at
+    most `max_unwritten`; beyond that they are counted in `lost`) and written first by the next
+    `handle` call, so a caller that calls `handle` again (even with nothing new) retries.
+    `last_error` says why the last write failed, None once everything is written.
+    """
+
+    def __init__(self, root: str, max_unwritten: int = 10_000):
         self.root = root
+        self.max_unwritten = max_unwritten
+        self.unwritten: list[AlertTransition] = []
+        self.lost = 0
+        self.last_error: str | None = None
         self._seq = 0
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
         by_run: dict[str, list[AlertTransition]] = {}
-        for t in transitions:
+        for t in [*self.unwritten, *transitions]:
             by_run.setdefault(t.run_id, []).append(t)
+        if not by_run:
+            return
+        held, left, error = len(self.unwritten), [], None
         for run_id, items in by_run.items():
             self._seq += 1
-            write_table_file(self.root, ALERTS_TABLE, run_id, transitions_table(items), seq=self._seq)
+            try:
+                write_table_file(self.root, ALERTS_TABLE, run_id, transitions_table(items), seq=self._seq)
+            except (OSError, pa.ArrowException) as exc:
+                left.extend(items)
+                error = f"{type(exc).__name__}: {exc}"
+        if len(left) > self.max_unwritten:
+            self.lost += len(left) - self.max_unwritten
+            left = left[: self.max_unwritten]
+        if error is not None and self.last_error is None:
+            log.warning("could not write %d alert transitions to the alerts table under %s (%s); they are kept in "
+                        "memory and written when there is room", len(left), self.root, error)
+        elif error is None and held:
+            log.warning("wrote %d alert transitions to the alerts table that had waited for room", held)
+        self.unwritten, self.last_error = left, error
 
 
 def read_alerts(store: Store, run_id: str | None = None):
@@ -122,7 +154,8 @@ class StoreAlertRunner:
         self._total_params: dict[str, int] = {}
         existing = read_alerts(self.store)
         self._recorded = {
-            (fp, state, pd_ts.to_pydatetime()) for fp, state, pd_ts in zip(existing.fingerprint, existing.state, existing.ts)
+            (fp, state, pd_ts.to_pydatetime())
+            for fp, state, pd_ts in zip(existing.fingerprint, existing.state, existing.ts)
         }
 
     def _load_baseline(self, run_id: str, layer: int, steps: int) -> np.ndarray | None:
@@ -192,8 +225,8 @@ class StoreAlertRunner:
         for run_id in self._runs():
             found.extend(self.engine.ingest(self._observations(run_id)))
         new = [t for t in found if (t.fingerprint, t.state, t.at) not in self._recorded]
-        if new and self.writer is not None:
-            self.writer.handle(new)
+        if self.writer is not None:
+            self.writer.handle(new)  # also retries what an earlier poll could not write (a full disk)
             self._recorded.update((t.fingerprint, t.state, t.at) for t in new)
         for sink in self.sinks:
             sink.handle(found)  # the outbox drops what it already holds

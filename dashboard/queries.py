@@ -314,9 +314,11 @@ def side_summary(store: Store, run_id: str, tag: TagFilter = None) -> dict[str, 
 
 def outbox_deliveries(root: str, fingerprints: Sequence[str], limit: int = 1000) -> pd.DataFrame | None:
     """Notifications of these alerts in the alerts outbox (`<root>/.moescope/alerts-outbox.sqlite`,
-    opened read-only): fingerprint, receiver, state, attempts, created_at, delivered_at,
-    last_error. None when there is no outbox."""
+    opened read-only): fingerprint, receiver (its name, never a secret URL), state, attempts,
+    created_at, delivered_at, last_error. None when there is no outbox."""
     import sqlite3
+
+    from alerts.notify import redact_receiver_name
 
     path = os.path.join(root, ".moescope", "alerts-outbox.sqlite")
     if not os.path.isfile(path):
@@ -331,6 +333,7 @@ def outbox_deliveries(root: str, fingerprints: Sequence[str], limit: int = 1000)
     finally:
         con.close()
     df.insert(0, "fingerprint", df.idempotency_key.str.split(":").str[0])
+    df["receiver"] = df.receiver.map(redact_receiver_name)  # an older outbox named receivers by their full URL
     for col in ("created_at", "delivered_at"):
         df[col] = pd.to_datetime(df[col], unit="s", utc=True)
     return df[df.fingerprint.isin(set(fingerprints))].reset_index(drop=True)

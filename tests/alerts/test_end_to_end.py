@@ -177,7 +177,7 @@ def test_help_texts_teach_what_why_and_an_example():
     add_subcommands(parser.add_subparsers(dest="command"))
     alerts = next(a for a in parser._subparsers._group_actions[0].choices.values())
     commands = alerts._subparsers._group_actions[0].choices
-    assert set(commands) == {"run", "test-webhook", "prometheus-rules", "check"}
+    assert set(commands) == {"run", "test-webhook", "prometheus-rules", "check", "outbox"}
     for name, sub in commands.items():
         text = sub.format_help()
         assert "example:" in text and f"moescope alerts {name}" in text, name
