@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-import tomllib
 import yaml
 
 try:
@@ -93,7 +92,16 @@ _RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels",
 
 
 class RulesError(ValueError):
-    """A rules file that cannot be used; the message names file, line and field."""
+    """A rules file that cannot be used; the message names file, line and field.
+
+    `errors` lists every problem found in the file (each a RulesError of one line, in line
+    order); the message is those lines joined.
+    """
+
+    def __init__(self, message: str, errors: list[RulesError] | None = None, line: int | None = None):
+        super().__init__(message)
+        self.line = line
+        self.errors: list[RulesError] = errors if errors is not None else [self]
 
 
 @dataclass(frozen=True)
@@ -206,24 +214,52 @@ def parse_expr(expr: str) -> tuple[Condition, ...]:
 Path = tuple  # a path into the document: ("rules", 2, "expr")
 
 
-def _yaml_lines(text: str) -> dict[Path, int]:
-    """Map every key and item path of a YAML document to its 1-based line."""
-    lines: dict[Path, int] = {}
+class _Loader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing an alias used inside the node its anchor names (`a: &a [*a]`):
+    PyYAML would build a structure that contains itself, which nothing downstream can walk."""
 
-    def walk(node: yaml.Node, path: Path) -> None:
-        lines[path] = node.start_mark.line + 1
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._open_anchors: list[str] = []
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) and event.anchor in self._open_anchors:
+            raise yaml.composer.ComposerError(
+                None, None, f"the alias *{event.anchor} refers to itself (it is used inside the value its anchor "
+                f"&{event.anchor} names); write the value out instead", event.start_mark)
+        anchor = None if isinstance(event, yaml.AliasEvent) else getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open_anchors.append(anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            if anchor is not None:
+                self._open_anchors.pop()
+
+
+def _yaml_lines(root: yaml.Node | None) -> dict[Path, int]:
+    """Map the key and item paths of a composed YAML document to their 1-based lines.
+
+    Each node is walked once: a node reached again through an alias keeps the lines of the
+    first path, so aliases that multiply (`[*a, *a, ...]` nested) cost no more than the text.
+    """
+    lines: dict[Path, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, Path]] = [] if root is None else [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        lines.setdefault(path, node.start_mark.line + 1)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 key = key_node.value
-                walk(value_node, path + (key,))
                 lines[path + (key,)] = key_node.start_mark.line + 1
+                stack.append((value_node, path + (key,)))
         elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, path + (i,))
-
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    if root is not None:
-        walk(root, ())
+            stack.extend((item, path + (i,)) for i, item in enumerate(node.value))
     return lines
 
 
@@ -262,11 +298,12 @@ def _toml_lines(text: str) -> dict[Path, int]:
 
 
 class _Reader:
-    """Validates a parsed document, raising RulesError with file:line: field."""
+    """Validates a parsed document, collecting a RulesError (file:line: field) for every problem."""
 
     def __init__(self, source: str, lines: dict[Path, int]):
         self.source = source
         self.lines = lines
+        self.errors: list[RulesError] = []
 
     def fail(self, path: Path, message: str) -> RulesError:
         line = None
@@ -278,15 +315,33 @@ class _Reader:
         for part in path:
             field_name += f"[{part}]" if isinstance(part, int) else (f".{part}" if field_name else part)
         where = f"{self.source}:{line}" if line is not None else self.source
-        return RulesError(f"{where}: {field_name or '(top level)'}: {message}")
+        return RulesError(f"{where}: {field_name or '(top level)'}: {message}", line=line)
+
+    def report(self, path: Path, message: str) -> None:
+        self.errors.append(self.fail(path, message))
+
+    def attempt(self, check: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        """Return `check(*args)`, or record its RulesError and return `default`, so checking goes on."""
+        try:
+            return check(*args)
+        except RulesError as exc:
+            self.errors.append(exc)
+            return default
+
+    def raise_errors(self) -> None:
+        """Raise one RulesError listing every problem recorded, in line order; do nothing if none."""
+        if self.errors:
+            errors = sorted(self.errors, key=lambda e: (e.line is None, e.line or 0))
+            raise RulesError("\n".join(str(e) for e in errors), errors=errors, line=errors[0].line)
 
     def mapping(self, value: Any, path: Path, allowed: set[str]) -> dict:
+        """Return the allowed fields of a mapping, recording each unknown one; raise if not a mapping."""
         if not isinstance(value, dict):
             raise self.fail(path, f"must be a mapping, got {type(value).__name__}")
         for key in value:
             if key not in allowed:
-                raise self.fail(path + (key,), f"unknown field; allowed fields: {', '.join(sorted(allowed))}")
-        return value
+                self.report(path + (key,), f"unknown field; allowed fields: {', '.join(sorted(map(str, allowed)))}")
+        return {k: v for k, v in value.items() if k in allowed}
 
     def duration(self, value: Any, path: Path) -> float:
         try:
@@ -315,71 +370,90 @@ class _Reader:
         out = {}
         for key, item in value.items():
             if not isinstance(key, str) or not _LABEL_RE.match(key) or key.startswith("__"):
-                raise self.fail(path + (key,), "names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with __")
-            if key in reserved:
-                raise self.fail(path + (key,), f"{key!r} is set by moescope and cannot be overridden")
-            if not isinstance(item, (str, int, float)) or isinstance(item, bool):
-                raise self.fail(path + (key,), "values must be strings")
-            out[key] = str(item)
+                self.report(path + (key,), "names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with __")
+            elif key in reserved:
+                self.report(path + (key,), f"{key!r} is set by moescope and cannot be overridden")
+            elif not isinstance(item, (str, int, float)) or isinstance(item, bool):
+                self.report(path + (key,), "values must be strings")
+            else:
+                out[key] = str(item)
         return out
 
 
 def _build(doc: Any, reader: _Reader) -> RulePack:
-    doc = reader.mapping(doc if doc is not None else {}, (), _TOP_KEYS)
+    """Return the rule pack of a parsed document; raise one RulesError naming every problem."""
+    doc = reader.attempt(reader.mapping, doc if doc is not None else {}, (), _TOP_KEYS)
+    if doc is None:
+        reader.raise_errors()
     version = doc.get("version", 1)
     if version != 1:
-        raise reader.fail(("version",), f"unsupported version {version!r}; this moescope reads version 1")
-    defaults_doc = reader.mapping(doc.get("defaults", {}), ("defaults",), _DEFAULT_KEYS)
-    default_window = reader.window(defaults_doc.get("window", 32), ("defaults", "window"))
-    default_for = reader.duration(defaults_doc.get("for", "1m"), ("defaults", "for"))
-    default_cooldown = reader.duration(defaults_doc.get("cooldown", "5m"), ("defaults", "cooldown"))
-    default_severity = reader.severity(defaults_doc.get("severity", "warning"), ("defaults", "severity"))
+        reader.report(("version",), f"unsupported version {version!r}; this moescope reads version 1")
+    defaults_doc = reader.attempt(reader.mapping, doc.get("defaults", {}), ("defaults",), _DEFAULT_KEYS, default={})
+    default_window = reader.attempt(reader.window, defaults_doc.get("window", 32), ("defaults", "window"),
+                                    default=Window(steps=32))
+    default_for = reader.attempt(reader.duration, defaults_doc.get("for", "1m"), ("defaults", "for"), default=60.0)
+    default_cooldown = reader.attempt(reader.duration, defaults_doc.get("cooldown", "5m"), ("defaults", "cooldown"),
+                                      default=300.0)
+    default_severity = reader.attempt(reader.severity, defaults_doc.get("severity", "warning"),
+                                      ("defaults", "severity"), default="warning")
 
-    base_doc = reader.mapping(doc.get("baseline", {}), ("baseline",), _BASELINE_KEYS)
+    base_doc = reader.attempt(reader.mapping, doc.get("baseline", {}), ("baseline",), _BASELINE_KEYS, default={})
     run_id = base_doc.get("run_id")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
-        raise reader.fail(("baseline", "run_id"), "must be the run_id of a recorded run, as a string")
+        reader.report(("baseline", "run_id"), "must be the run_id of a recorded run, as a string")
     first_steps = base_doc.get("first_steps", 32)
     if not isinstance(first_steps, int) or isinstance(first_steps, bool) or first_steps < 1:
-        raise reader.fail(("baseline", "first_steps"), "must be a whole number of steps, at least 1")
+        reader.report(("baseline", "first_steps"), "must be a whole number of steps, at least 1")
 
     rules_doc = doc.get("rules")
     if not isinstance(rules_doc, list) or not rules_doc:
-        raise reader.fail(("rules",), "must be a non-empty list of rules")
+        reader.report(("rules",), "must be a non-empty list of rules")
+        rules_doc = []
     rules: list[Rule] = []
     seen: dict[str, int] = {}
     for i, item in enumerate(rules_doc):
         path = ("rules", i)
-        item = reader.mapping(item, path, _RULE_KEYS)
-        for required in ("name", "expr"):
-            if required not in item:
-                raise reader.fail(path, f"missing required field {required!r}")
+        item = reader.attempt(reader.mapping, item, path, _RULE_KEYS)
+        if item is None:
+            continue
+        missing = [f for f in ("name", "expr") if f not in item]
+        for required in missing:
+            reader.report(path, f"missing required field {required!r}")
+        if missing:
+            continue
         name = item["name"]
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise reader.fail(path + ("name",), "must be an identifier such as ExpertLoadSkew ([A-Za-z_][A-Za-z0-9_]*)")
-        if name in seen:
-            raise reader.fail(path + ("name",), f"duplicate rule name {name!r} (first used by rules[{seen[name]}])")
-        seen[name] = i
+            reader.report(path + ("name",), "must be an identifier such as ExpertLoadSkew ([A-Za-z_][A-Za-z0-9_]*)")
+        elif name in seen:
+            reader.report(path + ("name",), f"duplicate rule name {name!r} (first used by rules[{seen[name]}])")
+        else:
+            seen[name] = i
         try:
             conditions = parse_expr(item["expr"])
         except ValueError as exc:
-            raise reader.fail(path + ("expr",), str(exc)) from None
+            reader.report(path + ("expr",), str(exc))
+            conditions = ()
+
+        def field(key: str, check: Callable[[Any, Path], Any], default: Any) -> Any:
+            return reader.attempt(check, item[key], path + (key,), default=default) if key in item else default
+
         rules.append(
             Rule(
-                name=name,
-                expr=item["expr"].strip(),
+                name=str(name),
+                expr=str(item["expr"]).strip(),
                 conditions=conditions,
-                window=reader.window(item["window"], path + ("window",)) if "window" in item else default_window,
-                for_s=reader.duration(item["for"], path + ("for",)) if "for" in item else default_for,
-                cooldown_s=(
-                    reader.duration(item["cooldown"], path + ("cooldown",)) if "cooldown" in item else default_cooldown
-                ),
-                severity=reader.severity(item["severity"], path + ("severity",)) if "severity" in item else default_severity,
-                labels=reader.string_map(item.get("labels", {}), path + ("labels",), RESERVED_LABELS),
-                annotations=reader.string_map(item.get("annotations", {}), path + ("annotations",)),
+                window=field("window", reader.window, default_window),
+                for_s=field("for", reader.duration, default_for),
+                cooldown_s=field("cooldown", reader.duration, default_cooldown),
+                severity=field("severity", reader.severity, default_severity),
+                labels=reader.attempt(reader.string_map, item.get("labels", {}), path + ("labels",), RESERVED_LABELS,
+                                      default={}),
+                annotations=reader.attempt(reader.string_map, item.get("annotations", {}), path + ("annotations",),
+                                           default={}),
                 line=reader.lines.get(path),
             )
         )
+    reader.raise_errors()
     return RulePack(rules=tuple(rules), baseline=Baseline(run_id=run_id, first_steps=first_steps), source=reader.source)
 
 
@@ -395,13 +469,20 @@ def parse_rules(text: str, source: str = "<rules>", fmt: str = "yaml") -> RulePa
         return _build(doc, _Reader(source, _toml_lines(text)))
     if fmt != "yaml":
         raise RulesError(f"{source}: unknown rules format {fmt!r}; use .yaml, .yml or .toml")
+    loader = _Loader(text)
     try:
-        doc = yaml.safe_load(text)
-        lines = _yaml_lines(text)
+        root = loader.get_single_node()
+        lines = _yaml_lines(root)
+        doc = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
-        raise RulesError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+        raise RulesError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}",
+                         line=None if mark is None else mark.line + 1) from None
+    except RecursionError:  # nesting deeper than Python's stack: no rules file needs that
+        raise RulesError(f"{source}: nested too deeply to read; a rules file is a few levels deep") from None
+    finally:
+        loader.dispose()
     return _build(doc, _Reader(source, lines))
 
 

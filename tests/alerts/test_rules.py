@@ -139,3 +139,45 @@ def test_durations_and_expressions():
     conds = parse_expr("kl_baseline>=0.1 and dead_expert_fraction > 0")
     assert [(c.signal, c.op, c.threshold) for c in conds] == [("kl_baseline", ">=", 0.1), ("dead_expert_fraction", ">", 0.0)]
     assert conds[0].holds(0.1) is True and conds[0].holds(0.05) is False and conds[0].holds(float("nan")) is None
+
+
+@pytest.mark.parametrize("text, line", [
+    ("a: &a [*a]\n", 1),
+    ("version: 1\nrules:\n  - &r\n    name: A\n    expr: load_cv > 1\n    labels: {x: *r}\n", 6),
+    ("version: 1\nrules: &rules\n  - name: A\n    expr: load_cv > 1\n  - *rules\n", 5),
+])
+def test_a_self_referencing_alias_is_a_clear_error_not_a_recursion_traceback(tmp_path, text, line):
+    path = write(tmp_path, text)
+    with pytest.raises(RulesError) as err:
+        load_rules(path)
+    assert str(err.value).startswith(f"{path}:{line}: "), str(err.value)
+    assert "refers to itself" in str(err.value)
+
+
+def test_aliases_that_multiply_stay_cheap(tmp_path):
+    # each level names the one below nine times: 9**9 paths if walked naively
+    levels = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = write(tmp_path, "\n".join(levels) + "\nrules: [{name: A, expr: load_cv > 1, labels: {a: *l8}}]\n")
+    with pytest.raises(RulesError, match=r"rules\.yaml:1: l0: unknown field"):
+        load_rules(path)
+
+
+def test_every_error_is_reported_not_just_the_first(tmp_path, capsys):
+    from moescope.cli import main as moescope_main
+
+    text = (GOOD.replace("load_max_mean > 2.5", "load_maxmean > 2.5").replace("severity: info", "severity: urgent")
+            .replace("first_steps: 8", "first_steps: 0").replace("    window: 5m\n", "    windw: 5m\n"))
+    path = write(tmp_path, text)
+    with pytest.raises(RulesError) as err:
+        load_rules(path)
+    assert [line.split(": ")[0:2] for line in str(err.value).splitlines()] == [
+        [f"{path}:3", "baseline.first_steps"],
+        [f"{path}:6", "rules[0].expr"],
+        [f"{path}:9", "rules[1].windw"],
+        [f"{path}:11", "rules[1].severity"],
+    ]
+    assert len(err.value.errors) == 4
+    assert moescope_main(["alerts", "check", str(path)]) == 2
+    out = capsys.readouterr().err
+    assert out.count("error: ") == 4 and "4 errors" in out
