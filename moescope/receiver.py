@@ -1,17 +1,21 @@
 """A local webhook receiver: what a user's alert endpoint sees, for the demo and for trying rules.
 
-It listens on 127.0.0.1, checks the HMAC signature when given the secret, drops repeats by
-idempotency key (as a real receiver should), and hands each alert document to a callback.
+It listens on 127.0.0.1, checks the HMAC signature when given the secret (timestamp window,
+constant-time compare: `alerts.notify.verify_signature`), drops repeats by the idempotency key
+*in the body* — which the signature covers, unlike the `X-Moescope-Idempotency-Key` header that a
+replayed request can change — and hands each new alert document to a callback. `alerts/notify.py`
+says how any receiver should verify.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
+from alerts.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
 
 
 class WebhookReceiver:
@@ -33,17 +37,21 @@ class WebhookReceiver:
                 if receiver.secret and not verify_signature(
                         receiver.secret, self.headers.get(TIMESTAMP_HEADER, ""),
                         body, self.headers.get(SIGNATURE_HEADER, "")):
-                    receiver.rejected += 1
+                    with receiver._lock:
+                        receiver.rejected += 1
                     self.send_response(401)
                     self.end_headers()
                     return
                 try:
                     document = json.loads(body)
+                    if not isinstance(document, dict):
+                        raise ValueError("not a JSON object")
                 except ValueError:
                     self.send_response(400)
                     self.end_headers()
                     return
-                key = self.headers.get(IDEMPOTENCY_HEADER) or document.get("idempotency_key", "")
+                # what the signature covers: the body's key, or the body itself when it has none
+                key = str(document.get("idempotency_key") or "sha256:" + hashlib.sha256(body).hexdigest())
                 with receiver._lock:
                     fresh = key not in receiver._keys
                     receiver._keys.add(key)

@@ -1,0 +1,51 @@
+"""moescope's own webhook receiver: signatures checked, and repeats dropped by what the signature covers."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+from alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
+from moescope.receiver import WebhookReceiver
+
+
+def signed_request(url: str, body: bytes, secret: str, timestamp: str, key_header: str) -> int:
+    headers = {"Content-Type": "application/json", IDEMPOTENCY_HEADER: key_header, TIMESTAMP_HEADER: timestamp,
+               SIGNATURE_HEADER: sign(secret, timestamp, body)}
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def alert_body(key: str) -> bytes:
+    return json.dumps({"schema": "moescope.alert/v1", "idempotency_key": key, "status": "firing",
+                       "alert": {"name": "Skew"}}, sort_keys=True).encode()
+
+
+def test_a_replayed_request_with_a_new_idempotency_header_is_accepted_once():
+    with WebhookReceiver(secret="s3cret") as receiver:
+        body = alert_body("fp:2025-01-01T00:00:00+00:00:firing")
+        now = str(int(time.time()))
+        assert signed_request(receiver.url, body, "s3cret", now, "fp:2025-01-01T00:00:00+00:00:firing") == 200
+        # the same captured request, replayed inside the timestamp window under a fresh header
+        assert signed_request(receiver.url, body, "s3cret", now, "attacker-chosen-key") == 200
+        assert signed_request(receiver.url, body, "s3cret", now, "") == 200
+        assert receiver.names() == ["Skew"]
+        # a different signed alert is accepted, whatever its header says
+        other = alert_body("fp:2025-01-01T00:00:00+00:00:resolved")
+        assert signed_request(receiver.url, other, "s3cret", now, "fp:2025-01-01T00:00:00+00:00:firing") == 200
+        assert len(receiver.received) == 2
+
+
+def test_unsigned_stale_and_tampered_requests_are_rejected():
+    with WebhookReceiver(secret="s3cret") as receiver:
+        body = alert_body("k")
+        stale = str(int(time.time()) - 3600)
+        assert signed_request(receiver.url, body, "s3cret", stale, "k") == 401
+        assert signed_request(receiver.url, body, "wrong", str(int(time.time())), "k") == 401
+        assert receiver.rejected == 2 and receiver.received == []
