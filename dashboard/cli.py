@@ -3,19 +3,24 @@
 `add_subcommands(subparsers)` registers the subcommand on moescope's command line; `python -m
 dashboard.cli STORE` runs it alone. The app runs as a `streamlit run` subprocess (headless, no
 usage statistics, bound to --host) and gets the store and flags through environment variables
-(see `dashboard.settings`).
+(see `dashboard.settings`). SIGTERM and SIGHUP sent to this process are passed on to that child,
+and the command returns only once the child is gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 from dashboard.settings import DEFAULT_REFRESH_S, Settings
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C reaches the child from the terminal itself
 
 DESCRIPTION = """\
 Open a store in the browser: run overview and the active-parameter fraction, load heatmaps
@@ -78,7 +83,11 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the server in the foreground; returns its exit status (Ctrl-C stops it)."""
+    """Start the server in the foreground; returns its exit status.
+
+    Ctrl-C, SIGTERM (`kill PID`, a service manager) and SIGHUP (a closed terminal) are passed on
+    to the Streamlit child, which is then waited for, so its port is free when this returns.
+    """
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         print(f"moescope dashboard: no tokenizer folder at {args.tokenizer!r}; give a local folder holding "
               "tokenizer.json (e.g. moescope/demo_model), or leave --tokenizer out to show token ids",
@@ -90,15 +99,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"moescope dashboard: http://{args.host}:{args.port}  (store {os.path.abspath(args.store)})",
           file=sys.stderr)
     process = subprocess.Popen(command(args), env=environment(args))
+    received: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        received.append(signum)
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
-        return process.wait()
+        return _wait(process, received)
     except KeyboardInterrupt:
         process.terminate()
+        return _wait(process, [signal.SIGTERM])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(process: subprocess.Popen, received: list[int], grace_s: float = 10.0) -> int:
+    """Wait for the child; once a signal was passed on, kill it if it is not gone after `grace_s`.
+    Returns the child's status, or 128 + the signal when a signal ended it."""
+    stop_deadline = None
+    while True:
         try:
-            return process.wait(timeout=10)
+            code = process.wait(timeout=0.5)
+            break
         except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
+            if received and stop_deadline is None:
+                stop_deadline = time.monotonic() + grace_s
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                process.kill()
+    return 128 - code if code < 0 else code
 
 
 def main(argv: list[str] | None = None) -> int:

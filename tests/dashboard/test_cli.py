@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -70,3 +79,62 @@ def test_gate_request_is_an_atomic_store_row(tmp_path):
         kwargs = {"layer": 0, "expert": 0, "weight": 0.5, "reason": "why"} | bad
         with pytest.raises(GateRequestError):
             write_request(root, "run-1", **kwargs)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_killed_dashboard_stops_its_streamlit_server(tmp_path, signum):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-m", "moescope.cli", "dashboard", str(tmp_path), "--port", str(port)],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.2)
+        children = _children(proc.pid)
+        assert children, "streamlit runs as a child process"
+        proc.send_signal(signum)
+        proc.wait(timeout=30)  # returns only once its child is gone
+        for child in children:
+            assert not os.path.exists(f"/proc/{child}") or _is_zombie(child), "the Streamlit child outlived the CLI"
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.connect(("127.0.0.1", port))
+    finally:
+        for pid in [proc.pid, *children]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
