@@ -4,6 +4,12 @@
     exporter.serve(port=9464)                        # http://127.0.0.1:9464/metrics
     with probe.attach(model, store="runs/", exporters=[exporter]):
         ...
+    # /metrics still answers here, with the last values: the server is the exporter's
+    exporter.close()                                 # stops serving
+
+Lifetime: the probe calls `shutdown()` when its session closes; that stops taking records but
+leaves `/metrics` up, so Prometheus can scrape the final values (and the same exporter can be
+handed to the next session of the process). `close()` stops the HTTP server.
 
 The exporter keeps, per MoE layer, the last `window_steps` steps and a few running totals; a
 custom collector computes the gauges from that window at each scrape (through the same
@@ -101,10 +107,12 @@ class PrometheusExporter:
     # -- the exporter interface --------------------------------------------------------------
 
     def on_attach(self, run: RunInfo) -> None:
-        """Called by the probe at attach: names the run and its model."""
+        """Called by the probe at attach: names the run and its model, and takes records again
+        (the same exporter may serve one session after another)."""
         with self._lock:
             self._start_run(run.run_id)
             self._model_class = run.model_class
+            self._closed = False
 
     def _start_run(self, run_id: str) -> None:
         if run_id != self._run_id:
@@ -143,7 +151,13 @@ class PrometheusExporter:
         return True
 
     def shutdown(self) -> None:
-        """Stop serving; safe to call twice. The last values stay readable from the registry."""
+        """Called by the probe when its session closes: take no more records. `/metrics` keeps
+        serving the last values until `close()`; safe to call twice."""
+        self._closed = True
+
+    def close(self) -> None:
+        """Stop serving `/metrics` and take no more records; safe to call twice. The last values
+        stay readable from the registry."""
         self._closed = True
         server, self._server = self._server, None
         if server is not None:
@@ -174,7 +188,14 @@ class PrometheusExporter:
             self._baselines[layer] = np.asarray(load, dtype=np.int64)
 
     def serve(self, port: int = 9464, addr: str = "127.0.0.1") -> int:
-        """Serve `/metrics` on addr:port (port 0 picks a free one); return the port."""
+        """Serve `/metrics` on addr:port (port 0 picks a free one) until `close()`; return the port.
+
+        The server belongs to the exporter, not to a probe session: it outlives the session's
+        `with` block, so a scrape after it still answers with the last values. Raises
+        RuntimeError when already serving, OSError when the port is taken.
+        """
+        if self._server is not None:
+            raise RuntimeError(f"already serving on port {self._server.server_address[1]}; close() it first")
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         return server.server_address[1]
@@ -203,7 +224,8 @@ class PrometheusExporter:
                     "window": list(layer.history.items),
                     "tokens_total": layer.tokens_total,
                     "dropped_total": layer.dropped_total,
-                    "expert_tokens_total": None if layer.expert_tokens_total is None else layer.expert_tokens_total.copy(),
+                    "expert_tokens_total": (None if layer.expert_tokens_total is None
+                                            else layer.expert_tokens_total.copy()),
                     "baseline": baseline,
                 }
             return {

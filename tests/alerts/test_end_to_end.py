@@ -70,7 +70,7 @@ def test_skewed_run_alerts_at_receiver_alertmanager_and_prometheus(tmp_path):
         prom, prom_url = start_prometheus(tmp_path, f"127.0.0.1:{port}", rules_file, alertmanager=am_url)
         servers.append(prom)
 
-        # record while Prometheus scrapes: closing the probe shuts its exporters down
+        # record while Prometheus scrapes (the exporter keeps serving after the session, until close())
         model = skewed_model()
         session = probe.attach(model, store=str(store), exporters=[exporter], run_id="skewed-run")
         forwards(model, 6)
@@ -132,7 +132,7 @@ def test_skewed_run_alerts_at_receiver_alertmanager_and_prometheus(tmp_path):
         for server in servers:
             server.stop()
         receiver.stop()
-        exporter.shutdown()
+        exporter.close()
 
 
 def test_cli_run_once_check_prometheus_rules_and_test_webhook(tmp_path, receiver, capsys):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import subprocess
+import urllib.error
 import urllib.request
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -19,14 +22,17 @@ from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_rec
 
 
 def feed(exporter, loads, layers=(0, 1), **kw):
-    exporter.export([step_record(s, [layer_step(l, load, **kw) for l in layers]) for s, load in enumerate(loads)])
+    exporter.export([step_record(s, [layer_step(layer, load, **kw) for layer in layers])
+                     for s, load in enumerate(loads)])
 
 
 def test_per_layer_values_match_the_signals():
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry, window_steps=4, baseline_steps=2)
     feed(exporter, [BALANCED] * 2 + [SKEWED] * 4, dropped=2, capacity_use=0.5)
-    get = lambda name, layer=0: registry.get_sample_value(name, {"layer": str(layer)})
+    def get(name, layer=0):
+        return registry.get_sample_value(name, {"layer": str(layer)})
+
     window = np.array(SKEWED) * 4
     baseline = np.array(BALANCED) * 2
     assert get("moe_layer_load_max_mean_ratio") == pytest.approx(sig.max_mean_ratio(window))
@@ -65,7 +71,8 @@ def test_per_expert_series_only_when_asked_and_capped():
     exporter = PrometheusExporter(registry=registry, per_expert=True, max_expert_series=10)
     feed(exporter, [SKEWED] * 3)  # 2 layers x 8 experts = 16 series wanted
     assert registry.get_sample_value("moe_expert_tokens_total", {"layer": "0", "expert": "0"}) == 3 * 72
-    series = [s for m in registry.collect() if m.name == "moe_expert_tokens" for s in m.samples if s.name.endswith("_total")]
+    series = [s for m in registry.collect() if m.name == "moe_expert_tokens"
+              for s in m.samples if s.name.endswith("_total")]
     assert len(series) == 10
     assert registry.get_sample_value("moe_expert_series_omitted") == 6
 
@@ -77,7 +84,8 @@ def test_names_follow_conventions_and_new_run_starts_over():
     names = {m.name for m in registry.collect()}
     assert all(n.startswith("moe_") for n in names)
     counters = {m.name for m in registry.collect() if m.type == "counter"}
-    assert all(s.name.endswith(("_total", "_created")) for m in registry.collect() if m.type == "counter" for s in m.samples)
+    assert all(s.name.endswith(("_total", "_created"))
+               for m in registry.collect() if m.type == "counter" for s in m.samples)
     assert {"moe_layer_tokens", "moe_layer_dropped_tokens", "moe_steps"} <= counters
     assert registry.get_sample_value("moe_layer_routing_drift_per_1000_pairs", {"layer": "0"}) > 0
     assert registry.get_sample_value("moe_run_info", {"run_id": "run-a", "model_class": ""}) == 1
@@ -96,9 +104,13 @@ def test_serves_metrics_on_localhost():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'moe_layer_load_max_mean_ratio{layer="0"} 4.5' in text
     finally:
-        exporter.shutdown()
+        exporter.shutdown()  # what a closing probe session calls: records stop, serving goes on
         exporter.shutdown()
     assert exporter.export([step_record(1, [layer_step(0, SKEWED)])]) is False
+    exporter.close()
+    exporter.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
 
 def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
@@ -117,7 +129,8 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     path = tmp_path / "moescope.rules.yml"
     path.write_text(prometheus_rules_yaml(pack))
     assert yaml.safe_load(path.read_text()) == doc
-    check = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False)
+    check = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60,
+                           check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 7 rules found" in check.stdout
 
@@ -139,7 +152,8 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     exporter = PrometheusExporter(registry=registry)
     memory = InMemoryExporter()
     model = tiny_model("mixtral")
-    with probe.attach(model, store=tmp_path, routes=True, exporters=[exporter, memory]) as session:
+    with probe.attach(model, store=tmp_path, routes=True, exporters=[exporter, memory],
+                      window=1) as session:
         with torch.no_grad():
             model(torch.randint(0, 128, (2, 4)))
             model(torch.randint(0, 128, (2, 4)))
@@ -148,3 +162,42 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
         assert written("steps") == 2 and written("layer_steps") == 2 * 2 and written("routes") == 2 * 2 * 8
     session.processor.emit(memory.records[0])  # too late: dropped, and counted with its reason
     assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "routes", "reason": "closed"}) == 16
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_close(tmp_path):
+    import torch
+
+    import probe
+    from probe.zoo import tiny_model
+
+    exporter = PrometheusExporter(registry=CollectorRegistry())
+    port = exporter.serve(port=0)
+    model = tiny_model("mixtral")
+    try:
+        with probe.attach(model, store=tmp_path, exporters=[exporter], run_id="first"):
+            with torch.no_grad():
+                model(torch.randint(0, 128, (2, 4)))
+                model(torch.randint(0, 128, (2, 4)))
+        after = scrape(port)  # the README's `with` block is over: the endpoint still answers
+        assert after['moe_layer_tokens_total{layer="0"}'] == 2 * 2 * 4  # two forwards of 2 x 4 tokens
+        step_rows = sum(pq.read_metadata(f).num_rows for f in glob.glob(f"{tmp_path}/steps/**/*.parquet",
+                                                                         recursive=True))
+        assert step_rows >= 1 and after['moe_probe_records_written_total{table="steps"}'] == step_rows
+
+        # the same exporter serves the next session of the process, starting over for its run
+        with probe.attach(model, store=tmp_path, exporters=[exporter], run_id="second"):
+            with torch.no_grad():
+                model(torch.randint(0, 128, (2, 4)))
+        second = scrape(port)
+        assert second['moe_layer_tokens_total{layer="0"}'] == 2 * 4
+        assert second['moe_run_info{model_class="MixtralForCausalLM",run_id="second"}'] == 1
+    finally:
+        exporter.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
