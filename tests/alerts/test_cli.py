@@ -9,7 +9,8 @@ def test_test_webhook_refuses_an_unset_secret_instead_of_sending_unsigned(receiv
     monkeypatch.delenv("MOESCOPE_UNSET_SECRET", raising=False)
     code = moescope_main(["alerts", "test-webhook", receiver.url + "/hook", "--secret-env", "MOESCOPE_UNSET_SECRET"])
     assert code == 2
-    assert "--secret-env MOESCOPE_UNSET_SECRET: that environment variable is not set or empty" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--secret-env MOESCOPE_UNSET_SECRET: that environment variable is not set or empty" in err
     monkeypatch.setenv("MOESCOPE_UNSET_SECRET", "")
     assert moescope_main(["alerts", "test-webhook", receiver.url + "/hook",
                           "--secret-env", "MOESCOPE_UNSET_SECRET"]) == 2

@@ -158,7 +158,8 @@ def test_cli_run_once_check_prometheus_rules_and_test_webhook(tmp_path, receiver
 
     os.environ["MOESCOPE_TEST_SECRET"] = "s3cret"
     try:
-        assert moescope_main(["alerts", "test-webhook", receiver.url + "/test", "--secret-env", "MOESCOPE_TEST_SECRET"]) == 0
+        assert moescope_main(["alerts", "test-webhook", receiver.url + "/test",
+                              "--secret-env", "MOESCOPE_TEST_SECRET"]) == 0
     finally:
         del os.environ["MOESCOPE_TEST_SECRET"]
     [sample] = receiver.received("/test")

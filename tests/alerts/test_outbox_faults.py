@@ -176,8 +176,8 @@ def test_a_port_answering_with_an_ssh_banner_is_a_failed_attempt_and_the_others_
     ssh = BannerServer()
     path = str(tmp_path / "outbox.db")
     try:
-        outbox = Outbox(path, [WebhookNotifier(ssh.url, name="ssh"), WebhookNotifier(receiver.url + "/hook", name="ok")],
-                        clock=clock)
+        notifiers = [WebhookNotifier(ssh.url, name="ssh"), WebhookNotifier(receiver.url + "/hook", name="ok")]
+        outbox = Outbox(path, notifiers, clock=clock)
         outbox.handle(transitions())
         report = outbox.deliver_due()
         assert (report.delivered, report.retrying, report.dead) == (2, 1, 0)

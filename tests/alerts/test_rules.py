@@ -83,14 +83,17 @@ def test_good_yaml_and_equivalent_toml(tmp_path):
     labels = { team = "infra" }
     """
     tpack = load_rules(write(tmp_path, toml, "rules.toml"))
-    strip = lambda p: [(r.name, r.conditions, r.window, r.for_s, r.cooldown_s, r.severity, r.labels) for r in p.rules]
+    def strip(p):
+        return [(r.name, r.conditions, r.window, r.for_s, r.cooldown_s, r.severity, r.labels) for r in p.rules]
+
     assert strip(tpack) == strip(pack) and tpack.baseline == pack.baseline
 
 
 @pytest.mark.parametrize(
     "text, line, fieldname, hint",
     [
-        (GOOD.replace("load_max_mean > 2.5", "load_maxmean > 2.5"), 6, "rules[0].expr", "unknown signal 'load_maxmean'"),
+        (GOOD.replace("load_max_mean > 2.5", "load_maxmean > 2.5"), 6, "rules[0].expr",
+         "unknown signal 'load_maxmean'"),
         (GOOD.replace("load_max_mean > 2.5", "load_max_mean >> 2.5"), 6, "rules[0].expr", "<signal> <op> <number>"),
         (GOOD.replace("    for: 0\n", "    for: soon\n"), 10, "rules[1].for", "30s, 5m"),
         (GOOD.replace("severity: info", "severity: urgent"), 11, "rules[1].severity", "info, warning, critical"),
@@ -115,7 +118,8 @@ def test_errors_name_file_line_and_field(tmp_path, text, line, fieldname, hint):
 
 
 def test_toml_errors_name_line_too(tmp_path):
-    path = write(tmp_path, '[[rules]]\nname = "A"\nexpr = "load_cv > 1"\n[[rules]]\nname = "B"\nexpr = "nope > 1"\n', "r.toml")
+    text = '[[rules]]\nname = "A"\nexpr = "load_cv > 1"\n[[rules]]\nname = "B"\nexpr = "nope > 1"\n'
+    path = write(tmp_path, text, "r.toml")
     with pytest.raises(RulesError, match=rf"^{path}:6: rules\[1\]\.expr: unknown signal 'nope'"):
         load_rules(path)
 
@@ -137,7 +141,8 @@ def test_durations_and_expressions():
         with pytest.raises((ValueError, TypeError)):
             parse_duration(bad)
     conds = parse_expr("kl_baseline>=0.1 and dead_expert_fraction > 0")
-    assert [(c.signal, c.op, c.threshold) for c in conds] == [("kl_baseline", ">=", 0.1), ("dead_expert_fraction", ">", 0.0)]
+    assert [(c.signal, c.op, c.threshold) for c in conds] == [("kl_baseline", ">=", 0.1),
+                                                              ("dead_expert_fraction", ">", 0.0)]
     assert conds[0].holds(0.1) is True and conds[0].holds(0.05) is False and conds[0].holds(float("nan")) is None
 
 
