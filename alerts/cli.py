@@ -261,6 +261,10 @@ def cmd_outbox_drop(args: argparse.Namespace) -> int:
         dropped = {name: outbox.drop(name) for name in args.receiver}
     finally:
         outbox.close()
+    if outbox.unsaved:
+        print(f"error: could not write {outbox.path} ({outbox.unsaved_reason}); nothing was dropped",
+              file=sys.stderr)
+        return 1
     status = 0
     for name, n in dropped.items():
         if n:

@@ -79,3 +79,5 @@ with common.guard():
         else:
             st.markdown(f"**Deliveries** ({len(deliveries)} notifications of these alerts in the outbox)")
             st.dataframe(deliveries, hide_index=True)
+            st.caption("Receivers are shown by name: a token, password or query in a receiver's URL (`***`) "
+                       "is never stored.")
