@@ -35,6 +35,7 @@ from alerts.window import (
     LayerHistory,
     LayerObservation,
     compute_signals,
+    last_forwards,
     observations_from_record,
     summed_load,
 )
@@ -99,6 +100,7 @@ BaselineLoader = Callable[[str, int, int], "np.ndarray | None"]  # (baseline run
 class _RunState:
     history: dict[int, LayerHistory] = field(default_factory=dict)
     baseline_parts: dict[int, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
+    baseline_forwards: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
 class AlertEngine:
@@ -125,8 +127,9 @@ class AlertEngine:
             history = run.history[obs.layer] = LayerHistory(self._history_steps)
         history.append(obs)
         parts = run.baseline_parts[obs.layer]
-        if self.pack.baseline.run_id is None and len(parts) < self.pack.baseline.first_steps:
-            parts.append(obs.expert_load)
+        if self.pack.baseline.run_id is None and run.baseline_forwards[obs.layer] < self.pack.baseline.first_steps:
+            parts.append(obs.expert_load)  # the baseline is the first rows covering first_steps forwards
+            run.baseline_forwards[obs.layer] += max(int(obs.forwards), 1)
 
     def baseline(self, run_id: str, layer: int) -> np.ndarray | None:
         """Return the baseline load for a layer, or None while it is not yet known."""
@@ -136,10 +139,10 @@ class AlertEngine:
                 loaded = self.baseline_loader(spec.run_id, layer, spec.first_steps) if self.baseline_loader else None
                 self._external_baselines[layer] = loaded
             return self._external_baselines[layer]
-        parts = self._runs[run_id].baseline_parts.get(layer, [])
-        if len(parts) < spec.first_steps:
+        run = self._runs[run_id]
+        if run.baseline_forwards.get(layer, 0) < spec.first_steps:
             return None
-        return np.sum(parts, axis=0)
+        return np.sum(run.baseline_parts[layer], axis=0)
 
     # -- evaluation -------------------------------------------------------------------------
 
@@ -233,7 +236,7 @@ class AlertEngine:
         return {fp: st.state for fp, st in self._alerts.items()}
 
     def window_load(self, run_id: str, layer: int, steps: int) -> np.ndarray:
-        return summed_load(list(self._runs[run_id].history[layer].items)[-steps:])
+        return summed_load(last_forwards(list(self._runs[run_id].history[layer].items), steps))
 
 
 class EngineExporter:

@@ -180,9 +180,13 @@ class _Window:
         self.grad: np.ndarray | None = None
         self.trust = np.ones(experts, dtype=np.float64)
         self.input_nonfinite = 0
+        self.forwards = 0
+        self.step_end = 0
 
-    def add(self, step: int, ts: dt.datetime, ls: LayerStep, experts: int) -> None:
+    def add(self, step: int, ts: dt.datetime, ls: LayerStep, experts: int, step_end: int | None = None) -> None:
         self.steps.append(step)
+        self.step_end = step if step_end is None else step_end
+        self.forwards += max(int(ls.forwards), 1)
         self.ts = ts
         self.load += ls.expert_load[:experts]
         self.gate_sum += ls.gate_weight_sum[:experts]
@@ -227,8 +231,8 @@ class HealthScorer:
         for ls in record.layers:
             experts = self._experts.get(ls.layer, len(ls.expert_load))
             window = self._windows.setdefault(ls.layer, _Window(experts))
-            window.add(record.step, record.ts, ls, experts)
-            if len(window.steps) >= self.config.window_steps:
+            window.add(record.step, record.ts, ls, experts, record.step_end)
+            if window.forwards >= self.config.window_steps:  # a windowed record counts its forwards
                 rows.extend(self._score(record.run_id, ls.layer, window))
                 self._windows[ls.layer] = _Window(experts)
         return rows
@@ -296,7 +300,7 @@ class HealthScorer:
                         reasons.append(f"{reason} (last measured)")
             score = combine(comps, cfg.weights)
             rows.append(ExpertHealth(
-                run_id=run_id, window=index, step_start=w.steps[0], step_end=w.steps[-1], ts=w.ts, layer=layer,
+                run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
                 expert=e, score=score, load=comps["load"], confidence=comps["confidence"],
                 output=comps["output"], weight=comps["weight"], grad=comps["grad"],
                 load_share_ratio=float(shares[e]) if routed else None,

@@ -159,12 +159,16 @@ class StoreAlertRunner:
         }
 
     def _load_baseline(self, run_id: str, layer: int, steps: int) -> np.ndarray | None:
+        # the first rows that cover `steps` forwards (a windowed row covers several)
         rows = self.store.sql(
-            "SELECT expert_load FROM layer_steps WHERE run_id = ? AND layer = ? ORDER BY step LIMIT ?",
+            "SELECT expert_load, coalesce(forwards, 1) AS forwards FROM layer_steps"
+            " WHERE run_id = ? AND layer = ? ORDER BY step LIMIT ?",
             [run_id, layer, steps],
         )
         if rows.empty:
             return None
+        covered = np.cumsum(rows.forwards.to_numpy())
+        rows = rows.iloc[: int(np.searchsorted(covered, steps)) + 1]
         return np.sum([np.asarray(v, dtype=np.int64) for v in rows.expert_load], axis=0)
 
     def _runs(self) -> list[str]:
@@ -174,8 +178,9 @@ class StoreAlertRunner:
     def _observations(self, run_id: str) -> list[LayerObservation]:
         last = self._last_step.get(run_id, -1)
         rows = self.store.sql(
-            "SELECT step, ts, layer, rank, tokens, expert_load, router_entropy_mean, dropped_tokens, capacity_use,"
-            " active_params_per_token FROM layer_steps WHERE run_id = ? AND step > ? ORDER BY step, layer, rank",
+            "SELECT step, coalesce(step_end, step) AS step_end, coalesce(forwards, 1) AS forwards, ts, layer, rank,"
+            " tokens, expert_load, router_entropy_mean, dropped_tokens, capacity_use, active_params_per_token"
+            " FROM layer_steps WHERE run_id = ? AND step > ? ORDER BY step, layer, rank",
             [run_id, last],
         )
         if rows.empty:
@@ -188,14 +193,23 @@ class StoreAlertRunner:
         if self._needs_routes:
             r = self.store.sql(
                 "SELECT step, layer, rank, sequence, position, expert_ids FROM routes"
-                " WHERE run_id = ? AND step > ? AND step <= ? ORDER BY step, layer, rank, token",
-                [run_id, last, int(rows.step.max())],
+                " WHERE run_id = ? AND step >= ? AND step <= ? ORDER BY step, layer, rank, token",
+                [run_id, int(rows.step.min()), int(rows.step_end.max())],
             )
-            for (step, layer), group in r.groupby(["step", "layer"], sort=False):
-                routes[(int(step), int(layer))] = [
+            # a route row belongs to the layer_steps row (a forward, or a window) whose steps cover it
+            starts = {int(layer): np.unique(g.step.to_numpy(np.int64)) for layer, g in rows.groupby("layer")}
+            if not r.empty:
+                r["window"] = r.step.to_numpy(np.int64)
+                for layer, index in r.groupby("layer").groups.items():
+                    first = starts.get(int(layer), np.zeros(1, np.int64))
+                    steps_ = r.loc[index, "step"].to_numpy(np.int64)
+                    r.loc[index, "window"] = first[np.maximum(np.searchsorted(first, steps_, "right") - 1, 0)]
+            for (window, layer), group in (r.groupby(["window", "layer"], sort=False) if not r.empty else ()):
+                routes[(int(window), int(layer))] = [
                     np.stack([np.asarray(v, dtype=np.int64) for v in group.expert_ids]),
                     group["rank"].to_numpy(np.int64) * 65536 + group.sequence.to_numpy(np.int64),
                     group.position.to_numpy(np.int64),
+                    group.step.to_numpy(np.int64),
                 ]
         out = []
         for (step, layer), group in rows.groupby(["step", "layer"], sort=True):
@@ -203,17 +217,21 @@ class StoreAlertRunner:
             load = np.sum([np.asarray(v, dtype=np.int64) for v in group.expert_load], axis=0)
             capacity = group.capacity_use.dropna()
             route = routes.get((int(step), int(layer)))
+            tokens = group.tokens.to_numpy(np.float64)
+            weight = tokens / tokens.sum() if tokens.sum() > 0 else np.full(len(tokens), 1.0 / len(tokens))
             out.append(LayerObservation(
                 run_id=run_id, layer=int(layer), step=int(step), ts=group.ts.iloc[0].to_pydatetime(),
                 tokens=int(group.tokens.sum()), expert_load=load,
-                router_entropy_mean=float(group.router_entropy_mean.mean()),
+                router_entropy_mean=float(np.sum(group.router_entropy_mean.to_numpy(np.float64) * weight)),
                 dropped_tokens=int(group.dropped_tokens.sum()),
                 capacity_use=float(capacity.max()) if len(capacity) else None,
-                active_param_fraction=(float(group.active_params_per_token.mean()) / total_params
-                                       if total_params else None),
+                active_param_fraction=(float(np.sum(group.active_params_per_token.to_numpy(np.float64) * weight))
+                                       / total_params if total_params else None),
                 expert_ids=None if route is None else route[0],
                 sequence=None if route is None else route[1],
                 position=None if route is None else route[2],
+                forwards=int(group.forwards.max()),
+                route_step=None if route is None else route[3],
             ))
         self._last_step[run_id] = int(rows.step.max())
         return out

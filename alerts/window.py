@@ -30,7 +30,8 @@ _WHATIF = {
 
 @dataclass
 class LayerObservation:
-    """One layer in one step, reduced to what the signals need."""
+    """One layer over one recorded row (one forward, or a window of `forwards` forwards starting at
+    `step`), reduced to what the signals need."""
 
     run_id: str
     layer: int
@@ -45,6 +46,8 @@ class LayerObservation:
     expert_ids: np.ndarray | None = None  # (tokens, k) routes, where recorded
     sequence: np.ndarray | None = None  # (tokens,) batch row
     position: np.ndarray | None = None  # (tokens,)
+    forwards: int = 1
+    route_step: np.ndarray | None = None  # (tokens,) the forward of each route row, where a window spans several
 
     @classmethod
     def from_layer_step(cls, record: StepRecord, layer: LayerStep) -> LayerObservation:
@@ -65,6 +68,8 @@ class LayerObservation:
             expert_ids=None if routes is None else np.asarray(routes.expert_ids),
             sequence=None if routes is None else np.asarray(routes.sequence),
             position=None if routes is None else np.asarray(routes.position),
+            forwards=int(layer.forwards),
+            route_step=None if routes is None or routes.step is None else np.asarray(routes.step),
         )
 
 
@@ -73,7 +78,11 @@ def observations_from_record(record: StepRecord) -> list[LayerObservation]:
 
 
 class LayerHistory:
-    """The last `max_steps` observations of one (run, layer), oldest first."""
+    """The last `max_steps` observations of one (run, layer), oldest first.
+
+    A rule's window of n steps is the newest observations covering n forwards: n rows of a
+    per-forward store, fewer rows of a windowed one (a row is never split).
+    """
 
     def __init__(self, max_steps: int):
         self.items: deque[LayerObservation] = deque(maxlen=max(1, max_steps))
@@ -87,18 +96,34 @@ class LayerHistory:
         if not items:
             return []
         if window.steps is not None:
-            return items[-window.steps :]
+            return last_forwards(items, window.steps)
         start = items[-1].ts - dt.timedelta(seconds=window.seconds or 0)
         return [o for o in items if o.ts > start]
+
+
+def last_forwards(items: Sequence[LayerObservation], steps: int) -> list[LayerObservation]:
+    """The newest observations that together cover at least `steps` forwards (all if fewer)."""
+    covered, start = 0, len(items)
+    while start > 0 and covered < steps:
+        start -= 1
+        covered += max(int(items[start].forwards), 1)
+    return list(items[start:])
+
+
+def _token_weighted(values: Iterable[tuple[float | None, int]]) -> float:
+    """Token-weighted mean of per-row means (rows with no value or no tokens are left out)."""
+    kept = [(v, t) for v, t in values if v is not None and not math.isnan(v) and t > 0]
+    total = sum(t for _, t in kept)
+    return float(sum(v * t for v, t in kept) / total) if total else float("nan")
 
 
 def summed_load(observations: Sequence[LayerObservation]) -> np.ndarray:
     return np.sum([o.expert_load for o in observations], axis=0).astype(np.int64)
 
 
-def _nanmean(values: Iterable[float | None]) -> float:
+def _nanmax(values: Iterable[float | None]) -> float:
     kept = [v for v in values if v is not None and not math.isnan(v)]
-    return float(np.mean(kept)) if kept else float("nan")
+    return float(np.max(kept)) if kept else float("nan")
 
 
 def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -108,7 +133,8 @@ def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.nd
         return None
     top1 = np.concatenate([o.expert_ids[:, 0] for o in parts]).astype(np.int64)
     # a sequence is a batch row of one step: tokens of different steps are never adjacent
-    seq = np.concatenate([o.step * (1 << 20) + o.sequence.astype(np.int64) for o in parts])
+    seq = np.concatenate([(o.step if o.route_step is None else o.route_step.astype(np.int64)) * (1 << 20)
+                          + o.sequence.astype(np.int64) for o in parts])
     pos = np.concatenate([o.position.astype(np.int64) for o in parts])
     return top1, seq, pos
 
@@ -154,13 +180,14 @@ def compute_signals(
             if name in wanted:
                 out[name] = fn()
     if "router_entropy" in wanted:
-        out["router_entropy"] = _nanmean(sig.normalized_entropy(o.router_entropy_mean, experts) for o in observations)
+        out["router_entropy"] = _token_weighted(
+            (sig.normalized_entropy(o.router_entropy_mean, experts), o.tokens) for o in observations)
     if "dropped_token_rate" in wanted and tokens > 0:
         out["dropped_token_rate"] = sig.dropped_token_rate(sum(o.dropped_tokens for o in observations), tokens)
     if "capacity_use" in wanted:
-        out["capacity_use"] = _nanmean(o.capacity_use for o in observations)
+        out["capacity_use"] = _nanmax(o.capacity_use for o in observations)  # the fullest forward
     if "active_param_fraction" in wanted:
-        out["active_param_fraction"] = _nanmean(o.active_param_fraction for o in observations)
+        out["active_param_fraction"] = _token_weighted((o.active_param_fraction, o.tokens) for o in observations)
     route_names = {"routing_drift_rate", "switch_entropy"} | set(_WHATIF)
     if wanted & route_names:
         routes = _routes(observations)

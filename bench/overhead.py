@@ -1,13 +1,19 @@
-"""What the probe costs the model: bare forward vs probe variants, side by side in one run.
+"""What the probe costs the model on a CPU: bare forward vs probe variants, side by side in one run.
 
-Each variant runs on its own copy of the same model, attached once. A round times one forward
-of every variant, in an order that rotates each round, so drift in the machine's speed (other
-processes, thermal) hits all of them alike. The figure is the median over rounds of the paired
-ratio variant / bare, with its interquartile range.
+Each variant runs on its own copy of the same model, attached once. A round times one step of
+every variant (one forward, or for --preset decode a block of one-token decode steps), in an
+order that rotates each round, so drift in the machine's speed (other processes, thermal) hits
+all of them alike. The figure is the median over rounds of the paired ratio variant / bare, with
+its interquartile range. A do-nothing hook on every router and experts module is the floor a
+hook-based probe can reach.
 
-    python bench/overhead.py                # the issue's shape: hidden 512, 8 layers, 16 experts top-2, 4x256
-    python bench/overhead.py --health       # also health sampling and the trust gate
-    python bench/overhead.py --rounds 10    # quicker
+    python bench/overhead.py                  # prefill: hidden 512, 8 layers, 16 experts top-2, 4x256 tokens
+    python bench/overhead.py --preset decode  # decode: hidden 64, 16 layers, batch 32, one token per step
+    python bench/overhead.py --health         # also health sampling and the trust gate
+    python bench/overhead.py --ops            # tensor ops the probe adds per forward: per MoE layer and constant
+    python bench/overhead.py --rounds 10      # quicker
+
+On a GPU, bench/gpu.py measures the same variants at production shapes.
 """
 
 from __future__ import annotations
@@ -31,10 +37,20 @@ from tqdm import tqdm  # noqa: E402
 import probe  # noqa: E402
 from probe.zoo import tiny_model  # noqa: E402
 
+NOOP_HOOKS = "do-nothing hooks"
 VARIANTS: dict[str, dict] = {
     "bare": {},
+    NOOP_HOOKS: {},
     "aggregates": dict(routes=False),
     "routes to Parquet": dict(routes=True),
+}
+PRESETS = {
+    "prefill": dict(hidden=512, intermediate=1792, layers=8, experts=16, top_k=2, batch=4, seq=256, decode_steps=0),
+    "decode": dict(hidden=64, intermediate=128, layers=16, experts=16, top_k=2, batch=32, seq=16, decode_steps=16),
+}
+TARGETS = {
+    "prefill": {"aggregates": 1.01, "routes to Parquet": 1.05, "health": 1.03, "health + trust gate": 1.03},
+    "decode": {"aggregates": 1.10, "routes to Parquet": 1.10, "health": 1.10, "health + trust gate": 1.10},
 }
 # --health: expert-health sampling (docs/health.md), and the same with the trust gate installed
 # (auto policy; no expert is gated in a healthy run, so this is the cost of watching).
@@ -44,45 +60,134 @@ HEALTH_VARIANTS: dict[str, dict] = {
 }
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, layers: int | None = None) -> torch.nn.Module:
     return tiny_model("mixtral", hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_local_experts=args.experts, num_experts_per_tok=args.top_k,
-                      num_attention_heads=8, num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512)
+                      num_hidden_layers=layers or args.layers, num_local_experts=args.experts,
+                      num_experts_per_tok=args.top_k, num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
+                      max_position_embeddings=512)
+
+
+def noop_hooks(model: torch.nn.Module) -> list:
+    """A hook that does nothing on every router and experts module: the floor of a hook-based probe."""
+    handles = []
+    for layer in probe.find_moe_layers(model):
+        handles.append(layer.router.register_forward_hook(lambda m, a, o: None))
+        if layer.experts is not None:
+            handles.append(layer.experts.register_forward_pre_hook(lambda m, a: None))
+    return handles
+
+
+class Workload:
+    """One timed step of a variant: a forward (prefill), or `decode_steps` one-token steps after a
+    prompt of `seq` tokens whose KV cache is cropped back after every block."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module):
+        self.model = model
+        self.decode_steps = args.decode_steps
+        g = torch.Generator().manual_seed(0)
+        self.batch = torch.randint(0, 1024, (args.batch, args.seq), generator=g)
+        self.tokens = torch.randint(0, 1024, (args.batch, 1), generator=g)
+        self.cache = None
+        if self.decode_steps:
+            with torch.no_grad():
+                self.cache = model(self.batch, use_cache=True).past_key_values
+            self.prefix = self.cache.get_seq_length()
+
+    def __call__(self) -> None:
+        if not self.decode_steps:
+            self.model(self.batch)
+            return
+        for _ in range(self.decode_steps):
+            self.model(self.tokens, past_key_values=self.cache, use_cache=True)
+        grown = self.cache.get_seq_length() - self.prefix
+        if grown:
+            self.cache.crop(-grown)  # back to the prompt: every block decodes at the same KV length
 
 
 def measure(args: argparse.Namespace, variants: dict[str, dict],
             attach: Callable[..., probe.ProbeSession] = probe.attach) -> dict[str, list[float]]:
-    """Seconds per forward of each variant. Every variant has its own copy of the same model,
-    attached once; a round runs one forward of each, in an order that rotates every round, so
+    """Seconds per step of each variant. Every variant has its own copy of the same model,
+    attached once; a round runs one step of each, in an order that rotates every round, so
     the machine's drift hits all variants alike and each round gives a paired sample."""
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = build_model(args)
-    batch = torch.randint(0, 1024, (args.batch, args.seq))
     names = list(variants)
     models = {name: model if i == 0 else copy.deepcopy(model) for i, name in enumerate(names)}
     times: dict[str, list[float]] = {name: [] for name in names}
     store = tempfile.mkdtemp(prefix="moescope-bench-")
-    sessions = []
+    sessions, handles = [], []
     try:
         for name in names:
-            if variants[name]:
+            if name == NOOP_HOOKS:
+                handles += noop_hooks(models[name])
+            elif variants[name]:
                 sessions.append(attach(models[name], store=store, **variants[name]))
+        workloads = {name: Workload(args, models[name]) for name in names}
         with torch.no_grad():
             for _ in range(args.warmup):
                 for name in names:
-                    models[name](batch)
+                    workloads[name]()
             for round_ in tqdm(range(args.rounds), desc="rounds", unit="round"):
                 order = names[round_ % len(names):] + names[: round_ % len(names)]
                 for name in order:
                     start = time.perf_counter()
-                    models[name](batch)
+                    workloads[name]()
                     times[name].append(time.perf_counter() - start)
     finally:
         for session in sessions:
             session.close()
+        for handle in handles:
+            handle.remove()
         shutil.rmtree(store, ignore_errors=True)
     return times
+
+
+def count_ops(args: argparse.Namespace, layers: int, options: dict, forwards: int = 64) -> float:
+    """Tensor ops (aten calls) per forward that the probe adds, averaged over `forwards` one-token
+    forwards so that window closes (every 32 forwards) are included at their real rate."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(model: torch.nn.Module) -> int:
+        workload = Workload(argparse.Namespace(**{**vars(args), "decode_steps": 1}), model)
+        with torch.no_grad():
+            workload()  # warm: first-forward allocations are not per-forward work
+            Count.ops = 0
+            with Count():
+                for _ in range(forwards):
+                    workload()
+        return Count.ops
+
+    torch.manual_seed(0)
+    model = build_model(args, layers)
+    bare = run(model)
+    session = probe.attach(model, window_s=None, **options)
+    try:
+        probed = run(model)
+    finally:
+        session.close()
+    return (probed - bare) / forwards
+
+
+def op_report(args: argparse.Namespace, variants: dict[str, dict]) -> str:
+    """Ops the probe adds per forward as a per-layer slope and a constant (from two layer counts)."""
+    small, large = args.layers, 2 * args.layers
+    lines = [f"tensor ops added per one-token forward (layers {small} and {large}; ops = slope x layers + constant)",
+             f"{'variant':<22} {'per layer':>10} {'constant':>10}"]
+    for name, options in variants.items():
+        if not options:
+            continue
+        a, b = count_ops(args, small, options), count_ops(args, large, options)
+        slope = (b - a) / (large - small)
+        lines.append(f"{name:<22} {slope:>10.2f} {a - slope * small:>10.1f}")
+    return "\n".join(lines)
 
 
 def report(times: dict[str, list[float]], targets: dict[str, float]) -> str:
@@ -103,27 +208,36 @@ def report(times: dict[str, list[float]], targets: dict[str, float]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1792)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=30, help="forwards per variant (one per round)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="prefill",
+                   help="prefill: one 4x256 forward per round; decode: 16 one-token steps per round, 16 layers")
+    for name in ("hidden", "intermediate", "layers", "experts", "top-k", "batch", "seq", "decode-steps"):
+        p.add_argument(f"--{name}", type=int, default=None, help="override the preset's value")
+    p.add_argument("--rounds", type=int, default=30, help="steps per variant (one per round)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--health", action="store_true", help="also time health sampling and the trust gate (target 1.03)")
+    p.add_argument("--ops", action="store_true", help="count the tensor ops the probe adds (no timing)")
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
-    print(f"Mixtral-shaped: hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
-          f"{args.batch}x{args.seq} tokens, {args.threads} threads")
-    times = measure(args, {**VARIANTS, **(HEALTH_VARIANTS if args.health else {})})
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    variants = {**VARIANTS, **(HEALTH_VARIANTS if args.health else {})}
+    shape = (f"hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
+             f"batch {args.batch}")
+    if args.ops:
+        torch.set_num_threads(args.threads)
+        print(op_report(args, variants))
+        return
+    work = (f"{args.decode_steps} one-token decode steps after a {args.seq}-token prompt" if args.decode_steps
+            else f"{args.batch}x{args.seq} tokens")
+    print(f"{args.preset}, Mixtral-shaped: {shape}, {work} per round, {args.threads} threads")
+    times = measure(args, variants)
     print()
-    print(report(times, {"aggregates": 1.01, "routes to Parquet": 1.05, "health": 1.03, "health + trust gate": 1.03}))
+    print(report(times, TARGETS[args.preset]))
 
 
 if __name__ == "__main__":

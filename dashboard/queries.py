@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from store.queries import STEPS
 from store.store import Store
 
 TagFilter = tuple[str, str] | None  # (tag key, value) or no filter; the store's `tags={key: value}`
@@ -68,7 +69,7 @@ def step_totals(store: Store, run_id: str, tag: TagFilter = None) -> dict[str, f
     its spread over steps (min, p5, median, p95, max), forward time per token, first/last ts."""
     clause, params = _tag_sql(tag)
     df = store.sql(f"""
-        SELECT count(*) AS steps, coalesce(sum(tokens), 0) AS tokens,
+        SELECT {STEPS} AS steps, coalesce(sum(tokens), 0) AS tokens,
                sum(active_param_fraction * tokens) / nullif(sum(tokens), 0) AS active_fraction,
                min(active_param_fraction) AS active_min,
                quantile_cont(active_param_fraction, 0.05) AS active_p5,
@@ -108,8 +109,8 @@ def active_fraction_over_time(store: Store, run_id: str, tag: TagFilter = None,
 
 def active_fraction_by_tag(store: Store, run_id: str, key: str, limit: int = 100) -> pd.DataFrame:
     """Per value of tag `key`: steps, tokens, token-weighted active fraction, min and max."""
-    return store.sql("""
-        SELECT map_extract_value(tags, ?) AS value, count(*) AS steps, sum(tokens) AS tokens,
+    return store.sql(f"""
+        SELECT map_extract_value(tags, ?) AS value, {STEPS} AS steps, sum(tokens) AS tokens,
                sum(active_param_fraction * tokens) / nullif(sum(tokens), 0) AS active_fraction,
                min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max
         FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL

@@ -172,7 +172,11 @@ def run(args: argparse.Namespace) -> int:
     session = probe.attach(
         model, store=store_root, routes=True, router_inputs=16, kv_cache=True, health=True,
         trust_gate="auto", trust_policy=policy, exporters=[engine], tags={"model": "demo"},
-        flush_interval_s=1.0)
+        flush_interval_s=1.0,
+        # The story is a few hundred forwards long: sample expert health at every forward, not
+        # every 4th (the default, which keeps its cost down on a busy server), so the incident is
+        # judged within a few windows.
+        health_options=dict(sample_every=1))
 
     def forward(domain: str, phase: str) -> None:
         with session.tag(domain=domain, phase=phase), torch.no_grad():

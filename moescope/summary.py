@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from store import Store
+from store.queries import STEPS
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:
@@ -35,7 +36,7 @@ def format_summary(root: str | os.PathLike, run_id: str | None = None) -> str:
     store = Store(root)
     run_id = run_id or store.latest_run()
     run = store.sql("SELECT model_class, total_params FROM runs WHERE run_id = ? LIMIT 1", [run_id])
-    steps = store.sql("""SELECT count(*) AS steps, coalesce(sum(tokens), 0) AS tokens,
+    steps = store.sql(f"""SELECT {STEPS} AS steps, coalesce(sum(tokens), 0) AS tokens,
                                 sum(active_params * tokens) / nullif(sum(tokens), 0) AS active_params
                          FROM steps WHERE run_id = ?""", [run_id])
     total = int(run.total_params[0])
@@ -52,9 +53,9 @@ def format_summary(root: str | os.PathLike, run_id: str | None = None) -> str:
         lines.append(f"{r['layer']:>5} {r['tokens']:>10,} {r['max_over_mean']:>9.2f} {r['load_cv']:>8.2f} "
                      f"{r['dead_experts']:>5} {r['entropy']:>8.3f} {r['entropy_norm']:>8.3f} "
                      f"{r['dropped_tokens']:>8,}")
-    tags = store.sql("""SELECT t.key AS key, t.value AS value, count(*) AS steps,
+    tags = store.sql(f"""SELECT t.key AS key, t.value AS value, {STEPS} AS steps,
                                sum(active_param_fraction * tokens) / sum(tokens) AS active
-                        FROM (SELECT unnest(map_entries(tags)) AS t, active_param_fraction, tokens
+                        FROM (SELECT unnest(map_entries(tags)) AS t, active_param_fraction, tokens, forwards, rank
                               FROM steps WHERE run_id = ?)
                         GROUP BY key, value ORDER BY key, value LIMIT 50""", [run_id])
     if not tags.empty:

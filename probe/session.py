@@ -122,11 +122,9 @@ class ProbeSession:
                  flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
                  trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None,
                  window: int = DEFAULT_WINDOW_FORWARDS, window_s: float | None = DEFAULT_WINDOW_S,
-                 ring_tokens: int = DEFAULT_RING_TOKENS, all_layers: list[MoELayer] | None = None):
-        from store.writer import (  # store may import probe, not vice versa at import time
-            BatchProcessor,
-            ParquetExporter,
-        )
+                 ring_tokens: int = DEFAULT_RING_TOKENS, all_layers: list[MoELayer] | None = None,
+                 max_queue_bytes: int | None = None):
+        from store.writer import BatchProcessor  # store may import probe, not vice versa at import time
 
         if window < 1:
             raise ValueError("window counts forwards per record and must be at least 1 (1: a record per forward)")
@@ -171,7 +169,21 @@ class ProbeSession:
         exporters = list(exporters)
         self.parquet = None
         self.processor = BatchProcessor(exporters, max_queue=max_queue, policy=policy,
-                                        flush_interval_s=flush_interval_s)
+                                        flush_interval_s=flush_interval_s,
+                                        **({} if max_queue_bytes is None else {"max_queue_bytes": max_queue_bytes}))
+        try:
+            self._setup(model, layers, exporters, store, coselection, ring_tokens, health, trust_gate,
+                        health_options, trust_policy, flush_interval_s)
+        except BaseException:
+            self._remove_hooks()
+            self.processor.shutdown()  # the writer thread started above must not outlive a failed attach
+            raise
+
+    def _setup(self, model: nn.Module, layers: list[MoELayer], exporters: list, store: Any,
+               coselection: bool | None, ring_tokens: int, health: bool, trust_gate: str | None,
+               health_options: dict | None, trust_policy: Any, flush_interval_s: float) -> None:
+        from store.writer import ParquetExporter
+
         if store is not None:
             self.parquet = ParquetExporter(store, self.run, max_age_s=flush_interval_s,
                                            processor=self.processor)
@@ -197,12 +209,7 @@ class ProbeSession:
         # -- end expert health and trust gate --
         self._reset_forward()
         self._window_open(time.monotonic())
-        try:
-            self._install()
-        except BaseException:
-            self._remove_hooks()
-            self.processor.shutdown()
-            raise
+        self._install()
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -404,16 +411,17 @@ class ProbeSession:
     def _reduce_group(self, flat: torch.Tensor, group: LayerGroup, buffer: DeviceBuffer | None,
                       present: list[int], rows: slice) -> None:
         choices = [self._choice[p] for p in present]
-        tokens = {c.ids.reshape(-1, c.ids.shape[-1]).shape[0] for c in choices}
+        tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
         if len(tokens) != 1:  # layers of one group saw different token counts: reduce one by one
             if len(present) > 1:
                 for i, p in enumerate(present):
                     self._reduce_group(flat, group, None, [p], slice(rows.start + i, rows.start + i + 1))
             return
-        ids = [c.ids.reshape(-1, c.ids.shape[-1]) for c in choices]
+        ids = [_rows(c.ids, c.ids.shape[-1]) for c in choices]
+        weights = [_rows(c.weights, i.shape[-1]) for c, i in zip(choices, ids)]
         stacked = group.reduce(
-            flat, [self._logits[p] for p in present], ids, [c.weights.reshape(i.shape) for c, i in zip(choices, ids)],
-            [None if c.kept is None else c.kept.reshape(i.shape) for c, i in zip(choices, ids)],
+            flat, [self._logits[p] for p in present], ids, weights,
+            [None if c.kept is None else _rows(c.kept, i.shape[-1]) for c, i in zip(choices, ids)],
             [self._capacity(group.layers[rows.start + i], c) for i, c in enumerate(choices)], rows)
         if buffer is None:
             return
@@ -431,7 +439,7 @@ class ProbeSession:
 
     def _write_ring(self, flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int]) -> None:
         ids_s, weights_s, kept_s, logits_s = stacked
-        n_layers, tokens = ids_s.shape[0], ids_s.shape[1]
+        tokens = ids_s.shape[1]
         acc = flat.dtype
         device = flat.device
         main = self._decoder_ids if ring.group.decoder else self._main_ids
@@ -600,6 +608,11 @@ class ProbeSession:
         self.close()
 
 
+def _rows(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """(tokens, width) without a view op when the reader already gave that shape."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, width)
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -655,7 +668,8 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
            max_queue: int = 256, flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
            trust_gate: str | None = None, health_options: dict | None = None,
            trust_policy: Any = None, window: int = DEFAULT_WINDOW_FORWARDS,
-           window_s: float | None = DEFAULT_WINDOW_S, ring_tokens: int = DEFAULT_RING_TOKENS) -> ProbeSession:
+           window_s: float | None = DEFAULT_WINDOW_S, ring_tokens: int = DEFAULT_RING_TOKENS,
+           max_queue_bytes: int | None = None) -> ProbeSession:
     """Hook every MoE layer of `model` and record its forward passes.
 
     store: a folder to write Parquet tables into (see the README for the tables); exporters:
@@ -674,7 +688,8 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
     each keeps its index among all the model's MoE layers, and the active-parameter figures count
     the unwatched layers' experts as k experts per token (an estimate: their routing is not seen).
     policy: "block" (lossless, the model waits if the disk cannot keep up) or "drop" (the model
-    never waits; drops are counted in probe_stats). health: sample expert outputs and weight
+    never waits; drops are counted in probe_stats). max_queue / max_queue_bytes: the writer's queue
+    bound in records and in bytes (default 256 records, 256 MiB). health: sample expert outputs and weight
     fingerprints and score expert health (docs/health.md; health_options go to
     `probe.health.HealthSampler`). trust_gate: None (default: nothing in the model changes),
     "manual" (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto"
@@ -705,7 +720,7 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: 
                         max_queue=max_queue, flush_interval_s=flush_interval_s, sample_seed=sample_seed,
                         health=health, trust_gate=trust_gate, health_options=health_options,
                         trust_policy=trust_policy, window=window, window_s=window_s, ring_tokens=ring_tokens,
-                        all_layers=every)
+                        all_layers=every, max_queue_bytes=max_queue_bytes)
 
 
 def _layer_selector(layers: str | Sequence[str] | Callable[[str], bool] | None) -> Callable[[str], bool] | None:

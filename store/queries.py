@@ -32,6 +32,11 @@ class Selection:
     step_to: int | None = None
 
 
+# Steps a selection covers: a row covers `forwards` forwards (a window; 1 in stores written before
+# windows existed), and every rank sees every step, so the forwards of all rows over the ranks.
+STEPS = "(sum(coalesce(forwards, 1)) / count(DISTINCT rank))::BIGINT"
+
+
 def where(run_id: str, layer: int | None = None, step_from: int | None = None, step_to: int | None = None,
           tags: dict[str, str] | None = None) -> tuple[str, list]:
     """A WHERE clause of fixed SQL fragments and its parameters: values never enter the text."""
@@ -77,8 +82,8 @@ class StoreQueries:
         tags (dict), world_size, ranks (ranks that wrote), steps (distinct steps), tokens (all
         ranks), last_ts (time of the newest step).
         """
-        frame = self.sql("""
-            WITH s AS (SELECT run_id, count(DISTINCT step) AS steps, coalesce(sum(tokens), 0) AS tokens,
+        frame = self.sql(f"""
+            WITH s AS (SELECT run_id, {STEPS} AS steps, coalesce(sum(tokens), 0) AS tokens,
                               max(ts) AS last_ts FROM steps GROUP BY run_id)
             SELECT r.run_id, min(r.started_at) AS started_at, any_value(r.model_class) AS model_class,
                    any_value(r.total_params) AS total_params,
@@ -99,9 +104,9 @@ class StoreQueries:
 
     def tag_values(self, run_id: str) -> pd.DataFrame:
         """Step tags seen in a run: columns key, value, steps (distinct steps carrying it)."""
-        return self.sql("""
-            SELECT t.key AS key, t.value AS value, count(DISTINCT step) AS steps
-            FROM (SELECT step, unnest(map_entries(tags)) AS t FROM steps WHERE run_id = ?)
+        return self.sql(f"""
+            SELECT t.key AS key, t.value AS value, {STEPS} AS steps
+            FROM (SELECT step, forwards, rank, unnest(map_entries(tags)) AS t FROM steps WHERE run_id = ?)
             GROUP BY ALL ORDER BY ALL""", [run_id])
 
     def layers(self, run_id: str) -> pd.DataFrame:
@@ -185,7 +190,7 @@ class StoreQueries:
         clause, params = where(run_id, layer, step_from, step_to, tags)
         return _vectors(self.sql(f"""
             WITH p AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL),
-                 s AS (SELECT layer, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens
+                 s AS (SELECT layer, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens
                        FROM layer_steps WHERE {clause} GROUP BY layer)
             SELECT layer, any_value(s.steps) AS steps, any_value(s.tokens) AS tokens,
                    list(p.load::BIGINT ORDER BY p.expert) AS expert_load
@@ -206,7 +211,7 @@ class StoreQueries:
         return _vectors(self.sql(f"""
             WITH p AS (SELECT layer, step // ? AS w, expert, sum(load) AS load
                        FROM ({_unnest_load(clause)}) GROUP BY ALL),
-                 s AS (SELECT layer, step // ? AS w, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens
+                 s AS (SELECT layer, step // ? AS w, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens
                        FROM layer_steps WHERE {clause} GROUP BY ALL)
             SELECT layer, w * ? AS window_start, (w + 1) * ? AS window_end, any_value(s.steps) AS steps,
                    any_value(s.tokens) AS tokens, list(p.load::BIGINT ORDER BY p.expert) AS expert_load
@@ -286,7 +291,7 @@ class StoreQueries:
                  st AS (SELECT map_extract_value(tags, ?) AS tag_value,
                                sum(active_param_fraction * tokens) / nullif(sum(tokens), 0) AS active_param_fraction
                         FROM steps WHERE {clause} GROUP BY ALL),
-                 per AS (SELECT tag_value, layer, count(DISTINCT step) AS steps, sum(tokens)::BIGINT AS tokens,
+                 per AS (SELECT tag_value, layer, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens,
                                 sum(router_entropy_mean * tokens) / nullif(sum(tokens), 0) AS router_entropy_mean,
                                 sum(dropped_tokens)::BIGINT AS dropped_tokens
                          FROM ls GROUP BY ALL),
@@ -342,7 +347,7 @@ class StoreQueries:
             clause, p = where(sel.run_id, None, sel.step_from, sel.step_to, sel.tags)
             parts.append(f"""
                 SELECT ? AS side,
-                       (SELECT count(DISTINCT step) FROM steps WHERE {clause}) AS steps,
+                       (SELECT {STEPS} FROM steps WHERE {clause}) AS steps,
                        (SELECT coalesce(sum(tokens), 0)::BIGINT FROM steps WHERE {clause}) AS tokens,
                        (SELECT sum(active_param_fraction * tokens) / nullif(sum(tokens), 0)
                           FROM steps WHERE {clause}) AS active_param_fraction,

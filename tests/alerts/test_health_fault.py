@@ -83,7 +83,8 @@ def test_a_corrupted_expert_is_gated_alerted_and_lifted(family, fault, tmp_path,
     url, bodies = receiver
     model, clean = tiny_model(family), tiny_model(family)
     policy = TrustPolicy(sink=outbox)
-    session = probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy)
+    session = probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
+                           health_options=dict(sample_every=1))  # every forward sampled: a bounded detection time
     reference = probe.attach(clean, trust_gate="manual")  # the clean model, gated by hand like the policy
     layer = session.layers[0]
     batches = iter(_batches(200))
@@ -171,7 +172,8 @@ def test_a_long_healthy_run_gates_nothing_and_alerts_nothing(family, tmp_path, r
     model = tiny_model(family)
     policy = TrustPolicy(sink=outbox)
     g = torch.Generator().manual_seed(3)
-    with probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy) as session, \
+    with probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
+                      health_options=dict(sample_every=1)) as session, \
             torch.no_grad():
         for step in range(160):  # 40 windows, batches of varying size and content
             batch, length = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(4, 24, (1,), generator=g))

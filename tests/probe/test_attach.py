@@ -68,7 +68,7 @@ def test_hooks_registered_before_compiling_record_the_same():
     eager, compiled_records = InMemoryExporter(), InMemoryExporter()
     with probe.attach(model, exporters=[eager], routes=True), torch.no_grad():
         model(x)
-    with probe.attach(model, exporters=[compiled_records], routes=True) as session:
+    with probe.attach(model, exporters=[compiled_records], routes=True, window=1) as session:
         compiled = torch.compile(model, backend="aot_eager")
         with torch.no_grad():
             compiled(x)
@@ -247,7 +247,8 @@ def test_cuda_records_arrive_without_a_sync_and_match_the_cpu():
     cpu, gpu = InMemoryExporter(), InMemoryExporter()
     with probe.attach(cpu_model, exporters=[cpu], routes=True, router_inputs=4), torch.no_grad():
         cpu_model(x)
-    with probe.attach(gpu_model, exporters=[gpu], routes=True, router_inputs=4) as session, torch.no_grad():
+    with probe.attach(gpu_model, exporters=[gpu], routes=True, router_inputs=4, window=1) as session, \
+            torch.no_grad():
         for _ in range(3):
             gpu_model(x.cuda())
         session.flush()
