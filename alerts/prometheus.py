@@ -69,6 +69,7 @@ class _Layer:
         self.dropped_total = 0
         self.expert_tokens_total: np.ndarray | None = None
         self.baseline_parts: list[np.ndarray] = []
+        self.baseline_forwards = 0
 
 
 class PrometheusExporter:
@@ -126,7 +127,7 @@ class PrometheusExporter:
         with self._lock:
             for record in records:
                 self._start_run(record.run_id)
-                self._steps_total += 1
+                self._steps_total += record.forwards  # forward passes, whether recorded one by one or in windows
                 self._last_ts = record.ts.timestamp()
                 self._active_ratio = record.active_param_fraction
                 for obs in observations_from_record(record):
@@ -144,8 +145,9 @@ class PrometheusExporter:
             if layer.expert_tokens_total is None or layer.expert_tokens_total.size != obs.expert_load.size:
                 layer.expert_tokens_total = np.zeros(obs.expert_load.size, dtype=np.int64)
             layer.expert_tokens_total += obs.expert_load
-        if len(layer.baseline_parts) < self.baseline_steps:
+        if layer.baseline_forwards < self.baseline_steps:  # the first rows covering baseline_steps forwards
             layer.baseline_parts.append(obs.expert_load)
+            layer.baseline_forwards += max(int(obs.forwards), 1)
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         return True
@@ -218,7 +220,7 @@ class PrometheusExporter:
             layers = {}
             for index, layer in self._layers.items():
                 baseline = self._baselines.get(index)
-                if baseline is None and len(layer.baseline_parts) >= self.baseline_steps:
+                if baseline is None and layer.baseline_forwards >= self.baseline_steps:
                     baseline = np.sum(layer.baseline_parts, axis=0)
                 layers[index] = {
                     "window": list(layer.history.items),

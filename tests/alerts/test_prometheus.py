@@ -201,3 +201,21 @@ def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_clo
         exporter.close()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_steps_counter_counts_forwards_of_windowed_records():
+    import torch
+
+    import probe
+    from probe.zoo import tiny_model
+    from store import InMemoryExporter
+
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(registry=registry)
+    memory = InMemoryExporter()
+    model = tiny_model("mixtral")
+    with probe.attach(model, exporters=[exporter, memory], window=4, window_s=None), torch.no_grad():
+        for _ in range(8):
+            model(torch.randint(0, 128, (2, 4)))
+    assert len(memory.records) == 2  # two windows of four forwards
+    assert registry.get_sample_value("moe_steps_total") == 8
