@@ -226,7 +226,8 @@ class AlertEngine:
         out: list[AlertTransition] = []
         for i, obs in enumerate(ordered):
             self.observe(obs)
-            last_of_step = i + 1 == len(ordered) or (ordered[i + 1].run_id, ordered[i + 1].step) != (obs.run_id, obs.step)
+            following = ordered[i + 1] if i + 1 < len(ordered) else None
+            last_of_step = following is None or (following.run_id, following.step) != (obs.run_id, obs.step)
             if last_of_step:
                 out.extend(self.evaluate(obs.run_id))
         return out

@@ -285,7 +285,8 @@ class HealthScorer:
             if w.cosine is not None:
                 comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
                 if comps["weight"] < 50:
-                    reasons.append(f"weights drifted: cosine {w.cosine[e]:.3f}, norm x{w.norm_ratio[e]:.3g} since attach")
+                    reasons.append(f"weights drifted: cosine {w.cosine[e]:.3f}, "
+                                   f"norm x{w.norm_ratio[e]:.3g} since attach")
             if w.grad is not None:
                 comps["grad"] = grad_component(w.grad[e], grad_median, cfg)
                 if comps["grad"] < 50:

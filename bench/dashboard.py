@@ -79,11 +79,13 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
     total = shared + layers * experts * params_per_expert
     write_table_file(root, "runs", RUN_ID, pa.Table.from_pylist([{
         "run_id": RUN_ID, "started_at": start, "model_class": "SyntheticMoE", "total_params": total,
-        "routed_expert_params": layers * experts * params_per_expert, "tags": [("router", "A")], "rank": 0, "world_size": 1}],
+        "routed_expert_params": layers * experts * params_per_expert, "tags": [("router", "A")], "rank": 0,
+        "world_size": 1}],
         schema=SCHEMAS["runs"]), name="part-00000-0-000000.parquet")
     write_table_file(root, "layers", RUN_ID, pa.Table.from_pylist([{
-        "run_id": RUN_ID, "layer": i, "module": f"model.layers.{i}.mlp", "family": "mixtral", "num_experts": experts, "zero_experts": 0,
-        "top_k": top_k, "params_per_expert": params_per_expert, "expert_capacity": None, "rank": 0} for i in range(layers)],
+        "run_id": RUN_ID, "layer": i, "module": f"model.layers.{i}.mlp", "family": "mixtral", "num_experts": experts,
+        "zero_experts": 0, "top_k": top_k, "params_per_expert": params_per_expert, "expert_capacity": None, "rank": 0}
+        for i in range(layers)],
         schema=SCHEMAS["layers"]), name="part-00000-0-000001.parquet")
     popularity = 1.0 / np.sqrt(np.arange(1, experts + 1))
     popularity /= popularity.sum()
@@ -135,7 +137,8 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
             "gate_weight_sum": _lists(load.reshape(-1).astype(np.float64) * 0.5, experts, pa.float64()),
             "router_entropy_mean": pa.array(entropy), "router_entropy_p95": pa.array(entropy + 0.3),
             "top1_margin_mean": pa.array(rng.uniform(0, 0.2, groups)),
-            "dropped_tokens": pa.array(np.zeros(groups, np.int64)), "dropped_assignments": pa.array(np.zeros(groups, np.int64)),
+            "dropped_tokens": pa.array(np.zeros(groups, np.int64)),
+            "dropped_assignments": pa.array(np.zeros(groups, np.int64)),
             "active_params_per_token": pa.array(np.full(groups, top_k * params_per_expert, np.float64)),
             "coselection": _lists(cosel.reshape(-1).astype(np.int64), experts * experts, pa.int64()),
             "tags": _tags(np.repeat(domain, layers)), "rank": pa.array(np.zeros(groups, np.int32)),
@@ -148,7 +151,8 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
             "tokens": pa.array(np.full(n_steps, tokens_per_step, np.int64)),
             "batch_size": pa.array(np.full(n_steps, tokens_per_step // seq_len, np.int32)),
             "seq_len": pa.array(np.full(n_steps, seq_len, np.int32)),
-            "active_params": pa.array(np.full(n_steps, active * total)), "total_params": pa.array(np.full(n_steps, total)),
+            "active_params": pa.array(np.full(n_steps, active * total)),
+            "total_params": pa.array(np.full(n_steps, total)),
             "active_param_fraction": pa.array(np.full(n_steps, active)), "tags": _tags(domain),
             "rank": pa.array(np.zeros(n_steps, np.int32)),
         })
@@ -160,9 +164,10 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
         inputs = _table("router_inputs", {
             "run_id": pa.array(np.full(s_rows, RUN_ID, dtype=object), pa.string()), "step": pa.array(step_of[picks]),
             "layer": pa.array(layer_of[picks]), "token": pa.array(token[picks]),
-            "token_id": pa.array(rng.integers(0, 32000, size=s_rows)), "top1_expert": pa.array(first_choice[picks].astype(np.int32)),
-            "hidden": _lists((rng.normal(size=(s_rows, hidden)) + first_choice[picks, None] * 0.3).astype(np.float32).reshape(-1),
-                             hidden, pa.float32()),
+            "token_id": pa.array(rng.integers(0, 32000, size=s_rows)),
+            "top1_expert": pa.array(first_choice[picks].astype(np.int32)),
+            "hidden": _lists((rng.normal(size=(s_rows, hidden)) + first_choice[picks, None] * 0.3)
+                             .astype(np.float32).reshape(-1), hidden, pa.float32()),
             "tags": _tags(np.repeat(domain, layers * sample)), "rank": pa.array(np.zeros(s_rows, np.int32)),
         })
         write_table_file(root, "router_inputs", RUN_ID, inputs, seq=seq + 3)

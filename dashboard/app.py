@@ -18,10 +18,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-import streamlit as st
+import streamlit as st  # noqa: E402 - after the sys.path fix above
 
-from dashboard import common, data
-from store.store import StoreError
+from dashboard import common, data  # noqa: E402 - after the sys.path fix above
+from store.store import StoreError  # noqa: E402 - after the sys.path fix above
 
 st.set_page_config(page_title="moescope", page_icon=":material/troubleshoot:", layout="wide")
 

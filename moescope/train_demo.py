@@ -340,7 +340,8 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
                              aux=f"{aux_loss_ema:.3f}")
         if (step + 1) % 100 == 0 or step + 1 == recipe.steps:
             losses = " ".join(f"{d}={v:.3f}" for d, v in domain_loss_ema.items())
-            progress.write(f"step {step + 1}/{recipe.steps} loss={float(loss.detach()):.3f} {losses} aux={aux_loss_ema:.3f}")
+            progress.write(f"step {step + 1}/{recipe.steps} loss={float(loss.detach()):.3f} {losses} "
+                           f"aux={aux_loss_ema:.3f}")
     progress.close()
     train_seconds = time.perf_counter() - started
     train_cpu_seconds = time.process_time() - cpu_started
@@ -377,6 +378,7 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
 def model_card(summary: dict) -> str:
     """The demo model's README: data, size, seed, command, time, losses and specialisation."""
     recipe = summary["recipe"]
+    router_scale = recipe["router_lr_scale"]
     spec = summary["specialisation"]
     layer_rows = "\n".join(
         f"| {layer} | {trained:.3f} | {random:.3f} | "
@@ -420,7 +422,7 @@ takes the domains in turn.
 ```
 
 Seed {summary['seed']}: `torch.manual_seed` for the weights, a seeded `torch.Generator` for the batch
-order. {recipe['steps']} AdamW steps, peak learning rate {recipe['learning_rate']} ({recipe['router_lr_scale']}× that for the
+order. {recipe['steps']} AdamW steps, peak learning rate {recipe['learning_rate']} ({router_scale}× that for the
 router weights), warm-up
 {recipe['warmup_steps']} steps then cosine decay, gradient clipping 1.0, the model's own load-balancing
 loss with `router_aux_loss_coef={recipe['router_aux_loss_coef']}`. Took **{summary['train_seconds']:.0f} s**

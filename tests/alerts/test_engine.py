@@ -41,7 +41,8 @@ def test_pending_firing_resolved_with_for_and_cooldown():
     assert got == [(5, "inactive", "pending"), (8, "pending", "firing"), (15, "firing", "resolved")]
     transitions = run_steps(AlertEngine(parse_rules(PACK)), loads)
     firing = transitions[1]
-    assert firing.labels == {"alertname": "Skew", "severity": "warning", "run_id": "run-a", "layer": "0", "team": "infra"}
+    assert firing.labels == {"alertname": "Skew", "severity": "warning", "run_id": "run-a", "layer": "0",
+                             "team": "infra"}
     assert firing.fingerprint == fingerprint(firing.labels)
     assert firing.values["load_max_mean"] == pytest.approx(72 / 16)
     assert firing.notifies and not transitions[0].notifies
@@ -80,7 +81,10 @@ def test_baseline_is_pinned_first_steps_or_loaded_run():
     vals = engine.signals(pack.rules[0], "run-a", 0)
     assert vals["kl_baseline"] == pytest.approx(sig.kl_divergence(np.array(SKEWED) * 2, expected_baseline))
     seen = []
-    loader = lambda run_id, layer, steps: seen.append((run_id, layer, steps)) or np.array(SKEWED)
+    def loader(run_id, layer, steps):
+        seen.append((run_id, layer, steps))
+        return np.array(SKEWED)
+
     pack2 = parse_rules(PACK.replace("{first_steps: 3}", "{run_id: golden, first_steps: 5}"))
     engine2 = AlertEngine(pack2, baseline_loader=loader)
     run_steps(engine2, [SKEWED] * 2)

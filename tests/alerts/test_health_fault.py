@@ -144,7 +144,7 @@ def test_a_corrupted_expert_is_gated_alerted_and_lifted(family, fault, tmp_path,
         assert session.gate.weight(0, expert) == 1.0, "the gate did not lift once the expert was restored"
         assert forwards <= 5 * WINDOW  # lift_after=3 good windows
         ids = next(batches)
-        assert all((session.gate.weights(l.index) == 1).all() for l in session.layers), session.gate.changes
+        assert all((session.gate.weights(layer.index) == 1).all() for layer in session.layers), session.gate.changes
         torch.testing.assert_close(model(ids).logits, clean(ids).logits, rtol=0, atol=0)
     session.close()
     reference.close()

@@ -113,7 +113,8 @@ def test_baseline_from_another_run_in_the_store(tmp_path):
     root = str(tmp_path / "store")
     write_steps(root, [SKEWED] * 3, run_id="golden")
     write_steps(root, [SKEWED] * 3, run_id="now")
-    pack = parse_rules("baseline: {run_id: golden, first_steps: 3}\nrules:\n  - {name: B, expr: kl_baseline > 0.1, for: 0}\n")
+    pack = parse_rules("baseline: {run_id: golden, first_steps: 3}\n"
+                       "rules:\n  - {name: B, expr: kl_baseline > 0.1, for: 0}\n")
     runner = StoreAlertRunner(root, pack, run_ids=["now"])
     assert runner.poll_once() == []  # same load as the golden run: no drift
     assert runner.engine.baseline("now", 0).tolist() == (np.array(SKEWED) * 3).tolist()

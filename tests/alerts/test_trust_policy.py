@@ -82,7 +82,8 @@ def test_override_pins_and_events_land_in_the_table(session, tmp_path):
     with pytest.raises(TrustGateError):
         policy.override(0, 5, 2.0, "bad weight")
     session.close()
-    events = Store(tmp_path).sql("SELECT expert, old_weight, new_weight, source, reason FROM trust_gate_events ORDER BY ts")
+    events = Store(tmp_path).sql(
+        "SELECT expert, old_weight, new_weight, source, reason FROM trust_gate_events ORDER BY ts")
     assert events.values.tolist() == [[5, 1.0, 0.5, "override", "operator: suspicious"],
                                       [5, 0.5, 1.0, "override", "override released"]]
 
