@@ -146,33 +146,92 @@ def test_families_the_gate_cannot_reach_say_so(family):
             session.trust.override(0, 0, 0.0, "test")
 
 
-def _router_io(model, family: str, layer) -> tuple[torch.Tensor, tuple]:
+def _raw_logits(model, family: str, layer) -> torch.Tensor:
+    """The router's own logits, ungated, (tokens, E)."""
     seen = {}
-    handle = layer.router.register_forward_hook(lambda m, a, o: seen.setdefault("out", o))
+    handle = layer.router.register_forward_hook(lambda m, a, o: seen.update(out=o))
     with torch.no_grad():
         model(**_inputs(family))
     handle.remove()
-    return seen["out"]
+    out = seen["out"]
+    logits = {"llama4": lambda: out[1], "dbrx": lambda: out, "switch_transformers": lambda: out[2]}.get(
+        family, lambda: out[0])()
+    return logits.reshape(-1, logits.shape[-1])
 
 
-def _brute_force(family: str, router, logits: torch.Tensor, expert: int, weight: float):
-    """Per token: the family's choice with expert `expert`'s score scaled by `weight` (0: excluded)."""
+def _what_the_experts_got(model, family: str, layer) -> dict[str, np.ndarray]:
+    """What the experts really used in one forward: ids and weights per token (and, for Switch, whether
+    the slot was kept; for Llama4, the dense scores that scale every expert's input)."""
+    seen = {}
+    if family in ("llama4", "switch_transformers"):  # the choice lives in the router's output
+        handle = layer.router.register_forward_hook(lambda m, a, o: seen.update(out=o))
+    else:  # registered after the gate's prepended hook: sees the arguments the experts are called with
+        handle = layer.experts.register_forward_pre_hook(
+            lambda m, a, kw: seen.update(out=experts_arguments(a, kw)), with_kwargs=True)
+    with torch.no_grad():
+        model(**_inputs(family))
+    handle.remove()
+    out = seen["out"]
+    if family == "llama4":
+        return {"scores": out[0].double().numpy()}
+    if family == "switch_transformers":
+        mask, probs, logits = out
+        ids = logits.reshape(-1, logits.shape[-1]).argmax(-1, keepdim=True)
+        return {"ids": ids.numpy(), "weights": probs.reshape(-1, 1).double().numpy(),
+                "kept": mask.reshape(-1, mask.shape[-1]).gather(1, ids).numpy() > 0}
+    ids, weights = out
+    return {"ids": ids.reshape(-1, ids.shape[-1]).numpy(), "weights": weights.reshape(ids.shape).double().numpy()}
+
+
+def _softmax(values: list[float]) -> list[float]:
+    top = max(v for v in values if v != float("-inf"))
+    exps = [0.0 if v == float("-inf") else float(np.exp(v - top)) for v in values]
+    return [x / sum(exps) for x in exps]
+
+
+def _sparsemixer(scores: list[float], eps: float) -> tuple[list[int], list[float]]:
+    """PhiMoE's eval-mode choice, token by token: the best expert, weighted by a softmax over the
+    experts within 2*eps (relative) of it; then the best of the rest, the same way without the first."""
     ids, weights = [], []
-    k = router.top_k
-    for row in logits.double():
-        if family == "gpt_oss":
-            gated = [(float(v) + (np.log(weight) if e == expert and weight > 0 else 0.0), e) for e, v in enumerate(row)
-                     if not (e == expert and weight == 0)]
-            chosen = sorted(gated, reverse=True)[:k]
-            z = sum(np.exp(v) for v, _ in chosen)
-            ids.append([e for _, e in chosen])
-            weights.append([np.exp(v) / z for v, _ in chosen])
-            continue
-        if family == "deepseek_v3":
-            score = [1 / (1 + np.exp(-float(v))) * (weight if e == expert else 1.0) for e, v in enumerate(row)]
+    masked = list(scores)
+    for _ in range(2):
+        best = max(range(len(masked)), key=lambda e: masked[e])
+        top = masked[best]
+        kept = [masked[e] if masked[e] != float("-inf") and (top - scores[e]) / max(abs(scores[e]), top) <= 2 * eps
+                else float("-inf") for e in range(len(scores))]
+        ids.append(best)
+        weights.append(_softmax(kept)[best])
+        masked[best] = float("-inf")
+    return ids, weights
+
+
+def _brute_force(family: str, layer, logits: torch.Tensor, expert: int, weight: float) -> dict[str, np.ndarray]:
+    """Per token, the family's own routing rule (transformers' modeling code, rewritten as loops)
+    with expert `expert`'s score scaled by `weight`: its probability for softmax routers (the rest
+    renormalise), its sigmoid score for sigmoid routers, its logit by log(weight) where the choice
+    is a top-k of logits; at 0 the expert is never chosen."""
+    router, k, experts = layer.router, layer.top_k, layer.num_experts
+    log_w = np.log(weight) if weight > 0 else float("-inf")
+    ids, weights, scores = [], [], []
+    for row in logits.double().tolist():
+        gated = [v + (log_w if e == expert else 0.0) for e, v in enumerate(row)]
+        if family in ("gpt_oss", "granitemoe"):  # top-k of the logits, softmax over the k
+            chosen = sorted(range(experts), key=lambda e: gated[e], reverse=True)[:k]
+            ids.append(chosen)
+            weights.append(_softmax([gated[e] for e in chosen]))
+        elif family == "llama4":  # top-k of the logits; sigmoid of the chosen raw logit, times w
+            chosen = sorted(range(experts), key=lambda e: gated[e], reverse=True)[:k]
+            scores.append([1 / (1 + np.exp(-row[e])) * (weight if e == expert else 1.0) if e in chosen else 0.0
+                           for e in range(experts)])
+        elif family == "phimoe":
+            chosen, values = _sparsemixer(gated, router.router_jitter_noise)
+            ids.append(chosen)
+            weights.append(values)
+        elif family == "deepseek_v3":  # sigmoid * w; bias-corrected groups and top-k; renormalised, scaled
+            score = [1 / (1 + np.exp(-v)) * (weight if e == expert else 1.0) for e, v in enumerate(row)]
             bias = router.e_score_correction_bias.double().tolist()
-            allowed = [e for e in range(len(score)) if not (e == expert and weight == 0)]
-            per = router.num_experts // router.num_group
+            allowed = [e for e in range(experts) if not (e == expert and weight == 0)]
+            per = experts // router.num_group
             group_score = []
             for g in range(router.num_group):
                 members = sorted((score[e] + bias[e] for e in allowed if e // per == g), reverse=True)[:2]
@@ -183,43 +242,124 @@ def _brute_force(family: str, router, logits: torch.Tensor, expert: int, weight:
             total = sum(score[e] for _, e in chosen)
             ids.append([e for _, e in chosen])
             weights.append([score[e] / total * router.routed_scaling_factor for _, e in chosen])
-            continue
-        p = np.exp(row.numpy() - row.numpy().max())
-        p = p / p.sum()
-        p[expert] *= weight
-        p = p / p.sum()  # the softmax over all experts, with the expert's probability scaled by w
-        chosen = sorted(((p[e], e) for e in range(len(p)) if not (e == expert and weight == 0)), reverse=True)[:k]
-        renorm = family == "mixtral" or router.norm_topk_prob
-        total = sum(v for v, _ in chosen) if renorm else 1.0
-        ids.append([e for _, e in chosen])
-        weights.append([v / total for v, _ in chosen])
-    return np.array(ids), np.array(weights)
+        else:  # a softmax over all experts, then the family's top-k and normalisation
+            p = _softmax(gated)
+            if family == "deepseek_v2" and router.topk_method == "group_limited_greedy":
+                per = experts // router.num_group
+                best = sorted(range(router.num_group), key=lambda g: max(p[g * per:(g + 1) * per]), reverse=True)
+                p = [v if e // per in best[: router.topk_group] else 0.0 for e, v in enumerate(p)]
+            top = 1 if family == "switch_transformers" else k
+            chosen = sorted((e for e in range(experts) if not (e == expert and weight == 0)),
+                            key=lambda e: p[e], reverse=True)[:top]
+            values = [p[e] for e in chosen]
+            if family == "mixtral" or getattr(router, "norm_topk_prob", False):
+                values = [v / sum(values) for v in values]
+            elif family == "dbrx":
+                norm = layer.block.moe_normalize_expert_weights
+                values = [v / sum(abs(x) ** norm for x in values) ** (1 / norm) for v in values]
+            elif family == "deepseek_v2":
+                values = [v * router.routed_scaling_factor for v in values]
+            ids.append(chosen)
+            weights.append(values)
+    if family == "llama4":
+        return {"scores": np.array(scores)}
+    result = {"ids": np.array(ids), "weights": np.array(weights)}
+    if family == "switch_transformers":  # capacity per batch row, first come first served
+        kept, taken = [], {}
+        for token, (chosen,) in enumerate(ids):
+            row = token // SEQ
+            taken[(row, chosen)] = taken.get((row, chosen), 0) + 1
+            kept.append([taken[(row, chosen)] <= router.expert_capacity])
+        result["kept"] = np.array(kept)
+    return result
 
 
-@pytest.mark.parametrize("family,weight", [("mixtral", 0.0), ("mixtral", 0.3), ("qwen3_moe", 0.0),
-                                           ("qwen3_moe", 0.6), ("qwen2_moe", 0.0), ("gpt_oss", 0.0), ("gpt_oss", 0.5),
-                                           ("deepseek_v3", 0.0), ("deepseek_v3", 0.4)])
-def test_rerouting_matches_a_brute_force_loop(family, weight):
-    # one family renormalising its top-k, one not
-    model = tiny_model(family, norm_topk_prob=True) if family == "qwen3_moe" else _model(family)
+# Every family with a re-routing rule, and variants of the rules' options: renormalised or not,
+# group-limited, scaled.
+RULE_CASES = [(family, {}) for family in sorted(set(FAMILIES) & set(RULES))] + [
+    ("qwen3_moe", {"norm_topk_prob": True}), ("qwen2_moe", {"norm_topk_prob": True}),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                     "routed_scaling_factor": 2.0})]
+
+
+def _case_id(case) -> str:
+    family, overrides = case
+    return family + "".join(f"-{k}={v}" for k, v in overrides.items() if k in ("norm_topk_prob", "topk_method"))
+
+
+def test_every_family_with_a_rule_is_checked_against_the_brute_force_loop():
+    assert {family for family, _ in RULE_CASES} == set(FAMILIES) & set(RULES)
+    assert len({family for family, _ in RULE_CASES}) >= 13  # today's count: a family leaving RULES fails here
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.4])
+@pytest.mark.parametrize("case", RULE_CASES, ids=_case_id)
+def test_rerouting_matches_a_brute_force_loop(case, weight):
+    family, overrides = case
+    model = tiny_model(family, **overrides) if overrides else _model(family)
     layer = probe.find_moe_layers(model)[0]
-    raw_logits = _router_io(model, family, layer)[0]
+    raw_logits = _raw_logits(model, family, layer)
     expert = int(torch.topk(raw_logits, 1, dim=-1).indices.flatten().mode().values)  # often the first choice
+    before = _what_the_experts_got(model, family, layer)
     gate = TrustGate([layer])
     handles = gate.install()
     gate.set(0, expert, weight, "test")
-    gated = _router_io(model, family, layer)
+    got = _what_the_experts_got(model, family, layer)
     for handle in handles:
         handle.remove()
-    want_ids, want_weights = _brute_force(family, layer.router, raw_logits, expert, weight)
-    got_ids, got_weights = gated[2].numpy(), gated[1].double().numpy()
-    order_got, order_want = np.argsort(got_ids, axis=1), np.argsort(want_ids, axis=1)
-    np.testing.assert_array_equal(np.take_along_axis(got_ids, order_got, 1), np.take_along_axis(want_ids, order_want, 1))
-    np.testing.assert_allclose(np.take_along_axis(got_weights, order_got, 1),
-                               np.take_along_axis(want_weights, order_want, 1), rtol=1e-5, atol=1e-7)
+    want = _brute_force(family, layer, raw_logits, expert, weight)
+    if family == "llama4":
+        np.testing.assert_allclose(got["scores"], want["scores"], rtol=1e-6, atol=1e-7)
+        assert not np.array_equal(got["scores"], before["scores"])  # the gate changed something
+        return
+    order_got, order_want = np.argsort(got["ids"], axis=1), np.argsort(want["ids"], axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(got["ids"], order_got, 1),
+                                  np.take_along_axis(want["ids"], order_want, 1))
+    np.testing.assert_allclose(np.take_along_axis(got["weights"], order_got, 1),
+                               np.take_along_axis(want["weights"], order_want, 1), rtol=1e-5, atol=1e-7)
+    if "kept" in want:
+        np.testing.assert_array_equal(got["kept"], want["kept"])
+    # the comparison can fail: the gate moved tokens or changed their weights
+    assert not (np.array_equal(got["ids"], before["ids"]) and np.allclose(got["weights"], before["weights"]))
     if weight == 0:
-        assert (got_ids != expert).all()
-        assert (raw_logits.topk(layer.top_k, dim=-1).indices == expert).any()  # some tokens did move
+        assert (got["ids"] != expert).all()
+        assert (before["ids"] == expert).any()  # some tokens did move
+
+
+FALLBACK = sorted(set(FAMILIES) - set(RULES) - UNGATEABLE)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.4])
+@pytest.mark.parametrize("family", FALLBACK)
+def test_families_without_a_rule_get_their_weights_scaled_not_rerouted(family, weight):
+    """The fallback (probe/gate.py): the ids the experts receive stay the router's; the gated expert's
+    weight is multiplied by w, nothing renormalises; at 0 its slot points, at weight 0, at an expert
+    the token already uses (else the first unmasked one)."""
+    model = _model(family)
+    layer = probe.find_moe_layers(model)[0]
+    gate = TrustGate([layer])
+    assert gate.mechanism(0) == "remove"
+    before = _what_the_experts_got(model, family, layer)
+    expert = int(np.bincount(before["ids"][before["ids"] < layer.num_experts].ravel()).argmax())
+    handles = gate.install()
+    gate.set(0, expert, weight, "test")
+    got = _what_the_experts_got(model, family, layer)
+    for handle in handles:
+        handle.remove()
+    want_ids, want_weights = before["ids"].copy(), before["weights"].copy()
+    for t, row in enumerate(before["ids"]):
+        for s, e in enumerate(row):
+            if e != expert:
+                continue
+            if weight == 0:
+                others = [x for x in row if x != expert and x < layer.num_experts]  # not a zero expert
+                want_ids[t, s] = others[0] if others else next(x for x in range(layer.num_experts) if x != expert)
+                want_weights[t, s] = 0.0
+            else:
+                want_weights[t, s] = float(np.float32(before["weights"][t, s]) * np.float32(weight))
+    np.testing.assert_array_equal(got["ids"], want_ids)
+    np.testing.assert_allclose(got["weights"], want_weights, rtol=1e-6, atol=0)
+    assert (before["ids"] == expert).any()  # the gated expert was in use: the comparison can fail
 
 
 def test_gate_api_checks_its_input():
