@@ -47,14 +47,21 @@ class _Oracle:
 
     def __init__(self, layers):
         self.router_out: dict[int, object] = {}
+        self.router_in: dict[int, list[torch.Tensor]] = {}  # per forward: what the router was called with
         self.experts_in: dict[int, tuple] = {}
         self.handles = []
         for layer in layers:
             self.handles.append(layer.router.register_forward_hook(
                 lambda m, a, o, i=layer.index: self.router_out.__setitem__(i, o)))
+            self.handles.append(layer.router.register_forward_pre_hook(self._keep_input(layer.index)))
             if layer.experts is not None:
                 self.handles.append(layer.experts.register_forward_pre_hook(
                     lambda m, a, kw, i=layer.index: self.experts_in.__setitem__(i, (a, kw)), with_kwargs=True))
+
+    def _keep_input(self, index: int):
+        def hook(module, args):
+            self.router_in.setdefault(index, []).append(args[0].detach().reshape(-1, args[0].shape[-1]).clone())
+        return hook
 
     def close(self):
         for h in self.handles:
@@ -149,7 +156,7 @@ def recorded(request):
     family = request.param
     model = _model(family)
     memory = InMemoryExporter()
-    session = probe.attach(model, exporters=[memory], routes=True, router_logits=True)
+    session = probe.attach(model, exporters=[memory], routes=True, router_logits=True, router_inputs=True)
     oracle = _Oracle(session.layers)
     with torch.no_grad():
         output = model(**_inputs(family), output_router_logits=True)
@@ -180,6 +187,56 @@ def test_logits_equal_output_router_logits(recorded):
     for ls, expected in zip(record.layers, _model_router_logits(family, output)):
         np.testing.assert_array_equal(ls.router_logits.values, expected.float().numpy())
         np.testing.assert_array_equal(ls.router_logits.token, np.arange(expected.shape[0]))
+
+
+def test_router_inputs_are_what_each_router_was_called_with(recorded):
+    family, model, session, oracle, output, record = recorded
+    for layer, ls in zip(session.layers, record.layers):
+        [expected] = oracle.router_in[layer.index]
+        np.testing.assert_array_equal(ls.router_inputs.values, expected.float().numpy())
+        np.testing.assert_array_equal(ls.router_inputs.token, np.arange(expected.shape[0]))
+        ids, _, _ = _expected_choice(family, layer, oracle, model)
+        np.testing.assert_array_equal(ls.router_inputs.top1_expert, ids[:, 0])
+
+
+SAMPLED = ("mixtral", "deepseek_v3", "switch_transformers", "llama4", "jetmoe", "longcat_flash")
+
+
+@pytest.mark.parametrize("family", SAMPLED)
+def test_sampled_logits_and_inputs_are_the_model_tensors_at_the_recorded_token(family):
+    """router_logits=n / router_inputs=n keep n tokens per layer and forward, chosen on the device by
+    a hash: whichever they are, each kept row must be the model's own tensor at the token it names."""
+    model = _model(family)
+    memory = InMemoryExporter()
+    session = probe.attach(model, exporters=[memory], routes=True, router_logits=5, router_inputs=3, window=2,
+                           window_s=None)
+    oracle = _Oracle(session.layers)
+    logits_seen: dict[int, list[torch.Tensor]] = {}
+    handles = [layer.router.register_forward_hook(
+        lambda m, a, o, layer=layer: logits_seen.setdefault(layer.index, []).append(layer.read_logits(o).clone()))
+        for layer in session.layers]
+    inputs = [_inputs(family, seed) for seed in (1, 2)]
+    with torch.no_grad():
+        for batch in inputs:
+            model(**batch)
+    session.close()
+    oracle.close()
+    for handle in handles:
+        handle.remove()
+    [record] = memory.records
+    assert (record.step, record.forwards) == (0, 2)
+    for layer, ls in zip(session.layers, record.layers):
+        key = "decoder_input_ids" if "decoder" in layer.name else "input_ids"
+        for sample, seen, n in ((ls.router_logits, logits_seen[layer.index], 5),
+                                (ls.router_inputs, oracle.router_in[layer.index], 3)):
+            assert sample.step.tolist() == [0] * n + [1] * n  # n tokens of each forward
+            for row, (forward, token) in enumerate(zip(sample.step, sample.token)):
+                np.testing.assert_array_equal(sample.values[row], seen[forward][token].float().numpy())
+                assert sample.token_ids[row] == inputs[forward][key].reshape(-1)[token]
+            forward_of_route = ls.routes.step
+            for row, (forward, token) in enumerate(zip(sample.step, sample.token)):
+                route = np.flatnonzero((forward_of_route == forward) & (ls.routes.token == token))
+                assert sample.top1_expert[row] == ls.routes.expert_ids[route[0], 0]
 
 
 def test_load_is_a_bincount_of_kept_ids(recorded):
@@ -234,14 +291,44 @@ def test_coselection_counts_pairs(recorded):
         np.testing.assert_array_equal(ls.coselection, expected)
 
 
+def _loss_oracle(family: str, model=None):
+    """The family's own load-balancing loss in transformers: ("top-k", func) for the Mixtral-style
+    `load_balancing_loss_func(gate_logits, num_experts, top_k)`, ("switch", func) for Switch's
+    `load_balancing_loss_func(router_probs, expert_indices)`, None where transformers has none."""
+    import transformers
+
+    module = importlib.import_module(getattr(transformers, FAMILIES[family][1]).__module__)
+    loss_func = getattr(module, "load_balancing_loss_func", None)
+    if loss_func is None:
+        return None
+    parameters = inspect.signature(loss_func).parameters
+    if "gate_logits" in parameters:
+        return "top-k", loss_func
+    if list(parameters) == ["router_probs", "expert_indices"]:
+        return "switch", loss_func
+    return None
+
+
+# Families whose loss transformers defines today (25 top-k ones and Switch): a transformers
+# upgrade that renames or drops them turns these checks into skips, and this floor into a failure.
+LOSS_FAMILIES_TODAY = 26
+
+
+def test_the_load_balancing_loss_is_checked_for_as_many_families_as_today():
+    checked = sorted(f for f in FAMILIES if _loss_oracle(f) is not None)
+    assert len(checked) >= LOSS_FAMILIES_TODAY, checked
+    assert "switch_transformers" in checked and "mixtral" in checked
+
+
 def test_load_balancing_loss_matches_transformers(recorded):
     family, model, session, oracle, output, record = recorded
-    modeling = importlib.import_module(type(model).__module__)
-    loss_func = getattr(modeling, "load_balancing_loss_func", None)
-    if loss_func is None or "gate_logits" not in inspect.signature(loss_func).parameters:
-        pytest.skip(f"{family} has no top-k load_balancing_loss_func in transformers")
-    if family == "deepseek_v3":
-        pytest.skip("DeepSeek-V3 chooses with a bias; its loss function does not describe the choice")
+    found = _loss_oracle(family)
+    if found is None:
+        pytest.skip(f"{family} has no load_balancing_loss_func in transformers")
+    kind, loss_func = found
+    if kind == "switch":
+        _check_switch_loss(loss_func, session, output, record)
+        return
     layer = session.layers[0]
     expected = loss_func(tuple(_model_router_logits(family, output)), layer.num_experts, layer.top_k)
     # From the records alone: loss = E * sum_e f_e * P_e, where f_e is the share of all
@@ -256,6 +343,29 @@ def test_load_balancing_loss_matches_transformers(recorded):
     tokens = sum(ls.tokens for ls in record.layers)
     recomputed = layer.num_experts * float(np.sum(load / tokens * prob / tokens))
     assert recomputed == pytest.approx(float(expected), rel=1e-5)
+
+
+def _check_switch_loss(loss_func, session, output, record) -> None:
+    """Switch's loss, per stack as the model computes it: its layers' logits side by side along the
+    sequence, each batch row a group: E^2 * mean over (row, expert) of (share of the row's tokens whose
+    top-1 is the expert, before capacity) * (mean router probability in the row)."""
+    for stack, logits in (("encoder", output.encoder_router_logits), ("decoder", output.decoder_router_logits)):
+        logits = torch.cat([t for t in logits if t is not None and t.numel()], dim=1)
+        expected = float(loss_func(torch.softmax(logits, dim=-1), logits.argmax(dim=-1)))
+        mine = [ls for layer, ls in zip(session.layers, record.layers) if layer.name.startswith(stack)]
+        experts = session.layers[0].num_experts
+        share = np.zeros((BATCH, experts))
+        prob = np.zeros((BATCH, experts))
+        for ls in mine:
+            values = ls.router_logits.values.astype(np.float64)
+            p = np.exp(values - values.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            for token, row in enumerate(ls.routes.sequence):
+                share[row, ls.routes.expert_ids[token, 0]] += 1
+                prob[row] += p[ls.router_logits.token.tolist().index(token)]
+        per_row = SEQ * len(mine)
+        recomputed = experts ** 2 * float(np.mean(share / per_row * prob / per_row))
+        assert recomputed == pytest.approx(expected, rel=1e-5)
 
 
 def test_active_parameter_fraction_counted_by_hand(recorded):
