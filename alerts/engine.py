@@ -25,7 +25,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +71,11 @@ class AlertTransition:
     values: dict[str, float]  # the signals of the rule's expression at `at`
     starts_at: dt.datetime  # when this episode began (pending or firing since)
     ends_at: dt.datetime | None  # set on resolved
+    source: str = "rules"  # what raised it: "rules", "health" (ExpertUnhealthy), "trust_gate" (TrustGateChanged)
+    expert: int | None = None  # for alerts about one expert
+    reason: str | None = None  # why the state changed when it was not the rule's verdict ("run ended")
+    window_steps: int | None = None  # the rule's window, in steps (None: a time window, or no rule)
+    baseline_steps: int | None = None  # the rule's baseline: its first steps
 
     @property
     def notifies(self) -> bool:
@@ -115,6 +120,7 @@ class AlertEngine:
         self._history_steps = steps
         self._runs: dict[str, _RunState] = {}
         self._alerts: dict[str, _AlertState] = {}
+        self._meta: dict[str, AlertTransition] = {}  # each alert's latest transition: what `finish` resolves
         self._external_baselines: dict[int, np.ndarray | None] = {}
 
     # -- input ------------------------------------------------------------------------------
@@ -199,7 +205,7 @@ class AlertEngine:
             elif st.state == FIRING and (now - st.last_true).total_seconds() >= rule.cooldown_s:
                 move(RESOLVED)
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}
-        return [
+        out = [
             AlertTransition(
                 fingerprint=fp,
                 alertname=rule.name,
@@ -216,9 +222,42 @@ class AlertEngine:
                 values=clean,
                 starts_at=st.since,
                 ends_at=now if new == RESOLVED else None,
+                window_steps=rule.window.steps,
+                baseline_steps=self.pack.baseline.first_steps,
             )
             for old, new in changes
         ]
+        if out:
+            self._meta[fp] = out[-1]
+        return out
+
+    def finish(self, run_id: str, at: dt.datetime | None = None, step: int | None = None,
+               reason: str = "run ended") -> list[AlertTransition]:
+        """End a run: resolve its firing alerts and drop its pending ones, with `reason`.
+
+        A finished run produces no more data, so an event-time cooldown would keep its alerts
+        firing for ever; this is the resolve Alertmanager gets as `endsAt`. `at` and `step` default
+        to the run's latest observation. Returns the transitions (none for an unknown run). The run's
+        windows are kept: a run resumed later (a restarted writer) goes on from them.
+        """
+        run = self._runs.get(run_id)
+        latest = [h.items[-1] for h in (run.history.values() if run else ()) if h.items]
+        if not latest:
+            return []
+        last = max(latest, key=lambda o: (o.step, o.ts))
+        at = at or last.ts
+        step = last.step if step is None else step
+        out: list[AlertTransition] = []
+        for fp, st in list(self._alerts.items()):
+            meta = self._meta.get(fp)
+            if meta is None or meta.run_id != run_id or st.state not in (PENDING, FIRING):
+                continue
+            new = RESOLVED if st.state == FIRING else INACTIVE
+            out.append(replace(meta, state=new, previous_state=st.state, at=at, step=step, starts_at=st.since,
+                               ends_at=at if new == RESOLVED else None, reason=reason,
+                               annotations={**meta.annotations, "resolved_reason": reason}))
+            st.state = new
+        return out
 
     def ingest(self, observations: Iterable[LayerObservation]) -> list[AlertTransition]:
         """Observe layer steps in (run, step) order, evaluating after each complete step."""
@@ -231,6 +270,10 @@ class AlertEngine:
             if last_of_step:
                 out.extend(self.evaluate(obs.run_id))
         return out
+
+    def run_ids(self) -> list[str]:
+        """Runs with observations."""
+        return list(self._runs)
 
     def states(self) -> dict[str, str]:
         """Return {fingerprint: state} of every alert seen so far."""
@@ -281,4 +324,16 @@ class EngineExporter:
         return ok
 
     def shutdown(self) -> None:
+        """The probe's session closed: its runs have ended, so their open alerts resolve ("run
+        ended") and the sinks get the resolves, before this exporter takes no more records."""
+        if self._closed:
+            return
         self._closed = True
+        ended = [t for run_id in self.engine.run_ids() for t in self.engine.finish(run_id)]
+        if ended:
+            self.transitions = (self.transitions + ended)[-1000:]
+            for sink in self.sinks:
+                try:
+                    sink.handle(ended)
+                except Exception:  # noqa: BLE001 - closing must not raise because of a sink
+                    self.sink_errors += 1

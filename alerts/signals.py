@@ -17,6 +17,24 @@ Conventions, stated once:
   `js_divergence` smooths nothing unless asked.
 - An empty window (no tokens at all) has no distribution: those functions return NaN, which a
   rule treats as "no data" (never fires, never resolves on it).
+
+The derived metrics every view shows (`moescope summary`, the dashboard, Prometheus, the rules)
+are defined here once, with two rules:
+
+- **Weighting: by tokens.** A mean of per-row means (router entropy, active-parameter fraction)
+  weights each row (a forward, a window of forwards, a layer) by its tokens, so a prefill of 4096
+  tokens counts 4096 times a one-token decode step; rates are sums over sums (dropped tokens /
+  tokens). `token_weighted_mean` is the rule; `store` computes the same in SQL.
+- **Zero experts** (identity experts, e.g. LongCat-Flash's: the router may choose them, they
+  hold no parameters) are left out of every *load* metric (spread, dead experts, load entropy,
+  divergences): they have no compute to balance and no capacity to fill (`routed_load`). Their
+  share of the slots is its own number (`zero_expert_share`). *Router entropy* is measured over
+  the router's whole softmax, zero experts included, so it is normalised by the log of that
+  width (E + zero experts; `normalized_entropy`).
+- *Tokens* and *slots* differ: a token routed to k experts fills k slots. `expert_load[e]` counts
+  the tokens that chose expert e (a token chooses an expert at most once), so an expert's share
+  of the layer's *tokens* is load / tokens (the top-k shares sum to k), its share of the
+  *slots* is load / sum(load) (they sum to 1).
 """
 
 from __future__ import annotations
@@ -265,3 +283,128 @@ def whatif_capacity(
             tokens=tokens,
         )
     return out
+
+
+# -- derived metrics of recorded runs (every view shows these, computed here) ------------------
+
+
+def token_weighted_mean(values: np.ndarray | list[float], tokens: np.ndarray | list[float]) -> float:
+    """Return sum(value * tokens) / sum(tokens) over the rows that have a value and tokens.
+
+    Rows whose value is NaN (not recorded, e.g. an imported run has no router entropy) or whose
+    tokens are 0 are left out of both sums; NaN when no row is left.
+    """
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    t = np.asarray(tokens, dtype=np.float64).reshape(-1)
+    if v.shape != t.shape:
+        raise ValueError(f"values and tokens differ in length: {v.size} vs {t.size}")
+    keep = np.isfinite(v) & (t > 0)
+    total = t[keep].sum()
+    return float(np.sum(v[keep] * t[keep]) / total) if total > 0 else float("nan")
+
+
+def routed_load(load: np.ndarray | list[float], num_experts: int | None) -> np.ndarray:
+    """Return the load of the routed experts (with parameters): the first `num_experts` entries.
+
+    `expert_load` lists routed experts first, then zero experts; None keeps every entry.
+    """
+    arr = np.asarray(load, dtype=np.float64)
+    return arr if num_experts is None else arr[: int(num_experts)]
+
+
+def zero_expert_share(load: np.ndarray | list[float], num_experts: int) -> float:
+    """Return the share of the slots that went to zero (identity) experts; NaN for no slot."""
+    arr = np.asarray(load, dtype=np.float64)
+    total = arr.sum()
+    return float(arr[int(num_experts):].sum() / total) if total > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class LoadSpread:
+    """How evenly one layer's routed experts were loaded (zero experts left out, see `routed_load`)."""
+
+    cv: float  # std / mean of tokens per expert; 0 is perfectly even
+    max_mean: float  # busiest / mean (MaxVio + 1)
+    balancedness: float  # mean / busiest
+    dead_experts: int  # routed experts that got no token
+    dead_fraction: float
+    hottest: int  # the busiest routed expert (-1 when no token)
+    hottest_load: int  # tokens that chose it
+    hottest_token_share: float  # of the layer's tokens that chose it (top-k shares sum to k)
+    hottest_slot_share: float  # of the layer's routed slots it filled (shares sum to 1)
+
+
+def load_spread(load: np.ndarray | list[float], num_experts: int | None = None,
+                tokens: float | None = None) -> LoadSpread:
+    """Return the load spread of one layer's summed `expert_load` (any window).
+
+    `num_experts` cuts the zero experts off; `tokens` (the layer's tokens over the same window)
+    gives the token share, NaN without it. Every number is NaN (-1, 0) for a load with no token.
+    """
+    arr = routed_load(load, num_experts)
+    if arr.size == 0 or arr.sum() <= 0:
+        nan = float("nan")
+        return LoadSpread(nan, nan, nan, 0, nan, -1, 0, nan, nan)
+    hottest = int(arr.argmax())
+    return LoadSpread(
+        cv=coefficient_of_variation(arr), max_mean=max_mean_ratio(arr), balancedness=balancedness(arr),
+        dead_experts=int(np.count_nonzero(arr == 0)), dead_fraction=dead_expert_fraction(arr), hottest=hottest,
+        hottest_load=int(arr[hottest]),
+        hottest_token_share=float(arr[hottest] / tokens) if tokens else float("nan"),
+        hottest_slot_share=float(arr[hottest] / arr.sum()))
+
+
+@dataclass(frozen=True)
+class RouterEntropy:
+    """Mean per-token router entropy, in nats and normalised (H / ln router width, in [0, 1])."""
+
+    nats: float
+    normalized: float
+
+
+def router_entropy(entropy_nats: np.ndarray | list[float], tokens: np.ndarray | list[float],
+                   router_width: np.ndarray | list[int] | int) -> RouterEntropy:
+    """Return the token-weighted mean router entropy of rows (steps, windows or layers).
+
+    Each row's mean entropy (nats) is weighted by its tokens; the normalised figure divides each
+    row by ln of its router's width (routed + zero experts) before weighting, so layers or models
+    with different expert counts compare on one [0, 1] scale. NaN where nothing was recorded.
+    """
+    h = np.asarray(entropy_nats, dtype=np.float64).reshape(-1)
+    widths = np.broadcast_to(np.asarray(router_width, dtype=np.float64), h.shape)
+    logs = np.log(np.where(widths > 1, widths, np.e))
+    normalized = np.where(widths > 1, h / logs, 0.0)
+    return RouterEntropy(token_weighted_mean(h, tokens), token_weighted_mean(normalized, tokens))
+
+
+def normalized_mutual_information(contingency: np.ndarray) -> float:
+    """Return I(A; B) / mean(H(A), H(B)) of a table of joint counts `contingency[a, b]`, in [0, 1].
+
+    The project's one specialisation measure (expert x tag value counts in, 0: the expert choice
+    says nothing about the tag; 1: each tag value has experts of its own). The normalisation is
+    the arithmetic mean of the two entropies, the default of scikit-learn's
+    `normalized_mutual_info_score`, with its limit cases: 1.0 when both sides have a single class,
+    0.0 when the mutual information is 0. Rows and columns with no count are left out.
+    Raises ValueError for a table that is not 2-D, has negative counts, or holds no count.
+    """
+    counts = np.asarray(contingency, dtype=np.float64)
+    if counts.ndim != 2:
+        raise ValueError(f"contingency must be a 2-D table of counts, got shape {counts.shape}")
+    if (counts < 0).any():
+        raise ValueError("contingency counts must not be negative")
+    total = counts.sum()
+    if total == 0:
+        raise ValueError("contingency is empty: there are no labelled items to compare")
+    counts = counts[counts.sum(axis=1) > 0][:, counts.sum(axis=0) > 0]
+    if counts.shape[0] == 1 and counts.shape[1] == 1:
+        return 1.0
+    joint = counts / total
+    marginal_a = joint.sum(axis=1)
+    marginal_b = joint.sum(axis=0)
+    nonzero = joint > 0
+    mutual_info = float(np.sum(joint[nonzero] * np.log(joint[nonzero] / np.outer(marginal_a, marginal_b)[nonzero])))
+    if mutual_info <= 1e-15:  # rounding leaves a tiny negative value where the true figure is 0
+        return 0.0
+    entropy_a = -float(np.sum(marginal_a * np.log(marginal_a)))
+    entropy_b = -float(np.sum(marginal_b * np.log(marginal_b)))
+    return min(1.0, mutual_info / ((entropy_a + entropy_b) / 2))

@@ -15,6 +15,10 @@ once, when its `layer_steps` file has landed; rows that another rank writes late
 already read are not counted, and routes that land after their step's `layer_steps` are missed
 by the route signals of that step.
 
+A run whose every rank closed its session (a `run_ends` row after the last forward read) has
+its open alerts resolved with the reason "run ended", as the live engine does when its session
+closes: an event-time cooldown never passes in a run that records nothing more.
+
 A full disk stops neither evaluation nor notification: transitions the table cannot take wait
 in `AlertTableWriter.unwritten` and are written at the next poll that finds room.
 """
@@ -33,34 +37,14 @@ import pyarrow as pa
 from alerts.engine import AlertEngine, AlertTransition, TransitionSink
 from alerts.rules import RulePack
 from alerts.window import LayerObservation
+from store.schema import SCHEMAS
 from store.store import Store
 from store.writer import write_table_file
 
 log = logging.getLogger(__name__)
 
 ALERTS_TABLE = "alerts"
-_TS = pa.timestamp("us", tz="UTC")
-_STRMAP = pa.map_(pa.string(), pa.string())
-ALERTS_SCHEMA = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("fingerprint", pa.string()),
-        ("alertname", pa.string()),
-        ("state", pa.string()),
-        ("previous_state", pa.string()),
-        ("ts", _TS),  # event time of the step that caused the transition
-        ("step", pa.int64()),
-        ("layer", pa.int32()),
-        ("severity", pa.string()),
-        ("expr", pa.string()),
-        ("labels", _STRMAP),
-        ("annotations", _STRMAP),
-        ("signal_values", pa.map_(pa.string(), pa.float64())),
-        ("starts_at", _TS),
-        ("ends_at", _TS),
-        ("written_at", _TS),
-    ]
-)
+ALERTS_SCHEMA = SCHEMAS[ALERTS_TABLE]  # the table's schema lives with every other in store/schema.py
 _ROUTE_SIGNALS = {"routing_drift_rate", "switch_entropy", "whatif_drop_rate_cf1", "whatif_drop_rate_cf1_25",
                   "whatif_drop_rate_cf1_5", "whatif_drop_rate_cf2"}
 
@@ -73,7 +57,8 @@ def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
             "previous_state": t.previous_state, "ts": t.at, "step": t.step, "layer": t.layer, "severity": t.severity,
             "expr": t.expr, "labels": list(t.labels.items()), "annotations": list(t.annotations.items()),
             "signal_values": [(k, v) for k, v in t.values.items()], "starts_at": t.starts_at, "ends_at": t.ends_at,
-            "written_at": now,
+            "written_at": now, "source": t.source, "expert": t.expert, "reason": t.reason,
+            "window_steps": t.window_steps, "baseline_steps": t.baseline_steps,
         }
         for t in transitions
     ]
@@ -89,13 +74,13 @@ class AlertTableWriter:
     `last_error` says why the last write failed, None once everything is written.
     """
 
-    def __init__(self, root: str, max_unwritten: int = 10_000):
+    def __init__(self, root: str, max_unwritten: int = 10_000, seq_start: int = 0):
         self.root = root
         self.max_unwritten = max_unwritten
         self.unwritten: list[AlertTransition] = []
         self.lost = 0
         self.last_error: str | None = None
-        self._seq = 0
+        self._seq = seq_start  # writers in one process start apart, so no two choose one file name
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
         by_run: dict[str, list[AlertTransition]] = {}
@@ -128,8 +113,6 @@ def read_alerts(store: Store, run_id: str | None = None):
     Refreshes the store's views first, so transitions written a moment ago are included.
     """
     store.refresh()
-    if not store.files.get(ALERTS_TABLE):  # the store makes a view of every table folder it finds
-        return ALERTS_SCHEMA.empty_table().to_pandas()
     query = f"SELECT * FROM {ALERTS_TABLE}"
     params: list = []
     if run_id is not None:
@@ -151,6 +134,8 @@ class StoreAlertRunner:
         self.writer = AlertTableWriter(self.store.root) if write_alerts else None
         self._needs_routes = any(set(r.signals) & _ROUTE_SIGNALS for r in pack.rules)
         self._last_step: dict[str, int] = {}
+        self._last_forward: dict[str, int] = {}  # the last forward read per run (a row's step_end)
+        self._finished: dict[str, int] = {}  # run -> last forward at which its end resolved its alerts
         self._total_params: dict[str, int] = {}
         existing = read_alerts(self.store)
         self._recorded = {
@@ -234,14 +219,23 @@ class StoreAlertRunner:
                 route_step=None if route is None else route[3],
             ))
         self._last_step[run_id] = int(rows.step.max())
+        self._last_forward[run_id] = int(rows.step_end.max())
         return out
 
     def poll_once(self) -> list[AlertTransition]:
         """Evaluate whatever landed since the last poll; return the new transitions."""
         self.store.refresh()
         found: list[AlertTransition] = []
+        ended = self.store.ended_runs()
+        ended = {r: int(s) for r, s in zip(ended.run_id, ended.last_step) if pd.notna(s)}
         for run_id in self._runs():
             found.extend(self.engine.ingest(self._observations(run_id)))
+            last = self._last_forward.get(run_id)
+            # Every rank closed its session after the last forward read: what is still open resolves
+            # now ("run ended"), once; a run resumed later (a new writer) goes on, and ends again.
+            if last is not None and ended.get(run_id, -1) >= last and self._finished.get(run_id) != last:
+                found.extend(self.engine.finish(run_id))
+                self._finished[run_id] = last
         new = [t for t in found if (t.fingerprint, t.state, t.at) not in self._recorded]
         if self.writer is not None:
             self.writer.handle(new)  # also retries what an earlier poll could not write (a full disk)

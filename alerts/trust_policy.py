@@ -17,7 +17,9 @@ scores to the `expert_health` table and judges each (layer, expert):
 Every change of the gate, whoever made it (this policy, `override`, or a direct
 `TrustGate.set`), is written to the `trust_gate_events` table and sent as a `TrustGateChanged`
 alert (firing when the weight drops below 1, resolved when it is back at 1) through `sink`, e.g.
-an `alerts.outbox.Outbox`, which delivers to the configured notifiers.
+an `alerts.outbox.Outbox`, which delivers to the configured notifiers. Every ExpertUnhealthy and
+TrustGateChanged transition also lands in the store's `alerts` table, next to the rules engine's.
+When the session closes, what is still firing resolves with the reason "run ended" (`finish`).
 
 `override(layer, expert, weight, reason)` pins an expert's weight: the policy leaves a pinned
 expert alone until `release(layer, expert)` hands it back (at weight 1).
@@ -40,6 +42,7 @@ import pyarrow.parquet as pq
 
 from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint
 from alerts.health import ExpertHealth, HealthConfig, HealthScorer
+from alerts.storage import AlertTableWriter
 from probe.gate import GateChange, TrustGate, TrustGateError
 from probe.records import StepRecord
 from store.schema import SCHEMAS
@@ -93,7 +96,7 @@ class _Judgement:
 class TrustPolicy:
     """Scores, judges and (mode "auto") gates; see the module docstring.
 
-    Build it with its configuration and a sink, pass it to `probe.attach(..., trust_policy=)`
+    Build it with its configuration and a sink, pass it to `moescope.attach(..., trust_policy=)`
     (or let `attach` build a default one), and the session binds it to its gate and store.
     """
 
@@ -124,6 +127,8 @@ class TrustPolicy:
         self.max_buffer_rows = max_buffer_rows
         self.max_age_s = max_age_s
         self.last_step = 0
+        self.last_ts: dt.datetime | None = None
+        self.alert_table: AlertTableWriter | None = None  # every transition also lands in the `alerts` table
         # Gate requests written into the store by another process (the dashboard started with
         # --allow-writes). Off unless the model's owner opts in here too: a file in a folder
         # must not be able to change a running model by default.
@@ -143,6 +148,7 @@ class TrustPolicy:
         self.mode = mode
         self.gate = session.gate
         self.root = None if store is None else os.fspath(store)
+        self.alert_table = None if self.root is None else AlertTableWriter(self.root, seq_start=700_000)
         self.run_id = session.run.run_id
         self.rank = session.run.rank
         for info in session.run.layers:
@@ -157,7 +163,7 @@ class TrustPolicy:
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         for record in records:
-            self.last_step = record.step
+            self.last_step, self.last_ts = record.step, record.ts
             rows = self.scorer.observe(record)
             if rows:
                 self.judge(rows, record.step)
@@ -171,6 +177,8 @@ class TrustPolicy:
         return True
 
     def shutdown(self) -> None:
+        """The session closed: resolve what is still open ("run ended"), write what is buffered."""
+        self.finish()
         self._write_health()
         if self.gate is not None and self._on_change in self.gate.listeners:
             self.gate.listeners.remove(self._on_change)
@@ -354,7 +362,8 @@ class TrustPolicy:
             annotations={"summary": f"layer {change.layer} expert {change.expert}: trust weight "
                                     f"{change.old_weight:g} -> {change.new_weight:g} ({change.source})",
                          "reason": change.reason, "source": change.source},
-            values=values, starts_at=starts, ends_at=change.at if state == RESOLVED else None))
+            values=values, starts_at=starts, ends_at=change.at if state == RESOLVED else None,
+            source="trust_gate", expert=change.expert))
 
     def _notify_health(self, row: ExpertHealth, state: str, previous: str, step: int, action: str) -> None:
         key = (row.layer, row.expert)
@@ -371,7 +380,38 @@ class TrustPolicy:
             values={k: v for k, v in (("score", row.score), ("load", row.load), ("confidence", row.confidence),
                                       ("output", row.output), ("weight", row.weight), ("grad", row.grad))
                     if v is not None},
-            starts_at=starts, ends_at=row.ts if state == RESOLVED else None))
+            starts_at=starts, ends_at=row.ts if state == RESOLVED else None, source="health", expert=row.expert))
+
+    def finish(self, reason: str = "run ended") -> list[AlertTransition]:
+        """Resolve every ExpertUnhealthy and TrustGateChanged alert still firing, with `reason`, at
+        the last recorded step: a run that ended judges and gates nothing any more. Returns them."""
+        ended: list[AlertTransition] = []
+        at = self.last_ts or dt.datetime.now(dt.timezone.utc)
+        with self._lock:
+            for key, j in sorted(self.judgements.items()):
+                if not j.unhealthy:
+                    continue
+                j.unhealthy = False
+                labels = self._labels("ExpertUnhealthy", *key)
+                ended.append(AlertTransition(
+                    fingerprint=fingerprint(labels), alertname="ExpertUnhealthy", state=RESOLVED,
+                    previous_state=FIRING, at=at, step=self.last_step, run_id=self.run_id, layer=key[0],
+                    severity="critical", expr=f"expert_health_score < {self.config.bad_below:g}", labels=labels,
+                    annotations={"summary": f"layer {key[0]} expert {key[1]}: {reason}", "resolved_reason": reason},
+                    values={}, starts_at=j.since or at, ends_at=at, source="health", expert=key[1], reason=reason))
+            for key, since in sorted(self._episodes.items()):
+                labels = self._labels("TrustGateChanged", *key)
+                ended.append(AlertTransition(
+                    fingerprint=fingerprint(labels), alertname="TrustGateChanged", state=RESOLVED,
+                    previous_state=FIRING, at=at, step=self.last_step, run_id=self.run_id, layer=key[0],
+                    severity="critical", expr="trust_weight < 1", labels=labels,
+                    annotations={"summary": f"layer {key[0]} expert {key[1]}: {reason}; the gate no longer "
+                                            "acts on the model", "resolved_reason": reason},
+                    values={}, starts_at=since, ends_at=at, source="trust_gate", expert=key[1], reason=reason))
+            self._episodes.clear()
+        for transition in ended:
+            self._send(transition)
+        return ended
 
     def _labels(self, name: str, layer: int, expert: int) -> dict[str, str]:
         return {"alertname": name, "severity": "critical", "run_id": self.run_id, "layer": str(layer),
@@ -379,12 +419,14 @@ class TrustPolicy:
 
     def _send(self, transition: AlertTransition) -> None:
         self.alerts.append(transition)
-        if self.sink is None:
-            return
-        try:
-            self.sink.handle([transition])
-        except Exception:  # a broken sink must not stop the judging; the transition stays in self.alerts
-            log.exception("trust policy could not hand alert %s to its sink", transition.alertname)
+        for sink in (self.alert_table, self.sink):
+            if sink is None:
+                continue
+            try:
+                sink.handle([transition])
+            except Exception:  # a broken sink must not stop the judging; the transition stays in self.alerts
+                log.exception("trust policy could not hand alert %s to %s", transition.alertname,
+                              type(sink).__name__)
 
     # -- tables --------------------------------------------------------------------------------
 

@@ -2,11 +2,12 @@
 
 For every token of some domain-tagged texts we record, per MoE layer, the expert the router
 ranks first (argmax of its logits), then measure the normalised mutual information (NMI)
-between the token's domain and that expert. 0 means the expert choice says nothing about the
-domain; 1 means each domain has experts of its own. A router that has learned nothing still
-scores above 0, because tokens differ between domains and even random weights send different
-tokens to different experts, so the figure is always read against the same config with random
-weights (:func:`random_twin`).
+between the token's domain and that expert (`alerts.signals.normalized_mutual_information`,
+the measure the dashboard and the demo show too; here over top-1 choices, the model card's
+figure). 0 means the expert choice says nothing about the domain; 1 means each domain has
+experts of its own. A router that has learned nothing still scores above 0, because tokens
+differ between domains and even random weights send different tokens to different experts,
+so the figure is always read against the same config with random weights (:func:`random_twin`).
 
 Routers are read with plain forward hooks on ``model.model.layers[i].mlp.gate``, which in
 ``transformers`` 5.24 (Mixtral and families built the same way) returns
@@ -22,45 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
-def nmi_from_contingency(contingency: np.ndarray) -> float:
-    """Normalised mutual information of the joint counts ``contingency[label_a, label_b]``.
-
-    Normalised by the arithmetic mean of the two entropies, the default of
-    ``sklearn.metrics.normalized_mutual_info_score``, with the same limit cases: 1.0 when both
-    labellings have a single class each, 0.0 when the mutual information is 0.
-
-    Raises:
-        ValueError: the table is not 2-D, has negative counts, or is empty.
-    """
-    counts = np.asarray(contingency, dtype=np.float64)
-    if counts.ndim != 2:
-        raise ValueError(f"contingency must be a 2-D table of counts, got shape {counts.shape}")
-    if (counts < 0).any():
-        raise ValueError("contingency counts must not be negative")
-    total = counts.sum()
-    if total == 0:
-        raise ValueError("contingency is empty: there are no labelled items to compare")
-    # Classes that never occur carry no information; dropping them matches the label-based form.
-    counts = counts[counts.sum(axis=1) > 0][:, counts.sum(axis=0) > 0]
-    if counts.shape[0] == 1 and counts.shape[1] == 1:
-        return 1.0
-    joint = counts / total
-    marginal_a = joint.sum(axis=1)
-    marginal_b = joint.sum(axis=0)
-    nonzero = joint > 0
-    mutual_info = float(np.sum(joint[nonzero] * np.log(joint[nonzero] / np.outer(marginal_a, marginal_b)[nonzero])))
-    # Rounding can leave a tiny negative value where the true figure is exactly 0.
-    if mutual_info <= 1e-15:
-        return 0.0
-    entropy_a = -float(np.sum(marginal_a * np.log(marginal_a)))
-    entropy_b = -float(np.sum(marginal_b * np.log(marginal_b)))
-    return min(1.0, mutual_info / ((entropy_a + entropy_b) / 2))
+from alerts.signals import normalized_mutual_information
 
 
 def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Sequence[int] | np.ndarray) -> float:
     """Normalised mutual information between two labellings of the same items (see
-    :func:`nmi_from_contingency` for the normalisation).
+    `alerts.signals.normalized_mutual_information`, the project's one specialisation measure).
 
     Raises:
         ValueError: the labellings differ in length or are empty.
@@ -75,7 +43,7 @@ def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Seque
     _, b_codes = np.unique(b, return_inverse=True)
     contingency = np.zeros((a_codes.max() + 1, b_codes.max() + 1), dtype=np.int64)
     np.add.at(contingency, (a_codes, b_codes), 1)
-    return nmi_from_contingency(contingency)
+    return normalized_mutual_information(contingency)
 
 
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -188,8 +156,8 @@ def measure_specialisation(model: torch.nn.Module, tokenizer, texts_by_domain: M
     domains = tuple(texts_by_domain)
     return SpecialisationReport(
         domains=domains,
-        trained_nmi=[nmi_from_contingency(layer) for layer in trained_counts],
-        random_nmi=[nmi_from_contingency(layer) for layer in random_counts],
+        trained_nmi=[normalized_mutual_information(layer) for layer in trained_counts],
+        random_nmi=[normalized_mutual_information(layer) for layer in random_counts],
         tokens_per_domain={d: int(n) for d, n in zip(domains, trained_counts[0].sum(axis=1))},
         trained_counts=trained_counts,
     )

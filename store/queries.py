@@ -13,11 +13,12 @@ an E x E matrix). Conventions shared by every query:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from store.errors import EmptyStoreError
 
@@ -56,6 +57,47 @@ def where(run_id: str, layer: int | None = None, step_from: int | None = None, s
     return " AND ".join(clauses), params
 
 
+@dataclass(frozen=True)
+class RoutePage:
+    """Consecutive routes rows of one layer, in recording order (step, rank, token).
+
+    `expert_ids` is (rows, k) int64 in the router's slot order, padded with -1 where a row holds
+    fewer than k slots; `kept` is (rows, k) bool, False on padding and on slots dropped at
+    capacity (True where the source did not record drops).
+    """
+
+    step: np.ndarray  # (rows,) int64
+    rank: np.ndarray  # (rows,) int32
+    token: np.ndarray  # (rows,) int32, row in its forward's flattened batch
+    expert_ids: np.ndarray
+    kept: np.ndarray
+
+
+def _padded(column: pa.ChunkedArray | pa.Array, fill: int | bool, dtype: type) -> np.ndarray:
+    """A list column as a (rows, longest list) array, `fill` where a list is shorter or null."""
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    lengths = lists.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    width = int(lengths.max()) if len(lengths) else 0
+    out = np.full((len(lists), width), fill, dtype=dtype)
+    values = lists.flatten().to_numpy(zero_copy_only=False)
+    if values.size:
+        rows = np.repeat(np.arange(len(lists)), lengths)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[rows, np.arange(values.size) - starts] = values
+    return out
+
+
+def _route_page(table: pa.Table) -> RoutePage:
+    ids = _padded(table.column("expert_ids"), -1, np.int64)
+    kept = _padded(table.column("kept"), True, bool)
+    if kept.shape[1] < ids.shape[1]:  # a source that recorded no drops: every slot it names ran
+        kept = np.hstack([kept, np.ones((len(kept), ids.shape[1] - kept.shape[1]), dtype=bool)])
+    return RoutePage(step=table.column("step").to_numpy().astype(np.int64),
+                     rank=table.column("rank").to_numpy().astype(np.int32),
+                     token=table.column("token").to_numpy().astype(np.int32),
+                     expert_ids=ids, kept=kept[:, :ids.shape[1]] & (ids >= 0))
+
+
 def _unnest_load(clause: str, extra: str = "") -> str:
     """Layer steps exploded to one row per (step, layer, expert): the base of the load queries."""
     return (f"SELECT layer, step, {extra} unnest(expert_load) AS load, "
@@ -71,6 +113,9 @@ class StoreQueries:
     """Mixed into `store.Store`; every method runs through `self.sql` (parameters, error mapping)."""
 
     def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:  # pragma: no cover
+        raise NotImplementedError
+
+    def arrow(self, query: str, params: Sequence | None = None) -> pa.Table:  # pragma: no cover
         raise NotImplementedError
 
     # -- runs ----------------------------------------------------------------------------------
@@ -108,6 +153,16 @@ class StoreQueries:
             SELECT t.key AS key, t.value AS value, {STEPS} AS steps
             FROM (SELECT step, forwards, rank, unnest(map_entries(tags)) AS t FROM steps WHERE run_id = ?)
             GROUP BY ALL ORDER BY ALL""", [run_id])
+
+    def ended_runs(self) -> pd.DataFrame:
+        """Runs whose every rank closed its session: run_id, ended_at (UTC, the last rank's),
+        last_step (the last forward any rank recorded; NaN when none recorded a forward)."""
+        return self.sql("""
+            WITH e AS (SELECT run_id, count(DISTINCT rank) AS ranks, max(ended_at) AS ended_at,
+                              max(last_step) AS last_step FROM run_ends GROUP BY run_id),
+                 r AS (SELECT run_id, max(world_size) AS world_size FROM runs GROUP BY run_id)
+            SELECT e.run_id, e.ended_at, e.last_step FROM e JOIN r USING (run_id)
+            WHERE e.ranks >= coalesce(r.world_size, 1) ORDER BY e.run_id""")
 
     def layers(self, run_id: str) -> pd.DataFrame:
         """The run's MoE layers: layer, module, family, num_experts, zero_experts, top_k, ..."""
@@ -201,7 +256,8 @@ class StoreQueries:
                      tags: dict[str, str] | None = None) -> pd.DataFrame:
         """Expert load vector per layer and per window of `window_steps` steps (aligned to multiples).
 
-        Columns: layer, window_start, window_end (exclusive), steps, tokens, expert_load
+        Columns: layer, window_start, window_end (exclusive), last_step (the last step recorded in
+        the window: the run's last step for its final, partial window), steps, tokens, expert_load
         (np.ndarray of int64). Raises ValueError for window_steps < 1.
         """
         if window_steps < 1:
@@ -211,9 +267,11 @@ class StoreQueries:
         return _vectors(self.sql(f"""
             WITH p AS (SELECT layer, step // ? AS w, expert, sum(load) AS load
                        FROM ({_unnest_load(clause)}) GROUP BY ALL),
-                 s AS (SELECT layer, step // ? AS w, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens
+                 s AS (SELECT layer, step // ? AS w, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens,
+                              max(coalesce(step_end, step)) AS last_step
                        FROM layer_steps WHERE {clause} GROUP BY ALL)
-            SELECT layer, w * ? AS window_start, (w + 1) * ? AS window_end, any_value(s.steps) AS steps,
+            SELECT layer, w * ? AS window_start, (w + 1) * ? AS window_end, any_value(s.last_step) AS last_step,
+                   any_value(s.steps) AS steps,
                    any_value(s.tokens) AS tokens, list(p.load::BIGINT ORDER BY p.expert) AS expert_load
             FROM p JOIN s USING (layer, w) GROUP BY layer, w ORDER BY layer, window_start""",
                                  [w, *params, w, *params, w, w]), "expert_load")
@@ -274,6 +332,33 @@ class StoreQueries:
             ORDER BY step, rank, token LIMIT ?""", [e, e, e, *params, e, int(limit)])
         frame["tags"] = [dict(t) if t is not None else {} for t in frame["tags"]]
         return frame
+
+    def routes_in_order(self, run_id: str, layer: int, step_from: int | None = None, step_to: int | None = None,
+                        tags: dict[str, str] | None = None, page_rows: int = 65_536) -> Iterator[RoutePage]:
+        """One layer's routes rows in recording order (step, rank, token), a page at a time.
+
+        Pages hold whole steps, about `page_rows` rows each (more when one step holds more), so a
+        long run streams in bounded memory; each page is one query over the steps it covers.
+        Yields nothing for an unknown run or a store without routes (`routes=True` at attach).
+        Raises ValueError for page_rows < 1.
+        """
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        counts = self.sql(f"SELECT step, count(*)::BIGINT AS n FROM routes WHERE {clause} GROUP BY step "
+                          "ORDER BY step", params)
+        steps, sizes = counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64)
+        first = 0
+        while first < len(steps):
+            last, rows = first, int(sizes[first])
+            while last + 1 < len(steps) and rows + int(sizes[last + 1]) <= page_rows:
+                last += 1
+                rows += int(sizes[last])
+            page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
+            yield _route_page(self.arrow(f"""
+                SELECT step, rank, token, expert_ids, kept FROM routes WHERE {page_clause}
+                ORDER BY step, rank, token""", page_params))
+            first = last + 1
 
     # -- breakdowns and comparisons ------------------------------------------------------------
 

@@ -72,6 +72,12 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("dropped_rows", pa.int64()), ("dropped_records", pa.int64()), ("reason", pa.string()),
         ("rank", pa.int32()), ("pid", pa.int64()),
     ]),
+    # One row per writer (rank, pid) whose session closed: the run has ended for that rank once it
+    # is here. last_step is the last forward the writer recorded (null when it recorded none).
+    "run_ends": pa.schema([
+        ("run_id", pa.string()), ("rank", pa.int32()), ("pid", pa.int64()), ("ended_at", TS),
+        ("last_step", pa.int64()),
+    ]),
     # -- expert health and trust gate (alerts/health.py, alerts/trust_policy.py) --
     "expert_health": pa.schema([
         ("run_id", pa.string()), ("window", pa.int64()), ("step_start", pa.int64()), ("step_end", pa.int64()),
@@ -93,6 +99,20 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", TS), ("layer", pa.int32()),
         ("expert", pa.int32()), ("action", pa.string()), ("weight", pa.float64()), ("reason", pa.string()),
         ("requested_by", pa.string()),
+    ]),
+    # -- alert transitions, from every source (alerts/storage.py writes them) --
+    # One row per change of one alert's state: the rules engine's (source "rules"), the expert-
+    # health policy's ExpertUnhealthy ("health") and the trust gate's TrustGateChanged ("trust_gate",
+    # whoever changed the gate: the policy, an operator, a dashboard request). `ts` is the event time
+    # of the step that caused it; `reason` says why a change was not the rule's own verdict (e.g.
+    # "run ended"); window_steps / baseline_steps are the rule's window and baseline, where it has them.
+    "alerts": pa.schema([
+        ("run_id", pa.string()), ("fingerprint", pa.string()), ("alertname", pa.string()), ("state", pa.string()),
+        ("previous_state", pa.string()), ("ts", TS), ("step", pa.int64()), ("layer", pa.int32()),
+        ("severity", pa.string()), ("expr", pa.string()), ("labels", TAGS), ("annotations", TAGS),
+        ("signal_values", pa.map_(pa.string(), pa.float64())), ("starts_at", TS), ("ends_at", TS),
+        ("written_at", TS), ("source", pa.string()), ("expert", pa.int32()), ("reason", pa.string()),
+        ("window_steps", pa.int64()), ("baseline_steps", pa.int64()),
     ]),
 }
 

@@ -379,6 +379,7 @@ class ParquetExporter:
         self._stats_tried = time.monotonic()
         self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
         self._closed = False
+        self.last_step: int | None = None  # the last forward exported, for the run_ends row
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
 
@@ -423,6 +424,8 @@ class ParquetExporter:
         now = time.monotonic()
         rank = self.run.rank
         for record in records:
+            self.last_step = max(self.last_step or 0, int(record.step_end if record.step_end is not None
+                                                          else record.step))
             for ls in record.layers:
                 if ls.routes is not None:
                     self._route_pieces.append((record.step, ls.layer, record.tags, ls.routes))
@@ -518,6 +521,11 @@ class ParquetExporter:
         for table, data in self._unwritten_run:  # the last try: no later flush will retry them
             self._write(table, data)
         self._unwritten_run = []
+        # The session closed: readers (the alerts runner) resolve the run's open alerts on this row.
+        ended = pa.Table.from_pylist([dict(run_id=self.run.run_id, rank=self.run.rank, pid=os.getpid(),
+                                           ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
+                                     schema=SCHEMAS["run_ends"])
+        self._write("run_ends", ended, retried=True)
         if not self.write_probe_stats():
             log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
                       self.run.run_id, self.root, dict(self._drop_counts()[0]) or "no drops")

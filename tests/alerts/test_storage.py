@@ -42,16 +42,21 @@ def run_info(run_id="run-a"):
                    routed_expert_params=16_000, tags={}, layers=layers)
 
 
-def write_steps(root, steps_loads, run_id="run-a", start=0):
+def write_steps(root, steps_loads, run_id="run-a", start=0, close=True):
+    """Write the steps as a probe session would; `close=False` leaves the run going (no run_ends row)."""
     exporter = ParquetExporter(root, run_info(run_id), max_age_s=0)
     exporter.export([step_record(start + i, [layer_step(0, load, routes=True), layer_step(1, BALANCED, routes=True)],
                                  run_id=run_id) for i, load in enumerate(steps_loads)])
-    exporter.shutdown()
+    if close:
+        exporter.shutdown()
+    else:
+        exporter.force_flush()
+    return exporter
 
 
 def test_runner_reads_new_steps_writes_alerts_and_survives_restart(tmp_path, receiver):
     root = str(tmp_path / "store")
-    write_steps(root, [BALANCED] * 2 + [SKEWED] * 4)
+    write_steps(root, [BALANCED] * 2 + [SKEWED] * 4, close=False)  # a run still being recorded
     outbox_path = str(tmp_path / "outbox.db")
     outbox = Outbox(outbox_path, [WebhookNotifier(receiver.url + "/hook")])
     runner = StoreAlertRunner(root, PACK, sinks=[outbox])
@@ -81,7 +86,7 @@ def test_runner_reads_new_steps_writes_alerts_and_survives_restart(tmp_path, rec
     assert len(receiver.received()) == 2
 
     # new steps land: skew ends, and the alert resolves after its cooldown
-    write_steps(root, [BALANCED] * 5, start=6)
+    writer = write_steps(root, [BALANCED] * 5, start=6, close=False)
     later = [(t.alertname, t.step, t.state) for t in runner.poll_once()]
     # window [5,6] is still skewed (last true at 6); false from 7; resolved 2 s after 6, at 8.
     # Baseline keeps firing: its cooldown is the default 5 minutes.
@@ -89,6 +94,20 @@ def test_runner_reads_new_steps_writes_alerts_and_survives_restart(tmp_path, rec
     outbox.flush(5)
     statuses = [(r.json()["alert"]["name"], r.json()["status"]) for r in receiver.received()]
     assert ("Skew", "resolved") in statuses and len(statuses) == len(set(statuses))
+
+    # the session closes (a run_ends row after the last step): Baseline resolves, "run ended",
+    # at the run's last step, and the receiver gets the resolve
+    writer.shutdown()
+    ended = runner.poll_once()
+    assert [(t.alertname, t.step, t.state, t.reason) for t in ended] == [("Baseline", 10, "resolved", "run ended")]
+    assert runner.poll_once() == []  # once
+    table = read_alerts(runner.store)
+    resolved_rows = table[table.state == "resolved"]
+    assert dict(zip(resolved_rows.alertname, resolved_rows.reason.fillna(""))) == {"Skew": "", "Baseline": "run ended"}
+    outbox.flush(5)
+    resolved = [r.json()["alert"] for r in receiver.received() if r.json()["status"] == "resolved"]
+    assert [(a["name"], a["annotations"].get("resolved_reason")) for a in resolved] == [
+        ("Skew", None), ("Baseline", "run ended")]
     outbox.close()
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from alerts.signals import normalized_mutual_information
 from moescope import demo_data, specialisation, train_demo
 from moescope.demo_data import DOMAINS, demo_model_path, domain_documents, domain_texts, load_demo_model
 
@@ -163,7 +164,7 @@ def test_nmi_limit_cases_and_bad_input():
     with pytest.raises(ValueError, match="differ in length"):
         specialisation.normalized_mutual_info([0, 1], [0])
     with pytest.raises(ValueError, match="empty"):
-        specialisation.nmi_from_contingency(np.zeros((3, 8)))
+        normalized_mutual_information(np.zeros((3, 8)))
 
 
 def test_held_out_texts_are_deterministic_and_never_trained_on():
