@@ -2,13 +2,13 @@
 
 Everything binds 127.0.0.1 on a free port, lives in a temporary folder, waits a bounded time,
 and is shut down by the fixture whatever the test did. Prometheus and Alertmanager are the
-Debian packages; without them those tests skip, saying how to install them.
+Debian packages; without them those tests skip, saying how to install them, and fail in CI
+(tests/realparts.py).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import threading
@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-INSTALL_HINT = "install it with `sudo apt-get install -y prometheus prometheus-alertmanager` (Debian/Ubuntu)"
+from tests.realparts import require_program
 
 
 def free_port() -> int:
@@ -146,17 +146,9 @@ class Server:
         self._log.close()
 
 
-def _binary(*names: str) -> str:
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip(f"{names[0]} is not installed: {INSTALL_HINT}")
-
-
 def start_alertmanager(tmp_path, webhook_url: str) -> tuple[Server, str]:
     """Start Alertmanager routing every alert to `webhook_url` at once; return (server, base URL)."""
-    binary = _binary("prometheus-alertmanager", "alertmanager")
+    binary = require_program("prometheus-alertmanager", "alertmanager", package="prometheus-alertmanager")
     folder = tmp_path / "alertmanager"
     folder.mkdir()
     config = {
@@ -184,7 +176,7 @@ def start_alertmanager(tmp_path, webhook_url: str) -> tuple[Server, str]:
 
 def start_prometheus(tmp_path, scrape_target: str, rules_file, alertmanager: str | None = None) -> tuple[Server, str]:
     """Start Prometheus scraping `scrape_target` (host:port) every second with `rules_file`."""
-    binary = _binary("prometheus")
+    binary = require_program("prometheus", package="prometheus")
     folder = tmp_path / "prometheus"
     folder.mkdir()
     config = {
@@ -208,4 +200,4 @@ def start_prometheus(tmp_path, scrape_target: str, rules_file, alertmanager: str
 
 
 def promtool() -> str:
-    return _binary("promtool")
+    return require_program("promtool", package="prometheus")

@@ -18,6 +18,7 @@ from argparse import Namespace
 import pytest
 
 from dashboard import cli
+from tests.realparts import require_program
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +38,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(recorded, tmp_path_factory):
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (`.ci/run` does)")
+    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
     port = free_port()
     args = Namespace(store=recorded["root"], host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
                      refresh_s=5.0)
