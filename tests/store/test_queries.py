@@ -102,11 +102,13 @@ def test_load_windows_and_drift(written):
         assert row.steps == len({r.step for _, r, _ in picked})
     assert len(windows) == LAYERS * 3
     drift = store.drift_windows("b", 4, baseline_run="a")
+    assert len(drift) == LAYERS * 3  # steps 0-3, 4-7, 8-11 of each layer
     for row in drift.itertuples():
         baseline = sum(ls.expert_load for _, _, ls in _rows(records, "a", row.layer))
         np.testing.assert_array_equal(row.baseline_load, baseline)
     own = store.drift_windows("b", 4)
     first = sum(ls.expert_load for _, _, ls in _rows(records, "b", 0, 0, 4))
+    assert len(own[own.layer == 0]) == 3
     for row in own[own.layer == 0].itertuples():
         np.testing.assert_array_equal(row.baseline_load, first)
 
@@ -125,14 +127,15 @@ def test_expert_routes_match_raw_rows(written):
                              float(r.gate_weights[token, s]), bool(r.kept[token, s])))
     rows = [(r.step, r.rank, r.token, r.token_id, r.slot, float(np.float32(r.gate_weight)), bool(r.kept))
             for r in got.itertuples()]
-    assert rows == sorted(want)
-    assert all(t == {"split": "train"} for t in got.tags)
+    assert len(want) > 0 and rows == sorted(want)
+    assert [dict(t) for t in got.tags] == [{"split": "train"}] * len(want)
     assert len(Store(root).expert_routes("a", 1, 4, limit=3)) == 3
 
 
 def test_tag_breakdown(written):
     root, records = written
     got = Store(root).tag_breakdown("a", "split")
+    assert len(got) == LAYERS * 2  # every layer under each of the two tag values
     for row in got.itertuples():
         picked = list(_rows(records, "a", row.layer, tags={"split": row.tag_value}))
         tokens = sum(ls.tokens for _, _, ls in picked)
