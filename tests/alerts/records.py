@@ -70,3 +70,17 @@ def step_record(step: int, layers: list[LayerStep], run_id: str = "run-a", secon
 
 BALANCED = [16] * EXPERTS
 SKEWED = [72, 8, 8, 8, 8, 8, 8, 8]  # max/mean = 72 / 16 = 4.5, same 128 tokens
+
+
+def drift_per_1000(routes_per_step: list[Routes]) -> float:
+    """Top-1 changes per 1000 adjacent token pairs, by a plain loop: two tokens are adjacent when they
+    are neighbours in the same batch row of the same step."""
+    pairs = changes = 0
+    for routes in routes_per_step:
+        where = {(int(s), int(p)): int(e) for s, p, e in zip(routes.sequence, routes.position, routes.expert_ids[:, 0])}
+        for (sequence, position), expert in where.items():
+            following = where.get((sequence, position + 1))
+            if following is not None:
+                pairs += 1
+                changes += following != expert
+    return changes * 1000 / pairs

@@ -9,7 +9,7 @@ from alerts import signals as sig
 from alerts.engine import AlertEngine, EngineExporter, fingerprint
 from alerts.rules import parse_rules
 from alerts.window import LayerObservation, compute_signals, observations_from_record
-from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_record
+from tests.alerts.records import BALANCED, EXPERTS, SKEWED, drift_per_1000, layer_step, step_record
 
 PACK = """\
 version: 1
@@ -107,7 +107,7 @@ def test_compute_signals_over_a_window_with_routes():
     # what-if: 128 tokens, k=2, 8 experts -> capacity 32 at cf 1.0; computed per step, summed
     per_step = sig.whatif_capacity(recs[0].layers[0].routes.expert_ids, EXPERTS)
     assert vals["whatif_drop_rate_cf1"] == pytest.approx(per_step[1.0].dropped_tokens / 128)
-    assert 0 < vals["routing_drift_rate"] <= 1000
+    assert vals["routing_drift_rate"] == pytest.approx(drift_per_1000([r.layers[0].routes for r in recs]))
     assert isinstance(obs[0], LayerObservation) and obs[0].active_param_fraction == pytest.approx(2000 / 100_000)
 
 

@@ -13,7 +13,7 @@ from alerts.rules import parse_rules
 from alerts.storage import StoreAlertRunner, read_alerts
 from probe.records import LayerInfo, RunInfo
 from store.writer import ParquetExporter
-from tests.alerts.records import BALANCED, EXPERTS, SKEWED, T0, layer_step, step_record
+from tests.alerts.records import BALANCED, EXPERTS, SKEWED, T0, drift_per_1000, layer_step, routes_for, step_record
 
 PACK = parse_rules(
     """\
@@ -72,7 +72,11 @@ def test_runner_reads_new_steps_writes_alerts_and_survives_restart(tmp_path, rec
     table = read_alerts(runner.store)
     assert len(table) == len(first)
     assert set(table.state) == {"pending", "firing"}
-    assert table.signal_values.iloc[0]  # values are kept with each transition
+    # the values are kept with each transition: max/mean of the window's load, by hand
+    values = {(a, int(s), st): dict(v) for a, s, st, v in zip(table.alertname, table.step, table.state,
+                                                                 table.signal_values)}
+    assert values[("Skew", 2, "pending")] == {"load_max_mean": pytest.approx((16 + 72) / 32)}  # steps 1, 2
+    assert values[("Skew", 4, "firing")] == {"load_max_mean": pytest.approx(72 / 16)}  # steps 3, 4
     outbox.flush(5)
     assert sorted(r.json()["alert"]["name"] for r in receiver.received()) == ["Baseline", "Skew"]
 
@@ -120,7 +124,7 @@ def test_runner_filters_runs_and_computes_route_signals_from_the_store(tmp_path)
     assert {t.run_id for t in found} == {"b"}
     rule = PACK.rules[1]
     vals = runner.engine.signals(rule, "b", 0)
-    assert 0 < vals["routing_drift_rate"] <= 1000
+    assert vals["routing_drift_rate"] == pytest.approx(drift_per_1000([routes_for(np.array(SKEWED))] * 2))
     obs = list(runner.engine._runs["b"].history[0].items)
     assert [o.step for o in obs] == [1, 2]  # history is bounded by the longest window
     assert np.array_equal(obs[0].expert_load, SKEWED) and obs[0].expert_ids.shape == (128, 2)
