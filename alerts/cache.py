@@ -2,10 +2,11 @@
 token's chosen expert already there?
 
 Offloaded serving keeps a few experts per layer on the device and fetches the rest from host
-memory. These pure functions replay recorded routes (one layer, in recording order) through a
-cache of every size and policy; no I/O, no state. The store streams the routes
-(`Store.routes_in_order`), `moescope whatif cache` and the dashboard draw the curves, and the
-Prometheus exporter serves one capacity live.
+memory. The functions here replay recorded routes (one layer, in recording order) through a
+cache of every size and policy. All but the last two are pure (arrays in, numbers out);
+`replay_routes` consumes the pages `Store.routes_in_order` streams and `cache_report` asks a
+store for them. `moescope whatif cache` and the dashboard's Expert cache page draw the curves,
+and the Prometheus exporter serves one capacity live.
 
 Definitions, stated once:
 
@@ -221,3 +222,80 @@ def cache_curves(accesses: np.ndarray, num_experts: int,
                             dtype=np.int64)
         curves[policy] = CacheCurve(policy, hits, total, len(rows))
     return curves
+
+
+# -- replaying a store's routes --------------------------------------------------------------
+
+REPORT_COLUMNS = ["layer", "policy", "capacity", "hit_rate", "hits", "accesses", "tokens", "truncated"]
+# Tokens replayed per layer unless told otherwise: LFU and Belady replay the stream once per
+# capacity, so the work grows with tokens x experts.
+DEFAULT_MAX_TOKENS = 200_000
+
+
+def replay_routes(pages: Iterable, num_experts: int, policies: Iterable[str] = POLICIES,
+                  max_tokens: int | None = DEFAULT_MAX_TOKENS) -> tuple[dict[str, CacheCurve], bool]:
+    """The curves of one layer's routes, one cache per rank: ({policy: CacheCurve}, truncated).
+
+    `pages` are `store.queries.RoutePage`s in recording order (`Store.routes_in_order`). Each
+    rank serves its own tokens from its own device memory, so each rank's tokens go through a
+    cache of their own, in recording order; hits and accesses are summed over the ranks. At most
+    `max_tokens` rows are replayed (the first ones; None: all); `truncated` says whether more
+    were recorded. Raises ValueError for an unknown policy or max_tokens < 1.
+    """
+    policies = tuple(policies)
+    for policy in policies:
+        _check(policy)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    per_rank: dict[int, list[np.ndarray]] = {}
+    taken, truncated = 0, False
+    for page in pages:
+        rows = len(page.step)
+        if max_tokens is not None and taken + rows > max_tokens:
+            rows, truncated = max_tokens - taken, True
+        accesses = expert_accesses(page.expert_ids[:rows], num_experts, page.kept[:rows]).astype(np.int32)
+        ranks = page.rank[:rows]
+        for rank in np.unique(ranks):
+            per_rank.setdefault(int(rank), []).append(accesses[ranks == rank])
+        taken += rows
+        if truncated:
+            break
+    total = {policy: CacheCurve(policy, np.zeros(num_experts, dtype=np.int64), 0, 0) for policy in policies}
+    for parts in per_rank.values():
+        for policy, curve in cache_curves(np.concatenate(parts), num_experts, policies).items():
+            total[policy] = total[policy] + curve
+    return total, truncated
+
+
+def cache_report(store, run_id: str | None = None, layer: int | None = None, tags: dict[str, str] | None = None,
+                 policies: Iterable[str] = POLICIES, max_tokens: int | None = DEFAULT_MAX_TOKENS):
+    """Hit rates of every MoE layer of a run (or one layer) at every capacity, as a long DataFrame.
+
+    Columns: layer, policy, capacity (experts resident per layer, 1..E routed experts), hit_rate
+    (hits / accesses), hits, accesses, tokens (replayed tokens with an access), truncated (more
+    routes were recorded than `max_tokens`). Layers without routes have no rows, so a run that
+    recorded none gives an empty frame. `run_id` defaults to the latest run; `tags` keeps the
+    steps carrying every given tag (that traffic alone goes through the cache). Raises
+    ValueError for a layer the run does not have, or an unknown policy.
+    """
+    import pandas as pd
+
+    policies = tuple(policies)
+    run_id = run_id or store.latest_run()
+    layers = store.layers(run_id)
+    if layer is not None:
+        if int(layer) not in set(layers.layer.astype(int)):
+            raise ValueError(f"run {run_id!r} has no MoE layer {layer}; its layers are "
+                             f"{', '.join(map(str, layers.layer.astype(int))) or 'none'}")
+        layers = layers[layers.layer == int(layer)]
+    rows = []
+    for info in layers.itertuples():
+        curves, truncated = replay_routes(store.routes_in_order(run_id, int(info.layer), tags=tags),
+                                          int(info.num_experts), policies, max_tokens)
+        for policy, curve in curves.items():
+            if curve.tokens == 0:
+                continue
+            for capacity, hits, rate in zip(curve.capacities, curve.hits, curve.hit_rate):
+                rows.append((int(info.layer), policy, int(capacity), float(rate), int(hits), curve.accesses,
+                             curve.tokens, truncated))
+    return pd.DataFrame(rows, columns=REPORT_COLUMNS)
