@@ -7,7 +7,8 @@ import importlib
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
-SUBCOMMAND_MODULES = ("moescope.commands", "store.cli", "store.importers.cli", "alerts.cli", "dashboard.cli")
+SUBCOMMAND_MODULES = ("moescope.commands", "moescope.whatif", "store.cli", "store.importers.cli", "alerts.cli",
+                      "dashboard.cli")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.
@@ -16,6 +17,7 @@ moescope watches how a Mixture-of-Experts model routes its tokens.
   moescope summary runs/           per-layer load, entropy and drops of the latest run
   moescope dashboard runs/         open the dashboard on 127.0.0.1
   moescope alerts run runs/        watch a store with the default rules, notify webhooks
+  moescope whatif cache runs/      expert-cache hit rates (LRU, LFU, Belady) from recorded routes
 
 In Python, one call attaches the probe to any transformers MoE model:
 
