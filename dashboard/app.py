@@ -28,6 +28,7 @@ st.set_page_config(page_title="moescope", page_icon=":material/troubleshoot:", l
 PAGES = [
     st.Page("views/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
     st.Page("views/heatmaps.py", title="Heatmaps", icon=":material/grid_on:", url_path="heatmaps"),
+    st.Page("views/cache.py", title="Expert cache", icon=":material/memory:", url_path="cache"),
     st.Page("views/clusters.py", title="Semantic clusters", icon=":material/bubble_chart:", url_path="clusters"),
     st.Page("views/drift.py", title="Drift and alerts", icon=":material/notifications_active:", url_path="drift"),
     st.Page("views/health.py", title="Expert health", icon=":material/health_and_safety:", url_path="health"),

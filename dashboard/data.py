@@ -101,6 +101,18 @@ side_summary = _cached(queries.side_summary)
 probe_stats = _cached(Store.probe_stats)
 
 
+def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
+                  tag: tuple[str, str] | None = None) -> pd.DataFrame:
+    from alerts.cache import cache_report
+
+    return cache_report(store, run_id, layer, tags={str(tag[0]): str(tag[1])} if tag else None,
+                        max_tokens=max_tokens)
+
+
+# (root, version, run_id, layer, max_tokens, tag): `alerts.cache.cache_report` of one layer
+cache_report = _cached(_cache_report)
+
+
 @st.cache_data(max_entries=32, show_spinner=False)
 def router_input_sample(root: str, run_id: str, layer: int, size: int, data_version: str) -> pd.DataFrame:
     """The cluster page's sample of router inputs, keyed by (run, layer, size, store version)."""
