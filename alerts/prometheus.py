@@ -22,6 +22,15 @@ MoE layer); the run is named once, in `moe_run_info`. Per-expert series
 `max_expert_series` of them (the rest are counted in `moe_expert_series_omitted`). Probe drop
 reasons are capped the same way. When a new run starts in the same process the exporter starts
 over (counters reset, which `rate()` handles).
+
+Expert cache: with `cache_capacity=C` (experts of a layer resident in device memory, for
+offloaded serving), `moe_layer_expert_cache_hit_ratio{layer,policy}` is the share of the
+window's expert accesses whose expert was already resident, for policy lru, lfu and belady (the
+offline optimum), replayed from the window's routes by `alerts.cache` (its definitions: zero
+experts and dropped slots are no access, a token's experts are needed at once). The cache starts
+empty at the window's first replayed token, so compulsory misses count; at most the window's
+last `cache_max_tokens` tokens are replayed, which bounds the work of a scrape. Only layers whose
+records carry routes (`routes=True` at attach) get the series.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from alerts.cache import POLICIES, cache_hit_rate, expert_accesses
 from alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record
 from probe.records import RunInfo, StepRecord
 
@@ -82,9 +92,16 @@ class PrometheusExporter:
         baseline_steps: int = 32,
         per_expert: bool = False,
         max_expert_series: int = 256,
+        cache_capacity: int | None = None,
+        cache_max_tokens: int = 4096,
     ):
         if window_steps < 1 or baseline_steps < 1 or max_expert_series < 0:
             raise ValueError("window_steps and baseline_steps must be >= 1, max_expert_series >= 0")
+        if (cache_capacity is not None and cache_capacity < 1) or cache_max_tokens < 1:
+            raise ValueError("cache_capacity (experts resident per layer) and cache_max_tokens must be >= 1")
+        self.cache_capacity = cache_capacity
+        self.cache_max_tokens = cache_max_tokens
+        self._routed_experts: dict[int, int] = {}
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.window_steps = window_steps
         self.baseline_steps = baseline_steps
@@ -113,6 +130,8 @@ class PrometheusExporter:
         with self._lock:
             self._start_run(run.run_id)
             self._model_class = run.model_class
+            # routed experts per layer: ids past them are zero experts, never a cache access
+            self._routed_experts = {info.layer: info.num_experts for info in run.layers}
             self._closed = False
 
     def _start_run(self, run_id: str) -> None:
@@ -229,6 +248,7 @@ class PrometheusExporter:
                     "expert_tokens_total": (None if layer.expert_tokens_total is None
                                             else layer.expert_tokens_total.copy()),
                     "baseline": baseline,
+                    "routed_experts": self._routed_experts.get(index),
                 }
             return {
                 "run_id": self._run_id,
@@ -282,6 +302,8 @@ class _RoutingCollector(Collector):
         yield dropped
         yield from gauges.values()
 
+        if self.exporter.cache_capacity is not None:
+            yield self._cache_hits(snap["layers"])
         if self.exporter.per_expert:
             yield from self._per_expert(snap["layers"])
 
@@ -295,6 +317,28 @@ class _RoutingCollector(Collector):
         for (table, reason), value in snap["dropped"].items():
             lost.add_metric([table, reason], value)
         yield lost
+
+    def _cache_hits(self, layers: dict) -> GaugeMetricFamily:
+        capacity, last = self.exporter.cache_capacity, self.exporter.cache_max_tokens
+        family = GaugeMetricFamily(
+            "moe_layer_expert_cache_hit_ratio",
+            f"Share of the window's expert accesses already resident with {capacity} experts per layer in device "
+            "memory (replayed from routes; policy lru, lfu or belady, the offline optimum)",
+            labels=["layer", "policy"])
+        for index, layer in sorted(layers.items()):
+            routed = [o for o in layer["window"] if o.expert_ids is not None and len(o.expert_ids)]
+            if not routed:
+                continue
+            ids = np.concatenate([o.expert_ids for o in routed])[-last:]
+            kept = np.concatenate([o.kept if o.kept is not None else np.ones(o.expert_ids.shape, dtype=bool)
+                                   for o in routed])[-last:]
+            experts = layer["routed_experts"] or routed[-1].expert_load.size
+            accesses = expert_accesses(ids, experts, kept)
+            for policy in POLICIES:
+                rate = cache_hit_rate(accesses, capacity, policy)
+                if not math.isnan(rate):
+                    family.add_metric([str(index), policy], rate)
+        return family
 
     def _per_expert(self, layers: dict) -> Iterator:
         cap = self.exporter.max_expert_series

@@ -48,6 +48,7 @@ class LayerObservation:
     position: np.ndarray | None = None  # (tokens,)
     forwards: int = 1
     route_step: np.ndarray | None = None  # (tokens,) the forward of each route row, where a window spans several
+    kept: np.ndarray | None = None  # (tokens, k) False where a capacity limit dropped the slot, where recorded
 
     @classmethod
     def from_layer_step(cls, record: StepRecord, layer: LayerStep) -> LayerObservation:
@@ -70,6 +71,7 @@ class LayerObservation:
             position=None if routes is None else np.asarray(routes.position),
             forwards=int(layer.forwards),
             route_step=None if routes is None or routes.step is None else np.asarray(routes.step),
+            kept=None if routes is None else np.asarray(routes.kept),
         )
 
 
