@@ -122,6 +122,7 @@ class AlertEngine:
         self._alerts: dict[str, _AlertState] = {}
         self._meta: dict[str, AlertTransition] = {}  # each alert's latest transition: what `finish` resolves
         self._external_baselines: dict[int, np.ndarray | None] = {}
+        self.routed_experts: dict[int, int] = {}  # layer -> routed experts (zero experts left out of loads)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class AlertEngine:
     def signals(self, rule: Rule, run_id: str, layer: int) -> dict[str, float]:
         """Return the values of the rule's signals over its window for one layer."""
         window = self._runs[run_id].history[layer].window(rule.window)
-        return compute_signals(window, rule.signals, self.baseline(run_id, layer))
+        return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer))
 
     def evaluate(self, run_id: str) -> list[AlertTransition]:
         """Evaluate every rule on every layer of the run at its latest step; return the changes."""
@@ -297,6 +298,11 @@ class EngineExporter:
         self.transitions: list[AlertTransition] = []  # bounded: the most recent 1000
         self.sink_errors = 0
         self._closed = False
+
+    def on_attach(self, run) -> None:
+        """Called by the probe at attach: the layers' routed experts (zero experts are left out of
+        load signals, see `alerts.signals`)."""
+        self.engine.routed_experts.update({info.layer: info.num_experts for info in run.layers})
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         if self._closed:

@@ -504,3 +504,44 @@ class OutboxWorker:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+
+
+OUTBOX_FILE = os.path.join(".moescope", "alerts-outbox.sqlite")  # a store's outbox, under its root
+
+
+def outbox_path(store_root: str | os.PathLike) -> str:
+    """Where a store's alerts outbox lives by default: `<root>/.moescope/alerts-outbox.sqlite`."""
+    return os.path.join(os.fspath(store_root), OUTBOX_FILE)
+
+
+def read_deliveries(path: str | os.PathLike, fingerprints: Sequence[str] | None = None,
+                    limit: int = 1000) -> list[dict] | None:
+    """The newest `limit` notifications in an outbox file, opened read-only (a reader such as the
+    dashboard never writes it), newest first, optionally only those of the given alert fingerprints.
+
+    Each: fingerprint, receiver (its name: never a secret URL), state (pending, delivered, dead,
+    dropped), attempts, created_at, delivered_at (Unix seconds; None until delivered), last_error.
+    None when there is no outbox file, or one this version cannot read.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True, timeout=2.0)
+    except sqlite3.Error:
+        return None
+    try:
+        rows = con.execute("SELECT receiver, idempotency_key, state, attempts, created_at, delivered_at, last_error "
+                           "FROM deliveries ORDER BY id DESC LIMIT ?", (int(limit),)).fetchall()
+    except sqlite3.Error:  # an outbox of another version: nothing rather than a failure
+        return None
+    finally:
+        con.close()
+    wanted = None if fingerprints is None else set(fingerprints)
+    out = []
+    for receiver, key, state, attempts, created, delivered, error in rows:
+        fp = key.split(":", 1)[0]
+        if wanted is None or fp in wanted:
+            out.append({"fingerprint": fp, "receiver": redact_receiver_name(receiver), "state": state,
+                        "attempts": attempts, "created_at": created, "delivered_at": delivered, "last_error": error})
+    return out

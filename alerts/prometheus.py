@@ -294,7 +294,7 @@ class _RoutingCollector(Collector):
             label = [str(index)]
             tokens.add_metric(label, layer["tokens_total"])
             dropped.add_metric(label, layer["dropped_total"])
-            values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"])
+            values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"], layer["routed_experts"])
             for signal, family in gauges.items():
                 if not math.isnan(values[signal]):  # no data: no sample, so alerts neither fire nor resolve
                     family.add_metric(label, values[signal])

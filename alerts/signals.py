@@ -408,3 +408,76 @@ def normalized_mutual_information(contingency: np.ndarray) -> float:
     entropy_a = -float(np.sum(marginal_a * np.log(marginal_a)))
     entropy_b = -float(np.sum(marginal_b * np.log(marginal_b)))
     return min(1.0, mutual_info / ((entropy_a + entropy_b) / 2))
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """What every view shows for one MoE layer over a selection of rows (a run, a tag, a window)."""
+
+    layer: int
+    tokens: int  # tokens the layer routed
+    slots: int  # kept top-k assignments (sum of the expert load)
+    spread: LoadSpread  # over the routed experts
+    zero_expert_share: float  # of the slots, to zero experts; NaN for a layer without them
+    entropy: RouterEntropy
+    dropped_tokens: int  # tokens no expert processed
+    dropped_token_rate: float  # dropped_tokens / tokens; NaN where drops were not recorded
+
+
+def layer_figures(layer: int, expert_load: np.ndarray | list[float], num_experts: int | None, zero_experts: int,
+                  tokens: int, router_entropy_nats: float, dropped_tokens: int | None) -> LayerFigures:
+    """Return one layer's figures from its summed load and totals (a `Store.layer_totals` row).
+
+    `num_experts` counts routed experts (None: every entry of the load is one); the router's width
+    is num_experts + zero_experts. A NaN entropy or None drops mean "not recorded by this source".
+    """
+    load = np.asarray(expert_load, dtype=np.float64)
+    routed = load.size if num_experts is None else int(num_experts)
+    recorded = dropped_tokens is not None and not (isinstance(dropped_tokens, float) and math.isnan(dropped_tokens))
+    dropped = int(dropped_tokens) if recorded else 0
+    return LayerFigures(
+        layer=int(layer), tokens=int(tokens), slots=int(load.sum()),
+        spread=load_spread(load, routed, tokens),
+        zero_expert_share=zero_expert_share(load, routed) if zero_experts else float("nan"),
+        entropy=router_entropy([router_entropy_nats], [tokens], routed + int(zero_experts or 0)),
+        dropped_tokens=dropped,
+        dropped_token_rate=dropped_token_rate(dropped, tokens) if tokens > 0 and recorded else float("nan"))
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """The headline figures over every layer of a selection, aggregated by the rules above."""
+
+    layer_tokens: int  # tokens summed over layers (a token counts once per layer it passed)
+    load_cv: float  # token-weighted mean over layers of each layer's CV
+    entropy: RouterEntropy  # token-weighted over layers (and, inside each layer, over its rows)
+    dropped_tokens: int  # summed over layers
+    dropped_token_rate: float  # dropped_tokens / layer_tokens
+    hottest: LayerFigures | None  # the layer whose busiest expert has the largest share of its slots
+
+
+def run_figures(layers: list[LayerFigures]) -> RunFigures:
+    """Return the headline figures of per-layer figures (NaN and None where there is no layer)."""
+    tokens = np.array([f.tokens for f in layers], dtype=np.float64)
+    total = int(tokens.sum())
+    dropped = sum(f.dropped_tokens for f in layers)
+    entropy = RouterEntropy(token_weighted_mean([f.entropy.nats for f in layers], tokens),
+                            token_weighted_mean([f.entropy.normalized for f in layers], tokens))
+    shares = [f.spread.hottest_slot_share for f in layers]
+    hottest = layers[int(np.nanargmax(shares))] if layers and not np.isnan(shares).all() else None
+    return RunFigures(layer_tokens=total, load_cv=token_weighted_mean([f.spread.cv for f in layers], tokens),
+                      entropy=entropy, dropped_tokens=dropped,
+                      dropped_token_rate=dropped / total if total else float("nan"), hottest=hottest)
+
+
+def _present(value: object) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def layer_figures_of(rows) -> list[LayerFigures]:
+    """`layer_figures` of each row of `store.Store.layer_totals` (its `itertuples()`)."""
+    return [layer_figures(r.layer, r.expert_load, int(r.num_experts) if _present(r.num_experts) else None,
+                          int(r.zero_experts) if _present(r.zero_experts) else 0, int(r.tokens or 0),
+                          float(r.router_entropy) if _present(r.router_entropy) else float("nan"),
+                          r.dropped_tokens if _present(r.dropped_tokens) else None)
+            for r in rows]

@@ -173,6 +173,9 @@ class StoreAlertRunner:
         if run_id not in self._total_params:
             total = self.store.sql("SELECT max(total_params) AS t FROM runs WHERE run_id = ?", [run_id]).t[0]
             self._total_params[run_id] = int(total) if pd.notna(total) else 0
+            layers = self.store.layers(run_id)
+            self.engine.routed_experts.update({int(r.layer): int(r.num_experts) for r in layers.itertuples()
+                                               if pd.notna(r.num_experts)})
         total_params = self._total_params[run_id]
         routes: dict[tuple[int, int], list] = {}
         if self._needs_routes:

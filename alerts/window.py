@@ -145,11 +145,14 @@ def compute_signals(
     observations: Sequence[LayerObservation],
     names: Iterable[str] | None = None,
     baseline_load: np.ndarray | None = None,
+    num_experts: int | None = None,
 ) -> dict[str, float]:
     """Return {signal: value} over the observations (one layer, oldest first).
 
     Values are NaN where the window lacks what a signal needs (no tokens, no routes, no
-    capacity, no baseline). `names` limits the work to the signals asked for.
+    capacity, no baseline). `names` limits the work to the signals asked for. `num_experts` is the
+    layer's routed experts: load signals leave its zero experts out, router entropy is normalised
+    by the router's whole width (`alerts.signals`' zero-expert rule); None counts every entry.
     """
     wanted = set(SIGNALS if names is None else names)
     unknown = wanted - set(SIGNALS)
@@ -158,7 +161,10 @@ def compute_signals(
     out: dict[str, float] = {name: float("nan") for name in wanted}
     if not observations:
         return out
-    load = summed_load(observations)
+    width = summed_load(observations).size  # the router's choices: routed + zero experts
+    load = sig.routed_load(summed_load(observations), num_experts)
+    if baseline_load is not None:
+        baseline_load = sig.routed_load(baseline_load, num_experts)
     tokens = sum(o.tokens for o in observations)
     has_load = load.sum() > 0
     experts = load.size
@@ -183,7 +189,7 @@ def compute_signals(
                 out[name] = fn()
     if "router_entropy" in wanted:
         out["router_entropy"] = _token_weighted(
-            (sig.normalized_entropy(o.router_entropy_mean, experts), o.tokens) for o in observations)
+            (sig.normalized_entropy(o.router_entropy_mean, width), o.tokens) for o in observations)
     if "dropped_token_rate" in wanted and tokens > 0:
         out["dropped_token_rate"] = sig.dropped_token_rate(sum(o.dropped_tokens for o in observations), tokens)
     if "capacity_use" in wanted:
@@ -198,7 +204,7 @@ def compute_signals(
             if "routing_drift_rate" in wanted:
                 out["routing_drift_rate"] = sig.routing_drift_rate(top1, seq, pos)
             if "switch_entropy" in wanted:
-                out["switch_entropy"] = sig.switch_entropy(top1, seq, pos, experts, last_n=SWITCH_ENTROPY_TOKENS)
+                out["switch_entropy"] = sig.switch_entropy(top1, seq, pos, width, last_n=SWITCH_ENTROPY_TOKENS)
             asked = [(name, cf) for name, cf in _WHATIF.items() if name in wanted]
             if asked:
                 dropped = {cf: 0 for _, cf in asked}
@@ -207,7 +213,7 @@ def compute_signals(
                     if o.expert_ids is None or not len(o.expert_ids):
                         continue
                     routed += len(o.expert_ids)
-                    for cf, result in sig.whatif_capacity(o.expert_ids, experts, tuple(dropped)).items():
+                    for cf, result in sig.whatif_capacity(o.expert_ids, width, tuple(dropped)).items():
                         dropped[cf] += result.dropped_tokens
                 for name, cf in asked:
                     out[name] = dropped[cf] / routed if routed else float("nan")

@@ -17,7 +17,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data, settings
-from dashboard.queries import TagFilter
+from dashboard.data import TagFilter
 from store.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,8 @@ NOT_RECORDED = "not recorded by this source"
 
 def run_source(ctx: PageContext) -> str:
     """What recorded the run: "probe", or the engine an importer or the proxy read (`runs.source`)."""
-    rows = data.run_rows(ctx.root, ctx.version, "runs", ctx.run_id)
-    if rows is None or "source" not in rows.columns or rows.source.isna().all():
-        return "probe"  # stores written before the column existed were all written by the probe
-    return str(rows.source.dropna().iloc[0])
+    info = data.run_info(ctx.root, ctx.version, ctx.run_id)
+    return "probe" if info is None else str(info["source"])  # stores before the column: all the probe's
 
 
 def not_recorded(what: str, ctx: PageContext) -> str:

@@ -1,16 +1,18 @@
 """Cached access to the store for the pages: one connection per store, cached query results.
 
+The pages only cache and draw: every number comes from a `store.Store` query (`store/queries.py`,
+`store/reports.py`) or an `alerts.signals` function; nothing here writes SQL.
+
 `st.cache_resource` holds the `Store` (one DuckDB connection per store folder, shared by every
 browser session; a lock serialises its use because a DuckDB connection is not meant to be used
 by two threads at once). Query results go through `st.cache_data` keyed by the widget values and
-by the store's *version*, a fingerprint of its committed files: when the probe writes a new file
-the version changes, the views are re-made and every query reads fresh data, while a finished
-store is queried once per distinct question.
+by the store's *version* (`store.store.data_version`, a fingerprint of its committed files): when
+the probe writes a new file the version changes, the views are re-made and every query reads
+fresh data, while a finished store is queried once per distinct question.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import threading
 from collections.abc import Callable
@@ -19,34 +21,24 @@ from typing import Any, TypeVar
 import pandas as pd
 import streamlit as st
 
-from dashboard import queries
-from store.store import EmptyStoreError, Store
+from alerts.outbox import outbox_path, read_deliveries
+from store.store import EmptyStoreError, Store, data_version
 
 T = TypeVar("T")
 TTL_S = 600
 _lock = threading.RLock()
+
+TagFilter = tuple[str, str] | None  # (tag key, value) from the sidebar, or no filter
+store_version = data_version
 
 
 class NoStore(Exception):
     """The dashboard's store folder does not exist (yet)."""
 
 
-def store_version(root: str) -> str:
-    """A fingerprint of the store's committed Parquet files: count, newest mtime and total size.
-
-    Changes whenever a writer renames a new part into place; '' when the folder is missing."""
-    if not os.path.isdir(root):
-        return ""
-    count, newest, size = 0, 0.0, 0
-    for path in glob.iglob(os.path.join(root, "*", "run_id=*", "part-*.parquet")):
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:  # compacted away between listing and stat
-            continue
-        count += 1
-        newest = max(newest, stat.st_mtime)
-        size += stat.st_size
-    return f"{count}:{newest:.6f}:{size}"
+def tags(tag: TagFilter) -> dict[str, str] | None:
+    """The sidebar's tag filter as the store's `tags=` argument."""
+    return {str(tag[0]): str(tag[1])} if tag else None
 
 
 @st.cache_resource(show_spinner=False)
@@ -70,10 +62,15 @@ def with_store(root: str, version: str, fn: Callable[..., T], *args: Any) -> T:
         return fn(entry["store"], *args)
 
 
-def _cached(fn: Callable[..., T]) -> Callable[..., T]:
+def _cached(fn: Callable[..., T], tagged: bool = False) -> Callable[..., T]:
+    """`fn(store, *args)` cached by (root, store version, args). With `tagged`, the last argument
+    is the sidebar's TagFilter, handed to `fn` as its `tags=` keyword."""
     # The store version is an argument so new files make new cache entries; the widget values
     # (run, layer, tag filter, ...) are the rest of the key.
     def call(root: str, version: str, *args: Any) -> T:
+        if tagged:
+            *rest, tag = args if args else (None,)
+            return with_store(root, version, lambda store, *a: fn(store, *a, tags=tags(tag)), *rest)
         return with_store(root, version, fn, *args)
 
     call.__name__ = call.__qualname__ = fn.__name__
@@ -82,22 +79,24 @@ def _cached(fn: Callable[..., T]) -> Callable[..., T]:
     return st.cache_data(ttl=TTL_S, max_entries=256, show_spinner=False)(call)
 
 
-runs = _cached(queries.runs)
-tag_values = _cached(queries.tag_values)
-layers = _cached(queries.layers)
-step_totals = _cached(queries.step_totals)
-active_fraction_over_time = _cached(queries.active_fraction_over_time)
-active_fraction_by_tag = _cached(queries.active_fraction_by_tag)
-layer_totals = _cached(queries.layer_totals)
-entropy_over_time = _cached(queries.entropy_over_time)
-load_matrix = _cached(queries.load_matrix)
-layer_expert_load = _cached(queries.layer_expert_load)
-coselection = _cached(queries.coselection)
-expert_tokens = _cached(queries.expert_tokens)
-expert_tag_load = _cached(queries.expert_tag_load)
-drift_windows = _cached(queries.drift_windows)
-run_rows = _cached(queries.run_rows)
-side_summary = _cached(queries.side_summary)
+def _runs_newest_first(store: Store) -> pd.DataFrame:
+    return store.runs().sort_values("started_at", ascending=False, ignore_index=True)
+
+
+runs = _cached(_runs_newest_first)
+tag_values = _cached(Store.tag_values)
+layers = _cached(Store.layers)
+run_info = _cached(Store.run_info)
+step_totals = _cached(Store.step_totals, tagged=True)
+active_fraction_buckets = _cached(Store.active_fraction_buckets, tagged=True)
+active_fraction_by_tag = _cached(Store.active_fraction_by_tag)
+layer_totals = _cached(Store.layer_totals, tagged=True)
+layer_buckets = _cached(Store.layer_buckets, tagged=True)
+load_heatmap = _cached(Store.load_heatmap, tagged=True)
+expert_share = _cached(Store.expert_share)
+expert_tag_load = _cached(Store.expert_tag_load, tagged=True)
+drift_from_first_steps = _cached(Store.drift_from_first_steps)
+table_rows = _cached(Store.table_rows)
 probe_stats = _cached(Store.probe_stats)
 
 
@@ -113,10 +112,26 @@ def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
 cache_report = _cached(_cache_report)
 
 
+def _coselection(store: Store, run_id: str, layer: int, tags: dict[str, str] | None = None):
+    matrix = store.coselection(run_id, layer, tags=tags)
+    return matrix if matrix.size else None
+
+
+def _expert_tokens(store: Store, run_id: str, layer: int, expert: int, step_range: tuple[int, int] | None,
+                   limit: int, tags: dict[str, str] | None = None) -> pd.DataFrame:
+    return store.expert_tokens(run_id, layer, expert, step_range, tags=tags, limit=limit)
+
+
+# (root, version, run_id, layer, tag): the (E, E) co-selection counts, None where none were recorded
+coselection = _cached(_coselection, tagged=True)
+# (root, version, run_id, layer, expert, step_range, limit, tag): `Store.expert_tokens`
+expert_tokens = _cached(_expert_tokens, tagged=True)
+
+
 @st.cache_data(max_entries=32, show_spinner=False)
 def router_input_sample(root: str, run_id: str, layer: int, size: int, data_version: str) -> pd.DataFrame:
     """The cluster page's sample of router inputs, keyed by (run, layer, size, store version)."""
-    return with_store(root, data_version, queries.router_input_sample, run_id, layer, size)
+    return with_store(root, data_version, Store.router_input_sample, run_id, layer, size)
 
 
 @st.cache_resource(show_spinner=False)
@@ -155,5 +170,13 @@ def context_text(ids: Any, positions: Any, centre: int, tokenizer_path: str | No
 
 @st.cache_data(ttl=10, max_entries=32, show_spinner=False)
 def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame | None:
-    """The alerts outbox's deliveries of these alerts (re-read every 10 s: it is not Parquet)."""
-    return queries.outbox_deliveries(root, fingerprints)
+    """The alerts outbox's deliveries of these alerts (`alerts.outbox.read_deliveries`; re-read every
+    10 s: it is not Parquet); None when the store has no outbox."""
+    rows = read_deliveries(outbox_path(root), fingerprints)
+    if rows is None:
+        return None
+    frame = pd.DataFrame(rows, columns=["fingerprint", "receiver", "state", "attempts", "created_at",
+                                        "delivered_at", "last_error"])
+    for column in ("created_at", "delivered_at"):
+        frame[column] = pd.to_datetime(frame[column], unit="s", utc=True)
+    return frame

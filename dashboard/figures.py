@@ -37,35 +37,10 @@ def empty_figure(message: str) -> go.Figure:
     return _layout(fig, "", height=200)
 
 
-# -- numbers the figures show ----------------------------------------------------------------
-
-def load_spread(expert_load: Sequence[int] | np.ndarray) -> dict[str, float]:
-    """Load-spread numbers of one load vector: coefficient of variation, max/mean, share of the
-    busiest expert, the busiest expert's index, and the fraction of experts with no token."""
-    load = np.asarray(expert_load, dtype=np.float64)
-    if load.size == 0 or load.sum() <= 0:
-        nan = float("nan")
-        return {"cv": nan, "max_mean": nan, "top_share": nan, "hottest": -1, "dead_fraction": nan}
-    return {"cv": signals.coefficient_of_variation(load), "max_mean": signals.max_mean_ratio(load),
-                "top_share": float(load.max() / load.sum()), "hottest": int(load.argmax()),
-                "dead_fraction": signals.dead_expert_fraction(load)}
-
-
-def mutual_information_bits(counts: np.ndarray) -> float:
-    """I(expert; tag) in bits from a (experts, tag values) table of token counts; NaN if empty."""
-    counts = np.asarray(counts, dtype=np.float64)
-    total = counts.sum()
-    if total <= 0:
-        return float("nan")
-    joint = counts / total
-    pe = joint.sum(axis=1, keepdims=True)
-    pt = joint.sum(axis=0, keepdims=True)
-    mask = joint > 0
-    return float(np.sum(joint[mask] * np.log2(joint[mask] / (pe @ pt)[mask])))
-
+# -- numbers the figures show (computed by alerts.signals; reshaped here) ----------------------
 
 def contingency(expert_tag_load: pd.DataFrame, layer: int) -> tuple[np.ndarray, list[int], list[str]]:
-    """(experts x tag values) counts of one layer from `queries.expert_tag_load` rows."""
+    """(experts x tag values) counts of one layer from `Store.expert_tag_load` rows."""
     rows = expert_tag_load[expert_tag_load.layer == layer]
     table = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
     return table.to_numpy(dtype=np.float64), [int(e) for e in table.index], [str(v) for v in table.columns]
@@ -74,7 +49,8 @@ def contingency(expert_tag_load: pd.DataFrame, layer: int) -> tuple[np.ndarray, 
 def divergence_over_time(drift: pd.DataFrame) -> pd.DataFrame:
     """KL and JS divergence (nats, `alerts.signals`) of each window's load against its layer's
     baseline, from `Store.drift_windows` rows: columns layer, window_start, window_end
-    (exclusive), step_end (last step), kl, js. Windows whose baseline is empty are left out."""
+    (exclusive), step_end (the last step recorded in the window), kl, js. Windows whose baseline is
+    empty are left out."""
     rows = []
     for r in drift.itertuples():
         load = np.asarray(r.expert_load, dtype=np.float64)
@@ -82,7 +58,8 @@ def divergence_over_time(drift: pd.DataFrame) -> pd.DataFrame:
         if ref.size != load.size or ref.sum() <= 0 or load.sum() <= 0:
             continue
         rows.append({"layer": int(r.layer), "window_start": int(r.window_start), "window_end": int(r.window_end),
-                         "step_end": int(r.window_end) - 1, "kl": signals.kl_divergence(load, ref),
+                         "step_end": int(getattr(r, "last_step", r.window_end - 1)),
+                         "kl": signals.kl_divergence(load, ref),
                          "js": signals.js_divergence(load, ref)})
     return pd.DataFrame(rows, columns=["layer", "window_start", "window_end", "step_end", "kl", "js"])
 
@@ -94,17 +71,22 @@ def active_fraction_figure(over_time: pd.DataFrame) -> go.Figure:
     if over_time.empty:
         return empty_figure("no steps recorded")
     x = over_time.step_start
+    # Percent, rounded to 6 decimals: a fraction that is constant up to float noise (every token uses
+    # k experts) must draw as a flat line, not as swings in the 17th digit.
+    pct = {c: (over_time[c] * 100).round(6) for c in ("active_max", "active_min", "active_fraction")}
     fig = go.Figure([
-        go.Scatter(x=x, y=over_time.active_max * 100, mode="lines", line={"width": 0}, showlegend=False,
+        go.Scatter(x=x, y=pct["active_max"], mode="lines", line={"width": 0}, showlegend=False,
                    hoverinfo="skip"),
-        go.Scatter(x=x, y=over_time.active_min * 100, mode="lines", line={"width": 0}, fill="tonexty",
+        go.Scatter(x=x, y=pct["active_min"], mode="lines", line={"width": 0}, fill="tonexty",
                    fillcolor="rgba(76,120,168,0.2)", name="min-max of steps", hoverinfo="skip"),
-        go.Scatter(x=x, y=over_time.active_fraction * 100, mode="lines+markers", name="active %",
+        go.Scatter(x=x, y=pct["active_fraction"], mode="lines+markers", name="active %",
                    line={"color": PALETTE[0]},
                    hovertemplate="steps %{x}: %{y:.3f}% of parameters per token<extra></extra>"),
     ])
-    fig.update_xaxes(title="step")
-    fig.update_yaxes(title="% of parameters used per token")
+    lo, hi = float(pct["active_min"].min()), float(pct["active_max"].max())
+    pad = max((hi - lo) * 0.1, 0.5)  # at least half a percentage point either side: a flat line looks flat
+    fig.update_xaxes(title="step", range=[float(x.min()) - 0.5, float(over_time.step_end.max()) + 0.5])
+    fig.update_yaxes(title="% of parameters used per token", range=[lo - pad, hi + pad], tickformat=".2f")
     return _layout(fig, "Active-parameter fraction per batch")
 
 
@@ -151,25 +133,25 @@ def cache_hit_figure(report: pd.DataFrame, title: str = "") -> go.Figure:
     return _layout(fig, title or "Expert-cache hit rate")
 
 
-def layer_spread_figure(layer_totals: pd.DataFrame) -> go.Figure:
-    """Per layer: coefficient of variation and max/mean of the expert load over the run."""
-    if layer_totals.empty:
+def layer_spread_figure(layers: Sequence[signals.LayerFigures]) -> go.Figure:
+    """Per layer: coefficient of variation and max/mean of the routed experts' load (`signals.load_spread`)."""
+    if not layers:
         return empty_figure("no layer steps recorded")
-    spread = pd.DataFrame([load_spread(v) for v in layer_totals.expert_load])
-    layers = layer_totals.layer.astype(str)
+    names = [str(f.layer) for f in layers]
     fig = go.Figure([
-        go.Bar(x=layers, y=spread.cv, name="coefficient of variation", marker_color=PALETTE[0],
+        go.Bar(x=names, y=[f.spread.cv for f in layers], name="coefficient of variation", marker_color=PALETTE[0],
                hovertemplate="layer %{x}: CV %{y:.3f}<extra></extra>"),
-        go.Bar(x=layers, y=spread.max_mean, name="max / mean", marker_color=PALETTE[3],
+        go.Bar(x=names, y=[f.spread.max_mean for f in layers], name="max / mean", marker_color=PALETTE[3],
                hovertemplate="layer %{x}: max/mean %{y:.3f}<extra></extra>"),
     ])
     fig.update_xaxes(title="MoE layer", type="category")
-    fig.update_yaxes(title="load spread (0 = perfectly even)")
+    fig.update_yaxes(title="load spread (CV 0, max/mean 1 = perfectly even)", rangemode="tozero")
     return _layout(fig, "Load spread per layer", barmode="group")
 
 
 def entropy_figure(entropy: pd.DataFrame) -> go.Figure:
-    """Mean per-token router entropy (nats) per layer over the step buckets."""
+    """Mean per-token router entropy (nats, token-weighted in each bucket) per layer over the step
+    buckets of `Store.layer_buckets`."""
     if entropy.empty:
         return empty_figure("no layer steps recorded")
     fig = go.Figure([
@@ -183,7 +165,7 @@ def entropy_figure(entropy: pd.DataFrame) -> go.Figure:
 
 
 def dropped_figure(entropy: pd.DataFrame) -> go.Figure:
-    """Tokens dropped at capacity per layer over the step buckets (from `entropy_over_time`)."""
+    """Tokens dropped at capacity per layer over the step buckets (from `Store.layer_buckets`)."""
     if entropy.empty:
         return empty_figure("no layer steps recorded")
     fig = go.Figure([
@@ -218,7 +200,7 @@ def load_heatmap(matrix: pd.DataFrame, layer: int) -> go.Figure:
     experts, starts = load.index.to_numpy(), load.columns.to_numpy()
     fig = go.Figure(go.Heatmap(
         z=share.to_numpy(), x=[str(s) for s in starts], y=[str(e) for e in experts], colorscale="Viridis",
-        colorbar={"title": "share"}, hoverinfo="skip"))
+        colorbar={"title": "share of slots"}, hoverinfo="skip", zmin=0))
     gx, gy = np.meshgrid(starts, experts)
     gend = np.broadcast_to(ends.to_numpy(), gx.shape)
     custom = np.stack([gy.ravel(), gx.ravel(), gend.ravel(), load.to_numpy().ravel(),
@@ -226,32 +208,40 @@ def load_heatmap(matrix: pd.DataFrame, layer: int) -> go.Figure:
     fig.add_trace(_click_layer(
         [str(s) for s in gx.ravel()], [str(e) for e in gy.ravel()], custom,
         "expert %{customdata[0]}, steps %{customdata[1]}-%{customdata[2]}<br>"
-        "%{customdata[3]} tokens (%{customdata[4]:.1%})<br>click to list them<extra></extra>"))
+        "%{customdata[3]} tokens chose it (%{customdata[4]:.1%} of the bucket's slots)<br>"
+        "click to list them<extra></extra>"))
     fig.update_xaxes(title="first step of bucket", type="category")
     fig.update_yaxes(title="expert", type="category")
-    return _layout(fig, f"Layer {layer}: share of tokens per expert over time")
+    return _layout(fig, f"Layer {layer}: share of routing slots per expert over time")
 
 
-def layer_share_heatmap(layer_expert: pd.DataFrame) -> go.Figure:
-    """Layer x expert heatmap of each layer's share of tokens per expert over the run.
+def layer_share_heatmap(layer_expert: pd.DataFrame, layer_tokens: dict[int, int]) -> go.Figure:
+    """Layer x expert heatmap of each layer's share of routing slots per expert over the run, from
+    `Store.expert_share` rows; `layer_tokens` ({layer: tokens it routed}) gives each expert's share
+    of the layer's *tokens* in the hover (a token fills k slots, so token shares add up to k).
 
-    Cells carry customdata (layer, expert, tokens, share) for click selection."""
+    Cells carry customdata (layer, expert, tokens that chose it, token share, slot share)."""
     if layer_expert.empty:
         return empty_figure("no load recorded")
     load = layer_expert.pivot_table(index="layer", columns="expert", values="load", aggfunc="sum", fill_value=0)
     share = load.div(load.sum(axis=1).replace(0, np.nan), axis=0)
+    tokens = pd.Series({int(k): v for k, v in layer_tokens.items()}, dtype=np.float64).reindex(load.index)
+    token_share = load.div(tokens.replace(0, np.nan), axis=0)
     layers, experts = load.index.to_numpy(), load.columns.to_numpy()
     fig = go.Figure(go.Heatmap(z=share.to_numpy(), x=[str(e) for e in experts], y=[str(v) for v in layers],
-                               colorscale="Viridis", colorbar={"title": "share"}, hoverinfo="skip"))
+                               colorscale="Viridis", colorbar={"title": "share of slots"}, hoverinfo="skip",
+                               zmin=0))
     gx, gy = np.meshgrid(experts, layers)
-    custom = np.stack([gy.ravel(), gx.ravel(), load.to_numpy().ravel(), share.to_numpy().ravel()], axis=1)
+    custom = np.stack([gy.ravel(), gx.ravel(), load.to_numpy().ravel(), token_share.to_numpy().ravel(),
+                       share.to_numpy().ravel()], axis=1)
     fig.add_trace(_click_layer(
         [str(e) for e in gx.ravel()], [str(v) for v in gy.ravel()], custom,
-        "layer %{customdata[0]}, expert %{customdata[1]}<br>%{customdata[2]} tokens "
-        "(%{customdata[3]:.1%} of the layer)<br>click to list them<extra></extra>"))
+        "layer %{customdata[0]}, expert %{customdata[1]}<br>%{customdata[2]} tokens chose it: "
+        "%{customdata[3]:.1%} of the layer's tokens, %{customdata[4]:.1%} of its slots<br>"
+        "click to list them<extra></extra>"))
     fig.update_xaxes(title="expert", type="category")
     fig.update_yaxes(title="MoE layer", type="category", autorange="reversed")
-    return _layout(fig, "Share of each layer's tokens per expert")
+    return _layout(fig, "Share of each layer's routing slots per expert")
 
 
 def coselection_heatmap(matrix: np.ndarray | None, layer: int) -> go.Figure:
@@ -266,7 +256,8 @@ def coselection_heatmap(matrix: np.ndarray | None, layer: int) -> go.Figure:
     np.fill_diagonal(affinity, np.nan)
     labels = [str(i) for i in range(counts.shape[0])]
     fig = go.Figure(go.Heatmap(
-        z=affinity, x=labels, y=labels, colorscale="Magma", colorbar={"title": "P(j | i)"},
+        # The scale is fixed at [0, 1] (a probability) and starts light: a near-zero cell reads as 0.
+        z=affinity, x=labels, y=labels, colorscale="Blues", zmin=0, zmax=1, colorbar={"title": "P(j | i)"},
         customdata=counts, hovertemplate="i=%{y}, j=%{x}: %{customdata:.0f} tokens chose both<br>"
                                          "P(j | i) = %{z:.3f}<extra></extra>"))
     fig.update_xaxes(title="expert j", type="category")
@@ -295,39 +286,53 @@ def cluster_scatter(points: pd.DataFrame, colour: str, title: str) -> go.Figure:
 
 def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Sequence[str], key: str,
                           layer: int) -> go.Figure:
-    """Experts x tag values: each tag value's share of tokens per expert (columns sum to 1),
-    titled with the mutual information I(expert; tag) in bits."""
+    """Experts x tag values: each tag value's share of slots per expert (columns sum to 1), titled
+    with the layer's specialisation, NMI(expert; tag) (`signals.normalized_mutual_information`)."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.size == 0 or counts.sum() <= 0:
         return empty_figure(f"no step carries the tag {key!r}")
     share = counts / np.where(counts.sum(axis=0, keepdims=True) > 0, counts.sum(axis=0, keepdims=True), np.nan)
-    mi = mutual_information_bits(counts)
+    nmi = signals.normalized_mutual_information(counts)
     fig = go.Figure(go.Heatmap(
         z=share, x=list(values), y=[str(e) for e in experts], colorscale="Blues", colorbar={"title": "share"},
-        customdata=counts, hovertemplate=f"{key}=%{{x}}, expert %{{y}}: %{{customdata:.0f}} tokens "
-                                         "(%{z:.1%} of the tag's)<extra></extra>"))
+        zmin=0, customdata=counts,
+        hovertemplate=f"{key}=%{{x}}, expert %{{y}}: %{{customdata:.0f}} tokens "
+                      "(%{z:.1%} of the tag's slots)<extra></extra>"))
     fig.update_xaxes(title=key, type="category")
     fig.update_yaxes(title="expert", type="category")
-    return _layout(fig, f"Layer {layer}: {key} share per expert · I(expert; {key}) = {mi:.4f} bits")
+    return _layout(fig, f"Layer {layer}: {key} share per expert · specialisation NMI(expert; {key}) = {nmi:.3f}")
 
 
-def mutual_information_figure(per_layer: pd.DataFrame, key: str) -> go.Figure:
-    """Bar per layer of I(expert; tag) in bits (columns layer, mi_bits, max_bits)."""
+def specialisation_by_layer(expert_tag_load: pd.DataFrame) -> pd.DataFrame:
+    """Specialisation per layer from `Store.expert_tag_load` rows: layer, nmi (NMI(expert; tag), in
+    [0, 1]), tokens (slots counted). Layers with no count are left out."""
+    rows = []
+    for layer in sorted(set(expert_tag_load.layer)):
+        counts = contingency(expert_tag_load, layer)[0]
+        if counts.sum() > 0:
+            rows.append({"layer": int(layer), "nmi": signals.normalized_mutual_information(counts),
+                         "tokens": int(counts.sum())})
+    return pd.DataFrame(rows, columns=["layer", "nmi", "tokens"])
+
+
+def specialisation_figure_by_layer(per_layer: pd.DataFrame, key: str) -> go.Figure:
+    """Bar per layer of the specialisation NMI(expert; tag), from `specialisation_by_layer`."""
     if per_layer.empty:
         return empty_figure(f"no step carries the tag {key!r}")
-    fig = go.Figure(go.Bar(x=per_layer.layer.astype(str), y=per_layer.mi_bits, marker_color=PALETTE[2],
-                           customdata=per_layer.max_bits,
-                           hovertemplate="layer %{x}: %{y:.4f} bits of at most %{customdata:.3f}<extra></extra>"))
+    fig = go.Figure(go.Bar(x=per_layer.layer.astype(str), y=per_layer.nmi, marker_color=PALETTE[2],
+                           customdata=per_layer.tokens,
+                           hovertemplate="layer %{x}: NMI %{y:.3f} over %{customdata} slots<extra></extra>"))
     fig.update_xaxes(title="MoE layer", type="category")
-    fig.update_yaxes(title=f"I(expert; {key}) bits", rangemode="tozero")
+    fig.update_yaxes(title=f"specialisation NMI(expert; {key})", range=[0, 1])
     return _layout(fig, f"How much the expert choice tells about {key}")
 
 
 # -- drift and alerts ------------------------------------------------------------------------
 
-def divergence_figure(divergence: pd.DataFrame, measure: str, thresholds: Sequence[tuple[str, float]] = ()
-                      ) -> go.Figure:
-    """`measure` ("kl" or "js") per layer over windows, with rule thresholds as dashed lines."""
+def divergence_figure(divergence: pd.DataFrame, measure: str, thresholds: Sequence[tuple[str, float]] = (),
+                      steps: tuple[int, int] | None = None) -> go.Figure:
+    """`measure` ("kl" or "js") per layer over windows, with rule thresholds as dashed lines; the
+    x axis spans `steps` (the run's first and last step) when given."""
     if divergence.empty:
         return empty_figure("no window with a baseline to compare against")
     name = {"kl": "KL divergence", "js": "Jensen-Shannon divergence"}[measure]
@@ -339,61 +344,80 @@ def divergence_figure(divergence: pd.DataFrame, measure: str, thresholds: Sequen
     for rule, value in thresholds:
         fig.add_hline(y=value, line_dash="dash", line_color="#E45756",
                       annotation_text=f"{rule} > {value:g}", annotation_position="top left")
-    fig.update_xaxes(title="last step of window")
+    fig.update_xaxes(title="last step of window", **({"range": [steps[0] - 0.5, steps[1] + 0.5]} if steps else {}))
     fig.update_yaxes(title=f"{measure.upper()} vs baseline (nats)", rangemode="tozero")
     return _layout(fig, f"{name} of each window's load against the baseline")
 
 
-def alert_timeline(alerts: pd.DataFrame, time_col: str, name_col: str) -> go.Figure:
-    """One row per alert (name and layer), a marker per state change coloured by the new state."""
+def alert_label(alerts: pd.DataFrame) -> pd.Series:
+    """Each transition's alert as one readable label: name, layer and, for expert alerts, expert."""
+    label = alerts["alertname"].astype(str) + " · layer " + alerts["layer"].astype(str)
+    if "expert" in alerts:
+        experts = alerts["expert"]
+        label = label + [f" · expert {int(e)}" if pd.notna(e) else "" for e in experts]
+    return label
+
+
+def alert_timeline(alerts: pd.DataFrame, steps: tuple[int, int] | None = None) -> go.Figure:
+    """One row per alert (name, layer, expert), a marker per state change at its step, coloured by
+    the new state; the x axis spans `steps` (the run's first and last step) when given."""
     if alerts.empty:
         return empty_figure("no alert transition recorded")
-    label = alerts[name_col].astype(str)
-    if "layer" in alerts:
-        label = label + " · layer " + alerts["layer"].astype(str)
     fig = go.Figure()
-    frame = alerts.assign(_label=label, _state=alerts["state"].astype(str))
+    label = alert_label(alerts)
+    reason = alerts["reason"].fillna("") if "reason" in alerts else pd.Series("", index=alerts.index)
+    frame = alerts.assign(_label=label, _state=alerts["state"].astype(str),
+                          _why=[f" ({r})" if r else "" for r in reason])
     order = list(STATE_COLOURS)  # later states drawn on top: a pending->firing at one instant shows firing
     for state in sorted(frame._state.unique(), key=lambda s: order.index(s) if s in order else -1):
         rows = frame[frame._state == state]
         fig.add_trace(go.Scatter(
-            x=rows[time_col], y=rows["_label"], mode="markers", name=state,
+            x=rows["step"], y=rows["_label"], mode="markers", name=state, customdata=rows["_why"],
             marker={"size": 12, "symbol": "square", "color": STATE_COLOURS.get(state, PALETTE[0])},
-            hovertemplate=f"%{{y}}: {state} at %{{x}}<extra></extra>"))
+            hovertemplate=f"%{{y}}: {state} at step %{{x}}%{{customdata}}<extra></extra>"))
     fig.update_yaxes(type="category", title="")
-    fig.update_xaxes(title="event time")
+    fig.update_xaxes(title="step", **({"range": [steps[0] - 0.5, steps[1] + 0.5]} if steps else {}))
     return _layout(fig, "Alert transitions", height=max(HEIGHT, 40 * label.nunique() + 120))
 
 
 # -- expert health ---------------------------------------------------------------------------
 
-def health_trend(health: pd.DataFrame, x: str, columns: Sequence[str], layer: int, expert: int) -> go.Figure:
-    """Score and its components over time for one expert."""
+def health_trend(health: pd.DataFrame, columns: Sequence[str], layer: int, expert: int,
+                 steps: tuple[int, int] | None = None) -> go.Figure:
+    """Score and its components over the run for one expert, at the last step of each window
+    (`expert_health` rows); the x axis spans `steps` (the run's first and last step) when given."""
     rows = health[(health.layer == layer) & (health.expert == expert)]
     if rows.empty:
         return empty_figure(f"no health score for layer {layer}, expert {expert}")
-    fig = go.Figure([go.Scatter(x=rows[x], y=rows[c], mode="lines+markers", name=c,
+    fig = go.Figure([go.Scatter(x=rows["step_end"], y=rows[c], mode="lines+markers", name=c,
                                 line={"color": PALETTE[i % len(PALETTE)], "width": 3 if c == "score" else 1.5})
                      for i, c in enumerate(columns)])
-    fig.update_xaxes(title=x)
+    fig.update_xaxes(title="last step of the health window",
+                     **({"range": [steps[0] - 0.5, steps[1] + 0.5]} if steps else {}))
+    fig.update_yaxes(title="0-100 (100 = healthy)", range=[-2, 102])
     return _layout(fig, f"Layer {layer}, expert {expert}: health score and components")
 
 
-def gate_history(events: pd.DataFrame, time_col: str, weight_col: str) -> go.Figure:
-    """Trust weight of each (layer, expert) that the gate ever changed, as steps over time: at each
-    change the line drops (or rises) from the old weight to the new one."""
+def gate_history(events: pd.DataFrame, steps: tuple[int, int]) -> go.Figure:
+    """Trust weight of each (layer, expert) the gate ever changed, as a step line over the whole run
+    (`steps`: its first and last step): 1 until the first change, then each change's new weight,
+    held to the run's last step. Each line is named by its layer and expert."""
     if events.empty:
         return empty_figure("the trust gate has not changed any weight")
+    first, last = steps
     fig = go.Figure()
-    for i, ((layer, expert), rows) in enumerate(events.groupby(["layer", "expert"])):
-        x = np.repeat(rows[time_col].to_numpy(), 2)
-        old = rows["old_weight"].to_numpy() if "old_weight" in rows else rows[weight_col].to_numpy()
-        y = np.stack([old, rows[weight_col].to_numpy()], axis=1).reshape(-1)
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"layer {layer} · expert {expert}",
-                                 line={"color": PALETTE[i % len(PALETTE)]},
-                                 hovertemplate="%{x}: weight %{y:.2f}<extra></extra>"))
+    for i, ((layer, expert), rows) in enumerate(events.sort_values("step").groupby(["layer", "expert"])):
+        x = [min(first, int(rows.step.min())), *rows.step.astype(int), max(last, int(rows.step.max()))]
+        y = [float(rows.old_weight.iloc[0]), *rows.new_weight.astype(float), float(rows.new_weight.iloc[-1])]
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", line_shape="hv",
+                                 name=f"layer {layer}, expert {expert}", line={"color": PALETTE[i % len(PALETTE)]},
+                                 hovertemplate=f"layer {layer}, expert {expert}: weight %{{y:.2f}} from step "
+                                               "%{x}<extra></extra>"))
+    names = ", ".join(f"layer {layer} expert {expert}" for layer, expert in
+                      events[["layer", "expert"]].drop_duplicates().itertuples(index=False))
+    fig.update_xaxes(title="step", range=[first - 0.5, last + 0.5])
     fig.update_yaxes(title="trust weight", range=[-0.05, 1.05])
-    return _layout(fig, "Trust-gate weights")
+    return _layout(fig, f"Trust-gate weight: {names}")
 
 
 # -- compare ---------------------------------------------------------------------------------
@@ -422,37 +446,27 @@ def compare_scalars_figure(values: pd.DataFrame) -> go.Figure:
         rows = values[values.metric == metric]
         fig.add_trace(go.Bar(x=rows.side, y=rows.value, marker_color=[PALETTE[i] for i in range(len(rows))],
                              showlegend=False, hovertemplate="%{x}: %{y:.4g}<extra></extra>"), row=1, col=col)
+        top = float(rows.value.max()) if len(rows) else 0.0
+        if (rows.value >= 0).all():  # counts, rates and shares start at 0, and a panel of zeros reads 0 to 1
+            fig.update_yaxes(range=[0, top * 1.1 if top > 0 else 1], row=1, col=col)
     return _layout(fig, "Side by side")
 
 
-# -- frames of optional tables ---------------------------------------------------------------
-
-def pick_column(columns: Sequence[str], candidates: Sequence[str]) -> str | None:
-    """The first of `candidates` present in `columns` (tables written by other components name
-    their time and rule columns in one of a few ways)."""
-    return next((c for c in candidates if c in columns), None)
-
-
-ALERT_TIME = ("at", "ts", "time", "starts_at")
-ALERT_NAME = ("alertname", "rule", "name")
-
+# -- the alerts table (its columns: store/schema.py) -------------------------------------------
 
 def latest_alert_states(alerts: pd.DataFrame) -> pd.DataFrame:
-    """The latest transition of each alert (by fingerprint, else name and layer).
+    """The latest transition of each alert (by fingerprint), from `alerts` table rows.
 
-    Several transitions of one alert can share a timestamp (pending and firing at once when a
-    rule has no `for`); the latest of those is the end of their chain: the one whose state no
-    other of them left from."""
+    Several transitions of one alert can share a step (pending and firing at once when a rule has
+    no `for`); the latest of those is the end of their chain: the one whose state no other of them
+    left from."""
     if alerts is None or alerts.empty:
         return pd.DataFrame()
-    time_col = pick_column(alerts.columns, ALERT_TIME)
-    name_col = pick_column(alerts.columns, ALERT_NAME)
-    keys = ["fingerprint"] if "fingerprint" in alerts else [c for c in (name_col, "layer") if c in alerts]
     latest = []
-    for _, rows in alerts.groupby(keys, sort=False):
-        if time_col:
-            rows = rows[rows[time_col] == rows[time_col].max()]
-        if len(rows) > 1 and {"state", "previous_state"} <= set(rows.columns):
+    for _, rows in alerts.groupby("fingerprint", sort=False):
+        rows = rows[(rows.step == rows.step.max())]
+        rows = rows[rows.ts == rows.ts.max()]
+        if len(rows) > 1:
             left = set(rows.previous_state.astype(str))
             ends = rows[~rows.state.astype(str).isin(left)]
             rows = ends if not ends.empty else rows

@@ -26,13 +26,13 @@ from tqdm import tqdm
 import probe
 from alerts.engine import AlertEngine, EngineExporter
 from alerts.notify import WebhookNotifier
-from alerts.outbox import Outbox, OutboxWorker
+from alerts.outbox import Outbox, OutboxWorker, outbox_path
 from alerts.rules import load_rules
+from alerts.signals import normalized_mutual_information
 from alerts.storage import AlertTableWriter
 from alerts.trust_policy import TrustPolicy
 from moescope.demo_data import DOMAINS, demo_model_path, domain_texts, load_demo_model
 from moescope.receiver import WebhookReceiver
-from moescope.specialisation import normalized_mutual_info
 from moescope.summary import format_summary
 from store import Store
 
@@ -115,8 +115,9 @@ def _alert_line(document: dict) -> None:
     where = f"layer {alert['layer']}" + (f", expert {labels['expert']}" if "expert" in labels else "")
     values = ", ".join(f"{k}={v:.3g}" for k, v in (alert.get("values") or {}).items()
                        if isinstance(v, (int, float)))
+    why = (alert.get("annotations") or {}).get("resolved_reason")
     _say(f"    webhook <- [{document['status']}] {alert['name']} ({where}, step {alert['step']})"
-         + (f" {values}" if values else ""))
+         + (f" {values}" if values else "") + (f" ({why})" if why else ""))
 
 
 def _run_until(condition: Callable[[], bool], step: Callable[[], None], limit: int, desc: str,
@@ -140,141 +141,185 @@ def _expert_tensors(model: torch.nn.Module, layer: int) -> list[torch.nn.Paramet
     return [experts.gate_up_proj, experts.down_proj]
 
 
-def run(args: argparse.Namespace) -> int:
-    phases = Phases.for_args(args.quick)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    store_root = os.path.abspath(args.store)
+def _fresh_store(path: str) -> str:
+    """The demo's store folder, emptied (only ever one an earlier demo made); returns its absolute path."""
+    store_root = os.path.abspath(path)
     if os.path.isdir(store_root):
         if not os.path.exists(os.path.join(store_root, ".moescope-demo")):
             raise FileExistsError(f"{store_root} exists and is not a demo store; choose another --store")
         shutil.rmtree(store_root)
     os.makedirs(os.path.join(store_root, ".moescope"), exist_ok=True)
     open(os.path.join(store_root, ".moescope-demo"), "w").close()
+    return store_root
 
-    started = time.perf_counter()
-    model, tokenizer = load_demo_model()
-    traffic = Traffic(tokenizer, args.seed)
-    _say(f"demo model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-         f"{model.config.num_hidden_layers} MoE layers x {model.config.num_local_experts} experts, "
-         f"top-{model.config.num_experts_per_tok} ({demo_model_path()})")
 
-    secret = secrets.token_hex(16)
-    receiver = WebhookReceiver(on_alert=_alert_line, secret=secret).start()
-    outbox = Outbox(os.path.join(store_root, ".moescope", "alerts-outbox.sqlite"),
-                    [WebhookNotifier(receiver.url, secret=secret)], base_backoff_s=0.2)
-    worker = OutboxWorker(outbox, interval_s=0.1).start()
-    rules = load_rules(resources.files("moescope").joinpath("rules", "demo.yaml"))
-    engine = EngineExporter(AlertEngine(rules), [outbox, AlertTableWriter(store_root)])
-    policy = TrustPolicy(sink=outbox)
-    _say(f"webhook receiver listening on {receiver.url} (HMAC-signed deliveries)")
+class Alerting:
+    """The demo's alert path: a signed local webhook receiver, the persistent outbox that delivers
+    to it, the rules engine (its transitions to the outbox and the `alerts` table) and the trust
+    policy (whose alerts land in the same table once the session binds it to the store)."""
 
-    session = probe.attach(
+    def __init__(self, store_root: str):
+        secret = secrets.token_hex(16)
+        self.receiver = WebhookReceiver(on_alert=_alert_line, secret=secret).start()
+        self.outbox = Outbox(outbox_path(store_root), [WebhookNotifier(self.receiver.url, secret=secret)],
+                             base_backoff_s=0.2)
+        self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
+        rules = load_rules(resources.files("moescope").joinpath("rules", "demo.yaml"))
+        self.engine = EngineExporter(AlertEngine(rules), [self.outbox, AlertTableWriter(store_root)])
+        self.policy = TrustPolicy(sink=self.outbox)
+
+    def stop(self) -> None:
+        """Deliver what is left (the run's end resolves its open alerts), then stop everything."""
+        self.outbox.flush(10.0)
+        self.worker.stop()
+        self.outbox.close()
+        self.receiver.stop()
+
+
+def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting):
+    return probe.attach(
         model, store=store_root, routes=True, router_inputs=16, kv_cache=True, health=True,
-        trust_gate="auto", trust_policy=policy, exporters=[engine], tags={"model": "demo"},
+        trust_gate="auto", trust_policy=alerting.policy, exporters=[alerting.engine], tags={"model": "demo"},
         flush_interval_s=1.0,
         # The story is a few hundred forwards long: sample expert health at every forward, not
         # every 4th (the default, which keeps its cost down on a busy server), so the incident is
         # judged within a few windows.
         health_options=dict(sample_every=1))
 
-    def forward(domain: str, phase: str) -> None:
-        with session.tag(domain=domain, phase=phase), torch.no_grad():
-            model(**traffic.batch(domain, traffic.size()))
 
-    def settle() -> None:
-        session.flush()
-        outbox.flush(5.0)
+@dataclass
+class Story:
+    """The three acts, played on an attached model; each returns the figures it measured."""
 
-    figures: dict = {"store": store_root}
-    try:
-        # -- 1. healthy traffic ------------------------------------------------------------
+    model: torch.nn.Module
+    tokenizer: object
+    traffic: Traffic
+    session: object
+    alerting: Alerting
+    phases: Phases
+    store_root: str
+
+    def forward(self, domain: str, phase: str) -> None:
+        with self.session.tag(domain=domain, phase=phase), torch.no_grad():
+            self.model(**self.traffic.batch(domain, self.traffic.size()))
+
+    def settle(self) -> None:
+        self.session.flush()
+        self.alerting.outbox.flush(5.0)
+
+    def healthy(self) -> dict:
         _say("\n1. Healthy traffic: code, prose and arithmetic in turn, batches of 1-8, forward and generate")
-        for i in tqdm(range(phases.baseline), desc="baseline", unit="fwd", leave=False):
-            forward(DOMAINS[i % len(DOMAINS)], "baseline")
-        for _ in tqdm(range(phases.generate), desc="generate", unit="call", leave=False):
-            with session.tag(domain="mixed", phase="generate"), torch.no_grad():
-                model.generate(**traffic.prompts(), max_new_tokens=12, do_sample=False,
-                               pad_token_id=tokenizer.pad_token_id)
-        settle()
-        _say(f"   {session.step} forwards recorded, {len(receiver.received)} alerts so far "
+        for i in tqdm(range(self.phases.baseline), desc="baseline", unit="fwd", leave=False):
+            self.forward(DOMAINS[i % len(DOMAINS)], "baseline")
+        for _ in tqdm(range(self.phases.generate), desc="generate", unit="call", leave=False):
+            with self.session.tag(domain="mixed", phase="generate"), torch.no_grad():
+                self.model.generate(**self.traffic.prompts(), max_new_tokens=12, do_sample=False,
+                                    pad_token_id=self.tokenizer.pad_token_id)
+        self.settle()
+        _say(f"   {self.session.step} forwards recorded, {len(self.alerting.receiver.received)} alerts so far "
              "(an alert here is about the trained model itself, e.g. an expert it barely uses)")
+        return {}
 
-        # -- 2. traffic shift --------------------------------------------------------------
+    def shift(self) -> dict:
         _say("\n2. Traffic shift: only arithmetic from now on; the routing moves away from the baseline")
-        for _ in tqdm(range(phases.shift), desc="shift", unit="fwd", leave=False):
-            forward("math", "shift")
-        settle()
-        figures["drift_alert"] = "RoutingDriftFromBaseline" in receiver.names("firing")
-        _say("   drift alert " + ("received" if figures["drift_alert"] else "NOT received"))
+        for _ in tqdm(range(self.phases.shift), desc="shift", unit="fwd", leave=False):
+            self.forward("math", "shift")
+        self.settle()
+        fired = "RoutingDriftFromBaseline" in self.alerting.receiver.names("firing")
+        _say("   drift alert " + ("received" if fired else "NOT received"))
+        return {"drift_alert": fired}
 
-        # -- 3. a corrupted expert ----------------------------------------------------------
-        layer, expert = _busiest_expert(store_root, session.run.run_id)
+    def incident(self) -> dict:
+        session, traffic = self.session, self.traffic
+        layer, expert = _busiest_expert(self.store_root, session.run.run_id)
         probe_batch = traffic.batch("code", 4)
-        with session.tag(phase="check"), torch.no_grad():
-            clean = model(**probe_batch).logits
-        saved = [t.detach()[expert].clone() for t in _expert_tensors(model, layer)]
+        clean = self._check(probe_batch)
+        saved = [t.detach()[expert].clone() for t in _expert_tensors(self.model, layer)]
         _say(f"\n3. Corrupting layer {layer}, expert {expert} (its busiest): weights x{CORRUPTION_SCALE:g}")
         with torch.no_grad():
-            for t in _expert_tensors(model, layer):
+            for t in _expert_tensors(self.model, layer):
                 t[expert] *= CORRUPTION_SCALE
-            with session.tag(phase="check"):
-                broken = model(**probe_batch).logits
-        figures["corrupt_error"] = _relative_error(broken, clean)
+        figures: dict = {"corrupted": {"layer": layer, "expert": expert}}
+        figures["corrupt_error"] = _relative_error(self._check(probe_batch), clean)
         _say(f"   outputs now off by {figures['corrupt_error']:.3g} (relative to the clean model)")
-        gated = _run_until(lambda: session.gate.weight(layer, expert) == 0.0,
-                           lambda: forward(DOMAINS[int(traffic.rng.integers(3))], "incident"),
-                           phases.max_incident, "incident", settle)
-        figures["gated"] = session.gate.weight(layer, expert) == 0.0
-        with session.tag(phase="check"), torch.no_grad():
-            masked = model(**probe_batch).logits
-        figures["gated_after_forwards"] = gated
-        figures["masked_finite"] = bool(masked.isfinite().all())
-        figures["masked_error"] = _relative_error(masked, clean)
+
+        def random_domain(phase: str) -> Callable[[], None]:
+            return lambda: self.forward(DOMAINS[int(traffic.rng.integers(3))], phase)
+
+        gated = _run_until(lambda: session.gate.weight(layer, expert) == 0.0, random_domain("incident"),
+                           self.phases.max_incident, "incident", self.settle)
+        masked = self._check(probe_batch)
+        figures.update(gated=session.gate.weight(layer, expert) == 0.0, gated_after_forwards=gated,
+                       masked_finite=bool(masked.isfinite().all()), masked_error=_relative_error(masked, clean))
         _say(f"   gate {'masked' if figures['gated'] else 'did NOT mask'} the expert after {gated} forwards; "
              f"outputs finite: {figures['masked_finite']}, off by {figures['masked_error']:.3g} from the clean model")
 
         _say("\n   Restoring the expert's weights")
         with torch.no_grad():
-            for t, original in zip(_expert_tensors(model, layer), saved):
+            for t, original in zip(_expert_tensors(self.model, layer), saved):
                 t[expert] = original
-        lifted = _run_until(lambda: session.gate.weight(layer, expert) == 1.0,
-                            lambda: forward(DOMAINS[int(traffic.rng.integers(3))], "recovery"),
-                            phases.max_incident, "recovery", settle)
+        lifted = _run_until(lambda: session.gate.weight(layer, expert) == 1.0, random_domain("recovery"),
+                            self.phases.max_incident, "recovery", self.settle)
         figures["lifted"] = session.gate.weight(layer, expert) == 1.0
-        with session.tag(phase="check"), torch.no_grad():
-            figures["recovered_error"] = _relative_error(model(**probe_batch).logits, clean)
+        figures["recovered_error"] = _relative_error(self._check(probe_batch), clean)
         _say(f"   gate {'lifted' if figures['lifted'] else 'NOT lifted'} after {lifted} forwards; "
              f"outputs off by {figures['recovered_error']:.3g} from the clean model")
-        figures["corrupted"] = {"layer": layer, "expert": expert}
-    finally:
-        session.close()
-        outbox.flush(10.0)
-        worker.stop()
-        outbox.close()
-        receiver.stop()
+        return figures
 
+    def _check(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.session.tag(phase="check"), torch.no_grad():
+            return self.model(**batch).logits
+
+
+def run(args: argparse.Namespace) -> int:
+    """Play the story (see DESCRIPTION); 0 when both incidents were caught and the gate lifted."""
+    phases = Phases.for_args(args.quick)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    store_root = _fresh_store(args.store)
+    started = time.perf_counter()
+    model, tokenizer = load_demo_model()
+    _say(f"demo model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+         f"{model.config.num_hidden_layers} MoE layers x {model.config.num_local_experts} experts, "
+         f"top-{model.config.num_experts_per_tok} ({demo_model_path()})")
+    alerting = Alerting(store_root)
+    _say(f"webhook receiver listening on {alerting.receiver.url} (HMAC-signed deliveries)")
+    session = _attach(model, store_root, alerting)
+    story = Story(model, tokenizer, Traffic(tokenizer, args.seed), session, alerting, phases, store_root)
+    figures: dict = {"store": store_root}
+    try:
+        for act in (story.healthy, story.shift, story.incident):
+            figures.update(act())
+    finally:
+        session.close()  # the run ends: its open alerts resolve ("run ended") and go to the receiver
+        alerting.stop()
     figures.update(headline_figures(store_root, session.run.run_id))
-    figures["alerts_received"] = [f"{d['status']}:{d['alert']['name']}" for d in receiver.received]
+    figures["alerts_received"] = [f"{d['status']}:{d['alert']['name']}" for d in alerting.receiver.received]
+    figures["alerts_delivered"] = [{"status": d["status"], "name": d["alert"]["name"], "step": d["alert"]["step"],
+                                    "fingerprint": d["alert"]["fingerprint"]} for d in alerting.receiver.received]
     figures["seconds"] = time.perf_counter() - started
     with open(os.path.join(store_root, "demo_summary.json"), "w") as f:
         json.dump(figures, f, indent=2, default=float)
+    _report(figures, store_root, session.run.run_id, args.store)
+    return 0 if figures["drift_alert"] and figures["gated"] and figures["lifted"] else 1
+
+
+def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None:
     _say("")
-    _say(format_summary(store_root, session.run.run_id))
+    _say(format_summary(store_root, run_id))
     _say("")
     _say("Headline figures")
     for domain, fraction in figures["active_fraction_by_domain"].items():
         _say(f"  {domain:>6}: this model used {100 * fraction:.2f}% of its parameters per token")
-    _say("  specialisation, NMI(domain, top-1 expert) per layer: "
-         + ", ".join(f"{v:.2f}" for v in figures["nmi_by_layer"]))
-    _say(f"  alerts received by the webhook: {len(receiver.received)} "
+    _say(f"  specialisation NMI(expert; domain) per layer, {SPECIALISATION_SCOPE}: "
+         + ", ".join(f"{v:.3f}" for v in figures["specialisation_by_layer"]))
+    _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
+    _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")
     _say("")
     _say("Open the dashboard on this store:")
-    _say(f"  moescope dashboard {args.store} --tokenizer {demo_model_path()}")
-    ok = figures["drift_alert"] and figures["gated"] and figures["lifted"]
-    return 0 if ok else 1
+    _say(f"  moescope dashboard {store_arg} --tokenizer {demo_model_path()}")
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -284,26 +329,31 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _busiest_expert(root: str, run_id: str) -> tuple[int, int]:
-    share = Store(root).expert_share(run_id)
-    share = share[share.layer < share.layer.max()]  # the last layer's hot expert is a known quirk
+    """The expert that got the most tokens so far, outside the last layer (whose hot expert is a
+    known quirk of the demo model)."""
+    with Store(root) as store:
+        share = store.expert_share(run_id)
+    share = share[share.layer < share.layer.max()]
     row = share.sort_values("load", ascending=False).iloc[0]
     return int(row.layer), int(row.expert)
 
 
+SPECIALISATION_TAGS = {"phase": "baseline"}
+SPECIALISATION_SCOPE = "baseline phase, every top-k slot"
+
+
 def headline_figures(root: str, run_id: str) -> dict:
-    """The figures the demo prints, computed in DuckDB from the store it wrote."""
-    store = Store(root)
-    per_domain = store.sql("""
-        SELECT tags['domain'] AS domain, sum(active_params * tokens) / sum(tokens) / any_value(total_params) AS f
-        FROM steps WHERE run_id = ? AND tags['domain'] IS NOT NULL AND tags['phase'] <> 'check'
-        GROUP BY domain ORDER BY domain""", [run_id])
-    top1 = store.sql("""
-        SELECT layer, tags['domain'] AS domain, expert_ids[1] AS expert
-        FROM routes WHERE run_id = ? AND tags['phase'] = 'baseline'""", [run_id])
+    """The figures the demo prints, from the store it wrote: the token-weighted active-parameter
+    fraction per domain (`Store.active_fraction_by_tag`), and the specialisation per layer over the
+    baseline phase (`Store.expert_tag_load` into `alerts.signals.normalized_mutual_information`, as
+    the Semantic clusters page computes it)."""
+    with Store(root) as store:
+        per_domain = store.active_fraction_by_tag(run_id, "domain")
+        load = store.expert_tag_load(run_id, "domain", tags=SPECIALISATION_TAGS)
     nmi = []
-    for layer in sorted(top1.layer.unique()):
-        rows = top1[top1.layer == layer]
-        nmi.append(normalized_mutual_info(rows.domain.astype("category").cat.codes.to_numpy(),
-                                          rows.expert.to_numpy()))
-    return {"active_fraction_by_domain": dict(zip(per_domain.domain, per_domain.f.astype(float))),
-            "nmi_by_layer": nmi}
+    for layer in sorted(set(load.layer)):
+        rows = load[load.layer == layer]
+        counts = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
+        nmi.append(normalized_mutual_information(counts.to_numpy(dtype=float)))
+    return {"active_fraction_by_domain": dict(zip(per_domain.value, per_domain.active_fraction.astype(float))),
+            "specialisation_by_layer": nmi}

@@ -191,21 +191,6 @@ class StoreQueries:
         """Tokens per expert at each step of one layer: columns step, expert, load."""
         return self.load_matrix(run_id, layer).rename(columns={"step_bucket": "step"})
 
-    def layer_summary(self, run_id: str) -> pd.DataFrame:
-        """Per layer over the whole run: layer, expert_load (list, index = expert), tokens,
-        router_entropy_mean (token-weighted, nats), dropped_tokens."""
-        clause, params = where(run_id)
-        return self.sql(f"""
-            WITH p AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL),
-                 s AS (SELECT layer, sum(tokens)::BIGINT AS tokens,
-                              sum(router_entropy_mean * tokens) / nullif(sum(tokens), 0) AS router_entropy_mean,
-                              sum(dropped_tokens)::BIGINT AS dropped_tokens
-                       FROM layer_steps WHERE {clause} GROUP BY layer)
-            SELECT layer, list(p.load::BIGINT ORDER BY p.expert) AS expert_load, any_value(s.tokens) AS tokens,
-                   any_value(s.router_entropy_mean) AS router_entropy_mean,
-                   any_value(s.dropped_tokens) AS dropped_tokens
-            FROM p JOIN s USING (layer) GROUP BY layer ORDER BY layer""", params + params)
-
     def expert_share(self, run_id: str, step_from: int | None = None, step_to: int | None = None,
                      tags: dict[str, str] | None = None) -> pd.DataFrame:
         """Layer x expert load over a window: columns layer, expert, load, share (of the layer's)."""

@@ -29,9 +29,10 @@ import pyarrow as pa
 
 from store.catalog import Catalog, FileInfo
 from store.errors import EmptyStoreError, QueryError, StoreError
-from store.layout import TABLE_FORM, is_valid_name
+from store.layout import TABLE_FORM, is_valid_name, list_parts
 from store.quarantine import QuarantinedFile, deep_check, quarantined
 from store.queries import StoreQueries
+from store.reports import ReportQueries
 from store.schema import SCHEMAS
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,31 @@ def map_error(error: duckdb.Error, root: str) -> StoreError:
     return StoreError(f"query over the store {root!r} failed: {error}")
 
 
-class Store(StoreQueries):
+def data_version(root: str | os.PathLike) -> str:
+    """A fingerprint of a store's committed Parquet files: count, newest mtime and total size.
+
+    It changes whenever a writer renames a new part into place, so a reader (the dashboard) knows
+    when to refresh its views; '' when the folder is missing. Cheap: a listing and a stat per file.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return ""
+    count, newest, size = 0, 0.0, 0
+    for table in sorted(os.listdir(root)):
+        if table.startswith(("_", ".")) or not is_valid_name(table, "table"):
+            continue
+        for path in list_parts(root, table):
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:  # compacted away between listing and stat
+                continue
+            count += 1
+            newest = max(newest, stat.st_mtime)
+            size += stat.st_size
+    return f"{count}:{newest:.6f}:{size}"
+
+
+class Store(StoreQueries, ReportQueries):
     """A read-only view of a store folder. Call `refresh()` to see files written since opening.
 
     Raises EmptyStoreError when `root` does not exist ("no data yet"). Every file is checked when

@@ -72,17 +72,13 @@ with common.guard():
         st.stop()
     default = "domain" if "domain" in keys else keys[0]
     key = st.selectbox("Tag", keys, index=keys.index(default), key="cl_tag")
-    load = data.expert_tag_load(ctx.root, ctx.version, ctx.run_id, key)
-    per_layer = []
-    for each in sorted(set(load.layer)):
-        counts, _, values = fg.contingency(load, each)
-        per_layer.append({"layer": each, "mi_bits": fg.mutual_information_bits(counts),
-                              "max_bits": float(np.log2(len(values))) if len(values) > 1 else 0.0})
+    common.filter_caption(ctx)
+    load = data.expert_tag_load(ctx.root, ctx.version, ctx.run_id, key, ctx.tag)
     a, b = st.columns(2)
-    a.plotly_chart(fg.mutual_information_figure(pd.DataFrame(per_layer, columns=["layer", "mi_bits", "max_bits"]),
-                                                key), key="cl_mi_chart")
+    a.plotly_chart(fg.specialisation_figure_by_layer(fg.specialisation_by_layer(load), key), key="cl_mi_chart")
     counts, experts, values = fg.contingency(load, layer) if not load.empty else (np.zeros((0, 0)), [], [])
     b.plotly_chart(fg.specialisation_figure(counts, experts, values, key, layer), key="cl_spec_chart")
-    st.caption("Mutual information between the expert a token is routed to (every top-k slot counts) and "
-               f"the step's `{key}` tag, from the exact expert loads of every step; 0 bits means the "
-               "experts see every tag value alike.")
+    st.caption(f"Specialisation is the normalised mutual information NMI(expert; {key}) between the expert a "
+               f"token is routed to (every top-k slot counts) and the step's `{key}` tag, from the exact expert "
+               "loads of every step (`alerts.signals.normalized_mutual_information`, the figure `moescope demo` "
+               "prints): 0 means the experts see every tag value alike, 1 that each value has experts of its own.")

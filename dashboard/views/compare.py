@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from alerts import signals
 from dashboard import common, data
 from dashboard import figures as fg
 
@@ -15,14 +16,12 @@ if ctx is None:
     st.stop()
 
 
-def per_layer(layers: pd.DataFrame) -> pd.DataFrame:
-    """Per-layer comparison columns from `queries.layer_totals` rows."""
-    if layers.empty:
-        return pd.DataFrame(columns=["layer", "cv", "max_mean", "router_entropy", "dropped_rate"])
-    spread = pd.DataFrame([fg.load_spread(v) for v in layers.expert_load])
-    return pd.DataFrame({"layer": layers.layer, "cv": spread.cv, "max_mean": spread.max_mean,
-                         "router_entropy": layers.router_entropy,
-                         "dropped_rate": layers.dropped_tokens / layers.tokens.replace(0, np.nan)})
+def per_layer(layers: list[signals.LayerFigures]) -> pd.DataFrame:
+    """Per-layer comparison columns of one side's `signals.layer_figures`."""
+    return pd.DataFrame([{"layer": f.layer, "cv": f.spread.cv, "max_mean": f.spread.max_mean,
+                          "router_entropy": f.entropy.nats, "router_entropy_norm": f.entropy.normalized,
+                          "dropped_rate": f.dropped_token_rate} for f in layers],
+                        columns=["layer", "cv", "max_mean", "router_entropy", "router_entropy_norm", "dropped_rate"])
 
 
 with common.guard():
@@ -54,19 +53,21 @@ with common.guard():
         sides = {f"A: {key}={first}": (ctx.run_id, (key, first)),
                  f"B: {key}={second}": (ctx.run_id, (key, second))}
 
-    summaries = {name: data.side_summary(ctx.root, ctx.version, run_id, tag)
-                 for name, (run_id, tag) in sides.items()}
     rows, layer_frames = [], {}
-    for name, summary in summaries.items():
-        steps = summary["steps"]
-        layers = per_layer(summary["layers"])
-        layer_frames[name] = layers
+    for name, (run_id, tag) in sides.items():
+        steps = data.step_totals(ctx.root, ctx.version, run_id, tag)
+        layers = signals.layer_figures_of(data.layer_totals(ctx.root, ctx.version, run_id, tag).itertuples())
+        run = signals.run_figures(layers)
+        layer_frames[name] = per_layer(layers)
+        active = 100 * steps["active_fraction"] if pd.notna(steps["active_fraction"]) else np.nan
+        latency = steps["seconds_per_token"]
         rows += [
-            {"side": name, "metric": "active params / token (%)", "value": 100 * (steps["active_fraction"] or np.nan)},
-            {"side": name, "metric": "load CV (mean of layers)", "value": layers.cv.mean()},
-            {"side": name, "metric": "router entropy (nats)", "value": layers.router_entropy.mean()},
-            {"side": name, "metric": "dropped tokens (%)", "value": 100 * layers.dropped_rate.mean()},
-            {"side": name, "metric": "latency / token (ms)", "value": 1000 * (steps["seconds_per_token"] or np.nan)},
+            {"side": name, "metric": "active params / token (%)", "value": active},
+            {"side": name, "metric": "load CV (token-weighted over layers)", "value": run.load_cv},
+            {"side": name, "metric": "router entropy (nats)", "value": run.entropy.nats},
+            {"side": name, "metric": "router entropy H / ln E", "value": run.entropy.normalized},
+            {"side": name, "metric": "dropped tokens (% of layer-tokens)", "value": 100 * run.dropped_token_rate},
+            {"side": name, "metric": "latency / token (ms)", "value": 1000 * latency if pd.notna(latency) else np.nan},
         ]
     values = pd.DataFrame(rows)
     table = values.pivot(index="metric", columns="side", values="value").reindex(list(dict.fromkeys(values.metric)))
@@ -82,6 +83,7 @@ with common.guard():
     left, right = st.columns(2)
     left.plotly_chart(fg.compare_layers_figure(layer_frames, "cv", "Load spread (CV) per layer"), key="cp_cv_chart")
     has_entropy = any(df.router_entropy.notna().any() for df in layer_frames.values())
-    right.plotly_chart(fg.compare_layers_figure(layer_frames, "router_entropy", "Router entropy per layer (nats)")
+    right.plotly_chart(fg.compare_layers_figure(layer_frames, "router_entropy_norm",
+                                                 "Router entropy per layer, H / ln E (comparable across models)")
                        if has_entropy else fg.empty_figure(f"router entropy: {common.NOT_RECORDED}"),
                        key="cp_entropy_chart")

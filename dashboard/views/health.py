@@ -8,13 +8,11 @@ from dashboard import common, data
 from dashboard import figures as fg
 from dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
 
-HEALTH_TIME = ("ts", "at", "window_end", "step", "window")
-GATE_TIME = ("ts", "at", "time")
-# The score's components, on its 0-100 scale (alerts' health score); other numeric columns are the
-# raw measurements behind them and go in the table only.
+# The score's components, on its 0-100 scale (alerts' health score); the other numeric columns of
+# `expert_health` (store/schema.py) are the raw measurements behind them and go in the table only.
 COMPONENTS = ("load", "confidence", "output", "weight", "grad")
-KEYS = {"run_id", "layer", "expert", "rank", "step", "ts", "at", "window", "window_start", "window_end",
-        "window_steps", "step_start", "step_end", "pid", "score"}
+MEASURED = ("load_share_ratio", "gate_weight_mean", "output_norm_mean", "output_nonfinite_fraction",
+            "weight_cosine", "weight_norm_ratio", "grad_norm", "trust_weight", "reasons")
 
 st.title("Expert health")
 ctx = common.page_context()
@@ -22,23 +20,21 @@ if ctx is None:
     st.stop()
 
 with common.guard():
-    health = data.run_rows(ctx.root, ctx.version, "expert_health", ctx.run_id, HEALTH_TIME)
+    totals = data.step_totals(ctx.root, ctx.version, ctx.run_id, None)
+    span = (int(totals["first_step"]), int(totals["last_step"])) if totals.get("steps") else (0, 0)
+    health = data.table_rows(ctx.root, ctx.version, "expert_health", ctx.run_id, "step_end")
     st.subheader("Health scores")
-    if health is None or health.empty:
-        st.info("No expert-health score recorded for this run yet: the health score is computed by the "
-                "alerts side (`moescope health` or the live policy) and written to `expert_health`.")
-    elif not {"layer", "expert", "score"} <= set(health.columns):
-        st.warning(f"The expert_health table has unexpected columns {list(health.columns)}.")
-        st.dataframe(health, hide_index=True)
+    if health.empty:
+        st.info("No expert-health score recorded for this run. Scores are computed while the model runs: "
+                "attach with `probe.attach(model, store=..., health=True)` (or `trust_gate='auto'`, which "
+                "also gates unhealthy experts) and they are written to the `expert_health` table.")
     else:
-        time_col = fg.pick_column(health.columns, HEALTH_TIME)
-        components = [c for c in COMPONENTS if c in health.columns and health[c].notna().any()]
-        measured = [c for c in health.columns if c not in KEYS and c not in COMPONENTS]
+        components = [c for c in COMPONENTS if health[c].notna().any()]
         latest = health.groupby(["layer", "expert"], sort=True).tail(1)
         st.caption("Latest window of each expert, worst first: the score (0-100) and its components, then the "
                    "raw measurements behind them.")
-        st.dataframe(latest.sort_values("score")[["layer", "expert", "score", *components, *measured]
-                                                 + ([time_col] if time_col else [])],
+        st.dataframe(latest.sort_values("score")[["layer", "expert", "score", *components, *MEASURED,
+                                                  "step_start", "step_end"]],
                      hide_index=True, key="he_scores")
         worst = latest.sort_values("score").iloc[0]
         a, b = st.columns(2)
@@ -47,22 +43,18 @@ with common.guard():
         experts = sorted(int(v) for v in latest[latest.layer == layer].expert.unique())
         expert = b.selectbox("Expert", experts, key="he_expert",
                              index=experts.index(int(worst.expert)) if int(worst.expert) in experts else 0)
-        if time_col:
-            st.plotly_chart(fg.health_trend(health, time_col, ["score", *components], layer, expert),
-                            key="he_trend_chart")
+        st.plotly_chart(fg.health_trend(health, ["score", *components], layer, expert, span),
+                        key="he_trend_chart")
 
     st.subheader("Trust gate")
-    events = data.run_rows(ctx.root, ctx.version, "trust_gate_events", ctx.run_id, GATE_TIME)
-    if events is None or events.empty:
+    events = data.table_rows(ctx.root, ctx.version, "trust_gate_events", ctx.run_id, "step")
+    if events.empty:
         st.info("The trust gate has recorded no change for this run: every expert is at full weight.")
     else:
-        time_col = fg.pick_column(events.columns, GATE_TIME)
-        weight_col = fg.pick_column(events.columns, ("new_weight", "weight"))
         latest = events.groupby(["layer", "expert"]).tail(1)
         st.markdown("**Current state** (experts whose weight was ever changed)")
         st.dataframe(latest, hide_index=True, key="he_gate_state")
-        if time_col and weight_col:
-            st.plotly_chart(fg.gate_history(events, time_col, weight_col), key="he_gate_chart")
+        st.plotly_chart(fg.gate_history(events, span), key="he_gate_chart")
         with st.expander(f"History: {len(events)} changes"):
             st.dataframe(events, hide_index=True)
 
@@ -91,8 +83,8 @@ with common.guard():
                                f"{row['expert']} (request {row['request_id'][:8]}).")
                 except GateRequestError as e:
                     st.warning(str(e))
-        requests = data.run_rows(ctx.root, data.store_version(ctx.root), REQUESTS_TABLE, ctx.run_id,
-                                 ("requested_at",), 50)
-        if requests is not None and not requests.empty:
+        requests = data.table_rows(ctx.root, data.store_version(ctx.root), REQUESTS_TABLE, ctx.run_id,
+                                   "requested_at", 50)
+        if not requests.empty:
             st.markdown("**Recent requests**")
             st.dataframe(requests, hide_index=True)

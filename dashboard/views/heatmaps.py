@@ -6,10 +6,10 @@ below do the same by hand. On first load the hottest expert of the run is select
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
+from alerts import signals
 from dashboard import common, data
 from dashboard import figures as fg
 
@@ -50,22 +50,24 @@ def _on_time_click() -> None:
 
 with common.guard():
     common.filter_caption(ctx)
-    share = data.layer_expert_load(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    share = data.expert_share(ctx.root, ctx.version, ctx.run_id, None, None, data.tags(ctx.tag))
+    layer_totals = data.layer_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     layers = ctx.layer_ids()
     if share.empty or not layers:
         st.info("No expert load recorded for this run yet (or none with the chosen tag).")
         st.stop()
 
     if st.session_state.get(LAYER) not in layers:
-        # Start where a newcomer wants to look: the expert with the largest share of its layer.
-        totals = share.groupby("layer").load.transform("sum").replace(0, np.nan)
-        hot = share.assign(s=share.load / totals).sort_values("s", ascending=False).iloc[0]
-        st.session_state[LAYER], st.session_state[EXPERT] = int(hot.layer), int(hot.expert)
+        # Start where a newcomer wants to look: the Overview's hottest expert (`signals.run_figures`).
+        hot = signals.run_figures(signals.layer_figures_of(layer_totals.itertuples())).hottest
+        if hot is not None:
+            st.session_state[LAYER], st.session_state[EXPERT] = hot.layer, hot.spread.hottest
         st.session_state[STEPS] = None
 
-    st.plotly_chart(fg.layer_share_heatmap(share), key="hm_share_chart", on_select=_on_share_click,
-                    selection_mode="points")
-    st.caption("Click a cell to list the tokens that layer sent to that expert.")
+    st.plotly_chart(fg.layer_share_heatmap(share, dict(zip(layer_totals.layer, layer_totals.tokens))),
+                    key="hm_share_chart", on_select=_on_share_click, selection_mode="points")
+    st.caption("Colour: each expert's share of its layer's routing slots (a token routed to k experts fills k "
+               "slots); the hover adds its share of the layer's tokens. Click a cell to list the tokens.")
 
     left, right = st.columns([1, 1])
     layer = left.selectbox("MoE layer", layers, key=LAYER, on_change=lambda: st.session_state.update({STEPS: None}))
@@ -74,7 +76,7 @@ with common.guard():
         st.session_state[EXPERT] = experts[0]
     expert = right.selectbox("Expert", experts, key=EXPERT)
 
-    matrix = data.load_matrix(ctx.root, ctx.version, ctx.run_id, layer, ctx.tag)
+    matrix = data.load_heatmap(ctx.root, ctx.version, ctx.run_id, layer, ctx.tag)
     st.plotly_chart(fg.load_heatmap(matrix, layer), key="hm_time_chart", on_select=_on_time_click,
                     selection_mode="points")
 
@@ -87,7 +89,7 @@ with common.guard():
         st.rerun()
     limit = st.select_slider("Tokens to list", [50, 100, 200, 500], value=200, key="hm_limit")
     tokens = data.expert_tokens(ctx.root, ctx.version, ctx.run_id, layer, expert,
-                                tuple(steps) if steps else None, ctx.tag, limit)
+                                tuple(steps) if steps else None, limit, ctx.tag)
     if tokens.empty:
         st.info("No routed token recorded for this cell. Per-token routes are only kept when the probe "
                 "was attached with `routes=True`.")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
+from alerts import signals
 from dashboard import common, data
 from dashboard import figures as fg
 
@@ -22,16 +22,14 @@ with common.guard():
                 "appear here once the probe has flushed them.")
         st.stop()
     layer_totals = data.layer_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
-    alerts = data.run_rows(ctx.root, ctx.version, "alerts", ctx.run_id, fg.ALERT_TIME)
-    firing = fg.firing_now(alerts) if alerts is not None else pd.DataFrame()
+    layers = signals.layer_figures_of(layer_totals.itertuples())
+    run = signals.run_figures(layers)
+    alerts = data.table_rows(ctx.root, ctx.version, "alerts", ctx.run_id, "ts")
+    firing = fg.firing_now(alerts)
 
-    spreads = pd.DataFrame([fg.load_spread(v) for v in layer_totals.expert_load]) if not layer_totals.empty \
-        else pd.DataFrame(columns=["cv", "max_mean", "top_share", "hottest"])
-    tokens = float(layer_totals.tokens.sum()) if not layer_totals.empty else 0.0
-    dropped = float(layer_totals.dropped_tokens.sum()) if not layer_totals.empty else 0.0
     # An imported run (vLLM, SGLang, ...) has loads but no logits, drops or parameter counts: null, not 0.
     has_active = pd.notna(totals.get("active_fraction"))
-    has_entropy = not layer_totals.empty and layer_totals.router_entropy.notna().any()
+    has_entropy = pd.notna(run.entropy.nats)
     has_dropped = layer_totals.empty or layer_totals.dropped_tokens.notna().any()
 
     stats = data.probe_stats(ctx.root, ctx.version, ctx.run_id)
@@ -39,18 +37,26 @@ with common.guard():
 
     cols = st.columns(4) + st.columns(4)
     cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
-    cols[1].metric("Steps", f"{int(totals['steps']):,}")
+    cols[1].metric("Steps", f"{int(totals['steps']):,}", help="Forward passes recorded.")
     cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}" if has_active else "—",
                    help="Parameters each token really used (shared + the experts it was routed to), "
                         "token-weighted over the run, as a share of all parameters.")
-    cols[3].metric("Load spread (CV)", f"{np.nanmean(spreads.cv):.3f}" if len(spreads) else "—",
-                   help="Coefficient of variation of tokens per expert, averaged over layers; 0 is even.")
-    cols[4].metric("Router entropy", f"{layer_totals.router_entropy.mean():.3f} nats" if has_entropy else "—")
-    cols[5].metric("Dropped tokens", f"{int(dropped):,}" if has_dropped else "—",
-                   help="Tokens no expert processed because every chosen expert was at capacity, summed "
-                        "over layers." + (f" {dropped / tokens:.2%} of layer-tokens." if tokens else ""))
-    cols[6].metric("Alerts firing now", "—" if alerts is None else str(len(firing)),
-                   help="No alerts table in this store yet." if alerts is None else None)
+    cols[3].metric("Load spread (CV)", f"{run.load_cv:.3f}" if layers else "—",
+                   help="Coefficient of variation of tokens per routed expert (zero experts left out), "
+                        "token-weighted mean over layers; 0 is perfectly even.")
+    cols[4].metric("Router entropy", f"{run.entropy.nats:.3f} nats" if has_entropy else "—",
+                   delta=f"H / ln E = {run.entropy.normalized:.3f}" if has_entropy else None, delta_color="off",
+                   help="Mean per-token entropy of the router's softmax, token-weighted over layers and steps. "
+                        "H / ln E divides by the log of the router's choices (experts + zero experts): 0 is "
+                        "always one expert, 1 is no preference, comparable across models.")
+    cols[5].metric("Dropped tokens", f"{run.dropped_tokens:,}" if has_dropped else "—",
+                   delta=f"{run.dropped_token_rate:.2%} of layer-tokens" if has_dropped and run.layer_tokens
+                   else None, delta_color="off",
+                   help="Tokens no expert processed because every chosen expert was at capacity, summed over "
+                        "layers; the rate is over the tokens every layer routed (dropped / tokens).")
+    cols[6].metric("Alerts firing now", str(len(firing)),
+                   help="Alerts whose latest transition is firing: rules, expert health and the trust gate. "
+                        "A finished run has resolved them all (reason: run ended).")
     cols[7].metric("Rows not recorded", f"{int(lost.dropped_rows.sum()):,}",
                    help="Rows the probe recorded but could not keep (a full queue, a failed write), over all "
                         "tables and writers of the run, as of the writers' last probe_stats on disk.")
@@ -73,16 +79,19 @@ with common.guard():
         st.caption(f"By batch it ranged from {totals['active_min']:.2%} to {totals['active_max']:.2%} "
                    f"(5th–95th percentile {totals['active_p5']:.2%}–{totals['active_p95']:.2%}).")
 
-    if len(spreads) and spreads.hottest.ge(0).any():
-        worst = int(np.nanargmax(spreads.top_share.to_numpy(dtype=float)))
-        layer, expert = int(layer_totals.layer.iloc[worst]), int(spreads.hottest.iloc[worst])
+    hot = run.hottest
+    if hot is not None:
         left, right = st.columns([3, 1])
-        left.markdown(f"Hottest expert: **layer {layer}, expert {expert}** takes "
-                      f"{spreads.top_share.iloc[worst]:.1%} of its layer's tokens "
-                      f"(max/mean {spreads.max_mean.iloc[worst]:.2f}).")
+        left.markdown(f"Hottest expert: **layer {hot.layer}, expert {hot.spread.hottest}**, chosen by "
+                      f"{hot.spread.hottest_token_share:.1%} of the layer's tokens "
+                      f"({hot.spread.hottest_load:,} of {hot.tokens:,}), "
+                      f"{hot.spread.hottest_slot_share:.1%} of its routing slots (max/mean "
+                      f"{hot.spread.max_mean:.2f}).")
         right.page_link("views/heatmaps.py", label="Which tokens go there?", icon=":material/arrow_forward:")
+        st.caption("A token routed to k experts fills k slots: token shares of a layer's experts add up to k, "
+                   "slot shares to 100%.")
 
-    over_time = data.active_fraction_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    over_time = data.active_fraction_buckets(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     left, right = st.columns(2)
     left.plotly_chart(fg.active_fraction_figure(over_time) if has_active else
                       fg.empty_figure(common.not_recorded("active parameters", ctx)), key="ov_active_chart")
@@ -97,19 +106,16 @@ with common.guard():
         else:
             st.info("No step carries a tag: tag traffic with `session.tag(domain=...)` to compare.")
 
-    entropy = data.entropy_over_time(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    buckets = data.layer_buckets(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     a, b, c = st.columns(3)
-    a.plotly_chart(fg.layer_spread_figure(layer_totals), key="ov_spread_chart")
-    b.plotly_chart(fg.entropy_figure(entropy) if has_entropy else
+    a.plotly_chart(fg.layer_spread_figure(layers), key="ov_spread_chart")
+    b.plotly_chart(fg.entropy_figure(buckets) if has_entropy else
                    fg.empty_figure(common.not_recorded("router entropy", ctx)), key="ov_entropy_chart")
-    c.plotly_chart(fg.dropped_figure(entropy) if has_dropped else
+    c.plotly_chart(fg.dropped_figure(buckets) if has_dropped else
                    fg.empty_figure(common.not_recorded("dropped tokens", ctx)), key="ov_dropped_chart")
 
     st.subheader("Alerts firing now")
-    if alerts is None:
-        st.info("This store has no alerts table yet: run the rules engine (`moescope alerts run STORE`) "
-                "or attach it live to record alert transitions.")
-    elif firing.empty:
+    if firing.empty:
         st.success("No alert is firing.")
     else:
         st.dataframe(firing, hide_index=True)

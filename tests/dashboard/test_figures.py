@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from sklearn.metrics import mutual_info_score
+from sklearn.metrics import normalized_mutual_info_score
 
+from alerts import signals
 from dashboard import figures as fg
-from dashboard import queries as q
 from store.store import Store
 
 
@@ -33,21 +33,26 @@ def test_layer_share_heatmap_matches_a_loop_over_routes(store, recorded):
     for layer, ids, kept in zip(routes.layer, routes.expert_ids, routes.kept):
         for expert, k in zip(ids, kept):
             share[layer, expert] += k
+    chose = share.copy()
     share /= share.sum(axis=1, keepdims=True)
-    fig = fg.layer_share_heatmap(q.layer_expert_load(store, run_id))
+    tokens = {layer: int((routes.layer == layer).sum()) for layer in (0, 1)}  # a routes row is a token
+    fig = fg.layer_share_heatmap(store.expert_share(run_id), tokens)
     heat, clicks = fig.data
-    assert np.allclose(np.asarray(heat.z, dtype=float), share)
-    # The click layer: one point per cell, its customdata names the cell.
+    assert np.allclose(np.asarray(heat.z, dtype=float), share)  # colour: share of the layer's slots
+    # The click layer: one point per cell, its customdata names the cell and says tokens and slots.
     custom = np.asarray(clicks.customdata, dtype=float)
     assert len(custom) == 16
-    for layer, expert, tokens, cell_share in custom:
-        assert cell_share == pytest.approx(share[int(layer), int(expert)])
+    for layer, expert, chosen, token_share, slot_share in custom:
+        assert chosen == chose[int(layer), int(expert)]
+        assert token_share == pytest.approx(chose[int(layer), int(expert)] / tokens[int(layer)])
+        assert slot_share == pytest.approx(share[int(layer), int(expert)])
         assert str(int(expert)) in clicks.x and str(int(layer)) in clicks.y
+    assert "of the layer's tokens" in clicks.hovertemplate and "of its slots" in clicks.hovertemplate
 
 
 def test_load_heatmap_columns_are_bucket_shares(store, recorded):
     run_id = recorded["runs"][0]
-    matrix = q.load_matrix(store, run_id, 0, max_buckets=6)
+    matrix = store.load_heatmap(run_id, 0, max_buckets=6)
     fig = fg.load_heatmap(matrix, 0)
     z = np.asarray(fig.data[0].z, dtype=float)
     assert z.shape == (8, matrix.step_start.nunique())
@@ -66,51 +71,64 @@ def test_coselection_affinity_is_conditional_share():
     z = np.asarray(fig.data[0].z, dtype=float)
     assert np.isnan(np.diag(z)).all()
     assert z[0, 1] == pytest.approx(0.4) and z[1, 0] == pytest.approx(0.5) and z[2, 1] == pytest.approx(0.4)
+    # a probability: the colour scale is pinned to [0, 1] and starts white, so a 0 cell reads as 0
+    assert (fig.data[0].zmin, fig.data[0].zmax) == (0, 1)
+    assert fig.data[0].colorscale[0][1].lower() in ("rgb(247,251,255)", "#f7fbff")
     assert "no co-selection" in fg.coselection_heatmap(None, 3).layout.annotations[0].text
 
 
-def test_mutual_information_matches_sklearn():
+def test_specialisation_is_sklearns_nmi():
     rng = np.random.default_rng(0)
     experts = rng.integers(0, 8, 5000)
     tags = (experts // 3 + rng.integers(0, 2, 5000)) % 3  # tag depends on the expert, noisily
     counts = np.zeros((8, 3))
     np.add.at(counts, (experts, tags), 1)
-    assert fg.mutual_information_bits(counts) == pytest.approx(mutual_info_score(experts, tags) / np.log(2))
-    assert fg.mutual_information_bits(np.ones((4, 3))) == pytest.approx(0.0, abs=1e-12)
-    assert np.isnan(fg.mutual_information_bits(np.zeros((2, 2))))
+    assert signals.normalized_mutual_information(counts) == pytest.approx(
+        normalized_mutual_info_score(experts, tags), abs=1e-12)
+    assert signals.normalized_mutual_information(np.ones((4, 3))) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="empty"):
+        signals.normalized_mutual_information(np.zeros((2, 2)))
 
 
 def test_specialisation_figure_from_the_store(store, recorded):
     run_id = recorded["runs"][0]
-    load = q.expert_tag_load(store, run_id, "domain")
+    load = store.expert_tag_load(run_id, "domain")
     counts, experts, values = fg.contingency(load, 1)
     assert values == ["code", "math", "prose"] and experts == list(range(8))
     fig = fg.specialisation_figure(counts, experts, values, "domain", 1)
     assert np.allclose(np.nansum(np.asarray(fig.data[0].z, dtype=float), axis=0), 1.0)
-    assert f"{fg.mutual_information_bits(counts):.4f} bits" in fig.layout.title.text
+    assert f"NMI(expert; domain) = {signals.normalized_mutual_information(counts):.3f}" in fig.layout.title.text
     # Every token of a step counts k times (top-k slots): totals are tokens x top_k.
-    assert counts.sum() == q.step_totals(store, run_id)["tokens"] * 2
+    assert counts.sum() == store.step_totals(run_id)["tokens"] * 2
+    per_layer = fg.specialisation_by_layer(load)
+    assert per_layer.nmi.tolist() == [signals.normalized_mutual_information(fg.contingency(load, layer)[0])
+                                      for layer in (0, 1)]
 
 
 def test_active_fraction_figures_show_percent(store, recorded):
     run_id = recorded["runs"][0]
-    over_time = q.active_fraction_over_time(store, run_id, max_buckets=10)
+    over_time = store.active_fraction_buckets(run_id, max_buckets=10)
     assert len(over_time) <= 10
     fig = fg.active_fraction_figure(over_time)
     assert np.allclose(fig.data[2].y, over_time.active_fraction * 100)
-    by_tag = q.active_fraction_by_tag(store, run_id, "domain")
+    by_tag = store.active_fraction_by_tag(run_id, "domain")
     bars = fg.active_by_tag_figure(by_tag, "domain").data[0]
     assert list(bars.x) == ["code", "math", "prose"]
     assert np.allclose(bars.y, by_tag.active_fraction * 100)
 
 
-def test_load_spread_numbers():
-    spread = fg.load_spread([2, 2, 4, 0])
-    assert spread["cv"] == pytest.approx(np.std([2, 2, 4, 0]) / 2)
-    assert spread["max_mean"] == pytest.approx(2.0)
-    assert spread["top_share"] == pytest.approx(0.5) and spread["hottest"] == 2
-    assert spread["dead_fraction"] == pytest.approx(0.25)
-    assert np.isnan(fg.load_spread([0, 0])["cv"])
+def test_active_fraction_noise_draws_flat():
+    # Every token uses k experts: the fraction is constant up to float noise in the 17th digit, which
+    # must neither show as swings nor as a tick like 37.32601895089993604.
+    noisy = 0.3732601895089993 + np.array([0, 2e-17, -3e-17, 5e-17])
+    over_time = pd.DataFrame({"step_start": [0, 32, 64, 96], "step_end": [31, 63, 95, 110],
+                              "active_fraction": noisy, "active_min": noisy, "active_max": noisy})
+    fig = fg.active_fraction_figure(over_time)
+    assert len(set(fig.data[2].y)) == 1
+    lo, hi = fig.layout.yaxis.range
+    assert hi - lo >= 1.0 and lo < 37.326 < hi
+    assert fig.layout.yaxis.tickformat == ".2f"
+    assert fig.layout.xaxis.range[1] == pytest.approx(110.5)  # ends at the run's last step
 
 
 def test_divergence_figure_draws_rule_thresholds():
@@ -119,25 +137,53 @@ def test_divergence_figure_draws_rule_thresholds():
     div = fg.divergence_over_time(frame)
     p = np.array([9.5, 1.5]) / 11  # 0.5 pseudo-tokens per expert, as the rules smooth
     assert div.kl.iloc[0] == pytest.approx(0.0) and div.kl.iloc[1] == pytest.approx(np.sum(p * np.log(p / 0.5)))
-    fig = fg.divergence_figure(div, "kl", [("RoutingDriftFromBaseline", 0.1)])
+    fig = fg.divergence_figure(div, "kl", [("RoutingDriftFromBaseline", 0.1)], steps=(0, 6))
     assert [s.y0 for s in fig.layout.shapes] == [0.1]
     assert len(fig.data) == 2
+    assert fig.layout.xaxis.range[1] == pytest.approx(6.5)  # the axis stops at the run's last step
+    # a window's x is its last recorded step, never past the run
+    div = fg.divergence_over_time(frame.assign(last_step=[3, 6, 3]))
+    assert div.step_end.tolist() == [3, 6, 3]
 
 
 def test_alert_states_and_firing_now():
     ts = pd.to_datetime(["2026-01-01 00:00", "2026-01-01 00:01", "2026-01-01 00:02", "2026-01-01 00:03"], utc=True)
     alerts = pd.DataFrame({"fingerprint": ["a", "a", "b", "b"], "alertname": ["X", "X", "Y", "Y"],
-                           "layer": [0, 0, 1, 1], "state": ["pending", "firing", "firing", "resolved"], "ts": ts})
+                           "layer": [0, 0, 1, 1], "state": ["pending", "firing", "firing", "resolved"], "ts": ts,
+                           "previous_state": ["inactive", "pending", "pending", "firing"], "step": [3, 5, 7, 9],
+                           "expert": [None, None, 4, 4], "reason": [None, None, None, "run ended"]})
     firing = fg.firing_now(alerts)
     assert list(firing.fingerprint) == ["a"]
-    fig = fg.alert_timeline(alerts, "ts", "alertname")
+    fig = fg.alert_timeline(alerts, steps=(0, 9))
     assert {t.name for t in fig.data} == {"pending", "firing", "resolved"}
+    resolved = next(t for t in fig.data if t.name == "resolved")
+    assert list(resolved.x) == [9] and list(resolved.y) == ["Y · layer 1 · expert 4"]  # in steps, names the expert
+    assert list(resolved.customdata) == [" (run ended)"]
+    assert fig.layout.xaxis.title.text == "step"
     assert fg.firing_now(pd.DataFrame()).empty
+
+
+def test_gate_history_spans_the_run_and_names_the_expert():
+    events = pd.DataFrame({"layer": [2, 2], "expert": [5, 5], "step": [40, 70], "old_weight": [1.0, 0.0],
+                           "new_weight": [0.0, 1.0]})
+    fig = fg.gate_history(events, (0, 120))
+    line = fig.data[0]
+    assert list(line.x) == [0, 40, 70, 120] and list(line.y) == [1.0, 0.0, 1.0, 1.0]
+    assert line.name == "layer 2, expert 5" and "layer 2 expert 5" in fig.layout.title.text
+    assert list(fig.layout.xaxis.range) == [-0.5, 120.5]
+
+
+def test_compare_panels_of_non_negative_metrics_start_at_zero():
+    values = pd.DataFrame({"side": ["A", "B", "A", "B"], "metric": ["dropped tokens (%)"] * 2 + ["CV"] * 2,
+                           "value": [0.0, 0.0, 0.4, 0.5]})
+    fig = fg.compare_scalars_figure(values)
+    assert list(fig.layout.yaxis.range) == [0, 1]  # nothing dropped: 0 to 1, not -1 to 1
+    assert list(fig.layout.yaxis2.range) == pytest.approx([0, 0.55])
 
 
 def test_empty_frames_give_a_message_not_an_error():
     empty = pd.DataFrame()
-    for fig in (fg.active_fraction_figure(empty), fg.layer_share_heatmap(empty), fg.entropy_figure(empty),
-                fg.load_heatmap(empty, 0), fg.alert_timeline(empty, "ts", "alertname"),
+    for fig in (fg.active_fraction_figure(empty), fg.layer_share_heatmap(empty, {}), fg.entropy_figure(empty),
+                fg.load_heatmap(empty, 0), fg.alert_timeline(empty), fg.layer_spread_figure([]),
                 fg.compare_scalars_figure(empty), fg.divergence_figure(empty, "js")):
         assert fig.layout.annotations and fig.layout.annotations[0].text

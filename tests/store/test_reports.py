@@ -1,4 +1,5 @@
-"""The dashboard's queries, checked against loops over the Parquet rows read without DuckDB."""
+"""The queries behind the views (store/reports.py), checked against loops over the Parquet rows
+read without DuckDB, on a store the probe recorded on a real tiny Mixtral."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 
 from alerts import signals
 from dashboard import figures as fg
-from dashboard import queries as q
+from store.schema import SCHEMAS
 from store.store import Store
+from tests.dashboard.recording import record_alerts, record_store
 
 
 def rows(root: str, table: str, run_id: str) -> list[dict]:
@@ -25,6 +27,13 @@ def rows(root: str, table: str, run_id: str) -> list[dict]:
             row["tags"] = dict(row["tags"]) if row.get("tags") is not None else {}
             out.append(row)
     return out
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("reports") / "store")
+    runs = record_store(root)
+    return {"root": root, "runs": runs, "transitions": record_alerts(root)}
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +54,14 @@ def test_layer_expert_load_equals_count_of_kept_routes(store, recorded, run_id):
         for expert, kept in zip(row["expert_ids"], row["kept"]):
             if kept:
                 counted[(row["layer"], expert)] += 1
-    got = q.layer_expert_load(store, run_id)
+    got = store.expert_share(run_id)
     assert {(int(r.layer), int(r.expert)): int(r.load) for r in got.itertuples() if r.load} == dict(counted)
 
 
 def test_tag_filter_and_load_matrix_match_a_loop(store, recorded, run_id):
     steps = rows(recorded["root"], "layer_steps", run_id)
     code = [r for r in steps if r["tags"]["domain"] == "code" and r["layer"] == 1]
-    matrix = q.load_matrix(store, run_id, 1, ("domain", "code"), max_buckets=5)
+    matrix = store.load_heatmap(run_id, 1, {"domain": "code"}, max_buckets=5)
     width = int(np.ceil((max(r["step"] for r in steps) + 1) / 5))
     expected = defaultdict(int)
     for r in code:
@@ -64,7 +73,7 @@ def test_tag_filter_and_load_matrix_match_a_loop(store, recorded, run_id):
 
 def test_step_totals_and_active_fraction_by_tag(store, recorded, run_id):
     steps = rows(recorded["root"], "steps", run_id)
-    totals = q.step_totals(store, run_id, ("domain", "math"))
+    totals = store.step_totals(run_id, {"domain": "math"})
     chosen = [r for r in steps if r["tags"]["domain"] == "math"]
     assert totals["steps"] == len(chosen)
     assert totals["tokens"] == sum(r["tokens"] for r in chosen)
@@ -77,7 +86,7 @@ def test_step_totals_and_active_fraction_by_tag(store, recorded, run_id):
     shared = run["total_params"] - run["routed_expert_params"]
     per_token = sum(info["top_k"] * info["params_per_expert"] for info in layers)
     assert totals["active_fraction"] == pytest.approx((shared + per_token) / run["total_params"], rel=1e-9)
-    by_tag = q.active_fraction_by_tag(store, run_id, "domain")
+    by_tag = store.active_fraction_by_tag(run_id, "domain")
     assert sorted(by_tag.value) == ["code", "math", "prose"]
     assert by_tag.steps.sum() == len(steps)
 
@@ -92,14 +101,14 @@ def test_coselection_matches_pairs_of_routes(store, recorded, run_id):
             pairs[i, i] += 1
         for i, j in itertools.permutations(chosen, 2):
             pairs[i, j] += 1
-    assert np.array_equal(q.coselection(store, run_id, 0), pairs)
+    assert np.array_equal(store.coselection(run_id, 0), pairs)
 
 
 def test_expert_tokens_lists_exactly_the_routed_tokens_with_context(store, recorded, run_id):
     routes = rows(recorded["root"], "routes", run_id)
     wanted = {(r["step"], r["token"]) for r in routes
               if r["layer"] == 1 and 4 in r["expert_ids"] and 3 <= r["step"] <= 7}
-    got = q.expert_tokens(store, run_id, 1, 4, (3, 7), limit=500, context=2)
+    got = store.expert_tokens(run_id, 1, 4, (3, 7), limit=500, context=2)
     assert {(int(r.step), int(r.token)) for r in got.itertuples()} == wanted
     by_position = {(r["step"], r["sequence"], r["position"]): r["token_id"] for r in routes if r["layer"] == 1}
     for r in got.itertuples():
@@ -107,21 +116,22 @@ def test_expert_tokens_lists_exactly_the_routed_tokens_with_context(store, recor
                     if (r.step, r.sequence, p) in by_position]
         assert list(r.context_ids) == expected
         assert r.token_id == by_position[(r.step, r.sequence, r.position)]
-    limited = q.expert_tokens(store, run_id, 1, 4, None, limit=7)
+    limited = store.expert_tokens(run_id, 1, 4, None, limit=7)
     assert len(limited) == 7
 
 
 def test_user_text_never_becomes_sql(store, run_id):
     hostile = "code') OR 1=1; DROP VIEW steps; --"
-    assert q.step_totals(store, run_id, ("domain", hostile))["steps"] == 0
-    assert q.step_totals(store, hostile)["steps"] == 0
-    assert q.active_fraction_by_tag(store, run_id, hostile).empty
-    assert q.step_totals(store, run_id)["steps"] > 0  # the view is still there
+    assert store.step_totals(run_id, {"domain": hostile})["steps"] == 0
+    assert store.step_totals(hostile)["steps"] == 0
+    assert store.active_fraction_by_tag(run_id, hostile).empty
+    assert store.expert_tag_load(run_id, hostile).empty
+    assert store.step_totals(run_id)["steps"] > 0  # the view is still there
 
 
 def test_drift_windows_against_baseline(store, recorded, run_id):
     steps = rows(recorded["root"], "layer_steps", run_id)
-    div = fg.divergence_over_time(q.drift_windows(store, run_id, 6, None, 8))
+    div = fg.divergence_over_time(store.drift_from_first_steps(run_id, 6, None, 8))
     layer0 = sorted((r for r in steps if r["layer"] == 0), key=lambda r: r["step"])
     reference = np.sum([r["expert_load"] for r in layer0[:8]], axis=0)
     first = np.sum([r["expert_load"] for r in layer0 if r["step"] < 6], axis=0)
@@ -133,24 +143,29 @@ def test_drift_windows_against_baseline(store, recorded, run_id):
     other = recorded["runs"][1]
     other0 = sorted((r for r in rows(recorded["root"], "layer_steps", other) if r["layer"] == 0),
                     key=lambda r: r["step"])
-    versus = fg.divergence_over_time(q.drift_windows(store, run_id, 6, other, 8))
+    versus = fg.divergence_over_time(store.drift_from_first_steps(run_id, 6, other, 8))
     row = versus[(versus.layer == 0) & (versus.window_start == 0)].iloc[0]
     assert row.kl == pytest.approx(signals.kl_divergence(first, np.sum([r["expert_load"] for r in other0[:8]], axis=0)))
 
 
 def test_optional_tables(store, recorded, run_id):
-    assert q.run_rows(store, "not_a_table", run_id) is None  # no such table
-    assert q.run_rows(store, "trust_gate_requests", run_id).empty  # in the schema, nothing written
-    assert q.run_rows(store, "expert_health", run_id).empty  # in the schema, nothing written
-    alerts = q.run_rows(store, "alerts", run_id, fg.ALERT_TIME)
-    assert alerts is not None and len(alerts) > 0
+    with pytest.raises(ValueError, match="no table"):
+        store.table_rows("not_a_table", run_id)
+    with pytest.raises(ValueError, match="no column"):
+        store.table_rows("alerts", run_id, "at; DROP VIEW steps")
+    assert store.table_rows("trust_gate_requests", run_id).empty  # in the schema, nothing written
+    assert store.table_rows("expert_health", run_id).empty  # in the schema, nothing written
+    alerts = store.table_rows("alerts", run_id, "ts")
+    assert len(alerts) == len(rows(recorded["root"], "alerts", run_id)) > 0
     assert alerts.ts.is_monotonic_increasing
-    assert len(q.run_rows(store, "alerts", run_id, fg.ALERT_TIME, limit=3)) == 3
+    assert list(alerts.columns) == SCHEMAS["alerts"].names  # no view guesses a column name
+    latest = store.table_rows("alerts", run_id, "ts", limit=3)
+    assert len(latest) == 3 and latest.ts.tolist() == alerts.ts.tolist()[-3:]
 
 
 def test_router_input_sample_is_fixed_and_has_context(store, recorded, run_id):
-    a = q.router_input_sample(store, run_id, 0, size=50)
-    b = q.router_input_sample(store, run_id, 0, size=50)
+    a = store.router_input_sample(run_id, 0, size=50)
+    b = store.router_input_sample(run_id, 0, size=50)
     assert len(a) == 50 and a[["step", "token"]].equals(b[["step", "token"]])
     inputs = {(r["step"], r["token"]): r for r in rows(recorded["root"], "router_inputs", run_id) if r["layer"] == 0}
     for r in a.itertuples():

@@ -1,0 +1,294 @@
+"""The queries behind every view: `moescope summary`, the dashboard's pages and the demo.
+
+Mixed into `store.Store` next to `store.queries.StoreQueries` (same conventions: half-open step
+windows, `tags` filters, ranks summed, `?` parameters only, an unknown run is an empty answer).
+Each method returns a small frame or dict whose columns and units its docstring names; views
+only cache and draw them, and `alerts.signals` turns them into the derived figures (spread,
+normalised entropy, rates, specialisation). Means of per-row means are weighted by tokens
+(`TOKEN_WEIGHTED`), the rule `alerts.signals.token_weighted_mean` states.
+
+Every result is bounded: by a LIMIT, or by a bounded number of step buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from store.queries import STEPS, _unnest_load, _vectors, where
+from store.schema import SCHEMAS
+
+MAX_BUCKETS = 240  # points on a step axis; more steps than this are summed into buckets
+MAX_TOKENS_LISTED = 500
+MAX_SAMPLE = 5000
+MAX_TABLE_ROWS = 5000
+MAX_TAG_ROWS = 262144
+
+
+def token_weighted(column: str) -> str:
+    """SQL for the token-weighted mean of `column` over a group's rows (a fixed fragment: `column`
+    is one of ours, never a user's). Rows where the column is NULL (not recorded) count in neither
+    sum, as in `alerts.signals.token_weighted_mean`."""
+    return f"(sum({column} * tokens) / nullif(sum(CASE WHEN {column} IS NOT NULL THEN tokens END), 0))"
+
+
+def _buckets(table: str, clause: str) -> str:
+    """A CTE `b` with the first step (s0) and bucket width (w) that fit a run in `?` buckets."""
+    return f"""b AS (SELECT coalesce(min(step), 0) AS s0,
+                        greatest(1, ceil((max(coalesce(step_end, step)) - min(step) + 1) / ?::DOUBLE))::BIGINT AS w
+                 FROM {table} WHERE {clause})"""
+
+
+class ReportQueries:
+    """Mixed into `store.Store`; every method runs through `self.sql`."""
+
+    def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:  # pragma: no cover
+        raise NotImplementedError
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run_info(self, run_id: str) -> dict[str, object] | None:
+        """What the run is: model_class, total_params, routed_expert_params (parameter counts),
+        source ("probe", or the engine an importer read; "probe" where not recorded), started_at
+        (UTC). None for an unknown run."""
+        frame = self.sql("""
+            SELECT any_value(model_class) AS model_class, max(total_params) AS total_params,
+                   max(routed_expert_params) AS routed_expert_params,
+                   coalesce(any_value(source), 'probe') AS source, min(started_at) AS started_at
+            FROM runs WHERE run_id = ? GROUP BY run_id""", [run_id])
+        return None if frame.empty else frame.iloc[0].to_dict()
+
+    def step_totals(self, run_id: str, tags: dict[str, str] | None = None) -> dict[str, object]:
+        """Totals over a run's recorded rows (a row is a forward or a window of forwards).
+
+        Keys: steps (forwards), tokens, first_step, last_step (step numbers), active_fraction
+        (token-weighted share of all parameters used per token), active_min, active_p5,
+        active_p50, active_p95, active_max (over rows), active_params (token-weighted parameters
+        per token), seconds_per_token (forward wall time / tokens), seconds_per_token_p50 (over
+        rows), total_params, first_ts, last_ts (UTC). steps and tokens are 0 for no row.
+        """
+        clause, params = where(run_id, tags=tags)
+        frame = self.sql(f"""
+            SELECT coalesce({STEPS}, 0) AS steps, coalesce(sum(tokens), 0)::BIGINT AS tokens,
+                   min(step) AS first_step, max(coalesce(step_end, step)) AS last_step,
+                   {token_weighted("active_param_fraction")} AS active_fraction,
+                   min(active_param_fraction) AS active_min,
+                   quantile_cont(active_param_fraction, 0.05) AS active_p5,
+                   quantile_cont(active_param_fraction, 0.5) AS active_p50,
+                   quantile_cont(active_param_fraction, 0.95) AS active_p95,
+                   max(active_param_fraction) AS active_max,
+                   {token_weighted("active_params")} AS active_params,
+                   sum(duration_s) / nullif(sum(tokens), 0) AS seconds_per_token,
+                   quantile_cont(duration_s / nullif(tokens, 0), 0.5) AS seconds_per_token_p50,
+                   max(total_params) AS total_params, min(ts) AS first_ts, max(ts) AS last_ts
+            FROM steps WHERE {clause}""", params)
+        return frame.iloc[0].to_dict()
+
+    def tag_totals(self, run_id: str, limit: int = 50) -> pd.DataFrame:
+        """Per step tag (key, value): steps (forwards), tokens, active_fraction (token-weighted)."""
+        return self.sql(f"""
+            SELECT t.key AS key, t.value AS value, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens,
+                   {token_weighted("active_param_fraction")} AS active_fraction
+            FROM (SELECT unnest(map_entries(tags)) AS t, active_param_fraction, tokens, forwards, rank
+                  FROM steps WHERE run_id = ?)
+            GROUP BY ALL ORDER BY key, value LIMIT ?""", [run_id, int(limit)])
+
+    def active_fraction_by_tag(self, run_id: str, key: str, limit: int = 100) -> pd.DataFrame:
+        """Per value of tag `key` (steps without it left out): value, steps, tokens, active_fraction
+        (token-weighted), active_min and active_max (over rows)."""
+        return self.sql(f"""
+            SELECT map_extract_value(tags, ?) AS value, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens,
+                   {token_weighted("active_param_fraction")} AS active_fraction,
+                   min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max
+            FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL
+            GROUP BY value ORDER BY value LIMIT ?""", [str(key), run_id, str(key), int(limit)])
+
+    def active_fraction_buckets(self, run_id: str, tags: dict[str, str] | None = None,
+                                max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
+        """Per step bucket (at most `max_buckets`): step_start, step_end (last step recorded in it),
+        ts (UTC), tokens, active_fraction (token-weighted), active_min, active_max (over rows)."""
+        clause, params = where(run_id, tags=tags)
+        return self.sql(f"""
+            WITH {_buckets("steps", clause)}
+            SELECT b.s0 + ((step - b.s0) // b.w) * b.w AS step_start, max(coalesce(step_end, step)) AS step_end,
+                   min(ts) AS ts, sum(tokens)::BIGINT AS tokens,
+                   {token_weighted("active_param_fraction")} AS active_fraction,
+                   min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max
+            FROM steps, b WHERE {clause}
+            GROUP BY step_start ORDER BY step_start LIMIT ?""",
+            [int(max_buckets), *params, *params, int(max_buckets) + 1])
+
+    # -- layers --------------------------------------------------------------------------------
+
+    def layer_totals(self, run_id: str, tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Per MoE layer over a run (or the rows carrying `tags`), one row per layer that routed.
+
+        Columns: layer; num_experts (routed, with parameters), zero_experts, router_width
+        (num_experts + zero_experts: the router's choices), top_k (from the `layers` table; NULL
+        where the run recorded none); tokens (tokens the layer routed); slots (kept top-k
+        assignments = sum of expert_load); expert_load (np.ndarray of int64 per expert, routed
+        experts first, then zero experts: tokens that chose it); router_entropy (token-weighted
+        mean per-token entropy, nats; NaN where not recorded); dropped_tokens (tokens no expert
+        processed), dropped_assignments (slots dropped at capacity); capacity_use (fullest
+        expert's load / capacity, the largest over the rows); active_params_per_token
+        (token-weighted).
+        """
+        clause, params = where(run_id, tags=tags)
+        frame = self.sql(f"""
+            WITH p AS (SELECT layer, expert, sum(load) AS load FROM ({_unnest_load(clause)}) GROUP BY ALL),
+                 loads AS (SELECT layer, list(load::BIGINT ORDER BY expert) AS expert_load,
+                                  sum(load)::BIGINT AS slots FROM p GROUP BY layer),
+                 s AS (SELECT layer, sum(tokens)::BIGINT AS tokens,
+                              {token_weighted("router_entropy_mean")} AS router_entropy,
+                              sum(dropped_tokens)::BIGINT AS dropped_tokens,
+                              sum(dropped_assignments)::BIGINT AS dropped_assignments,
+                              max(capacity_use) AS capacity_use,
+                              {token_weighted("active_params_per_token")} AS active_params_per_token
+                       FROM layer_steps WHERE {clause} GROUP BY layer),
+                 info AS (SELECT layer, any_value(num_experts) AS num_experts,
+                                 coalesce(any_value(zero_experts), 0) AS zero_experts, any_value(top_k) AS top_k
+                          FROM layers WHERE run_id = ? GROUP BY layer)
+            SELECT s.layer, info.num_experts, info.zero_experts,
+                   coalesce(info.num_experts + info.zero_experts, len(loads.expert_load)) AS router_width,
+                   info.top_k, s.tokens, loads.slots, loads.expert_load, s.router_entropy, s.dropped_tokens,
+                   s.dropped_assignments, s.capacity_use, s.active_params_per_token
+            FROM s JOIN loads USING (layer) LEFT JOIN info USING (layer)
+            ORDER BY s.layer LIMIT 4096""", [*params, *params, run_id])
+        return _vectors(frame, "expert_load")
+
+    def layer_buckets(self, run_id: str, tags: dict[str, str] | None = None,
+                      max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
+        """Per layer and step bucket (at most `max_buckets` per layer): layer, step_start, step_end
+        (last step recorded in it), tokens, router_entropy (token-weighted, nats), dropped_tokens."""
+        clause, params = where(run_id, tags=tags)
+        return self.sql(f"""
+            WITH {_buckets("layer_steps", clause)}
+            SELECT layer, b.s0 + ((step - b.s0) // b.w) * b.w AS step_start,
+                   max(coalesce(step_end, step)) AS step_end, sum(tokens)::BIGINT AS tokens,
+                   {token_weighted("router_entropy_mean")} AS router_entropy,
+                   sum(dropped_tokens)::BIGINT AS dropped_tokens
+            FROM layer_steps, b WHERE {clause}
+            GROUP BY layer, step_start ORDER BY layer, step_start LIMIT ?""",
+            [int(max_buckets), *params, *params, 4096 * (int(max_buckets) + 1)])
+
+    def load_heatmap(self, run_id: str, layer: int, tags: dict[str, str] | None = None,
+                     max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
+        """Tokens per (step bucket, expert) of one layer: step_start, step_end (last step of the
+        bucket within the run), expert, load (tokens that chose the expert). Buckets are as wide as
+        needed for the run to fit in `max_buckets` of them."""
+        span = self.sql("SELECT max(coalesce(step_end, step)) AS hi FROM layer_steps WHERE run_id = ? AND layer = ?",
+                        [run_id, int(layer)])
+        if span.empty or pd.isna(span.hi.iloc[0]):
+            return pd.DataFrame(columns=["step_start", "step_end", "expert", "load"])
+        hi = int(span.hi.iloc[0])
+        width = max(1, math.ceil((hi + 1) / max(1, int(max_buckets))))
+        frame = self.load_matrix(run_id, layer, bucket_steps=width, tags=tags)  # type: ignore[attr-defined]
+        frame = frame.rename(columns={"step_bucket": "step_start"})
+        frame.insert(1, "step_end", np.minimum(frame.step_start + width - 1, hi))
+        return frame
+
+    def expert_tag_load(self, run_id: str, key: str, tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Tokens per (layer, expert, value of tag `key`) over the rows carrying `tags`: layer, expert,
+        value, load (every kept top-k slot counts). Rows without the `key` tag are left out."""
+        clause, params = where(run_id, tags=tags)
+        return self.sql(f"""
+            SELECT layer, expert, value, sum(load)::BIGINT AS load
+            FROM (SELECT layer, map_extract_value(tags, ?) AS value, unnest(expert_load) AS load,
+                         generate_subscripts(expert_load, 1) - 1 AS expert
+                  FROM layer_steps WHERE {clause} AND map_extract_value(tags, ?) IS NOT NULL)
+            GROUP BY layer, expert, value ORDER BY layer, expert, value LIMIT ?""",
+            [str(key), *params, str(key), MAX_TAG_ROWS])
+
+    # -- drift ---------------------------------------------------------------------------------
+
+    def drift_from_first_steps(self, run_id: str, window_steps: int, baseline_run: str | None,
+                               first_steps: int, max_windows: int = MAX_BUCKETS) -> pd.DataFrame:
+        """`drift_windows` against the first `first_steps` steps of `baseline_run` (this run when
+        None), the latest `max_windows` windows per layer. Columns: those of `drift_windows`."""
+        source = baseline_run or run_id
+        first = self.sql("SELECT min(step) AS s FROM layer_steps WHERE run_id = ?", [source])
+        if first.empty or pd.isna(first.s.iloc[0]):
+            return pd.DataFrame(columns=["layer", "window_start", "window_end", "last_step", "steps", "tokens",
+                                         "expert_load", "baseline_load", "baseline_tokens"])
+        start = int(first.s.iloc[0])
+        frame = self.drift_windows(run_id, max(1, int(window_steps)),  # type: ignore[attr-defined]
+                                   baseline_run=None if source == run_id else source,
+                                   baseline_steps=(start, start + max(1, int(first_steps))))
+        return frame.groupby("layer", group_keys=False).tail(int(max_windows)).reset_index(drop=True)
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def expert_tokens(self, run_id: str, layer: int, expert: int, step_range: tuple[int, int] | None = None,
+                      tags: dict[str, str] | None = None, limit: int = 200, context: int = 4) -> pd.DataFrame:
+        """Tokens that `layer` routed to `expert` (within `step_range`, inclusive), at most `limit`
+        (capped at MAX_TOKENS_LISTED), oldest first: the columns of `expert_routes` plus the ids and
+        positions of up to `context` neighbours either side in the same sequence (context_ids,
+        context_positions)."""
+        limit = max(1, min(int(limit), MAX_TOKENS_LISTED))
+        lo, hi = (int(step_range[0]), int(step_range[1]) + 1) if step_range is not None else (None, None)
+        hits = self.expert_routes(run_id, layer, expert, step_from=lo, step_to=hi,  # type: ignore[attr-defined]
+                                  tags=tags, limit=limit)
+        if hits.empty:
+            return hits.assign(context_ids=[], context_positions=[])
+        ctx = self.sql("""
+            WITH h AS (SELECT unnest(?::BIGINT[]) AS step, unnest(?::INTEGER[]) AS rank,
+                              unnest(?::INTEGER[]) AS sequence, unnest(?::INTEGER[]) AS position)
+            SELECT h.step, h.rank, h.sequence, h.position,
+                   list(r.token_id ORDER BY r.position) AS context_ids,
+                   list(r.position ORDER BY r.position) AS context_positions
+            FROM h JOIN routes r
+              ON r.step = h.step AND r.rank = h.rank AND r.sequence = h.sequence
+             AND r.position BETWEEN h.position - ? AND h.position + ?
+            WHERE r.run_id = ? AND r.layer = ? AND r.step BETWEEN ? AND ?
+            GROUP BY ALL""",
+            [hits.step.tolist(), hits["rank"].tolist(), hits.sequence.tolist(), hits.position.tolist(),
+             int(context), int(context), run_id, int(layer), int(hits.step.min()), int(hits.step.max())])
+        return hits.merge(ctx, on=["step", "rank", "sequence", "position"], how="left")
+
+    def router_input_sample(self, run_id: str, layer: int, size: int = 2000, context: int = 4,
+                            seed: int = 0) -> pd.DataFrame:
+        """A fixed sample of at most `size` (capped at MAX_SAMPLE) recorded router inputs of one layer:
+        step, token, token_id, top1_expert, hidden (list of floats), tags, and, where routes were
+        recorded, the token's sequence, position and neighbouring token ids (context_ids,
+        context_positions). The same arguments give the same sample while the data stay the same."""
+        size = max(1, min(int(size), MAX_SAMPLE))
+        return self.sql("""
+            WITH s AS (
+                SELECT DISTINCT ON (step, token, rank) step, token, rank, token_id, top1_expert, hidden, tags
+                FROM (SELECT * FROM router_inputs WHERE run_id = ? AND layer = ?
+                      ORDER BY hash(step, token, rank, ?::BIGINT) LIMIT ?)),
+            pos AS (
+                SELECT s.step, s.token, s.rank, r.sequence, r.position
+                FROM s JOIN routes r ON r.run_id = ? AND r.layer = ? AND r.step = s.step AND r.token = s.token
+                                     AND r.rank = s.rank),
+            ctx AS (
+                SELECT p.step, p.token, p.rank, list(r.token_id ORDER BY r.position) AS context_ids,
+                       list(r.position ORDER BY r.position) AS context_positions
+                FROM pos p JOIN routes r ON r.run_id = ? AND r.layer = ? AND r.step = p.step AND r.rank = p.rank
+                     AND r.sequence = p.sequence AND r.position BETWEEN p.position - ? AND p.position + ?
+                GROUP BY p.step, p.token, p.rank)
+            SELECT s.step, s.token, s.token_id, s.top1_expert, s.hidden, s.tags, pos.sequence, pos.position,
+                   ctx.context_ids, ctx.context_positions
+            FROM s LEFT JOIN pos USING (step, token, rank) LEFT JOIN ctx USING (step, token, rank)
+            ORDER BY s.step, s.token""",
+            [run_id, int(layer), int(seed), size, run_id, int(layer), run_id, int(layer), int(context),
+             int(context)])
+
+    # -- tables written by the alerts side and the dashboard -------------------------------------
+
+    def table_rows(self, table: str, run_id: str, order: str | None = None,
+                   limit: int = MAX_TABLE_ROWS) -> pd.DataFrame:
+        """The latest `limit` rows of a schema table for one run, oldest first by `order` (a column
+        of the table's schema; unordered without). Raises ValueError for a table or column the
+        schema does not have (they are names, not values: they never come from a user)."""
+        schema = SCHEMAS.get(table)
+        if schema is None:
+            raise ValueError(f"no table {table!r} in the store's schema; tables: {', '.join(SCHEMAS)}")
+        if order is not None and order not in schema.names:
+            raise ValueError(f"table {table!r} has no column {order!r}; columns: {', '.join(schema.names)}")
+        by = f'ORDER BY "{order}" DESC' if order else ""
+        frame = self.sql(f'SELECT * FROM "{table}" WHERE run_id = ? {by} LIMIT ?', [run_id, int(limit)])
+        return frame.iloc[::-1].reset_index(drop=True) if order else frame
