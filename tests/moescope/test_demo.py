@@ -6,11 +6,16 @@ numpy, not through the store's queries.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from collections import Counter
 
 import numpy as np
+import pandas as pd
 import pyarrow.dataset as ds
 import pytest
+import torch
 from sklearn.metrics import normalized_mutual_info_score
 
 from store import Store
@@ -108,3 +113,113 @@ def test_store_holds_what_the_dashboard_needs(demo):
     generate_steps = store.sql("SELECT count(*) AS n FROM steps WHERE run_id = ? AND tags['phase'] = 'generate'",
                                [run]).n[0]
     assert generate_steps > 0
+
+
+def _check_forwards(root) -> tuple[list[int], pd.DataFrame]:
+    """The demo's four check forwards of one batch (clean, corrupted, masked, restored), in order,
+    and their raw routes rows."""
+    routes = _table(root, "routes")
+    check = routes[[dict(t).get("phase") == "check" for t in routes.tags]]
+    steps = sorted(int(s) for s in check.step.unique())
+    assert len(steps) == 4, steps
+    return steps, check
+
+
+def _batch_from_routes(rows: pd.DataFrame) -> dict[str, torch.Tensor]:
+    """The input ids a forward saw, rebuilt from its routes (token id at each row and position); the
+    demo pads on the right with the pad token, so the attention mask is where the ids are not it."""
+    first = rows[rows.layer == 0]
+    ids = np.zeros((first.sequence.max() + 1, first.position.max() + 1), dtype=np.int64)
+    ids[first.sequence.to_numpy(), first.position.to_numpy()] = first.token_id.to_numpy()
+    ids = torch.from_numpy(ids)
+    return {"input_ids": ids, "attention_mask": (ids != 0).long()}  # the demo tokenizer's pad id is 0
+
+
+def _routes_by_layer(rows: pd.DataFrame) -> dict[int, np.ndarray]:
+    rows = rows.sort_values(["layer", "sequence", "position"])
+    return {int(layer): np.sort(np.stack(part.expert_ids.to_numpy()), axis=1) for layer, part in rows.groupby("layer")}
+
+
+def _run_with_routes(model, batch) -> tuple[torch.Tensor, dict[int, np.ndarray]]:
+    """The model's logits on `batch`, and the experts each layer's experts module really received."""
+    got = {}
+    hooks = [layer.mlp.experts.register_forward_pre_hook(
+        lambda m, args, i=i: got.__setitem__(i, np.sort(args[1].numpy(), axis=1)))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            logits = model(**batch).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, got
+
+
+def _mask_expert(router, expert: int):
+    """Mixtral's own routing with one expert excluded: its logit at -inf before the softmax and top-k."""
+    def hook(module, args, output):
+        logits = output[0]
+        probs = torch.softmax(logits.float().index_fill(1, torch.tensor([expert]), float("-inf")), dim=-1)
+        values, indices = torch.topk(probs, router.top_k, dim=-1)
+        return logits, values / values.sum(dim=-1, keepdim=True), indices
+    return router.register_forward_hook(hook)
+
+
+def test_the_check_figures_recomputed_from_the_model_and_the_raw_routes(demo):
+    """masked_finite, masked_error, corrupt_error and recovered_error, recomputed: the check batch is
+    rebuilt from its routes rows, the shipped model is run on it clean, corrupted the same way, and
+    corrupted with the gated expert excluded by Mixtral's rule written here; every run must route
+    as the recorded check forward did, and the errors must be the summary's."""
+    from moescope.demo import CORRUPTION_SCALE
+    from moescope.demo_data import load_demo_model
+
+    root, _, summary = demo
+    steps, check = _check_forwards(root)
+    batches = [_batch_from_routes(check[check.step == s]) for s in steps]
+    assert all(torch.equal(b["input_ids"], batches[0]["input_ids"]) for b in batches)  # one batch, four times
+    recorded = [_routes_by_layer(check[check.step == s]) for s in steps]
+    events = _table(root, "trust_gate_events").sort_values("ts")
+    layer, expert = int(events.layer.iloc[0]), int(events.expert.iloc[0])
+    assert summary["corrupted"] == {"layer": layer, "expert": expert}
+
+    model, _ = load_demo_model()
+    batch = batches[0]
+    clean, routes = _run_with_routes(model, batch)
+    for got, want in zip(routes.values(), recorded[0].values()):
+        np.testing.assert_array_equal(got, want)  # the rebuilt batch is the one the demo checked
+    experts = model.model.layers[layer].mlp.experts
+    with torch.no_grad():
+        for weights in (experts.gate_up_proj, experts.down_proj):
+            weights[expert] *= CORRUPTION_SCALE
+    corrupted, routes = _run_with_routes(model, batch)
+    assert [np.array_equal(routes[i], recorded[1][i]) for i in routes] == [True] * len(routes)
+    assert summary["corrupt_error"] == pytest.approx(float((corrupted - clean).norm() / clean.norm()), rel=1e-3)
+
+    handle = _mask_expert(model.model.layers[layer].mlp.gate, expert)
+    try:
+        masked, routes = _run_with_routes(model, batch)
+    finally:
+        handle.remove()
+    assert [np.array_equal(routes[i], recorded[2][i]) for i in routes] == [True] * len(routes)
+    assert not (recorded[2][layer] == expert).any()  # the gated expert got no token of the check batch
+    assert summary["masked_finite"] is bool(masked.isfinite().all()) is True
+    assert summary["masked_error"] == pytest.approx(float((masked - clean).norm() / clean.norm()), rel=1e-3)
+    # restored: the demo's last check routed every token exactly as the clean one, so its output is the clean one
+    assert all(np.array_equal(recorded[3][i], recorded[0][i]) for i in recorded[0])
+    assert summary["recovered_error"] == 0.0
+
+
+def test_the_alerts_received_are_the_outbox_deliveries(demo):
+    """alerts_received against the outbox's own record of what it delivered to the receiver, and
+    against the receiver's printed lines."""
+    import sqlite3
+
+    root, out, summary = demo
+    path = root / ".moescope" / "alerts-outbox.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        bodies = [json.loads(body) for (body,) in db.execute(
+            "SELECT body FROM deliveries WHERE state = 'delivered' ORDER BY id")]
+    delivered = Counter(f"{b['status']}:{b['alert']['name']}" for b in bodies)
+    assert Counter(summary["alerts_received"]) == delivered
+    printed = Counter(f"{status}:{name}" for status, name in re.findall(r"webhook <- \[(\w+)\] (\w+)", out))
+    assert printed == delivered
