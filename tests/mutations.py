@@ -1,0 +1,268 @@
+"""A small mutation check, no `make` and no plugin: break the code in known ways, one at a time, in
+a copy of the repository, run the tests that guard each place, and report whether they noticed.
+
+    python tests/mutations.py                    # every mutation (about 15 minutes on 2 cores)
+    python tests/mutations.py gate-sqrt-w demo   # the mutations whose names contain these words
+    python tests/mutations.py --list             # what each one breaks, and the tests it runs
+
+Each mutation replaces one exact piece of one file (the script refuses a piece that is not there
+exactly once: the code moved, so update the mutation) and runs its tests with pytest in the copy,
+the copy first on `sys.path`. Before any mutation, each set of tests runs once on the unbroken
+copy and must pass, else a "killed" would prove nothing. A mutation is *killed* when its tests
+fail, *survived* when they pass, and an *error* when pytest could not run them (an import error or
+a collection error is the mutation breaking Python, not a test noticing). The copy is the working
+tree as it is (uncommitted changes included), never the repository itself.
+
+Exit status: 0 when every mutation chosen was killed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # an exact piece of the file, found once
+    new: str  # what replaces it
+    tests: tuple[str, ...]  # pytest arguments: test files, node ids, -k expressions
+    breaks: str  # what the mutation does, in words (and the issue item it comes from)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "health-page-raises", "dashboard/views/health.py",
+        '    st.subheader("Health scores")\n',
+        '    if not health.empty:\n        raise RuntimeError("mutant: the page breaks on scores")\n'
+        '    st.subheader("Health scores")\n',
+        ("tests/dashboard/test_health_page.py",),
+        "the Expert health page raises whenever a score exists (issue 16, mutation 1)"),
+    Mutation(
+        "health-page-first-window", "dashboard/views/health.py",
+        'latest = health.groupby(["layer", "expert"], sort=True).tail(1)',
+        'latest = health.groupby(["layer", "expert"], sort=True).head(1)',
+        ("tests/dashboard/test_health_page.py",),
+        "the Expert health page shows each expert's first window, not its latest"),
+    Mutation(
+        "gate-sqrt-w", "probe/gate.py",
+        "scores = (logits + state.offset).softmax(dim=-1, dtype=torch.float32)",
+        "scores = (logits + state.offset / 2).softmax(dim=-1, dtype=torch.float32)",
+        ("tests/probe/test_gate.py", "-k", "rerouting"),
+        "DeepSeek-V2's gate scales by sqrt(w) instead of w (issue 16, mutation 2)"),
+    Mutation(
+        "gate-fallback-renormalises", "probe/gate.py",
+        "weights * scale)",
+        "weights * scale / (weights * scale).sum(dim=-1, keepdim=True) * weights.sum(dim=-1, keepdim=True))",
+        ("tests/probe/test_gate.py", "-k", "without_a_rule"),
+        "the gate's fallback (families without a rule) renormalises the scaled weights"),
+    Mutation(
+        "demo-hard-coded-figures", "moescope/demo.py",
+        "masked_finite=bool(masked.isfinite().all()), masked_error=_relative_error(masked, clean))",
+        "masked_finite=True, masked_error=0.01)",
+        ("tests/moescope/test_demo.py", "-k", "check_figures"),
+        "`moescope demo` reports masked_finite and masked_error without measuring (issue 16, mutation 3)"),
+    Mutation(
+        "demo-alerts-received-short", "moescope/demo.py",
+        "for d in alerting.receiver.received]\n    figures[\"alerts_delivered\"]",
+        "for d in alerting.receiver.received][1:]\n    figures[\"alerts_delivered\"]",
+        ("tests/moescope/test_demo.py", "-k", "outbox"),
+        "`moescope demo` leaves an alert it received out of alerts_received"),
+    Mutation(
+        "active-fraction-by-tag-halved", "store/reports.py",
+        '{token_weighted("active_param_fraction")} AS active_fraction,\n'
+        '                   min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max\n'
+        '            FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL',
+        '{token_weighted("active_param_fraction")} / 2 AS active_fraction,\n'
+        '                   min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max\n'
+        '            FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL',
+        ("tests/store/test_reports.py", "tests/dashboard/test_figures.py"),
+        "active_fraction_by_tag halved (issue 16, mutation 4; its tests are issue 11's)"),
+    Mutation(
+        "layers-predicate-ignored", "probe/session.py",
+        "    if callable(layers):\n        return layers\n",
+        "    if callable(layers):\n        return lambda name: True\n",
+        ("tests/probe/test_layers.py",),
+        "a predicate passed to layers= is ignored (issue 16, mutation 5)"),
+    Mutation(
+        "layers-renumbered", "probe/session.py",
+        "moe_layers = every if select is None else [layer for layer in every if select(layer.name)]",
+        "moe_layers = [dataclasses.replace(layer, index=i) for i, layer in enumerate(\n"
+        "        every if select is None else [layer for layer in every if select(layer.name)])]",
+        ("tests/probe/test_layers.py",),
+        "the watched blocks are numbered from 0 again, not by their place among the model's MoE layers (the bug)"),
+    Mutation(
+        "layers-unwatched-shared", "probe/session.py",
+        "self.unwatched_params = float(sum(layer.top_k * layer.params_per_expert",
+        "self.unwatched_params = float(sum(layer.num_experts * layer.params_per_expert",
+        ("tests/probe/test_layers.py",),
+        "the experts of unwatched layers count as used by every token (the bug: 0.377 became 0.688)"),
+    Mutation(
+        "sampled-token-index-off-by-one", "probe/session.py",
+        "else self._sample_base[:rows] % tokens",
+        "else (self._sample_base[:rows] + 1) % tokens",
+        ("tests/probe/test_exactness.py", "-k", "sampled"),
+        "sampled router logits/inputs name a token other than the one whose values they hold"),
+    Mutation(
+        "router-inputs-scaled", "probe/session.py",
+        "hidden = args[0].reshape(-1, args[0].shape[-1])",
+        "hidden = args[0].reshape(-1, args[0].shape[-1]) * 1.001",
+        ("tests/probe/test_exactness.py", "-k", "router_inputs or sampled"),
+        "router_inputs are not the tensor the router was called with"),
+    Mutation(
+        "drop-policy-uncounted", "probe/pipeline.py",
+        '            self._count_drop(record, "queue_full")\n',
+        "            pass\n",
+        ("tests/probe/test_drop_policy.py",),
+        'policy="drop" loses records without counting them'),
+    Mutation(
+        "drop-policy-waits", "probe/pipeline.py",
+        "                self._queue.put_nowait((record, size))",
+        "                self._queue.put((record, size))",
+        ("tests/probe/test_drop_policy.py",),
+        'policy="drop" makes the model wait for a stuck exporter'),
+    Mutation(
+        "compaction-count-unchecked", "store/compact.py",
+        "if merged_rows != expected:",
+        "if False:",
+        ("tests/store/test_compact.py",),
+        "compaction publishes a merged file whose rows do not add up"),
+    Mutation(
+        "drift-windows-empty", "store/queries.py",
+        "windows = self.load_windows(run_id, window_steps, layer, step_from, step_to)\n        if windows.empty:",
+        "windows = self.load_windows(run_id, window_steps, layer, step_from, step_to).head(0)\n"
+        "        if windows.empty:",
+        ("tests/store/test_queries.py",),
+        "drift_windows returns no window (a loop over its rows checked nothing)"),
+    Mutation(
+        "drift-rate-off", "alerts/signals.py",
+        "return float(np.count_nonzero(prev != nxt) * 1000.0 / prev.size)",
+        "return float(np.count_nonzero(prev != nxt) * 1000.0 / (prev.size + 1))",
+        ("tests/alerts/test_storage.py", "tests/alerts/test_engine.py"),
+        "the routing drift rate is wrong but inside (0, 1000]"),
+    Mutation(
+        "health-load-share-halved", "alerts/health.py",
+        "shares = w.load * ungated.sum() / total if total > 0",
+        "shares = w.load * ungated.sum() / total / 2 if total > 0",
+        ("tests/alerts/test_health_fault.py", "-k", "corrupted and mixtral and nan"),
+        "the health score's load share is half what the loads say (was guarded by `load >= 0`)"),
+    Mutation(
+        "promql-and-becomes-or", "alerts/promrules.py",
+        'return " and ".join(parts)',
+        'return " or ".join(parts)',
+        ("tests/alerts/test_prometheus_rules.py",),
+        "a two-condition rule's PromQL fires when either condition holds"),
+    Mutation(
+        "promql-wrong-metric", "alerts/prometheus.py",
+        '"dead_expert_fraction": ("moe_layer_dead_expert_ratio",',
+        '"dead_expert_fraction": ("moe_layer_dropped_token_ratio",',
+        ("tests/alerts/test_prometheus_rules.py",),
+        "DeadExpert's PromQL reads another gauge"),
+    Mutation(
+        "ci-skips-missing-servers", "tests/realparts.py",
+        "    if in_ci():\n",
+        "    if False:\n",
+        ("tests/test_realparts.py",),
+        "CI=true skips a test whose Prometheus, Alertmanager or Chromium is missing"),
+)
+
+
+def copy_tree(destination: str) -> None:
+    """The working tree's files (tracked, and untracked but not ignored) copied to `destination`."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for relative in filter(None, listed):
+        source = os.path.join(REPO, relative)
+        if not os.path.isfile(source):  # deleted in the working tree
+            continue
+        target = os.path.join(destination, relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(source, target)
+
+
+def run_tests(copy: str, tests: tuple[str, ...], timeout_s: float) -> tuple[int, float, str]:
+    """(pytest's exit status, seconds, the first failure line) of `tests` run in `copy`."""
+    env = {**os.environ, "PYTHONPATH": copy, "PYTHONDONTWRITEBYTECODE": "1"}
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o",
+                               "addopts=", *tests], cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -1, time.monotonic() - started, f"timed out after {timeout_s:.0f} s"
+    lines = (done.stdout + done.stderr).splitlines()
+    first = next((line for line in lines if line.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
+    return done.returncode, time.monotonic() - started, first
+
+
+def check_isolation(copy: str) -> None:
+    """The copy's packages, not the repository's, are the ones its tests import."""
+    env = {**os.environ, "PYTHONPATH": copy}
+    where = subprocess.run([sys.executable, "-c", "import probe, store, alerts, dashboard, moescope; "
+                            "print('\\n'.join(m.__path__[0] for m in (probe, store, alerts, dashboard, moescope)))"],
+                           cwd=copy, env=env, capture_output=True, text=True, check=True).stdout.split()
+    outside = [path for path in where if not os.path.realpath(path).startswith(os.path.realpath(copy))]
+    if outside:
+        raise SystemExit(f"the copy imports packages from outside it: {outside}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="run the mutations whose names contain any of these words")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run (default 900)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(word in m.name for word in args.names)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    breaks: {m.breaks}\n    in {m.path}; runs: pytest {' '.join(m.tests)}")
+        return 0
+    if not chosen:
+        parser.error(f"no mutation matches {args.names}; see --list")
+    with tempfile.TemporaryDirectory(prefix="moescope-mutants-") as copy:
+        copy_tree(copy)
+        check_isolation(copy)
+        for m in chosen:  # every piece must be found exactly once before anything runs
+            count = open(os.path.join(copy, m.path), encoding="utf-8").read().count(m.old)
+            if count != 1:
+                raise SystemExit(f"{m.name}: its piece of {m.path} is found {count} times, not once; update it")
+        for tests in dict.fromkeys(m.tests for m in chosen):
+            status, seconds, first = run_tests(copy, tests, args.timeout)
+            print(f"baseline  {'passed' if status == 0 else 'FAILED':8} {seconds:6.0f} s  pytest {' '.join(tests)}"
+                  + ("" if status == 0 else f"\n          {first}"), flush=True)
+            if status != 0:
+                raise SystemExit("the unbroken code fails these tests: fix that before judging mutations")
+        results = []
+        for m in chosen:
+            path = os.path.join(copy, m.path)
+            original = open(path, encoding="utf-8").read()
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(original.replace(m.old, m.new))
+            try:
+                status, seconds, first = run_tests(copy, m.tests, args.timeout)
+            finally:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(original)
+            verdict = {0: "SURVIVED", 1: "killed", -1: "killed"}.get(status, f"error({status})")
+            results.append(verdict)
+            detail = re.sub(r"\s+", " ", first)[:150]
+            print(f"{verdict:9} {m.name:32} {seconds:6.0f} s  {detail}", flush=True)
+    killed = results.count("killed")
+    print(f"\n{killed} of {len(results)} mutations killed")
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
