@@ -2,7 +2,7 @@
 
     exporter = PrometheusExporter()                  # its own registry unless one is given
     exporter.serve(port=9464)                        # http://127.0.0.1:9464/metrics
-    with probe.attach(model, store="runs/", exporters=[exporter]):
+    with moescope.attach(model, store="runs/", exporters=[exporter]):
         ...
     # /metrics still answers here, with the last values: the server is the exporter's
     exporter.close()                                 # stops serving

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import moescope  # noqa: E402
 import probe  # noqa: E402
 from probe.zoo import tiny_model  # noqa: E402
 
@@ -105,7 +106,7 @@ class Workload:
 
 
 def measure(args: argparse.Namespace, variants: dict[str, dict],
-            attach: Callable[..., probe.ProbeSession] = probe.attach) -> dict[str, list[float]]:
+            attach: Callable[..., probe.ProbeSession] = moescope.attach) -> dict[str, list[float]]:
     """Seconds per step of each variant. Every variant has its own copy of the same model,
     attached once; a round runs one step of each, in an order that rotates every round, so
     the machine's drift hits all variants alike and each round gives a paired sample."""

@@ -42,7 +42,7 @@ examples:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("store", metavar="STORE", help="store folder (as given to probe.attach(store=...))")
+    parser.add_argument("store", metavar="STORE", help="store folder (as given to moescope.attach(store=...))")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")

@@ -74,7 +74,7 @@ def page_context() -> PageContext | None:
     root = os.path.abspath(conf.store)
     if not os.path.isdir(root):
         st.info(f"There is no store at `{root}` yet. Record a run into it, e.g. "
-                f"`probe.attach(model, store={conf.store!r}, routes=True)`, or run `moescope demo`; "
+                f"`moescope.attach(model, store={conf.store!r}, routes=True)`, or run `moescope demo`; "
                 "this page shows it as soon as the first files land.")
         return None
     version = data.store_version(root)

@@ -21,8 +21,8 @@ moescope watches how a Mixture-of-Experts model routes its tokens.
 
 In Python, one call attaches the probe to any transformers MoE model:
 
-  import probe
-  with probe.attach(model, store="runs/", routes=True):
+  import moescope
+  with moescope.attach(model, store="runs/", routes=True):
       model(**batch)
 """
 

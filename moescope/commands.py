@@ -25,7 +25,7 @@ def add_subcommands(subparsers) -> None:
         description="Print a per-layer summary of one run in a store (the latest unless --run is "
                     "given).\n\nexample:\n  moescope summary runs/demo",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("store", help="the store folder given to probe.attach(store=...)")
+    p.add_argument("store", help="the store folder given to moescope.attach(store=...)")
     p.add_argument("--run", help="run id (default: the most recently started run)")
     p.set_defaults(func=_summary)
 

@@ -1,7 +1,12 @@
 """moescope's probe: attach to a torch MoE model and record what every router decided.
 
+The probe is a pure producer: it hands records to exporters and imports nothing from the store or
+alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one call.
+
     import probe
-    with probe.attach(model, store="runs/", routes=True) as session:
+    from probe.pipeline import InMemoryExporter
+    memory = InMemoryExporter()
+    with probe.attach(model, [memory], routes=True) as session:
         model(**batch)
 """
 
@@ -9,10 +14,11 @@ from __future__ import annotations
 
 from probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
 from probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
-from probe.session import ProbeAttachError, ProbeSession, attach
+from probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
 
 __all__ = [
-    "Choice", "KVCacheLayer", "LayerInfo", "LayerStep", "MoELayer", "MoESpec", "NoMoELayersError",
-    "ProbeAttachError", "ProbeSession", "Routes", "RunInfo", "StepRecord", "TokenSample", "attach",
+    "Choice", "HealthSampling", "KVCacheLayer", "LayerInfo", "LayerStep", "MoELayer", "MoESpec", "NoMoELayersError",
+    "Pipeline", "ProbeAttachError", "ProbeSession", "Recording", "Routes", "RunInfo", "StepRecord", "TokenSample",
+    "attach",
     "find_moe_layers",
 ]

@@ -9,6 +9,7 @@ recomputation of gradient checkpointing, records nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from probe.accumulate import (
 from probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
 from probe.gate import TrustGate
 from probe.health import HealthSampler
+from probe.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
 from probe.records import KVCacheLayer, LayerInfo, RunInfo
 from probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
@@ -77,9 +80,59 @@ def _sample_size(option: bool | int) -> int:
     return max(int(option or 0), 0)
 
 
-DEFAULT_WINDOW_FORWARDS = 32
-DEFAULT_WINDOW_S = 1.0
-DEFAULT_RING_TOKENS = 16384
+@dataclass(frozen=True)
+class Recording:
+    """What a session records beyond the per-layer aggregates, and how forwards become records.
+
+    window / window_s: a record covers up to `window` forwards or `window_s` seconds, whichever
+    ends first (None: no time limit); `window=1` records every forward. routes: per-token expert
+    ids and gate weights, kept in a device ring of `ring_tokens` tokens per group of like layers.
+    router_logits / router_inputs: True for every token, n for a sample of n tokens per layer and
+    forward (chosen on the device from `sample_seed` and the forward counter). kv_cache: KV-cache
+    bytes per attention layer. coselection: E x E co-selection counts (None: on when k > 1 and
+    E <= 64).
+    """
+
+    routes: bool = False
+    router_logits: bool | int = False
+    router_inputs: bool | int = False
+    kv_cache: bool = False
+    coselection: bool | None = None
+    window: int = 32
+    window_s: float | None = 1.0
+    ring_tokens: int = 16384
+    sample_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError("window counts forwards per record and must be at least 1 (1: a record per forward)")
+        if self.ring_tokens < 1:
+            raise ValueError("ring_tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The bounded queue between the model and the exporters (probe/pipeline.py).
+
+    policy: "block" (lossless, the model waits if the exporters cannot keep up) or "drop" (the
+    model never waits; drops are counted). flush_interval_s: how often exporters flush.
+    """
+
+    policy: str = "block"
+    max_queue: int = 256
+    max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES
+    flush_interval_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class HealthSampling:
+    """Expert-health sampling (probe/health.py): see `HealthSampler` for each field."""
+
+    tokens_per_expert: int = 4
+    experts_per_forward: int | None = 1
+    weight_every: int = 32
+    sample_every: int = 4
+    seed: int = 0
 
 
 def _device_of(layer: MoELayer, fallback: torch.device) -> torch.device:
@@ -112,33 +165,26 @@ class ProbeSession:
     accumulators (probe/accumulate.py). Every `window` forwards, or `window_s` seconds, or when a
     tag changes, the window closes: one asynchronous copy out, and the record is built on the
     writer's thread (probe/window.py). `window=1` gives one record per forward.
+
+    The session produces records and hands them to its exporters; it knows nothing of where they
+    go. `moescope.attach` wires the store, the trust policy and alerts to it (`session.trust` is
+    the policy it bound, or None).
     """
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Any] = (),
-                 store: str | os.PathLike | None = None, routes: bool = False,
-                 router_logits: bool | int = False, router_inputs: bool | int = False,
-                 kv_cache: bool = False, coselection: bool | None = None, tags: dict | None = None,
-                 run_id: str | None = None, policy: str = "block", max_queue: int = 256,
-                 flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
-                 trust_gate: str | None = None, health_options: dict | None = None, trust_policy: Any = None,
-                 window: int = DEFAULT_WINDOW_FORWARDS, window_s: float | None = DEFAULT_WINDOW_S,
-                 ring_tokens: int = DEFAULT_RING_TOKENS, all_layers: list[MoELayer] | None = None,
-                 max_queue_bytes: int | None = None):
-        from store.writer import BatchProcessor  # store may import probe, not vice versa at import time
-
-        if window < 1:
-            raise ValueError("window counts forwards per record and must be at least 1 (1: a record per forward)")
-        if ring_tokens < 1:
-            raise ValueError("ring_tokens must be at least 1")
+                 recording: Recording = Recording(), pipeline: Pipeline = Pipeline(),
+                 health: HealthSampling | None = None, gate: bool = False, tags: dict | None = None,
+                 run_id: str | None = None, all_layers: list[MoELayer] | None = None):
         self.model = model
         self.layers = layers
-        self.routes = routes
-        self.router_logits = _sample_size(router_logits)
-        self.router_inputs = _sample_size(router_inputs)
-        self.kv_cache = kv_cache
-        self.window = window
-        self.window_s = window_s
-        self.sample_seed = sample_seed
+        self.recording = recording
+        self.routes = recording.routes
+        self.router_logits = _sample_size(recording.router_logits)
+        self.router_inputs = _sample_size(recording.router_inputs)
+        self.kv_cache = recording.kv_cache
+        self.window = recording.window
+        self.window_s = recording.window_s
+        self.sample_seed = recording.sample_seed
         self._tags: list[dict[str, str]] = [{str(k): str(v) for k, v in (tags or {}).items()}]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.Lock()
@@ -146,6 +192,7 @@ class ProbeSession:
         self.hook_errors = 0
         self.closed = False
         self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
+        self.trust: Any = None  # the trust policy bound by moescope.attach, if any
 
         rank, world_size = _distributed()
         total = sum(p.numel() for p in model.parameters())
@@ -166,50 +213,27 @@ class ProbeSession:
                 layer=layer.index, module=layer.name, family=layer.family, num_experts=layer.num_experts,
                 top_k=layer.top_k, params_per_expert=layer.params_per_expert, zero_experts=layer.zero_experts,
                 expert_capacity=layer.expert_capacity) for layer in layers))
-        exporters = list(exporters)
-        self.parquet = None
-        self.processor = BatchProcessor(exporters, max_queue=max_queue, policy=policy,
-                                        flush_interval_s=flush_interval_s,
-                                        **({} if max_queue_bytes is None else {"max_queue_bytes": max_queue_bytes}))
+        self.processor = BatchProcessor(list(exporters), max_queue=pipeline.max_queue, policy=pipeline.policy,
+                                        flush_interval_s=pipeline.flush_interval_s,
+                                        max_queue_bytes=pipeline.max_queue_bytes)
         try:
-            self._setup(model, layers, exporters, store, coselection, ring_tokens, health, trust_gate,
-                        health_options, trust_policy, flush_interval_s)
+            for exporter in exporters:
+                if hasattr(exporter, "bind_processor"):
+                    exporter.bind_processor(self.processor)
+                if hasattr(exporter, "on_attach"):
+                    exporter.on_attach(self.run)
+                if hasattr(exporter, "bind_probe_stats"):
+                    exporter.bind_probe_stats(self.probe_stats)
+            self.health = HealthSampler(layers, on_error=self._hook_failed, **vars(health)) if health else None
+            self.gate = TrustGate(layers, on_error=self._hook_failed) if gate else None
+            self._build_buffers(model, recording.coselection, recording.ring_tokens)
+            self._reset_forward()
+            self._window_open(time.monotonic())
+            self._install()
         except BaseException:
             self._remove_hooks()
             self.processor.shutdown()  # the writer thread started above must not outlive a failed attach
             raise
-
-    def _setup(self, model: nn.Module, layers: list[MoELayer], exporters: list, store: Any,
-               coselection: bool | None, ring_tokens: int, health: bool, trust_gate: str | None,
-               health_options: dict | None, trust_policy: Any, flush_interval_s: float) -> None:
-        from store.writer import ParquetExporter
-
-        if store is not None:
-            self.parquet = ParquetExporter(store, self.run, max_age_s=flush_interval_s,
-                                           processor=self.processor)
-            self.processor.exporters.append(self.parquet)
-        for exporter in exporters:
-            if hasattr(exporter, "on_attach"):
-                exporter.on_attach(self.run)
-            if hasattr(exporter, "bind_probe_stats"):
-                exporter.bind_probe_stats(self.probe_stats)
-        # -- expert health and trust gate (probe/health.py, probe/gate.py, alerts/trust_policy.py) --
-        if trust_gate not in (None, "manual", "auto"):
-            raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
-        health = health or trust_gate == "auto"  # the auto policy judges by health scores
-        self.health = HealthSampler(layers, on_error=self._hook_failed, **(health_options or {})) if health else None
-        self.gate = TrustGate(layers, on_error=self._hook_failed) if trust_gate else None
-        self._build_buffers(model, coselection, ring_tokens)
-        self.trust = None
-        if health or trust_gate:
-            from alerts.trust_policy import bind_policy  # alerts imports probe: only when asked for
-
-            self.trust = bind_policy(self, trust_policy, trust_gate, store)
-            self.processor.exporters.append(self.trust)
-        # -- end expert health and trust gate --
-        self._reset_forward()
-        self._window_open(time.monotonic())
-        self._install()
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -594,7 +618,10 @@ class ProbeSession:
 
     def probe_stats(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
         """What the probe wrote (rows per table) and dropped (rows per table and reason), so far."""
-        written = dict(self.parquet.written_rows) if self.parquet is not None else {}
+        written: dict[str, int] = {}
+        for exporter in self.processor.exporters:  # exporters that write rows say how many (the store's)
+            for table, rows in dict(getattr(exporter, "written_rows", None) or {}).items():
+                written[table] = written.get(table, 0) + rows
         return written, dict(self.processor.dropped_rows)
 
     @property
@@ -660,67 +687,69 @@ def _is_compiled(model: nn.Module) -> bool:
         model, "_compiled_call_impl", None) is not None
 
 
-def attach(model: nn.Module, store: str | os.PathLike | None = None, *, routes: bool = False,
-           router_logits: bool | int = False, router_inputs: bool | int = False, kv_cache: bool = False,
-           coselection: bool | None = None, tags: dict | None = None, run_id: str | None = None,
-           exporters: Sequence[Any] = (), specs: Iterable[MoESpec] = (),
-           layers: str | Sequence[str] | Callable[[str], bool] | None = None, policy: str = "block",
-           max_queue: int = 256, flush_interval_s: float = 5.0, sample_seed: int = 0, health: bool = False,
-           trust_gate: str | None = None, health_options: dict | None = None,
-           trust_policy: Any = None, window: int = DEFAULT_WINDOW_FORWARDS,
-           window_s: float | None = DEFAULT_WINDOW_S, ring_tokens: int = DEFAULT_RING_TOKENS,
-           max_queue_bytes: int | None = None) -> ProbeSession:
-    """Hook every MoE layer of `model` and record its forward passes.
+def attach(model: nn.Module, exporters: Sequence[Any] = (), *, specs: Iterable[MoESpec] = (),
+           layers: str | Sequence[str] | Callable[[str], bool] | None = None, tags: dict | None = None,
+           run_id: str | None = None, recording: Recording | None = None, pipeline: Pipeline | None = None,
+           health: bool | HealthSampling = False, gate: bool = False, health_options: dict | None = None,
+           **options: Any) -> ProbeSession:
+    """Hook every MoE layer of `model` and hand its records to `exporters`.
 
-    store: a folder to write Parquet tables into (see the README for the tables); exporters:
-    more consumers of the records (e.g. the Prometheus exporter, an `InMemoryExporter`).
-    window / window_s: a record (one `steps` row, one `layer_steps` row per layer) covers up to
-    `window` forwards or `window_s` seconds, whichever ends first (default 32 forwards or 1 s: a
-    slow forward is a record of its own, fast decode steps are summed); `window=1` records every
-    forward. Rows say which steps they cover (`step`, `step_end`, `forwards`); every figure is
-    token-weighted, so windowed and per-forward stores give the same answers.
-    routes: write per-token expert ids and gate weights (kept in a device ring of `ring_tokens`
-    tokens per group of like layers; a window closes early when it is full).
-    router_logits / router_inputs: True for every token, an int for a sample of that many tokens
-    per layer and forward (chosen on the device). kv_cache: record KV-cache bytes per attention
-    layer (useful during `generate`). specs: `MoESpec`s describing custom MoE modules. layers: only
-    hook the MoE blocks with these names (a name, a list of names, or a predicate on the name);
-    each keeps its index among all the model's MoE layers, and the active-parameter figures count
-    the unwatched layers' experts as k experts per token (an estimate: their routing is not seen).
-    policy: "block" (lossless, the model waits if the disk cannot keep up) or "drop" (the model
-    never waits; drops are counted in probe_stats). max_queue / max_queue_bytes: the writer's queue
-    bound in records and in bytes (default 256 records, 256 MiB). health: sample expert outputs and weight
-    fingerprints and score expert health (docs/health.md; health_options go to
-    `probe.health.HealthSampler`). trust_gate: None (default: nothing in the model changes),
-    "manual" (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto"
-    (health on, and the policy gates unhealthy experts). trust_policy: an
-    `alerts.trust_policy.TrustPolicy` (thresholds, alert sink); a default one otherwise.
+    The low-level API: the probe only produces records. `moescope.attach(model, store=...)` wires
+    the store, the trust policy and alerts to a session made here.
+
+    exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
+    `ParquetExporter`, the Prometheus exporter, `probe.pipeline.InMemoryExporter`). recording /
+    pipeline: a `Recording` and a `Pipeline`; their fields may also be given one by one as
+    keyword options (`routes=True, window=1, policy="drop"`). specs: `MoESpec`s describing custom
+    MoE modules. layers: only hook the MoE blocks with these names (a name, a list of names, or a
+    predicate on the name); each keeps its index among all the model's MoE layers, and the
+    active-parameter figures count the unwatched layers' experts as k experts per token (an
+    estimate: their routing is not seen). health: sample expert outputs and weight fingerprints
+    (True, or a `HealthSampling`; docs/health.md). gate: install the `TrustGate` (session.gate);
+    with every weight at 1 it changes no bit of the output.
 
     Attach first, then compile (`torch.compile(model)`): the probe's device work traces into the
     graphs without a break. Under CUDA-graph replay the device accumulators keep counting;
     `session.flush()` reads them out.
 
     Returns the session (a context manager). Raises NoMoELayersError for a model with no MoE layer
-    (or none matching `layers`) and ProbeAttachError for a model compiled before attaching.
+    (or none matching `layers`), ProbeAttachError for a model compiled before attaching, and
+    TypeError for an unknown option.
     """
     if _is_compiled(model):
         raise ProbeAttachError(
             "this model was compiled with torch.compile before attaching: compiled graphs do not run "
             "hooks added afterwards, so nothing would be recorded. Attach first, then compile: "
             "`session = probe.attach(model, ...); model = torch.compile(model)`.")
+    recording, pipeline = _configs(recording, pipeline, options)
+    if health_options is not None:
+        health = HealthSampling(**health_options)
+    elif health is True:
+        health = HealthSampling()
     every = find_moe_layers(model, specs=specs)
     select = _layer_selector(layers)
     moe_layers = every if select is None else [layer for layer in every if select(layer.name)]
     if not moe_layers:
         names = ", ".join(layer.name for layer in every)
         raise NoMoELayersError(f"layers={layers!r} matches none of the model's MoE blocks: {names}")
-    return ProbeSession(model, moe_layers, exporters=exporters, store=store, routes=routes,
-                        router_logits=router_logits, router_inputs=router_inputs, kv_cache=kv_cache,
-                        coselection=coselection, tags=tags, run_id=run_id, policy=policy,
-                        max_queue=max_queue, flush_interval_s=flush_interval_s, sample_seed=sample_seed,
-                        health=health, trust_gate=trust_gate, health_options=health_options,
-                        trust_policy=trust_policy, window=window, window_s=window_s, ring_tokens=ring_tokens,
-                        all_layers=every, max_queue_bytes=max_queue_bytes)
+    return ProbeSession(model, moe_layers, exporters=list(exporters), recording=recording, pipeline=pipeline,
+                        health=health or None, gate=gate, tags=tags, run_id=run_id, all_layers=every)
+
+
+def _configs(recording: Recording | None, pipeline: Pipeline | None,
+             options: dict[str, Any]) -> tuple[Recording, Pipeline]:
+    """`Recording` and `Pipeline` from the given objects and keyword options (options win)."""
+    fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (Recording, Pipeline)}
+    unknown = set(options) - fields[Recording] - fields[Pipeline]
+    if unknown:
+        known = ", ".join(sorted(fields[Recording] | fields[Pipeline]))
+        raise TypeError(f"unknown probe option(s) {', '.join(sorted(unknown))}; the options are: {known} "
+                        "(the store, trust gate policy and alerts are moescope.attach's)")
+    recording = dataclasses.replace(recording or Recording(),
+                                    **{k: v for k, v in options.items() if k in fields[Recording]})
+    pipeline = dataclasses.replace(pipeline or Pipeline(),
+                                   **{k: v for k, v in options.items() if k in fields[Pipeline]})
+    return recording, pipeline
 
 
 def _layer_selector(layers: str | Sequence[str] | Callable[[str], bool] | None) -> Callable[[str], bool] | None:

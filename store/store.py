@@ -139,7 +139,7 @@ class Store(StoreQueries, ReportQueries):
         if not os.path.isdir(self.root):
             raise EmptyStoreError(
                 f"no data yet: there is no store at {os.fspath(root)!r}: record a run first, e.g. "
-                f"`probe.attach(model, store={os.fspath(root)!r})`, or `moescope demo`")
+                f"`moescope.attach(model, store={os.fspath(root)!r})`, or `moescope demo`")
         self.con = connect(read_only_root=self.root)
         self.catalog = Catalog(self.root, quarantine_bad=quarantine_bad, verify=verify)
         self.files: dict[str, list[FileInfo]] = {}

@@ -26,7 +26,7 @@ with common.guard():
     st.subheader("Health scores")
     if health.empty:
         st.info("No expert-health score recorded for this run. Scores are computed while the model runs: "
-                "attach with `probe.attach(model, store=..., health=True)` (or `trust_gate='auto'`, which "
+                "attach with `moescope.attach(model, store=..., health=True)` (or `trust_gate='auto'`, which "
                 "also gates unhealthy experts) and they are written to the `expert_health` table.")
     else:
         components = [c for c in COMPONENTS if health[c].notna().any()]
@@ -61,7 +61,7 @@ with common.guard():
     if ctx.settings.allow_writes:
         st.subheader("Manual gate control")
         st.caption("Writes a request into the store's `trust_gate_requests` table. The running model applies "
-                   "it only if its owner opted in too (`probe.attach(..., trust_gate='manual' or 'auto', "
+                   "it only if its owner opted in too (`moescope.attach(..., trust_gate='manual' or 'auto', "
                    "trust_policy=TrustPolicy(accept_requests=True))`), through the gate's API, which records "
                    "it as a change above. A finished run applies nothing.")
         layers = ctx.layer_ids()

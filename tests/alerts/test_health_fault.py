@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import probe
+import moescope
 from alerts.notify import WebhookNotifier
 from alerts.outbox import Outbox
 from alerts.trust_policy import TrustPolicy
@@ -83,9 +83,9 @@ def test_a_corrupted_expert_is_gated_alerted_and_lifted(family, fault, tmp_path,
     url, bodies = receiver
     model, clean = tiny_model(family), tiny_model(family)
     policy = TrustPolicy(sink=outbox)
-    session = probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
+    session = moescope.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
                            health_options=dict(sample_every=1))  # every forward sampled: a bounded detection time
-    reference = probe.attach(clean, trust_gate="manual")  # the clean model, gated by hand like the policy
+    reference = moescope.attach(clean, trust_gate="manual")  # the clean model, gated by hand like the policy
     layer = session.layers[0]
     batches = iter(_batches(200))
     # the busiest expert of layer 0: the fault matters most there
@@ -93,19 +93,31 @@ def test_a_corrupted_expert_is_gated_alerted_and_lifted(family, fault, tmp_path,
         for _ in range(3 * WINDOW):
             model(next(batches))
             session.flush()
-    load = sum(r.load_share_ratio or 0 for r in policy.health_rows if r.layer == 0 and r.expert == 0)
-    shares = [sum(r.load_share_ratio or 0 for r in policy.health_rows if r.layer == 0 and r.expert == e)
-              for e in range(layer.num_experts)]
+    rows = [r for r in policy.health_rows if r.layer == 0]
+    assert len(rows) == 3 * layer.num_experts and not session.gate.changes  # 3 windows judged, nothing gated
+    # each expert's load share is its tokens over the window's forwards, against a fair share of the
+    # window's assignments: a loop over the raw layer_steps rows
+    loads = Store(tmp_path / "store").sql("SELECT step, expert_load FROM layer_steps WHERE layer = 0")
+    per_step = {int(step): np.asarray(load, dtype=float) for step, load in zip(loads.step, loads.expert_load)}
+    for r in rows:
+        window = sum(per_step[s] for s in range(r.step_start, r.step_end + 1))
+        assert r.load_share_ratio == pytest.approx(window[r.expert] * layer.num_experts / window.sum(), rel=1e-9)
+    shares = [sum(r.load_share_ratio for r in rows if r.expert == e) for e in range(layer.num_experts)]
     expert = int(np.argmax(shares))
-    assert load >= 0 and not session.gate.changes  # healthy so far: nothing gated
 
     saved = [view.clone() for view in _expert_views(layer, expert)]
     with torch.no_grad():
         for view in _expert_views(layer, expert):
             view.mul_(1000.0) if fault == "scale" else view.fill_(float("nan"))
-        broken = model(batches.__next__()).logits
+        broken_ids = next(batches)
+        broken = model(broken_ids).logits
         session.flush()
-        assert not torch.isfinite(broken).all() if fault == "nan" else True
+        if fault == "nan":
+            assert not torch.isfinite(broken).all()
+        else:  # finite, and further from the clean model's output on the same tokens than a healed one may be
+            clean_out = clean(broken_ids).logits
+            assert torch.isfinite(broken).all()
+            assert (broken - clean_out).norm() > 0.2 * clean_out.norm()
 
         forwards = 1
         while session.gate.weight(0, expert) == 1.0 and forwards < 5 * WINDOW:
@@ -172,7 +184,7 @@ def test_a_long_healthy_run_gates_nothing_and_alerts_nothing(family, tmp_path, r
     model = tiny_model(family)
     policy = TrustPolicy(sink=outbox)
     g = torch.Generator().manual_seed(3)
-    with probe.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
+    with moescope.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
                       health_options=dict(sample_every=1)) as session, \
             torch.no_grad():
         for step in range(160):  # 40 windows, batches of varying size and content

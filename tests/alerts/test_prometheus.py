@@ -13,6 +13,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+import moescope
 from alerts import signals as sig
 from alerts.prometheus import PrometheusExporter
 from alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
@@ -144,7 +145,7 @@ def test_rules_on_signals_without_a_metric_are_refused():
 def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     import torch
 
-    import probe
+    import moescope
     from probe.zoo import tiny_model
     from store import InMemoryExporter
 
@@ -152,7 +153,7 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     exporter = PrometheusExporter(registry=registry)
     memory = InMemoryExporter()
     model = tiny_model("mixtral")
-    with probe.attach(model, store=tmp_path, routes=True, exporters=[exporter, memory],
+    with moescope.attach(model, store=tmp_path, routes=True, exporters=[exporter, memory],
                       window=1) as session:
         with torch.no_grad():
             model(torch.randint(0, 128, (2, 4)))
@@ -173,14 +174,13 @@ def scrape(port: int) -> dict[str, float]:
 def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_close(tmp_path):
     import torch
 
-    import probe
     from probe.zoo import tiny_model
 
     exporter = PrometheusExporter(registry=CollectorRegistry())
     port = exporter.serve(port=0)
     model = tiny_model("mixtral")
     try:
-        with probe.attach(model, store=tmp_path, exporters=[exporter], run_id="first"):
+        with moescope.attach(model, store=tmp_path, exporters=[exporter], run_id="first"):
             with torch.no_grad():
                 model(torch.randint(0, 128, (2, 4)))
                 model(torch.randint(0, 128, (2, 4)))
@@ -191,7 +191,7 @@ def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_clo
         assert step_rows >= 1 and after['moe_probe_records_written_total{table="steps"}'] == step_rows
 
         # the same exporter serves the next session of the process, starting over for its run
-        with probe.attach(model, store=tmp_path, exporters=[exporter], run_id="second"):
+        with moescope.attach(model, store=tmp_path, exporters=[exporter], run_id="second"):
             with torch.no_grad():
                 model(torch.randint(0, 128, (2, 4)))
         second = scrape(port)

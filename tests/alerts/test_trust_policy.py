@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 import torch
 
-import probe
+import moescope
 from alerts.health import ExpertHealth
 from alerts.trust_policy import TrustPolicy, TrustPolicyConfig
 from probe.gate import TrustGateError
@@ -30,7 +30,7 @@ def _row(expert: int, score: float, window: int, layer: int = 0) -> ExpertHealth
 def session(tmp_path):
     model = tiny_model("mixtral")
     policy = TrustPolicy(TrustPolicyConfig(gate_after=2, lift_after=3, max_gated_share=0.25))
-    with probe.attach(model, store=tmp_path, trust_gate="auto", trust_policy=policy) as s:
+    with moescope.attach(model, store=tmp_path, trust_gate="auto", trust_policy=policy) as s:
         yield s
 
 
@@ -65,7 +65,7 @@ def test_guard_rails_cap_the_share_and_worst_goes_first(session):
 def test_min_active_experts():
     model = tiny_model("mixtral")
     policy = TrustPolicy(TrustPolicyConfig(max_gated_share=1.0, min_active=6))
-    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+    with moescope.attach(model, trust_gate="auto", trust_policy=policy) as s:
         for window in range(2):
             policy.judge([_row(e, 0, window) for e in range(8)], window)
         assert int((s.gate.weights(0) == 0).sum()) == 2
@@ -90,7 +90,7 @@ def test_override_pins_and_events_land_in_the_table(session, tmp_path):
 
 def test_health_without_gate_alerts_but_changes_nothing():
     model = tiny_model("mixtral")
-    with probe.attach(model, health=True) as s:
+    with moescope.attach(model, health=True) as s:  # the composition root binds a policy to health
         assert s.gate is None
         for window in range(2):
             s.trust.judge([_row(3, 0, window)], window)
@@ -110,7 +110,7 @@ def test_routing_only_anomalies_are_alerted_not_gated(tmp_path):
 
     model = tiny_model("mixtral")
     policy = TrustPolicy(TrustPolicyConfig(gate_after=2))
-    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+    with moescope.attach(model, trust_gate="auto", trust_policy=policy) as s:
         for window in range(3):
             policy.judge([shy(window)], window)
         assert s.gate.weight(0, 3) == 1
@@ -118,7 +118,7 @@ def test_routing_only_anomalies_are_alerted_not_gated(tmp_path):
         assert fired and "only its routing looks wrong (confidence)" in fired[0].annotations["action"]
     # a user who wants routing anomalies gated says so
     policy = TrustPolicy(TrustPolicyConfig(gate_after=2, gate_on=("confidence", "output")))
-    with probe.attach(model, trust_gate="auto", trust_policy=policy) as s:
+    with moescope.attach(model, trust_gate="auto", trust_policy=policy) as s:
         for window in range(2):
             policy.judge([shy(window)], window)
         assert s.gate.weight(0, 3) == 0
@@ -132,7 +132,7 @@ def test_dashboard_requests_are_applied_once_only_when_accepted(tmp_path):
     model = tiny_model("mixtral")
     x = torch.randint(0, 128, (1, 4))
     refused = TrustPolicy()
-    with probe.attach(model, store=tmp_path / "a", trust_gate="manual", trust_policy=refused) as s:
+    with moescope.attach(model, store=tmp_path / "a", trust_gate="manual", trust_policy=refused) as s:
         write_request(tmp_path / "a", s.run.run_id, 0, 3, 0.0, "looks broken")
         with torch.no_grad():
             model(x)
@@ -141,7 +141,7 @@ def test_dashboard_requests_are_applied_once_only_when_accepted(tmp_path):
 
     policy = TrustPolicy(accept_requests=True, request_poll_s=0)
     root = tmp_path / "b"
-    with probe.attach(model, store=root, trust_gate="manual", trust_policy=policy) as s:
+    with moescope.attach(model, store=root, trust_gate="manual", trust_policy=policy) as s:
         first = write_request(root, s.run.run_id, 0, 3, 0.0, "looks broken")
         write_request(root, s.run.run_id, 0, 99, 0.0, "no such expert")
         with torch.no_grad():

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-import probe
+import moescope
 from probe.zoo import tiny_model
 
 DOMAINS = {"code": (0, 48), "prose": (40, 96), "math": (88, 128)}
@@ -37,7 +37,7 @@ def record_store(root: str | os.PathLike, runs: int = 2, steps: int = STEPS_PER_
     run_ids = []
     for index in range(runs):
         version = "AB"[index % 2]
-        session = probe.attach(model, store=root, routes=True, router_inputs=16, router_logits=8,
+        session = moescope.attach(model, store=root, routes=True, router_inputs=16, router_logits=8,
                                tags={"router": version}, run_id=f"run-{index}-{version}")
         try:
             for step in range(steps):

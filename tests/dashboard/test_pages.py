@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
 
+import moescope
 from dashboard import settings
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
@@ -148,7 +149,7 @@ def test_missing_store_is_a_friendly_state(monkeypatch, tmp_path, page):
 
 
 def test_empty_store_and_empty_run(monkeypatch, tmp_path):
-    import probe
+    import moescope
     from probe.zoo import tiny_model
 
     empty = tmp_path / "empty"
@@ -159,7 +160,7 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
         assert any("holds no run" in i.value for i in at.info), page
 
     root = str(tmp_path / "idle")
-    probe.attach(tiny_model("mixtral"), store=root).close()  # a run with no forward pass
+    moescope.attach(tiny_model("mixtral"), store=root).close()  # a run with no forward pass
     for page in PAGES:
         at = open_page(app_for(monkeypatch, root), page)
         assert_clean(at)
@@ -170,12 +171,11 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
 def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
     import torch
 
-    import probe
     from probe.zoo import tiny_model
 
     root = str(tmp_path / "live")
     model = tiny_model("mixtral")
-    session = probe.attach(model, store=root, routes=True, run_id="live-run", flush_interval_s=0.05)
+    session = moescope.attach(model, store=root, routes=True, run_id="live-run", flush_interval_s=0.05)
     try:
         def forwards(n: int) -> None:
             with torch.no_grad():

@@ -13,7 +13,7 @@ def _moescope(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_help_teaches():
     out = _moescope("--help").stdout
-    assert "probe.attach" in out and "moescope demo" in out
+    assert "moescope.attach" in out and "moescope demo" in out
     for command in ("demo", "summary"):
         assert "example" in _moescope(command, "--help").stdout
 

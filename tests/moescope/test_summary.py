@@ -9,7 +9,7 @@ import pyarrow.dataset as ds
 import pytest
 import torch
 
-import probe
+import moescope
 from moescope.summary import format_summary, layer_rows
 from probe.zoo import tiny_model
 from store import Store
@@ -20,7 +20,7 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("summary")
     model = tiny_model("switch_transformers", expert_capacity=2)  # small capacity: some tokens drop
     g = torch.Generator().manual_seed(3)
-    with probe.attach(model, store=root, routes=True, router_logits=True) as session, torch.no_grad():
+    with moescope.attach(model, store=root, routes=True, router_logits=True) as session, torch.no_grad():
         for step in range(4):
             ids = torch.randint(0, 128, (2 + step % 2, 6), generator=g)
             with session.tag(domain="a" if step < 2 else "b"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import moescope
 import probe
 from probe.zoo import tiny_model
 from store import InMemoryExporter, Store
@@ -95,7 +96,7 @@ def test_probe_does_not_change_outputs():
 def test_tags_nest_and_land_on_records(tmp_path):
     model = tiny_model("olmoe")
     x = torch.randint(0, 128, (1, 5))
-    with probe.attach(model, store=tmp_path, routes=True, tags={"run": "a"}) as session, torch.no_grad():
+    with moescope.attach(model, store=tmp_path, routes=True, tags={"run": "a"}) as session, torch.no_grad():
         model(x)
         with session.tag(domain="code"):
             model(x)
@@ -114,7 +115,7 @@ def test_tags_nest_and_land_on_records(tmp_path):
 def test_generate_records_every_step_with_kv_cache(tmp_path):
     model = tiny_model("mixtral")
     prompt = torch.randint(0, 128, (2, 5))
-    with probe.attach(model, store=tmp_path, routes=True, kv_cache=True, window=1), torch.no_grad():
+    with moescope.attach(model, store=tmp_path, routes=True, kv_cache=True, window=1), torch.no_grad():
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     store = Store(tmp_path)
     steps = store.sql("SELECT step, step_end, forwards, tokens, seq_len FROM steps ORDER BY step")
@@ -140,7 +141,7 @@ def test_a_window_sums_the_forwards_it_covers(tmp_path):
     prompt = torch.randint(0, 128, (2, 5))
     per_forward, windowed = InMemoryExporter(), InMemoryExporter()
     for exporter, window in ((per_forward, 1), (windowed, 32)):
-        with probe.attach(model, store=tmp_path / str(window), exporters=[exporter], routes=True,
+        with moescope.attach(model, store=tmp_path / str(window), exporters=[exporter], routes=True,
                           window=window, window_s=None), torch.no_grad():
             model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert len(per_forward.records) == 4 and len(windowed.records) == 1
@@ -161,7 +162,7 @@ def test_a_window_sums_the_forwards_it_covers(tmp_path):
 
 def test_duckdb_reads_the_store_with_nothing_but_a_glob(tmp_path):
     model = tiny_model("mixtral")
-    with probe.attach(model, store=tmp_path, routes=True) as session, torch.no_grad():
+    with moescope.attach(model, store=tmp_path, routes=True) as session, torch.no_grad():
         model(torch.randint(0, 128, (2, 4)))
     rows = duckdb.sql(f"select * from read_parquet('{tmp_path}/routes/**/*.parquet')").df()
     assert len(rows) == 2 * 2 * 4

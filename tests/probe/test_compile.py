@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import moescope
 import probe
 from probe.zoo import tiny_model
 from store import InMemoryExporter
@@ -116,7 +117,7 @@ def test_cuda_graph_replays_accumulate_on_the_device():
 def test_no_host_sync_in_any_mode():
     model = tiny_model("mixtral").cuda()
     x = torch.randint(0, 128, (2, 6), device="cuda")
-    with probe.attach(model, routes=True, router_logits=4, router_inputs=4, health=True, trust_gate="auto",
+    with moescope.attach(model, routes=True, router_logits=4, router_inputs=4, health=True, trust_gate="auto",
                       window=2, window_s=None) as session, torch.no_grad():
         model(x)  # first forward: allocations, fingerprints
         torch.cuda.synchronize()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import moescope
 import probe
 from probe.adapters import experts_arguments
 from probe.gate import RULES, TrustGate, TrustGateError
@@ -91,7 +92,7 @@ def test_untouched_gate_changes_no_bit(family):
     expert = _busiest_expert(model, family)
     with torch.no_grad():
         bare = _logits(model(**inputs))
-        with probe.attach(model, trust_gate="manual") as session:
+        with moescope.attach(model, trust_gate="manual") as session:
             assert session.gate is not None
             untouched = _logits(model(**inputs))
             session.trust.override(0, expert, 0.5, "test")
@@ -120,7 +121,7 @@ def test_masked_expert_contributes_nothing(family):
     def router_seen(module, args, output):  # Llama4's experts see dense scores, not ids
         received.append((output[0][:, expert] != 0).sum())
 
-    with probe.attach(model, trust_gate="manual", layers=layer.name) as session, torch.no_grad():
+    with moescope.attach(model, trust_gate="manual", layers=layer.name) as session, torch.no_grad():
         if family in ("llama4",):
             handle = layer.router.register_forward_hook(router_seen)  # after the gate's prepended hook
         else:
@@ -140,7 +141,7 @@ def test_masked_expert_contributes_nothing(family):
 
 @pytest.mark.parametrize("family", sorted(UNGATEABLE))
 def test_families_the_gate_cannot_reach_say_so(family):
-    with probe.attach(_model(family), trust_gate="manual") as session:
+    with moescope.attach(_model(family), trust_gate="manual") as session:
         assert session.gate.mechanism(0) is None
         with pytest.raises(TrustGateError, match="cannot be gated"):
             session.trust.override(0, 0, 0.0, "test")

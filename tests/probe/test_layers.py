@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import moescope
 import probe
 from probe.zoo import tiny_model
 from store import InMemoryExporter, Store
@@ -63,7 +64,7 @@ def _record(model, layers, tmp_path=None):
         for block in BLOCKS]
     memory = InMemoryExporter()
     try:
-        with probe.attach(model, layers=layers, exporters=[memory], routes=True, window=1,
+        with moescope.attach(model, layers=layers, exporters=[memory], routes=True, window=1,
                           store=tmp_path) as session, torch.no_grad():
             for batch in _batches():
                 model(batch)

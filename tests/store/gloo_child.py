@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import probe
+import moescope
 from probe.zoo import tiny_model
 
 STEPS, BATCH, SEQ = 4, 2, 8
@@ -22,7 +22,7 @@ def run(rank: int, world_size: int, port: int, store: str) -> None:
         torch.manual_seed(0)
         model = tiny_model("mixtral")
         # No run_id given: attach takes rank 0's, so every rank writes the same run.
-        with probe.attach(model, store=store, routes=True, flush_interval_s=0.2, window=1) as session:
+        with moescope.attach(model, store=store, routes=True, flush_interval_s=0.2, window=1) as session:
             for step in range(STEPS):
                 with torch.no_grad():
                     model(inputs(rank, step))

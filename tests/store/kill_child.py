@@ -7,13 +7,13 @@ import time
 
 import torch
 
-import probe
+import moescope
 from probe.zoo import tiny_model
 
 store, run_id, flush = sys.argv[1], sys.argv[2], float(sys.argv[3])
 torch.manual_seed(0)
 model = tiny_model("mixtral")
-session = probe.attach(model, store=store, routes=True, run_id=run_id, flush_interval_s=flush, window=1)
+session = moescope.attach(model, store=store, routes=True, run_id=run_id, flush_interval_s=flush, window=1)
 generator = torch.Generator().manual_seed(1)
 step = 0
 with torch.no_grad():

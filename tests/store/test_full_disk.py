@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+import moescope
 from store import BadFileWarning, Store
 from store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
@@ -85,7 +86,6 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
     import torch
     from prometheus_client import CollectorRegistry
 
-    import probe
     from alerts.prometheus import PrometheusExporter
     from probe.zoo import tiny_model
 
@@ -94,7 +94,7 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
     registry = CollectorRegistry()
     generator = torch.Generator().manual_seed(0)
     batch, seq = 2, 8
-    session = probe.attach(model, store=root, routes=True, window=1, flush_interval_s=0.05,
+    session = moescope.attach(model, store=root, routes=True, window=1, flush_interval_s=0.05,
                            exporters=[PrometheusExporter(registry=registry)])
     layers = len(session.layers)
     forwards = 0

@@ -1,0 +1,65 @@
+"""`moescope.attach`: the one call that wires a probe session to a store, a trust policy and alerts.
+
+The composition root. The probe only produces records (`probe.attach(model, exporters)`); the
+store writes them (`store.ParquetExporter`); alerts judge them (`alerts.trust_policy.TrustPolicy`,
+`alerts.prometheus.PrometheusExporter`, `alerts.engine.EngineExporter`). This module is the one
+place that knows all three.
+
+    import moescope
+    with moescope.attach(model, store="runs/", routes=True) as session:
+        model(**batch)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+import probe
+from probe.session import Pipeline, ProbeSession
+
+TRUST_GATE_MODES = (None, "manual", "auto")
+
+
+def attach(model: nn.Module, store: str | os.PathLike | None = None, *, exporters: Sequence[Any] = (),
+           trust_gate: str | None = None, trust_policy: Any = None, health: bool | probe.HealthSampling = False,
+           **options: Any) -> ProbeSession:
+    """Attach the probe to `model` and send its records to a store and any other exporters.
+
+    store: a folder to write the Parquet tables into (see the README for the tables).
+    exporters: more consumers of the records (the Prometheus exporter, an alerts engine, an
+    `InMemoryExporter`). health: sample expert outputs and weight fingerprints and score expert
+    health (docs/health.md). trust_gate: None (default: nothing in the model changes), "manual"
+    (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto" (health on,
+    and the policy gates unhealthy experts). trust_policy: an `alerts.trust_policy.TrustPolicy`
+    (thresholds, alert sink, `accept_requests`); a default one otherwise. Every other option is
+    the probe's (`probe.attach`: routes, router_logits, router_inputs, kv_cache, window, layers,
+    specs, tags, run_id, policy, recording=, pipeline=, ...).
+
+    Returns the probe session; `session.trust` is the bound policy (None without health or gate).
+    Raises ValueError for an unknown trust_gate mode, and what `probe.attach` raises.
+    """
+    if trust_gate not in TRUST_GATE_MODES:
+        raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
+    health = health or trust_gate == "auto"  # the auto policy judges by health scores
+    exporters = list(exporters)
+    if store is not None:
+        from store.writer import ParquetExporter
+
+        pipeline = options.get("pipeline") or Pipeline()
+        flush_interval_s = options.get("flush_interval_s", pipeline.flush_interval_s)
+        exporters.append(ParquetExporter(store, max_age_s=flush_interval_s))
+    session = probe.attach(model, exporters, health=health, gate=trust_gate is not None, **options)
+    if health or trust_gate:
+        from alerts.trust_policy import bind_policy
+
+        try:
+            session.trust = bind_policy(session, trust_policy, trust_gate, store)
+        except BaseException:
+            session.close()
+            raise
+        session.processor.exporters.append(session.trust)
+    return session

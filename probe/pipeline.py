@@ -1,0 +1,290 @@
+"""The probe's pipeline: a batch processor that owns the bounded queue and the writer thread.
+
+The model thread only calls `BatchProcessor.emit(record)`, which never raises and, under the
+`drop` policy, never waits. A worker thread builds windows into records (`PendingWindow`) and
+hands batches to exporters (`export(records) -> bool`, `force_flush(timeout_s) -> bool`,
+`shutdown()`): the store's `ParquetExporter`, the Prometheus exporter, an alerts engine, or the
+`InMemoryExporter` kept here for tests and in-process consumers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from probe.records import StepRecord
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("block", "drop")
+# The queue between the model and the writer holds at most this many bytes of records (and at
+# most `max_queue` records): 256 MiB is a few seconds of per-token routes of a large model at
+# serving rates, or about 60 records of 4 Ki sampled router inputs of width 4096 in float32.
+DEFAULT_MAX_QUEUE_BYTES = 256 * 1024 * 1024
+
+
+class Exporter(Protocol):
+    def export(self, records: Sequence[StepRecord]) -> bool: ...
+    def force_flush(self, timeout_s: float = 30.0) -> bool: ...
+    def shutdown(self) -> None: ...
+
+
+def record_rows(record: StepRecord) -> dict[str, int]:
+    """Rows a record would add to each table; what a dropped record costs, table by table.
+
+    A window not yet built (the probe's `PendingWindow`) answers from its layout.
+    """
+    if hasattr(record, "materialize"):
+        return record.rows()
+    rows = {"steps": 1, "layer_steps": len(record.layers)}
+    for layer in record.layers:
+        if layer.routes is not None:
+            rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
+        for name in ("router_logits", "router_inputs"):
+            sample = getattr(layer, name)
+            if sample is not None:
+                rows[name] = rows.get(name, 0) + len(sample.token)
+    if record.kv_cache:
+        rows["kv_cache"] = len(record.kv_cache)
+    return rows
+
+
+def record_bytes(record: object) -> int:
+    """Host memory a queued record holds: its numpy arrays' bytes (a probe window not yet built:
+    its host buffers'), plus a small fixed cost for the Python objects."""
+    nbytes = getattr(record, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes + _RECORD_OVERHEAD
+    return array_bytes(record) + _RECORD_OVERHEAD
+
+
+_RECORD_OVERHEAD = 1024
+
+
+def array_bytes(value: object) -> int:
+    """Bytes of the numpy arrays a record (or any dataclass, list or array) holds."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(array_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(array_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+class BatchProcessor:
+    """A bounded queue and one worker thread between the model and the exporters.
+
+    The queue is bounded by records (`max_queue`) and by bytes (`max_queue_bytes`, counted from
+    each record's arrays, and held until the record's batch is exported): a burst of large records
+    cannot hold more memory than that. A record larger than the whole byte bound is let into an
+    empty queue only. policy="block" is lossless: when the queue is full the model waits.
+    policy="drop" never makes the model wait: a record that does not fit is dropped and counted,
+    per table, with a reason ("queue_full" for the record bound, "queue_bytes_full" for bytes).
+    """
+
+    def __init__(self, exporters: Sequence[Exporter], max_queue: int = 256, policy: str = "block",
+                 flush_interval_s: float = 5.0, max_batch: int = 32,
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        if max_queue_bytes < 1:
+            raise ValueError(f"max_queue_bytes must be at least 1, not {max_queue_bytes!r}")
+        self.exporters = list(exporters)
+        self.policy = policy
+        self.flush_interval_s = flush_interval_s
+        self.max_batch = max_batch
+        self.max_queue_bytes = max_queue_bytes
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._space = threading.Condition(threading.Lock())  # guards queued_bytes
+        self.queued_bytes = 0  # bytes of records emitted and not yet exported
+        self._lock = threading.Lock()
+        self.dropped_records: Counter[str] = Counter()  # reason -> records
+        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
+        self.exported_records = 0
+        self._flush_requests: list[threading.Event] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="moescope-writer", daemon=True)
+        self._worker.start()
+
+    def emit(self, record: StepRecord) -> None:
+        """Hand a record over; never raises."""
+        if self._closed:
+            self._count_drop(record, "closed")
+            return
+        size = 0
+        try:
+            size = record_bytes(record)
+            refused = self._reserve(size)
+            if refused:
+                self._count_drop(record, refused)
+                return
+            if self.policy == "block":
+                self._queue.put((record, size))
+            else:
+                self._queue.put_nowait((record, size))
+        except queue.Full:
+            self._release(size)
+            self._count_drop(record, "queue_full")
+        except Exception:  # the model thread must never see the probe fail
+            self._release(size)
+            self._count_drop(record, "error")
+
+    def _reserve(self, size: int) -> str | None:
+        """Take `size` bytes of the queue's bound; the reason a record is refused, or None."""
+        with self._space:
+            def fits() -> bool:
+                return not self.queued_bytes or self.queued_bytes + size <= self.max_queue_bytes
+
+            if self.policy == "block":
+                while not fits() and not self._closed:
+                    self._space.wait()
+                if self._closed:
+                    return "closed"
+            elif not fits():
+                return "queue_bytes_full"
+            self.queued_bytes += size
+            return None
+
+    def _release(self, size: int) -> None:
+        if size:
+            with self._space:
+                self.queued_bytes -= size
+                self._space.notify_all()
+
+    def _count_drop(self, record: StepRecord, reason: str) -> None:
+        with self._lock:
+            self.dropped_records[reason] += 1
+            for table, rows in record_rows(record).items():
+                self.dropped_rows[(table, reason)] += rows
+
+    def count_dropped_rows(self, table: str, reason: str, rows: int) -> None:
+        """Rows lost outside the queue: before they became a record (e.g. a full device ring), or
+        after, by an exporter (e.g. a write that failed: `ParquetExporter`)."""
+        with self._lock:
+            self.dropped_rows[(table, reason)] += rows
+
+    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """A consistent copy of (rows dropped per (table, reason), records dropped per reason)."""
+        with self._lock:
+            return dict(self.dropped_rows), dict(self.dropped_records)
+
+    def _built(self, item: object) -> StepRecord | None:
+        """A record, building a probe window on this (the writer's) thread; None if that failed."""
+        if not hasattr(item, "materialize"):
+            return item  # type: ignore[return-value]
+        try:
+            return item.materialize()
+        except Exception:
+            log.exception("moescope: building a window's record failed; it is counted as dropped")
+            self._count_drop(item, "build_failed")  # type: ignore[arg-type]
+            return None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self.flush_interval_s)
+            except queue.Empty:
+                self._flush_exporters()
+                continue
+            batch: list[StepRecord] = []
+            held = 0  # queue bytes of the batch, given back once it is exported
+            stop = False
+            while item is not None:
+                if isinstance(item, threading.Event):
+                    self._export(batch)
+                    self._release(held)
+                    batch, held = [], 0
+                    self._flush_exporters()
+                    item.set()
+                elif item is _STOP:
+                    stop = True
+                    break
+                else:
+                    pending, size = item
+                    held += size
+                    record = self._built(pending)
+                    if record is not None:
+                        batch.append(record)
+                if len(batch) >= self.max_batch:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            self._export(batch)
+            self._release(held)
+            if stop:
+                self._flush_exporters()
+                return
+
+    def _export(self, batch: list[StepRecord]) -> None:
+        if not batch:
+            return
+        for exporter in self.exporters:
+            try:
+                ok = exporter.export(batch)
+            except Exception:
+                log.exception("exporter %s failed", type(exporter).__name__)
+                ok = False
+            if not ok:
+                for record in batch:
+                    self._count_drop(record, f"export_failed:{type(exporter).__name__}")
+        self.exported_records += len(batch)
+
+    def _flush_exporters(self) -> None:
+        for exporter in self.exporters:
+            try:
+                exporter.force_flush()
+            except Exception:
+                log.exception("flush of %s failed", type(exporter).__name__)
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Export everything queued so far and flush the exporters; False on timeout."""
+        if self._closed:
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Drain the queue, flush and join; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._space:
+            self._space.notify_all()  # a model thread waiting for queue bytes gives up ("closed")
+        self._queue.put(_STOP)
+        self._worker.join(timeout_s)
+        for exporter in self.exporters:
+            try:
+                exporter.shutdown()
+            except Exception:
+                log.exception("shutdown of %s failed", type(exporter).__name__)
+
+
+_STOP = object()
+
+
+class InMemoryExporter:
+    """Keeps every exported record; for tests and in-process consumers."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        self.records.extend(records)
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
