@@ -238,86 +238,131 @@ class HealthScorer:
         return rows
 
     def _score(self, run_id: str, layer: int, w: _Window) -> list[ExpertHealth]:
-        cfg = self.config
-        experts = len(w.load)
+        """Score every expert of a closed window, then learn the baselines from the healthy ones."""
         index = self._count.get(layer, 0)
         self._count[layer] = index + 1
+        experts = len(w.load)
         seen = self._baseline_seen.setdefault(layer, np.zeros(experts, dtype=np.int64))
+        peers = _Peers.of(w, self.config)
+        rows = []
+        for e in range(experts):
+            has_base = seen[e] >= self.config.baseline_windows
+            comps, reasons = self._components(layer, e, w, peers, has_base)
+            rows.append(self._row(run_id, index, layer, e, w, peers, comps, reasons))
+            self._learn(layer, e, w, peers, rows[-1].score)
+        return rows
+
+    def _components(self, layer: int, e: int, w: _Window, peers: _Peers,
+                    has_base: bool) -> tuple[dict[str, float | None], list[str]]:
+        """One expert's components (None: not measured) and the reasons of those below 50, in order.
+
+        Output and weight are measured only when the sampler visited the expert; a window without a
+        visit reuses the last measured value and reason ("last measured")."""
+        cfg = self.config
+        base_share = self._baseline_share[layer] if layer in self._baseline_share else None
+        base_norm = self._baseline_norm[layer] if layer in self._baseline_norm else None
+        comps: dict[str, float | None] = dict.fromkeys(COMPONENTS)
+        why: dict[str, str] = {}
+        if peers.ungated[e] and peers.routed:
+            share = peers.shares[e]
+            comps["load"] = load_component(share, base_share[e] if has_base and base_share is not None else None, cfg)
+            if comps["load"] < 50:
+                why["load"] = f"load {'dead' if share < 1 else 'hot'}: {share:.2f}x its fair share"
+            if peers.trusted[e]:
+                comps["confidence"] = confidence_component(peers.gate_mean[e], peers.gate_median, cfg)
+                if comps["confidence"] < 50:
+                    why["confidence"] = (f"low gate weight when chosen: {peers.gate_mean[e]:.3f} vs median "
+                                         f"{peers.gate_median:.3f}")
+        if w.samples[e] > 0:
+            norm = peers.norm_mean[e] if peers.good[e] > 0 else float("nan")
+            comps["output"] = output_component(norm, int(w.nonfinite[e]), peers.norm_median,
+                                               base_norm[e] if has_base and base_norm is not None else None, cfg)
+            if w.nonfinite[e] > 0:
+                why["output"] = f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled"
+            elif comps["output"] < 50:
+                why["output"] = f"output norm outlier: {peers.norm_mean[e]:.3g} vs median {peers.norm_median:.3g}"
+        if w.cosine is not None:
+            comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
+            if comps["weight"] < 50:
+                why["weight"] = (f"weights drifted: cosine {w.cosine[e]:.3f}, "
+                                 f"norm x{w.norm_ratio[e]:.3g} since attach")
+        if w.grad is not None:
+            comps["grad"] = grad_component(w.grad[e], peers.grad_median, cfg)
+            if comps["grad"] < 50:
+                why["grad"] = f"gradient norm outlier: {w.grad[e]:.3g} vs median {peers.grad_median:.3g}"
+        reasons = [why[name] for name in COMPONENTS if name in why]
+        for name in ("output", "weight"):  # the sampled components carry over between visits
+            if comps[name] is not None:
+                self._last[(layer, e, name)] = (comps[name], why.get(name, ""))
+            elif (layer, e, name) in self._last:
+                comps[name], reason = self._last[(layer, e, name)]
+                if reason and comps[name] < 50:
+                    reasons.append(f"{reason} (last measured)")
+        return comps, reasons
+
+    def _row(self, run_id: str, index: int, layer: int, e: int, w: _Window, peers: _Peers,
+             comps: dict[str, float | None], reasons: list[str]) -> ExpertHealth:
+        return ExpertHealth(
+            run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
+            expert=e, score=combine(comps, self.config.weights), load=comps["load"],
+            confidence=comps["confidence"], output=comps["output"], weight=comps["weight"], grad=comps["grad"],
+            load_share_ratio=float(peers.shares[e]) if peers.routed else None,
+            gate_weight_mean=None if np.isnan(peers.gate_mean[e]) else float(peers.gate_mean[e]),
+            output_norm_mean=None if np.isnan(peers.norm_mean[e]) else float(peers.norm_mean[e]),
+            output_nonfinite_fraction=float(w.nonfinite[e] / w.samples[e]) if w.samples[e] else None,
+            weight_cosine=None if w.cosine is None else float(w.cosine[e]),
+            weight_norm_ratio=None if w.norm_ratio is None else float(w.norm_ratio[e]),
+            grad_norm=None if w.grad is None else float(w.grad[e]), trust_weight=float(w.trust[e]),
+            reasons="; ".join(reasons))
+
+    def _learn(self, layer: int, e: int, w: _Window, peers: _Peers, score: float) -> None:
+        """Learn the expert's baselines from healthy, ungated windows only, so a fault is never learnt."""
+        cfg = self.config
+        experts = len(w.load)
+        seen = self._baseline_seen[layer]
         base_share = self._baseline_share.setdefault(layer, np.zeros(experts))
         base_norm = self._baseline_norm.setdefault(layer, np.zeros(experts))
+        if score >= cfg.baseline_min_score and peers.ungated[e]:
+            d = cfg.baseline_decay if seen[e] else 0.0
+            if peers.routed:
+                base_share[e] = d * base_share[e] + (1 - d) * peers.shares[e]
+            if np.isfinite(peers.norm_mean[e]) and w.nonfinite[e] == 0:
+                base_norm[e] = d * base_norm[e] + (1 - d) * peers.norm_mean[e]
+            seen[e] += 1
+
+
+@dataclass(frozen=True)
+class _Peers:
+    """What a window says about all experts of a layer, that each expert is judged against."""
+
+    ungated: np.ndarray  # trust weight 1 all window
+    shares: np.ndarray  # load * ungated experts / ungated load (1 = a fair share)
+    routed: bool  # enough assignments, and no non-finite input, to judge routing at all
+    gate_mean: np.ndarray  # mean gate weight when chosen (NaN: never chosen)
+    trusted: np.ndarray  # ungated and chosen often enough to judge confidence
+    gate_median: float
+    good: np.ndarray  # finite sampled outputs
+    norm_mean: np.ndarray  # mean L2 norm of the finite sampled outputs (NaN: none)
+    norm_median: float
+    grad_median: float
+
+    @classmethod
+    def of(cls, w: _Window, cfg: HealthConfig) -> _Peers:
+        experts = len(w.load)
         ungated = w.trust >= 1.0
         total = w.load[ungated].sum()
         shares = w.load * ungated.sum() / total if total > 0 else np.zeros(experts)
         # Routing on non-finite inputs (a fault upstream) says nothing about this layer's experts.
-        routed = (total >= max(cfg.min_window_assignments, cfg.min_expected_per_expert * max(ungated.sum(), 1))
-                  and w.input_nonfinite == 0)
+        routed = bool(total >= max(cfg.min_window_assignments, cfg.min_expected_per_expert * max(ungated.sum(), 1))
+                      and w.input_nonfinite == 0)
         gate_mean = np.divide(w.gate_sum, w.load, out=np.full(experts, np.nan), where=w.load > 0)
         trusted = ungated & (w.load >= cfg.min_expert_assignments)
-        gate_median = float(np.median(gate_mean[trusted])) if trusted.any() else float("nan")
         good = w.samples - w.nonfinite
         norm_mean = np.divide(w.norm_sum, good, out=np.full(experts, np.nan), where=good > 0)
         finite_norms = norm_mean[np.isfinite(norm_mean) & (w.nonfinite == 0)]
-        norm_median = float(np.median(finite_norms)) if finite_norms.size else 0.0
-        grad_median = float(np.median(w.grad[np.isfinite(w.grad)])) if w.grad is not None and np.isfinite(
-            w.grad).any() else 0.0
-
-        rows = []
-        for e in range(experts):
-            has_base = seen[e] >= cfg.baseline_windows
-            comps: dict[str, float | None] = dict.fromkeys(COMPONENTS)
-            reasons = []
-            if ungated[e] and routed:
-                comps["load"] = load_component(shares[e], base_share[e] if has_base else None, cfg)
-                if comps["load"] < 50:
-                    reasons.append(f"load {'dead' if shares[e] < 1 else 'hot'}: {shares[e]:.2f}x its fair share")
-                if trusted[e]:
-                    comps["confidence"] = confidence_component(gate_mean[e], gate_median, cfg)
-                    if comps["confidence"] < 50:
-                        reasons.append(f"low gate weight when chosen: {gate_mean[e]:.3f} vs median {gate_median:.3f}")
-            if w.samples[e] > 0:
-                comps["output"] = output_component(norm_mean[e] if good[e] > 0 else float("nan"),
-                                                   int(w.nonfinite[e]), norm_median,
-                                                   base_norm[e] if has_base else None, cfg)
-                if w.nonfinite[e] > 0:
-                    reasons.append(f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled")
-                elif comps["output"] < 50:
-                    reasons.append(f"output norm outlier: {norm_mean[e]:.3g} vs median {norm_median:.3g}")
-            if w.cosine is not None:
-                comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
-                if comps["weight"] < 50:
-                    reasons.append(f"weights drifted: cosine {w.cosine[e]:.3f}, "
-                                   f"norm x{w.norm_ratio[e]:.3g} since attach")
-            if w.grad is not None:
-                comps["grad"] = grad_component(w.grad[e], grad_median, cfg)
-                if comps["grad"] < 50:
-                    reasons.append(f"gradient norm outlier: {w.grad[e]:.3g} vs median {grad_median:.3g}")
-            for name in ("output", "weight"):
-                if comps[name] is not None:
-                    self._last[(layer, e, name)] = (comps[name], next(
-                        (r for r in reasons if r.startswith(("non-finite", "output", "weights"))), ""))
-                elif (layer, e, name) in self._last:
-                    comps[name], reason = self._last[(layer, e, name)]
-                    if reason and comps[name] < 50:
-                        reasons.append(f"{reason} (last measured)")
-            score = combine(comps, cfg.weights)
-            rows.append(ExpertHealth(
-                run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
-                expert=e, score=score, load=comps["load"], confidence=comps["confidence"],
-                output=comps["output"], weight=comps["weight"], grad=comps["grad"],
-                load_share_ratio=float(shares[e]) if routed else None,
-                gate_weight_mean=None if np.isnan(gate_mean[e]) else float(gate_mean[e]),
-                output_norm_mean=None if np.isnan(norm_mean[e]) else float(norm_mean[e]),
-                output_nonfinite_fraction=float(w.nonfinite[e] / w.samples[e]) if w.samples[e] else None,
-                weight_cosine=None if w.cosine is None else float(w.cosine[e]),
-                weight_norm_ratio=None if w.norm_ratio is None else float(w.norm_ratio[e]),
-                grad_norm=None if w.grad is None else float(w.grad[e]), trust_weight=float(w.trust[e]),
-                reasons="; ".join(reasons)))
-            # learn the baseline from healthy, ungated windows only, so a fault is never learnt
-            if score >= cfg.baseline_min_score and ungated[e]:
-                d = cfg.baseline_decay if seen[e] else 0.0
-                if routed:
-                    base_share[e] = d * base_share[e] + (1 - d) * shares[e]
-                if np.isfinite(norm_mean[e]) and w.nonfinite[e] == 0:
-                    base_norm[e] = d * base_norm[e] + (1 - d) * norm_mean[e]
-                seen[e] += 1
-        return rows
+        grads = w.grad[np.isfinite(w.grad)] if w.grad is not None else np.zeros(0)
+        return cls(ungated=ungated, shares=shares, routed=routed, gate_mean=gate_mean, trusted=trusted,
+                   gate_median=float(np.median(gate_mean[trusted])) if trusted.any() else float("nan"),
+                   good=good, norm_mean=norm_mean,
+                   norm_median=float(np.median(finite_norms)) if finite_norms.size else 0.0,
+                   grad_median=float(np.median(grads)) if grads.size else 0.0)

@@ -331,7 +331,7 @@ class LoadSpread:
     hottest: int  # the busiest routed expert (-1 when no token)
     hottest_load: int  # tokens that chose it
     hottest_token_share: float  # of the layer's tokens that chose it (top-k shares sum to k)
-    hottest_slot_share: float  # of the layer's routed slots it filled (shares sum to 1)
+    hottest_slot_share: float  # of the layer's slots it filled, zero experts' slots included (shares sum to 1)
 
 
 def load_spread(load: np.ndarray | list[float], num_experts: int | None = None,
@@ -341,6 +341,7 @@ def load_spread(load: np.ndarray | list[float], num_experts: int | None = None,
     `num_experts` cuts the zero experts off; `tokens` (the layer's tokens over the same window)
     gives the token share, NaN without it. Every number is NaN (-1, 0) for a load with no token.
     """
+    slots = float(np.asarray(load, dtype=np.float64).sum())  # every kept slot, zero experts' too
     arr = routed_load(load, num_experts)
     if arr.size == 0 or arr.sum() <= 0:
         nan = float("nan")
@@ -351,7 +352,7 @@ def load_spread(load: np.ndarray | list[float], num_experts: int | None = None,
         dead_experts=int(np.count_nonzero(arr == 0)), dead_fraction=dead_expert_fraction(arr), hottest=hottest,
         hottest_load=int(arr[hottest]),
         hottest_token_share=float(arr[hottest] / tokens) if tokens else float("nan"),
-        hottest_slot_share=float(arr[hottest] / arr.sum()))
+        hottest_slot_share=float(arr[hottest] / slots))
 
 
 @dataclass(frozen=True)

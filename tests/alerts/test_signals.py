@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections import Counter
 
@@ -158,3 +159,65 @@ def test_bad_loads_are_rejected():
         sig.max_mean_ratio(np.array([1, -1]))
     with pytest.raises(ValueError, match="1-D"):
         sig.coefficient_of_variation(np.zeros((2, 2)))
+
+
+# -- derived metrics: the weighting rule (tokens) and the zero-expert rule --------------------
+
+
+def test_token_weighted_mean_weights_by_tokens_and_skips_what_is_missing():
+    # a 4096-token prefill and 64 one-token decode steps: the unweighted mean of row means is wrong
+    values = [0.5] + [2.0] * 64
+    tokens = [4096] + [1] * 64
+    assert sig.token_weighted_mean(values, tokens) == pytest.approx((0.5 * 4096 + 2.0 * 64) / 4160)
+    assert abs(sig.token_weighted_mean(values, tokens) - np.mean(values)) > 1.0
+    assert sig.token_weighted_mean([1.0, float("nan"), 3.0], [1, 5, 3]) == pytest.approx(2.5)
+    assert math.isnan(sig.token_weighted_mean([float("nan")], [3]))
+    assert math.isnan(sig.token_weighted_mean([1.0], [0]))
+
+
+def test_load_spread_leaves_zero_experts_out_and_says_tokens_and_slots():
+    # 4 routed experts and 2 zero experts; top-2 over 10 tokens = 20 slots
+    load = [6, 4, 0, 2, 5, 3]
+    spread = sig.load_spread(load, num_experts=4, tokens=10)
+    routed = np.array([6, 4, 0, 2], dtype=float)
+    assert spread.cv == pytest.approx(routed.std() / routed.mean())
+    assert spread.max_mean == pytest.approx(6 / routed.mean())
+    assert spread.dead_experts == 1 and spread.dead_fraction == pytest.approx(0.25)
+    assert spread.hottest == 0 and spread.hottest_load == 6
+    assert spread.hottest_token_share == pytest.approx(0.6)  # 6 of 10 tokens chose it
+    assert spread.hottest_slot_share == pytest.approx(6 / 20)  # 6 of the 20 slots, zero experts' included
+    assert sig.zero_expert_share(load, 4) == pytest.approx(8 / 20)
+    empty = sig.load_spread([0, 0, 0], num_experts=2)
+    assert math.isnan(empty.cv) and empty.hottest == -1
+
+
+def test_router_entropy_normalises_by_the_routers_width_then_weights_by_tokens():
+    # a layer of 8 routed + 2 zero experts (width 10) and one of 4 experts (width 4)
+    got = sig.router_entropy([1.0, 0.5], [30, 10], [10, 4])
+    assert got.nats == pytest.approx((1.0 * 30 + 0.5 * 10) / 40)
+    assert got.normalized == pytest.approx((1.0 / math.log(10) * 30 + 0.5 / math.log(4) * 10) / 40)
+
+
+def test_layer_and_run_figures_follow_the_rules():
+    a = sig.layer_figures(0, [6, 4, 0, 2, 5, 3], 4, 2, 10, 1.2, 1)
+    b = sig.layer_figures(1, [5, 5, 5, 5], 4, 0, 10, 0.9, None)  # drops not recorded
+    assert a.dropped_token_rate == pytest.approx(0.1) and math.isnan(b.dropped_token_rate)
+    assert a.entropy.normalized == pytest.approx(1.2 / math.log(6))
+    run = sig.run_figures([a, b])
+    assert run.layer_tokens == 20 and run.dropped_tokens == 1 and run.dropped_token_rate == pytest.approx(1 / 20)
+    assert run.load_cv == pytest.approx((a.spread.cv + 0.0) / 2)
+    assert run.entropy.nats == pytest.approx((1.2 + 0.9) / 2)
+    assert run.hottest is a
+
+
+def test_compute_signals_leave_zero_experts_out_of_load_signals():
+    from alerts.window import LayerObservation, compute_signals
+
+    obs = [LayerObservation(run_id="r", layer=0, step=0, ts=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+                            tokens=10, expert_load=np.array([6, 4, 0, 2, 5, 3]), router_entropy_mean=1.2,
+                            dropped_tokens=0, capacity_use=None, active_param_fraction=None)]
+    values = compute_signals(obs, ["load_cv", "dead_expert_fraction", "router_entropy"], num_experts=4)
+    spread = sig.load_spread([6, 4, 0, 2, 5, 3], 4)
+    assert values["load_cv"] == pytest.approx(spread.cv)
+    assert values["dead_expert_fraction"] == pytest.approx(0.25)
+    assert values["router_entropy"] == pytest.approx(1.2 / math.log(6))  # the router's width: 4 + 2
