@@ -132,6 +132,12 @@ def test_engine_exporter_on_the_live_stream_survives_a_broken_sink():
     exporter.export(records[2:])
     assert [t.state for t in sink.got] == ["pending", "firing"]
     assert exporter.sink_errors == 2 and exporter.force_flush(1.0)
-    exporter.shutdown()
+    exporter.shutdown()  # the session closed: the run ended, its firing alert resolves, sinks hear it
     exporter.shutdown()
     assert exporter.export(records) is False
+    assert [(t.state, t.previous_state, t.step, t.reason) for t in sink.got[2:]] == [
+        ("resolved", "firing", 4, "run ended")]
+    ended = sink.got[2]
+    assert ended.ends_at == ended.at == records[4].ts and ended.starts_at == sink.got[1].starts_at
+    assert ended.annotations["resolved_reason"] == "run ended" and ended.fingerprint == sink.got[1].fingerprint
+    assert exporter.sink_errors == 3  # the broken sink failed on the resolve too; the good one got it
