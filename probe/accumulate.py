@@ -96,8 +96,7 @@ class LayerGroup:
         self.layers = layers
         self.positions = [layer.index for layer in layers]
         self.device = device
-        self.router_width = first.num_experts + first.zero_experts if first.extra.get("router_width") is None \
-            else first.extra["router_width"]
+        self.router_width = first.num_experts + first.zero_experts  # the router scores every slot
         self.slots = first.num_experts + first.zero_experts
         self.num_experts = first.num_experts
         self.top_k = first.top_k
@@ -126,9 +125,6 @@ class LayerGroup:
     @property
     def size(self) -> int:
         return len(self.layers) * self.columns.width
-
-    def key(self) -> tuple:
-        return (self.router_width, self.slots, self.num_experts, self.top_k, str(self.device), self.decoder)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset: self.offset + self.size].view(len(self.layers), self.columns.width)
@@ -236,7 +232,6 @@ class HealthRows:
         for name in ("samples", "norm_sum", "nonfinite"):
             cols.add(name, num_experts)
         cols.add("input_nonfinite", 1)
-        cols.add("summed_end", 0)
         for name in ("weight_cosine", "weight_norm_ratio", "grad_norm"):
             cols.add(name, num_experts)
         cols.add("weight_checked", 1)

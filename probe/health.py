@@ -1,24 +1,27 @@
 """Device-side expert-health sampling: what each expert outputs, and whether its weights moved.
 
-Two measurements per MoE layer, both torch ops on the model's device, both joining the probe's
-single packed transfer per forward:
+Two measurements per MoE layer, both torch ops on the model's device, added into the layer's row
+of the probe's device buffer (a window's record carries their sums):
 
-- Output sample. At each recorded forward the router's input (the block's token states) is
-  sampled: `tokens_per_expert` tokens (default 4), run through `experts_per_forward` experts
-  (default 1, rotating, so each expert is visited every ceil(E / experts_per_forward)
-  forwards; None: all of them) with gate weight 1, whatever the router chose. The cost is
-  reading that expert's weights once more (memory-bound for a few tokens), so one expert per
-  forward keeps it near 1/E of the layer's expert-weight traffic; the score carries each
-  expert's last measurement between visits. So a
-  masked expert keeps being measured and can be seen to recover. Per expert: samples taken, sum
-  of the L2 norms of the finite outputs, and how many outputs held a NaN or an infinity. Cost:
-  tokens_per_expert x experts_per_forward expert evaluations per layer and forward.
+- Output sample. At every `sample_every`-th forward (default 4) the router's input (the block's
+  token states) is sampled: `tokens_per_expert` tokens (default 4), run through
+  `experts_per_forward` experts (default 1, rotating, so each expert is visited every
+  sample_every x ceil(E / experts_per_forward) forwards; None: all of them) with gate weight 1,
+  whatever the router chose. Tokens and experts are chosen on the device from a per-layer visit
+  counter (a hash of it orders the tokens, finite inputs first): no host sync, no random state of
+  the model's moved, and CUDA-graph replays keep rotating. The cost is reading the sampled
+  expert's weights once more (memory-bound for a few tokens), so one expert per sampled forward
+  keeps it near 1/(4E) of the layer's expert-weight traffic; the score carries each expert's last
+  measurement between visits, so a masked expert keeps being measured and can be seen to
+  recover. Per expert: samples taken, sum of the L2 norms of the finite outputs, and how many
+  outputs held a NaN or an infinity.
 - Weight fingerprint. At attach, per expert: the sum of squares of all its weights, and a sketch:
   each weight tensor is split into `SKETCH_BLOCKS` contiguous blocks, each block projected onto
-  one fixed random +-1 vector. Every `weight_every` recorded forwards both are taken again; the
-  record carries the sketch's cosine similarity to the fingerprint and the norm ratio. Scaling an
-  expert moves the norm ratio, re-initialising or swapping it moves the cosine, a NaN anywhere
-  makes the norm non-finite. When parameters have gradients, per-expert gradient norms ride along.
+  one fixed random +-1 vector. Every `weight_every` sampled forwards both are taken again; the
+  record carries the sketch's cosine similarity to the fingerprint and the norm ratio (the
+  window's latest check). Scaling an expert moves the norm ratio, re-initialising or swapping it
+  moves the cosine, a NaN anywhere makes the norm non-finite. When parameters have gradients,
+  per-expert gradient norms ride along.
 
 Sharp edges: the experts are called through `forward` directly (no hooks run, so nothing else
 records these calls); the calling convention comes from the layer's reader (ids, Switch's

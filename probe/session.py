@@ -577,8 +577,7 @@ class ProbeSession:
                 trust_weights={} if self.gate is None else {layer.index: self.gate.weights(layer.index)
                                                             for layer in self.layers})
             self._window_open(time.monotonic())
-        self.processor.emit(PendingWindow(context, snapshots, {layer.index: layer for layer in self.layers},
-                                          on_dropped=self._count_ring_drop))
+        self.processor.emit(PendingWindow(context, snapshots, on_dropped=self._count_ring_drop))
 
     def _count_ring_drop(self, table: str, rows: int) -> None:
         self.processor.count_dropped_rows(table, "ring_full", rows)

@@ -66,7 +66,6 @@ class HostContext:
     total_params: int
     kv_cache: list[KVCacheLayer] | None
     trust_weights: dict[int, np.ndarray] = field(default_factory=dict)
-    dropped: dict[str, int] = field(default_factory=dict)  # rows lost before the writer, by reason
 
 
 @dataclass
@@ -83,12 +82,11 @@ class Snapshot:
 class PendingWindow:
     """A closed window waiting for its copies; `materialize()` runs on the writer thread."""
 
-    def __init__(self, context: HostContext, snapshots: list[Snapshot], layers_meta: dict[int, Any],
+    def __init__(self, context: HostContext, snapshots: list[Snapshot],
                  on_dropped: Callable[[str, int], None] | None = None):
         self.context = context
         self.snapshots = snapshots
-        self.layers_meta = layers_meta  # layer index -> MoELayer
-        self.on_dropped = on_dropped
+        self.on_dropped = on_dropped  # (table, rows) a full ring overwrote
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +136,7 @@ class PendingWindow:
             for group in snap.buffer.groups:
                 block = host[group.offset: group.offset + group.size].reshape(len(group.layers), -1)
                 for row, layer in enumerate(group.layers):
-                    step = self._layer_step(group, layer, block[row], snap, host, rings, total - forwards)
+                    step = self._layer_step(group, layer, block[row], snap, host, rings)
                     if step is None:
                         continue
                     active += step.active_params_per_token
@@ -153,7 +151,7 @@ class PendingWindow:
             step_end=total - 1)
 
     def _layer_step(self, group: LayerGroup, layer: Any, row: np.ndarray, snap: Snapshot, host: np.ndarray,
-                    rings: dict, first_step: int) -> LayerStep | None:
+                    rings: dict) -> LayerStep | None:
         cols = group.columns
         tokens = int(round(row[cols["tokens"]][0]))
         if tokens == 0:
@@ -180,9 +178,9 @@ class PendingWindow:
             router_prob_sum=row[cols["router_prob_sum"]].astype(np.float64),
             coselection=(np.rint(row[cols["coselection"]]).astype(np.int64).reshape(group.slots, group.slots)
                          if group.coselection else None),
-            routes=_routes(rings.get((id(group), "routes")), position, group, first_step),
-            router_logits=_sample(rings.get((id(group), "logits")), position, group, group.router_width, first_step),
-            router_inputs=_sample(rings.get((id(group), "inputs")), position, group, None, first_step),
+            routes=_routes(rings.get((id(group), "routes")), position, group),
+            router_logits=_sample(rings.get((id(group), "logits")), position, group),
+            router_inputs=_sample(rings.get((id(group), "inputs")), position, group),
             forwards=int(round(host[WINDOW_FORWARDS])), **fields)
 
 
@@ -203,8 +201,7 @@ def health_fields(health: Any, host: np.ndarray, layer: int, num_experts: int) -
         expert_grad_norm=row[cols["grad_norm"]].astype(np.float64) if checked and grads else None)
 
 
-def _routes(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: LayerGroup,
-            first_step: int) -> Routes | None:
+def _routes(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: LayerGroup) -> Routes | None:
     if ring_data is None:
         return None
     ring, data = ring_data
@@ -222,8 +219,7 @@ def _routes(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: Lay
                   token=np.rint(data[:, cols.at("token")]).astype(np.int32))
 
 
-def _sample(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: LayerGroup, width: int | None,
-            first_step: int) -> TokenSample | None:
+def _sample(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: LayerGroup) -> TokenSample | None:
     if ring_data is None:
         return None
     ring, data = ring_data
