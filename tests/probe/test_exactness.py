@@ -488,3 +488,39 @@ def test_longcat_zero_experts_take_load_but_no_parameters():
         assert ls.active_params_per_token == pytest.approx(used * info.params_per_expert)
         # The zero experts' rows of the fused gate_up_proj exist but are never used.
         assert layer.unused_params == 2 * layer.experts.gate_up_proj[0].numel()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_window_of_two_forwards_is_the_sum_of_its_forwards(family):
+    """Windowed records carry exactly the per-forward figures (checked above against the model)
+    summed, or token-weighted where they are means, for every family."""
+    model = _model(family)
+    inputs = [_inputs(family, seed=1), _inputs(family, seed=2)]
+    per_forward, windowed = InMemoryExporter(), InMemoryExporter()
+    for exporter, window in ((per_forward, 1), (windowed, 2)):
+        with probe.attach(model, [exporter], routes=True, window=window, window_s=None), torch.no_grad():
+            for batch in inputs:
+                model(**batch)
+    assert len(per_forward.records) == 2 and len(windowed.records) == 1
+    record = windowed.records[0]
+    assert (record.step, record.step_end, record.forwards) == (0, 1, 2)
+    assert record.tokens == sum(r.tokens for r in per_forward.records)
+    assert record.active_params == pytest.approx(
+        sum(r.active_params * r.tokens for r in per_forward.records) / record.tokens, rel=1e-9)
+    for ls, parts in zip(record.layers, zip(*(r.layers for r in per_forward.records))):
+        tokens = sum(p.tokens for p in parts)
+        assert ls.tokens == tokens and ls.forwards == 2
+        np.testing.assert_array_equal(ls.expert_load, sum(p.expert_load for p in parts))
+        np.testing.assert_allclose(ls.gate_weight_sum, sum(p.gate_weight_sum for p in parts), rtol=1e-12)
+        np.testing.assert_allclose(ls.router_prob_sum, sum(p.router_prob_sum for p in parts), rtol=1e-12)
+        for name in ("router_entropy_mean", "top1_margin_mean", "active_params_per_token"):
+            expected = sum(getattr(p, name) * p.tokens for p in parts) / tokens
+            assert getattr(ls, name) == pytest.approx(expected, rel=1e-9, abs=1e-12), name
+        assert ls.dropped_tokens == sum(p.dropped_tokens for p in parts)
+        assert ls.dropped_assignments == sum(p.dropped_assignments for p in parts)
+        if ls.capacity_use is not None:
+            assert ls.capacity_use == max(p.capacity_use for p in parts)
+        if ls.coselection is not None:
+            np.testing.assert_array_equal(ls.coselection, sum(p.coselection for p in parts))
+        np.testing.assert_array_equal(ls.routes.expert_ids, np.concatenate([p.routes.expert_ids for p in parts]))
+        np.testing.assert_array_equal(ls.routes.step, np.repeat([0, 1], [len(p.routes.expert_ids) for p in parts]))
