@@ -113,12 +113,7 @@ def read_alerts(store: Store, run_id: str | None = None):
     Refreshes the store's views first, so transitions written a moment ago are included.
     """
     store.refresh()
-    query = f"SELECT * FROM {ALERTS_TABLE}"
-    params: list = []
-    if run_id is not None:
-        query += " WHERE run_id = ?"
-        params.append(run_id)
-    return store.sql(query + " ORDER BY ts, step, alertname, layer", params)
+    return store.alert_transitions(run_id)
 
 
 class StoreAlertRunner:
@@ -145,11 +140,7 @@ class StoreAlertRunner:
 
     def _load_baseline(self, run_id: str, layer: int, steps: int) -> np.ndarray | None:
         # the first rows that cover `steps` forwards (a windowed row covers several)
-        rows = self.store.sql(
-            "SELECT expert_load, coalesce(forwards, 1) AS forwards FROM layer_steps"
-            " WHERE run_id = ? AND layer = ? ORDER BY step LIMIT ?",
-            [run_id, layer, steps],
-        )
+        rows = self.store.first_layer_rows(run_id, layer, steps)
         if rows.empty:
             return None
         covered = np.cumsum(rows.forwards.to_numpy())
@@ -157,33 +148,25 @@ class StoreAlertRunner:
         return np.sum([np.asarray(v, dtype=np.int64) for v in rows.expert_load], axis=0)
 
     def _runs(self) -> list[str]:
-        found = self.store.sql("SELECT DISTINCT run_id FROM layer_steps ORDER BY run_id").run_id.tolist()
+        found = self.store.runs_with_layer_steps()
         return [r for r in found if self.run_ids is None or r in self.run_ids]
 
     def _observations(self, run_id: str) -> list[LayerObservation]:
         last = self._last_step.get(run_id, -1)
-        rows = self.store.sql(
-            "SELECT step, coalesce(step_end, step) AS step_end, coalesce(forwards, 1) AS forwards, ts, layer, rank,"
-            " tokens, expert_load, router_entropy_mean, dropped_tokens, capacity_use, active_params_per_token"
-            " FROM layer_steps WHERE run_id = ? AND step > ? ORDER BY step, layer, rank",
-            [run_id, last],
-        )
+        rows = self.store.layer_steps_after(run_id, last)
         if rows.empty:
             return []
         if run_id not in self._total_params:
-            total = self.store.sql("SELECT max(total_params) AS t FROM runs WHERE run_id = ?", [run_id]).t[0]
-            self._total_params[run_id] = int(total) if pd.notna(total) else 0
+            info = self.store.run_info(run_id)
+            total = info["total_params"] if info is not None else None
+            self._total_params[run_id] = int(total) if total is not None and pd.notna(total) else 0
             layers = self.store.layers(run_id)
             self.engine.routed_experts.update({int(r.layer): int(r.num_experts) for r in layers.itertuples()
                                                if pd.notna(r.num_experts)})
         total_params = self._total_params[run_id]
         routes: dict[tuple[int, int], list] = {}
         if self._needs_routes:
-            r = self.store.sql(
-                "SELECT step, layer, rank, sequence, position, expert_ids FROM routes"
-                " WHERE run_id = ? AND step >= ? AND step <= ? ORDER BY step, layer, rank, token",
-                [run_id, int(rows.step.min()), int(rows.step_end.max())],
-            )
+            r = self.store.routes_between(run_id, int(rows.step.min()), int(rows.step_end.max()))
             # a route row belongs to the layer_steps row (a forward, or a window) whose steps cover it
             starts = {int(layer): np.unique(g.step.to_numpy(np.int64)) for layer, g in rows.groupby("layer")}
             if not r.empty:

@@ -292,3 +292,37 @@ class ReportQueries:
         by = f'ORDER BY "{order}" DESC' if order else ""
         frame = self.sql(f'SELECT * FROM "{table}" WHERE run_id = ? {by} LIMIT ?', [run_id, int(limit)])
         return frame.iloc[::-1].reset_index(drop=True) if order else frame
+
+    # -- the alerts engine's inputs (alerts/storage.py) --------------------------------------------
+
+    def alert_transitions(self, run_id: str | None = None) -> pd.DataFrame:
+        """Rows of the `alerts` table (every run, or one), ordered by ts, step, alertname, layer."""
+        clause, params = ("WHERE run_id = ?", [run_id]) if run_id is not None else ("", [])
+        return self.sql(f"SELECT * FROM alerts {clause} ORDER BY ts, step, alertname, layer", params)
+
+    def runs_with_layer_steps(self) -> list[str]:
+        """Ids of the runs that have recorded at least one layer step, sorted."""
+        return self.sql("SELECT DISTINCT run_id FROM layer_steps ORDER BY run_id").run_id.tolist()
+
+    def layer_steps_after(self, run_id: str, after_step: int) -> pd.DataFrame:
+        """A run's layer steps past `after_step`, in (step, layer, rank) order: step, step_end,
+        forwards (1 where not recorded), ts, layer, rank, tokens, expert_load (list), router_entropy_mean
+        (nats), dropped_tokens, capacity_use, active_params_per_token."""
+        return self.sql("""
+            SELECT step, coalesce(step_end, step) AS step_end, coalesce(forwards, 1) AS forwards, ts, layer, rank,
+                   tokens, expert_load, router_entropy_mean, dropped_tokens, capacity_use, active_params_per_token
+            FROM layer_steps WHERE run_id = ? AND step > ? ORDER BY step, layer, rank""", [run_id, int(after_step)])
+
+    def routes_between(self, run_id: str, first_step: int, last_step: int) -> pd.DataFrame:
+        """A run's routes rows with first_step <= step <= last_step, in recording order: step, layer,
+        rank, sequence, position, expert_ids (list)."""
+        return self.sql("""
+            SELECT step, layer, rank, sequence, position, expert_ids FROM routes
+            WHERE run_id = ? AND step >= ? AND step <= ? ORDER BY step, layer, rank, token""",
+                        [run_id, int(first_step), int(last_step)])
+
+    def first_layer_rows(self, run_id: str, layer: int, rows: int) -> pd.DataFrame:
+        """A layer's first `rows` rows by step: expert_load (list), forwards (1 where not recorded)."""
+        return self.sql("""
+            SELECT expert_load, coalesce(forwards, 1) AS forwards FROM layer_steps
+            WHERE run_id = ? AND layer = ? ORDER BY step LIMIT ?""", [run_id, int(layer), int(rows)])

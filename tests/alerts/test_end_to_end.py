@@ -145,10 +145,14 @@ def test_cli_run_once_check_prometheus_rules_and_test_webhook(tmp_path, receiver
     out = capsys.readouterr().out
     assert "firing    Skew run=skewed-run layer=0" in out
     assert {r.json()["alert"]["layer"] for r in receiver.received("/hook")} == {0, 1}
+    # the recorded run's session closed: its alerts resolve in the same pass, saying why
+    got = sorted((r.json()["alert"]["layer"], r.json()["status"], r.json()["alert"]["annotations"].get(
+        "resolved_reason")) for r in receiver.received("/hook"))
+    assert got == [(0, "firing", None), (0, "resolved", "run ended"), (1, "firing", None), (1, "resolved", "run ended")]
     # a second run over the same store and outbox notifies nothing again
     assert moescope_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
                         "--webhook", receiver.url + "/hook", "--outbox", str(tmp_path / "o.db")]) == 0
-    assert len(receiver.received("/hook")) == 2
+    assert len(receiver.received("/hook")) == 4
 
     assert moescope_main(["alerts", "run", str(store), "--webhook", "ftp://x"]) == 2
     assert "must start with http:// or https://" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def fill(folder) -> str:
 def test_alerts_run_starts_on_a_full_disk_delivers_and_says_what_it_could_not_persist(
         small_disk, tmp_path, receiver, capsys):
     store = small_disk / "store"
-    write_steps(str(store), [SKEWED] * 2)
+    write_steps(str(store), [SKEWED] * 2, close=False)  # a run still being recorded
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     filler = fill(small_disk)
@@ -90,13 +90,13 @@ def test_alerts_run_starts_on_a_full_disk_delivers_and_says_what_it_could_not_pe
 
 def test_the_disk_filling_while_running_loses_no_transition_and_no_delivery(small_disk, receiver):
     store = str(small_disk / "store")
-    write_steps(store, [BALANCED] * 2)
+    write_steps(store, [BALANCED] * 2, close=False)
     outbox_path = str(small_disk / "outbox.sqlite")
     outbox = Outbox(outbox_path, [WebhookNotifier(receiver.url + "/hook", name="hook")], persist_retry_s=0)
     runner = StoreAlertRunner(store, parse_rules(RULES), sinks=[outbox])
     try:
         assert runner.poll_once() == [] and outbox.persistent
-        write_steps(store, [SKEWED, SKEWED, BALANCED], start=2)
+        write_steps(store, [SKEWED, SKEWED, BALANCED], start=2, close=False)
         filler = fill(small_disk)
 
         # a notification too big for the room left: the outbox cannot write it, and goes on in memory

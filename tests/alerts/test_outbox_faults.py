@@ -321,7 +321,7 @@ def test_the_drift_page_shows_receivers_redacted_even_from_an_old_outbox(tmp_pat
     from tests.dashboard.test_pages import app_for, assert_clean, open_page
 
     root = tmp_path / "store"
-    write_steps(str(root), [SKEWED] * 3)
+    write_steps(str(root), [SKEWED] * 3, close=False)  # a run still being recorded
     path = root / ".moescope" / "alerts-outbox.sqlite"
     path.parent.mkdir()
     notifiers = secret_receivers(receiver)
