@@ -28,7 +28,6 @@ expert alone until `release(layer, expert)` hands it back (at weight 1).
 from __future__ import annotations
 
 import datetime as dt
-import glob
 import logging
 import os
 import threading
@@ -45,6 +44,7 @@ from alerts.health import ExpertHealth, HealthConfig, HealthScorer
 from alerts.storage import AlertTableWriter
 from probe.gate import GateChange, TrustGate, TrustGateError
 from probe.records import StepRecord
+from store.layout import list_parts
 from store.schema import SCHEMAS
 from store.writer import write_table_file
 
@@ -298,9 +298,8 @@ class TrustPolicy:
         self._polled_at = time.monotonic()
         if self.root is None or self.gate is None:
             return {}
-        folder = os.path.join(self.root, REQUESTS_TABLE, f"run_id={self.run_id}")
         handled: dict[str, str] = {}
-        for path in sorted(glob.glob(os.path.join(folder, "part-*.parquet"))):
+        for path in list_parts(self.root, REQUESTS_TABLE, self.run_id):  # the store's one listing rule
             if path in self._request_files:
                 continue
             try:
