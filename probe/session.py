@@ -39,6 +39,7 @@ from probe.gate import TrustGate
 from probe.health import HealthSampler
 from probe.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
 from probe.records import KVCacheLayer, LayerInfo, RunInfo
+from probe.timing import ComputeTimer
 from probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class Recording:
     router_logits / router_inputs: True for every token, n for a sample of n tokens per layer and
     forward (chosen on the device from `sample_seed` and the forward counter). kv_cache: KV-cache
     bytes per attention layer. coselection: E x E co-selection counts (None: on when k > 1 and
-    E <= 64).
+    E <= 64). compute_time: time spent in each MoE block and per expert (probe/timing.py: CUDA
+    events read on the writer's thread, wall time on CPU); opt-in because its hooks are host code,
+    a graph break at each block under torch.compile, and record nothing under CUDA-graph replay.
     """
 
     routes: bool = False
@@ -98,6 +101,7 @@ class Recording:
     router_inputs: bool | int = False
     kv_cache: bool = False
     coselection: bool | None = None
+    compute_time: bool = False
     window: int = 32
     window_s: float | None = 1.0
     ring_tokens: int = 16384
@@ -193,6 +197,7 @@ class ProbeSession:
         self.closed = False
         self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
         self.trust: Any = None  # the trust policy bound by moescope.attach, if any
+        self.timer: ComputeTimer | None = None
 
         rank, world_size = _distributed()
         total = sum(p.numel() for p in model.parameters())
@@ -227,6 +232,8 @@ class ProbeSession:
             self.health = HealthSampler(layers, on_error=self._hook_failed, **vars(health)) if health else None
             self.gate = TrustGate(layers, on_error=self._hook_failed) if gate else None
             self._build_buffers(model, recording.coselection, recording.ring_tokens)
+            self.timer = ComputeTimer(layers, [self._devices[layer.index] for layer in layers],
+                                      lambda: self._recording, self._hook_failed) if recording.compute_time else None
             self._reset_forward()
             self._window_open(time.monotonic())
             self._install()
@@ -243,6 +250,7 @@ class ProbeSession:
         config = getattr(config, "text_config", None) or config
         by_key: dict[tuple, list[MoELayer]] = {}
         devices: dict[int, torch.device] = {}
+        self._devices = devices
         for layer in self.layers:
             device = _device_of(layer, fallback)
             devices[layer.index] = device
@@ -326,6 +334,8 @@ class ProbeSession:
             self._handles.extend(self.gate.install())
         if self.health is not None:
             self._handles.extend(self.health.install(lambda: self._recording))
+        if self.timer is not None:
+            self._handles.extend(self.timer.install(_capturing))
 
     def _remove_hooks(self) -> None:
         while self._handles:
@@ -342,6 +352,8 @@ class ProbeSession:
         self._decoder_ids: torch.Tensor | None = None
         self._shape: tuple = ()
         self._decoder_shape: tuple = ()
+        if self.timer is not None:
+            self.timer.discard()
 
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
@@ -515,6 +527,8 @@ class ProbeSession:
                 return  # the forward raised: nothing of it was added
             self.step += 1
             self._forwards_in_window += 1
+            if self.timer is not None:
+                self.timer.commit()
             self._duration_s += time.perf_counter() - self._started
             expected = max(_tokens(self._shape), _tokens(self._decoder_shape))
             for buffer in self.buffers:
@@ -573,7 +587,7 @@ class ProbeSession:
                 host_forwards=self._forwards_in_window, duration_s=self._duration_s,
                 batch_size=shape[0] if shape else 1, seq_len=shape[1] if shape else 0, shape_known=bool(shape),
                 active_base=self.shared_params + self.unwatched_params, total_params=self.total_params,
-                kv_cache=self._last_kv,
+                kv_cache=self._last_kv, compute_time=None if self.timer is None else self.timer.take(),
                 trust_weights={} if self.gate is None else {layer.index: self.gate.weights(layer.index)
                                                             for layer in self.layers})
             self._window_open(time.monotonic())

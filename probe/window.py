@@ -26,6 +26,7 @@ import torch
 
 from probe.accumulate import TOTAL_FORWARDS, WINDOW_FORWARDS, DeviceBuffer, LayerGroup, Ring, entropy_quantile
 from probe.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
+from probe.timing import LayerTime, WindowTimes, expert_times
 
 
 class PinnedPool:
@@ -66,6 +67,7 @@ class HostContext:
     total_params: int
     kv_cache: list[KVCacheLayer] | None
     trust_weights: dict[int, np.ndarray] = field(default_factory=dict)
+    compute_time: WindowTimes | None = None  # timing marks (Recording.compute_time), read after the copy
 
 
 @dataclass
@@ -121,6 +123,7 @@ class PendingWindow:
         total = int(round(head[TOTAL_FORWARDS])) if self.snapshots else ctx.host_forwards
         layer_steps: list[LayerStep] = []
         active = ctx.active_base
+        times = ctx.compute_time.read() if ctx.compute_time is not None else {}
         for snap in self.snapshots:
             host = snap.host.numpy()
             rings = {}
@@ -136,7 +139,7 @@ class PendingWindow:
             for group in snap.buffer.groups:
                 block = host[group.offset: group.offset + group.size].reshape(len(group.layers), -1)
                 for row, layer in enumerate(group.layers):
-                    step = self._layer_step(group, layer, block[row], snap, host, rings)
+                    step = self._layer_step(group, layer, block[row], snap, host, rings, times.get(layer.index))
                     if step is None:
                         continue
                     active += step.active_params_per_token
@@ -151,7 +154,7 @@ class PendingWindow:
             step_end=total - 1)
 
     def _layer_step(self, group: LayerGroup, layer: Any, row: np.ndarray, snap: Snapshot, host: np.ndarray,
-                    rings: dict) -> LayerStep | None:
+                    rings: dict, time: LayerTime | None) -> LayerStep | None:
         cols = group.columns
         tokens = int(round(row[cols["tokens"]][0]))
         if tokens == 0:
@@ -164,6 +167,10 @@ class PendingWindow:
         trust = self.context.trust_weights.get(layer.index)
         if trust is not None:
             fields["trust_weight"] = trust
+        if time is not None:
+            per_expert, measured = expert_times(time, load, layer.num_experts)
+            fields.update(compute_time_s=time.block_s, expert_compute_time_s=per_expert,
+                          expert_compute_time_measured=measured)
         position = group.layers.index(layer)
         return LayerStep(
             layer=layer.index, tokens=tokens, expert_load=load,

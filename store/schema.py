@@ -46,6 +46,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("capacity_use", pa.float64()), ("active_params_per_token", pa.float64()),
         ("coselection", pa.list_(pa.int64())), ("tags", TAGS), ("rank", pa.int32()),
         ("step_end", pa.int64()), ("forwards", pa.int64()),
+        # compute time (null unless recorded): seconds summed over the row's forwards; per expert
+        # measured per expert module, or attributed by load (expert_compute_time_measured false)
+        ("compute_time_s", pa.float64()), ("expert_compute_time_s", pa.list_(pa.float64())),
+        ("expert_compute_time_measured", pa.bool_()),
     ]),
     "routes": pa.schema([
         ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
@@ -170,6 +174,8 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             active_params_per_token=ls.active_params_per_token,
             coselection=None if ls.coselection is None else ls.coselection.reshape(-1).tolist(),
             tags=list(record.tags.items()), rank=rank, step_end=record.step_end, forwards=ls.forwards,
+            compute_time_s=ls.compute_time_s, expert_compute_time_measured=ls.expert_compute_time_measured,
+            expert_compute_time_s=None if ls.expert_compute_time_s is None else ls.expert_compute_time_s.tolist(),
         ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
     routes = [(record.step, ls.layer, record.tags, ls.routes) for ls in record.layers if ls.routes is not None]
     if routes:
