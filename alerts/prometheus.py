@@ -31,6 +31,11 @@ experts and dropped slots are no access, a token's experts are needed at once). 
 empty at the window's first replayed token, so compulsory misses count; at most the window's
 last `cache_max_tokens` tokens are replayed, which bounds the work of a scrape. Only layers whose
 records carry routes (`routes=True` at attach) get the series.
+
+Compute time: with `compute_time=True` at attach, `moe_layer_compute_seconds{layer}` is a histogram
+of the seconds one forward spends in the MoE block. The probe times windows of forwards, so each
+window adds its per-forward mean once per forward it covers: `_sum` is the layer's total time and
+`_count` its forwards, exact; only the spread within a window is lost to the buckets.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from alerts.cache import POLICIES, cache_hit_rate, expert_accesses
@@ -70,6 +75,8 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
     ),
 }
 MAX_DROP_REASONS = 16
+# moe_layer_compute_seconds buckets (upper bounds, seconds): a small layer on a GPU to a big one on a CPU
+COMPUTE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class _Layer:
@@ -80,6 +87,8 @@ class _Layer:
         self.expert_tokens_total: np.ndarray | None = None
         self.baseline_parts: list[np.ndarray] = []
         self.baseline_forwards = 0
+        self.compute_buckets = np.zeros(len(COMPUTE_BUCKETS) + 1, dtype=np.int64)  # last: above every bound
+        self.compute_sum_s = 0.0
 
 
 class PrometheusExporter:
@@ -151,6 +160,12 @@ class PrometheusExporter:
                 self._active_ratio = record.active_param_fraction
                 for obs in observations_from_record(record):
                     self._add(obs)
+                for ls in record.layers:
+                    layer = self._layers.get(ls.layer)
+                    if layer is not None and ls.compute_time_s is not None and ls.forwards > 0:
+                        per_forward = ls.compute_time_s / ls.forwards
+                        layer.compute_buckets[np.searchsorted(COMPUTE_BUCKETS, per_forward)] += ls.forwards
+                        layer.compute_sum_s += ls.compute_time_s
         return True
 
     def _add(self, obs: LayerObservation) -> None:
@@ -249,6 +264,8 @@ class PrometheusExporter:
                                             else layer.expert_tokens_total.copy()),
                     "baseline": baseline,
                     "routed_experts": self._routed_experts.get(index),
+                    "compute_buckets": layer.compute_buckets.copy(),
+                    "compute_sum_s": layer.compute_sum_s,
                 }
             return {
                 "run_id": self._run_id,
@@ -301,6 +318,7 @@ class _RoutingCollector(Collector):
         yield tokens
         yield dropped
         yield from gauges.values()
+        yield self._compute_time(snap["layers"])
 
         if self.exporter.cache_capacity is not None:
             yield self._cache_hits(snap["layers"])
@@ -317,6 +335,20 @@ class _RoutingCollector(Collector):
         for (table, reason), value in snap["dropped"].items():
             lost.add_metric([table, reason], value)
         yield lost
+
+    def _compute_time(self, layers: dict) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "moe_layer_compute_seconds",
+            "Seconds per forward in the MoE block (router and experts; compute_time=True): each recorded "
+            "window's per-forward mean, counted once per forward of the window", labels=["layer"])
+        for index, layer in sorted(layers.items()):
+            counts = layer["compute_buckets"]
+            if not counts.sum():
+                continue
+            cumulative = np.cumsum(counts)
+            bounds = [repr(b) for b in COMPUTE_BUCKETS] + ["+Inf"]
+            family.add_metric([str(index)], list(zip(bounds, cumulative.tolist())), layer["compute_sum_s"])
+        return family
 
     def _cache_hits(self, layers: dict) -> GaugeMetricFamily:
         capacity, last = self.exporter.cache_capacity, self.exporter.cache_max_tokens

@@ -186,3 +186,28 @@ def test_cuda_event_times_are_read_after_the_window_copy():
     for ls in record.layers:
         assert ls.compute_time_s > 0 and ls.expert_compute_time_measured is False
         assert ls.expert_compute_time_s.sum() <= ls.compute_time_s
+
+
+def test_prometheus_histogram_counts_each_forward_at_its_window_mean():
+    from alerts.prometheus import COMPUTE_BUCKETS, PrometheusExporter
+
+    prometheus, records = PrometheusExporter(), InMemoryExporter()
+    model = tiny_model("qwen3_moe").eval()
+    with torch.no_grad(), probe.attach(model, [prometheus, records], compute_time=True, window=3,
+                                       window_s=None) as session:
+        for n in range(8):
+            model(torch.randint(0, 128, (2, 4 + n)))
+        session.flush()
+    registry = prometheus.registry
+    for layer in {ls.layer for r in records.records for ls in r.layers}:
+        rows = [(ls.compute_time_s, ls.forwards) for r in records.records for ls in r.layers if ls.layer == layer]
+        assert sum(f for _, f in rows) == 8
+        label = {"layer": str(layer)}
+        assert registry.get_sample_value("moe_layer_compute_seconds_count", label) == 8
+        assert registry.get_sample_value("moe_layer_compute_seconds_sum", label) == pytest.approx(
+            sum(t for t, _ in rows), rel=1e-12)
+        for bound in COMPUTE_BUCKETS:
+            expected = sum(f for t, f in rows if t / f <= bound)
+            bucket = registry.get_sample_value("moe_layer_compute_seconds_bucket", {**label, "le": repr(bound)})
+            assert bucket == expected
+        assert registry.get_sample_value("moe_layer_compute_seconds_bucket", {**label, "le": "+Inf"}) == 8
