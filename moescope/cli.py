@@ -8,7 +8,7 @@ import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
 SUBCOMMAND_MODULES = ("moescope.commands", "moescope.whatif", "store.cli", "store.importers.cli", "alerts.cli",
-                      "dashboard.cli")
+                      "dashboard.cli", "moescope.grafana")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.
@@ -18,6 +18,7 @@ moescope watches how a Mixture-of-Experts model routes its tokens.
   moescope dashboard runs/         open the dashboard on 127.0.0.1
   moescope alerts run runs/        watch a store with the default rules, notify webhooks
   moescope whatif cache runs/      expert-cache hit rates (LRU, LFU, Belady) from recorded routes
+  moescope grafana > board.json    a Grafana dashboard over the Prometheus exporter's metrics
 
 In Python, one call attaches the probe to any transformers MoE model:
 
