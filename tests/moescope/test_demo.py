@@ -18,6 +18,9 @@ import pytest
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
+from probe import find_moe_layers
+from probe.adapters import experts_arguments
+from probe.gate import TrustGate
 from store import Store
 
 
@@ -125,14 +128,14 @@ def _check_forwards(root) -> tuple[list[int], pd.DataFrame]:
     return steps, check
 
 
-def _batch_from_routes(rows: pd.DataFrame) -> dict[str, torch.Tensor]:
+def _batch_from_routes(rows: pd.DataFrame, pad_id: int) -> dict[str, torch.Tensor]:
     """The input ids a forward saw, rebuilt from its routes (token id at each row and position); the
     demo pads on the right with the pad token, so the attention mask is where the ids are not it."""
     first = rows[rows.layer == 0]
     ids = np.zeros((first.sequence.max() + 1, first.position.max() + 1), dtype=np.int64)
     ids[first.sequence.to_numpy(), first.position.to_numpy()] = first.token_id.to_numpy()
     ids = torch.from_numpy(ids)
-    return {"input_ids": ids, "attention_mask": (ids != 0).long()}  # the demo tokenizer's pad id is 0
+    return {"input_ids": ids, "attention_mask": (ids != pad_id).long()}
 
 
 def _routes_by_layer(rows: pd.DataFrame) -> dict[int, np.ndarray]:
@@ -141,11 +144,18 @@ def _routes_by_layer(rows: pd.DataFrame) -> dict[int, np.ndarray]:
 
 
 def _run_with_routes(model, batch) -> tuple[torch.Tensor, dict[int, np.ndarray]]:
-    """The model's logits on `batch`, and the experts each layer's experts module really received."""
+    """The model's logits on `batch`, and the expert ids each MoE layer's experts module really received
+    (read by a hook of our own on every MoE layer, whatever the family)."""
     got = {}
-    hooks = [layer.mlp.experts.register_forward_pre_hook(
-        lambda m, args, i=i: got.__setitem__(i, np.sort(args[1].numpy(), axis=1)))
-        for i, layer in enumerate(model.model.layers)]
+
+    def keep(index: int):
+        def hook(module, args, kwargs):
+            ids = experts_arguments(args, kwargs)[0]
+            got[index] = np.sort(ids.reshape(-1, ids.shape[-1]).numpy(), axis=1)
+        return hook
+
+    hooks = [layer.experts.register_forward_pre_hook(keep(layer.index), with_kwargs=True)
+             for layer in find_moe_layers(model)]
     try:
         with torch.no_grad():
             logits = model(**batch).logits
@@ -155,52 +165,48 @@ def _run_with_routes(model, batch) -> tuple[torch.Tensor, dict[int, np.ndarray]]
     return logits, got
 
 
-def _mask_expert(router, expert: int):
-    """Mixtral's own routing with one expert excluded: its logit at -inf before the softmax and top-k."""
-    def hook(module, args, output):
-        logits = output[0]
-        probs = torch.softmax(logits.float().index_fill(1, torch.tensor([expert]), float("-inf")), dim=-1)
-        values, indices = torch.topk(probs, router.top_k, dim=-1)
-        return logits, values / values.sum(dim=-1, keepdim=True), indices
-    return router.register_forward_hook(hook)
-
-
 def test_the_check_figures_recomputed_from_the_model_and_the_raw_routes(demo):
     """masked_finite, masked_error, corrupt_error and recovered_error, recomputed: the check batch is
-    rebuilt from its routes rows, the shipped model is run on it clean, corrupted the same way, and
-    corrupted with the gated expert excluded by Mixtral's rule written here; every run must route
-    as the recorded check forward did, and the errors must be the summary's."""
+    rebuilt from its routes rows; the shipped model is run on it clean, with the gated expert's weights
+    scaled as the demo scales them, and so corrupted with that expert masked by a trust gate of our own
+    (probe.gate, checked against brute force in tests/probe/test_gate.py). Every run must route as the
+    recorded check forward did, and the errors must be the summary's."""
     from moescope.demo import CORRUPTION_SCALE
+    from moescope.demo import _expert_tensors as demo_expert_tensors
     from moescope.demo_data import load_demo_model
 
     root, _, summary = demo
+    model, tokenizer = load_demo_model()
     steps, check = _check_forwards(root)
-    batches = [_batch_from_routes(check[check.step == s]) for s in steps]
+    batches = [_batch_from_routes(check[check.step == s], tokenizer.pad_token_id) for s in steps]
     assert all(torch.equal(b["input_ids"], batches[0]["input_ids"]) for b in batches)  # one batch, four times
     recorded = [_routes_by_layer(check[check.step == s]) for s in steps]
     events = _table(root, "trust_gate_events").sort_values("ts")
     layer, expert = int(events.layer.iloc[0]), int(events.expert.iloc[0])
     assert summary["corrupted"] == {"layer": layer, "expert": expert}
 
-    model, _ = load_demo_model()
     batch = batches[0]
     clean, routes = _run_with_routes(model, batch)
-    for got, want in zip(routes.values(), recorded[0].values()):
-        np.testing.assert_array_equal(got, want)  # the rebuilt batch is the one the demo checked
-    experts = model.model.layers[layer].mlp.experts
+    assert sorted(routes) == sorted(recorded[0])
+    for i in routes:
+        np.testing.assert_array_equal(routes[i], recorded[0][i])  # the rebuilt batch is the one the demo checked
+    moe = find_moe_layers(model)[layer]
     with torch.no_grad():
-        for weights in (experts.gate_up_proj, experts.down_proj):
+        for weights in demo_expert_tensors(model, layer):  # the tensors the demo corrupts, scaled as it does
             weights[expert] *= CORRUPTION_SCALE
     corrupted, routes = _run_with_routes(model, batch)
-    assert [np.array_equal(routes[i], recorded[1][i]) for i in routes] == [True] * len(routes)
+    assert all(np.array_equal(routes[i], recorded[1][i]) for i in recorded[1])
     assert summary["corrupt_error"] == pytest.approx(float((corrupted - clean).norm() / clean.norm()), rel=1e-3)
 
-    handle = _mask_expert(model.model.layers[layer].mlp.gate, expert)
+    gate = TrustGate([moe])
+    handles = gate.install()
     try:
+        gate.set(layer, expert, 0.0, "as the demo's policy did")
         masked, routes = _run_with_routes(model, batch)
     finally:
-        handle.remove()
-    assert [np.array_equal(routes[i], recorded[2][i]) for i in routes] == [True] * len(routes)
+        for handle in handles:
+            handle.remove()
+    assert all(np.array_equal(routes[i], recorded[2][i]) for i in recorded[2])
     assert not (recorded[2][layer] == expert).any()  # the gated expert got no token of the check batch
     assert summary["masked_finite"] is bool(masked.isfinite().all()) is True
     assert summary["masked_error"] == pytest.approx(float((masked - clean).norm() / clean.norm()), rel=1e-3)
