@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import probe
+import moescope
 from alerts.engine import AlertEngine, EngineExporter
 from alerts.notify import WebhookNotifier
 from alerts.outbox import Outbox, OutboxWorker, outbox_path
@@ -177,7 +177,7 @@ class Alerting:
 
 
 def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting):
-    return probe.attach(
+    return moescope.attach(
         model, store=store_root, routes=True, router_inputs=16, kv_cache=True, health=True,
         trust_gate="auto", trust_policy=alerting.policy, exporters=[alerting.engine], tags={"model": "demo"},
         flush_interval_s=1.0,
