@@ -87,8 +87,14 @@ def dashboard_json(title: str = "moescope: MoE routing") -> dict:
     Raises RuntimeError, saying what to install, when the SDK is missing.
     """
     try:
-        from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
+        from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
         from grafana_foundation_sdk.cog.encoder import JSONEncoder
+        from grafana_foundation_sdk.models.common import (
+            LegendDisplayMode,
+            LegendPlacement,
+            SortOrder,
+            TooltipDisplayMode,
+        )
         from grafana_foundation_sdk.models.dashboard import DataSourceRef
     except ImportError as e:
         raise RuntimeError("the Grafana dashboard is built with grafana-foundation-sdk, which needs Python 3.11 "
@@ -101,7 +107,10 @@ def dashboard_json(title: str = "moescope: MoE routing") -> dict:
                             .type("prometheus")))
     for spec in PANELS:
         panel = (timeseries.Panel().title(spec.title).description(spec.description).unit(spec.unit)
-                 .datasource(source).height(8).span(12).min(0))
+                 .datasource(source).height(8).span(12).min(0)
+                 .legend(common.VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
+                         .placement(LegendPlacement.BOTTOM))
+                 .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)))
         if spec.max is not None:
             panel = panel.max(spec.max)
         for ref, query in zip("ABCDEFGH", spec.queries):

@@ -78,8 +78,10 @@ def test_every_panel_query_answers_from_a_real_prometheus_scraping_a_probed_run(
                     del pending[title]
             return not pending and not failures
 
-        wait_until(all_answered, 60, interval_s=0.5,
-                   what=f"every panel to have data; still empty: {pending}, traffic errors: {failures}")
+        try:
+            wait_until(all_answered, 60, interval_s=0.5, what="every panel to have data")
+        except AssertionError:
+            raise AssertionError(f"panel queries with no data: {pending}; traffic errors: {failures}") from None
         # the labels the legends name are on the series
         for title, expr in queries:
             body = http_get_json(f"{prom_url}/api/v1/query?"
