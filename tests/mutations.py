@@ -179,10 +179,18 @@ MUTATIONS: tuple[Mutation, ...] = (
 
 
 def copy_tree(destination: str) -> None:
-    """The working tree's files (tracked, and untracked but not ignored) copied to `destination`."""
+    """The working tree's files (tracked, and untracked but not ignored) copied to `destination`;
+    outside a git checkout (an unpacked archive), every file but caches and virtual environments."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for relative in filter(None, listed):
+                            capture_output=True, check=False)
+    if listed.returncode == 0:
+        files = listed.stdout.decode().split("\0")
+    else:
+        skip = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+        files = [os.path.relpath(os.path.join(folder, name), REPO) for folder, subfolders, names in os.walk(REPO)
+                 if not subfolders.__setitem__(slice(None), [s for s in subfolders if s not in skip])
+                 for name in names]
+    for relative in filter(None, files):
         source = os.path.join(REPO, relative)
         if not os.path.isfile(source):  # deleted in the working tree
             continue
