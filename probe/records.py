@@ -108,7 +108,7 @@ class LayerStep:
     nonfinite_input_tokens: int | None = None  # tokens reaching the layer with a NaN/inf already in them
     forwards: int = 1  # forwards of the window
     # -- compute time (Recording.compute_time; probe/timing.py); None when off --
-    compute_time_s: float | None = None  # seconds in the MoE block (router + experts), summed over the forwards
+    compute_time_s: float | None = None  # seconds in the whole MoE block (router, experts, shared experts), summed
     expert_compute_time_s: np.ndarray | None = None  # (E + Z,) seconds per expert, summed over the forwards
     expert_compute_time_measured: bool | None = None  # True: timed per expert module; False: attributed by load
 
