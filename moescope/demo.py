@@ -37,8 +37,9 @@ from moescope.summary import format_summary
 from store import Store
 
 DESCRIPTION = """\
-Play the whole moescope story on the shipped demo model (a 2.8M-parameter Mixtral trained
-on Python's own source, its documentation and arithmetic), with no download:
+Play the whole moescope story on the shipped demo model (a 4M-parameter LongCat-Flash, whose
+tokens may take zero-computation experts, trained on Python's own source, its documentation and
+arithmetic), with no download:
 
   1. healthy traffic from three domains, through forward and generate: the baseline
   2. a traffic shift to one domain: routing drifts, the drift rule fires a webhook
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model, tokenizer = load_demo_model()
     _say(f"demo model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-         f"{model.config.num_hidden_layers} MoE layers x {model.config.num_local_experts} experts, "
+         f"{getattr(model.config, 'num_layers', model.config.num_hidden_layers)} MoE layers x "
+         f"{model.config.num_local_experts} experts + {getattr(model.config, 'zero_expert_num', 0) or 0} zero experts, "
          f"top-{model.config.num_experts_per_tok} ({demo_model_path()})")
     alerting = Alerting(store_root)
     _say(f"webhook receiver listening on {alerting.receiver.url} (HMAC-signed deliveries)")
@@ -329,11 +331,12 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _busiest_expert(root: str, run_id: str) -> tuple[int, int]:
-    """The expert that got the most tokens so far, outside the last layer (whose hot expert is a
-    known quirk of the demo model)."""
+    """The routed expert that got the most tokens so far, outside the last layer (whose hot expert
+    is a known quirk of the demo model); zero experts hold no weights to corrupt."""
     with Store(root) as store:
         share = store.expert_share(run_id)
-    share = share[share.layer < share.layer.max()]
+        routed = int(store.layers(run_id).num_experts.min())
+    share = share[(share.layer < share.layer.max()) & (share.expert < routed)]
     row = share.sort_values("load", ascending=False).iloc[0]
     return int(row.layer), int(row.expert)
 

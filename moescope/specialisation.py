@@ -9,9 +9,10 @@ experts of its own. A router that has learned nothing still scores above 0, beca
 differ between domains and even random weights send different tokens to different experts,
 so the figure is always read against the same config with random weights (:func:`random_twin`).
 
-Routers are read with plain forward hooks on ``model.model.layers[i].mlp.gate``, which in
-``transformers`` 5.24 (Mixtral and families built the same way) returns
-``(router_logits, router_scores, router_indices)``.
+Routers are read with plain forward hooks on ``model.model.layers[i].mlp.gate`` (Mixtral and
+families built the same way) or ``.mlp.router`` (LongCat-Flash), which in ``transformers`` 5.24
+return ``(router_logits, ...)``. LongCat's logits cover its zero (identity) experts too, so a
+token whose router ranks a zero expert first counts under that zero expert's id (E and above).
 """
 
 from __future__ import annotations
@@ -47,24 +48,34 @@ def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Seque
 
 
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The router of every MoE layer, in layer order (``model.model.layers[i].mlp.gate``).
+    """The router of every MoE layer, in layer order (``model.model.layers[i].mlp.gate``, or
+    ``.mlp.router`` for LongCat-Flash).
 
     Raises:
-        ValueError: the model is not laid out like Mixtral (no ``model.layers[i].mlp.gate``).
+        ValueError: the model is not laid out like Mixtral or LongCat-Flash (no
+            ``model.layers[i].mlp.gate`` or ``.mlp.router``).
     """
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers; expected a Mixtral-style causal LM")
-    routers = [getattr(getattr(layer, "mlp", None), "gate", None) for layer in layers]
+    routers = [getattr(getattr(layer, "mlp", None), "gate", None) or getattr(getattr(layer, "mlp", None), "router",
+                                                                             None) for layer in layers]
     if any(router is None for router in routers):
-        raise ValueError(f"{type(model).__name__} has a layer without mlp.gate; expected a Mixtral-style MoE")
+        raise ValueError(f"{type(model).__name__} has a layer without mlp.gate or mlp.router; expected a "
+                         "Mixtral-style or LongCat-Flash MoE")
     return routers
+
+
+def router_width(model: torch.nn.Module) -> int:
+    """Choices a router ranks: the routed experts plus any zero (identity) experts."""
+    return int(model.config.num_local_experts) + int(getattr(model.config, "zero_expert_num", 0) or 0)
 
 
 @torch.no_grad()
 def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Mapping[str, Sequence[str]],
                          batch_size: int = 16) -> np.ndarray:
-    """Token counts ``[layer, domain, expert]`` of each domain's tokens by top-1 expert.
+    """Token counts ``[layer, domain, expert]`` of each domain's tokens by top-1 expert (zero
+    experts, where the model has them, after the routed ones).
 
     Domains are in the mapping's order. Texts are tokenised one by one (no special tokens
     added), right-padded in batches, and padding positions are left out of the counts.
@@ -73,7 +84,7 @@ def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Map
         ValueError: no texts, or the model is not Mixtral-style (see :func:`router_modules`).
     """
     routers = router_modules(model)
-    num_experts = int(model.config.num_local_experts)
+    num_experts = router_width(model)
     counts = np.zeros((len(routers), len(texts_by_domain), num_experts), dtype=np.int64)
     if not any(texts_by_domain.values()):
         raise ValueError("no texts to route; give at least one text for one domain")
