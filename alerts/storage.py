@@ -39,7 +39,7 @@ from alerts.rules import RulePack
 from alerts.window import LayerObservation
 from store.schema import SCHEMAS
 from store.store import Store
-from store.writer import write_table_file
+from store.writer import TableWriter
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,13 @@ class AlertTableWriter:
     `last_error` says why the last write failed, None once everything is written.
     """
 
-    def __init__(self, root: str, max_unwritten: int = 10_000, seq_start: int = 0):
+    def __init__(self, root: str, max_unwritten: int = 10_000):
         self.root = root
         self.max_unwritten = max_unwritten
         self.unwritten: list[AlertTransition] = []
         self.lost = 0
         self.last_error: str | None = None
-        self._seq = seq_start  # writers in one process start apart, so no two choose one file name
+        self._tables: dict[str, TableWriter] = {}  # the store's one table writer, per run
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
         by_run: dict[str, list[AlertTransition]] = {}
@@ -90,12 +90,15 @@ class AlertTableWriter:
             return
         held, left, error = len(self.unwritten), [], None
         for run_id, items in by_run.items():
-            self._seq += 1
             try:
-                write_table_file(self.root, ALERTS_TABLE, run_id, transitions_table(items), seq=self._seq)
-            except (OSError, pa.ArrowException) as exc:
+                tables = self._tables.get(run_id) or self._tables.setdefault(run_id, TableWriter(self.root, run_id))
+                written = tables.write(ALERTS_TABLE, transitions_table(items), retried=True)  # kept, not dropped
+                if not written:
+                    error = tables.last_error
+            except pa.ArrowException as exc:
+                written, error = False, f"{type(exc).__name__}: {exc}"
+            if not written:
                 left.extend(items)
-                error = f"{type(exc).__name__}: {exc}"
         if len(left) > self.max_unwritten:
             self.lost += len(left) - self.max_unwritten
             left = left[: self.max_unwritten]

@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint
@@ -46,7 +45,7 @@ from probe.gate import GateChange, TrustGate, TrustGateError
 from probe.records import StepRecord
 from store.layout import list_parts
 from store.schema import SCHEMAS
-from store.writer import write_table_file
+from store.writer import TableWriter
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,6 @@ class TrustPolicy:
         self._buffer: list[dict] = []
         self._first_at: float | None = None
         self._lock = threading.RLock()
-        self._seq = 0
         self.max_buffer_rows = max_buffer_rows
         self.max_age_s = max_age_s
         self.last_step = 0
@@ -148,9 +146,14 @@ class TrustPolicy:
         self.mode = mode
         self.gate = session.gate
         self.root = None if store is None else os.fspath(store)
-        self.alert_table = None if self.root is None else AlertTableWriter(self.root, seq_start=700_000)
+        self.alert_table = None if self.root is None else AlertTableWriter(self.root)
+        # health rows and gate events go through the store's one table writer; what it cannot
+        # write is counted with the probe's own drops (probe_stats, Prometheus)
         self.run_id = session.run.run_id
         self.rank = session.run.rank
+        processor = getattr(session, "processor", None)
+        self.tables = None if self.root is None else TableWriter(
+            self.root, self.run_id, self.rank, on_dropped=getattr(processor, "count_dropped_rows", None))
         for info in session.run.layers:
             self.top_k[info.layer] = info.top_k
             self.num_experts[info.layer] = info.num_experts
@@ -443,13 +446,9 @@ class TrustPolicy:
             self._write("expert_health", rows)
 
     def _write(self, table: str, rows: list[dict]) -> None:
-        with self._lock:
-            self._seq += 1
-            seq = 500_000 + self._seq  # apart from the ParquetExporter's sequence in the same process
         try:
-            write_table_file(self.root, table, self.run_id, pa.Table.from_pylist(rows, schema=SCHEMAS[table]),
-                             self.rank, seq)
-        except Exception:
+            self.tables.write(table, rows)  # a refused write is counted there, as write_failed
+        except Exception:  # a row that does not fit the schema must not stop the judging
             log.exception("could not write %d rows to %s", len(rows), table)
 
 

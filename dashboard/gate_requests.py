@@ -2,7 +2,7 @@
 
 The dashboard runs in another process than the model, so it cannot call `TrustGate.set`. A
 request is one row appended to the store's `trust_gate_requests` table, written atomically like
-every other table (`<root>/trust_gate_requests/run_id=<id>/part-dashboard-<pid>-<seq>.parquet`);
+every other table, through the store's one table writer (`store.writer.TableWriter`);
 the model-side policy reads new requests and applies each once, through its API:
 action "override" is `TrustPolicy.override(layer, expert, weight, reason)` (pin the weight),
 action "release" is `TrustPolicy.release(layer, expert, reason)` (weight back to 1, the policy
@@ -19,20 +19,16 @@ run_id, requested_at (UTC), layer, expert, action ("override" or "release"), wei
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import os
 import socket
 import uuid
 
-import pyarrow as pa
-
 from store.schema import SCHEMAS
-from store.writer import write_table_file
+from store.writer import TableWriter
 
 REQUESTS_TABLE = "trust_gate_requests"
 REQUESTS_SCHEMA = SCHEMAS[REQUESTS_TABLE]
 ACTIONS = ("override", "release")
-_seq = itertools.count()
 
 
 class GateRequestError(ValueError):
@@ -59,7 +55,7 @@ def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int,
                "layer": int(layer), "expert": int(expert), "action": action, "weight": float(weight),
                "reason": reason.strip()[:500],
                "requested_by": f"dashboard@{socket.gethostname()}"}
-    table = pa.Table.from_pylist([row], schema=REQUESTS_SCHEMA)
-    name = f"part-dashboard-{os.getpid()}-{next(_seq):06d}-{row['request_id'][:8]}.parquet"
-    write_table_file(root, REQUESTS_TABLE, run_id, table, name=name)
+    if not TableWriter(root, run_id).write(REQUESTS_TABLE, [row]):
+        raise GateRequestError(f"the request could not be written to {os.fspath(root)!r} (is the disk full?); "
+                               "nothing was changed")
     return row

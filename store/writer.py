@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import itertools
 import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,8 +42,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
 
+# One sequence for every writer of the process: two writers never choose one file name.
+_SEQUENCE = itertools.count(1)
+
+
 def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.Table, rank: int = 0,
-                     seq: int = 0, row_group_size: int = WRITER_ROW_GROUP_ROWS,
+                     seq: int | None = None, row_group_size: int = WRITER_ROW_GROUP_ROWS,
                      name: str | None = None, metadata: dict[bytes, bytes] | None = None) -> str:
     """Write one Parquet file atomically into the store layout; returns its path.
 
@@ -52,7 +57,7 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
     that cannot be part of a path (see `store.layout.NAME_FORM`), before anything is written.
     """
     folder = run_folder(root, table, run_id)
-    name = check_part_name(name) if name is not None else part_name(rank, seq)
+    name = check_part_name(name) if name is not None else part_name(rank, next(_SEQUENCE) if seq is None else seq)
     check_rank(rank)
     os.makedirs(folder, exist_ok=True)
     final = os.path.join(folder, name)
@@ -71,6 +76,63 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
             os.remove(tmp)
         raise
     return final
+
+
+class TableWriter:
+    """The one writer of store tables: every table of one run (and rank) goes through it.
+
+    It owns what a written file is: the table's schema (`store.schema.SCHEMAS`; rows given as
+    dicts are converted with it), the part's name (the process's one sequence, so writers in one
+    process never collide), the atomic write (`write_table_file`), and the count of what could not
+    be written. A failed write's rows are counted as `write_failed` through `on_dropped(table,
+    reason, rows)` (for the probe: its processor, which puts them into `probe_stats`, Prometheus
+    and `session.probe_stats()`), or in `dropped_rows` without one, unless the caller keeps them
+    to write again (`retried`). One error line when writes start failing, one when they work
+    again. Used by the probe's `ParquetExporter`, the trust policy, the alerts table and the
+    dashboard's gate requests.
+    """
+
+    def __init__(self, root: str | os.PathLike, run_id: str, rank: int = 0,
+                 on_dropped: Callable[[str, str, int], None] | None = None):
+        run_folder(root, "runs", run_id)  # a run id that cannot be a folder name is refused here
+        self.root = os.fspath(root)
+        self.run_id = run_id
+        self.rank = check_rank(rank)
+        self.on_dropped = on_dropped
+        self.written_rows: Counter[str] = Counter()
+        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, without on_dropped
+        self.files: list[str] = []
+        self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
+        self.last_error: str | None = None  # why the last write failed; None once one succeeds
+
+    def write(self, table: str, data: pa.Table | Sequence[dict], retried: bool = False) -> bool:
+        """Write `data` (a table, or rows as dicts) as a new part of `table`; False when the disk
+        refused it. Raises InvalidNameError for a table name that cannot be a folder."""
+        if not isinstance(data, pa.Table):
+            data = pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
+        try:
+            path = write_table_file(self.root, table, self.run_id, data, self.rank)
+        except OSError as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self._failing is None:
+                self._failing = Counter()
+                log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
+                          "write_failed until a write succeeds again", self.root, e)
+            if not retried:
+                self._failing[table] += data.num_rows
+                if self.on_dropped is not None:
+                    self.on_dropped(table, "write_failed", data.num_rows)
+                else:
+                    self.dropped_rows[(table, "write_failed")] += data.num_rows
+            return False
+        if self._failing is not None:
+            lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
+            log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root, lost)
+            self._failing = None
+        self.last_error = None
+        self.files.append(path)
+        self.written_rows[table] += data.num_rows
+        return True
 
 
 class ParquetExporter:
@@ -105,13 +167,10 @@ class ParquetExporter:
         self._rows: Counter[str] = Counter()
         self._bytes: Counter[str] = Counter()
         self._first_at: dict[str, float] = {}
-        self.written_rows: Counter[str] = Counter()
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, without a processor
-        self.files: list[str] = []
-        self._seq = 0
+        self.tables: TableWriter | None = None  # the run's writer, from on_attach
         self._stats_written: tuple | None = None
         self._stats_tried = time.monotonic()
-        self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
         self._closed = False
         self.last_step: int | None = None  # the last forward exported, for the run_ends row
         self._unwritten_run: list[tuple[str, pa.Table]] = []
@@ -123,8 +182,7 @@ class ParquetExporter:
         a run id that cannot be a folder name is refused here (`InvalidNameError`)."""
         if self.run is run:
             return
-        run_folder(self.root, "runs", run.run_id)
-        check_rank(run.rank)
+        self.tables = TableWriter(self.root, run.run_id, run.rank, on_dropped=self._count_dropped)
         self.run = run
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
@@ -139,34 +197,24 @@ class ParquetExporter:
                                if not self._write(table, data, retried=True)]
 
     def _write(self, table: str, data: pa.Table, retried: bool = False) -> bool:
-        """Write `data` as a new part of `table`; False when the disk refused it.
+        """Write `data` as a new part of `table` (see `TableWriter.write`); False when refused."""
+        return self.tables.write(table, data, retried=retried)
 
-        Rows of a failed write are counted as dropped (`write_failed`) unless the caller keeps
-        them to write again (`retried`).
-        """
-        self._seq += 1
-        try:
-            path = write_table_file(self.root, table, self.run.run_id, data, self.run.rank, self._seq)
-        except OSError as e:
-            if self._failing is None:
-                self._failing = Counter()
-                log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
-                          "write_failed (session.probe_stats(), Prometheus, the probe_stats table) until a "
-                          "write succeeds again", self.root, e)
-            if not retried:
-                self._failing[table] += data.num_rows
-                if self.processor is not None:
-                    self.processor.count_dropped_rows(table, "write_failed", data.num_rows)
-                else:
-                    self.dropped_rows[(table, "write_failed")] += data.num_rows
-            return False
-        if self._failing is not None:
-            lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
-            log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root, lost)
-            self._failing = None
-        self.files.append(path)
-        self.written_rows[table] += data.num_rows
-        return True
+    def _count_dropped(self, table: str, reason: str, rows: int) -> None:
+        if self.processor is not None:
+            self.processor.count_dropped_rows(table, reason, rows)
+        else:
+            self.dropped_rows[(table, reason)] += rows
+
+    @property
+    def written_rows(self) -> Counter[str]:
+        """Rows written per table."""
+        return self.tables.written_rows if self.tables is not None else Counter()
+
+    @property
+    def files(self) -> list[str]:
+        """Paths of the parts written."""
+        return self.tables.files if self.tables is not None else []
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         if self._closed:

@@ -233,3 +233,29 @@ def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
     per_record = record_rows(records[0])["routes"]
     assert [pq.read_metadata(p).num_rows for p in parts] == [3 * per_record, 3 * per_record]
     exporter.shutdown()
+
+
+def test_table_writer_owns_schema_naming_and_failure_counts(tmp_path):
+    """Every writer of a process shares one sequence of part names; rows take the table's schema;
+    a refused write is counted once, through the callback, unless the caller keeps the rows."""
+    import datetime as dt
+
+    import pyarrow.parquet as pq
+
+    from store.writer import TableWriter
+
+    drops = []
+    a = TableWriter(tmp_path, "run-a", on_dropped=lambda *d: drops.append(d))
+    b = TableWriter(tmp_path, "run-a")
+    row = dict(run_id="run-a", ts=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), step=3, layer=1, expert=2,
+               old_weight=1.0, new_weight=0.0, score=12.5, reason="test", source="manual", rank=0)
+    assert a.write("trust_gate_events", [row]) and b.write("trust_gate_events", [row])
+    assert len({os.path.basename(f) for f in a.files + b.files}) == 2  # one sequence, two names
+    table = pq.read_table(a.files[0])
+    assert table.schema.field("layer").type == "int32" and table.column("score").to_pylist() == [12.5]
+    (tmp_path / "expert_health").write_text("a file where the table's folder should be")
+    assert not a.write("expert_health", [dict(run_id="run-a", layer=0, expert=0)])
+    assert drops == [("expert_health", "write_failed", 1)] and "Error" in a.last_error
+    assert not a.write("expert_health", [dict(run_id="run-a", layer=0, expert=0)], retried=True)
+    assert drops == [("expert_health", "write_failed", 1)]  # kept by the caller: not counted again
+    assert a.written_rows == {"trust_gate_events": 1}
