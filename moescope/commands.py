@@ -31,7 +31,7 @@ def add_subcommands(subparsers) -> None:
 
     p = subparsers.add_parser(
         "train-demo", help="retrain the shipped demo model from its seed (minutes on 2 CPU cores)",
-        description="Train the small LongCat-Flash demo model (routed and zero experts) on text that ships with Python "
+        description="Train the small Mixtral-architecture demo model on text that ships with Python "
                     "(stdlib source, pydoc topics, generated arithmetic), reproducibly from a seed.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     train_demo.add_arguments(p)

@@ -37,9 +37,8 @@ from moescope.summary import format_summary
 from store import Store
 
 DESCRIPTION = """\
-Play the whole moescope story on the shipped demo model (a 4M-parameter LongCat-Flash, whose
-tokens may take zero-computation experts, trained on Python's own source, its documentation and
-arithmetic), with no download:
+Play the whole moescope story on the shipped demo model (a 2.8M-parameter Mixtral trained
+on Python's own source, its documentation and arithmetic), with no download:
 
   1. healthy traffic from three domains, through forward and generate: the baseline
   2. a traffic shift to one domain: routing drifts, the drift rule fires a webhook

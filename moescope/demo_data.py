@@ -26,7 +26,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import LongcatFlashForCausalLM, PreTrainedTokenizerFast
+    from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
 
 DOMAINS: tuple[str, ...] = ("code", "prose", "math")
 SPLITS: tuple[str, ...] = ("train", "held_out")
@@ -183,7 +183,7 @@ def demo_model_path() -> pathlib.Path:
 
 
 def load_demo_model(path: str | pathlib.Path | None = None
-                    ) -> tuple[LongcatFlashForCausalLM, PreTrainedTokenizerFast]:
+                    ) -> tuple[MixtralForCausalLM, PreTrainedTokenizerFast]:
     """The trained demo model (eval mode, CPU, float32) and its tokenizer, read from disk only.
 
     `path` defaults to :func:`demo_model_path`. Nothing is downloaded.
@@ -192,13 +192,13 @@ def load_demo_model(path: str | pathlib.Path | None = None
         FileNotFoundError: no checkpoint at the path; build one with ``moescope train-demo``
             (or ``python -m moescope.train_demo``).
     """
-    from transformers import LongcatFlashForCausalLM, PreTrainedTokenizerFast
+    from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
 
     folder = pathlib.Path(path) if path is not None else demo_model_path()
     if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"no demo checkpoint in {folder}; build one with `moescope train-demo --out {folder}` "
             "(or `python -m moescope.train_demo --out ...`)")
-    model = LongcatFlashForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
+    model = MixtralForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return model.eval(), tokenizer
