@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_demo_model()
     _say(f"demo model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
          f"{getattr(model.config, 'num_layers', model.config.num_hidden_layers)} MoE layers x "
-         f"{model.config.num_local_experts} experts + {getattr(model.config, 'zero_expert_num', 0) or 0} zero experts, "
+         f"{model.config.num_local_experts} experts{_zero_experts(model.config)}, "
          f"top-{model.config.num_experts_per_tok} ({demo_model_path()})")
     alerting = Alerting(store_root)
     _say(f"webhook receiver listening on {alerting.receiver.url} (HMAC-signed deliveries)")
@@ -321,6 +321,11 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say("")
     _say("Open the dashboard on this store:")
     _say(f"  moescope dashboard {store_arg} --tokenizer {demo_model_path()}")
+
+
+def _zero_experts(config) -> str:
+    zero = getattr(config, "zero_expert_num", 0) or 0
+    return f" + {zero} zero experts" if zero else ""
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
