@@ -425,6 +425,14 @@ class LayerFigures:
     dropped_token_rate: float  # dropped_tokens / tokens; NaN where drops were not recorded
 
 
+def _recorded(value: object) -> bool:
+    """False for a value a source did not record: None, NaN, or pandas' NA (from a null column)."""
+    try:
+        return value is not None and not math.isnan(float(value))
+    except TypeError:
+        return False
+
+
 def layer_figures(layer: int, expert_load: np.ndarray | list[float], num_experts: int | None, zero_experts: int,
                   tokens: int, router_entropy_nats: float, dropped_tokens: int | None) -> LayerFigures:
     """Return one layer's figures from its summed load and totals (a `Store.layer_totals` row).
@@ -434,7 +442,7 @@ def layer_figures(layer: int, expert_load: np.ndarray | list[float], num_experts
     """
     load = np.asarray(expert_load, dtype=np.float64)
     routed = load.size if num_experts is None else int(num_experts)
-    recorded = dropped_tokens is not None and not (isinstance(dropped_tokens, float) and math.isnan(dropped_tokens))
+    recorded = _recorded(dropped_tokens)
     dropped = int(dropped_tokens) if recorded else 0
     return LayerFigures(
         layer=int(layer), tokens=int(tokens), slots=int(load.sum()),
