@@ -1,7 +1,8 @@
 """A small mutation check, no `make` and no plugin: break the code in known ways, one at a time, in
 a copy of the repository, run the tests that guard each place, and report whether they noticed.
 
-    python tests/mutations.py                    # every mutation (about 15 minutes on 2 cores)
+    python tests/mutations.py                    # every mutation (30-60 minutes on 2 busy cores; the
+                                                 # demo's take longest: each runs `moescope demo --quick`)
     python tests/mutations.py gate-sqrt-w demo   # the mutations whose names contain these words
     python tests/mutations.py --list             # what each one breaks, and the tests it runs
 
