@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 import probe
 from alerts.cache import POLICIES
 from alerts.prometheus import PrometheusExporter
+from probe.pipeline import InMemoryExporter
 from probe.zoo import tiny_model
 from tests.alerts.test_cache import _brute_force_hits
 
@@ -19,26 +20,9 @@ ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed + 2 zero experts per layer
 WINDOW_STEPS = 3
 
 
-class Captured:
-    """The records the probe emitted, as they were handed to the exporters."""
-
-    def __init__(self):
-        self.records = []
-
-    def export(self, records) -> bool:
-        self.records.extend(records)
-        return True
-
-    def force_flush(self, timeout_s: float = 30.0) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _run(exporter: PrometheusExporter, routes: bool = True) -> list:
     model = tiny_model("longcat_flash")
-    captured = Captured()
+    captured = InMemoryExporter()  # the records as they were handed to the exporters
     generator = torch.Generator().manual_seed(1)
     with probe.attach(model, exporters=[exporter, captured], routes=routes, window=1), torch.no_grad():
         for _ in range(5):
