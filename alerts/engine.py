@@ -310,15 +310,21 @@ class EngineExporter:
         found: list[AlertTransition] = []
         for record in records:
             found.extend(self.engine.ingest(observations_from_record(record)))
+        return self._hand(found)
+
+    def _hand(self, transitions: list[AlertTransition]) -> bool:
+        """Keep the last transitions and give them to every sink; False if a sink failed (counted).
+        A bad sink never raises into the probe's writer thread or into closing."""
+        if not transitions:
+            return True
+        self.transitions = (self.transitions + transitions)[-1000:]
         ok = True
-        if found:
-            self.transitions = (self.transitions + found)[-1000:]
-            for sink in self.sinks:
-                try:
-                    sink.handle(found)
-                except Exception:  # noqa: BLE001 - the probe thread must survive a bad sink
-                    self.sink_errors += 1
-                    ok = False
+        for sink in self.sinks:
+            try:
+                sink.handle(transitions)
+            except Exception:  # noqa: BLE001
+                self.sink_errors += 1
+                ok = False
         return ok
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
@@ -335,11 +341,4 @@ class EngineExporter:
         if self._closed:
             return
         self._closed = True
-        ended = [t for run_id in self.engine.run_ids() for t in self.engine.finish(run_id)]
-        if ended:
-            self.transitions = (self.transitions + ended)[-1000:]
-            for sink in self.sinks:
-                try:
-                    sink.handle(ended)
-                except Exception:  # noqa: BLE001 - closing must not raise because of a sink
-                    self.sink_errors += 1
+        self._hand([t for run_id in self.engine.run_ids() for t in self.engine.finish(run_id)])
