@@ -6,7 +6,8 @@ grouping and normalisation) and the block itself. Families in `transformers` dec
 class in `_can_record_outputs["router_logits"]`; most experts modules take
 `(hidden_states, top_k_index, top_k_weights)`, so one generic reading covers them. The few that
 route differently get a small reader, chosen in one table, `ROUTINGS`: capacity masks (Switch
-top-1, NLLB top-2), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
+top-1, NLLB top-2, a capacity per sequence as GShard and Megatron drop tokens:
+`moescope.capacity`), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
 (LongCat-Flash) and a parameter-free skip expert (ZAYA). A user describes a custom MoE module with
 `MoESpec`.
 
@@ -177,6 +178,24 @@ def capacity_top2_choice(router: nn.Module) -> ChoiceReader:
         weights = combine.gather(1, ids)
         kept = torch.stack([first_kept, weights[:, 1] > 0], dim=1)
         return Choice(ids=ids, weights=weights, kept=kept, capacity=int(router.expert_capacity))
+    return read
+
+
+def sequence_capacity_choice(block: nn.Module) -> ChoiceReader:
+    """GShard/Megatron-style capacity per sequence (`moescope.capacity.CapacityMoeBlock`): the
+    experts get the router's top-k ids and weights with the dropped slots' weights zeroed, and the
+    block keeps the forward's decision in `block.dispatch` (kept mask, capacity per sequence,
+    sequences). Ids and weights are read from the experts call, as the model passed them; which
+    slots were kept from the block, since a weight of 0 alone cannot tell a dropped slot from one
+    whose weight underflowed. The capacity per expert in the forward is the capacity per sequence
+    times the sequences, as for Switch.
+    """
+    def read(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
+        ids, weights = experts_arguments(args, kwargs)
+        ids = ids.reshape(-1, ids.shape[-1])
+        dispatch = block.dispatch
+        return Choice(ids=ids, weights=weights.reshape(ids.shape), kept=dispatch.kept.reshape(ids.shape),
+                      capacity=int(dispatch.capacity) * int(dispatch.groups))
     return read
 
 
@@ -354,6 +373,15 @@ def _capacity_top1(layer: MoELayer) -> None:
     layer.read_choice = switch_choice
 
 
+def _capacity_per_sequence(layer: MoELayer) -> None:
+    block = layer.block
+    # The layers table holds one capacity per layer: that of a full-length sequence. Each forward
+    # records the capacity it really had (per sequence, times its sequences) in layer_steps.
+    layer.expert_capacity = int(block.capacity(block.max_sequence_length or 1))
+    layer.extra["capacity_factor"] = float(block.capacity_factor)
+    layer.read_choice = sequence_capacity_choice(block)
+
+
 def _grouped_gating(layer: MoELayer) -> None:
     # JetMoE's experts are two stacked projections of the block (input_linear, output_linear),
     # in its MLP (MoE) and in its attention (MoA, one query/output projection pair per expert).
@@ -384,6 +412,9 @@ ROUTINGS: tuple[Routing, ...] = (
     Routing("capacity top-2 (NLLB-MoE)", lambda r, b, e: hasattr(r, "second_expert_policy"), _capacity_top2),
     Routing("capacity top-1 (Switch)", lambda r, b, e: isinstance(getattr(r, "expert_capacity", None), int),
             _capacity_top1),
+    Routing("capacity per sequence (GShard/Megatron token dropping)",
+            lambda r, b, e: getattr(b, "token_drop_policy", None) == "position" and hasattr(b, "dispatch"),
+            _capacity_per_sequence),
     Routing("grouped gating (JetMoE)", _router_named("JetMoeTopKGating"), _grouped_gating),
     Routing("dense scores (Llama4)", lambda r, b, e: _experts_take_only_hidden_states(e), _dense_scores),
     Routing("zero experts (LongCat-Flash)", lambda r, b, e: (getattr(e, "zero_expert_num", 0) or 0) > 0,
