@@ -180,6 +180,33 @@ def dropped_token_rate(dropped_tokens: float, tokens: float) -> float:
     return float(dropped_tokens) / float(tokens) if tokens > 0 else float("nan")
 
 
+def load_balancing_loss(topk_load: np.ndarray | list[float], prob_sum: np.ndarray | list[float],
+                        tokens: float) -> float:
+    """The auxiliary load-balancing loss (Switch Transformer eq. 4-6, as transformers'
+    `load_balancing_loss_func` computes it for Mixtral and its kin): N * sum_e f_e * P_e.
+
+    topk_load[e]: tokens whose top-k router probabilities hold e (`router_topk_load`); prob_sum[e]:
+    sum over tokens of the router's softmax (`router_prob_sum`); N = len(prob_sum), the router's
+    width. f_e = topk_load[e] / tokens (summing to k), P_e = prob_sum[e] / tokens. Sums over several
+    layers give transformers' model-level loss, which pools every layer's tokens; one layer's sums
+    give that layer's own. NaN for no tokens. Not the coefficient-weighted term added to the loss:
+    multiply by `router_aux_loss_coef` for that.
+    """
+    f = np.asarray(topk_load, dtype=np.float64)
+    p = np.asarray(prob_sum, dtype=np.float64)
+    if f.shape != p.shape or f.ndim != 1:
+        raise ValueError(f"topk_load and prob_sum must be 1-D vectors of one length, got {f.shape} and {p.shape}")
+    if tokens <= 0:
+        return float("nan")
+    return float(p.size * np.sum((f / tokens) * (p / tokens)))
+
+
+def router_z_loss(z_sum: float, tokens: float) -> float:
+    """The router z-loss (ST-MoE; transformers' `router_z_loss_func`): the mean over tokens of
+    logsumexp(router logits)^2, from its sum over tokens (`router_z_sum`). NaN for no tokens."""
+    return float(z_sum) / float(tokens) if tokens > 0 else float("nan")
+
+
 def _adjacent_pairs(top1: np.ndarray, sequence: np.ndarray, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Return (previous, next) top-1 experts of tokens adjacent in the same sequence."""
     top1 = np.asarray(top1)

@@ -106,11 +106,13 @@ class LayerGroup:
         cols = Columns()
         cols.add("tokens", 1)
         cols.add("expert_load", self.slots)
+        cols.add("router_topk_load", self.router_width)  # tokens whose top-k router probabilities hold e
         cols.add("gate_weight_sum", self.slots)
         cols.add("router_prob_sum", self.router_width)
         cols.add("entropy_sum", 1)
         cols.add("entropy_hist", ENTROPY_BINS)
         cols.add("margin_sum", 1)
+        cols.add("router_z_sum", 1)  # sum over tokens of logsumexp(logits)^2 (router z-loss)
         cols.add("dropped_tokens", 1)
         cols.add("dropped_assignments", 1)
         cols.add("real_slots_kept", 1)
@@ -154,11 +156,12 @@ class LayerGroup:
         log_probs = torch.log_softmax(logits_s.float(), dim=-1)
         probs = log_probs.exp()
         entropy = -(probs * log_probs).sum(dim=-1)  # (L, T)
-        if probs.shape[-1] > 1:
-            top2 = probs.topk(2, dim=-1).values
-            margin = top2[..., 0] - top2[..., 1]
-        else:
-            margin = torch.ones_like(entropy)
+        # the k most probable experts: the top-1/top-2 margin, and the load-balancing loss's
+        # selection (transformers' load_balancing_loss_func: top-k of softmax(logits), before any
+        # bias correction or capacity drop)
+        top = probs.topk(min(max(self.top_k, 2), probs.shape[-1]), dim=-1)
+        margin = top.values[..., 0] - top.values[..., 1] if probs.shape[-1] > 1 else torch.ones_like(entropy)
+        topk_ids = top.indices[..., : self.top_k].reshape(n_layers, -1)
         bins = (entropy * self.entropy_scale).long().clamp(0, ENTROPY_BINS - 1)
 
         zeros = torch.zeros(n_layers, cols.width, dtype=acc, device=flat.device)
@@ -167,9 +170,12 @@ class LayerGroup:
         block[:, cols["expert_load"]].scatter_add_(1, flat_ids, kept_f.reshape(n_layers, -1))
         block[:, cols["gate_weight_sum"]].scatter_add_(1, flat_ids, (weights_s.to(acc) * kept_f).reshape(n_layers, -1))
         block[:, cols["router_prob_sum"]] = probs.sum(dim=1).to(acc)
+        block[:, cols["router_topk_load"]].scatter_add_(1, topk_ids, torch.ones_like(topk_ids, dtype=acc))
         block[:, cols["entropy_sum"]] = entropy.sum(dim=1, keepdim=True).to(acc)
         block[:, cols["entropy_hist"]].scatter_add_(1, bins, torch.ones_like(bins, dtype=acc))
         block[:, cols["margin_sum"]] = margin.sum(dim=1, keepdim=True).to(acc)
+        log_z = torch.logsumexp(logits_s.float(), dim=-1)  # (L, T)
+        block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1, keepdim=True).to(acc)
         if kept_s is not None:
             dropped = ~kept_s
             block[:, cols["dropped_tokens"]] = dropped.all(dim=-1).sum(dim=1, keepdim=True).to(acc)

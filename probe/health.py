@@ -92,6 +92,46 @@ def _part(tensor: torch.Tensor, row: int | None, count: int) -> torch.Tensor:
     return tensor.detach().reshape(-1) if row is None else tensor.detach().view(count, -1)[row]
 
 
+@torch.no_grad()
+def expert_grad_norms(tensors: list[list[tuple[nn.Parameter, int | None]]], count: int) -> torch.Tensor | None:
+    """(E,) float32 L2 norm of each expert's weight gradients (`_expert_tensors`' partition), or
+    None when no expert weight has a gradient. One reduction per parameter: a fused (E, ...)
+    parameter's gradient is reduced row-wise at once. The health score's gradient component and
+    the training monitor's per-expert gradient norms are this number."""
+    fused: dict[int, nn.Parameter] = {}
+    own: list[torch.Tensor | None] = [None] * count
+    for expert, parts in enumerate(tensors):
+        for param, row in parts:
+            if param.grad is None:
+                continue
+            if row is None:
+                square = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32) ** 2
+                own[expert] = square if own[expert] is None else own[expert] + square
+            else:
+                fused[id(param)] = param
+    total: torch.Tensor | None = None
+    for param in fused.values():
+        rows = torch.linalg.vector_norm(param.grad.detach().reshape(count, -1), dim=1, dtype=torch.float32) ** 2
+        total = rows if total is None else total + rows
+    present = [t for t in own if t is not None]
+    if present:
+        zero = torch.zeros((), dtype=torch.float32, device=present[0].device)
+        stacked = torch.stack([zero if t is None else t for t in own])
+        total = stacked if total is None else total + stacked
+    return None if total is None else total.sqrt()
+
+
+class ExpertGradients:
+    """Per-expert gradient norms of one MoE layer, its parameters partitioned once."""
+
+    def __init__(self, layer: MoELayer):
+        self.layer = layer
+        self.tensors = _expert_tensors(layer)
+
+    def norms(self) -> torch.Tensor | None:
+        return expert_grad_norms(self.tensors, self.layer.num_experts)
+
+
 class _Fingerprint:
     """One layer's per-expert weight fingerprint, and the means to take it again."""
 
@@ -110,11 +150,10 @@ class _Fingerprint:
     @torch.no_grad()
     def measure(self, grads: bool = False) -> tuple[torch.Tensor, ...]:
         """(sum of squares (E,), sketch (E, blocks)) and, with grads, gradient norms (E,) or None."""
-        sumsq, sketches, grad_sq, have_grad = [], [], [], False
+        sumsq, sketches = [], []
         for tensors in self.tensors:
             total = None
             parts = []
-            gsq = None
             for (param, row), signs in zip(tensors, self.signs):
                 flat = _part(param, row, self.layer.num_experts)
                 square = torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
@@ -122,17 +161,11 @@ class _Fingerprint:
                 blocks = min(SKETCH_BLOCKS, flat.numel())
                 length = signs.numel()
                 parts.append((flat[: blocks * length].view(blocks, length) @ signs).to(torch.float32))
-                if grads and param.grad is not None:
-                    have_grad = True
-                    grad = _part(param.grad, row, self.layer.num_experts)
-                    g = torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-                    gsq = g if gsq is None else gsq + g
             sumsq.append(total)
             sketches.append(torch.cat(parts))
-            grad_sq.append(gsq if gsq is not None else torch.zeros((), device=total.device))
         out = (torch.stack(sumsq), torch.stack(sketches))
         if grads:
-            out = out + ((torch.stack(grad_sq).sqrt() if have_grad else None),)
+            out = out + (expert_grad_norms(self.tensors, self.layer.num_experts),)
         return out
 
     def compare(self) -> dict[str, torch.Tensor]:

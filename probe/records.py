@@ -93,6 +93,8 @@ class LayerStep:
     capacity_use: float | None  # fullest expert's kept load / capacity
     active_params_per_token: float  # routed-expert parameters used, averaged over tokens
     router_prob_sum: np.ndarray | None = None  # (E,) float64 sum over tokens of softmax(logits)
+    router_topk_load: np.ndarray | None = None  # (E,) int64 tokens whose top-k router probabilities hold e
+    router_z_sum: float | None = None  # sum over tokens of logsumexp(router logits)^2
     coselection: np.ndarray | None = None  # (E, E) int64 tokens choosing both i and j
     routes: Routes | None = None
     router_logits: TokenSample | None = None

@@ -610,6 +610,13 @@ class ProbeSession:
             self._close_window()
             self._tags.pop()
 
+    def end_window(self) -> bool:
+        """Close the current window now, without waiting for the writer (the training monitor ends
+        one per optimizer step). Returns whether it held a forward (an empty one is not recorded)."""
+        held = self._forwards_in_window > 0
+        self._close_window()
+        return held
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Close the current window and write everything recorded so far; False if the writer did
         not finish in time. After CUDA-graph replays this reads the device counters out (without

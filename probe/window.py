@@ -183,6 +183,8 @@ class PendingWindow:
             capacity=capacity, capacity_use=float(row[cols["capacity_use"]][0]) if capacity else None,
             active_params_per_token=float(row[cols["real_slots_kept"]][0]) / tokens * layer.params_per_expert,
             router_prob_sum=row[cols["router_prob_sum"]].astype(np.float64),
+            router_topk_load=np.rint(row[cols["router_topk_load"]]).astype(np.int64),
+            router_z_sum=float(row[cols["router_z_sum"]][0]),
             coselection=(np.rint(row[cols["coselection"]]).astype(np.int64).reshape(group.slots, group.slots)
                          if group.coselection else None),
             routes=_routes(rings.get((id(group), "routes")), position, group),

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import probe
+from alerts import signals
 from probe.accumulate import ENTROPY_BINS
 from probe.zoo import FAMILIES, tiny_model
 from store import InMemoryExporter
@@ -343,6 +344,24 @@ def test_load_balancing_loss_matches_transformers(recorded):
     tokens = sum(ls.tokens for ls in record.layers)
     recomputed = layer.num_experts * float(np.sum(load / tokens * prob / tokens))
     assert recomputed == pytest.approx(float(expected), rel=1e-5)
+    # The recorded selection counts (top-k of the router's probabilities, before bias correction
+    # or drops) through the one definition the training monitor and its scalars use.
+    topk = sum(ls.router_topk_load[: layer.num_experts] for ls in record.layers)
+    assert signals.load_balancing_loss(topk, prob[: layer.num_experts], tokens) == pytest.approx(
+        float(expected), rel=1e-5)
+
+
+def test_router_z_loss_matches_transformers(recorded):
+    """The router z-loss (ST-MoE, transformers' `router_z_loss_func`: the mean over tokens of
+    logsumexp(logits)^2) from the recorded per-layer sums, over all layers' tokens pooled."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    family, model, session, oracle, output, record = recorded
+    logits = torch.cat([t.double() for t in _model_router_logits(family, output)])
+    expected = float(router_z_loss_func(logits.unsqueeze(0)))
+    recorded_z = signals.router_z_loss(sum(ls.router_z_sum for ls in record.layers),
+                                       sum(ls.tokens for ls in record.layers))
+    assert recorded_z == pytest.approx(expected, rel=1e-5)
 
 
 def _check_switch_loss(loss_func, session, output, record) -> None:
