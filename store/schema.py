@@ -50,6 +50,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         # measured per expert module, or attributed by load (expert_compute_time_measured false)
         ("compute_time_s", pa.float64()), ("expert_compute_time_s", pa.list_(pa.float64())),
         ("expert_compute_time_measured", pa.bool_()),
+        # what the auxiliary losses need (null in stores written before): per expert, the tokens
+        # whose top-k router probabilities hold it (before bias correction or capacity drops), and
+        # the sum over tokens of logsumexp(router logits)^2
+        ("router_topk_load", pa.list_(pa.int64())), ("router_z_sum", pa.float64()),
     ]),
     "routes": pa.schema([
         ("run_id", pa.string()), ("step", pa.int64()), ("layer", pa.int32()), ("token", pa.int32()),
@@ -103,6 +107,28 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("request_id", pa.string()), ("run_id", pa.string()), ("requested_at", TS), ("layer", pa.int32()),
         ("expert", pa.int32()), ("action", pa.string()), ("weight", pa.float64()), ("reason", pa.string()),
         ("requested_by", pa.string()),
+    ]),
+    # Routing cooldowns (alerts/cooldown_policy.py): one row per start, end, or start a guard rail
+    # stopped ('blocked', the rail in `reason`). step: optimizer steps done; forward_step: the
+    # probe's forward counter. lr_before / lr_after: the router's lr in force around the change
+    # (for 'blocked' both the lr in force). router_entropy / capacity_use: the RoutingCooldown
+    # rule's signals over its window at the latest record. period_steps: a start's planned length,
+    # an end's actual length, in optimizer steps. source: "auto" (the policy) or "manual".
+    "routing_cooldown_events": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("forward_step", pa.int64()), ("ts", TS),
+        ("layer", pa.int32()), ("action", pa.string()), ("lr_factor", pa.float64()), ("epsilon", pa.float64()),
+        ("lr_before", pa.float64()), ("lr_after", pa.float64()), ("reason", pa.string()),
+        ("router_entropy", pa.float64()), ("capacity_use", pa.float64()), ("source", pa.string()),
+        ("period_steps", pa.int64()), ("rank", pa.int32()),
+    ]),
+    # moescope.training: per optimizer step and MoE layer, what the record of its forwards
+    # (steps step..step_end of layer_steps) cannot tell: the learning rates the update used (the
+    # first parameter group's, and the router's, a routing cooldown's factor included) and the L2
+    # norm of each expert's weight gradients (null when the experts had no gradient)
+    "train_steps": pa.schema([
+        ("run_id", pa.string()), ("optimizer_step", pa.int64()), ("step", pa.int64()), ("step_end", pa.int64()),
+        ("ts", TS), ("layer", pa.int32()), ("tokens", pa.int64()), ("lr", pa.float64()),
+        ("router_lr", pa.float64()), ("expert_grad_norm", pa.list_(pa.float64())), ("rank", pa.int32()),
     ]),
     # -- alert transitions, from every source (alerts/storage.py writes them) --
     # One row per change of one alert's state: the rules engine's (source "rules"), the expert-
@@ -176,6 +202,8 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             tags=list(record.tags.items()), rank=rank, step_end=record.step_end, forwards=ls.forwards,
             compute_time_s=ls.compute_time_s, expert_compute_time_measured=ls.expert_compute_time_measured,
             expert_compute_time_s=None if ls.expert_compute_time_s is None else ls.expert_compute_time_s.tolist(),
+            router_topk_load=None if ls.router_topk_load is None else ls.router_topk_load.tolist(),
+            router_z_sum=ls.router_z_sum,
         ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
     routes = [(record.step, ls.layer, record.tags, ls.routes) for ls in record.layers if ls.routes is not None]
     if routes:
