@@ -1,0 +1,547 @@
+"""Watching routing while a MoE model trains: a record per optimizer step, what training adds to
+it (auxiliary losses, per-expert gradient norms, dead experts, the learning rate in force), the
+same scalars in TensorBoard and W&B, and the routing cooldown.
+
+A plain loop needs two lines:
+
+    monitor = moescope.training.watch(model, optimizer, store="runs/")
+    ...                                  # the training loop, unchanged
+    monitor.close()
+
+Hugging Face `Trainer`: `Trainer(..., callbacks=[moescope.training.MoescopeCallback(store="runs/")])`.
+PyTorch Lightning: `moescope.lightning.MoescopeLightningCallback(store="runs/")`.
+
+How a step is recorded. The monitor hooks the optimizer (`register_step_pre_hook` /
+`register_step_post_hook` on the torch optimizer under any wrapper): just before each update it
+takes the per-expert gradient norms (after accumulation and, in `Trainer`, after clipping), just
+after it closes the probe's window. So a record covers exactly the forwards of one optimizer step:
+with gradient accumulation every micro-batch's tokens once; gradient checkpointing's recomputed
+forwards run inside the layers, not through the model, so the probe never sees them (it records
+forwards of the model it is attached to). Forwards in eval mode (`model.training` False, e.g. an
+evaluation between steps) are tagged `phase=eval` and kept out of the training figures.
+
+Per optimizer step and MoE layer (`TrainingStep`, the `train_steps` table, the scalars):
+- `aux_loss`: the load-balancing loss recomputed from the recorded router statistics with
+  transformers' own formula (`alerts.signals.load_balancing_loss`; the model-level value pools all
+  layers' tokens as `load_balancing_loss_func` does, and equals the model's `aux_loss`);
+- `z_loss`: the router z-loss (`alerts.signals.router_z_loss`);
+- `expert_grad_norm`: L2 norm of each expert's weight gradients (`probe.health.expert_grad_norms`,
+  the health score's gradient component);
+- `dead_expert_fraction`: experts with no token over the last `dead_window` optimizer steps;
+- `router_lr`: the learning rate the router's parameters were updated with (a cooldown's factor
+  included), and `lr`, the first parameter group's.
+The store keeps what cannot be recomputed (`train_steps`: learning rates and gradient norms per
+step and layer); losses and dead experts derive from `layer_steps`, which carries their inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import logging
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import moescope
+from alerts import signals
+from probe.health import ExpertGradients
+from probe.records import StepRecord
+from probe.session import ProbeSession, Recording
+
+log = logging.getLogger(__name__)
+
+FOREVER = 2**62  # a window that only the optimizer step closes
+ROWS_PER_WRITE = 64  # train_steps rows are written in parts of this many steps (and on every flush)
+
+
+@dataclass
+class TrainingLayer:
+    """One MoE layer over one optimizer step."""
+
+    layer: int
+    tokens: int
+    aux_loss: float
+    z_loss: float
+    dead_expert_fraction: float  # over the last `dead_window` optimizer steps
+    router_entropy: float  # normalised to [0, 1]
+    load_max_mean: float
+    router_lr: float | None  # the learning rate the router's parameters were updated with
+    expert_grad_norm: np.ndarray | None  # (E,), None when the experts had no gradient
+
+    def scalars(self) -> dict[str, float]:
+        out = {"aux_loss": self.aux_loss, "z_loss": self.z_loss, "dead_expert_fraction": self.dead_expert_fraction,
+               "router_entropy": self.router_entropy, "load_max_mean": self.load_max_mean}
+        if self.router_lr is not None:
+            out["router_lr"] = self.router_lr
+        if self.expert_grad_norm is not None and self.expert_grad_norm.size:
+            out["expert_grad_norm_max"] = float(np.max(self.expert_grad_norm))
+            out["expert_grad_norm_min"] = float(np.min(self.expert_grad_norm))
+        return out
+
+
+@dataclass
+class TrainingStep:
+    """One optimizer step: its forwards (`step`..`step_end`), and per-layer figures."""
+
+    optimizer_step: int  # 1-based: the number of updates made so far
+    step: int
+    step_end: int
+    ts: dt.datetime
+    tokens: int
+    lr: float | None
+    aux_loss: float  # all layers pooled, as the model's own aux_loss
+    z_loss: float  # all layers pooled
+    layers: list[TrainingLayer] = field(default_factory=list)
+
+    def scalars(self) -> dict[str, float]:
+        """The TensorBoard / W&B scalars: `moe/<metric>/layer_<i>` and `moe/<metric>/all_layers`."""
+        out = {"moe/aux_loss/all_layers": self.aux_loss, "moe/z_loss/all_layers": self.z_loss}
+        if self.lr is not None:
+            out["moe/lr"] = self.lr
+        for layer in self.layers:
+            for name, value in layer.scalars().items():
+                out[f"moe/{name}/layer_{layer.layer}"] = value
+        return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
+
+
+@dataclass
+class _StepInfo:
+    """What the training thread knows of a step and the record does not: taken at the update."""
+
+    optimizer_step: int
+    lr: float | None
+    router_lr: dict[int, float]
+    grads: torch.Tensor | None  # (sum of E,) on the host, filled once `event` has completed
+    event: Any
+    sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`
+
+
+class TensorBoardSink:
+    """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder)."""
+
+    def __init__(self, writer: Any):
+        if isinstance(writer, (str, os.PathLike)):
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=os.fspath(writer))
+            self._owned = True
+        else:
+            self._owned = False
+        self.writer = writer
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.flush()
+        if self._owned:
+            self.writer.close()
+
+
+class WandbSink:
+    """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({**scalars, "moe/optimizer_step": step})
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _sinks(tensorboard: Any, wandb: Any) -> list[Any]:
+    sinks: list[Any] = []
+    if tensorboard is not None and tensorboard is not False:
+        if not (isinstance(tensorboard, (str, os.PathLike)) or hasattr(tensorboard, "add_scalar")):
+            raise TypeError("tensorboard= takes a torch.utils.tensorboard.SummaryWriter or a folder to write "
+                            f"event files into, not {type(tensorboard).__name__}")
+        sinks.append(TensorBoardSink(tensorboard))
+    if wandb is not None and wandb is not False:
+        if wandb is True:
+            import wandb as wandb_module
+
+            if wandb_module.run is None:
+                raise ValueError("wandb=True logs into the active W&B run, and there is none: call wandb.init() "
+                                 "first, or pass the run")
+            wandb = wandb_module.run
+        sinks.append(WandbSink(wandb))
+    return sinks
+
+
+class TrainingExporter:
+    """Turns each training window's record into a `TrainingStep` (writer thread): losses from the
+    recorded router statistics, dead experts over the last steps, the step's learning rates and
+    gradient norms; writes `train_steps` rows and logs the scalars."""
+
+    def __init__(self, session: ProbeSession, store: str | os.PathLike | None, dead_window: int,
+                 sinks: Sequence[Any] = (), keep_steps: int = 100_000):
+        self.run_id = session.run.run_id
+        self.rank = session.run.rank
+        self.num_experts = {layer.index: layer.num_experts for layer in session.layers}
+        self.sinks = list(sinks)
+        self.steps: collections.deque[TrainingStep] = collections.deque(maxlen=keep_steps)
+        self._loads: dict[int, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=dead_window))
+        self._pending: dict[int, _StepInfo] = {}
+        self._rows: list[dict] = []
+        self._lock = threading.Lock()
+        self.unmatched_windows = 0  # training windows that no optimizer step closed (e.g. split by an eval)
+        self.tables = None
+        if store is not None:
+            from store.writer import TableWriter
+
+            self.tables = TableWriter(store, self.run_id, self.rank,
+                                      on_dropped=session.processor.count_dropped_rows)
+
+    def expect(self, step_end: int, info: _StepInfo) -> None:
+        with self._lock:
+            self._pending[step_end] = info
+
+    def export(self, records: Sequence[StepRecord]) -> bool:
+        for record in records:
+            if record.tags.get("phase") == "eval":
+                continue
+            with self._lock:
+                info = self._pending.pop(record.step_end, None)
+            if info is None:
+                self.unmatched_windows += 1
+                continue
+            step = self._score(record, info)
+            self.steps.append(step)
+            for sink in self.sinks:
+                try:
+                    sink.log(step.scalars(), step.optimizer_step)
+                except Exception:
+                    log.exception("moescope: logging training scalars to %s failed", type(sink).__name__)
+        if len(self._rows) >= ROWS_PER_WRITE * max(len(self.num_experts), 1):
+            self._write()
+        return True
+
+    def _score(self, record: StepRecord, info: _StepInfo) -> TrainingStep:
+        grads: dict[int, np.ndarray] = {}
+        if info.grads is not None:
+            if info.event is not None:
+                info.event.synchronize()
+            flat = info.grads.numpy()
+            start = 0
+            for layer, width in info.sizes:
+                grads[layer] = flat[start: start + width].astype(np.float64)
+                start += width
+        layers = []
+        topk = prob = None
+        z_sum = tokens_all = 0.0
+        for ls in record.layers:
+            experts = self.num_experts.get(ls.layer, ls.expert_load.size)
+            routed = signals.routed_load(ls.expert_load, experts)
+            history = self._loads[ls.layer]
+            history.append(routed)
+            if ls.router_topk_load is not None and ls.router_prob_sum is not None:
+                aux = signals.load_balancing_loss(ls.router_topk_load, ls.router_prob_sum, ls.tokens)
+                topk = ls.router_topk_load.astype(np.float64) if topk is None else topk + ls.router_topk_load
+                prob = ls.router_prob_sum.copy() if prob is None else prob + ls.router_prob_sum
+            else:
+                aux = float("nan")
+            z = signals.router_z_loss(ls.router_z_sum, ls.tokens) if ls.router_z_sum is not None else float("nan")
+            z_sum += ls.router_z_sum or 0.0
+            tokens_all += ls.tokens
+            grad = grads.get(ls.layer)
+            layers.append(TrainingLayer(
+                layer=ls.layer, tokens=ls.tokens, aux_loss=aux, z_loss=z,
+                dead_expert_fraction=signals.dead_expert_fraction(np.sum(history, axis=0)),
+                router_entropy=signals.normalized_entropy(ls.router_entropy_mean, ls.router_prob_sum.size
+                                                          if ls.router_prob_sum is not None else experts),
+                load_max_mean=signals.max_mean_ratio(routed), router_lr=info.router_lr.get(ls.layer),
+                expert_grad_norm=None if grad is None or np.isnan(grad).all() else grad))
+        step = TrainingStep(
+            optimizer_step=info.optimizer_step, step=record.step, step_end=record.step_end, ts=record.ts,
+            tokens=record.tokens, lr=info.lr,
+            aux_loss=signals.load_balancing_loss(topk, prob, tokens_all) if topk is not None else float("nan"),
+            z_loss=signals.router_z_loss(z_sum, tokens_all), layers=layers)
+        self._rows.extend(dict(
+            run_id=self.run_id, optimizer_step=step.optimizer_step, step=step.step, step_end=step.step_end,
+            ts=step.ts, layer=layer.layer, tokens=layer.tokens, lr=step.lr, router_lr=layer.router_lr,
+            expert_grad_norm=None if layer.expert_grad_norm is None else layer.expert_grad_norm.tolist(),
+            rank=self.rank) for layer in layers)
+        return step
+
+    def _write(self) -> None:
+        rows, self._rows = self._rows, []
+        if rows and self.tables is not None:
+            try:
+                self.tables.write("train_steps", rows)  # a refused write is counted there, as write_failed
+            except Exception:
+                log.exception("moescope: could not write %d train_steps rows", len(rows))
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self._write()
+        for sink in self.sinks:
+            try:
+                sink.flush()
+            except Exception:
+                log.exception("moescope: flushing %s failed", type(sink).__name__)
+        return True
+
+    def shutdown(self) -> None:
+        self.force_flush()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                log.exception("moescope: closing %s failed", type(sink).__name__)
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The `torch.optim.Optimizer` under wrappers (accelerate's, Lightning's), which hold it as `.optimizer`."""
+    # accelerate's AcceleratedOptimizer subclasses Optimizer without being one: unwrap to the innermost
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"moescope.training needs the torch optimizer that trains the model (a torch.optim.Optimizer, "
+                        f"or a wrapper holding one as .optimizer), got {type(optimizer).__name__}")
+    return optimizer
+
+
+def torch_scheduler(scheduler: Any) -> Any:
+    """The `torch.optim.lr_scheduler.LRScheduler` under accelerate's wrapper, or None."""
+    if scheduler is None:
+        return None
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if inner is not None and hasattr(inner, "base_lrs") else scheduler
+
+
+class TrainingMonitor:
+    """The probe attached for a training run, one record per optimizer step. See the module doc.
+
+    model / optimizer: what trains (the torch optimizer under any wrapper). store: where the
+    records and `train_steps` go. tensorboard: a `SummaryWriter` or a folder for one; wandb: a
+    W&B run, or True for `wandb.run`. dead_window: optimizer steps over which an expert with no
+    token counts as dead. grad_norms: measure per-expert gradient norms at each update.
+    measure_gradients: "step" (just before the optimizer's update; right for loops and `Trainer`)
+    or "manual" (call `measure_gradients()` yourself after backward; Lightning's callback does, as
+    Lightning runs forward and backward inside `optimizer.step`). cooldown: None, or "auto" for
+    the routing cooldown (docs/cooldown.md) with `cooldown_config` and alerts to `cooldown_sink`;
+    scheduler: the LR scheduler, which the cooldown's parameter-group split keeps in step. Every
+    other option is `moescope.attach`'s (routes, health, tags, run_id, recording, ...), except the
+    window: a training record always covers one optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, store: str | os.PathLike | None = None,
+                 scheduler: Any = None, tensorboard: Any = None, wandb: Any = None, dead_window: int = 64,
+                 grad_norms: bool = True, measure_gradients: str = "step", cooldown: str | None = None,
+                 cooldown_config: Any = None, cooldown_sink: Any = None, **options: Any):
+        if measure_gradients not in ("step", "manual"):
+            raise ValueError(f"measure_gradients must be 'step' or 'manual', not {measure_gradients!r}")
+        if cooldown not in (None, "auto"):
+            raise ValueError(f"cooldown must be None (off) or 'auto', not {cooldown!r}")
+        if dead_window < 1:
+            raise ValueError("dead_window counts optimizer steps and must be at least 1")
+        for name in ("window", "window_s"):
+            if name in options:
+                raise ValueError(f"{name} is set by the training monitor: a training record covers one optimizer "
+                                 "step; leave it out")
+        self.optimizer = torch_optimizer(optimizer)
+        self.scheduler = torch_scheduler(scheduler)
+        self.measure_mode = measure_gradients
+        recording = dataclasses.replace(options.pop("recording", None) or Recording(), window=FOREVER, window_s=None)
+        tags = {"phase": "train", **{str(k): str(v) for k, v in (options.pop("tags", None) or {}).items()}}
+        sinks = _sinks(tensorboard, wandb)
+        self.session: ProbeSession = moescope.attach(model, store, recording=recording, tags=tags, **options)
+        self.optimizer_step = 0
+        self.cooldown = None
+        self._handles: list[Any] = []
+        self._eval_tags: Any = None
+        self._info: _StepInfo | None = None
+        self._groups: tuple[int, dict[int, int]] = (-1, {})
+        try:
+            self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
+            self.session.processor.exporters.append(self.exporter)
+            if cooldown == "auto":
+                from alerts.cooldown_policy import bind_cooldown
+
+                self.cooldown = bind_cooldown(self.session, self.optimizer, self.scheduler, cooldown_config,
+                                              store, cooldown_sink)
+            self._gradients = [ExpertGradients(layer) for layer in self.session.layers
+                               if grad_norms and layer.experts is not None]
+            self._routers = {layer.index: [id(p) for p in layer.router.parameters()] for layer in self.session.layers}
+            # Registered after the cooldown's hooks: the pre-hook sees the learning rate in force.
+            self._handles.append(self.optimizer.register_step_pre_hook(self._before_update))
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_update))
+            self._handles.append(model.register_forward_pre_hook(self._phase, prepend=True))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- hooks (training thread) -----------------------------------------------------------------
+
+    def _phase(self, module: nn.Module, args: tuple) -> None:
+        try:
+            if not module.training and self._eval_tags is None:
+                self._eval_tags = self.session.tag(phase="eval")
+                self._eval_tags.__enter__()
+            elif module.training and self._eval_tags is not None:
+                tags, self._eval_tags = self._eval_tags, None
+                tags.__exit__(None, None, None)
+        except Exception:
+            log.exception("moescope: switching the training monitor's phase failed")
+
+    def _router_groups(self) -> dict[int, int]:
+        """MoE layer -> index of the parameter group holding its router (rebuilt when groups change)."""
+        groups = self.optimizer.param_groups
+        if self._groups[0] != len(groups):
+            where = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
+            self._groups = (len(groups), {layer: where[ids[0]] for layer, ids in self._routers.items()
+                                          if ids and ids[0] in where})
+        return self._groups[1]
+
+    def measure_gradients(self) -> None:
+        """Take this step's per-expert gradient norms and learning rates now (after backward, before
+        the update). Called by the optimizer pre-hook unless measure_gradients="manual"."""
+        try:
+            groups = self.optimizer.param_groups
+            lr = float(groups[0]["lr"]) if groups else None
+            router_lr = {layer: float(groups[i]["lr"]) for layer, i in self._router_groups().items()}
+            grads, event, sizes = None, None, []
+            if self._gradients:
+                norms = []
+                for gradients in self._gradients:
+                    norm = gradients.norms()
+                    layer = gradients.layer
+                    if norm is None:
+                        norm = torch.full((layer.num_experts,), float("nan"))
+                    norms.append(norm.to(torch.float32))
+                    sizes.append((layer.index, layer.num_experts))
+                device = next((n.device for n in norms if n.device.type != "cpu"), torch.device("cpu"))
+                flat = torch.cat([n.to(device) for n in norms])
+                if flat.is_cuda:
+                    grads = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    grads.copy_(flat, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                else:
+                    grads = flat.clone()
+            self._info = _StepInfo(self.optimizer_step + 1, lr, router_lr, grads, event, sizes)
+        except Exception:
+            log.exception("moescope: measuring gradients for the training record failed")
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.measure_mode == "step":
+            self.measure_gradients()
+
+    def _after_update(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.optimizer_step += 1
+        try:
+            info, self._info = self._info, None
+            if self.session.closed:
+                return
+            if info is None:  # "manual" and not measured: the step still gets its record
+                info = _StepInfo(self.optimizer_step, None, {}, None, None, [])
+            info.optimizer_step = self.optimizer_step
+            if self._eval_tags is None and self.session._forwards_in_window:
+                self.exporter.expect(self.session.step - 1, info)
+            self.session.end_window()
+        except Exception:
+            log.exception("moescope: closing the training step's window failed")
+
+    # -- API -------------------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> list[TrainingStep]:
+        """The training steps scored so far (call `flush()` first to include the latest)."""
+        return list(self.exporter.steps)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return self.session.flush(timeout_s)
+
+    def close(self) -> None:
+        """Remove the hooks, end any cooldown, write everything; safe twice."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._eval_tags is not None:
+            tags, self._eval_tags = self._eval_tags, None
+            tags.__exit__(None, None, None)
+        self.session.close()
+
+    def __enter__(self) -> TrainingMonitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def watch(model: nn.Module, optimizer: Any, store: str | os.PathLike | None = None, **options: Any) -> TrainingMonitor:
+    """Watch a plain training loop: a `TrainingMonitor` (see there for the options)."""
+    return TrainingMonitor(model, optimizer, store=store, **options)
+
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - transformers is a dependency
+    TrainerCallback = object  # type: ignore[assignment,misc]
+
+
+class MoescopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
+    """A `transformers.TrainerCallback` that watches the routing for the training run.
+
+    Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
+    `on_train_end`. tensorboard / wandb: "auto" (default) logs the scalars where the Trainer's
+    `report_to` does: TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`,
+    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s.
+    The monitor is at `callback.monitor` while training runs.
+    """
+
+    def __init__(self, store: str | os.PathLike | None = None, *, tensorboard: Any = "auto", wandb: Any = "auto",
+                 **options: Any):
+        self.store = store
+        self.tensorboard = tensorboard
+        self.wandb = wandb
+        self.options = options
+        self.monitor: TrainingMonitor | None = None
+
+    def _loggers(self, args: Any) -> tuple[Any, Any]:
+        report_to = getattr(args, "report_to", None) or []
+        report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+        tensorboard, wandb = self.tensorboard, self.wandb
+        if tensorboard == "auto":
+            tensorboard = None
+            if "tensorboard" in report_to or "all" in report_to:
+                tensorboard = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", "moescope")
+        if wandb == "auto":
+            wandb = None
+            if "wandb" in report_to or "all" in report_to:
+                import wandb as wandb_module
+
+                wandb = wandb_module.run
+        return tensorboard, wandb
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.monitor is not None:
+            return
+        tensorboard, wandb = self._loggers(args)
+        self.monitor = TrainingMonitor(model, optimizer, store=self.store, scheduler=lr_scheduler,
+                                       tensorboard=tensorboard, wandb=wandb, **self.options)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.close()
