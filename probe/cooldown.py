@@ -7,8 +7,8 @@ model trains; it can be driven by hand too. For a cooling layer it
 - multiplies the router's *input* by noise drawn from U(1 - epsilon, 1 + epsilon) in training mode
   (epsilon 0.01 by default), which reaches the logits through the router.
 
-The jitter is Switch Transformer's `router_jitter_noise` (Fedus et al. 2021, sec. 2.4; transformers'
-SwitchTransformersTop1Router multiplies its input the same way). Mixtral's `router_jitter_noise` in
+The jitter is Switch Transformer's router jitter (transformers' SwitchTransformersTop1Router
+multiplies its input the same way, with `router_jitter_noise` 0.01 by default). Mixtral's `router_jitter_noise` in
 transformers multiplies the whole block input, so its experts see the noise too; here only the
 router does (the noisy tensor is a new one, the experts get the clean input). Noise on the input
 rather than on the logits keeps the perturbation relative to each token's own features, which is
