@@ -352,3 +352,32 @@ def test_lightning_callback_with_accumulation_and_its_tensorboard_logger(tmp_pat
     events = EventAccumulator(str(tmp_path / "tb" / "run" / "version_0"))
     events.Reload()
     assert [e.step for e in events.Scalars("moe/aux_loss/layer_0")] == [1, 2]
+
+
+def test_cooldown_auto_cools_the_firing_layers_router_and_records_it(tmp_path):
+    """The training monitor with cooldown="auto" on a model with expert capacity: a rule that fires
+    on the first window cools the router; train_steps shows the lr each update really used."""
+    from alerts.cooldown_policy import CooldownConfig
+    from moescope.capacity import install_capacity
+
+    model = install_capacity(tiny_mixtral(), capacity_factor=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = CooldownConfig(thresholds={"router_entropy": 2.0, "capacity_use": 0.0}, for_duration="0s", window=1,
+                            period_steps=2, min_gap_steps=100, max_share=1.0)
+    monitor, _, own_aux = run_loop(model, optimizer, batches(6), store=tmp_path, cooldown="auto",
+                                   cooldown_config=config)
+    steps = monitor.steps
+    monitor.close()
+    assert [s.aux_loss for s in steps] == pytest.approx(own_aux, rel=1e-5)
+    events = sorted(rows(tmp_path, "routing_cooldown_events"), key=lambda r: (r["layer"], r["step"]))
+    starts = {r["layer"]: r["step"] for r in events if r["action"] == "start"}
+    ends = {r["layer"]: r["step"] for r in events if r["action"] == "end"}
+    assert set(starts) == {0, 1} and set(ends) == {0, 1}
+    stored = rows(tmp_path, "train_steps")
+    for r in stored:
+        cooling = starts[r["layer"]] < r["optimizer_step"] <= ends[r["layer"]]
+        assert r["lr"] == pytest.approx(0.1)
+        assert r["router_lr"] == pytest.approx(0.01 if cooling else 0.1), r
+    assert any(r["router_lr"] == pytest.approx(0.01) for r in stored)
+    alerts = [r for r in rows(tmp_path, "alerts") if r["alertname"] == "RoutingCooldownApplied"]
+    assert sorted(r["state"] for r in alerts) == ["firing", "firing", "resolved", "resolved"]
