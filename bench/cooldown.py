@@ -9,7 +9,7 @@ probe): router entropy (normalised), dead experts, max/mean load and dropped tok
 the held-out loss. It also checks, step by step, that the aux loss the monitor recorded equals
 the model's own `aux_loss`.
 
-    python bench/cooldown.py                       # 400 steps, router lr 60x, about 6 CPU-minutes
+    python bench/cooldown.py                       # 300 steps, router lr 20x, about 3 CPU-minutes
     python bench/cooldown.py --steps 100 --json out.json
 
 Prints a table; `--json` writes every figure.
@@ -143,15 +143,15 @@ def held_out_routing(model, batches: list[torch.Tensor]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (default 400)")
-    parser.add_argument("--router-lr-scale", type=float, default=60.0,
-                        help="router lr / base lr (default 60; the demo model trains with 5)")
-    parser.add_argument("--aux-coef", type=float, default=0.0,
-                        help="router_aux_loss_coef (default 0: nothing else holds the router back)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--router-lr-scale", type=float, default=20.0,
+                        help="router lr / base lr (default 20; the demo model trains with 5)")
+    parser.add_argument("--aux-coef", type=float, default=0.02,
+                        help="router_aux_loss_coef (default 0.02, the demo recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--period", type=int, default=50, help="cooldown period in optimizer steps (default 50)")
-    parser.add_argument("--gap", type=int, default=25, help="minimum gap between a layer's cooldowns (default 25)")
+    parser.add_argument("--period", type=int, default=150, help="cooldown period in optimizer steps (default 150)")
+    parser.add_argument("--gap", type=int, default=0, help="minimum gap between a layer's cooldowns (default 0)")
     parser.add_argument("--max-share", type=float, default=0.5, help="most layers cooling at once (default 0.5)")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--quick", action="store_true",
