@@ -192,7 +192,7 @@ class TrainingExporter:
     gradient norms; writes `train_steps` rows and logs the scalars."""
 
     def __init__(self, session: ProbeSession, store: str | os.PathLike | None, dead_window: int,
-                 sinks: Sequence[Any] = (), keep_steps: int = 100_000):
+                 sinks: Sequence[Any] = (), keep_steps: int = 1024):
         self.run_id = session.run.run_id
         self.rank = session.run.rank
         self.num_experts = {layer.index: layer.num_experts for layer in session.layers}
@@ -221,6 +221,8 @@ class TrainingExporter:
                 continue
             with self._lock:
                 info = self._pending.pop(record.step_end, None)
+                for stale in [k for k in self._pending if k < record.step_end]:  # its record was dropped
+                    del self._pending[stale]
             if info is None:
                 self.unmatched_windows += 1
                 continue
@@ -467,7 +469,8 @@ class TrainingMonitor:
 
     @property
     def steps(self) -> list[TrainingStep]:
-        """The training steps scored so far (call `flush()` first to include the latest)."""
+        """The last 1024 training steps scored (call `flush()` first to include the latest); the
+        store keeps them all."""
         return list(self.exporter.steps)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
