@@ -176,6 +176,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if False:\n",
         ("tests/test_realparts.py",),
         "CI=true skips a test whose Prometheus, Alertmanager or Chromium is missing"),
+    Mutation(
+        "aux-loss-kept-load", "moescope/training.py",
+        "aux = signals.load_balancing_loss(ls.router_topk_load, ls.router_prob_sum, ls.tokens)",
+        "aux = signals.load_balancing_loss(ls.expert_load[: ls.router_prob_sum.size], ls.router_prob_sum, "
+        "ls.tokens)",
+        ("tests/moescope/test_training.py",),
+        "the training aux loss counts the kept slots, not the top-k selection the formula counts (issue 15)"),
+    Mutation(
+        "training-window-per-forward", "moescope/training.py",
+        "recording = dataclasses.replace(options.pop(\"recording\", None) or Recording(), window=FOREVER, "
+        "window_s=None)",
+        "recording = dataclasses.replace(options.pop(\"recording\", None) or Recording(), window=1, window_s=None)",
+        ("tests/moescope/test_training.py",),
+        "a training record covers one forward, so accumulated micro-batches are scored apart (issue 15)"),
+    Mutation(
+        "grad-norm-squared", "probe/health.py",
+        "return None if total is None else total.sqrt()",
+        "return total",
+        ("tests/moescope/test_training.py",),
+        "per-expert gradient norms are reported squared (issue 15)"),
+    Mutation(
+        "z-loss-not-squared", "probe/accumulate.py",
+        'block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1, keepdim=True).to(acc)',
+        'block[:, cols["router_z_sum"]] = log_z.sum(dim=1, keepdim=True).to(acc)',
+        ("tests/probe/test_exactness.py", "-k", "z_loss"),
+        "the router z-loss sums logsumexp instead of its square (issue 15)"),
 )
 
 

@@ -79,6 +79,30 @@ def test_aux_and_z_loss_equal_the_models_own_per_step(tmp_path):
         assert step.z_loss == pytest.approx(float(router_z_loss_func(pooled.unsqueeze(0))), rel=1e-5)
 
 
+def test_aux_loss_counts_the_selection_not_the_kept_slots_under_capacity(tmp_path):
+    """With expert capacity some chosen slots are dropped; transformers' loss counts the top-k
+    choices all the same, and so must each layer's recomputed loss."""
+    from moescope.capacity import install_capacity
+
+    model = install_capacity(tiny_mixtral(), capacity_factor=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor, logits, own_aux = run_loop(model, optimizer, batches(3), store=tmp_path)
+    steps = monitor.steps
+    monitor.close()
+    assert sum(layer.dropped_assignments for layer in _layer_rows(tmp_path)) > 0  # drops really happened
+    for step, (layer_logits,), aux in zip(steps, logits, own_aux):
+        assert step.aux_loss == pytest.approx(aux, rel=1e-5)
+        for layer, layer_out in zip(step.layers, layer_logits):
+            assert layer.aux_loss == pytest.approx(float(load_balancing_loss_func((layer_out,), EXPERTS, TOP_K)),
+                                                   rel=1e-5)
+
+
+def _layer_rows(root):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(**r) for r in rows(root, "layer_steps")]
+
+
 def test_gradient_accumulation_counts_every_micro_batch_once(tmp_path):
     model = tiny_mixtral()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
