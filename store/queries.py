@@ -443,3 +443,102 @@ class StoreQueries:
             SELECT table_name, reason, sum(written_rows)::BIGINT AS written_rows,
                    sum(dropped_rows)::BIGINT AS dropped_rows, sum(dropped_records)::BIGINT AS dropped_records
             FROM latest WHERE ts = last_ts GROUP BY ALL ORDER BY table_name, reason NULLS FIRST""", [run_id])
+
+    # -- training (moescope.training) ----------------------------------------------------------
+
+    def training_span(self, run_id: str) -> dict[str, int]:
+        """What a run recorded with `moescope.training`: optimizer_steps (distinct optimizer steps in
+        `train_steps`), first_optimizer_step and last_optimizer_step (1-based update counts; 0 when
+        none), layers (MoE layers with a row). All 0 for a run recorded without the training monitor."""
+        frame = self.sql("""
+            SELECT count(DISTINCT optimizer_step)::BIGINT AS optimizer_steps,
+                   coalesce(min(optimizer_step), 0)::BIGINT AS first_optimizer_step,
+                   coalesce(max(optimizer_step), 0)::BIGINT AS last_optimizer_step,
+                   count(DISTINCT layer)::BIGINT AS layers
+            FROM train_steps WHERE run_id = ?""", [run_id])
+        return {k: int(v) for k, v in frame.iloc[0].items()}
+
+    def training_steps(self, run_id: str, layer: int | None = None, first_optimizer_step: int | None = None,
+                       last_optimizer_step: int | None = None) -> pd.DataFrame:
+        """Per optimizer step and MoE layer: the `train_steps` row next to the `layer_steps` row of
+        the same forwards (joined on run_id, rank, step, layer), ranks summed; optimizer steps in
+        [first_optimizer_step, last_optimizer_step] (inclusive; None leaves that side open), which is
+        how a caller bounds the result. Steps recorded without the training monitor (eval forwards,
+        plain `moescope.attach`) have no `train_steps` row and are left out.
+
+        Columns: optimizer_step (1-based update count), step, step_end (the forwards the update's
+        record covers), ts (UTC, the record's), layer, ranks (ranks that recorded it), tokens (tokens
+        the layer routed, all ranks), lr (first parameter group's), router_lr (the lr the router's
+        parameters were updated with, a routing cooldown's factor included), expert_grad_norm
+        (np.ndarray of float64 per routed expert: L2 norm of its weight gradients, the lowest rank's;
+        None where the experts had no gradient), router_entropy_mean (token-weighted mean per-token
+        router entropy, nats), router_z_sum (sum over tokens of logsumexp(router logits)^2),
+        router_topk_load (np.ndarray of int64 per router choice: tokens whose top-k held it, before
+        drops), router_prob_sum (np.ndarray of float64: summed router probabilities), expert_load
+        (np.ndarray of int64: kept slots per expert, routed experts first, then zero experts),
+        num_experts (routed experts, from `layers`), zero_experts. The three aux-loss inputs are
+        None (NaN for router_z_sum) in stores written before they were recorded.
+        """
+        clause, params = where(run_id, layer)
+        bounds, bound_params = "", []
+        if first_optimizer_step is not None:
+            bounds += " AND optimizer_step >= ?"
+            bound_params.append(int(first_optimizer_step))
+        if last_optimizer_step is not None:
+            bounds += " AND optimizer_step <= ?"
+            bound_params.append(int(last_optimizer_step))
+        frame = self.sql(f"""
+            WITH t AS (SELECT * FROM train_steps WHERE {clause}{bounds}),
+                 j AS (SELECT t.optimizer_step, t.step, t.step_end, t.ts, t.layer, t.rank, t.lr, t.router_lr,
+                              t.expert_grad_norm, l.tokens, l.router_entropy_mean, l.router_z_sum,
+                              l.router_topk_load, l.router_prob_sum, l.expert_load
+                       FROM t JOIN (SELECT * FROM layer_steps WHERE {clause}) l
+                         ON l.run_id = t.run_id AND l.rank = t.rank AND l.step = t.step AND l.layer = t.layer),
+                 v AS (SELECT optimizer_step, layer, i, sum(load) AS load, sum(topk) AS topk, sum(prob) AS prob
+                       FROM (SELECT optimizer_step, layer, unnest(range(len(expert_load))) AS i,
+                                    unnest(expert_load) AS load, unnest(router_topk_load) AS topk,
+                                    unnest(router_prob_sum) AS prob FROM j)
+                       GROUP BY ALL),
+                 vec AS (SELECT optimizer_step, layer, list(load::BIGINT ORDER BY i) AS expert_load,
+                                CASE WHEN count(topk) = count(*) THEN list(topk::BIGINT ORDER BY i) END
+                                    AS router_topk_load,
+                                CASE WHEN count(prob) = count(*) THEN list(prob ORDER BY i) END AS router_prob_sum
+                         FROM v GROUP BY ALL),
+                 s AS (SELECT optimizer_step, min(step) AS step, max(coalesce(step_end, step)) AS step_end,
+                              max(ts) AS ts, layer, count(DISTINCT rank)::BIGINT AS ranks,
+                              sum(tokens)::BIGINT AS tokens, max(lr) AS lr, max(router_lr) AS router_lr,
+                              arg_min(expert_grad_norm, rank) AS expert_grad_norm,
+                              sum(router_entropy_mean * tokens)
+                                  / nullif(sum(CASE WHEN router_entropy_mean IS NOT NULL THEN tokens END), 0)
+                                  AS router_entropy_mean,
+                              sum(router_z_sum) AS router_z_sum
+                       FROM j GROUP BY optimizer_step, layer),
+                 info AS (SELECT layer, any_value(num_experts) AS num_experts,
+                                 coalesce(any_value(zero_experts), 0) AS zero_experts
+                          FROM layers WHERE run_id = ? GROUP BY layer)
+            SELECT s.optimizer_step, s.step, s.step_end, s.ts, s.layer, s.ranks, s.tokens, s.lr, s.router_lr,
+                   s.expert_grad_norm, s.router_entropy_mean, s.router_z_sum, vec.router_topk_load,
+                   vec.router_prob_sum, vec.expert_load, info.num_experts, info.zero_experts
+            FROM s LEFT JOIN vec USING (optimizer_step, layer) LEFT JOIN info USING (layer)
+            ORDER BY s.optimizer_step, s.layer""", [*params, *bound_params, *params, run_id])
+        for column, dtype in (("expert_grad_norm", np.float64), ("router_topk_load", np.int64),
+                              ("router_prob_sum", np.float64), ("expert_load", np.int64)):
+            frame[column] = [None if v is None or (np.isscalar(v) and pd.isna(v)) else np.asarray(v, dtype=dtype)
+                             for v in frame[column]]
+        return frame
+
+    def routing_cooldown_events(self, run_id: str, layer: int | None = None) -> pd.DataFrame:
+        """The run's routing cooldown starts, ends and blocked starts (`routing_cooldown_events`,
+        alerts/cooldown_policy.py), oldest first: step (optimizer steps done when the change was
+        made: a start at s and its end at e cooled the updates s+1..e), forward_step, ts (UTC), layer,
+        action ("start", "end", "blocked"), lr_factor, epsilon, lr_before, lr_after (the router's lr
+        in force around the change), reason, router_entropy (normalised), capacity_use, source
+        ("auto" or "manual"), period_steps (a start's planned length, an end's actual length, in
+        optimizer steps), rank. At most 10,000 rows (the latest)."""
+        clause, params = where(run_id, layer)
+        frame = self.sql(f"""
+            SELECT step, forward_step, ts, layer, action, lr_factor, epsilon, lr_before, lr_after, reason,
+                   router_entropy, capacity_use, source, period_steps, rank
+            FROM routing_cooldown_events WHERE {clause}
+            ORDER BY step DESC, ts DESC, layer DESC, rank DESC LIMIT 10000""", params)
+        return frame.iloc[::-1].reset_index(drop=True)
