@@ -32,6 +32,7 @@ PAGES = [
     st.Page("views/clusters.py", title="Semantic clusters", icon=":material/bubble_chart:", url_path="clusters"),
     st.Page("views/drift.py", title="Drift and alerts", icon=":material/notifications_active:", url_path="drift"),
     st.Page("views/health.py", title="Expert health", icon=":material/health_and_safety:", url_path="health"),
+    st.Page("views/training.py", title="Training", icon=":material/model_training:", url_path="training"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:", url_path="compare"),
 ]
 navigation = st.navigation(PAGES)

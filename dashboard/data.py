@@ -180,3 +180,17 @@ def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame 
     for column in ("created_at", "delivered_at"):
         frame[column] = pd.to_datetime(frame[column], unit="s", utc=True)
     return frame
+
+
+def _training_report(store: Store, run_id: str, dead_window: int, last_steps: int | None):
+    # moescope.training (the composition root) owns the report; imported here, on the Training page's
+    # first call, so the other pages never load it
+    from moescope.training import training_report
+
+    return training_report(store, run_id, dead_window=dead_window, last_steps=last_steps)
+
+
+# (root, version, run_id): `Store.training_span`, what moescope.training recorded of a run
+training_span = _cached(Store.training_span)
+# (root, version, run_id, dead_window, last_steps): `moescope.training.training_report`
+training_report = _cached(_training_report)

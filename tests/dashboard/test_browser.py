@@ -26,7 +26,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 PAGES = [("", "Overview", 5), ("heatmaps", "Heatmaps", 3), ("clusters", "Semantic clusters", 3),
-         ("drift", "Drift and alerts", 3), ("health", "Expert health", 0), ("compare", "Compare", 3)]
+         ("drift", "Drift and alerts", 3), ("health", "Expert health", 0), ("training", "Training", 0),
+         ("compare", "Compare", 3)]
 SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
 
 
@@ -107,6 +108,8 @@ def test_page_in_a_real_browser(server, page, path, title, charts):
     assert drawn >= charts  # charts that hold data and drew a trace (lines, bars, points, heatmap cells)
     if path == "health":
         assert page.get_by_text("no expert-health score recorded", exact=False).count() == 1
+    if path == "training":  # the recorded runs are inference runs: the page says how to record a training one
+        assert page.get_by_text("not recorded with moescope.training", exact=False).count() == 1
 
 
 def test_three_clicks_from_overview_to_a_hot_experts_tokens(server, page):
