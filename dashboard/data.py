@@ -22,6 +22,7 @@ import pandas as pd
 import streamlit as st
 
 from alerts.outbox import outbox_path, read_deliveries
+from alerts.training import training_report as _training_report
 from store.store import EmptyStoreError, Store, data_version
 
 T = TypeVar("T")
@@ -182,15 +183,7 @@ def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame 
     return frame
 
 
-def _training_report(store: Store, run_id: str, dead_window: int, last_steps: int | None):
-    # moescope.training (the composition root) owns the report; imported here, on the Training page's
-    # first call, so the other pages never load it
-    from moescope.training import training_report
-
-    return training_report(store, run_id, dead_window=dead_window, last_steps=last_steps)
-
-
 # (root, version, run_id): `Store.training_span`, what moescope.training recorded of a run
 training_span = _cached(Store.training_span)
-# (root, version, run_id, dead_window, last_steps): `moescope.training.training_report`
+# (root, version, run_id, dead_window, last_steps): `alerts.training.training_report`
 training_report = _cached(_training_report)

@@ -482,7 +482,7 @@ def firing_now(alerts: pd.DataFrame) -> pd.DataFrame:
     return latest[latest.state.astype(str) == "firing"].reset_index(drop=True)
 
 
-# -- training (the frames of `moescope.training.training_report`) ------------------------------
+# -- training (the frames of `alerts.training.training_report`) ------------------------------
 
 def _layer_colours(layers: Sequence[int] | pd.Series) -> dict[int, str]:
     return {int(layer): PALETTE[i % len(PALETTE)] for i, layer in enumerate(sorted(set(int(v) for v in layers)))}

@@ -1,7 +1,7 @@
 """Training: what `moescope.training` recorded per optimizer step (the auxiliary losses, router
 entropy, the router's learning rate in force, dead experts, per-expert gradient norms), with the
 routing cooldowns shaded where they cooled a layer's router. Every figure is
-`moescope.training.training_report`'s: `alerts.signals` over the store's `training_steps` query.
+`alerts.training.training_report`'s: `alerts.signals` over the store's `training_steps` query.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Training page and `moescope.training.training_report`, on a real training run.
+"""The Training page and `alerts.training.training_report`, on a real training run.
 
 A tiny random Mixtral with expert capacity trains for a few optimizer steps in a plain loop under
 `moescope.training.watch(..., cooldown="auto")` (a rule set to fire at once, so both routers
@@ -32,6 +32,7 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 import moescope
 import moescope.training as training
+from alerts.training import LAYER_COLUMNS, training_report
 from dashboard import figures as fg
 from store.store import Store
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
@@ -137,9 +138,9 @@ def trace(spec: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 def test_report_is_the_models_own_numbers(trained):
     with Store(trained["root"]) as store:
-        report = training.training_report(store, TRAIN_RUN, dead_window=2)
-        latest = training.training_report(store, TRAIN_RUN, dead_window=2, last_steps=3)
-        plain = training.training_report(store, PLAIN_RUN)
+        report = training_report(store, TRAIN_RUN, dead_window=2)
+        latest = training_report(store, TRAIN_RUN, dead_window=2, last_steps=3)
+        plain = training_report(store, PLAIN_RUN)
     assert report.recorded and report.optimizer_steps == STEPS
     assert list(report.steps.optimizer_step) == list(range(1, STEPS + 1))
     np.testing.assert_allclose(report.steps.aux_loss, trained["aux"], rtol=1e-5)  # the model's own aux_loss
@@ -155,7 +156,7 @@ def test_report_is_the_models_own_numbers(trained):
                                    rtol=1e-5)
     for window in (2, 64):
         with Store(trained["root"]) as store:
-            frame = training.training_report(store, TRAIN_RUN, dead_window=window).layers
+            frame = training_report(store, TRAIN_RUN, dead_window=window).layers
         expected = brute_dead(trained["root"], window)
         assert {(int(r.optimizer_step), int(r.layer)): r.dead_expert_fraction
                 for r in frame.itertuples()} == pytest.approx(expected)
@@ -174,7 +175,7 @@ def test_report_is_the_models_own_numbers(trained):
                                report.layers[report.layers.optimizer_step >= STEPS - 2].dead_expert_fraction)
     assert not plain.recorded and plain.layers.empty and plain.steps.empty
     with Store(trained["root"]) as store, pytest.raises(ValueError, match="at least 1"):
-        training.training_report(store, TRAIN_RUN, dead_window=0)
+        training_report(store, TRAIN_RUN, dead_window=0)
 
 
 def test_page_draws_the_reports_numbers_and_the_cooldowns(monkeypatch, trained):
@@ -257,7 +258,7 @@ def test_a_run_without_training_steps_says_how_to_record_one(monkeypatch, traine
 
 
 def test_figures_say_why_they_are_empty_and_skip_cooldowns_that_cooled_nothing():
-    empty = pd.DataFrame(columns=training.LAYER_COLUMNS)
+    empty = pd.DataFrame(columns=LAYER_COLUMNS)
     assert fg.training_figure(empty, "aux_loss", "t", "y").layout.annotations
     rows = pd.DataFrame({"optimizer_step": [1, 2, 3], "step": [0, 1, 2], "step_end": [0, 1, 2], "layer": [0, 0, 0],
                          "aux_loss": [1.0, 1.1, 1.2], "expert_grad_norm": [None, None, None]})
