@@ -204,3 +204,28 @@ def install_capacity(model: nn.Module, capacity_factor: float | None = None) -> 
     if config is not None:
         config.capacity_factor = float(capacity_factor)
     return model
+
+
+@torch.no_grad()
+def active_fraction_per_token(model: nn.Module, input_ids: torch.Tensor,
+                              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, seq) float64: the share of the model's parameters each token used in one forward.
+
+    The probe's convention (and the model cards'): every parameter outside the experts counts for
+    every token; an expert's parameters count for a token when it kept a slot there. Read from
+    the capacity blocks' `dispatch` after one forward of `model` on `input_ids`.
+
+    Raises:
+        CapacityInstallError: the model has no capacity installed.
+    """
+    blocks = capacity_blocks(model)
+    if not blocks:
+        raise CapacityInstallError("the model has no expert capacity; call install_capacity(model, factor) first")
+    total = sum(p.numel() for p in model.parameters())
+    per_expert = [sum(p.numel() for p in block.experts.parameters()) // block.num_experts for block in blocks]
+    used = torch.full(input_ids.shape, float(total - sum(n * b.num_experts for n, b in zip(per_expert, blocks))),
+                      dtype=torch.float64)
+    model(input_ids=input_ids, attention_mask=attention_mask)
+    for block, params in zip(blocks, per_expert):
+        used += block.dispatch.kept.sum(dim=-1).view(input_ids.shape).to(torch.float64).cpu() * params
+    return used / total

@@ -177,6 +177,27 @@ def domain_texts(domain: str, n: int, seed: int = 0, max_chars: int = 400) -> li
     return [_window(rng.choice(documents), rng, max_chars) for _ in range(n)]
 
 
+def domain_windows(tokenizer, domain: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` held-out inputs of `domain`, each exactly `length` tokens: the first `length` tokens of
+    the held-out texts (:func:`domain_texts`, long enough samples) that have that many.
+
+    Inputs of one length need no padding, so every position of every row is a real token; the
+    demo plays them and the model card measures the active fraction by position on them.
+
+    Raises:
+        ValueError: unknown domain, `n` or `length` below 1, or too few held-out texts that long.
+    """
+    if n < 1 or length < 1:
+        raise ValueError(f"n and length must be at least 1, got n={n}, length={length}")
+    texts = domain_texts(domain, 4 * n, seed=seed, max_chars=max(400, 8 * length))
+    encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    rows = [ids[:length] for ids in encoded if len(ids) >= length][:n]
+    if len(rows) < n:
+        raise ValueError(f"only {len(rows)} held-out {domain} texts reach {length} tokens, {n} asked for; "
+                         "ask for fewer or shorter inputs")
+    return rows
+
+
 def demo_model_path() -> pathlib.Path:
     """The folder holding the committed demo checkpoint (``moescope/demo_model``)."""
     return pathlib.Path(__file__).resolve().parent / "demo_model"
@@ -186,7 +207,9 @@ def load_demo_model(path: str | pathlib.Path | None = None
                     ) -> tuple[MixtralForCausalLM, PreTrainedTokenizerFast]:
     """The trained demo model (eval mode, CPU, float32) and its tokenizer, read from disk only.
 
-    `path` defaults to :func:`demo_model_path`. Nothing is downloaded.
+    `path` defaults to :func:`demo_model_path`. Nothing is downloaded. A checkpoint whose config
+    records ``capacity_factor`` gets its expert capacity installed
+    (:func:`moescope.capacity.install_capacity`); plain ``from_pretrained`` would run it dropless.
 
     Raises:
         FileNotFoundError: no checkpoint at the path; build one with ``moescope train-demo``
@@ -200,5 +223,10 @@ def load_demo_model(path: str | pathlib.Path | None = None
             f"no demo checkpoint in {folder}; build one with `moescope train-demo --out {folder}` "
             "(or `python -m moescope.train_demo --out ...`)")
     model = MixtralForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
+    if getattr(model.config, "capacity_factor", None) is not None:
+        # Trained with an expert capacity (see the model card): run it the way it was trained.
+        from moescope.capacity import install_capacity
+
+        install_capacity(model)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     return model.eval(), tokenizer

@@ -72,13 +72,14 @@ def router_width(model: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Mapping[str, Sequence[str]],
-                         batch_size: int = 16) -> np.ndarray:
+def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Mapping[str, Sequence[str]]
+                         ) -> np.ndarray:
     """Token counts ``[layer, domain, expert]`` of each domain's tokens by top-1 expert (zero
     experts, where the model has them, after the routed ones).
 
-    Domains are in the mapping's order. Texts are tokenised one by one (no special tokens
-    added), right-padded in batches, and padding positions are left out of the counts.
+    Domains are in the mapping's order. Each text is tokenised (no special tokens added) and run
+    on its own: no padding, so nothing about the batch can change a token's routing (under an
+    expert capacity, `moescope.capacity`, a padded row would get the capacity of its padded length).
 
     Raises:
         ValueError: no texts, or the model is not Mixtral-style (see :func:`router_modules`).
@@ -88,7 +89,6 @@ def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Map
     counts = np.zeros((len(routers), len(texts_by_domain), num_experts), dtype=np.int64)
     if not any(texts_by_domain.values()):
         raise ValueError("no texts to route; give at least one text for one domain")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
     top1_per_layer: list[torch.Tensor | None] = [None] * len(routers)
 
@@ -103,21 +103,13 @@ def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Map
     model.eval()
     try:
         for domain_index, texts in enumerate(texts_by_domain.values()):
-            encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-            encoded = [ids for ids in encoded if ids]
-            for start in range(0, len(encoded), batch_size):
-                batch = encoded[start:start + batch_size]
-                width = max(len(ids) for ids in batch)
-                input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-                mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, ids in enumerate(batch):
-                    input_ids[row, :len(ids)] = torch.tensor(ids)
-                    mask[row, :len(ids)] = 1
-                model(input_ids=input_ids.to(device), attention_mask=mask.to(device))
-                keep = mask.reshape(-1).bool()
+            for text in texts:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if not ids:
+                    continue
+                model(input_ids=torch.tensor([ids], device=device))
                 for layer, top1 in enumerate(top1_per_layer):
-                    experts = top1.reshape(-1).cpu()[keep]
-                    counts[layer, domain_index] += np.bincount(experts.numpy(), minlength=num_experts)
+                    counts[layer, domain_index] += np.bincount(top1.reshape(-1).cpu().numpy(), minlength=num_experts)
     finally:
         for handle in handles:
             handle.remove()
