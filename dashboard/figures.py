@@ -106,6 +106,27 @@ def active_by_tag_figure(by_tag: pd.DataFrame, key: str) -> go.Figure:
     return _layout(fig, f"Active-parameter fraction by {key}")
 
 
+def active_by_position_figure(by_position: pd.DataFrame) -> go.Figure:
+    """Active-parameter fraction (percent) per position bucket, with the slots dropped per token.
+
+    `by_position` is `Store.active_fraction_by_position`'s frame.
+    """
+    if by_position.empty:
+        return empty_figure("no routes recorded: attach the probe with routes=True to see positions")
+    labels = [f"{int(a)}–{int(b) - 1}" for a, b in zip(by_position.position_start, by_position.position_end)]
+    pct = (by_position.active_fraction * 100).round(6)
+    fig = go.Figure(go.Bar(
+        x=labels, y=pct, marker_color=PALETTE[2],
+        customdata=np.stack([by_position.tokens, by_position.dropped_slots, by_position.kept_slots], axis=1),
+        hovertemplate="positions %{x}: %{y:.3f}% of parameters per token<br>%{customdata[0]} tokens; "
+                      "%{customdata[1]:.2f} slots dropped, %{customdata[2]:.2f} kept per token<extra></extra>"))
+    lo, hi = float(pct.min()), float(pct.max())
+    pad = max((hi - lo) * 0.5, 0.5)
+    fig.update_xaxes(title="position in the input", type="category")
+    fig.update_yaxes(title="% of parameters per token", range=[max(0.0, lo - pad), hi + pad])
+    return _layout(fig, "Active-parameter fraction by position")
+
+
 def cache_hit_figure(report: pd.DataFrame, title: str = "") -> go.Figure:
     """Expert-cache hit rate (percent) against experts resident, a line per (layer, policy).
 

@@ -31,14 +31,15 @@ from alerts.rules import load_rules
 from alerts.signals import normalized_mutual_information
 from alerts.storage import AlertTableWriter
 from alerts.trust_policy import TrustPolicy
-from moescope.demo_data import DOMAINS, demo_model_path, domain_texts, load_demo_model
+from moescope.demo_data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.receiver import WebhookReceiver
 from moescope.summary import format_summary
 from store import Store
 
 DESCRIPTION = """\
 Play the whole moescope story on the shipped demo model (a 2.8M-parameter Mixtral trained
-on Python's own source, its documentation and arithmetic), with no download:
+on Python's own source, its documentation and arithmetic, whose experts have a capacity per
+sequence, so the parameters a token uses vary), with no download:
 
   1. healthy traffic from three domains, through forward and generate: the baseline
   2. a traffic shift to one domain: routing drifts, the drift rule fires a webhook
@@ -46,15 +47,17 @@ on Python's own source, its documentation and arithmetic), with no download:
      trust gate masks it, outputs recover; weights restored: the gate lifts
 
 Alerts go through the persistent outbox to a local webhook receiver that prints them.
-At the end: headline figures and how to open the dashboard on the store.
+At the end: headline figures (the share of the parameters each domain used, and how it
+drifts with the position in the input) and how to open the dashboard on the store.
 
 examples:
-  moescope demo                      # about a minute on 2 CPU cores
+  moescope demo                      # well under a minute on 2 CPU cores
   moescope demo --store runs/mine    # keep the store somewhere else
   moescope demo --quick              # shorter phases, for tests
 """
 
-LENGTH = 64  # tokens per sequence
+LENGTH = 128  # tokens per sequence: the length the demo model was trained on
+POSITION_BUCKETS = 4  # the headline's drift with position: quarters of a LENGTH-token input
 CORRUPTION_SCALE = 1000.0
 
 
@@ -79,18 +82,18 @@ class Phases:
 
 
 class Traffic:
-    """Tokenised held-out texts per domain, served as batches of varying size."""
+    """Held-out inputs per domain, LENGTH tokens each (no padding), served as batches of varying size."""
 
     def __init__(self, tokenizer, seed: int):
         self.tokenizer = tokenizer
         self.rng = np.random.default_rng(seed)
         self.texts = {d: domain_texts(d, 64, seed=seed, max_chars=600) for d in DOMAINS}
+        self.windows = {d: torch.tensor(domain_windows(tokenizer, d, 64, LENGTH, seed=seed)) for d in DOMAINS}
 
     def batch(self, domain: str, size: int) -> dict[str, torch.Tensor]:
-        picks = self.rng.choice(len(self.texts[domain]), size=size, replace=False)
-        texts = [self.texts[domain][i] for i in picks]
-        return self.tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True,
-                              max_length=LENGTH)
+        picks = self.rng.choice(len(self.windows[domain]), size=size, replace=False)
+        input_ids = self.windows[domain][torch.as_tensor(picks)]
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
     def prompts(self) -> dict[str, torch.Tensor]:
         """One prompt per domain in one left-padded batch, so every decode step mixes the domains."""
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     _say(f"demo model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
          f"{getattr(model.config, 'num_layers', model.config.num_hidden_layers)} MoE layers x "
          f"{model.config.num_local_experts} experts{_zero_experts(model.config)}, "
-         f"top-{model.config.num_experts_per_tok} ({demo_model_path()})")
+         f"top-{model.config.num_experts_per_tok}{_capacity(model.config)} ({demo_model_path()})")
     alerting = Alerting(store_root)
     _say(f"webhook receiver listening on {alerting.receiver.url} (HMAC-signed deliveries)")
     session = _attach(model, store_root, alerting)
@@ -312,6 +315,12 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say("Headline figures")
     for domain, fraction in figures["active_fraction_by_domain"].items():
         _say(f"  {domain:>6}: this model used {100 * fraction:.2f}% of its parameters per token")
+    by_position = figures["active_fraction_by_position"]
+    if by_position:
+        _say(f"  by position in the {LENGTH}-token inputs ({POSITION_SCOPE}): "
+             + ", ".join(f"{b['position_start']}-{b['position_end'] - 1}: {100 * b['active_fraction']:.2f}%"
+                         for b in by_position))
+    _say(f"  {headline_sentence(figures)}")
     _say(f"  specialisation NMI(expert; domain) per layer, {SPECIALISATION_SCOPE}: "
          + ", ".join(f"{v:.3f}" for v in figures["specialisation_by_layer"]))
     _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
@@ -321,6 +330,12 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say("")
     _say("Open the dashboard on this store:")
     _say(f"  moescope dashboard {store_arg} --tokenizer {demo_model_path()}")
+
+
+def _capacity(config) -> str:
+    factor = getattr(config, "capacity_factor", None)
+    return "" if factor is None else f", expert capacity factor {factor:g} per sequence " \
+        "(assignments past it are dropped, as GShard/Switch do)"
 
 
 def _zero_experts(config) -> str:
@@ -349,13 +364,38 @@ SPECIALISATION_TAGS = {"phase": "baseline"}
 SPECIALISATION_SCOPE = "baseline phase, every top-k slot"
 
 
+POSITION_SCOPE = "baseline phase"
+DOMAIN_NAMES = {"math": "arithmetic"}  # how the headline sentence says a domain
+
+
+def headline_sentence(figures: dict) -> str:
+    """The field's claim, measured: "prose used X% of its parameters per token, ...; past position
+    N it drifts to Z%" (domains from the most to the least; the drift is the last position bucket)."""
+    # The text domains only: "mixed" tags the generate phase, whose decode steps never drop.
+    ranked = sorted(((d, f) for d, f in figures["active_fraction_by_domain"].items() if d in DOMAINS),
+                    key=lambda item: -item[1])
+    parts = [f"{DOMAIN_NAMES.get(d, d)} {100 * f:.1f}%" for d, f in ranked]
+    if parts:
+        parts[0] = parts[0].replace(" ", " used ", 1) + " of its parameters per token"
+    sentence = ", ".join(parts)
+    buckets = figures["active_fraction_by_position"]
+    if len(buckets) > 1:
+        first, last = buckets[0], buckets[-1]
+        sentence += (f"; past position {last['position_start']} it drifts to {100 * last['active_fraction']:.1f}% "
+                     f"(positions {first['position_start']}-{first['position_end'] - 1}: "
+                     f"{100 * first['active_fraction']:.1f}%)")
+    return sentence[:1].upper() + sentence[1:]
+
+
 def headline_figures(root: str, run_id: str) -> dict:
     """The figures the demo prints, from the store it wrote: the token-weighted active-parameter
-    fraction per domain (`Store.active_fraction_by_tag`), and the specialisation per layer over the
-    baseline phase (`Store.expert_tag_load` into `alerts.signals.normalized_mutual_information`, as
-    the Semantic clusters page computes it)."""
+    fraction per domain (`Store.active_fraction_by_tag`), by position over the baseline phase
+    (`Store.active_fraction_by_position`, POSITION_BUCKETS buckets), and the specialisation per
+    layer over the baseline phase (`Store.expert_tag_load` into
+    `alerts.signals.normalized_mutual_information`, as the Semantic clusters page computes it)."""
     with Store(root) as store:
         per_domain = store.active_fraction_by_tag(run_id, "domain")
+        by_position = store.active_fraction_by_position(run_id, POSITION_BUCKETS, tags=SPECIALISATION_TAGS)
         load = store.expert_tag_load(run_id, "domain", tags=SPECIALISATION_TAGS)
     nmi = []
     for layer in sorted(set(load.layer)):
@@ -363,4 +403,7 @@ def headline_figures(root: str, run_id: str) -> dict:
         counts = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
         nmi.append(normalized_mutual_information(counts.to_numpy(dtype=float)))
     return {"active_fraction_by_domain": dict(zip(per_domain.value, per_domain.active_fraction.astype(float))),
+            "active_fraction_by_position": [
+                {"position_start": int(b.position_start), "position_end": int(b.position_end), "tokens": int(b.tokens),
+                 "active_fraction": float(b.active_fraction)} for b in by_position.itertuples()],
             "specialisation_by_layer": nmi}

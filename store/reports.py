@@ -121,6 +121,42 @@ class ReportQueries:
             GROUP BY step_start ORDER BY step_start LIMIT ?""",
             [int(max_buckets), *params, *params, int(max_buckets) + 1])
 
+    def active_fraction_by_position(self, run_id: str, buckets: int = 4,
+                                    tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """The active-parameter fraction by position in the sequence, from the recorded routes.
+
+        Positions 0..P-1 (P: the longest row recorded under `tags`) fall into `buckets` equal
+        buckets (at most 64). Per bucket: bucket (0-based), position_start, position_end (half-open),
+        tokens (token positions with routes), active_fraction (mean over those tokens of the share
+        of all parameters the token used: the parameters outside the routed experts, plus
+        params_per_expert for every kept slot on a routed expert in each layer; the probe's
+        convention, `steps.active_param_fraction`, but per token), kept_slots and dropped_slots
+        (per token, summed over layers). Needs routes (attach with routes=True) of every MoE layer:
+        a layer the probe did not watch counts as no expert used. Positions are rows of one
+        forward's input, so a decode step (one new token) is position 0: filter by tags to compare
+        like with like. Empty for a run without routes.
+        """
+        buckets = max(1, min(int(buckets), 64))
+        clause, params = where(run_id, tags=tags)
+        return self.sql(f"""
+            WITH r AS (SELECT step, rank, token, position, layer, expert_ids, kept FROM routes WHERE {clause}),
+            l AS (SELECT layer, any_value(num_experts) AS num_experts, any_value(params_per_expert) AS ppe
+                  FROM layers WHERE run_id = ? GROUP BY layer),
+            p AS (SELECT max(total_params) AS total, max(routed_expert_params) AS routed FROM runs WHERE run_id = ?),
+            t AS (SELECT r.step, r.rank, r.token, any_value(r.position) AS position,
+                         sum(len(list_filter(list_zip(r.expert_ids, r.kept), lambda s: s[2] AND s[1] < l.num_experts))
+                             * l.ppe) AS used,
+                         sum(len(list_filter(r.kept, lambda k: k))) AS kept_slots,
+                         sum(len(list_filter(r.kept, lambda k: NOT k))) AS dropped_slots
+                  FROM r JOIN l ON l.layer = r.layer GROUP BY r.step, r.rank, r.token),
+            w AS (SELECT greatest(1, ceil((max(position) + 1) / ?::DOUBLE))::BIGINT AS width FROM t)
+            SELECT (position // w.width)::INTEGER AS bucket, min(position // w.width) * w.width AS position_start,
+                   (min(position // w.width) + 1) * w.width AS position_end, count(*)::BIGINT AS tokens,
+                   avg((p.total - p.routed + used) / p.total) AS active_fraction,
+                   avg(kept_slots) AS kept_slots, avg(dropped_slots) AS dropped_slots
+            FROM t, w, p GROUP BY bucket, w.width ORDER BY bucket LIMIT ?""",
+            [*params, run_id, run_id, buckets, buckets])
+
     # -- layers --------------------------------------------------------------------------------
 
     def layer_totals(self, run_id: str, tags: dict[str, str] | None = None) -> pd.DataFrame:

@@ -9,6 +9,8 @@ from alerts import signals
 from dashboard import common, data
 from dashboard import figures as fg
 
+POSITION_BUCKETS = 8  # position buckets of the by-position chart
+
 st.title("Overview")
 ctx = common.page_context()
 if ctx is None:
@@ -105,6 +107,16 @@ with common.guard():
             st.plotly_chart(fg.active_by_tag_figure(by_tag, key), key="ov_tag_chart")
         else:
             st.info("No step carries a tag: tag traffic with `session.tag(domain=...)` to compare.")
+
+    if has_active:
+        by_position = data.active_fraction_by_position(ctx.root, ctx.version, ctx.run_id, POSITION_BUCKETS, ctx.tag)
+        if not by_position.empty and float(by_position.dropped_slots.max()) > 0:
+            # Only a model whose experts have a capacity loses slots; a dropless one is flat by construction.
+            st.plotly_chart(fg.active_by_position_figure(by_position), key="ov_position_chart")
+            st.caption("From the recorded routes: a token's share of the parameters by where it sits in its input. "
+                       "Under a capacity (GShard, Switch, Megatron's position policy) later tokens lose their slots "
+                       "first. A decode step's one new token is position 0: filter by a phase tag to compare "
+                       "like with like.")
 
     buckets = data.layer_buckets(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     a, b, c = st.columns(3)
