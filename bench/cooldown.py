@@ -65,7 +65,8 @@ def run_variant(name: str, recipe, tokenizer, streams, seed: int, steps: int, co
     own_aux, started, cpu = [], time.perf_counter(), time.process_time()
     try:
         for step in tqdm(range(steps), desc=name, unit="step"):
-            input_ids, _ = sample_batch(streams, step, recipe.batch_size, recipe.sequence_length, generator)
+            input_ids, _ = sample_batch(streams, step, recipe.batch_size, recipe.sequence_length, generator,
+                                        recipe.rows_per_domain)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate_at(step, recipe) * group["lr_scale"]
             out = model(input_ids=input_ids, output_router_logits=True)
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--router-lr-scale", type=float, default=20.0,
                         help="router lr / base lr (default 20; the demo model trains with 5)")
-    parser.add_argument("--aux-coef", type=float, default=0.02,
-                        help="router_aux_loss_coef (default 0.02, the demo recipe's)")
+    parser.add_argument("--aux-coef", type=float, default=None,
+                        help="router_aux_loss_coef (default: the demo recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--period", type=int, default=150, help="cooldown period in optimizer steps (default 150)")
@@ -159,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = QUICK_RECIPE if args.quick else FULL_RECIPE
-    recipe = replace(base, steps=args.steps, router_lr_scale=args.router_lr_scale, router_aux_loss_coef=args.aux_coef,
+    aux = base.router_aux_loss_coef if args.aux_coef is None else args.aux_coef
+    recipe = replace(base, steps=args.steps, router_lr_scale=args.router_lr_scale, router_aux_loss_coef=aux,
                      warmup_steps=min(base.warmup_steps, args.steps // 5))
     documents = training_documents(recipe, args.seed)
     tokenizer = train_tokenizer(documents, recipe.vocab_size, recipe.tokenizer_chars_per_domain)
     streams = token_streams(tokenizer, documents)
     held_out = torch.Generator().manual_seed(10_000 + args.seed)
-    eval_batches = [sample_batch(streams, 10_000 + i, recipe.batch_size, recipe.sequence_length, held_out)[0]
-                    for i in range(4)]
+    eval_batches = [sample_batch(streams, 10_000 + i, recipe.batch_size, recipe.sequence_length, held_out,
+                                 recipe.rows_per_domain)[0] for i in range(4)]
     cooldown = CooldownConfig(for_duration="0s", window=8, period_steps=args.period, min_gap_steps=args.gap,
                               max_share=args.max_share)
     results = {}
@@ -174,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, config in (("without cooldown", None), ("with cooldown", cooldown)):
             results[name] = run_variant(name, recipe, tokenizer, streams, args.seed, args.steps, config,
                                         os.path.join(root, name.replace(" ", "_")), eval_batches)
-    print(f"\ndemo model, {args.steps} steps, router lr {args.router_lr_scale}x, aux coef {args.aux_coef}, "
-          f"seed {args.seed}; held-out routing from the model's own router logits ({len(eval_batches)} batches)")
+    print(f"\ndemo model, {args.steps} steps, router lr {args.router_lr_scale}x, "
+          f"aux coef {recipe.router_aux_loss_coef}, seed {args.seed}; held-out routing from the model's own "
+          f"router logits ({len(eval_batches)} batches)")
     print(f"{'figure':<42} {'without':>12} {'with':>12}")
     a, b = results["without cooldown"], results["with cooldown"]
     for label, key in (("router entropy (normalised, mean of layers)", "mean_router_entropy"),
