@@ -174,8 +174,12 @@ class LayerGroup:
         block[:, cols["entropy_sum"]] = entropy.sum(dim=1, keepdim=True).to(acc)
         block[:, cols["entropy_hist"]].scatter_add_(1, bins, torch.ones_like(bins, dtype=acc))
         block[:, cols["margin_sum"]] = margin.sum(dim=1, keepdim=True).to(acc)
-        log_z = torch.logsumexp(logits_s.float(), dim=-1)  # (L, T)
-        block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1, keepdim=True).to(acc)
+        # logsumexp(logits) = logit - log_softmax at any slot; at the most probable one it is finite
+        # even where a gate masked other slots to -inf (a separate logsumexp costs as much as the
+        # log-softmax itself on CPU)
+        first = top.indices[..., :1]
+        log_z = logits_s.float().gather(-1, first) - log_probs.gather(-1, first)  # (L, T, 1)
+        block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1).to(acc)
         if kept_s is not None:
             dropped = ~kept_s
             block[:, cols["dropped_tokens"]] = dropped.all(dim=-1).sum(dim=1, keepdim=True).to(acc)
