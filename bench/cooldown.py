@@ -35,11 +35,11 @@ from tqdm import tqdm  # noqa: E402
 import moescope.training as training  # noqa: E402
 from alerts.cooldown_policy import CooldownConfig  # noqa: E402
 from moescope.demo_data import DOMAINS  # noqa: E402
-from moescope.specialisation import router_modules  # noqa: E402
 from moescope.train_demo import (  # noqa: E402
     FULL_RECIPE,
     QUICK_RECIPE,
     build_model,
+    build_optimizer,
     learning_rate_at,
     sample_batch,
     token_losses,
@@ -53,12 +53,7 @@ def run_variant(name: str, recipe, tokenizer, streams, seed: int, steps: int, co
                 store: str, eval_batches: list[torch.Tensor]) -> dict:
     model = build_model(recipe, tokenizer, seed)
     model.train()
-    routers = [router.weight for router in router_modules(model)]
-    router_ids = {id(p) for p in routers}
-    rest = [p for p in model.parameters() if id(p) not in router_ids]
-    optimizer = torch.optim.AdamW([{"params": rest, "lr_scale": 1.0},
-                                   {"params": routers, "lr_scale": recipe.router_lr_scale}],
-                                  lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = build_optimizer(model, recipe)
     generator = torch.Generator().manual_seed(seed)
     options = dict(cooldown="auto", cooldown_config=cooldown) if cooldown is not None else {}
     monitor = training.watch(model, optimizer, store=store, tags={"variant": name}, **options)

@@ -256,6 +256,19 @@ def build_model(recipe: DemoRecipe, tokenizer, seed: int):
     return model
 
 
+def build_optimizer(model, recipe: DemoRecipe) -> torch.optim.AdamW:
+    """The recipe's AdamW: router weights in a group of their own at `router_lr_scale` times the
+    learning rate (each group's ``lr_scale``; the loop sets ``lr`` from `learning_rate_at`)."""
+    from moescope.specialisation import router_modules
+
+    router_weights = [router.weight for router in router_modules(model)]
+    router_ids = {id(weight) for weight in router_weights}
+    other_weights = [p for p in model.parameters() if id(p) not in router_ids]
+    return torch.optim.AdamW([{"params": other_weights, "lr_scale": 1.0},
+                              {"params": router_weights, "lr_scale": recipe.router_lr_scale}],
+                             lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+
+
 @torch.no_grad()
 def held_out_losses(model, tokenizer, texts_per_domain: int, seed: int) -> dict[str, float]:
     """Mean next-token loss per domain on held-out texts (:func:`moescope.demo_data.domain_texts`)."""
@@ -361,8 +374,6 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
     """
     from tqdm.auto import tqdm
 
-    from moescope.specialisation import router_modules
-
     if recipe.rows_per_domain is not None and (len(recipe.rows_per_domain) != len(DOMAINS)
                                                or sum(recipe.rows_per_domain) != recipe.batch_size
                                                or min(recipe.rows_per_domain) < 0):
@@ -383,12 +394,7 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
     model = build_model(recipe, tokenizer, seed)
     model.train()
 
-    router_weights = [router.weight for router in router_modules(model)]
-    router_ids = {id(weight) for weight in router_weights}
-    other_weights = [p for p in model.parameters() if id(p) not in router_ids]
-    optimizer = torch.optim.AdamW([{"params": other_weights, "lr_scale": 1.0},
-                                   {"params": router_weights, "lr_scale": recipe.router_lr_scale}],
-                                  lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = build_optimizer(model, recipe)
     generator = torch.Generator().manual_seed(seed)
     # Exponential moving averages of the training loss per domain, for the progress bar and the card.
     domain_loss_ema: dict[str, float | None] = {domain: None for domain in DOMAINS}
