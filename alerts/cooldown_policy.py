@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertEngine, AlertTransition, fingerprint
+from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertEngine, AlertTransition, fingerprint, hand_to_sinks
 from alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
 from alerts.storage import AlertTableWriter
 from alerts.window import observations_from_record
@@ -371,13 +371,7 @@ class CooldownPolicy:
             values=numbers, starts_at=starts, ends_at=change.at if state == RESOLVED else None, source="cooldown",
             reason=None if state == FIRING else change.reason, window_steps=self.rule.window.steps)
         self.alerts.append(transition)
-        for sink in (self.alert_table, self.sink):
-            if sink is None:
-                continue
-            try:
-                sink.handle([transition])
-            except Exception:  # a broken sink must not stop the policy; the transition stays in self.alerts
-                log.exception("cooldown policy could not hand %s to %s", ALERT_NAME, type(sink).__name__)
+        hand_to_sinks([transition], (self.alert_table, self.sink), "the cooldown policy")
 
 
 def bind_cooldown(session: Any, optimizer: Any, scheduler: Any = None, config: CooldownConfig | None = None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +41,8 @@ from alerts.window import (
     summed_load,
 )
 from probe.records import StepRecord
+
+log = logging.getLogger(__name__)
 
 MAX_HISTORY_STEPS = 4096  # bound on a time-based window's memory per layer
 
@@ -284,6 +287,24 @@ class AlertEngine:
         return summed_load(last_forwards(list(self._runs[run_id].history[layer].items), steps))
 
 
+def hand_to_sinks(transitions: Sequence[AlertTransition], sinks: Iterable[TransitionSink | None],
+                  owner: str) -> int:
+    """Give `transitions` to every sink (None ones skipped); returns how many sinks failed. A sink
+    that raises is logged, never propagated: alerts are handed on the probe's writer thread, and a
+    broken receiver must not stop the judging (the caller keeps the transitions)."""
+    failed = 0
+    for sink in sinks:
+        if sink is None:
+            continue
+        try:
+            sink.handle(transitions)
+        except Exception:
+            failed += 1
+            log.exception("%s could not hand %d alert transition(s) to %s", owner, len(transitions),
+                          type(sink).__name__)
+    return failed
+
+
 class EngineExporter:
     """Runs the engine inside the probe's pipeline: an exporter fed the live StepRecords.
 
@@ -318,14 +339,9 @@ class EngineExporter:
         if not transitions:
             return True
         self.transitions = (self.transitions + transitions)[-1000:]
-        ok = True
-        for sink in self.sinks:
-            try:
-                sink.handle(transitions)
-            except Exception:  # noqa: BLE001
-                self.sink_errors += 1
-                ok = False
-        return ok
+        failed = hand_to_sinks(transitions, self.sinks, "the alerts engine")
+        self.sink_errors += failed
+        return not failed
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         ok = True

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import pyarrow.parquet as pq
 
-from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint
+from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint, hand_to_sinks
 from alerts.health import ExpertHealth, HealthConfig, HealthScorer
 from alerts.storage import AlertTableWriter
 from probe.gate import GateChange, TrustGate, TrustGateError
@@ -421,14 +421,7 @@ class TrustPolicy:
 
     def _send(self, transition: AlertTransition) -> None:
         self.alerts.append(transition)
-        for sink in (self.alert_table, self.sink):
-            if sink is None:
-                continue
-            try:
-                sink.handle([transition])
-            except Exception:  # a broken sink must not stop the judging; the transition stays in self.alerts
-                log.exception("trust policy could not hand alert %s to %s", transition.alertname,
-                              type(sink).__name__)
+        hand_to_sinks([transition], (self.alert_table, self.sink), "the trust policy")
 
     # -- tables --------------------------------------------------------------------------------
 
