@@ -56,6 +56,7 @@ from alerts import signals
 from probe.health import ExpertGradients
 from probe.records import StepRecord
 from probe.session import ProbeSession, Recording
+from probe.window import PinnedPool
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class _StepInfo:
     grads: torch.Tensor | None  # (sum of E,) on the host, filled once `event` has completed
     event: Any
     sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`
+    pool: Any = None  # where `grads` goes back to once read (CUDA), or None
 
 
 class TensorBoardSink:
@@ -245,8 +247,10 @@ class TrainingExporter:
             flat = info.grads.numpy()
             start = 0
             for layer, width in info.sizes:
-                grads[layer] = flat[start: start + width].astype(np.float64)
+                grads[layer] = flat[start: start + width].astype(np.float64)  # a copy: the buffer is reused
                 start += width
+            if info.pool is not None:
+                info.pool.give(info.grads)
         layers = []
         topk = prob = None
         z_sum = tokens_all = 0.0
@@ -375,6 +379,7 @@ class TrainingMonitor:
         self._eval_tags: Any = None
         self._info: _StepInfo | None = None
         self._groups: tuple[int, dict[int, int]] = (-1, {})
+        self._pool = PinnedPool()
         try:
             self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
             self.session.processor.exporters.append(self.exporter)
@@ -435,14 +440,15 @@ class TrainingMonitor:
                     sizes.append((layer.index, layer.num_experts))
                 device = next((n.device for n in norms if n.device.type != "cpu"), torch.device("cpu"))
                 flat = torch.cat([n.to(device) for n in norms])
-                if flat.is_cuda:
-                    grads = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                if flat.is_cuda:  # a pooled page-locked buffer, given back once the writer has read it
+                    grads = self._pool.take(flat.numel(), flat.dtype)
                     grads.copy_(flat, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record()
                 else:
                     grads = flat.clone()
-            self._info = _StepInfo(self.optimizer_step + 1, lr, router_lr, grads, event, sizes)
+            self._info = _StepInfo(self.optimizer_step + 1, lr, router_lr, grads, event, sizes,
+                                   self._pool if event is not None else None)
         except Exception:
             log.exception("moescope: measuring gradients for the training record failed")
 
@@ -459,7 +465,7 @@ class TrainingMonitor:
             if info is None:  # "manual" and not measured: the step still gets its record
                 info = _StepInfo(self.optimizer_step, None, {}, None, None, [])
             info.optimizer_step = self.optimizer_step
-            if self._eval_tags is None and self.session._forwards_in_window:
+            if self._eval_tags is None and self.session.forwards_in_window:
                 self.exporter.expect(self.session.step - 1, info)
             self.session.end_window()
         except Exception:

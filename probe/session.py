@@ -610,6 +610,11 @@ class ProbeSession:
             self._close_window()
             self._tags.pop()
 
+    @property
+    def forwards_in_window(self) -> int:
+        """Forwards recorded since the current window opened (host count)."""
+        return self._forwards_in_window
+
     def end_window(self) -> bool:
         """Close the current window now, without waiting for the writer (the training monitor ends
         one per optimizer step). Returns whether it held a forward (an empty one is not recorded)."""
