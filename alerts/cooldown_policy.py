@@ -391,7 +391,8 @@ def bind_cooldown(session: Any, optimizer: Any, scheduler: Any = None, config: C
         raise ValueError("the probe session is closed; bind the cooldown to an open session")
     if config is not None and not isinstance(config, CooldownConfig):
         raise ValueError(f"config must be an alerts.cooldown_policy.CooldownConfig, not {type(config).__name__}")
-    actuator = RouterCooldown(session.layers, optimizer, scheduler)
+    actuator = RouterCooldown(session.layers, optimizer, scheduler,
+                              on_error=getattr(session, "count_hook_error", None))
     try:
         policy = CooldownPolicy(config, sink).bind(session, actuator, store)
     except BaseException:

@@ -545,6 +545,11 @@ class ProbeSession:
         finally:
             self._reset_forward()
 
+    def count_hook_error(self) -> None:
+        """Count a failure of a hook that works for this session but is not its own (an actuator's,
+        e.g. the routing cooldown's): one `hook_errors` count, one log line for the first."""
+        self._hook_failed()
+
     def _hook_failed(self) -> None:
         # The model thread must never see the probe fail: count, log once, carry on.
         self.hook_errors += 1

@@ -405,3 +405,20 @@ def test_cooldown_auto_cools_the_firing_layers_router_and_records_it(tmp_path):
     assert any(r["router_lr"] == pytest.approx(0.01) for r in stored)
     alerts = [r for r in rows(tmp_path, "alerts") if r["alertname"] == "RoutingCooldownApplied"]
     assert sorted(r["state"] for r in alerts) == ["firing", "firing", "resolved", "resolved"]
+
+
+def test_a_failing_cooldown_hook_is_counted_in_the_sessions_hook_errors(tmp_path):
+    from moescope.capacity import install_capacity
+
+    model = install_capacity(tiny_mixtral(), capacity_factor=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = training.watch(model, optimizer, store=tmp_path, cooldown="auto")
+    actuator = monitor.cooldown.actuator
+    actuator.start(0, factor=0.5, epsilon=0.01)
+    actuator._generator = None  # the jitter hook now fails; the forward goes on unjittered
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert actuator.hook_errors >= 1
+    assert monitor.session.hook_errors == actuator.hook_errors
+    monitor.close()
