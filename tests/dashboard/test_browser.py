@@ -8,12 +8,14 @@ tests/dashboard/screenshots/, which git ignores). Then walks the newcomer's path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
 import urllib.request
 from argparse import Namespace
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,13 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(recorded, tmp_path_factory):
-    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
+@contextlib.contextmanager
+def running_dashboard(root, log_dir) -> Iterator[str]:
+    """`moescope dashboard ROOT` on a free 127.0.0.1 port, its URL once it answers its health
+    check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
     port = free_port()
-    args = Namespace(store=recorded["root"], host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
+    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
                      refresh_s=5.0)
-    log_path = tmp_path_factory.mktemp("server") / "streamlit.log"
+    log_path = os.path.join(log_dir, "streamlit.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log,
                                    stderr=subprocess.STDOUT)
@@ -57,7 +60,8 @@ def server(recorded, tmp_path_factory):
             except OSError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the dashboard did not come up: {log_path.read_text()[-2000:]}")
+                with open(log_path) as f:
+                    pytest.fail(f"the dashboard did not come up: {f.read()[-2000:]}")
             time.sleep(0.3)
         yield url
     finally:
@@ -67,6 +71,13 @@ def server(recorded, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(recorded, tmp_path_factory):
+    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
+    with running_dashboard(recorded["root"], tmp_path_factory.mktemp("server")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

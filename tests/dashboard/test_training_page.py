@@ -17,10 +17,6 @@ import glob
 import json
 import math
 import os
-import subprocess
-import time
-import urllib.request
-from argparse import Namespace
 
 import numpy as np
 import pandas as pd
@@ -274,29 +270,11 @@ def test_figures_say_why_they_are_empty_and_skip_cooldowns_that_cooled_nothing()
 def test_training_page_in_a_real_browser(trained, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    from dashboard import cli
-    from tests.dashboard.test_browser import CHROMIUM, CHROMIUM_ARGS, free_port, settle
+    from tests.dashboard.test_browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard, settle
     from tests.realparts import require_program
 
     require_program(CHROMIUM, package="chromium")
-    port = free_port()
-    args = Namespace(store=trained["root"], host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
-                     refresh_s=5.0)
-    log_path = tmp_path / "streamlit.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the dashboard did not come up: {log_path.read_text()[-2000:]}")
-            time.sleep(0.3)
+    with running_dashboard(trained["root"], tmp_path) as url:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
                 str(tmp_path / "profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
@@ -321,13 +299,6 @@ def test_training_page_in_a_real_browser(trained, tmp_path):
                 page.screenshot(path=os.path.join(SCREENSHOTS, "training.png"), full_page=True)
             finally:
                 context.close()
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
