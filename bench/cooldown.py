@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     parser.add_argument("--router-lr-scale", type=float, default=20.0,
-                        help="router lr / base lr (default 20; the demo model trains with 5)")
+                        help="router lr / base lr (default 20; the demo model trains with 10)")
     parser.add_argument("--aux-coef", type=float, default=None,
                         help="router_aux_loss_coef (default: the demo recipe's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = replace(base, steps=args.steps, router_lr_scale=args.router_lr_scale, router_aux_loss_coef=aux,
                      warmup_steps=min(base.warmup_steps, args.steps // 5))
     documents = training_documents(recipe, args.seed)
-    tokenizer = train_tokenizer(documents, recipe.vocab_size, recipe.tokenizer_chars_per_domain)
+    tokenizer = train_tokenizer(documents, recipe.vocab_size, recipe.tokenizer_chars_per_domain, recipe.split_digits)
     streams = token_streams(tokenizer, documents)
     held_out = torch.Generator().manual_seed(10_000 + args.seed)
     eval_batches = [sample_batch(streams, 10_000 + i, recipe.batch_size, recipe.sequence_length, held_out,

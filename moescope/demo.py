@@ -361,7 +361,7 @@ def _busiest_expert(root: str, run_id: str) -> tuple[int, int]:
 
 
 SPECIALISATION_TAGS = {"phase": "baseline"}
-SPECIALISATION_SCOPE = "baseline phase, every top-k slot"
+SPECIALISATION_SCOPE = "baseline phase, every kept top-k slot"
 
 
 POSITION_SCOPE = "baseline phase"

@@ -79,6 +79,7 @@ with common.guard():
     counts, experts, values = fg.contingency(load, layer) if not load.empty else (np.zeros((0, 0)), [], [])
     b.plotly_chart(fg.specialisation_figure(counts, experts, values, key, layer), key="cl_spec_chart")
     st.caption(f"Specialisation is the normalised mutual information NMI(expert; {key}) between the expert a "
-               f"token is routed to (every top-k slot counts) and the step's `{key}` tag, from the exact expert "
+               f"token is routed to (every top-k slot an expert kept counts; slots dropped at capacity do not) and "
+               f"the step's `{key}` tag, from the exact expert "
                "loads of every step (`alerts.signals.normalized_mutual_information`, the figure `moescope demo` "
                "prints): 0 means the experts see every tag value alike, 1 that each value has experts of its own.")

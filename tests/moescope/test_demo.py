@@ -105,9 +105,11 @@ def test_headline_figures_recomputed_from_the_raw_files(demo):
                     experts.append(int(expert))
         assert nmi == pytest.approx(normalized_mutual_info_score(domains, experts), abs=1e-12)
     assert ", ".join(f"{v:.3f}" for v in summary["specialisation_by_layer"]) in out
-    # Over kept slots: the capacity caps each expert's share of a sequence, which flattens this figure
-    # (0.08-0.15 per layer on the quick demo; the model card gives the top-1 figure, 0.23-0.45).
-    assert max(summary["specialisation_by_layer"]) > 0.1, "the trained demo model should route by domain"
+    # Over kept slots: the capacity caps each expert at a quarter of a sequence's slots, so a domain's
+    # favourite expert (arithmetic's takes every one of its first choices in the middle layers) keeps
+    # only part of its tokens, which flattens this figure: 0.035-0.063 per layer on the quick demo.
+    # The model card gives the router's top-1 figure, before the capacity: 0.17-0.61.
+    assert max(summary["specialisation_by_layer"]) > 0.05, "the trained demo model should route by domain"
 
 
 def _fraction_by_position(root, buckets: int, phase: str) -> tuple[int, dict[int, list[float]]]:

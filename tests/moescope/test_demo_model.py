@@ -28,16 +28,15 @@ CLAIMED_SHAPE = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size"
 # Texts per domain for the specialisation figures: the same set the model card reports.
 CARD_TEXTS_PER_DOMAIN = 60
 # Measured on the committed checkpoint (see its README), trained vs random weights per layer:
-# 0.235/0.036, 0.454/0.108, 0.334/0.141, 0.229/0.117. Layers 0-2 lead by 0.19 or more, the last
-# by 0.11. The thresholds sit below those figures so they hold for the committed weights and fail
-# for an untrained model.
-NMI_MARGIN_FIRST_LAYERS = 0.15
-NMI_MARGIN_LAST_LAYER = 0.05
-NMI_MARGIN_MEAN = 0.15
-# The active-parameter fraction (shares of all parameters), measured: code 29.47%, prose 29.08%,
-# math 27.14% (2.33 points apart; issue 14 asked for 3, which no capacity recipe tried reached),
-# and 33.71% -> 23.98% from the first quarter of a 128-token input to the last.
-DOMAIN_GAP_MIN = 0.02
+# 0.169/0.062, 0.546/0.091, 0.607/0.143, 0.299/0.148. The first layer routes mostly by token
+# identity and leads random weights by 0.11; the others by 0.15 or more. The thresholds sit below
+# those figures so they hold for the committed weights and fail for an untrained model.
+NMI_MARGIN_EVERY_LAYER = 0.1
+NMI_MARGIN_MEAN = 0.25
+# The active-parameter fraction (shares of all parameters), measured: code 31.06%, prose 30.14%,
+# math 27.13% (3.93 points apart; issue 14 asks for 3), and 35.06% -> 24.94% from the first
+# quarter of a 128-token input to the last.
+DOMAIN_GAP_MIN = 0.03
 POSITION_DRIFT_MIN = 0.05
 
 
@@ -102,6 +101,14 @@ def test_committed_model_has_learnt_each_domain(demo):
     assert continuation.strip()[:1].isdigit(), continuation
 
 
+def test_tokenizer_splits_numbers_into_digits(demo):
+    _, tokenizer = demo
+    text = "3141 + 59 = 3200\nx = f(2026)"
+    pieces = [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    assert all(sum(ch.isdigit() for ch in piece) <= 1 for piece in pieces), pieces
+    assert [p for p in pieces if any(ch.isdigit() for ch in p)] == list("314159" "3200" "2026")
+
+
 def test_tokenizer_round_trips_text(demo):
     _, tokenizer = demo
     samples = [domain_texts(domain, 3, seed=5)[i] for domain in DOMAINS for i in range(3)]
@@ -114,9 +121,8 @@ def test_tokenizer_round_trips_text(demo):
 def test_trained_routing_is_far_more_specialised_than_random(demo_report):
     assert len(demo_report.trained_nmi) == CLAIMED_SHAPE["num_hidden_layers"]
     pairs = list(zip(demo_report.trained_nmi, demo_report.random_nmi))
-    for layer, (trained, random_weights) in enumerate(pairs[:-1]):
-        assert trained > random_weights + NMI_MARGIN_FIRST_LAYERS, (layer, trained, random_weights)
-    assert pairs[-1][0] > pairs[-1][1] + NMI_MARGIN_LAST_LAYER, pairs[-1]
+    for layer, (trained, random_weights) in enumerate(pairs):
+        assert trained > random_weights + NMI_MARGIN_EVERY_LAYER, (layer, trained, random_weights)
     assert np.mean(demo_report.trained_nmi) > np.mean(demo_report.random_nmi) + NMI_MARGIN_MEAN
     # The issue's goal: the middle layers route by domain, NMI 0.3 or more.
     assert min(demo_report.trained_nmi[1:-1]) >= 0.3, demo_report.trained_nmi
