@@ -161,8 +161,7 @@ def _leading_chars(documents: list[str], budget: int) -> list[str]:
     return kept
 
 
-def train_tokenizer(documents: dict[str, list[str]], vocab_size: int, chars_per_domain: int,
-                    split_digits: bool = False):
+def train_tokenizer(documents: dict[str, list[str]], vocab_size: int, chars_per_domain: int, split_digits: bool):
     """A byte-level BPE tokenizer learnt from the first `chars_per_domain` characters of each domain.
 
     Byte-level means every string round-trips exactly, whatever characters it holds. With
