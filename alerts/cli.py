@@ -16,11 +16,11 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from alerts.engine import FIRING, AlertTransition
-from alerts.notify import KINDS, NotifierError
-from alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
-from alerts.promrules import prometheus_rules_yaml
-from alerts.rules import RulesError, default_rules, load_rules
+from moescope.alerts.engine import FIRING, AlertTransition
+from moescope.alerts.notify import KINDS, NotifierError
+from moescope.alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
+from moescope.alerts.promrules import prometheus_rules_yaml
+from moescope.alerts.rules import RulesError, default_rules, load_rules
 
 _RUN_HELP = """\
 Evaluate alert rules over a moescope store, as new steps land, and notify receivers.
@@ -92,8 +92,8 @@ def _load_pack(path: str | None):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from alerts.storage import StoreAlertRunner
-    from store.store import StoreError
+    from moescope.alerts.storage import StoreAlertRunner
+    from moescope.store.store import StoreError
 
     try:
         pack = _load_pack(args.rules)

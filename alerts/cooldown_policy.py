@@ -41,13 +41,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertEngine, AlertTransition, fingerprint, hand_to_sinks
-from alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
-from alerts.storage import AlertTableWriter
-from alerts.window import observations_from_record
-from probe.cooldown import CooldownChange, RouterCooldown, RouterCooldownError
-from probe.records import StepRecord
-from store.writer import TableWriter
+from moescope.alerts.engine import FIRING, INACTIVE, RESOLVED, AlertEngine, AlertTransition, fingerprint, hand_to_sinks
+from moescope.alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
+from moescope.alerts.storage import AlertTableWriter
+from moescope.alerts.window import observations_from_record
+from moescope.probe.cooldown import CooldownChange, RouterCooldown, RouterCooldownError
+from moescope.probe.records import StepRecord
+from moescope.store.writer import TableWriter
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Protocol
 
 import numpy as np
 
-from alerts.rules import Rule, RulePack
-from alerts.window import (
+from moescope.alerts.rules import Rule, RulePack
+from moescope.alerts.window import (
     LayerHistory,
     LayerObservation,
     compute_signals,
@@ -40,7 +40,7 @@ from alerts.window import (
     observations_from_record,
     summed_load,
 )
-from probe.records import StepRecord
+from moescope.probe.records import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probe.records import LayerStep, StepRecord
+from moescope.probe.records import LayerStep, StepRecord
 
 COMPONENTS = ("load", "confidence", "output", "weight", "grad")
 

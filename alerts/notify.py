@@ -62,7 +62,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Protocol
 
-from alerts.engine import RESOLVED, AlertTransition
+from moescope.alerts.engine import RESOLVED, AlertTransition
 
 SCHEMA = "moescope.alert/v1"
 SIGNATURE_HEADER = "X-Moescope-Signature"

@@ -49,8 +49,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from alerts.engine import AlertTransition
-from alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
+from moescope.alerts.engine import AlertTransition
+from moescope.alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
 
 log = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from alerts.cache import POLICIES, cache_hit_rate, expert_accesses
-from alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record
-from probe.records import RunInfo, StepRecord
+from moescope.alerts.cache import POLICIES, cache_hit_rate, expert_accesses
+from moescope.alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record
+from moescope.probe.records import RunInfo, StepRecord
 
 # rule signal -> (gauge name, help); `alerts.promrules` writes PromQL against exactly these
 SIGNAL_METRICS: dict[str, tuple[str, str]] = {

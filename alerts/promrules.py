@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import yaml
 
-from alerts.prometheus import SIGNAL_METRICS
-from alerts.rules import Rule, RulePack, RulesError
+from moescope.alerts.prometheus import SIGNAL_METRICS
+from moescope.alerts.rules import Rule, RulePack, RulesError
 
 
 def prom_duration(seconds: float) -> str:

@@ -502,7 +502,7 @@ def load_rules(path: str | os.PathLike) -> RulePack:
 
 
 def default_rules_text() -> str:
-    return resources.files("alerts").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+    return resources.files("moescope.alerts").joinpath("default_rules.yaml").read_text(encoding="utf-8")
 
 
 def default_rules() -> RulePack:

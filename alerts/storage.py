@@ -34,12 +34,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from alerts.engine import AlertEngine, AlertTransition, TransitionSink
-from alerts.rules import RulePack
-from alerts.window import LayerObservation
-from store.schema import SCHEMAS
-from store.store import Store
-from store.writer import TableWriter
+from moescope.alerts.engine import AlertEngine, AlertTransition, TransitionSink
+from moescope.alerts.rules import RulePack
+from moescope.alerts.window import LayerObservation
+from moescope.store.schema import SCHEMAS
+from moescope.store.store import Store
+from moescope.store.writer import TableWriter
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from alerts import signals
-from store.store import Store
+from moescope.alerts import signals
+from moescope.store.store import Store
 
 LAYER_COLUMNS = ["optimizer_step", "step", "step_end", "ts", "layer", "tokens", "lr", "router_lr", "aux_loss",
                  "z_loss", "router_entropy", "dead_expert_fraction", "expert_grad_norm", "num_experts"]

@@ -38,14 +38,14 @@ from typing import Any, Protocol
 
 import pyarrow.parquet as pq
 
-from alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint, hand_to_sinks
-from alerts.health import ExpertHealth, HealthConfig, HealthScorer
-from alerts.storage import AlertTableWriter
-from probe.gate import GateChange, TrustGate, TrustGateError
-from probe.records import StepRecord
-from store.layout import list_parts
-from store.schema import SCHEMAS
-from store.writer import TableWriter
+from moescope.alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint, hand_to_sinks
+from moescope.alerts.health import ExpertHealth, HealthConfig, HealthScorer
+from moescope.alerts.storage import AlertTableWriter
+from moescope.probe.gate import GateChange, TrustGate, TrustGateError
+from moescope.probe.records import StepRecord
+from moescope.store.layout import list_parts
+from moescope.store.schema import SCHEMAS
+from moescope.store.writer import TableWriter
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from alerts import signals as sig
-from alerts.rules import SIGNALS, Window
-from probe.records import LayerStep, StepRecord
+from moescope.alerts import signals as sig
+from moescope.alerts.rules import SIGNALS, Window
+from moescope.probe.records import LayerStep, StepRecord
 
 SWITCH_ENTROPY_TOKENS = 1024
 _WHATIF = {

@@ -26,16 +26,14 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import moescope.training as training  # noqa: E402
-from alerts.cooldown_policy import CooldownConfig  # noqa: E402
-from moescope.demo_data import DOMAINS  # noqa: E402
-from moescope.train_demo import (  # noqa: E402
+import moescope.training as training
+from moescope.alerts.cooldown_policy import CooldownConfig
+from moescope.demo_data import DOMAINS
+from moescope.train_demo import (
     FULL_RECIPE,
     QUICK_RECIPE,
     build_model,

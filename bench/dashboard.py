@@ -31,13 +31,8 @@ import time
 import numpy as np
 import pyarrow as pa
 
-# This file is bench/dashboard.py: run as a script, its folder would shadow the `dashboard` package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
-from store.schema import SCHEMAS, TAGS
-from store.writer import write_table_file
+from moescope.store.schema import SCHEMAS, TAGS
+from moescope.store.writer import write_table_file
 
 RUN_ID = "bench-run"
 DOMAINS = ("code", "prose", "math")
@@ -183,7 +178,7 @@ def time_pages(root: str, repeats: int) -> dict[str, dict[str, list[float]]]:
     import streamlit as st
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import settings
+    from moescope.dashboard import settings
 
     os.environ[settings.ENV_STORE] = root
     app = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dashboard", "app.py")
@@ -215,7 +210,7 @@ def time_pages(root: str, repeats: int) -> dict[str, dict[str, list[float]]]:
 def _query_caches():
     from streamlit.runtime.caching.cache_utils import CachedFunc
 
-    from dashboard import data
+    from moescope.dashboard import data
 
     return [fn for name, fn in vars(data).items()
             if isinstance(fn, CachedFunc) and name not in ("tokenizer", "_open")]

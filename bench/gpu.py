@@ -28,23 +28,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
 
-# Run as a file, bench/ would come first on sys.path and bench/store.py would shadow the store package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+import transformers
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import moescope  # noqa: E402
-import probe  # noqa: E402
-from store import InMemoryExporter  # noqa: E402
+import moescope
+from moescope import probe
+from moescope.store import InMemoryExporter
 
 PRESETS = {
     "mixtral": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-# Run as a file, bench/ would come first on sys.path and bench/store.py would shadow the store package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import moescope  # noqa: E402
-import probe  # noqa: E402
-from probe.zoo import tiny_model  # noqa: E402
+import moescope
+from moescope import probe
+from moescope.probe.zoo import tiny_model
 
 NOOP_HOOKS = "do-nothing hooks"
 COMPUTE_TIME = "compute time"  # the aggregates, plus compute time per MoE layer

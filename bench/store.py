@@ -16,18 +16,15 @@ import datetime as dt
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
-from store import Store
-from store.compact import compact
-from store.writer import ParquetExporter
+from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from moescope.store import Store
+from moescope.store.compact import compact
+from moescope.store.writer import ParquetExporter
 
 WRITER_TARGET = 2_000_000
 QUERY_TARGET_MS = 300.0

@@ -29,13 +29,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from tqdm import tqdm
+from transformers import MixtralConfig, MixtralForCausalLM
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
-
-import moescope.training as training  # noqa: E402
+import moescope.training as training
 
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moescope", "demo_model",
                            "config.json")

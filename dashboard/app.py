@@ -10,18 +10,12 @@ list a `pages/` folder as a second, automatic navigation).
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-# `streamlit run dashboard/app.py` puts dashboard/ on sys.path, not the repository root.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import streamlit as st
 
-import streamlit as st  # noqa: E402 - after the sys.path fix above
-
-from dashboard import common, data  # noqa: E402 - after the sys.path fix above
-from store.store import StoreError  # noqa: E402 - after the sys.path fix above
+from moescope.dashboard import common, data
+from moescope.store.store import StoreError
 
 st.set_page_config(page_title="moescope", page_icon=":material/troubleshoot:", layout="wide")
 

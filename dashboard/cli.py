@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from dashboard.settings import DEFAULT_REFRESH_S, Settings
+from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C reaches the child from the terminal itself

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, settings
-from dashboard.data import TagFilter
-from store.store import StoreError
+from moescope.dashboard import data, settings
+from moescope.dashboard.data import TagFilter
+from moescope.store.store import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import pandas as pd
 import streamlit as st
 
-from alerts.outbox import outbox_path, read_deliveries
-from alerts.training import training_report as _training_report
-from store.store import EmptyStoreError, Store, data_version
+from moescope.alerts.outbox import outbox_path, read_deliveries
+from moescope.alerts.training import training_report as _training_report
+from moescope.store.store import EmptyStoreError, Store, data_version
 
 T = TypeVar("T")
 TTL_S = 600
@@ -104,7 +104,7 @@ probe_stats = _cached(Store.probe_stats)
 
 def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
                   tag: tuple[str, str] | None = None) -> pd.DataFrame:
-    from alerts.cache import cache_report
+    from moescope.alerts.cache import cache_report
 
     return cache_report(store, run_id, layer, tags={str(tag[0]): str(tag[1])} if tag else None,
                         max_tokens=max_tokens)

@@ -23,8 +23,8 @@ import os
 import socket
 import uuid
 
-from store.schema import SCHEMAS
-from store.writer import TableWriter
+from moescope.store.schema import SCHEMAS
+from moescope.store.writer import TableWriter
 
 REQUESTS_TABLE = "trust_gate_requests"
 REQUESTS_SCHEMA = SCHEMAS[REQUESTS_TABLE]

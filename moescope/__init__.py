@@ -2,10 +2,53 @@
 
 `moescope.attach(model, store="runs/", ...)` is the one call: the probe, the store and (when
 asked) the trust policy wired together. The command line is `moescope.cli`.
+
+Everything installs under this one namespace: `moescope.probe` (instrumentation),
+`moescope.store` (data at rest), `moescope.alerts` (judgement), `moescope.dashboard` (views). The
+names users need most are re-exported here and imported on first use, so `import moescope.probe`
+inside a serving process does not pull in DuckDB or Streamlit.
 """
 
 from __future__ import annotations
 
-from moescope.attach import attach
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["attach"]
+# name -> the module that defines it
+_EXPORTS = {
+    "attach": "moescope.facade",
+    "HealthSampling": "moescope.probe",
+    "MoESpec": "moescope.probe",
+    "NoMoELayersError": "moescope.probe",
+    "Pipeline": "moescope.probe",
+    "ProbeAttachError": "moescope.probe",
+    "ProbeSession": "moescope.probe",
+    "Recording": "moescope.probe",
+    "Store": "moescope.store",
+    "StoreError": "moescope.store",
+}
+
+__all__ = ["HealthSampling", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording",
+           "Store", "StoreError", "attach"]
+
+if TYPE_CHECKING:
+    from moescope.facade import attach
+    from moescope.probe import (
+        HealthSampling,
+        MoESpec,
+        NoMoELayersError,
+        Pipeline,
+        ProbeAttachError,
+        ProbeSession,
+        Recording,
+    )
+    from moescope.store import Store, StoreError
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moescope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from alerts.signals import expert_capacity
+from moescope.alerts.signals import expert_capacity
 
 TOKEN_DROP_POLICY = "position"  # Megatron-Core's name for "earlier positions win within a choice rank"
 

@@ -7,8 +7,8 @@ import importlib
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
-SUBCOMMAND_MODULES = ("moescope.commands", "moescope.whatif", "store.cli", "store.importers.cli", "alerts.cli",
-                      "dashboard.cli", "moescope.grafana")
+SUBCOMMAND_MODULES = ("moescope.commands", "moescope.whatif", "moescope.store.cli", "moescope.store.importers.cli",
+                      "moescope.alerts.cli", "moescope.dashboard.cli", "moescope.grafana")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a user-facing error: say what went wrong, not a traceback
-        from probe import NoMoELayersError, ProbeAttachError
-        from store import StoreError
+        from moescope.probe import NoMoELayersError, ProbeAttachError
+        from moescope.store import StoreError
 
         if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, FileNotFoundError, ValueError)):
             print(f"moescope {args.command}: {e}", file=sys.stderr)

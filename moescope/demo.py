@@ -24,17 +24,17 @@ import torch
 from tqdm import tqdm
 
 import moescope
-from alerts.engine import AlertEngine, EngineExporter
-from alerts.notify import WebhookNotifier
-from alerts.outbox import Outbox, OutboxWorker, outbox_path
-from alerts.rules import load_rules
-from alerts.signals import normalized_mutual_information
-from alerts.storage import AlertTableWriter
-from alerts.trust_policy import TrustPolicy
+from moescope.alerts.engine import AlertEngine, EngineExporter
+from moescope.alerts.notify import WebhookNotifier
+from moescope.alerts.outbox import Outbox, OutboxWorker, outbox_path
+from moescope.alerts.rules import load_rules
+from moescope.alerts.signals import normalized_mutual_information
+from moescope.alerts.storage import AlertTableWriter
+from moescope.alerts.trust_policy import TrustPolicy
 from moescope.demo_data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.receiver import WebhookReceiver
+from moescope.store import Store
 from moescope.summary import format_summary
-from store import Store
 
 DESCRIPTION = """\
 Play the whole moescope story on the shipped demo model (a 2.8M-parameter Mixtral trained

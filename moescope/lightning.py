@@ -26,7 +26,7 @@ def _watched_module(pl_module: pl.LightningModule) -> nn.Module:
     `forward`, else its one child that holds MoE layers (`self.model(...)` in `training_step`)."""
     if type(pl_module).forward is not pl.LightningModule.forward:
         return pl_module
-    from probe.adapters import NoMoELayersError, find_moe_layers
+    from moescope.probe.adapters import NoMoELayersError, find_moe_layers
 
     holders = []
     for child in pl_module.children():

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from alerts.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
+from moescope.alerts.notify import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify_signature
 
 
 class WebhookReceiver:

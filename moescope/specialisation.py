@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from alerts.signals import normalized_mutual_information
+from moescope.alerts.signals import normalized_mutual_information
 
 
 def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Sequence[int] | np.ndarray) -> float:

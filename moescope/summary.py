@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import os
 
-from alerts import signals
-from store import Store
+from moescope.alerts import signals
+from moescope.store import Store
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:

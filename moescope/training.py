@@ -52,11 +52,11 @@ import torch
 from torch import nn
 
 import moescope
-from alerts import signals
-from probe.health import ExpertGradients
-from probe.records import StepRecord
-from probe.session import ProbeSession, Recording
-from probe.window import PinnedPool
+from moescope.alerts import signals
+from moescope.probe.health import ExpertGradients
+from moescope.probe.records import StepRecord
+from moescope.probe.session import ProbeSession, Recording
+from moescope.probe.window import PinnedPool
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class TrainingExporter:
         self.unmatched_windows = 0  # training windows that no optimizer step closed (e.g. split by an eval)
         self.tables = None
         if store is not None:
-            from store.writer import TableWriter
+            from moescope.store.writer import TableWriter
 
             self.tables = TableWriter(store, self.run_id, self.rank,
                                       on_dropped=session.processor.count_dropped_rows)
@@ -384,7 +384,7 @@ class TrainingMonitor:
             self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
             self.session.processor.exporters.append(self.exporter)
             if cooldown == "auto":
-                from alerts.cooldown_policy import bind_cooldown
+                from moescope.alerts.cooldown_policy import bind_cooldown
 
                 self.cooldown = bind_cooldown(self.session, self.optimizer, self.scheduler, cooldown_config,
                                               store, cooldown_sink)

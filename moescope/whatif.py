@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from alerts.cache import DEFAULT_MAX_TOKENS, POLICIES, cache_report
+from moescope.alerts.cache import DEFAULT_MAX_TOKENS, POLICIES, cache_report
 
 
 def format_report(report: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None) -> str:
@@ -65,7 +65,7 @@ def write_plot(report: pd.DataFrame, path: str | os.PathLike, title: str = "") -
         raise RuntimeError("no PNG written: drawing needs matplotlib (pip install matplotlib) or plotly with "
                            "kaleido (pip install kaleido); the table above has the same numbers")
     if backend == "plotly":
-        from dashboard.figures import cache_hit_figure
+        from moescope.dashboard.figures import cache_hit_figure
 
         cache_hit_figure(report, title).write_image(os.fspath(path), format="png")
         return backend
@@ -128,8 +128,8 @@ def add_subcommands(subparsers) -> None:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from store import Store
-    from store.importers.tables import parse_tags
+    from moescope.store import Store
+    from moescope.store.importers.tables import parse_tags
 
     tags = parse_tags(args.tag) or None
     with Store(args.store) as store:

@@ -3,8 +3,8 @@
 The probe is a pure producer: it hands records to exporters and imports nothing from the store or
 alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one call.
 
-    import probe
-    from probe.pipeline import InMemoryExporter
+    from moescope import probe
+    from moescope.probe.pipeline import InMemoryExporter
     memory = InMemoryExporter()
     with probe.attach(model, [memory], routes=True) as session:
         model(**batch)
@@ -12,9 +12,9 @@ alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one 
 
 from __future__ import annotations
 
-from probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
-from probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
-from probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
+from moescope.probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
+from moescope.probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
+from moescope.probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
 
 __all__ = [
     "Choice", "HealthSampling", "KVCacheLayer", "LayerInfo", "LayerStep", "MoELayer", "MoESpec", "NoMoELayersError",

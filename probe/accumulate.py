@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from probe.adapters import MoELayer
+from moescope.probe.adapters import MoELayer
 
 ENTROPY_BINS = 128
 # Sampled tokens are (offset + j * SAMPLE_STRIDE) mod T: distinct for j < T because the stride is

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from probe.adapters import MoELayer, experts_arguments, topk_experts_choice
+from moescope.probe.adapters import MoELayer, experts_arguments, topk_experts_choice
 
 log = logging.getLogger(__name__)
 

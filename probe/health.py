@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from probe.adapters import MoELayer, switch_choice
+from moescope.probe.adapters import MoELayer, switch_choice
 
 SKETCH_BLOCKS = 16  # sketch entries per weight tensor and expert
 

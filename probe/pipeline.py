@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from probe.records import StepRecord
+from moescope.probe.records import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from probe.accumulate import (
+from moescope.probe.accumulate import (
     SAMPLE_MIX,
     SAMPLE_STRIDE,
     TOTAL_FORWARDS,
@@ -34,13 +34,13 @@ from probe.accumulate import (
     LayerGroup,
     Ring,
 )
-from probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
-from probe.gate import TrustGate
-from probe.health import HealthSampler
-from probe.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
-from probe.records import KVCacheLayer, LayerInfo, RunInfo
-from probe.timing import ComputeTimer
-from probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
+from moescope.probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
+from moescope.probe.gate import TrustGate
+from moescope.probe.health import HealthSampler
+from moescope.probe.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
+from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
+from moescope.probe.timing import ComputeTimer
+from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from probe.adapters import MoELayer
+from moescope.probe.adapters import MoELayer
 
 perf_counter = time.perf_counter  # module attribute: the exact-arithmetic test swaps in a clock of its own
 

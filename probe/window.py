@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.accumulate import TOTAL_FORWARDS, WINDOW_FORWARDS, DeviceBuffer, LayerGroup, Ring, entropy_quantile
-from probe.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
-from probe.timing import LayerTime, WindowTimes, expert_times
+from moescope.probe.accumulate import TOTAL_FORWARDS, WINDOW_FORWARDS, DeviceBuffer, LayerGroup, Ring, entropy_quantile
+from moescope.probe.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
+from moescope.probe.timing import LayerTime, WindowTimes, expert_times
 
 
 class PinnedPool:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from store.errors import EmptyStoreError, QueryError, StoreError
-from store.quarantine import BadFileWarning, QuarantinedFile
-from store.queries import Selection
-from store.schema import SCHEMAS, TABLES
-from store.store import Store
-from store.writer import BatchProcessor, InMemoryExporter, ParquetExporter
+from moescope.store.errors import EmptyStoreError, QueryError, StoreError
+from moescope.store.quarantine import BadFileWarning, QuarantinedFile
+from moescope.store.queries import Selection
+from moescope.store.schema import SCHEMAS, TABLES
+from moescope.store.store import Store
+from moescope.store.writer import BatchProcessor, InMemoryExporter, ParquetExporter
 
 __all__ = [
            "SCHEMAS",

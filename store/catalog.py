@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from store.layout import decode_replaces, list_parts
-from store.quarantine import deep_check, quarantine
-from store.schema import TABLES
+from moescope.store.layout import decode_replaces, list_parts
+from moescope.store.quarantine import deep_check, quarantine
+from moescope.store.schema import TABLES
 
 
 @dataclass(frozen=True)

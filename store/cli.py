@@ -74,8 +74,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from store.compact import compact
-    from store.layout import InvalidNameError
+    from moescope.store.compact import compact
+    from moescope.store.layout import InvalidNameError
 
     try:
         results = compact(args.store, run_id=args.run, grace_s=args.grace)
@@ -91,7 +91,7 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from store.compact import parse_age, prune
+    from moescope.store.compact import parse_age, prune
 
     try:
         age = parse_age(args.older_than)
@@ -105,7 +105,7 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from store import EmptyStoreError, Store, StoreError
+    from moescope.store import EmptyStoreError, Store, StoreError
 
     try:
         with Store(args.store) as store:

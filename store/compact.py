@@ -35,8 +35,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from store.catalog import Catalog, FileInfo, Vanished
-from store.layout import (
+from moescope.store.catalog import Catalog, FileInfo, Vanished
+from moescope.store.layout import (
     COMPACT_FILE_ROWS,
     COMPACT_ROW_GROUP_BYTES,
     COMPACT_ROW_GROUP_ROWS,
@@ -50,8 +50,8 @@ from store.layout import (
     run_folder,
     tmp_path,
 )
-from store.schema import TABLES
-from store.store import connect
+from moescope.store.schema import TABLES
+from moescope.store.store import connect
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import pyarrow as pa
 
-from store.importers.responses import (
+from moescope.store.importers.responses import (
     is_sglang,
     is_vllm,
     merge_vllm_stream,
@@ -43,7 +43,7 @@ from store.importers.responses import (
     sglang_sequences,
     vllm_sequences,
 )
-from store.importers.tables import (
+from moescope.store.importers.tables import (
     LayerShape,
     RunSpec,
     SourceFormatError,
@@ -55,9 +55,9 @@ from store.importers.tables import (
     run_tables,
     write_tables,
 )
-from store.layout import check_name
-from store.schema import SCHEMAS
-from store.writer import write_table_file
+from moescope.store.layout import check_name
+from moescope.store.schema import SCHEMAS
+from moescope.store.writer import write_table_file
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from store.layout import QUARANTINE_DIR
+from moescope.store.layout import QUARANTINE_DIR
 
 log = logging.getLogger(__name__)
 REASON_SUFFIX = ".reason.json"

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from store.errors import EmptyStoreError
+from moescope.store.errors import EmptyStoreError
 
 
 @dataclass(frozen=True)

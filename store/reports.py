@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from store.queries import STEPS, _unnest_load, _vectors, where
-from store.schema import SCHEMAS
+from moescope.store.queries import STEPS, _unnest_load, _vectors, where
+from moescope.store.schema import SCHEMAS
 
 MAX_BUCKETS = 240  # points on a step axis; more steps than this are summed into buckets
 MAX_TOKENS_LISTED = 500

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from probe.records import Routes, RunInfo, StepRecord, TokenSample
+from moescope.probe.records import Routes, RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")

@@ -27,13 +27,13 @@ import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from store.catalog import Catalog, FileInfo
-from store.errors import EmptyStoreError, QueryError, StoreError
-from store.layout import TABLE_FORM, is_valid_name, list_parts
-from store.quarantine import QuarantinedFile, deep_check, quarantined
-from store.queries import StoreQueries
-from store.reports import ReportQueries
-from store.schema import SCHEMAS
+from moescope.store.catalog import Catalog, FileInfo
+from moescope.store.errors import EmptyStoreError, QueryError, StoreError
+from moescope.store.layout import TABLE_FORM, is_valid_name, list_parts
+from moescope.store.quarantine import QuarantinedFile, deep_check, quarantined
+from moescope.store.queries import StoreQueries
+from moescope.store.reports import ReportQueries
+from moescope.store.schema import SCHEMAS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

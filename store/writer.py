@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # The queue between the model and the exporters belongs to the probe; re-exported for store users.
-from probe.pipeline import BatchProcessor, InMemoryExporter, array_bytes, record_rows  # noqa: F401
-from probe.records import Routes, RunInfo, StepRecord
-from store.layout import (
+from moescope.probe.pipeline import BatchProcessor, InMemoryExporter, array_bytes, record_rows  # noqa: F401
+from moescope.probe.records import Routes, RunInfo, StepRecord
+from moescope.store.layout import (
     WRITER_ROW_GROUP_ROWS,
     check_part_name,
     check_rank,
@@ -34,7 +34,7 @@ from store.layout import (
     run_folder,
     tmp_path,
 )
-from store.schema import SCHEMAS, layers_table, routes_table, run_table, step_tables
+from moescope.store.schema import SCHEMAS, layers_table, routes_table, run_table, step_tables
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import common, data
-from dashboard import figures as fg
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
 
 LAYER, TOKENS = "cache_layer", "cache_tokens"  # page-only session keys
 

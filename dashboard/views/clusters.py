@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from dashboard import common, data
-from dashboard import figures as fg
-from dashboard.embedding import cached_umap_2d, embedding_key
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
+from moescope.dashboard.embedding import cached_umap_2d, embedding_key
 
 st.title("Semantic clusters")
 ctx = common.page_context()

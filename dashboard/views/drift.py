@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import common, data
-from dashboard import figures as fg
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
 
 st.title("Drift and alerts")
 ctx = common.page_context()
@@ -19,7 +19,7 @@ DIVERGENCES = ("kl_baseline", "js_baseline")
 def drift_rules(alerts: pd.DataFrame) -> pd.DataFrame:
     """The baseline-divergence rules that made this run's alerts: alertname, signal ("kl"/"js"),
     threshold, window_steps, baseline_steps (as the engine recorded them with each transition)."""
-    from alerts.rules import parse_expr
+    from moescope.alerts.rules import parse_expr
 
     rows = []
     for rule in alerts.drop_duplicates("alertname").itertuples() if not alerts.empty else ():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import common, data
-from dashboard import figures as fg
-from dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
+from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
 
 # The score's components, on its 0-100 scale (alerts' health score); the other numeric columns of
 # `expert_health` (store/schema.py) are the raw measurements behind them and go in the table only.

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from alerts import signals
-from dashboard import common, data
-from dashboard import figures as fg
+from moescope.alerts import signals
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
 
 LAYER, EXPERT, STEPS = "hm_layer", "hm_expert", "hm_steps"  # page-only session keys
 

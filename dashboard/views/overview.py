@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from alerts import signals
-from dashboard import common, data
-from dashboard import figures as fg
+from moescope.alerts import signals
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
 
 POSITION_BUCKETS = 8  # position buckets of the by-position chart
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import common, data
-from dashboard import figures as fg
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
 
 LAYER, GRAD_LAYER, DEAD_WINDOW = "tr_layer", "tr_grad_layer", "tr_dead_window"  # page-only session keys
 ALL = "all"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from store.importers.tables import ImportSummary, SourceData, SourceFormatError, import_source
+from moescope.store.importers.tables import ImportSummary, SourceData, SourceFormatError, import_source
 
 KINDS = ("vllm", "sglang", "trtllm", "megatron")
 
@@ -18,7 +18,7 @@ KINDS = ("vllm", "sglang", "trtllm", "megatron")
 def read_source(kind: str, paths: list[str], num_layers: int | None = None, top_k: int | None = None,
                 in_order: bool = False, num_experts: int | None = None) -> SourceData:
     """What the files of one engine hold, checked. Raises SourceFormatError or FileNotFoundError."""
-    from store.importers import megatron, sglang, trtllm, vllm
+    from moescope.store.importers import megatron, sglang, trtllm, vllm
 
     if kind not in KINDS:
         raise ValueError(f"unknown source {kind!r}: choose one of {', '.join(KINDS)}")

@@ -40,7 +40,7 @@ example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-ex
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register import and proxy on the moescope command's subparsers."""
-    from store.importers import KINDS
+    from moescope.store.importers import KINDS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("import", help="bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store",
@@ -75,8 +75,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from store.importers import import_files
-    from store.importers.tables import parse_tags
+    from moescope.store.importers import import_files
+    from moescope.store.importers.tables import parse_tags
 
     summary = import_files(args.kind, args.paths, args.store, run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
@@ -86,8 +86,8 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from store.importers.tables import parse_tags
-    from store.proxy import RoutingProxy, parse_listen
+    from moescope.store.importers.tables import parse_tags
+    from moescope.store.proxy import RoutingProxy, parse_listen
 
     host, port = parse_listen(args.listen)
     proxy = RoutingProxy(args.upstream, args.store, num_experts=args.num_experts, host=host, port=port,

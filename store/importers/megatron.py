@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from store.importers.tables import LayerRoutes, SourceData, SourceFormatError, SourceStep, file_time
+from moescope.store.importers.tables import LayerRoutes, SourceData, SourceFormatError, SourceStep, file_time
 
 TRACE_FILE = re.compile(r"router_trace_rank(\d+)\.jsonl")
 FIELDS = ("step", "stage", "block", "layer", "rank", "num_tokens", "topk", "top_indices")

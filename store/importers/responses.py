@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from store.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
+from moescope.store.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
 
 NPY_MAGIC = b"\x93NUMPY"
 NPY_MAGIC_B64 = base64.b64encode(NPY_MAGIC)  # b"k05VTVBZ": how base64 text of a .npy file starts

@@ -32,8 +32,8 @@ import re
 
 import numpy as np
 
-from store.importers.responses import is_sglang, sequences_step, sglang_sequences
-from store.importers.tables import (
+from moescope.store.importers.responses import is_sglang, sequences_step, sglang_sequences
+from moescope.store.importers.tables import (
     LayerRoutes,
     SourceData,
     SourceFormatError,
@@ -41,7 +41,7 @@ from store.importers.tables import (
     file_time,
     split_routed_rows,
 )
-from store.importers.vllm import read_json_values
+from moescope.store.importers.vllm import read_json_values
 
 DUMP_NAME = re.compile(r"expert_distribution_recorder_(\d+(?:\.\d+)?)(?:_(\d+))?\.pt$")
 CSV_HEADER = ["layer_id", "expert_id", "count"]

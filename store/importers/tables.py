@@ -22,9 +22,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from store.layout import check_name, list_runs
-from store.schema import SCHEMAS, TAGS
-from store.writer import write_table_file
+from moescope.store.layout import check_name, list_runs
+from moescope.store.schema import SCHEMAS, TAGS
+from moescope.store.writer import write_table_file
 
 # The probe's limit for co-selection (E x E counts per layer and step), kept for imports too.
 COSELECTION_MAX_EXPERTS = 64

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from store.importers.tables import SourceData, SourceFormatError, SourceStep, file_time
+from moescope.store.importers.tables import SourceData, SourceFormatError, SourceStep, file_time
 
 RANK_FILE = re.compile(r"rank(\d+)\.safetensors")
 KEY = re.compile(r"(\d+)_(\d+)")

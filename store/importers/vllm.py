@@ -19,7 +19,7 @@ import binascii
 import datetime as dt
 import json
 
-from store.importers.responses import (
+from moescope.store.importers.responses import (
     NPY_MAGIC,
     NPY_MAGIC_B64,
     RoutedSequence,
@@ -29,7 +29,7 @@ from store.importers.responses import (
     sequences_step,
     vllm_sequences,
 )
-from store.importers.tables import SourceData, SourceFormatError, file_time
+from moescope.store.importers.tables import SourceData, SourceFormatError, file_time
 
 NOT_COMPUTED = "token rows with every slot -1 (not computed: prefix-cache hits) left out"
 NO_ROUTING = "response without routed experts skipped (was the request sent with routed experts on?)"

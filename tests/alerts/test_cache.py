@@ -10,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from alerts.cache import POLICIES, CacheCurve, cache_curves, cache_hit_rate, cache_hits, expert_accesses
+from moescope.alerts.cache import POLICIES, CacheCurve, cache_curves, cache_hit_rate, cache_hits, expert_accesses
 
 # Silberschatz's reference string (Operating System Concepts, ch. 9): with 3 frames, OPT takes 9
 # page faults, LRU 12. Every page here is one expert, one token each (k = 1).

@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-import probe
-from alerts.cooldown_policy import ALERT_NAME, CooldownConfig, CooldownPolicy, bind_cooldown
-from alerts.notify import WebhookNotifier
-from alerts.outbox import Outbox
-from alerts.rules import default_rules
-from probe.cooldown import RouterCooldownError
+from moescope import probe
+from moescope.alerts.cooldown_policy import ALERT_NAME, CooldownConfig, CooldownPolicy, bind_cooldown
+from moescope.alerts.notify import WebhookNotifier
+from moescope.alerts.outbox import Outbox
+from moescope.alerts.rules import default_rules
+from moescope.probe.cooldown import RouterCooldownError
 from tests.alerts.records import layer_step, step_record
 
 torch.set_num_threads(1)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from alerts.engine import AlertEngine
-from alerts.notify import (
+from moescope.alerts.engine import AlertEngine
+from moescope.alerts.notify import (
     IDEMPOTENCY_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
@@ -21,9 +21,9 @@ from alerts.notify import (
     validate_url,
     verify_signature,
 )
-from alerts.outbox import DEAD, DELIVERED, PENDING, Outbox
-from alerts.rules import parse_rules
-from alerts.window import observations_from_record
+from moescope.alerts.outbox import DEAD, DELIVERED, PENDING, Outbox
+from moescope.alerts.rules import parse_rules
+from moescope.alerts.window import observations_from_record
 from tests.alerts.conftest import Receiver, free_port
 from tests.alerts.records import BALANCED, SKEWED, layer_step, step_record
 

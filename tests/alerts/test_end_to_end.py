@@ -13,15 +13,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import moescope
-from alerts.cli import add_subcommands
-from alerts.notify import AlertmanagerNotifier, AlertmanagerWebhookNotifier, WebhookNotifier
-from alerts.outbox import Outbox
-from alerts.prometheus import PrometheusExporter
-from alerts.promrules import prometheus_rules_yaml
-from alerts.rules import default_rules
-from alerts.storage import StoreAlertRunner, read_alerts
+from moescope.alerts.cli import add_subcommands
+from moescope.alerts.notify import AlertmanagerNotifier, AlertmanagerWebhookNotifier, WebhookNotifier
+from moescope.alerts.outbox import Outbox
+from moescope.alerts.prometheus import PrometheusExporter
+from moescope.alerts.promrules import prometheus_rules_yaml
+from moescope.alerts.rules import default_rules
+from moescope.alerts.storage import StoreAlertRunner, read_alerts
 from moescope.cli import main as moescope_main
-from probe.zoo import tiny_model
+from moescope.probe.zoo import tiny_model
 from tests.alerts.conftest import Receiver, http_get_json, start_alertmanager, start_prometheus, wait_until
 
 pytestmark = pytest.mark.integration

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from alerts import signals as sig
-from alerts.engine import AlertEngine, EngineExporter, fingerprint
-from alerts.rules import parse_rules
-from alerts.window import LayerObservation, compute_signals, observations_from_record
+from moescope.alerts import signals as sig
+from moescope.alerts.engine import AlertEngine, EngineExporter, fingerprint
+from moescope.alerts.rules import parse_rules
+from moescope.alerts.window import LayerObservation, compute_signals, observations_from_record
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, drift_per_1000, layer_step, step_record
 
 PACK = """\

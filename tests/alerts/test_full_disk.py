@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
-from alerts.notify import WebhookNotifier
-from alerts.outbox import DELIVERED, Outbox
-from alerts.rules import parse_rules
-from alerts.storage import StoreAlertRunner, read_alerts
+from moescope.alerts.notify import WebhookNotifier
+from moescope.alerts.outbox import DELIVERED, Outbox
+from moescope.alerts.rules import parse_rules
+from moescope.alerts.storage import StoreAlertRunner, read_alerts
 from moescope.cli import main as moescope_main
 from tests.alerts.records import BALANCED, SKEWED
 from tests.alerts.test_storage import write_steps

@@ -13,10 +13,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
-from alerts.prometheus import PrometheusExporter
+from moescope.alerts.prometheus import PrometheusExporter
 from moescope.cli import main as cli_main
 from moescope.grafana import RATE, dashboard_json, panel_queries, provisioning
-from probe.zoo import tiny_model
+from moescope.probe.zoo import tiny_model
 from tests.alerts.conftest import http_get_json, start_prometheus, wait_until
 
 pytest.importorskip("grafana_foundation_sdk", reason="moescope grafana needs grafana-foundation-sdk (Python 3.11+)")

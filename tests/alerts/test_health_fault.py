@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import moescope
-from alerts.notify import WebhookNotifier
-from alerts.outbox import Outbox
-from alerts.trust_policy import TrustPolicy
-from probe.health import _expert_tensors
-from probe.zoo import tiny_model
-from store.store import Store
+from moescope.alerts.notify import WebhookNotifier
+from moescope.alerts.outbox import Outbox
+from moescope.alerts.trust_policy import TrustPolicy
+from moescope.probe.health import _expert_tensors
+from moescope.probe.zoo import tiny_model
+from moescope.store.store import Store
 
 torch.set_num_threads(1)
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")

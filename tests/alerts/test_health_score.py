@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from alerts.health import (
+from moescope.alerts.health import (
     HealthConfig,
     HealthScorer,
     band_score,
@@ -19,7 +19,7 @@ from alerts.health import (
     output_component,
     weight_component,
 )
-from probe.records import LayerStep, StepRecord
+from moescope.probe.records import LayerStep, StepRecord
 
 CFG = HealthConfig()
 

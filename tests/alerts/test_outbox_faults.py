@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from alerts.cli import receivers_from_options
-from alerts.notify import NotifierError, SlackNotifier, WebhookNotifier, redact_url
-from alerts.outbox import DELIVERED, DROPPED, PENDING, Outbox
+from moescope.alerts.cli import receivers_from_options
+from moescope.alerts.notify import NotifierError, SlackNotifier, WebhookNotifier, redact_url
+from moescope.alerts.outbox import DELIVERED, DROPPED, PENDING, Outbox
 from moescope.cli import main as moescope_main
 from tests.alerts.conftest import Receiver, free_port
 from tests.alerts.test_delivery import Clock, transitions
@@ -203,7 +203,7 @@ def test_a_redirect_is_a_failure_logged_with_its_location_and_is_not_followed(tm
     try:
         outbox = Outbox(str(tmp_path / "outbox.db"), [WebhookNotifier(server.url, name="sso", secret="s")], clock=clock)
         outbox.handle(transitions()[:1])
-        with caplog.at_level(logging.WARNING, logger="alerts.outbox"):
+        with caplog.at_level(logging.WARNING, logger="moescope.alerts.outbox"):
             report = outbox.deliver_due()
         assert (report.delivered, report.retrying) == (0, 1)
         assert server.posts == ["/hook"] and server.gets == []  # no body-less GET with our signature
@@ -314,8 +314,8 @@ def test_receivers_that_differ_only_in_secrets_need_names(tmp_path, capsys):
 
 
 def test_the_drift_page_shows_receivers_redacted_even_from_an_old_outbox(tmp_path, receiver, monkeypatch):
-    from alerts.rules import parse_rules
-    from alerts.storage import StoreAlertRunner
+    from moescope.alerts.rules import parse_rules
+    from moescope.alerts.storage import StoreAlertRunner
     from tests.alerts.records import SKEWED
     from tests.alerts.test_storage import write_steps
     from tests.dashboard.test_pages import app_for, assert_clean, open_page

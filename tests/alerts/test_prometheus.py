@@ -14,10 +14,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
-from alerts import signals as sig
-from alerts.prometheus import PrometheusExporter
-from alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
-from alerts.rules import RulesError, default_rules, parse_rules
+from moescope.alerts import signals as sig
+from moescope.alerts.prometheus import PrometheusExporter
+from moescope.alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
+from moescope.alerts.rules import RulesError, default_rules, parse_rules
 from tests.alerts.conftest import promtool
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_record
 
@@ -146,8 +146,8 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     import torch
 
     import moescope
-    from probe.zoo import tiny_model
-    from store import InMemoryExporter
+    from moescope.probe.zoo import tiny_model
+    from moescope.store import InMemoryExporter
 
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry)
@@ -174,7 +174,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_close(tmp_path):
     import torch
 
-    from probe.zoo import tiny_model
+    from moescope.probe.zoo import tiny_model
 
     exporter = PrometheusExporter(registry=CollectorRegistry())
     port = exporter.serve(port=0)
@@ -206,9 +206,9 @@ def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_clo
 def test_steps_counter_counts_forwards_of_windowed_records():
     import torch
 
-    import probe
-    from probe.zoo import tiny_model
-    from store import InMemoryExporter
+    from moescope import probe
+    from moescope.probe.zoo import tiny_model
+    from moescope.store import InMemoryExporter
 
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-import probe
-from alerts.cache import POLICIES
-from alerts.prometheus import PrometheusExporter
-from probe.pipeline import InMemoryExporter
-from probe.zoo import tiny_model
+from moescope import probe
+from moescope.alerts.cache import POLICIES
+from moescope.alerts.prometheus import PrometheusExporter
+from moescope.probe.pipeline import InMemoryExporter
+from moescope.probe.zoo import tiny_model
 from tests.alerts.test_cache import _brute_force_hits
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed + 2 zero experts per layer

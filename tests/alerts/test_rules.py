@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from alerts.rules import (
+from moescope.alerts.rules import (
     RulesError,
     Window,
     default_rules,

@@ -7,12 +7,12 @@ import datetime as dt
 import numpy as np
 import pytest
 
-from alerts.notify import WebhookNotifier
-from alerts.outbox import Outbox
-from alerts.rules import parse_rules
-from alerts.storage import StoreAlertRunner, read_alerts
-from probe.records import LayerInfo, RunInfo
-from store.writer import ParquetExporter
+from moescope.alerts.notify import WebhookNotifier
+from moescope.alerts.outbox import Outbox
+from moescope.alerts.rules import parse_rules
+from moescope.alerts.storage import StoreAlertRunner, read_alerts
+from moescope.probe.records import LayerInfo, RunInfo
+from moescope.store.writer import ParquetExporter
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, T0, drift_per_1000, layer_step, routes_for, step_record
 
 PACK = parse_rules(

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import moescope
-from alerts.health import ExpertHealth
-from alerts.trust_policy import TrustPolicy, TrustPolicyConfig
-from probe.gate import TrustGateError
-from probe.zoo import tiny_model
-from store.store import Store
+from moescope.alerts.health import ExpertHealth
+from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
+from moescope.probe.gate import TrustGateError
+from moescope.probe.zoo import tiny_model
+from moescope.store.store import Store
 
 torch.set_num_threads(1)
 
@@ -127,7 +127,7 @@ def test_routing_only_anomalies_are_alerted_not_gated(tmp_path):
 
 
 def test_dashboard_requests_are_applied_once_only_when_accepted(tmp_path):
-    from dashboard.gate_requests import write_request
+    from moescope.dashboard.gate_requests import write_request
 
     model = tiny_model("mixtral")
     x = torch.randint(0, 128, (1, 4))

@@ -13,7 +13,7 @@ import os
 import torch
 
 import moescope
-from probe.zoo import tiny_model
+from moescope.probe.zoo import tiny_model
 
 DOMAINS = {"code": (0, 48), "prose": (40, 96), "math": (88, 128)}
 STEPS_PER_RUN = 36
@@ -53,8 +53,8 @@ def record_store(root: str | os.PathLike, runs: int = 2, steps: int = STEPS_PER_
 
 def record_alerts(root: str | os.PathLike) -> int:
     """Run the real alerts engine over the store; returns the number of transitions written."""
-    from alerts.rules import parse_rules
-    from alerts.storage import StoreAlertRunner
+    from moescope.alerts.rules import parse_rules
+    from moescope.alerts.storage import StoreAlertRunner
 
     runner = StoreAlertRunner(os.fspath(root), parse_rules(RULES, "tests/dashboard/recording.py"))
     return len(runner.poll_once())

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dashboard import cli
+from moescope.dashboard import cli
 from tests.realparts import require_program
 
 pytestmark = pytest.mark.integration

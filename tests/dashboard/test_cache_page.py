@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from alerts.cache import POLICIES, cache_curves, cache_report, expert_accesses
-from dashboard import figures as fg
-from store.store import Store
+from moescope.alerts.cache import POLICIES, cache_curves, cache_report, expert_accesses
+from moescope.dashboard import figures as fg
+from moescope.store.store import Store
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 
 

@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from dashboard import cli, settings
-from dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
-from store.store import Store
+from moescope.dashboard import cli, settings
+from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
+from moescope.store.store import Store
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

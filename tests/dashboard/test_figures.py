@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from alerts import signals
-from dashboard import figures as fg
-from store.store import Store
+from moescope.alerts import signals
+from moescope.dashboard import figures as fg
+from moescope.store.store import Store
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import moescope
-from probe.health import _expert_tensors
-from probe.zoo import tiny_model
+from moescope.probe.health import _expert_tensors
+from moescope.probe.zoo import tiny_model
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 
 PAGE = "views/health.py"

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pyarrow.parquet as pq
 
-from store.writer import BatchProcessor, ParquetExporter, record_rows
+from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 from tests.store.helpers import make_record, run_info
 

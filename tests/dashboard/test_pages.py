@@ -12,7 +12,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import moescope
-from dashboard import settings
+from moescope.dashboard import settings
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 PAGES = {  # page -> plotly charts it draws on the recorded store
@@ -150,7 +150,7 @@ def test_missing_store_is_a_friendly_state(monkeypatch, tmp_path, page):
 
 def test_empty_store_and_empty_run(monkeypatch, tmp_path):
     import moescope
-    from probe.zoo import tiny_model
+    from moescope.probe.zoo import tiny_model
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -171,7 +171,7 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
 def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
     import torch
 
-    from probe.zoo import tiny_model
+    from moescope.probe.zoo import tiny_model
 
     root = str(tmp_path / "live")
     model = tiny_model("mixtral")

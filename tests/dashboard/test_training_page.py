@@ -28,9 +28,9 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 import moescope
 import moescope.training as training
-from alerts.training import LAYER_COLUMNS, training_report
-from dashboard import figures as fg
-from store.store import Store
+from moescope.alerts.training import LAYER_COLUMNS, training_report
+from moescope.dashboard import figures as fg
+from moescope.store.store import Store
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 from tests.moescope.test_training import EXPERTS, TOP_K, VOCAB, tiny_mixtral
 
@@ -41,7 +41,7 @@ STEPS, LR, FACTOR = 8, 0.1, 0.1
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
-    from alerts.cooldown_policy import CooldownConfig
+    from moescope.alerts.cooldown_policy import CooldownConfig
     from moescope.capacity import install_capacity
 
     root = str(tmp_path_factory.mktemp("training") / "store")

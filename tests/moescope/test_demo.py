@@ -21,10 +21,10 @@ import pytest
 import torch
 from sklearn.metrics import normalized_mutual_info_score
 
-from probe import find_moe_layers
-from probe.adapters import experts_arguments
-from probe.gate import TrustGate
-from store import Store
+from moescope.probe import find_moe_layers
+from moescope.probe.adapters import experts_arguments
+from moescope.probe.gate import TrustGate
+from moescope.store import Store
 
 
 def _table(root, name):
@@ -169,7 +169,7 @@ def test_the_overview_shows_the_swing_by_batch_by_tag_and_by_position(demo, monk
     per-batch chart a fraction that moves."""
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import settings
+    from moescope.dashboard import settings
 
     root, _, summary = demo
     monkeypatch.setenv(settings.ENV_STORE, str(root))

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from alerts.signals import normalized_mutual_information
 from moescope import demo_data, specialisation, train_demo
+from moescope.alerts.signals import normalized_mutual_information
 from moescope.capacity import CapacityMoeBlock, capacity_blocks
 from moescope.demo_data import DOMAINS, demo_model_path, domain_documents, domain_texts, domain_windows, load_demo_model
 

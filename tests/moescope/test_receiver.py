@@ -7,7 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
-from alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
+from moescope.alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 from moescope.receiver import WebhookReceiver
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import moescope
+from moescope.probe.zoo import tiny_model
+from moescope.store import Store
 from moescope.summary import format_summary, layer_rows
-from probe.zoo import tiny_model
-from store import Store
 
 
 @pytest.fixture(scope="module")

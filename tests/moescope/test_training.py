@@ -381,7 +381,7 @@ def test_lightning_callback_with_accumulation_and_its_tensorboard_logger(tmp_pat
 def test_cooldown_auto_cools_the_firing_layers_router_and_records_it(tmp_path):
     """The training monitor with cooldown="auto" on a model with expert capacity: a rule that fires
     on the first window cools the router; train_steps shows the lr each update really used."""
-    from alerts.cooldown_policy import CooldownConfig
+    from moescope.alerts.cooldown_policy import CooldownConfig
     from moescope.capacity import install_capacity
 
     model = install_capacity(tiny_mixtral(), capacity_factor=1.0)

@@ -11,13 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import probe
-from alerts.cache import POLICIES, cache_report
-from moescope import whatif
+from moescope import probe, whatif
+from moescope.alerts.cache import POLICIES, cache_report
 from moescope.cli import main
-from probe.zoo import tiny_model
-from store import Store
-from store.writer import ParquetExporter
+from moescope.probe.zoo import tiny_model
+from moescope.store import Store
+from moescope.store.writer import ParquetExporter
 from tests.alerts.test_cache import _brute_force_hits
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed experts and 2 zero experts per layer

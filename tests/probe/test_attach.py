@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import moescope
-import probe
-from probe.zoo import tiny_model
-from store import InMemoryExporter, Store
+from moescope import probe
+from moescope.probe.zoo import tiny_model
+from moescope.store import InMemoryExporter, Store
 
 
 def _hook_counts(model: nn.Module) -> dict[str, int]:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import probe
+from moescope import probe
 from moescope.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
-from probe.pipeline import InMemoryExporter
-from probe.zoo import tiny_model
+from moescope.probe.pipeline import InMemoryExporter
+from moescope.probe.zoo import tiny_model
 
 BATCH, SEQ = 3, 24
 

@@ -12,9 +12,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import moescope
-import probe
-from probe.zoo import tiny_model
-from store import InMemoryExporter
+from moescope import probe
+from moescope.probe.zoo import tiny_model
+from moescope.store import InMemoryExporter
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import probe
-from alerts import signals
-from probe.accumulate import ENTROPY_BINS
-from probe.zoo import FAMILIES, tiny_model
-from store import InMemoryExporter
+from moescope import probe
+from moescope.alerts import signals
+from moescope.probe.accumulate import ENTROPY_BINS
+from moescope.probe.zoo import FAMILIES, tiny_model
+from moescope.store import InMemoryExporter
 
 BATCH, SEQ = 3, 7
 ENCODER_DECODER = {"switch_transformers", "nllb_moe"}

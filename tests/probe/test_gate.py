@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import moescope
-import probe
-from probe.adapters import experts_arguments
-from probe.gate import RULES, TrustGate, TrustGateError
-from probe.health import _expert_tensors
-from probe.zoo import FAMILIES, tiny_model
-from store import InMemoryExporter
+from moescope import probe
+from moescope.probe.adapters import experts_arguments
+from moescope.probe.gate import RULES, TrustGate, TrustGateError
+from moescope.probe.health import _expert_tensors
+from moescope.probe.zoo import FAMILIES, tiny_model
+from moescope.store import InMemoryExporter
 
 torch.set_num_threads(1)
 BATCH, SEQ = 3, 7

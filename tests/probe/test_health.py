@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import probe
-from probe.health import HealthSampler, _expert_tensors, expert_outputs
-from probe.zoo import tiny_model
-from store import InMemoryExporter
+from moescope import probe
+from moescope.probe.health import HealthSampler, _expert_tensors, expert_outputs
+from moescope.probe.zoo import tiny_model
+from moescope.store import InMemoryExporter
 
 torch.set_num_threads(1)
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import moescope
-import probe
-from probe.zoo import tiny_model
-from store import InMemoryExporter, Store
+from moescope import probe
+from moescope.probe.zoo import tiny_model
+from moescope.store import InMemoryExporter, Store
 
 BLOCKS = [f"model.layers.{i}.mlp" for i in range(3)]  # the model's MoE blocks, in module order
 

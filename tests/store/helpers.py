@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
 
 
 def run_info(run_id: str, layers: int = 3, experts: int = 6, top_k: int = 2, rank: int = 0,
@@ -57,7 +57,7 @@ def make_record(run_id: str, step: int, rng: np.random.Generator, layers: int = 
 
 def main(argv: list[str] | None = None) -> int:
     """A writer process: emits `--steps` records of one run through the real write path."""
-    from store.writer import BatchProcessor, ParquetExporter
+    from moescope.store.writer import BatchProcessor, ParquetExporter
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)

@@ -13,10 +13,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from store import BadFileWarning, Store
-from store.compact import compact
-from store.quarantine import deep_check
-from store.writer import ParquetExporter
+from moescope.store import BadFileWarning, Store
+from moescope.store.compact import compact
+from moescope.store.quarantine import deep_check
+from moescope.store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
 
 TRIALS = 80

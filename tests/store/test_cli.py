@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from store.writer import ParquetExporter
+from moescope.store.writer import ParquetExporter
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 

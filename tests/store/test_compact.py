@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from store import Store
-from store.compact import compact, parse_age
-from store.writer import ParquetExporter
+from moescope.store import Store
+from moescope.store.compact import compact, parse_age
+from moescope.store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
 
 
@@ -50,7 +50,7 @@ def test_a_merge_that_loses_a_row_is_never_published(tmp_path, monkeypatch):
     """The row-count check: a merged file holding fewer rows than its sources (a lossy merge, made
     here by rewriting the real merge's output without its last row) raises, publishes nothing,
     deletes no source and leaves no temporary file; the store reads exactly what it read before."""
-    import store.compact as compaction
+    from moescope.store import compact as compaction
 
     rng = np.random.default_rng(1)
     exporter = ParquetExporter(tmp_path, run_info("r"), max_rows=48)

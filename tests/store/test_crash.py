@@ -12,8 +12,8 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from store import Store
-from store.layout import clean_tmp, tmp_files
+from moescope.store import Store
+from moescope.store.layout import clean_tmp, tmp_files
 
 FLUSH_S = 0.5
 SLACK_S = 1.0  # the time a flush itself takes on a busy two-core machine

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import moescope
-from store import BadFileWarning, Store
-from store.writer import ParquetExporter
+from moescope.store import BadFileWarning, Store
+from moescope.store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
 
 
@@ -86,8 +86,8 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
     import torch
     from prometheus_client import CollectorRegistry
 
-    from alerts.prometheus import PrometheusExporter
-    from probe.zoo import tiny_model
+    from moescope.alerts.prometheus import PrometheusExporter
+    from moescope.probe.zoo import tiny_model
 
     root = Path(small_disk.path) / "store"
     model = tiny_model("mixtral")
@@ -112,7 +112,7 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
     try:
         run(3)
         small_disk.fill()
-        with caplog.at_level("WARNING", logger="store.writer"):
+        with caplog.at_level("WARNING", logger="moescope.store.writer"):
             run(12)
             written, dropped = session.probe_stats()
             lost = {table: dropped.get((table, "write_failed"), 0) for table in ("steps", "layer_steps", "routes")}

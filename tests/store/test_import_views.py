@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import settings
-from store.importers import import_files
+from moescope.dashboard import settings
+from moescope.store.importers import import_files
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 E, L, K = 6, 2, 2

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from store import Store
-from store.compact import compact
+from moescope.store import Store
+from moescope.store.compact import compact
 from tests.store import gloo_child
 
 

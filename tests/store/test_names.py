@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from store import Store
-from store.compact import compact, compact_run
-from store.layout import InvalidNameError, encode_replaces, list_parts, list_runs, run_folder
-from store.writer import ParquetExporter, write_table_file
+from moescope.store import Store
+from moescope.store.compact import compact, compact_run
+from moescope.store.layout import InvalidNameError, encode_replaces, list_parts, list_runs, run_folder
+from moescope.store.writer import ParquetExporter, write_table_file
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 
@@ -46,8 +46,8 @@ def test_a_hostile_run_id_never_becomes_a_path(tmp_path, run_id):
 
 def test_moescope_alerts_writes_no_file_outside_the_store(tmp_path):
     """The issue's escape: a run id read from a data file, handed to the alerts table writer."""
-    from alerts.engine import AlertTransition
-    from alerts.storage import AlertTableWriter
+    from moescope.alerts.engine import AlertTransition
+    from moescope.alerts.storage import AlertTableWriter
 
     root = tmp_path / "a" / "b" / "store"
     root.mkdir(parents=True)

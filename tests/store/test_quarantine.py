@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from store import BadFileWarning, Store
-from store.writer import ParquetExporter
+from moescope.store import BadFileWarning, Store
+from moescope.store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
 
 

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from store import EmptyStoreError, QueryError, Selection, Store
-from store.compact import compact
-from store.writer import ParquetExporter
+from moescope.store import EmptyStoreError, QueryError, Selection, Store
+from moescope.store.compact import compact
+from moescope.store.writer import ParquetExporter
 from tests.store.helpers import make_record, run_info
 
 LAYERS, EXPERTS, STEPS = 3, 6, 12

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from store import QueryError, Store
-from store.schema import SCHEMAS
-from store.writer import ParquetExporter
+from moescope.store import QueryError, Store
+from moescope.store.schema import SCHEMAS
+from moescope.store.writer import ParquetExporter
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 

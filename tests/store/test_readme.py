@@ -11,8 +11,8 @@ import duckdb
 import numpy as np
 import pyarrow.parquet as pq
 
-from store.compact import compact
-from store.writer import ParquetExporter
+from moescope.store.compact import compact
+from moescope.store.writer import ParquetExporter
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 

@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from alerts import signals
-from dashboard import figures as fg
-from store.schema import SCHEMAS
-from store.store import Store
+from moescope.alerts import signals
+from moescope.dashboard import figures as fg
+from moescope.store.schema import SCHEMAS
+from moescope.store.store import Store
 from tests.dashboard.recording import record_alerts, record_store
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from store import Store
-from store.writer import BatchProcessor, ParquetExporter, record_rows
+from moescope.store import Store
+from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
 from tests.store.helpers import make_record, run_info
 
 
@@ -242,7 +242,7 @@ def test_table_writer_owns_schema_naming_and_failure_counts(tmp_path):
 
     import pyarrow.parquet as pq
 
-    from store.writer import TableWriter
+    from moescope.store.writer import TableWriter
 
     drops = []
     a = TableWriter(tmp_path, "run-a", on_dropped=lambda *d: drops.append(d))

@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import nn
 
-import probe
-from probe.session import Pipeline, ProbeSession
+from moescope import probe
+from moescope.probe.session import Pipeline, ProbeSession
 
 TRUST_GATE_MODES = (None, "manual", "auto")
 
@@ -47,14 +47,14 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, exporter
     health = health or trust_gate == "auto"  # the auto policy judges by health scores
     exporters = list(exporters)
     if store is not None:
-        from store.writer import ParquetExporter
+        from moescope.store.writer import ParquetExporter
 
         pipeline = options.get("pipeline") or Pipeline()
         flush_interval_s = options.get("flush_interval_s", pipeline.flush_interval_s)
         exporters.append(ParquetExporter(store, max_age_s=flush_interval_s))
     session = probe.attach(model, exporters, health=health, gate=trust_gate is not None, **options)
     if health or trust_gate:
-        from alerts.trust_policy import bind_policy
+        from moescope.alerts.trust_policy import bind_policy
 
         try:
             session.trust = bind_policy(session, trust_policy, trust_gate, store)
