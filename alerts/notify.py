@@ -22,7 +22,7 @@ A notifier only *renders* (body at enqueue time, headers at send time); the outb
   and `X-Moescope-Signature: sha256=<hex>`, the HMAC-SHA256 with the secret of
   `<timestamp>.<raw body>`.
 
-  How a receiver should verify a request (`moescope.receiver.WebhookReceiver` does exactly this):
+  How a receiver should verify a request (`moescope.demo.receiver.WebhookReceiver` does exactly this):
 
   1. Read the raw body bytes; do not parse and re-serialise before checking.
   2. Refuse a timestamp more than a few minutes from your clock (`verify_signature` allows

@@ -1,6 +1,6 @@
 """Proof on a real run: does the routing cooldown keep a collapsing router healthier?
 
-Trains the demo model (moescope/train_demo.py: its shape, corpus, tokenizer, batches and expert
+Trains the demo model (moescope/demo/train.py: its shape, corpus, tokenizer, batches and expert
 capacity) twice from the same seed, with a router learning rate high enough to collapse the
 routing, once watched by `moescope.training` without the cooldown and once with
 `cooldown="auto"`. Both runs see the same batches in the same order. At the end, the routing of
@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 import moescope.training as training
 from moescope.alerts.cooldown_policy import CooldownConfig
-from moescope.demo_data import DOMAINS
-from moescope.train_demo import (
+from moescope.demo.data import DOMAINS
+from moescope.demo.train import (
     FULL_RECIPE,
     QUICK_RECIPE,
     build_model,

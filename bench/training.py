@@ -35,7 +35,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import moescope.training as training
 
-DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moescope", "demo_model",
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moescope", "demo", "model",
                            "config.json")
 VARIANTS = {"bare": None, "monitor": {}, "monitor + cooldown": {"cooldown": "auto"}}
 TARGET = 1.03  # issue 15: the callback costs at most 3% of a training step
@@ -49,7 +49,7 @@ def demo_shaped_model() -> torch.nn.Module:
     config.output_router_logits = True  # training adds the model's own aux loss
     model = MixtralForCausalLM(config)
     if getattr(config, "capacity_factor", None):
-        from moescope.capacity import install_capacity
+        from moescope.demo.capacity import install_capacity
 
         install_capacity(model, config.capacity_factor)
     return model

@@ -36,7 +36,7 @@ trust_gate_requests table for the model-side trust policy to apply.
 EPILOG = """\
 examples:
   moescope dashboard runs/demo                       # http://127.0.0.1:8501
-  moescope dashboard runs/demo --port 8600 --tokenizer moescope/demo_model
+  moescope dashboard runs/demo --port 8600 --tokenizer moescope/demo/model
   moescope dashboard /data/store --host 0.0.0.0      # reachable from other machines: mind who can
 """
 
@@ -50,7 +50,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="show the manual trust-gate control (writes gate requests into the store)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="local tokenizer folder (transformers.AutoTokenizer, never downloaded) to show "
-                             "token text instead of ids, e.g. moescope/demo_model")
+                             "token text instead of ids, e.g. moescope/demo/model")
     parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
                         help=f"how often live refresh checks for new data (default {DEFAULT_REFRESH_S:g} s)")
     parser.set_defaults(func=run)
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         print(f"moescope dashboard: no tokenizer folder at {args.tokenizer!r}; give a local folder holding "
-              "tokenizer.json (e.g. moescope/demo_model), or leave --tokenizer out to show token ids",
+              "tokenizer.json (e.g. moescope/demo/model), or leave --tokenizer out to show token ids",
               file=sys.stderr)
         return 2
     if not os.path.isdir(args.store):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moescope import demo, train_demo
+from moescope.demo import story as demo
+from moescope.demo import train as train_demo
 from moescope.summary import format_summary
 
 

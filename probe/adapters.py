@@ -7,7 +7,7 @@ class in `_can_record_outputs["router_logits"]`; most experts modules take
 `(hidden_states, top_k_index, top_k_weights)`, so one generic reading covers them. The few that
 route differently get a small reader, chosen in one table, `ROUTINGS`: capacity masks (Switch
 top-1, NLLB top-2, a capacity per sequence as GShard and Megatron drop tokens:
-`moescope.capacity`), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
+`moescope.demo.capacity`), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
 (LongCat-Flash) and a parameter-free skip expert (ZAYA). A user describes a custom MoE module with
 `MoESpec`.
 
@@ -182,7 +182,7 @@ def capacity_top2_choice(router: nn.Module) -> ChoiceReader:
 
 
 def sequence_capacity_choice(block: nn.Module) -> ChoiceReader:
-    """GShard/Megatron-style capacity per sequence (`moescope.capacity.CapacityMoeBlock`): the
+    """GShard/Megatron-style capacity per sequence (`moescope.demo.capacity.CapacityMoeBlock`): the
     experts get the router's top-k ids and weights with the dropped slots' weights zeroed, and the
     block keeps the forward's decision in `block.dispatch` (kept mask, capacity per sequence,
     sequences). Ids and weights are read from the experts call, as the model passed them; which

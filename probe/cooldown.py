@@ -61,6 +61,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moescope.probe.optim import schedulers, torch_optimizer, torch_scheduler
+
 log = logging.getLogger(__name__)
 
 # Per-param-group lists kept by torch's schedulers; each gets the parent group's entry for a new group.
@@ -115,38 +117,6 @@ _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer ->
 _SPLITS_LOCK = threading.Lock()
 
 
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer that runs the steps (Accelerate's AcceleratedOptimizer wraps one)."""
-    seen = 0
-    while hasattr(optimizer, "optimizer") and isinstance(getattr(optimizer, "optimizer"), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-        seen += 1
-        if seen > 8:
-            break
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise RouterCooldownError(f"the cooldown needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    return optimizer
-
-
-def _unwrap_scheduler(scheduler: Any) -> Any:
-    """The torch scheduler inside a wrapper (Accelerate's AcceleratedScheduler has `.scheduler`)."""
-    for _ in range(8):
-        if hasattr(scheduler, "base_lrs") or hasattr(scheduler, "_schedulers") or not hasattr(scheduler, "scheduler"):
-            return scheduler
-        scheduler = scheduler.scheduler
-    return scheduler
-
-
-def _schedulers(scheduler: Any) -> list[Any]:
-    """The scheduler and every scheduler inside it (SequentialLR, ChainedScheduler)."""
-    out, stack = [], [scheduler]
-    while stack:
-        s = stack.pop()
-        out.append(s)
-        stack.extend(getattr(s, "_schedulers", None) or [])
-    return out
-
-
 def _copy_value(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
@@ -166,8 +136,11 @@ class RouterCooldown:
 
     def __init__(self, layers: Sequence[Any], optimizer: Any, scheduler: Any = None, *, seed: int = 0,
                  on_error: Callable[[], None] | None = None):
-        self.optimizer = _unwrap_optimizer(optimizer)
-        self.scheduler = None if scheduler is None else _unwrap_scheduler(scheduler)
+        try:
+            self.optimizer = torch_optimizer(optimizer)
+        except TypeError as e:
+            raise RouterCooldownError(f"the cooldown: {e}") from None
+        self.scheduler = torch_scheduler(scheduler)
         self.layers = {int(layer.index): layer for layer in layers}
         if not self.layers:
             raise RouterCooldownError("no MoE layers to cool: the probe found none")
@@ -290,7 +263,7 @@ class RouterCooldown:
         if self.scheduler is None:
             return
         total = len(self.optimizer.param_groups)
-        for scheduler in _schedulers(self.scheduler):
+        for scheduler in schedulers(self.scheduler):
             for name in SCHEDULER_LISTS:
                 values = getattr(scheduler, name, None)
                 if not isinstance(values, list) or len(values) == total:

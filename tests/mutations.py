@@ -69,13 +69,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/probe/test_gate.py", "-k", "without_a_rule"),
         "the gate's fallback (families without a rule) renormalises the scaled weights"),
     Mutation(
-        "demo-hard-coded-figures", "moescope/demo.py",
+        "demo-hard-coded-figures", "moescope/demo/story.py",
         "masked_finite=bool(masked.isfinite().all()), masked_error=_relative_error(masked, clean))",
         "masked_finite=True, masked_error=0.01)",
         ("tests/moescope/test_demo.py", "-k", "check_figures"),
         "`moescope demo` reports masked_finite and masked_error without measuring (issue 16, mutation 3)"),
     Mutation(
-        "demo-alerts-received-short", "moescope/demo.py",
+        "demo-alerts-received-short", "moescope/demo/story.py",
         "for d in alerting.receiver.received]\n    figures[\"alerts_delivered\"]",
         "for d in alerting.receiver.received][1:]\n    figures[\"alerts_delivered\"]",
         ("tests/moescope/test_demo.py", "-k", "outbox"),
@@ -177,14 +177,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_realparts.py",),
         "CI=true skips a test whose Prometheus, Alertmanager or Chromium is missing"),
     Mutation(
-        "aux-loss-kept-load", "moescope/training.py",
+        "aux-loss-kept-load", "moescope/training/monitor.py",
         "aux = signals.load_balancing_loss(ls.router_topk_load, ls.router_prob_sum, ls.tokens)",
         "aux = signals.load_balancing_loss(ls.expert_load[: ls.router_prob_sum.size], ls.router_prob_sum, "
         "ls.tokens)",
         ("tests/moescope/test_training.py",),
         "the training aux loss counts the kept slots, not the top-k selection the formula counts (issue 15)"),
     Mutation(
-        "training-window-per-forward", "moescope/training.py",
+        "training-window-per-forward", "moescope/training/monitor.py",
         "recording = dataclasses.replace(options.pop(\"recording\", None) or Recording(), window=FOREVER, "
         "window_s=None)",
         "recording = dataclasses.replace(options.pop(\"recording\", None) or Recording(), window=1, window_s=None)",

@@ -23,8 +23,8 @@ NOT_RECORDED = (
     "This run has no training steps: it was not recorded with `moescope.training`. Record a training run with "
     "`monitor = moescope.training.watch(model, optimizer, store=...)` before a plain loop (and `monitor.close()` "
     "after it), `Trainer(..., callbacks=[moescope.training.MoescopeCallback(store=...)])` for Hugging Face, or "
-    "`moescope.lightning.MoescopeLightningCallback(store=...)` for Lightning: each optimizer step then writes a "
-    "`train_steps` row per MoE layer, and this page draws them.")
+    "`moescope.training.lightning.MoescopeLightningCallback(store=...)` for Lightning: each optimizer step then "
+    "writes a `train_steps` row per MoE layer, and this page draws them.")
 
 st.title("Training")
 ctx = common.page_context()

@@ -13,9 +13,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
+from moescope.alerts.grafana import RATE, dashboard_json, panel_queries, provisioning
 from moescope.alerts.prometheus import PrometheusExporter
 from moescope.cli import main as cli_main
-from moescope.grafana import RATE, dashboard_json, panel_queries, provisioning
 from moescope.probe.zoo import tiny_model
 from tests.alerts.conftest import http_get_json, start_prometheus, wait_until
 

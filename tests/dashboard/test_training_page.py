@@ -42,7 +42,7 @@ STEPS, LR, FACTOR = 8, 0.1, 0.1
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
     from moescope.alerts.cooldown_policy import CooldownConfig
-    from moescope.capacity import install_capacity
+    from moescope.demo.capacity import install_capacity
 
     root = str(tmp_path_factory.mktemp("training") / "store")
     model = install_capacity(tiny_mixtral(), capacity_factor=1.0)

@@ -142,7 +142,7 @@ def _fraction_by_position(root, buckets: int, phase: str) -> tuple[int, dict[int
 
 
 def test_active_fraction_by_position_recomputed_from_the_raw_routes(demo):
-    from moescope.demo import LENGTH
+    from moescope.demo.story import LENGTH
 
     root, out, summary = demo
     width, buckets = _fraction_by_position(root, 4, "baseline")
@@ -267,9 +267,9 @@ def test_the_check_figures_recomputed_from_the_model_and_the_raw_routes(demo):
     scaled as the demo scales them, and so corrupted with that expert masked by a trust gate of our own
     (probe.gate, checked against brute force in tests/probe/test_gate.py). Every run must route as the
     recorded check forward did, and the errors must be the summary's."""
-    from moescope.demo import CORRUPTION_SCALE
-    from moescope.demo import _expert_tensors as demo_expert_tensors
-    from moescope.demo_data import load_demo_model
+    from moescope.demo.data import load_demo_model
+    from moescope.demo.story import CORRUPTION_SCALE
+    from moescope.demo.story import _expert_tensors as demo_expert_tensors
 
     root, _, summary = demo
     model, _ = load_demo_model()

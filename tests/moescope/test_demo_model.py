@@ -2,7 +2,7 @@
 
 The active-parameter figures of the model card are recomputed here from the model's own router
 logits (`output_router_logits`) by a plain loop over each sequence's (token, slot) assignments,
-not through `moescope.capacity`.
+not through `moescope.demo.capacity`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from moescope import demo_data, specialisation, train_demo
 from moescope.alerts.signals import normalized_mutual_information
-from moescope.capacity import CapacityMoeBlock, capacity_blocks
-from moescope.demo_data import DOMAINS, demo_model_path, domain_documents, domain_texts, domain_windows, load_demo_model
+from moescope.demo import data as demo_data
+from moescope.demo import specialisation
+from moescope.demo import train as train_demo
+from moescope.demo.capacity import CapacityMoeBlock, capacity_blocks
+from moescope.demo.data import DOMAINS, demo_model_path, domain_documents, domain_texts, domain_windows, load_demo_model
 
 # The published shape, as the model card states it.
 CLAIMED_SHAPE = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 192, "num_local_experts": 8,

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 
 from moescope.alerts.notify import IDEMPOTENCY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from moescope.receiver import WebhookReceiver
+from moescope.demo.receiver import WebhookReceiver
 
 
 def signed_request(url: str, body: bytes, secret: str, timestamp: str, key_header: str) -> int:

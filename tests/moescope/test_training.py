@@ -82,7 +82,7 @@ def test_aux_and_z_loss_equal_the_models_own_per_step(tmp_path):
 def test_aux_loss_counts_the_selection_not_the_kept_slots_under_capacity(tmp_path):
     """With expert capacity some chosen slots are dropped; transformers' loss counts the top-k
     choices all the same, and so must each layer's recomputed loss."""
-    from moescope.capacity import install_capacity
+    from moescope.demo.capacity import install_capacity
 
     model = install_capacity(tiny_mixtral(), capacity_factor=0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -341,7 +341,7 @@ def test_lightning_callback_with_accumulation_and_its_tensorboard_logger(tmp_pat
     pl = pytest.importorskip("lightning.pytorch", reason="the optional extra: pip install 'moescope[lightning]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from moescope.lightning import MoescopeLightningCallback
+    from moescope.training.lightning import MoescopeLightningCallback
 
     seen = []
 
@@ -382,7 +382,7 @@ def test_cooldown_auto_cools_the_firing_layers_router_and_records_it(tmp_path):
     """The training monitor with cooldown="auto" on a model with expert capacity: a rule that fires
     on the first window cools the router; train_steps shows the lr each update really used."""
     from moescope.alerts.cooldown_policy import CooldownConfig
-    from moescope.capacity import install_capacity
+    from moescope.demo.capacity import install_capacity
 
     model = install_capacity(tiny_mixtral(), capacity_factor=1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -408,7 +408,7 @@ def test_cooldown_auto_cools_the_firing_layers_router_and_records_it(tmp_path):
 
 
 def test_a_failing_cooldown_hook_is_counted_in_the_sessions_hook_errors(tmp_path):
-    from moescope.capacity import install_capacity
+    from moescope.demo.capacity import install_capacity
 
     model = install_capacity(tiny_mixtral(), capacity_factor=1.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,4 +1,4 @@
-"""Expert capacity with token dropping (`moescope.capacity`) and the probe's reading of it.
+"""Expert capacity with token dropping (`moescope.demo.capacity`) and the probe's reading of it.
 
 Oracles: the model's own router logits (`output_router_logits`) turned into kept slots by a plain
 loop written here (first choices before second choices, earlier positions first, a capacity of
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moescope import probe
-from moescope.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
+from moescope.demo.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
 from moescope.probe.pipeline import InMemoryExporter
 from moescope.probe.zoo import tiny_model
 

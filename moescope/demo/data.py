@@ -199,8 +199,8 @@ def domain_windows(tokenizer, domain: str, n: int, length: int, seed: int = 0) -
 
 
 def demo_model_path() -> pathlib.Path:
-    """The folder holding the committed demo checkpoint (``moescope/demo_model``)."""
-    return pathlib.Path(__file__).resolve().parent / "demo_model"
+    """The folder holding the committed demo checkpoint (``moescope/demo/model``)."""
+    return pathlib.Path(__file__).resolve().parent / "model"
 
 
 def load_demo_model(path: str | pathlib.Path | None = None
@@ -209,11 +209,11 @@ def load_demo_model(path: str | pathlib.Path | None = None
 
     `path` defaults to :func:`demo_model_path`. Nothing is downloaded. A checkpoint whose config
     records ``capacity_factor`` gets its expert capacity installed
-    (:func:`moescope.capacity.install_capacity`); plain ``from_pretrained`` would run it dropless.
+    (:func:`moescope.demo.capacity.install_capacity`); plain ``from_pretrained`` would run it dropless.
 
     Raises:
         FileNotFoundError: no checkpoint at the path; build one with ``moescope train-demo``
-            (or ``python -m moescope.train_demo``).
+            (or ``python -m moescope.demo.train``).
     """
     from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
 
@@ -221,11 +221,11 @@ def load_demo_model(path: str | pathlib.Path | None = None
     if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"no demo checkpoint in {folder}; build one with `moescope train-demo --out {folder}` "
-            "(or `python -m moescope.train_demo --out ...`)")
+            "(or `python -m moescope.demo.train --out ...`)")
     model = MixtralForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
     if getattr(model.config, "capacity_factor", None) is not None:
         # Trained with an expert capacity (see the model card): run it the way it was trained.
-        from moescope.capacity import install_capacity
+        from moescope.demo.capacity import install_capacity
 
         install_capacity(model)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)

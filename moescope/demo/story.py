@@ -31,8 +31,8 @@ from moescope.alerts.rules import load_rules
 from moescope.alerts.signals import normalized_mutual_information
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
-from moescope.demo_data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
-from moescope.receiver import WebhookReceiver
+from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
+from moescope.demo.receiver import WebhookReceiver
 from moescope.store import Store
 from moescope.summary import format_summary
 
@@ -167,7 +167,7 @@ class Alerting:
         self.outbox = Outbox(outbox_path(store_root), [WebhookNotifier(self.receiver.url, secret=secret)],
                              base_backoff_s=0.2)
         self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
-        rules = load_rules(resources.files("moescope").joinpath("rules", "demo.yaml"))
+        rules = load_rules(resources.files("moescope.demo").joinpath("rules.yaml"))
         self.engine = EngineExporter(AlertEngine(rules), [self.outbox, AlertTableWriter(store_root)])
         self.policy = TrustPolicy(sink=self.outbox)
 

@@ -79,7 +79,7 @@ def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Map
 
     Domains are in the mapping's order. Each text is tokenised (no special tokens added) and run
     on its own: no padding, so nothing about the batch can change a token's routing (under an
-    expert capacity, `moescope.capacity`, a padded row would get the capacity of its padded length).
+    expert capacity, `moescope.demo.capacity`, a padded row would get the capacity of its padded length).
 
     Raises:
         ValueError: no texts, or the model is not Mixtral-style (see :func:`router_modules`).

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from moescope.training import TrainingMonitor
+from moescope.training.monitor import TrainingMonitor
 
 
 def _watched_module(pl_module: pl.LightningModule) -> nn.Module:

@@ -1,38 +1,5 @@
-"""Watching routing while a MoE model trains: a record per optimizer step, what training adds to
-it (auxiliary losses, per-expert gradient norms, dead experts, the learning rate in force), the
-same scalars in TensorBoard and W&B, and the routing cooldown.
-
-A plain loop needs two lines:
-
-    monitor = moescope.training.watch(model, optimizer, store="runs/")
-    ...                                  # the training loop, unchanged
-    monitor.close()
-
-Hugging Face `Trainer`: `Trainer(..., callbacks=[moescope.training.MoescopeCallback(store="runs/")])`.
-PyTorch Lightning: `moescope.lightning.MoescopeLightningCallback(store="runs/")`.
-
-How a step is recorded. The monitor hooks the optimizer (`register_step_pre_hook` /
-`register_step_post_hook` on the torch optimizer under any wrapper): just before each update it
-takes the per-expert gradient norms (after accumulation and, in `Trainer`, after clipping), just
-after it closes the probe's window. So a record covers exactly the forwards of one optimizer step:
-with gradient accumulation every micro-batch's tokens once; gradient checkpointing's recomputed
-forwards run inside the layers, not through the model, so the probe never sees them (it records
-forwards of the model it is attached to). Forwards in eval mode (`model.training` False, e.g. an
-evaluation between steps) are tagged `phase=eval` and kept out of the training figures.
-
-Per optimizer step and MoE layer (`TrainingStep`, the `train_steps` table, the scalars):
-- `aux_loss`: the load-balancing loss recomputed from the recorded router statistics with
-  transformers' own formula (`alerts.signals.load_balancing_loss`; the model-level value pools all
-  layers' tokens as `load_balancing_loss_func` does, and equals the model's `aux_loss`);
-- `z_loss`: the router z-loss (`alerts.signals.router_z_loss`);
-- `expert_grad_norm`: L2 norm of each expert's weight gradients (`probe.health.expert_grad_norms`,
-  the health score's gradient component);
-- `dead_expert_fraction`: experts with no token over the last `dead_window` optimizer steps;
-- `router_lr`: the learning rate the router's parameters were updated with (a cooldown's factor
-  included), and `lr`, the first parameter group's.
-The store keeps what cannot be recomputed (`train_steps`: learning rates and gradient norms per
-step and layer); losses and dead experts derive from `layer_steps`, which carries their inputs.
-"""
+"""The training monitor: the probe attached for a training run, one record per optimizer step (see
+`moescope.training`), and the exporter that turns records into `TrainingStep`s and `train_steps` rows."""
 
 from __future__ import annotations
 
@@ -54,9 +21,11 @@ from torch import nn
 import moescope
 from moescope.alerts import signals
 from moescope.probe.health import ExpertGradients
+from moescope.probe.optim import torch_optimizer, torch_scheduler
 from moescope.probe.records import StepRecord
 from moescope.probe.session import ProbeSession, Recording
 from moescope.probe.window import PinnedPool
+from moescope.training.sinks import sinks_for
 
 log = logging.getLogger(__name__)
 
@@ -125,67 +94,6 @@ class _StepInfo:
     event: Any
     sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`
     pool: Any = None  # where `grads` goes back to once read (CUDA), or None
-
-
-class TensorBoardSink:
-    """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder)."""
-
-    def __init__(self, writer: Any):
-        if isinstance(writer, (str, os.PathLike)):
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=os.fspath(writer))
-            self._owned = True
-        else:
-            self._owned = False
-        self.writer = writer
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        for name, value in scalars.items():
-            self.writer.add_scalar(name, value, global_step=step)
-
-    def flush(self) -> None:
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.flush()
-        if self._owned:
-            self.writer.close()
-
-
-class WandbSink:
-    """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric."""
-
-    def __init__(self, run: Any):
-        self.run = run
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log({**scalars, "moe/optimizer_step": step})
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _sinks(tensorboard: Any, wandb: Any) -> list[Any]:
-    sinks: list[Any] = []
-    if tensorboard is not None and tensorboard is not False:
-        if not (isinstance(tensorboard, (str, os.PathLike)) or hasattr(tensorboard, "add_scalar")):
-            raise TypeError("tensorboard= takes a torch.utils.tensorboard.SummaryWriter or a folder to write "
-                            f"event files into, not {type(tensorboard).__name__}")
-        sinks.append(TensorBoardSink(tensorboard))
-    if wandb is not None and wandb is not False:
-        if wandb is True:
-            import wandb as wandb_module
-
-            if wandb_module.run is None:
-                raise ValueError("wandb=True logs into the active W&B run, and there is none: call wandb.init() "
-                                 "first, or pass the run")
-            wandb = wandb_module.run
-        sinks.append(WandbSink(wandb))
-    return sinks
 
 
 class TrainingExporter:
@@ -314,28 +222,6 @@ class TrainingExporter:
                 log.exception("moescope: closing %s failed", type(sink).__name__)
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The `torch.optim.Optimizer` under wrappers (accelerate's, Lightning's), which hold it as `.optimizer`."""
-    # accelerate's AcceleratedOptimizer subclasses Optimizer without being one: unwrap to the innermost
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"moescope.training needs the torch optimizer that trains the model (a torch.optim.Optimizer, "
-                        f"or a wrapper holding one as .optimizer), got {type(optimizer).__name__}")
-    return optimizer
-
-
-def torch_scheduler(scheduler: Any) -> Any:
-    """The `torch.optim.lr_scheduler.LRScheduler` under accelerate's wrapper, or None."""
-    if scheduler is None:
-        return None
-    inner = getattr(scheduler, "scheduler", None)
-    return inner if inner is not None and hasattr(inner, "base_lrs") else scheduler
-
-
 class TrainingMonitor:
     """The probe attached for a training run, one record per optimizer step. See the module doc.
 
@@ -371,7 +257,7 @@ class TrainingMonitor:
         self.measure_mode = measure_gradients
         recording = dataclasses.replace(options.pop("recording", None) or Recording(), window=FOREVER, window_s=None)
         tags = {"phase": "train", **{str(k): str(v) for k, v in (options.pop("tags", None) or {}).items()}}
-        sinks = _sinks(tensorboard, wandb)
+        sinks = sinks_for(tensorboard, wandb)
         self.session: ProbeSession = moescope.attach(model, store, recording=recording, tags=tags, **options)
         self.optimizer_step = 0
         self.cooldown = None
@@ -504,53 +390,3 @@ def watch(model: nn.Module, optimizer: Any, store: str | os.PathLike | None = No
     return TrainingMonitor(model, optimizer, store=store, **options)
 
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is a dependency
-    TrainerCallback = object  # type: ignore[assignment,misc]
-
-
-class MoescopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
-    """A `transformers.TrainerCallback` that watches the routing for the training run.
-
-    Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
-    `on_train_end`. tensorboard / wandb: "auto" (default) logs the scalars where the Trainer's
-    `report_to` does: TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`,
-    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s.
-    The monitor is at `callback.monitor` while training runs.
-    """
-
-    def __init__(self, store: str | os.PathLike | None = None, *, tensorboard: Any = "auto", wandb: Any = "auto",
-                 **options: Any):
-        self.store = store
-        self.tensorboard = tensorboard
-        self.wandb = wandb
-        self.options = options
-        self.monitor: TrainingMonitor | None = None
-
-    def _loggers(self, args: Any) -> tuple[Any, Any]:
-        report_to = getattr(args, "report_to", None) or []
-        report_to = [report_to] if isinstance(report_to, str) else list(report_to)
-        tensorboard, wandb = self.tensorboard, self.wandb
-        if tensorboard == "auto":
-            tensorboard = None
-            if "tensorboard" in report_to or "all" in report_to:
-                tensorboard = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", "moescope")
-        if wandb == "auto":
-            wandb = None
-            if "wandb" in report_to or "all" in report_to:
-                import wandb as wandb_module
-
-                wandb = wandb_module.run
-        return tensorboard, wandb
-
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if self.monitor is not None:
-            return
-        tensorboard, wandb = self._loggers(args)
-        self.monitor = TrainingMonitor(model, optimizer, store=self.store, scheduler=lr_scheduler,
-                                       tensorboard=tensorboard, wandb=wandb, **self.options)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.monitor is not None:
-            self.monitor.close()

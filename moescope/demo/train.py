@@ -1,16 +1,16 @@
 """Train the demo model: a small Mixtral whose experts really specialise, from text that ships with Python.
 
 The newcomer's demo has to show real routing offline, so the repository carries a checkpoint
-trained by this script on the three domains of :mod:`moescope.demo_data` (stdlib source code,
+trained by this script on the three domains of :mod:`moescope.demo.data` (stdlib source code,
 pydoc prose, generated arithmetic). Its experts have a capacity per sequence, as GShard and
-Switch Transformer train theirs (:mod:`moescope.capacity`): a token whose expert is full loses
+Switch Transformer train theirs (:mod:`moescope.demo.capacity`): a token whose expert is full loses
 that slot, so the share of the parameters a token uses varies with the token, the domain and
 the position, and the demo can show it. Everything is decided by the seed: the tokenizer is trained
 on a fixed slice of the corpus, the weights start from ``torch.manual_seed(seed)``, and the batch
 order comes from a ``torch.Generator`` seeded the same way. The full run is sized to take a few
 minutes on two CPU threads.
 
-Run it as ``python -m moescope.train_demo`` (or ``moescope train-demo`` once the CLI wires
+Run it as ``python -m moescope.demo.train`` (or ``moescope train-demo`` once the CLI wires
 :func:`add_arguments` and :func:`run`). ``--quick`` trains a tiny model for a few steps, for tests.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moescope.demo_data import DOMAINS, demo_model_path, domain_documents, domain_texts
+from moescope.demo.data import DOMAINS, demo_model_path, domain_documents, domain_texts
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -49,7 +49,7 @@ class DemoRecipe:
     # parameters differ (see rows_per_domain).
     router_aux_loss_coef: float
     # Slots per expert and sequence: ceil(capacity_factor * sequence length * k / experts), in
-    # training and at inference (moescope.capacity). 1.0 is GShard's and Switch's usual training factor.
+    # training and at inference (moescope.demo.capacity). 1.0 is GShard's and Switch's usual training factor.
     capacity_factor: float
     steps: int
     batch_size: int
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``train-demo`` options to `parser`."""
     parser.add_argument("--out", type=pathlib.Path, default=demo_model_path(),
                         help="folder to write the checkpoint, tokenizer and model card to "
-                             "(default: the package's moescope/demo_model)")
+                             "(default: the package's moescope/demo/model)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data order and math corpus")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"optimiser steps (default {FULL_RECIPE.steps}, or {QUICK_RECIPE.steps} with --quick)")
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    parts = ["python -m moescope.train_demo", f"--seed {args.seed}", f"--threads {args.threads}"]
+    parts = ["python -m moescope.demo.train", f"--seed {args.seed}", f"--threads {args.threads}"]
     if args.steps is not None:
         parts.append(f"--steps {args.steps}")
     if args.quick:
@@ -246,7 +246,7 @@ def build_model(recipe: DemoRecipe, tokenizer, seed: int):
     the recipe's expert capacity installed (its config records ``capacity_factor``)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from moescope.capacity import install_capacity
+    from moescope.demo.capacity import install_capacity
 
     config = MixtralConfig(
         vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
@@ -268,7 +268,7 @@ def build_model(recipe: DemoRecipe, tokenizer, seed: int):
 def build_optimizer(model, recipe: DemoRecipe) -> torch.optim.AdamW:
     """The recipe's AdamW: router weights in a group of their own at `router_lr_scale` times the
     learning rate (each group's ``lr_scale``; the loop sets ``lr`` from `learning_rate_at`)."""
-    from moescope.specialisation import router_modules
+    from moescope.demo.specialisation import router_modules
 
     router_weights = [router.weight for router in router_modules(model)]
     router_ids = {id(weight) for weight in router_weights}
@@ -280,7 +280,7 @@ def build_optimizer(model, recipe: DemoRecipe) -> torch.optim.AdamW:
 
 @torch.no_grad()
 def held_out_losses(model, tokenizer, texts_per_domain: int, seed: int) -> dict[str, float]:
-    """Mean next-token loss per domain on held-out texts (:func:`moescope.demo_data.domain_texts`)."""
+    """Mean next-token loss per domain on held-out texts (:func:`moescope.demo.data.domain_texts`)."""
     model.eval()
     losses = {}
     for domain in DOMAINS:
@@ -301,14 +301,14 @@ def active_fraction_profile(model, tokenizer, windows_per_domain: int, length: i
     """The share of the parameters a token used, by domain and by position, on held-out inputs.
 
     Inputs: ``domain_windows(tokenizer, domain, windows_per_domain, length, seed=0)`` per domain
-    (no padding); per-token fractions from :func:`moescope.capacity.active_fraction_per_token`.
+    (no padding); per-token fractions from :func:`moescope.demo.capacity.active_fraction_per_token`.
     Returns ``length``, ``windows_per_domain``, ``position_buckets`` ([start, end) pairs),
     ``dropless_fraction`` (every token keeping its k slots), ``shared_fraction`` (no slot kept),
     ``by_domain`` (mean over tokens), ``by_position`` (all domains, mean per bucket),
     ``by_domain_position`` and ``dropped_slot_share`` per domain (slots lost at capacity / chosen).
     """
-    from moescope.capacity import active_fraction_per_token, capacity_blocks
-    from moescope.demo_data import domain_windows
+    from moescope.demo.capacity import active_fraction_per_token, capacity_blocks
+    from moescope.demo.data import domain_windows
 
     model.eval()
     blocks = capacity_blocks(model)
@@ -350,7 +350,7 @@ def evaluate_demo_model(model, tokenizer, texts_per_domain: int, random_seed: in
     :func:`active_fraction_profile` on inputs of ``recipe.sequence_length`` tokens. Returns
     ``{"held_out_loss": ..., "specialisation": ..., "active_fraction": ...}``.
     """
-    from moescope.specialisation import measure_specialisation
+    from moescope.demo.specialisation import measure_specialisation
 
     model.eval()
     held_out = held_out_losses(model, tokenizer, texts_per_domain, seed=0)
@@ -374,7 +374,7 @@ def evaluate_demo_model(model, tokenizer, texts_per_domain: int, random_seed: in
 
 
 def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: int = 0, threads: int = 1,
-                     command: str = "python -m moescope.train_demo") -> dict:
+                     command: str = "python -m moescope.demo.train") -> dict:
     """Train the demo model and write it, its tokenizer and a model card to `out`.
 
     Returns the training summary that is also written to ``out/training_summary.json``: the
@@ -500,7 +500,7 @@ top-{recipe['num_experts_per_tok']} routing, {recipe['num_attention_heads']} att
 ({recipe['num_key_value_heads']} key/value heads), tied input/output embeddings.
 - Expert capacity with token dropping, as GShard, Switch Transformer and Megatron-Core
   (`moe_expert_capacity_factor`, `moe_token_drop_policy="position"`) run it
-  (`moescope/capacity.py`): per sequence, each expert takes at most
+  (`moescope/demo/capacity.py`): per sequence, each expert takes at most
   `ceil({recipe['capacity_factor']} × sequence length × {recipe['num_experts_per_tok']} / \
 {recipe['num_local_experts']})` (token, slot) assignments; every token's first choice is placed before
   any second choice, and within a choice earlier positions win. A dropped slot's weight is zero
@@ -508,7 +508,7 @@ top-{recipe['num_experts_per_tok']} routing, {recipe['num_attention_heads']} att
   passes through the residual. Decoding one token at a time never drops (a one-token sequence
   has capacity ≥ 1 and its experts are distinct). Padded positions (a 2-D `attention_mask`) are
   never dispatched.
-- The config records `capacity_factor: {recipe['capacity_factor']}`; `moescope.demo_data.load_demo_model`
+- The config records `capacity_factor: {recipe['capacity_factor']}`; `moescope.demo.data.load_demo_model`
   installs the capacity from it. Plain `MixtralForCausalLM.from_pretrained` ignores that field and
   gives the dropless model (every token uses exactly its top-{recipe['num_experts_per_tok']}).
 - {summary['parameters']:,} parameters, float32 safetensors.
@@ -518,7 +518,7 @@ top-{recipe['num_experts_per_tok']} routing, {recipe['num_attention_heads']} att
 
 ## Data
 
-Three domains, all from Python {summary['python']} itself (see `moescope/demo_data.py`); every
+Three domains, all from Python {summary['python']} itself (see `moescope/demo/data.py`); every
 fifth file, topic or operand pair is held out and never trained on:
 
 - **code**: the standard library's top-level `*.py` modules, sorted by name;
@@ -556,7 +556,7 @@ texts per domain (`domain_texts(domain, {spec['texts_per_domain']}, seed=0)`).
 Normalised mutual information between a token's domain and the expert its router ranks first,
 per layer, on the same held-out texts ({', '.join(f'{n:,} {d}' for d, n in spec['tokens_per_domain'].items())}
 tokens), against the same config with random weights. Measured by
-`moescope.specialisation.measure_specialisation`; the last column gives each domain's most
+`moescope.demo.specialisation.measure_specialisation`; the last column gives each domain's most
 chosen top-1 expert and the share of that domain's tokens it takes.
 
 | layer | NMI trained | NMI random weights | favourite expert per domain |
@@ -600,7 +600,7 @@ experts counts for every token, and an expert's parameters count when the token 
 there (the probe's convention). Without the capacity every token would use
 {100 * active['dropless_fraction']:.2f}% (its top-{summary['recipe']['num_experts_per_tok']} in every
 layer); a token whose every slot was dropped in every layer would use {100 * active['shared_fraction']:.2f}%.
-Measured by `moescope.train_demo.active_fraction_profile` on {active['windows_per_domain']} held-out
+Measured by `moescope.demo.train.active_fraction_profile` on {active['windows_per_domain']} held-out
 inputs of exactly {active['length']} tokens per domain
 (`domain_windows(tokenizer, domain, {active['windows_per_domain']}, {active['length']}, seed=0)`, no padding),
 one input per sequence.
@@ -642,8 +642,8 @@ leaves {least} few experts of its own; its sequences crowd onto them and overflo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m moescope.train_demo``."""
-    parser = argparse.ArgumentParser(prog="python -m moescope.train_demo", description=__doc__.splitlines()[0])
+    """Entry point for ``python -m moescope.demo.train``."""
+    parser = argparse.ArgumentParser(prog="python -m moescope.demo.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

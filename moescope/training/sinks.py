@@ -1,0 +1,72 @@
+"""Where the training scalars go besides the store: TensorBoard and W&B."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class TensorBoardSink:
+    """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder)."""
+
+    def __init__(self, writer: Any):
+        if isinstance(writer, (str, os.PathLike)):
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=os.fspath(writer))
+            self._owned = True
+        else:
+            self._owned = False
+        self.writer = writer
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.flush()
+        if self._owned:
+            self.writer.close()
+
+
+class WandbSink:
+    """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log({**scalars, "moe/optimizer_step": step})
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def sinks_for(tensorboard: Any, wandb: Any) -> list[Any]:
+    sinks: list[Any] = []
+    if tensorboard is not None and tensorboard is not False:
+        if not (isinstance(tensorboard, (str, os.PathLike)) or hasattr(tensorboard, "add_scalar")):
+            raise TypeError("tensorboard= takes a torch.utils.tensorboard.SummaryWriter or a folder to write "
+                            f"event files into, not {type(tensorboard).__name__}")
+        sinks.append(TensorBoardSink(tensorboard))
+    if wandb is not None and wandb is not False:
+        if wandb is True:
+            import wandb as wandb_module
+
+            if wandb_module.run is None:
+                raise ValueError("wandb=True logs into the active W&B run, and there is none: call wandb.init() "
+                                 "first, or pass the run")
+            wandb = wandb_module.run
+        sinks.append(WandbSink(wandb))
+    return sinks
+
+

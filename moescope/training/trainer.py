@@ -1,0 +1,60 @@
+"""The Hugging Face `Trainer` callback: a `TrainingMonitor` for the Trainer's model, optimizer and scheduler."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from moescope.training.monitor import TrainingMonitor
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - transformers is a dependency
+    TrainerCallback = object  # type: ignore[assignment,misc]
+
+
+class MoescopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
+    """A `transformers.TrainerCallback` that watches the routing for the training run.
+
+    Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
+    `on_train_end`. tensorboard / wandb: "auto" (default) logs the scalars where the Trainer's
+    `report_to` does: TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`,
+    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s.
+    The monitor is at `callback.monitor` while training runs.
+    """
+
+    def __init__(self, store: str | os.PathLike | None = None, *, tensorboard: Any = "auto", wandb: Any = "auto",
+                 **options: Any):
+        self.store = store
+        self.tensorboard = tensorboard
+        self.wandb = wandb
+        self.options = options
+        self.monitor: TrainingMonitor | None = None
+
+    def _loggers(self, args: Any) -> tuple[Any, Any]:
+        report_to = getattr(args, "report_to", None) or []
+        report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+        tensorboard, wandb = self.tensorboard, self.wandb
+        if tensorboard == "auto":
+            tensorboard = None
+            if "tensorboard" in report_to or "all" in report_to:
+                tensorboard = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", "moescope")
+        if wandb == "auto":
+            wandb = None
+            if "wandb" in report_to or "all" in report_to:
+                import wandb as wandb_module
+
+                wandb = wandb_module.run
+        return tensorboard, wandb
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.monitor is not None:
+            return
+        tensorboard, wandb = self._loggers(args)
+        self.monitor = TrainingMonitor(model, optimizer, store=self.store, scheduler=lr_scheduler,
+                                       tensorboard=tensorboard, wandb=wandb, **self.options)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.close()
+
