@@ -4,7 +4,7 @@ The probe is a pure producer: it hands records to exporters and imports nothing 
 alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one call.
 
     from moescope import probe
-    from moescope.probe.pipeline import InMemoryExporter
+    from moescope.pipeline import InMemoryExporter
     memory = InMemoryExporter()
     with probe.attach(model, [memory], routes=True) as session:
         model(**batch)

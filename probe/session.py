@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moescope.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
 from moescope.probe.accumulate import (
     SAMPLE_MIX,
     SAMPLE_STRIDE,
@@ -37,7 +38,6 @@ from moescope.probe.accumulate import (
 from moescope.probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
 from moescope.probe.gate import TrustGate
 from moescope.probe.health import HealthSampler
-from moescope.probe.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
 from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
 from moescope.probe.timing import ComputeTimer
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
@@ -116,7 +116,7 @@ class Recording:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The bounded queue between the model and the exporters (probe/pipeline.py).
+    """The bounded queue between the model and the exporters (moescope/pipeline.py).
 
     policy: "block" (lossless, the model waits if the exporters cannot keep up) or "drop" (the
     model never waits; drops are counted). flush_interval_s: how often exporters flush.
@@ -728,7 +728,7 @@ def attach(model: nn.Module, exporters: Sequence[Any] = (), *, specs: Iterable[M
     the store, the trust policy and alerts to a session made here.
 
     exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
-    `ParquetExporter`, the Prometheus exporter, `probe.pipeline.InMemoryExporter`). recording /
+    `ParquetExporter`, the Prometheus exporter, `moescope.pipeline.InMemoryExporter`). recording /
     pipeline: a `Recording` and a `Pipeline`; their fields may also be given one by one as
     keyword options (`routes=True, window=1, policy="drop"`). specs: `MoESpec`s describing custom
     MoE modules. layers: only hook the MoE blocks with these names (a name, a list of names, or a

@@ -1,6 +1,6 @@
 """The store's write path: `ParquetExporter`, the exporter that writes a probe's records as tables.
 
-The model thread only calls the probe's `BatchProcessor.emit(record)` (probe/pipeline.py), which
+The model thread only calls the probe's `BatchProcessor.emit(record)` (moescope/pipeline.py), which
 never raises and, under the `drop` policy, never waits; its worker thread hands batches to
 exporters. `ParquetExporter` writes
 each table's rows to `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet` through a
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # The queue between the model and the exporters belongs to the probe; re-exported for store users.
-from moescope.probe.pipeline import BatchProcessor, InMemoryExporter, array_bytes, record_rows  # noqa: F401
+from moescope.pipeline import BatchProcessor, InMemoryExporter, array_bytes, record_rows  # noqa: F401
 from moescope.probe.records import Routes, RunInfo, StepRecord
 from moescope.store.layout import (
     WRITER_ROW_GROUP_ROWS,

@@ -122,13 +122,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/probe/test_exactness.py", "-k", "router_inputs or sampled"),
         "router_inputs are not the tensor the router was called with"),
     Mutation(
-        "drop-policy-uncounted", "probe/pipeline.py",
+        "drop-policy-uncounted", "moescope/pipeline.py",
         '            self._count_drop(record, "queue_full")\n',
         "            pass\n",
         ("tests/probe/test_drop_policy.py",),
         'policy="drop" loses records without counting them'),
     Mutation(
-        "drop-policy-waits", "probe/pipeline.py",
+        "drop-policy-waits", "moescope/pipeline.py",
         "                self._queue.put_nowait((record, size))",
         "                self._queue.put((record, size))",
         ("tests/probe/test_drop_policy.py",),

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from moescope import probe
 from moescope.alerts.cache import POLICIES
 from moescope.alerts.prometheus import PrometheusExporter
-from moescope.probe.pipeline import InMemoryExporter
+from moescope.pipeline import InMemoryExporter
 from moescope.probe.zoo import tiny_model
 from tests.alerts.test_cache import _brute_force_hits
 

@@ -16,7 +16,7 @@ import torch
 
 from moescope import probe
 from moescope.demo.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
-from moescope.probe.pipeline import InMemoryExporter
+from moescope.pipeline import InMemoryExporter
 from moescope.probe.zoo import tiny_model
 
 BATCH, SEQ = 3, 24

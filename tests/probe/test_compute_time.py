@@ -13,8 +13,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import moescope
 import moescope.probe.timing
 from moescope import probe
+from moescope.pipeline import InMemoryExporter
 from moescope.probe.adapters import find_moe_layers
-from moescope.probe.pipeline import InMemoryExporter
 from moescope.probe.zoo import tiny_model
 
 FORWARDS = 6

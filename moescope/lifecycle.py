@@ -1,0 +1,146 @@
+"""How a long-running moescope process stops: drain on the first SIGTERM, exit at once on the second.
+
+SIGTERM is how systemd, Docker and Kubernetes stop a service (SIGINT is Ctrl-C). Every long-running
+command (`moescope proxy`, `moescope alerts run`, `moescope dashboard`, the Prometheus exporter's
+process) and the training monitor inside a job stop the same way:
+
+1. the first SIGTERM or SIGINT sets `GracefulStop.requested` and calls the command's `on_stop`
+   (e.g. stop accepting requests); the command's own loop then drains its pipeline, writes its
+   final `probe_stats` and returns 0;
+2. if draining takes longer than `grace_s` (default 10 s, `--grace-period` on the commands,
+   `MOESCOPE_GRACE_PERIOD_S` in the environment), the process exits with status 1, saying so on
+   stderr: what was still queued is lost and the message says that;
+3. a second signal exits at once (status 128 + the signal), for an operator who will not wait.
+
+This module is a leaf (standard library only): the probe, the store and alerts may all use it.
+Signal handlers can only be installed from the main thread; elsewhere `install()` does nothing and
+says so in `installed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = ["DEFAULT_GRACE_S", "GracefulStop", "grace_period_s"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 10.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def grace_period_s(value: float | None = None) -> float:
+    """The drain bound in seconds: `value` if given, else `$MOESCOPE_GRACE_PERIOD_S`, else 10.
+
+    Raises ValueError for a value that is not a positive finite number."""
+    if value is None:
+        raw = os.environ.get("MOESCOPE_GRACE_PERIOD_S")
+        if raw is None:
+            return DEFAULT_GRACE_S
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"MOESCOPE_GRACE_PERIOD_S={raw!r}: give the drain bound in seconds, e.g. 10") from None
+    if not (0 < value < float("inf")):
+        raise ValueError(f"the grace period must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+class GracefulStop:
+    """SIGTERM/SIGINT handling for one long-running process; see the module doc.
+
+    Use as a context manager around the serving loop (handlers are restored on exit):
+
+        with GracefulStop(on_stop=server_stopper) as stop:
+            while not stop.requested.wait(poll_s):
+                ...                      # the loop; then drain after it
+        return 0
+
+    `on_stop` runs on a thread of its own (so it may block, e.g. `http.server`'s `shutdown()`, which
+    waits for `serve_forever` on the main thread). `on_exit(status)` is called, best effort, just
+    before a forced exit (the grace period ran out, or a second signal).
+    """
+
+    def __init__(self, on_stop: Callable[[], Any] | None = None, grace_s: float | None = None,
+                 what: str = "moescope", signals: tuple[int, ...] = STOP_SIGNALS,
+                 on_exit: Callable[[int], Any] | None = None):
+        self.on_stop = on_stop
+        self.grace_s = grace_period_s(grace_s)
+        self.what = what
+        self.signals = signals
+        self.on_exit = on_exit
+        self.requested = threading.Event()
+        self.signum: int | None = None  # the first signal received
+        self.installed = False
+        self._previous: dict[int, Any] = {}
+        self._watchdog: threading.Timer | None = None
+
+    def install(self) -> GracefulStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        self.installed = True
+        return self
+
+    def restore(self) -> None:
+        """Put the previous handlers back and cancel the watchdog; safe to call twice."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.installed and threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self.installed = False
+
+    def request(self, signum: int | None = None) -> None:
+        """Ask for the stop as a first signal would (tests, embedding code)."""
+        if self.requested.is_set():
+            return
+        self.signum = signum
+        self.requested.set()
+        self._watchdog = threading.Timer(self.grace_s, self._out_of_time)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        if self.on_stop is not None:
+            threading.Thread(target=self._run_on_stop, name="moescope-stop", daemon=True).start()
+
+    def _run_on_stop(self) -> None:
+        try:
+            self.on_stop()  # type: ignore[misc]
+        except Exception:
+            log.exception("%s: stopping failed", self.what)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested.is_set():
+            self._exit(128 + signum, f"{self.what}: second {signal.Signals(signum).name}, exiting now without "
+                                     "draining; what was still queued is lost")
+        name = signal.Signals(signum).name
+        print(f"{self.what}: {name} received, draining (at most {self.grace_s:g} s; send it again to exit now)",
+              file=sys.stderr, flush=True)
+        self.request(signum)
+
+    def _out_of_time(self) -> None:
+        self._exit(1, f"{self.what}: could not drain within the {self.grace_s:g} s grace period; exiting, and "
+                      "what was still queued is lost")
+
+    def _exit(self, status: int, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        if self.on_exit is not None:
+            try:
+                self.on_exit(status)
+            except Exception:
+                pass
+        os._exit(status)
+
+    def __enter__(self) -> GracefulStop:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
