@@ -1,0 +1,50 @@
+"""moescope's alerts: judgement over the store's records.
+
+Signals (`alerts.signals`: one definition per derived number), a rules engine with per-alert state
+(`AlertEngine`, `load_rules`, `default_rules`), notifiers for plain JSON, Slack and Alertmanager
+delivered from a persistent outbox, the expert-health score and the policies that turn it (and the
+routing-collapse rule) into trust-gate weights and router cooldowns, and a Prometheus exporter
+with bounded label cardinality. The names below are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AlertEngine": "moescope.alerts.engine",
+    "AlertTransition": "moescope.alerts.engine",
+    "EngineExporter": "moescope.alerts.engine",
+    "RulePack": "moescope.alerts.rules",
+    "RulesError": "moescope.alerts.rules",
+    "default_rules": "moescope.alerts.rules",
+    "load_rules": "moescope.alerts.rules",
+    "PrometheusExporter": "moescope.alerts.prometheus",
+    "TrustPolicy": "moescope.alerts.trust_policy",
+    "TrustPolicyConfig": "moescope.alerts.trust_policy",
+    "CooldownConfig": "moescope.alerts.cooldown_policy",
+    "CooldownPolicy": "moescope.alerts.cooldown_policy",
+    "Outbox": "moescope.alerts.outbox",
+}
+
+__all__ = ["AlertEngine", "AlertTransition", "CooldownConfig", "CooldownPolicy", "EngineExporter", "Outbox",
+           "PrometheusExporter", "RulePack", "RulesError", "TrustPolicy", "TrustPolicyConfig", "default_rules",
+           "load_rules"]
+
+if TYPE_CHECKING:
+    from moescope.alerts.cooldown_policy import CooldownConfig, CooldownPolicy
+    from moescope.alerts.engine import AlertEngine, AlertTransition, EngineExporter
+    from moescope.alerts.outbox import Outbox
+    from moescope.alerts.prometheus import PrometheusExporter
+    from moescope.alerts.rules import RulePack, RulesError, default_rules, load_rules
+    from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moescope.alerts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
