@@ -11,9 +11,9 @@ import contextlib
 import datetime as dt
 import os
 import re
-import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from moescope.alerts.engine import FIRING, AlertTransition
@@ -21,6 +21,7 @@ from moescope.alerts.notify import KINDS, NotifierError
 from moescope.alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
 from moescope.alerts.promrules import prometheus_rules_yaml
 from moescope.alerts.rules import RulesError, default_rules, load_rules
+from moescope.lifecycle import GracefulStop, grace_period_s
 
 _RUN_HELP = """\
 Evaluate alert rules over a moescope store, as new steps land, and notify receivers.
@@ -38,6 +39,11 @@ check FILE` validates your own.
 On a full disk it keeps evaluating and delivering: the outbox moves to memory until the file can
 be written again, writes to the alerts table are retried every poll, and what could not be saved
 is reported at exit.
+
+SIGTERM or Ctrl-C stops it cleanly: the poll under way finishes, its transitions are written to
+the alerts table, the outbox delivers what it can within the grace period (--grace-period,
+default 10 s or $MOESCOPE_GRACE_PERIOD_S; what is left stays in the outbox for the next run),
+and it exits 0. A second signal exits at once (status 143 for SIGTERM).
 
 example:
   export MOESCOPE_WEBHOOK_SECRET=...   # signs JSON webhooks (HMAC-SHA256)
@@ -87,6 +93,14 @@ def _outbox_path(args: argparse.Namespace) -> str:
     return args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
 
 
+def seconds(text: str) -> float:
+    """argparse type for --grace-period: a positive number of seconds."""
+    try:
+        return grace_period_s(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10") from None
+
+
 def _load_pack(path: str | None):
     return load_rules(path) if path else default_rules()
 
@@ -112,33 +126,52 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         outbox.close()
         return 2
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    worker = OutboxWorker(outbox, interval_s=1.0).start()
-    print(f"evaluating {len(pack.rules)} rules from {pack.source} over {args.store}; "
-          f"{len(notifiers)} receivers; outbox {outbox_path}", file=sys.stderr)
-    if not outbox.persistent:
-        print(f"warning: cannot write the outbox {outbox_path} ({outbox.unsaved_reason}): notifications are kept "
-              "in memory only until there is room again", file=sys.stderr)
-    try:
-        if args.once:
-            for t in runner.poll_once():
-                print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer} {t.values}")
-        else:
-            while not stop.is_set():
+    with GracefulStop(grace_s=args.grace_period, what="moescope alerts run") as stop:
+        worker = OutboxWorker(outbox, interval_s=1.0).start()
+        print(f"evaluating {len(pack.rules)} rules from {pack.source} over {args.store}; "
+              f"{len(notifiers)} receivers; outbox {outbox_path}", file=sys.stderr, flush=True)
+        if not outbox.persistent:
+            print(f"warning: cannot write the outbox {outbox_path} ({outbox.unsaved_reason}): notifications are "
+                  "kept in memory only until there is room again", file=sys.stderr)
+        try:
+            if args.once:
                 for t in runner.poll_once():
-                    print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer}", flush=True)
-                stop.wait(args.interval)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        worker.stop()
-        outbox.flush(args.flush_timeout)
-        left = outbox.pending()
-        outbox.close()
-        _report_unsaved(runner, outbox, outbox_path, left)
+                    print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer} {t.values}")
+            else:
+                # a signal during a poll lets it finish: its transitions are written and enqueued below
+                while not stop.requested.is_set():
+                    for t in runner.poll_once():
+                        print(f"{t.at.isoformat()} {t.state:9s} {t.alertname} run={t.run_id} layer={t.layer}",
+                              flush=True)
+                    stop.requested.wait(args.interval)
+        finally:
+            if runner.writer is not None and runner.writer.unwritten:
+                runner.writer.handle([])  # the last try for rows a full disk refused at a poll
+            budget = args.flush_timeout
+            if stop.requested.is_set():  # leave a little of the grace period for closing and the report
+                budget = min(budget, max(0.0, stop.remaining_s() - min(1.0, stop.grace_s / 4)))
+            delivered_in_time = _deliver_pending(worker, outbox, budget)
+            left = outbox.pending()
+            if delivered_in_time or not outbox.persistent:  # an outbox in memory tries to save itself at close
+                outbox.close()
+            _report_unsaved(runner, outbox, outbox_path, left)
     return 0
+
+
+def _deliver_pending(worker: OutboxWorker, outbox: Outbox, timeout_s: float) -> bool:
+    """Stop the delivery thread and deliver what is due, all within `timeout_s`; True when no delivery
+    is still in flight (then the outbox may be closed). What is not delivered stays pending in the
+    outbox file for the next run; a delivery still in flight at exit is sent again then, under the
+    same idempotency key."""
+    deadline = time.monotonic() + timeout_s
+    worker.stop(timeout_s)
+    if time.monotonic() >= deadline:  # the thread is still posting to a slow receiver
+        return False
+    flushing = threading.Thread(target=outbox.flush, args=(deadline - time.monotonic(),),
+                                name="moescope-outbox-flush", daemon=True)
+    flushing.start()
+    flushing.join(max(0.0, deadline - time.monotonic()) + 0.1)
+    return not flushing.is_alive()
 
 
 def _report_unsaved(runner, outbox: Outbox, outbox_path: str, left: int) -> None:
@@ -301,6 +334,9 @@ def add_subcommands(subparsers) -> None:
                      help="environment variable holding the HMAC secret for --webhook (never pass it inline)")
     run.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
     run.add_argument("--flush-timeout", type=float, default=10.0, help="seconds to keep delivering at exit")
+    run.add_argument("--grace-period", type=seconds, default=None, metavar="SECONDS",
+                     help="on SIGTERM or Ctrl-C, stop within this many seconds (default 10, or "
+                          "$MOESCOPE_GRACE_PERIOD_S); a second signal exits at once")
     run.set_defaults(func=cmd_run)
 
     test = sub.add_parser(
