@@ -3,8 +3,9 @@
 `add_subcommands(subparsers)` registers the subcommand on moescope's command line; `python -m
 dashboard.cli STORE` runs it alone. The app runs as a `streamlit run` subprocess (headless, no
 usage statistics, bound to --host) and gets the store and flags through environment variables
-(see `dashboard.settings`). SIGTERM and SIGHUP sent to this process are passed on to that child,
-and the command returns only once the child is gone.
+(see `dashboard.settings`). SIGTERM, SIGHUP or Ctrl-C sent to this process stop that child, and the
+command exits 0 only once the child is gone (`moescope.lifecycle`: a second signal, or a child that
+outlives --grace-period, kills it).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
+from moescope.lifecycle import GracefulStop, grace_period_s
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # Ctrl-C reaches the child from the terminal itself
+# Ctrl-C also reaches the child from the terminal itself; the SIGTERM this command sends it then is harmless
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 DESCRIPTION = """\
 Open a store in the browser: run overview and the active-parameter fraction, load heatmaps
@@ -53,8 +54,18 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "token text instead of ids, e.g. moescope/demo/model")
     parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
                         help=f"how often live refresh checks for new data (default {DEFAULT_REFRESH_S:g} s)")
+    parser.add_argument("--grace-period", type=_seconds, default=None, metavar="SECONDS",
+                        help="on SIGTERM, SIGHUP or Ctrl-C, wait this long for the server to stop before killing "
+                             "it (default 10, or $MOESCOPE_GRACE_PERIOD_S); a second signal kills it at once")
     parser.set_defaults(func=run)
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        return grace_period_s(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10") from None
 
 
 def add_subcommands(subparsers) -> None:
@@ -83,10 +94,13 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the server in the foreground; returns its exit status.
+    """Start the server in the foreground; returns 0 once a stop was asked for and the server is gone,
+    else the server's own exit status.
 
-    Ctrl-C, SIGTERM (`kill PID`, a service manager) and SIGHUP (a closed terminal) are passed on
-    to the Streamlit child, which is then waited for, so its port is free when this returns.
+    SIGTERM (`kill PID`, a service manager), SIGHUP (a closed terminal) and Ctrl-C stop the Streamlit
+    child (SIGTERM to it), which is then waited for, so its port is free when this returns. If it is
+    still there after the grace period (--grace-period) it is killed and the command exits 1; a
+    second signal kills it and exits at once (128 + the signal). See `moescope.lifecycle`.
     """
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         print(f"moescope dashboard: no tokenizer folder at {args.tokenizer!r}; give a local folder holding "
@@ -97,42 +111,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"moescope dashboard: no store at {args.store!r} yet; the dashboard waits for the first run "
               "to be recorded there", file=sys.stderr)
     print(f"moescope dashboard: http://{args.host}:{args.port}  (store {os.path.abspath(args.store)})",
-          file=sys.stderr)
-    process = subprocess.Popen(command(args), env=environment(args))
-    received: list[int] = []
+          file=sys.stderr, flush=True)
+    process: subprocess.Popen | None = None
 
-    def forward(signum: int, _frame) -> None:
-        received.append(signum)
-        if process.poll() is None:
-            process.send_signal(signum)
+    def stop_child() -> None:
+        if process is not None and process.poll() is None:
+            process.terminate()
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        return _wait(process, received)
-    except KeyboardInterrupt:
-        process.terminate()
-        return _wait(process, [signal.SIGTERM])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    def kill_child(_status: int) -> None:  # a forced exit: the child must not outlive this process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(5)
+
+    with GracefulStop(on_stop=stop_child, on_exit=kill_child, grace_s=getattr(args, "grace_period", None),
+                      what="moescope dashboard", signals=STOP_SIGNALS) as stop:
+        process = subprocess.Popen(command(args), env=environment(args))
+        if stop.requested.is_set():  # a signal came while the child was being started
+            stop_child()
+        code = _wait(process)
+    if stop.requested.is_set():
+        return 0
+    return 128 - code if code < 0 else code
 
 
-def _wait(process: subprocess.Popen, received: list[int], grace_s: float = 10.0) -> int:
-    """Wait for the child; once a signal was passed on, kill it if it is not gone after `grace_s`.
-    Returns the child's status, or 128 + the signal when a signal ended it."""
-    stop_deadline = None
+def _wait(process: subprocess.Popen) -> int:
+    """Wait for the child, in short waits so that signals are handled at once; its exit status."""
     while True:
         try:
-            code = process.wait(timeout=0.5)
-            break
+            return process.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
-            if received and stop_deadline is None:
-                stop_deadline = time.monotonic() + grace_s
-            if stop_deadline is not None and time.monotonic() > stop_deadline:
-                process.kill()
-    return 128 - code if code < 0 else code
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import pytest
 from moescope.dashboard import cli, settings
 from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
 from moescope.store.store import Store
+from tests.sigterm import started
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -103,7 +104,7 @@ def _answers(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_killed_dashboard_stops_its_streamlit_server(tmp_path, signum):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,7 +121,9 @@ def test_a_killed_dashboard_stops_its_streamlit_server(tmp_path, signum):
         children = _children(proc.pid)
         assert children, "streamlit runs as a child process"
         proc.send_signal(signum)
-        proc.wait(timeout=30)  # returns only once its child is gone
+        sent = time.monotonic()
+        assert proc.wait(timeout=30) == 0  # a stop that was asked for, once its child is gone
+        assert time.monotonic() - sent < 10, "not within the 10 s grace period"
         for child in children:
             assert not os.path.exists(f"/proc/{child}") or _is_zombie(child), "the Streamlit child outlived the CLI"
         with socket.socket() as s, pytest.raises(ConnectionRefusedError):
@@ -138,3 +141,53 @@ def _is_zombie(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# The dashboard command around a server that ignores SIGTERM (as a hung one would): what the
+# command does when its child will not stop.
+STUBBORN = """
+import sys
+from moescope.dashboard import cli
+cli.command = lambda args: [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            "print('server up', flush=True); time.sleep(600)"]
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@contextlib.contextmanager
+def stubborn_dashboard(store, *extra: str):
+    with started([sys.executable, "-c", STUBBORN, str(store), *extra]) as child:
+        server: list[int] = []
+        try:
+            child.wait_for_line("server up", "out", timeout_s=60)
+            server = _children(child.pid)
+            assert len(server) == 1
+            yield child, server[0]
+        finally:
+            for pid in server:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_sigterm_kills_the_server_and_exits_at_once(tmp_path):
+    with stubborn_dashboard(tmp_path) as (child, server):
+        child.signal()
+        child.wait_for_line("moescope dashboard: SIGTERM received, draining")
+        assert _alive(server), "the server ignores SIGTERM, so the command waits for it"
+        sent = child.signal()
+        assert child.exit_status(10) == 143
+        assert time.monotonic() - sent < 3
+        assert not _alive(server), "the server outlived the command"
+
+
+def test_a_server_that_outlives_the_grace_period_is_killed_and_the_command_exits_1(tmp_path):
+    with stubborn_dashboard(tmp_path, "--grace-period", "1") as (child, server):
+        sent = child.signal()
+        assert child.exit_status(15) == 1
+        assert 1 <= time.monotonic() - sent < 5
+        assert not _alive(server), "the server outlived the command"
+        assert "could not drain within the 1 s grace period" in child.err[-1]
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
