@@ -9,7 +9,18 @@
 
 Lifetime: the probe calls `shutdown()` when its session closes; that stops taking records but
 leaves `/metrics` up, so Prometheus can scrape the final values (and the same exporter can be
-handed to the next session of the process). `close()` stops the HTTP server.
+handed to the next session of the process). `close()` stops the HTTP server and frees its port;
+it is safe to call twice, and from any thread but the server's own (e.g. a GracefulStop's `on_stop`).
+
+Stopping on SIGTERM: no moescope command serves the exporter alone; it lives in the process that
+runs the model, which stops as every long-running moescope process does (`moescope.lifecycle`):
+
+    with GracefulStop() as stop, moescope.attach(model, store="runs/", exporters=[exporter]):
+        exporter.serve(9464)
+        while not stop.requested.is_set():
+            serve_one_request()
+    exporter.close()      # the session drained above (final probe_stats); now the port is free
+    return 0
 
 The exporter keeps, per MoE layer, the last `window_steps` steps and a few running totals; a
 custom collector computes the gauges from that window at each scrape (through the same
@@ -128,6 +139,8 @@ class PrometheusExporter:
         self._written: dict[str, float] = {}
         self._dropped: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._server = None
+        self._server_thread: threading.Thread | None = None
+        self._serving = threading.Lock()  # serve() and close() may run on different threads
         self._closed = False
         self.registry.register(_RoutingCollector(self))
 
@@ -191,14 +204,25 @@ class PrometheusExporter:
         serving the last values until `close()`; safe to call twice."""
         self._closed = True
 
-    def close(self) -> None:
-        """Stop serving `/metrics` and take no more records; safe to call twice. The last values
-        stay readable from the registry."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving `/metrics`, free the port and take no more records; safe to call twice and
+        from several threads. A scrape being answered gets its answer; waits at most `timeout_s` for
+        the server's thread. The last values stay readable from the registry."""
         self._closed = True
-        server, self._server = self._server, None
+        with self._serving:
+            server, self._server = self._server, None
+            thread, self._server_thread = self._server_thread, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.shutdown()  # returns once serve_forever has (within its 0.5 s poll)
+            server.server_close()  # the port is free from here
+        if thread is not None:
+            thread.join(timeout_s)
+
+    @property
+    def port(self) -> int | None:
+        """The port `/metrics` is served on, or None when not serving."""
+        server = self._server
+        return None if server is None else server.server_address[1]
 
     # -- extra inputs --------------------------------------------------------------------------
 
@@ -230,10 +254,11 @@ class PrometheusExporter:
         `with` block, so a scrape after it still answers with the last values. Raises
         RuntimeError when already serving, OSError when the port is taken.
         """
-        if self._server is not None:
-            raise RuntimeError(f"already serving on port {self._server.server_address[1]}; close() it first")
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        self._server = server
+        with self._serving:
+            if self._server is not None:
+                raise RuntimeError(f"already serving on port {self._server.server_address[1]}; close() it first")
+            server, thread = start_http_server(port, addr=addr, registry=self.registry)  # a daemon thread
+            self._server, self._server_thread = server, thread
         return server.server_address[1]
 
     # -- what the collector reads -----------------------------------------------------------
