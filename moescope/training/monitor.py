@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import math
 import os
+import signal
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from torch import nn
 
 import moescope
 from moescope.alerts import signals
+from moescope.lifecycle import GracefulStop
 from moescope.probe.health import ExpertGradients
 from moescope.probe.optim import torch_optimizer, torch_scheduler
 from moescope.probe.records import StepRecord
@@ -236,12 +240,24 @@ class TrainingMonitor:
     scheduler: the LR scheduler, which the cooldown's parameter-group split keeps in step. Every
     other option is `moescope.attach`'s (routes, health, tags, run_id, recording, ...), except the
     window: a training record always covers one optimizer step.
+
+    stop_on_sigterm (default True): when the job gets SIGTERM (a scheduler's preemption, `kill`,
+    Kubernetes), the monitor closes first: at once if the training thread is between a forward and
+    an optimizer step, else as soon as the forward or the optimizer step under way ends, so every
+    optimizer step taken before the signal is written, with the final `probe_stats`. Then the job
+    ends as it would have: the SIGTERM handler the job had installed before the monitor is called;
+    without one the process exits 0. If closing takes longer than `grace_period_s` (default 10 s,
+    or $MOESCOPE_GRACE_PERIOD_S) the process exits 1; a second SIGTERM exits at once (143). See
+    `moescope.lifecycle`. Sharp edges: the handler is installed only when the monitor is made on the
+    main thread and SIGTERM is not ignored; a handler the job installs after the monitor replaces it
+    (call `monitor.close()` from it); SIGINT (Ctrl-C) is left alone. False leaves SIGTERM to the job.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, *, store: str | os.PathLike | None = None,
                  scheduler: Any = None, tensorboard: Any = None, wandb: Any = None, dead_window: int = 64,
                  grad_norms: bool = True, measure_gradients: str = "step", cooldown: str | None = None,
-                 cooldown_config: Any = None, cooldown_sink: Any = None, **options: Any):
+                 cooldown_config: Any = None, cooldown_sink: Any = None, stop_on_sigterm: bool = True,
+                 grace_period_s: float | None = None, **options: Any):
         if measure_gradients not in ("step", "manual"):
             raise ValueError(f"measure_gradients must be 'step' or 'manual', not {measure_gradients!r}")
         if cooldown not in (None, "auto"):
@@ -266,7 +282,12 @@ class TrainingMonitor:
         self._info: _StepInfo | None = None
         self._groups: tuple[int, dict[int, int]] = (-1, {})
         self._pool = PinnedPool()
+        self._sigterm: GracefulStop | None = None
+        self._busy = 0  # forwards and optimizer steps under way: SIGTERM waits for them to end
+        self._signalled: tuple[int, Any] | None = None  # (signum, frame) of a SIGTERM not yet acted on
         try:
+            if stop_on_sigterm:  # the first of the optimizer's pre-hooks (the cooldown's come next)
+                self._handles.append(self.optimizer.register_step_pre_hook(self._step_begins))
             self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
             self.session.processor.exporters.append(self.exporter)
             if cooldown == "auto":
@@ -281,6 +302,8 @@ class TrainingMonitor:
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_update))
             self._handles.append(self.optimizer.register_step_post_hook(self._after_update))
             self._handles.append(model.register_forward_pre_hook(self._phase, prepend=True))
+            if stop_on_sigterm:
+                self._install_sigterm(model, grace_period_s)
         except BaseException:
             self.close()
             raise
@@ -357,6 +380,73 @@ class TrainingMonitor:
         except Exception:
             log.exception("moescope: closing the training step's window failed")
 
+    # -- SIGTERM (see the class doc) ---------------------------------------------------------------
+
+    def _install_sigterm(self, model: nn.Module, grace_period_s: float | None) -> None:
+        """Count what is under way (forwards: their first pre-hook and last hook; optimizer steps:
+        their first pre-hook and last post-hook; flush and close), and handle SIGTERM from now on."""
+        eager = torch.compiler.disable  # bookkeeping stays out of any compiled graph, as the session's
+        self._handles.append(model.register_forward_pre_hook(eager(self._forward_begins), prepend=True))
+        self._handles.append(model.register_forward_hook(eager(self._forward_ends), always_call=True))
+        self._step_ends_handle = self.optimizer.register_step_post_hook(self._step_ends)
+        self._handles.append(self._step_ends_handle)
+        if signal.getsignal(signal.SIGTERM) is None:  # a handler installed from C: it could not be called after us
+            log.info("moescope: SIGTERM has a handler installed outside Python; the training monitor leaves it be")
+            return
+        self._sigterm = GracefulStop(grace_s=grace_period_s, what="moescope training monitor",
+                                     signals=(signal.SIGTERM,), on_signal=self._on_sigterm)
+        if not self._sigterm.install().installed:  # not the main thread, or SIGTERM is ignored
+            self._sigterm = None
+
+    def _forward_begins(self, module: nn.Module, args: tuple) -> None:
+        self._at_safe_point()  # a SIGTERM deferred by an optimizer step that was not the last to end
+        self._busy += 1
+
+    def _forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._busy = max(self._busy - 1, 0)
+        self._at_safe_point()
+
+    def _step_begins(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._busy += 1
+
+    def _step_ends(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._busy = max(self._busy - 1, 0)
+        # torch iterates the post-hooks' dict itself: closing removes hooks from it, which is safe
+        # only when no hook comes after this one; else the next forward (or flush, close) closes
+        hooks = self._step_ends_handle.hooks_dict_ref()
+        if hooks is not None and next(reversed(hooks), None) == self._step_ends_handle.id:
+            self._at_safe_point()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """The first SIGTERM, in the handler (the training thread, between two bytecodes)."""
+        self._signalled = (signum, frame)
+        self._at_safe_point()  # between steps nothing of the monitor's is half done: close now;
+        # else the end of the forward, optimizer step, flush or close under way does
+
+    def _at_safe_point(self) -> None:
+        if self._signalled is not None and not self._busy:
+            self._finish_after_sigterm()
+
+    def _finish_after_sigterm(self) -> None:
+        """Close (drain: train_steps, probe_stats, run_ends), then end the job as it would have ended:
+        the job's own SIGTERM handler, or exit 0."""
+        stop, (signum, frame) = self._sigterm, self._signalled
+        self._signalled = None
+        if stop is None:
+            return
+        previous = stop.previous_handler(signum)
+        try:
+            self.close()  # puts the job's handler back and stops the watchdog once drained
+        except Exception:
+            log.exception("moescope: closing the training monitor on SIGTERM failed")
+        if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+            previous(signum, frame)  # the job decides how it ends (it may raise here, in its training loop)
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)  # as SIGTERM's default action ends a process (no cleanup runs), but with status 0
+
     # -- API -------------------------------------------------------------------------------------
 
     @property
@@ -366,17 +456,29 @@ class TrainingMonitor:
         return list(self.exporter.steps)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        return self.session.flush(timeout_s)
+        self._busy += 1  # a SIGTERM meanwhile waits for the flush, then closes
+        try:
+            return self.session.flush(timeout_s)
+        finally:
+            self._busy = max(self._busy - 1, 0)
+            self._at_safe_point()
 
     def close(self) -> None:
-        """Remove the hooks, end any cooldown, write everything; safe twice."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._eval_tags is not None:
-            tags, self._eval_tags = self._eval_tags, None
-            tags.__exit__(None, None, None)
-        self.session.close()
+        """Remove the hooks, end any cooldown, write everything, give SIGTERM back to the job; safe twice."""
+        self._busy += 1  # a SIGTERM meanwhile waits for this drain to end
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            if self._eval_tags is not None:
+                tags, self._eval_tags = self._eval_tags, None
+                tags.__exit__(None, None, None)
+            self.session.close()
+        finally:
+            self._busy = max(self._busy - 1, 0)
+            if self._sigterm is not None:
+                self._sigterm.restore()  # after the drain, which its watchdog bounds
+        self._at_safe_point()
 
     def __enter__(self) -> TrainingMonitor:
         return self
