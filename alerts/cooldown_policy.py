@@ -20,7 +20,8 @@ Every start, end and block is a row of the `routing_cooldown_events` table (stor
 start and end, whoever made it (this policy, or `RouterCooldown.start/end` by hand), is also a
 `RoutingCooldownApplied` alert transition (firing at the start, resolved at the end) written to the
 store's `alerts` table and handed to `sink` (e.g. an `alerts.outbox.Outbox`, which delivers the
-webhooks). When the session closes (`shutdown`), the cooldowns still on end with the reason
+webhooks). Rows and alerts go to the run's one writer (`store.writer.run_writer`), through its
+pipeline. When the session closes (`shutdown`), the cooldowns still on end with the reason
 "run ended" and their alerts resolve (`finish`), then the actuator's hooks are removed.
 
 Threads: starts happen on the writer thread; an end at the period's close happens in the
@@ -47,7 +48,7 @@ from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.window import observations_from_record
 from moescope.probe.cooldown import CooldownChange, RouterCooldown, RouterCooldownError
 from moescope.probe.records import StepRecord
-from moescope.store.writer import TableWriter
+from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class CooldownPolicy:
         self.session: Any = None
         self.run_id = ""
         self.rank = 0
-        self.tables: TableWriter | None = None
+        self.tables: RunWriter | None = None
         self.alert_table: AlertTableWriter | None = None
         self.rows: list[dict] = []
         self.alerts: list[AlertTransition] = []
@@ -188,10 +189,8 @@ class CooldownPolicy:
         self.rank = session.run.rank
         self.engine.routed_experts.update({info.layer: info.num_experts for info in session.run.layers})
         if store is not None:
-            processor = getattr(session, "processor", None)
-            self.tables = TableWriter(store, self.run_id, self.rank,
-                                      on_dropped=getattr(processor, "count_dropped_rows", None))
-            self.alert_table = AlertTableWriter(os.fspath(store))
+            self.tables = run_writer(store, self.run_id, self.rank)  # what it cannot write lands in probe_stats
+            self.alert_table = AlertTableWriter(store, self.rank)
         actuator.listeners.append(self._on_change)
         return self
 
@@ -223,9 +222,12 @@ class CooldownPolicy:
         return True
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write the queued changes' rows and alerts, and everything handed to the run's writer."""
         with self._lock:
             self._drain()
-        return True
+        if self.tables is None:
+            return True
+        return self.alert_table.flush(timeout_s) and self.tables.flush(timeout_s)
 
     def shutdown(self) -> None:
         """The session closed: end what still cools ("run ended"), remove the actuator's hooks; safe twice."""
@@ -241,6 +243,10 @@ class CooldownPolicy:
                     if self._on_change in self.actuator.listeners:
                         self.actuator.listeners.remove(self._on_change)
                 self._drain()
+                if self.alert_table is not None:
+                    self.alert_table.close()
+                if self.tables is not None:
+                    self.tables.release()
 
     def finish(self, reason: str = "run ended") -> list[AlertTransition]:
         """End every cooldown in force with `reason` and resolve its alert; returns the transitions."""
@@ -343,7 +349,7 @@ class CooldownPolicy:
         self.rows.append(row)
         if self.tables is not None:
             try:
-                self.tables.write(EVENTS_TABLE, [row])  # a refused write is counted there, as write_failed
+                self.tables.emit(EVENTS_TABLE, [row])  # written on the writer's thread; a refused write is counted
             except Exception:  # a row that does not fit must not stop the policy
                 log.exception("could not write a %s row", EVENTS_TABLE)
 

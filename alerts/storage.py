@@ -9,8 +9,8 @@ On start the runner replays each run from its first step: the windows and the al
 rebuilt exactly (event time), transitions already in the `alerts` table are not written twice,
 and notifications already in the outbox are not enqueued twice (same idempotency keys).
 
-The `alerts` table follows the store layout, `<root>/alerts/run_id=<id>/part-*.parquet`,
-written through `store.writer.write_table_file` (atomic rename). Sharp edges: a step is read
+The `alerts` table follows the store layout, `<root>/alerts/run_id=<id>/part-*.parquet`, written
+by each run's writer (`store.writer.run_writer`) through its pipeline. Sharp edges: a step is read
 once, when its `layer_steps` file has landed; rows that another rank writes later for a step
 already read are not counted, and routes that land after their step's `layer_steps` are missed
 by the route signals of that step.
@@ -20,13 +20,15 @@ its open alerts resolved with the reason "run ended", as the live engine does wh
 closes: an event-time cooldown never passes in a run that records nothing more.
 
 A full disk stops neither evaluation nor notification: transitions the table cannot take wait
-in `AlertTableWriter.unwritten` and are written at the next poll that finds room.
+in `AlertTableWriter.unwritten` and are written at the next poll that finds room. `close()`
+releases the runs' writers, which write their final `probe_stats`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -39,7 +41,7 @@ from moescope.alerts.rules import RulePack
 from moescope.alerts.window import LayerObservation
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store
-from moescope.store.writer import TableWriter
+from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
 
@@ -66,48 +68,98 @@ def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
 
 
 class AlertTableWriter:
-    """A TransitionSink that appends transitions to the store's `alerts` table, one file per run and batch.
+    """A TransitionSink that hands transitions to the `alerts` table of their run, through the run's
+    writer (`store.writer.run_writer`: the one the run's other producers in this process share).
 
-    A write that fails (a full disk) does not raise: its transitions are kept in `unwritten` (at
-    most `max_unwritten`; beyond that they are counted in `lost`) and written first by the next
-    `handle` call, so a caller that calls `handle` again (even with nothing new) retries.
-    `last_error` says why the last write failed, None once everything is written.
+    `handle` never waits for the disk: the rows are written on the writer's thread. A write the
+    disk refuses (a full disk) loses nothing: the writer hands the rows back, this sink keeps them
+    (`unwritten`, at most `max_unwritten`; beyond that the oldest are counted in `lost` and in the
+    run's `probe_stats` as write_failed) and emits them again at every `flush()` until there is
+    room. `flush()` writes what was handed so far; `last_error` says why the last write failed,
+    None once everything is written. `close()` makes a last try and gives the writers back; safe
+    to call twice. Raises InvalidNameError (from `handle`) for a run id that cannot be in a path.
     """
 
-    def __init__(self, root: str, max_unwritten: int = 10_000):
-        self.root = root
+    def __init__(self, root: str | os.PathLike, rank: int = 0, max_unwritten: int = 10_000):
+        self.root = os.fspath(root)
+        self.rank = rank
         self.max_unwritten = max_unwritten
-        self.unwritten: list[AlertTransition] = []
         self.lost = 0
-        self.last_error: str | None = None
-        self._tables: dict[str, TableWriter] = {}  # the store's one table writer, per run
+        self._writers: dict[str, RunWriter] = {}
+        self._unwritten: list[tuple[str, pa.Table]] = []  # (run_id, rows) the disk refused, oldest first
+        self._lock = threading.Lock()
+
+    def _writer(self, run_id: str) -> RunWriter:
+        with self._lock:
+            writer = self._writers.get(run_id)
+            if writer is None:
+                writer = self._writers[run_id] = run_writer(self.root, run_id, self.rank)
+            return writer
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
         by_run: dict[str, list[AlertTransition]] = {}
-        for t in [*self.unwritten, *transitions]:
+        for t in transitions:
             by_run.setdefault(t.run_id, []).append(t)
-        if not by_run:
-            return
-        held, left, error = len(self.unwritten), [], None
         for run_id, items in by_run.items():
-            try:
-                tables = self._tables.get(run_id) or self._tables.setdefault(run_id, TableWriter(self.root, run_id))
-                written = tables.write(ALERTS_TABLE, transitions_table(items), retried=True)  # kept, not dropped
-                if not written:
-                    error = tables.last_error
-            except pa.ArrowException as exc:
-                written, error = False, f"{type(exc).__name__}: {exc}"
-            if not written:
-                left.extend(items)
-        if len(left) > self.max_unwritten:
-            self.lost += len(left) - self.max_unwritten
-            left = left[: self.max_unwritten]
-        if error is not None and self.last_error is None:
-            log.warning("could not write %d alert transitions to the alerts table under %s (%s); they are kept in "
-                        "memory and written when there is room", len(left), self.root, error)
-        elif error is None and held:
-            log.warning("wrote %d alert transitions to the alerts table that had waited for room", held)
-        self.unwritten, self.last_error = left, error
+            self._emit(run_id, transitions_table(items))
+
+    def _emit(self, run_id: str, rows: pa.Table) -> None:
+        self._writer(run_id).emit(ALERTS_TABLE, rows, on_refused=lambda refused: self._refused(run_id, refused))
+
+    def _refused(self, run_id: str, rows: pa.Table) -> None:
+        """The writer's thread hands back rows the disk refused: keep them for the next flush."""
+        with self._lock:
+            if not self._unwritten:
+                log.warning("could not write %d alert transitions to the alerts table under %s (%s); they are kept "
+                            "in memory and written when there is room", rows.num_rows, self.root,
+                            self._writers[run_id].last_error)
+            self._unwritten.append((run_id, rows))
+            while sum(r.num_rows for _, r in self._unwritten) > self.max_unwritten:
+                old_run, old = self._unwritten.pop(0)
+                self.lost += old.num_rows
+                self._writers[old_run].count_dropped(ALERTS_TABLE, "write_failed", old.num_rows)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Write every transition handed so far, and again those waiting for room; False on timeout."""
+        with self._lock:
+            waiting, self._unwritten = self._unwritten, []
+            writers = list(self._writers.values())
+        for run_id, rows in waiting:
+            self._emit(run_id, rows)
+        done = all([writer.flush(timeout_s) for writer in writers])
+        if waiting and not self.unwritten:
+            log.warning("wrote %d alert transitions to the alerts table that had waited for room",
+                        sum(r.num_rows for _, r in waiting))
+        return done
+
+    @property
+    def unwritten(self) -> list[dict]:
+        """Transitions (as `alerts` rows) waiting for room on the disk."""
+        with self._lock:
+            waiting = list(self._unwritten)
+        return [row for _, rows in waiting for row in rows.to_pylist()]
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the last write failed; None once everything is written."""
+        with self._lock:
+            if not self._unwritten:
+                return None
+            writers = list(self._writers.values())
+        return next((writer.last_error for writer in writers if writer.last_error), None)
+
+    def close(self) -> None:
+        """Try the waiting transitions once more, count what is still refused as lost, give back the
+        writers; safe to call twice."""
+        self.flush()
+        with self._lock:
+            waiting, self._unwritten = self._unwritten, []
+            writers, self._writers = dict(self._writers), {}
+        for run_id, rows in waiting:
+            self.lost += rows.num_rows
+            writers[run_id].count_dropped(ALERTS_TABLE, "write_failed", rows.num_rows)
+        for writer in writers.values():
+            writer.release()
 
 
 def read_alerts(store: Store, run_id: str | None = None):
@@ -227,11 +279,18 @@ class StoreAlertRunner:
                 self._finished[run_id] = last
         new = [t for t in found if (t.fingerprint, t.state, t.at) not in self._recorded]
         if self.writer is not None:
-            self.writer.handle(new)  # also retries what an earlier poll could not write (a full disk)
+            self.writer.handle(new)
+            self.writer.flush()  # on disk when the poll returns; also retries what an earlier poll could not write
             self._recorded.update((t.fingerprint, t.state, t.at) for t in new)
         for sink in self.sinks:
             sink.handle(found)  # the outbox drops what it already holds
         return new
+
+    def close(self) -> None:
+        """Give back the runs' writers (they write their final counts) and close the store; safe twice."""
+        if self.writer is not None:
+            self.writer.close()
+        self.store.close()
 
     def run(self, interval_s: float = 5.0, stop: threading.Event | None = None, max_polls: int | None = None) -> None:
         """Poll every `interval_s` until `stop` is set (or `max_polls` polls are done)."""

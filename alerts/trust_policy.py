@@ -20,6 +20,8 @@ alert (firing when the weight drops below 1, resolved when it is back at 1) thro
 an `alerts.outbox.Outbox`, which delivers to the configured notifiers. Every ExpertUnhealthy and
 TrustGateChanged transition also lands in the store's `alerts` table, next to the rules engine's.
 When the session closes, what is still firing resolves with the reason "run ended" (`finish`).
+Every row goes to the run's one writer (`store.writer.run_writer`), through its pipeline: the
+write happens on the writer's thread, and a failed one is counted in `probe_stats`.
 
 `override(layer, expert, weight, reason)` pins an expert's weight: the policy leaves a pinned
 expert alone until `release(layer, expert)` hands it back (at weight 1).
@@ -36,21 +38,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import pyarrow.parquet as pq
-
 from moescope.alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint, hand_to_sinks
 from moescope.alerts.health import ExpertHealth, HealthConfig, HealthScorer
 from moescope.alerts.storage import AlertTableWriter
 from moescope.probe.gate import GateChange, TrustGate, TrustGateError
 from moescope.probe.records import StepRecord
-from moescope.store.layout import list_parts
-from moescope.store.schema import SCHEMAS
-from moescope.store.writer import TableWriter
+from moescope.store.errors import StoreError
+from moescope.store.store import Store
+from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
 
 MODES = (None, "manual", "auto")
-REQUESTS_TABLE = "trust_gate_requests"
 
 
 class TransitionSink(Protocol):
@@ -133,8 +132,9 @@ class TrustPolicy:
         self.accept_requests = accept_requests
         self.request_poll_s = request_poll_s
         self.applied_requests: dict[str, str] = {}  # request_id -> what happened
-        self._request_files: set[str] = set()
+        self._requests: Store | None = None  # the store read for requests, opened at the first poll
         self._polled_at = 0.0
+        self.tables: RunWriter | None = None
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -146,14 +146,12 @@ class TrustPolicy:
         self.mode = mode
         self.gate = session.gate
         self.root = None if store is None else os.fspath(store)
-        self.alert_table = None if self.root is None else AlertTableWriter(self.root)
-        # health rows and gate events go through the store's one table writer; what it cannot
-        # write is counted with the probe's own drops (probe_stats, Prometheus)
         self.run_id = session.run.run_id
         self.rank = session.run.rank
-        processor = getattr(session, "processor", None)
-        self.tables = None if self.root is None else TableWriter(
-            self.root, self.run_id, self.rank, on_dropped=getattr(processor, "count_dropped_rows", None))
+        # health rows, gate events and alerts go to the run's one writer; what it cannot write is
+        # counted in the run's probe_stats
+        self.tables = None if self.root is None else run_writer(self.root, self.run_id, self.rank)
+        self.alert_table = None if self.root is None else AlertTableWriter(self.root, self.rank)
         for info in session.run.layers:
             self.top_k[info.layer] = info.top_k
             self.num_experts[info.layer] = info.num_experts
@@ -176,15 +174,27 @@ class TrustPolicy:
         return True
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write the buffered health rows, and everything handed to the run's writer so far."""
         self._write_health()
-        return True
+        if self.tables is None:
+            return True
+        return self.alert_table.flush(timeout_s) and self.tables.flush(timeout_s)
 
     def shutdown(self) -> None:
-        """The session closed: resolve what is still open ("run ended"), write what is buffered."""
+        """The session closed: resolve what is still open ("run ended"), write what is buffered,
+        give the run's writer back; safe to call twice."""
         self.finish()
         self._write_health()
         if self.gate is not None and self._on_change in self.gate.listeners:
             self.gate.listeners.remove(self._on_change)
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+        if self.alert_table is not None:
+            self.alert_table.close()
+        if self.tables is not None:
+            tables, self.tables = self.tables, None
+            tables.release()
 
     # -- judging -------------------------------------------------------------------------------
 
@@ -295,38 +305,39 @@ class TrustPolicy:
         """Apply the store's new `trust_gate_requests` rows for this run, each request_id once.
 
         Returns {request_id: outcome} of the requests handled in this call. A request the gate
-        refuses (bad expert, guard rail) is recorded with the error and not retried; a file that
-        cannot be read is skipped with a warning and read again at the next poll.
+        refuses (bad expert, guard rail) is recorded with the error and not retried; when the store
+        cannot be read, the poll is skipped with a warning and the next one reads again. The rows
+        come from the store's query (`Store.gate_requests`), which leaves out damaged files.
         """
         self._polled_at = time.monotonic()
         if self.root is None or self.gate is None:
             return {}
+        try:
+            if self._requests is None:
+                self._requests = Store(self.root, verify=False)  # footers only: this runs on the writer thread
+            else:
+                self._requests.refresh()
+            requests = self._requests.gate_requests(self.run_id)
+        except StoreError as e:  # a store that cannot be read now must not stop the policy
+            log.warning("cannot read gate requests from %s: %s", self.root, e)
+            return {}
         handled: dict[str, str] = {}
-        for path in list_parts(self.root, REQUESTS_TABLE, self.run_id):  # the store's one listing rule
-            if path in self._request_files:
+        for row in requests.itertuples(index=False):
+            if row.request_id in self.applied_requests:
                 continue
+            reason = f"{row.reason} (requested by {row.requested_by}, request {row.request_id[:8]})"
             try:
-                rows = pq.read_table(path, schema=SCHEMAS[REQUESTS_TABLE]).to_pylist()
-            except Exception as e:  # noqa: BLE001 - a bad file must not stop the policy
-                log.warning("cannot read gate request file %s: %s", path, e)
-                continue
-            self._request_files.add(path)
-            for row in sorted(rows, key=lambda r: r["requested_at"]):
-                if row["request_id"] in self.applied_requests or row["run_id"] != self.run_id:
-                    continue
-                reason = f"{row['reason']} (requested by {row['requested_by']}, request {row['request_id'][:8]})"
-                try:
-                    if row["action"] == "release":
-                        self.release(row["layer"], row["expert"], reason)
-                    elif row["action"] == "override":
-                        self.override(row["layer"], row["expert"], row["weight"], reason)
-                    else:
-                        raise ValueError(f"unknown action {row['action']!r}")
-                    outcome = "applied"
-                except (TrustGateError, ValueError) as e:
-                    outcome = f"refused: {e}"
-                    log.warning("gate request %s refused: %s", row["request_id"], e)
-                self.applied_requests[row["request_id"]] = handled[row["request_id"]] = outcome
+                if row.action == "release":
+                    self.release(int(row.layer), int(row.expert), reason)
+                elif row.action == "override":
+                    self.override(int(row.layer), int(row.expert), float(row.weight), reason)
+                else:
+                    raise ValueError(f"unknown action {row.action!r}")
+                outcome = "applied"
+            except (TrustGateError, ValueError) as e:
+                outcome = f"refused: {e}"
+                log.warning("gate request %s refused: %s", row.request_id, e)
+            self.applied_requests[row.request_id] = handled[row.request_id] = outcome
         return handled
 
     def _require_gate(self) -> TrustGate:
@@ -439,8 +450,10 @@ class TrustPolicy:
             self._write("expert_health", rows)
 
     def _write(self, table: str, rows: list[dict]) -> None:
+        if self.tables is None:
+            return
         try:
-            self.tables.write(table, rows)  # a refused write is counted there, as write_failed
+            self.tables.emit(table, rows)  # written on the writer's thread; a refused write is counted there
         except Exception:  # a row that does not fit the schema must not stop the judging
             log.exception("could not write %d rows to %s", len(rows), table)
 

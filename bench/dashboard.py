@@ -1,8 +1,9 @@
 """Dashboard page render time over a large store.
 
-Builds a synthetic store in the real schema (vectorised with numpy/pyarrow, written through the
-store's own atomic writer): `--rows` route rows (default 50 M) over `--layers` MoE layers of
-`--experts` experts with top-2 routing skewed towards a few experts, the matching per-step
+Builds a synthetic store in the real schema (vectorised with numpy/pyarrow, built with the store's
+table builder and written by the run's writer, a part per table and chunk of steps): `--rows` route rows
+(default 50 M) over `--layers` MoE layers of `--experts` experts with top-2 routing skewed towards
+a few experts, the matching per-step
 reductions (expert loads are the bincount of the routes, co-selection included), tags, and a
 sample of router inputs. Then runs every page through Streamlit's AppTest `--repeats` times and
 prints the p50 and max render time per page:
@@ -31,8 +32,8 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from moescope.store.schema import SCHEMAS, TAGS
-from moescope.store.writer import write_table_file
+from moescope.store.schema import TAGS, table_from_columns
+from moescope.store.writer import run_writer
 
 RUN_ID = "bench-run"
 DOMAINS = ("code", "prose", "math")
@@ -58,34 +59,37 @@ def _tags(domains: np.ndarray) -> pa.Array:
 
 
 def _table(name: str, columns: dict[str, pa.Array]) -> pa.Table:
-    schema = SCHEMAS[name]
-    n = len(next(iter(columns.values())))
-    arrays = [columns[f.name] if f.name in columns else pa.nulls(n, f.type) for f in schema]
-    return pa.Table.from_arrays(arrays, schema=schema)
+    return table_from_columns(name, columns, len(next(iter(columns.values()))))
 
 
 def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step: int, seed: int = 0) -> dict:
-    """Write the synthetic store; returns what was written."""
+    """Write the synthetic store; returns what was written. Raises OSError if the disk refused a part."""
+    with run_writer(root, RUN_ID) as writer:
+        def write(table: str, data) -> None:
+            if not writer.write(table, data):
+                raise OSError(f"the store {root!r} did not take a part of {table}: {writer.last_error}")
+
+        return _build(write, rows, layers, experts, tokens_per_step, seed)
+
+
+def _build(write, rows: int, layers: int, experts: int, tokens_per_step: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     top_k, seq_len, hidden = 2, 256, 64
     steps = max(1, rows // (layers * tokens_per_step))
     start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     params_per_expert, shared = 1_000_000, 50_000_000
     total = shared + layers * experts * params_per_expert
-    write_table_file(root, "runs", RUN_ID, pa.Table.from_pylist([{
+    write("runs", [{
         "run_id": RUN_ID, "started_at": start, "model_class": "SyntheticMoE", "total_params": total,
         "routed_expert_params": layers * experts * params_per_expert, "tags": [("router", "A")], "rank": 0,
-        "world_size": 1}],
-        schema=SCHEMAS["runs"]), name="part-00000-0-000000.parquet")
-    write_table_file(root, "layers", RUN_ID, pa.Table.from_pylist([{
+        "world_size": 1}])
+    write("layers", [{
         "run_id": RUN_ID, "layer": i, "module": f"model.layers.{i}.mlp", "family": "mixtral", "num_experts": experts,
         "zero_experts": 0, "top_k": top_k, "params_per_expert": params_per_expert, "expert_capacity": None, "rank": 0}
-        for i in range(layers)],
-        schema=SCHEMAS["layers"]), name="part-00000-0-000001.parquet")
+        for i in range(layers)])
     popularity = 1.0 / np.sqrt(np.arange(1, experts + 1))
     popularity /= popularity.sum()
     chunk = max(1, 2_000_000 // (layers * tokens_per_step))  # steps per routes file: ~2 M rows
-    seq = 2
     written = 0
     for first in range(0, steps, chunk):
         n_steps = min(chunk, steps - first)
@@ -111,7 +115,7 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
             "kept": _lists(np.ones(n * top_k, dtype=bool), top_k, pa.bool_()),
             "tags": _tags(np.repeat(domain, layers * tokens_per_step)), "rank": pa.array(np.zeros(n, np.int32)),
         })
-        write_table_file(root, "routes", RUN_ID, routes, seq=seq)
+        write("routes", routes)
         written += n
         # Per (step, layer): the load is the bincount of the routes, co-selection the pair counts.
         group = ((step_of - first) * layers + layer_of).astype(np.int64)
@@ -138,7 +142,7 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
             "coselection": _lists(cosel.reshape(-1).astype(np.int64), experts * experts, pa.int64()),
             "tags": _tags(np.repeat(domain, layers)), "rank": pa.array(np.zeros(groups, np.int32)),
         })
-        write_table_file(root, "layer_steps", RUN_ID, layer_steps, seq=seq + 1)
+        write("layer_steps", layer_steps)
         active = (shared + layers * top_k * params_per_expert) / total
         steps_table = _table("steps", {
             "run_id": pa.array(np.full(n_steps, RUN_ID, dtype=object), pa.string()), "step": pa.array(step_ids),
@@ -151,7 +155,7 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
             "active_param_fraction": pa.array(np.full(n_steps, active)), "tags": _tags(domain),
             "rank": pa.array(np.zeros(n_steps, np.int32)),
         })
-        write_table_file(root, "steps", RUN_ID, steps_table, seq=seq + 2)
+        write("steps", steps_table)
         sample = 16  # router inputs sampled per layer and step, as `router_inputs=16` would
         s_rows = groups * sample
         picks = (np.arange(groups).repeat(sample) * tokens_per_step
@@ -165,8 +169,7 @@ def build_store(root: str, rows: int, layers: int, experts: int, tokens_per_step
                              .astype(np.float32).reshape(-1), hidden, pa.float32()),
             "tags": _tags(np.repeat(domain, layers * sample)), "rank": pa.array(np.zeros(s_rows, np.int32)),
         })
-        write_table_file(root, "router_inputs", RUN_ID, inputs, seq=seq + 3)
-        seq += 4
+        write("router_inputs", inputs)
     return {"route_rows": written, "steps": steps, "layers": layers, "experts": experts}
 
 

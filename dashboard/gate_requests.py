@@ -2,8 +2,9 @@
 
 The dashboard runs in another process than the model, so it cannot call `TrustGate.set`. A
 request is one row appended to the store's `trust_gate_requests` table, written atomically like
-every other table, through the store's one table writer (`store.writer.TableWriter`);
-the model-side policy reads new requests and applies each once, through its API:
+every other table, by the run's writer in this process (`store.writer.run_writer`, through its
+pipeline); the model-side policy reads new requests through the store's query
+(`Store.gate_requests`) and applies each once, through its API:
 action "override" is `TrustPolicy.override(layer, expert, weight, reason)` (pin the weight),
 action "release" is `TrustPolicy.release(layer, expert, reason)` (weight back to 1, the policy
 judges the expert again). The gate records the change in `trust_gate_events`, which the Expert
@@ -24,7 +25,7 @@ import socket
 import uuid
 
 from moescope.store.schema import SCHEMAS
-from moescope.store.writer import TableWriter
+from moescope.store.writer import run_writer
 
 REQUESTS_TABLE = "trust_gate_requests"
 REQUESTS_SCHEMA = SCHEMAS[REQUESTS_TABLE]
@@ -52,10 +53,13 @@ def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int,
     if not reason.strip():
         raise GateRequestError("say why the expert's weight changes: the reason is kept with the change")
     row = {"request_id": uuid.uuid4().hex, "run_id": run_id, "requested_at": dt.datetime.now(dt.timezone.utc),
-               "layer": int(layer), "expert": int(expert), "action": action, "weight": float(weight),
-               "reason": reason.strip()[:500],
-               "requested_by": f"dashboard@{socket.gethostname()}"}
-    if not TableWriter(root, run_id).write(REQUESTS_TABLE, [row]):
-        raise GateRequestError(f"the request could not be written to {os.fspath(root)!r} (is the disk full?); "
-                               "nothing was changed")
+           "layer": int(layer), "expert": int(expert), "action": action, "weight": float(weight),
+           "reason": reason.strip()[:500], "requested_by": f"dashboard@{socket.gethostname()}"}
+    with run_writer(root, run_id) as writer:
+        # The operator waits for the answer: the row is on disk (or refused) when this returns.
+        before = writer.written_rows[REQUESTS_TABLE]
+        writer.emit(REQUESTS_TABLE, [row])
+        if not writer.flush() or writer.written_rows[REQUESTS_TABLE] == before:
+            raise GateRequestError(f"the request could not be written to {os.fspath(root)!r} "
+                                   f"({writer.last_error or 'is the disk full?'}); nothing was changed")
     return row

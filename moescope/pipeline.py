@@ -1,25 +1,35 @@
-"""The probe's pipeline: a batch processor that owns the bounded queue and the writer thread.
+"""The write pipeline: a batch processor that owns the bounded queue and the worker thread.
 
-The model thread only calls `BatchProcessor.emit(record)`, which never raises and, under the
-`drop` policy, never waits. A worker thread builds windows into records (`PendingWindow`) and
-hands batches to exporters (`export(records) -> bool`, `force_flush(timeout_s) -> bool`,
-`shutdown()`): the store's `ParquetExporter`, the Prometheus exporter, an alerts engine, or the
-`InMemoryExporter` kept here for tests and in-process consumers.
+Every producer hands its records over with `BatchProcessor.emit(record)`, which never raises and,
+under the `drop` policy, never waits: the probe session (its windows), the proxy (captured
+responses), and, through a run's writer (`store.writer.RunWriter.emit`), the importers, the
+training monitor, the trust and cooldown policies, the alerts tables and dashboard gate requests.
+A worker thread builds deferred records (`Deferred`, e.g. the probe's window waiting for its device
+copies) and hands batches to exporters (`Exporter`: `export(records) -> bool`,
+`force_flush(timeout_s) -> bool`, `shutdown()`): the store's writers, the Prometheus exporter, an
+alerts engine, or the `InMemoryExporter` kept here for tests and in-process consumers.
+
+This module is a leaf (the standard library and numpy): probe, store and alerts all use it and it
+knows none of their types. A record says what queueing it costs and what dropping it loses through
+`Record` (its host bytes, its rows per table); a record type that cannot say so itself has its
+row count registered with `record_rows.register` by the module that owns its tables (the store's
+schema does it for the probe's `StepRecord`). `new_run_id` is the one generator of run ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import functools
 import logging
 import queue
 import threading
+import uuid
 from collections import Counter
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-
-from moescope.probe.records import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -30,38 +40,63 @@ POLICIES = ("block", "drop")
 DEFAULT_MAX_QUEUE_BYTES = 256 * 1024 * 1024
 
 
+def new_run_id(source: str | None = None) -> str:
+    """A fresh run id: UTC time to the second, the source where one is given (an importer's engine,
+    "proxy"), and a random suffix, e.g. `20250101T120000-ab12cd34` or `20250101T120000-vllm-ab12cd34`."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{source}-{uuid.uuid4().hex[:8]}" if source else f"{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+@runtime_checkable
+class Record(Protocol):
+    """What the queue asks of a record that can answer: the host bytes it holds (what queueing it
+    costs, against `max_queue_bytes`) and the rows it adds to each table (what dropping it loses)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def rows(self) -> Mapping[str, int]: ...
+
+
+@runtime_checkable
+class Deferred(Protocol):
+    """A record built on the worker thread, not the producer's (the probe's window: its device
+    copies are waited for there). `materialize()` returns what the exporters receive."""
+
+    def materialize(self) -> Any: ...
+
+
 class Exporter(Protocol):
-    def export(self, records: Sequence[StepRecord]) -> bool: ...
+    """What consumes the pipeline's records, on its worker thread."""
+
+    def export(self, records: Sequence[Any]) -> bool: ...
     def force_flush(self, timeout_s: float = 30.0) -> bool: ...
     def shutdown(self) -> None: ...
 
 
-def record_rows(record: StepRecord) -> dict[str, int]:
+class DropCounts(Protocol):
+    """Anything that counts what it lost: a processor, or an exporter that writes without one."""
+
+    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]: ...
+
+
+@functools.singledispatch
+def record_rows(record: object) -> dict[str, int]:
     """Rows a record would add to each table; what a dropped record costs, table by table.
 
-    A window not yet built (the probe's `PendingWindow`) answers from its layout.
+    A `Record` answers itself; other types are registered by the module that knows their tables
+    (`record_rows.register`); anything else adds no rows (a dropped one is still counted as a record).
     """
-    if hasattr(record, "materialize"):
-        return record.rows()
-    rows = {"steps": 1, "layer_steps": len(record.layers)}
-    for layer in record.layers:
-        if layer.routes is not None:
-            rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
-        for name in ("router_logits", "router_inputs"):
-            sample = getattr(layer, name)
-            if sample is not None:
-                rows[name] = rows.get(name, 0) + len(sample.token)
-    if record.kv_cache:
-        rows["kv_cache"] = len(record.kv_cache)
-    return rows
+    if isinstance(record, Record):
+        return dict(record.rows())
+    return {}
 
 
 def record_bytes(record: object) -> int:
-    """Host memory a queued record holds: its numpy arrays' bytes (a probe window not yet built:
-    its host buffers'), plus a small fixed cost for the Python objects."""
-    nbytes = getattr(record, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes + _RECORD_OVERHEAD
+    """Host memory a queued record holds: its own `nbytes` where it is a `Record`, else the bytes of
+    the numpy arrays it holds, plus a small fixed cost for the Python objects."""
+    if isinstance(record, Record):
+        return int(record.nbytes) + _RECORD_OVERHEAD
     return array_bytes(record) + _RECORD_OVERHEAD
 
 
@@ -80,19 +115,22 @@ def array_bytes(value: object) -> int:
 
 
 class BatchProcessor:
-    """A bounded queue and one worker thread between the model and the exporters.
+    """A bounded queue and one worker thread between a producer and its exporters.
 
-    The queue is bounded by records (`max_queue`) and by bytes (`max_queue_bytes`, counted from
-    each record's arrays, and held until the record's batch is exported): a burst of large records
+    The queue is bounded by records (`max_queue`) and by bytes (`max_queue_bytes`, counted with
+    `record_bytes`, and held until the record's batch is exported): a burst of large records
     cannot hold more memory than that. A record larger than the whole byte bound is let into an
-    empty queue only. policy="block" is lossless: when the queue is full the model waits.
-    policy="drop" never makes the model wait: a record that does not fit is dropped and counted,
+    empty queue only. policy="block" is lossless: when the queue is full the producer waits.
+    policy="drop" never makes the producer wait: a record that does not fit is dropped and counted,
     per table, with a reason ("queue_full" for the record bound, "queue_bytes_full" for bytes).
+    A record emitted after `shutdown` is counted as "closed"; one an exporter refused as
+    "export_failed:<exporter>". `drop_counts()` gives the counts (a `DropCounts`).
     """
 
     def __init__(self, exporters: Sequence[Exporter], max_queue: int = 256, policy: str = "block",
                  flush_interval_s: float = 5.0, max_batch: int = 32,
-                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES):
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, name: str = "moescope-writer"):
+        """name: the worker thread's name (what a thread dump shows)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if max_queue_bytes < 1:
@@ -109,12 +147,11 @@ class BatchProcessor:
         self.dropped_records: Counter[str] = Counter()  # reason -> records
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
         self.exported_records = 0
-        self._flush_requests: list[threading.Event] = []
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="moescope-writer", daemon=True)
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
         self._worker.start()
 
-    def emit(self, record: StepRecord) -> None:
+    def emit(self, record: Any) -> None:
         """Hand a record over; never raises."""
         if self._closed:
             self._count_drop(record, "closed")
@@ -159,7 +196,7 @@ class BatchProcessor:
                 self.queued_bytes -= size
                 self._space.notify_all()
 
-    def _count_drop(self, record: StepRecord, reason: str) -> None:
+    def _count_drop(self, record: Any, reason: str) -> None:
         with self._lock:
             self.dropped_records[reason] += 1
             for table, rows in record_rows(record).items():
@@ -176,15 +213,15 @@ class BatchProcessor:
         with self._lock:
             return dict(self.dropped_rows), dict(self.dropped_records)
 
-    def _built(self, item: object) -> StepRecord | None:
-        """A record, building a probe window on this (the writer's) thread; None if that failed."""
-        if not hasattr(item, "materialize"):
-            return item  # type: ignore[return-value]
+    def _built(self, item: object) -> Any:
+        """A record, building a `Deferred` one on this (the worker's) thread; None if that failed."""
+        if not isinstance(item, Deferred):
+            return item
         try:
             return item.materialize()
         except Exception:
-            log.exception("moescope: building a window's record failed; it is counted as dropped")
-            self._count_drop(item, "build_failed")  # type: ignore[arg-type]
+            log.exception("moescope: building a record failed; it is counted as dropped")
+            self._count_drop(item, "build_failed")
             return None
 
     def _run(self) -> None:
@@ -194,7 +231,7 @@ class BatchProcessor:
             except queue.Empty:
                 self._flush_exporters()
                 continue
-            batch: list[StepRecord] = []
+            batch: list[Any] = []
             held = 0  # queue bytes of the batch, given back once it is exported
             stop = False
             while item is not None:
@@ -225,7 +262,7 @@ class BatchProcessor:
                 self._flush_exporters()
                 return
 
-    def _export(self, batch: list[StepRecord]) -> None:
+    def _export(self, batch: list[Any]) -> None:
         if not batch:
             return
         for exporter in self.exporters:
@@ -277,9 +314,9 @@ class InMemoryExporter:
     """Keeps every exported record; for tests and in-process consumers."""
 
     def __init__(self) -> None:
-        self.records: list[StepRecord] = []
+        self.records: list[Any] = []
 
-    def export(self, records: Sequence[StepRecord]) -> bool:
+    def export(self, records: Sequence[Any]) -> bool:
         self.records.extend(records)
         return True
 

@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moescope.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
+from moescope.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor, new_run_id
 from moescope.probe.accumulate import (
     SAMPLE_MIX,
     SAMPLE_STRIDE,
@@ -49,10 +48,6 @@ COSELECTION_MAX_EXPERTS = 64  # E x E counts per layer and step; beyond this onl
 
 class ProbeAttachError(RuntimeError):
     """The probe cannot attach to this model as it is; the message says what to do."""
-
-
-def new_run_id() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
 
 
 def shared_run_id() -> str:

@@ -3,38 +3,43 @@
 The proxy sits in front of an OpenAI-compatible server and forwards every request and response
 unchanged: status, headers and body, streamed chunk by chunk (server-sent events included) and
 flushed as they arrive. On the side it keeps a copy of each successful response body and hands it
-to a `RoutingRecorder`, whose one worker thread parses the routed experts out of it
-(`store.importers.responses`) and writes a step per request through the store's atomic writer.
+to a `RoutingRecorder`, which records a step per request into the store.
 
-Three layers with one job each, as in the probe: the request thread only hands a captured body
-over (`RoutingRecorder.submit`, never blocking: a full queue drops the record and counts it); the
-worker owns parsing and buffering; `store.importers.tables` owns the rows. A response without a
-routing field is counted, not fatal. Request headers become step tags: `x-router-version: v2`
-becomes `router_version=v2`, `x-moescope-tag-<key>: <value>` becomes `<key>=<value>`. Counts of
-recorded and dropped responses go to `probe_stats` (table_name "steps"), like the probe's own.
+The recorder is the write pipeline's three layers, as for the probe: the request thread only hands
+a captured body over (`RoutingRecorder.submit` is `BatchProcessor.emit` under the `drop` policy:
+never blocking, a full queue drops the response and counts it); the processor's worker runs the
+recorder's exporter, which parses the routed experts out of each body (`store.importers.responses`),
+buffers the steps and writes them through the run's writer (`store.writer.run_writer`);
+`store.schema` and `store.importers.tables` build the rows. A response without a routing field is
+counted, not fatal. Request headers become step tags: `x-router-version: v2` becomes
+`router_version=v2`, `x-moescope-tag-<key>: <value>` becomes `<key>=<value>`. Responses not
+recorded are counted in `probe_stats` (table_name "steps", one row per reason), like the probe's
+own drops, and the run's writer writes its final counts when the recorder shuts down.
 
-Listens on 127.0.0.1 unless told otherwise; the upstream must be http:// (a proxy on the same
-host or network as the engine).
+Stopping: `RoutingProxy.stop_accepting()` stops the server taking requests (SIGTERM does it, see
+`store.importers.cli`), `shutdown()` waits for the requests in flight, drains the recorder and
+writes the final counts. Listens on 127.0.0.1 unless told otherwise; the upstream must be http://
+(a proxy on the same host or network as the engine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import http.client
 import json
 import logging
 import os
-import queue
 import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-import pyarrow as pa
-
+from moescope.pipeline import BatchProcessor, new_run_id
 from moescope.store.importers.responses import (
     is_sglang,
     is_vllm,
@@ -51,13 +56,10 @@ from moescope.store.importers.tables import (
     build_step_tables,
     check_new_run,
     check_tags,
-    new_run_id,
     run_tables,
-    write_tables,
 )
 from moescope.store.layout import check_name
-from moescope.store.schema import SCHEMAS
-from moescope.store.writer import write_table_file
+from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +99,20 @@ def request_tags(headers) -> dict[str, str]:
 
 @dataclass
 class Captured:
-    """One response as the request thread handed it over."""
+    """One response as the request thread handed it over: a record of the write pipeline (one step
+    if it holds routing; its body's bytes are what it costs in the queue)."""
 
     body: bytes
     content_type: str
     tags: dict[str, str]
     ts: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+
+    def rows(self) -> dict[str, int]:
+        return {"steps": 1}
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.body)
 
 
 def sse_events(body: bytes) -> list:
@@ -120,17 +130,21 @@ def sse_events(body: bytes) -> list:
 
 
 class RoutingRecorder:
-    """A bounded queue and one worker that turns captured responses into steps of one run.
+    """A write pipeline (`BatchProcessor`, policy "drop") whose exporter turns captured responses
+    into steps of one run.
 
     `submit` never blocks and never raises. Steps are buffered and written every
     `flush_interval_s` or `max_steps`, whichever comes first; `shutdown()` drains the queue, writes
-    what is left and the counters, and is safe to call twice.
+    what is left and the run's final counts, and is safe to call twice. `counts` says how many
+    responses were recorded and, per reason, how many were not.
     """
 
     def __init__(self, root: str | os.PathLike, num_experts: int, run_id: str | None = None,
                  tags: dict[str, str] | None = None, num_layers: int | None = None, top_k: int | None = None,
                  max_queue: int = 1024, flush_interval_s: float = 2.0, max_steps: int = 256,
                  model: str = "served model"):
+        """Raises ValueError for a bad option or a run id the store already has, and OSError when
+        the store does not take the run's first row."""
         if num_experts < 1:
             raise ValueError(f"--num-experts must be positive, not {num_experts}")
         self.root = os.fspath(root)
@@ -141,80 +155,61 @@ class RoutingRecorder:
         self.spec = RunSpec(run_id=run_id, source="proxy", model=model, tags=check_tags(dict(tags or {})),
                             started_at=dt.datetime.now(dt.timezone.utc))
         self.flush_interval_s, self.max_steps = flush_interval_s, max_steps
-        self.counts: Counter[str] = Counter()  # recorded, and each reason a response was not recorded
+        self._counts: Counter[str] = Counter()  # recorded, and each reason a response was not (but the queue's)
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._shapes: dict[int, LayerShape] = {}
         self._pending: list[SourceStep] = []
+        self._first_pending_at: float | None = None
         self._next_step = 0
-        self._seq = 0
-        self._stats_written: tuple = ()
-        self._closed = False
-        self._write(run_tables(self.spec, {}, [0]))
-        self._worker = threading.Thread(target=self._run, name="moescope-proxy-recorder", daemon=True)
-        self._worker.start()
+        self.writer: RunWriter = run_writer(self.root, run_id)
+        if not self.writer.write("runs", run_tables(self.spec, {}, [0])["runs"], retried=True):
+            self.writer.release()
+            raise OSError(f"cannot write to the store {self.root!r}: {self.writer.last_error}")
+        self.processor = BatchProcessor([_ResponseExporter(self)], max_queue=max_queue, policy="drop",
+                                        flush_interval_s=flush_interval_s, max_batch=max_steps,
+                                        name="moescope-proxy-recorder")
+        self.writer.watch(self.processor)  # the queue's drops (queue_full, closed) go into probe_stats
 
     # -- the request thread's side -------------------------------------------------------------
 
     def submit(self, captured: Captured) -> None:
         """Hand a response over; never blocks, never raises (a full queue drops and counts it)."""
-        try:
-            if self._closed:
-                self._count("closed")
-            else:
-                self._queue.put_nowait(captured)
-        except queue.Full:
-            self._count("queue_full")
-        except Exception:  # noqa: BLE001 - the response path must never fail because of recording
-            self._count("error")
+        self.processor.emit(captured)
 
     def count(self, reason: str) -> None:
-        """Count a response that was not handed over (too large, upstream error, ...)."""
-        self._count(reason)
-
-    def _count(self, reason: str) -> None:
+        """Count a response that was not recorded (too large, upstream error, no routing, ...)."""
         with self._lock:
-            self.counts[reason] += 1
+            self._counts[reason] += 1
+        self.writer.count_dropped("steps", reason, rows=1, records=1)
 
-    # -- the worker ------------------------------------------------------------------------------
+    @property
+    def counts(self) -> Counter[str]:
+        """Responses recorded, and per reason the ones that were not (the queue's drops included)."""
+        with self._lock:
+            counts = Counter(self._counts)
+        counts.update(self.processor.drop_counts()[1])
+        return counts
 
-    def _run(self) -> None:
-        last_flush = time.monotonic()
-        while True:
-            timeout = max(0.0, self.flush_interval_s - (time.monotonic() - last_flush))
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                self._flush()
-                return
-            if isinstance(item, threading.Event):
-                self._flush()
-                item.set()
-                last_flush = time.monotonic()
-                continue
-            if item is not None:
-                self._record(item)
-            if len(self._pending) >= self.max_steps or time.monotonic() - last_flush >= self.flush_interval_s:
-                self._flush()
-                last_flush = time.monotonic()
+    # -- the exporter (the processor's worker) ----------------------------------------------------
 
     def _record(self, captured: Captured) -> None:
         try:
             sequences = self._sequences(captured)
             if sequences is None:
-                self._count("no_routing")
+                self.count("no_routing")
                 return
             step, _ = sequences_step(sequences, self._next_step, captured.ts, "response", tags=captured.tags)
             self._check(step)
         except (SourceFormatError, ValueError) as e:  # json errors are ValueErrors too
             log.warning("moescope proxy: a response's routing could not be read: %s", e)
-            self._count("bad_routing")
+            self.count("bad_routing")
             return
         self._next_step += 1
         self._pending.append(step)
-        self._count("recorded")
+        if self._first_pending_at is None:
+            self._first_pending_at = time.monotonic()
+        with self._lock:
+            self._counts["recorded"] += 1
 
     def _sequences(self, captured: Captured):
         if "text/event-stream" in captured.content_type:
@@ -239,73 +234,70 @@ class RoutingRecorder:
                 raise SourceFormatError(f"layer {layer} routes to expert {int(routes.expert_ids.max())}, outside "
                                         f"--num-experts {self.num_experts}")
 
-    def _flush(self) -> None:
-        steps, self._pending = self._pending, []
-        if steps:
-            new = {layer: LayerShape(self.num_experts, s.routes[layer].expert_ids.shape[1])
-                   for s in steps for layer in s.routes if layer not in self._shapes}
-            self._shapes.update(new)
-            tables = build_step_tables(steps, self.spec, self._shapes)
-            if new:
-                tables["layers"] = run_tables(self.spec, new, [0])["layers"]
-            try:
-                self._write(tables)
-            except OSError as e:
-                log.error("moescope proxy: writing %d steps to %s failed: %s", len(steps), self.root, e)
-                with self._lock:
-                    self.counts["recorded"] -= len(steps)
-                    self.counts["write_failed"] += len(steps)
-        self._write_stats()
+    def _due(self) -> bool:
+        return len(self._pending) >= self.max_steps or (
+            self._first_pending_at is not None and time.monotonic() - self._first_pending_at >= self.flush_interval_s)
 
-    def _write(self, tables: dict[str, pa.Table]) -> None:
-        write_tables(self.root, self.spec.run_id, tables, seq=self._seq)
-        self._seq += len(tables)
-
-    def _write_stats(self) -> None:
-        with self._lock:
-            counts = dict(self.counts)
-        snapshot = tuple(sorted(counts.items()))
-        if snapshot == self._stats_written:
+    def _write_pending(self) -> None:
+        steps, self._pending, self._first_pending_at = self._pending, [], None
+        if not steps:
             return
-        now, base = dt.datetime.now(dt.timezone.utc), dict(run_id=self.spec.run_id, table_name="steps", rank=0,
-                                                           pid=os.getpid())
-        rows = [dict(base, ts=now, written_rows=counts.get("recorded", 0), dropped_rows=0, dropped_records=0,
-                     reason=None)]
-        rows += [dict(base, ts=now, written_rows=0, dropped_rows=n, dropped_records=n, reason=reason)
-                 for reason, n in sorted(counts.items()) if reason != "recorded" and n]
-        try:
-            write_table_file(self.root, "probe_stats", self.spec.run_id,
-                             pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]), seq=self._seq)
-            self._seq += 1
-            self._stats_written = snapshot
-        except OSError as e:
-            log.error("moescope proxy: writing its counters to %s failed: %s", self.root, e)
+        new = {layer: LayerShape(self.num_experts, s.routes[layer].expert_ids.shape[1])
+               for s in steps for layer in s.routes if layer not in self._shapes}
+        self._shapes.update(new)
+        tables = build_step_tables(steps, self.spec, self._shapes)
+        if new:
+            tables["layers"] = run_tables(self.spec, new, [0])["layers"]
+        written = [self.writer.write(table, data) for table, data in tables.items()]  # refused rows are counted
+        if not written[list(tables).index("steps")]:
+            log.error("moescope proxy: writing %d steps to %s failed: %s", len(steps), self.root,
+                      self.writer.last_error)
+            with self._lock:
+                self._counts["recorded"] -= len(steps)
+                self._counts["write_failed"] += len(steps)
+
+    # -- stopping --------------------------------------------------------------------------------
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Record everything submitted so far and write it; False on timeout."""
-        if self._closed:
-            return True
-        done = threading.Event()
-        self._queue.put(done)
-        return done.wait(timeout_s)
+        return self.processor.force_flush(timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Drain the queue, write what is left and the counters; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
-        self._worker.join(timeout_s)
+        """Drain the queue, write what is left and the run's final counts; safe to call twice."""
+        self.processor.shutdown(timeout_s)
 
     def report(self) -> str:
-        with self._lock:
-            counts = dict(self.counts)
+        counts = self.counts
         others = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()) if reason != "recorded" and n)
         return (f"moescope proxy: recorded {counts.get('recorded', 0)} responses into run {self.spec.run_id}"
                 + (f"; not recorded: {others}" if others else ""))
 
 
-_STOP = object()
+class _ResponseExporter:
+    """The recorder's exporter, on its processor's worker: parse, buffer, write (see RoutingRecorder)."""
+
+    def __init__(self, recorder: RoutingRecorder):
+        self.recorder = recorder
+        self._closed = False
+
+    def export(self, records: Sequence[Captured]) -> bool:
+        for captured in records:
+            self.recorder._record(captured)
+        if self.recorder._due():
+            self.recorder._write_pending()
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self.recorder._write_pending()
+        self.recorder.writer.write_changed_stats()
+        return True
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.recorder._write_pending()
+        self.recorder.writer.release()  # the last holder: the run's final probe_stats
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -319,7 +311,10 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("moescope proxy: " + format, *args)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._forward()
+        with self.server.answering():  # a stop waits for the requests being answered
+            self._forward()
+        if self.server.stopping.is_set():
+            self.close_connection = True  # a kept-alive connection takes no more requests
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_HEAD = do_GET
 
@@ -460,13 +455,37 @@ class _ProxyServer(ThreadingHTTPServer):
     upstream_path: str
     upstream_timeout_s: float
 
+    def __init__(self, address: tuple[str, int]):
+        super().__init__(address, _Handler)
+        self.stopping = threading.Event()
+        self._answering = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        with self._idle:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._answering -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        """Wait until no request is being answered; False if some still are after `timeout_s`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._answering == 0, timeout_s)
+
 
 class RoutingProxy:
     """The proxy: a threading HTTP server forwarding to `upstream`, and its recorder.
 
-    `start()` serves on a background thread (tests, embedding); `serve_forever()` in the caller's.
-    `port=0` picks a free port (see `.port`). Raises ValueError for an upstream that is not
-    http://HOST[:PORT], or a run id the store already has.
+    `start()` serves on a background thread (tests, embedding); `serve_forever()` in the caller's,
+    until `stop_accepting()` (from another thread). `shutdown()` stops serving, waits for the
+    requests in flight, and drains the recorder. `port=0` picks a free port (see `.port`). Raises
+    ValueError for an upstream that is not http://HOST[:PORT], or a run id the store already has;
+    OSError when the address cannot be bound or the store cannot be written.
     """
 
     def __init__(self, upstream: str, store: str | os.PathLike, num_experts: int, host: str = "127.0.0.1",
@@ -479,7 +498,11 @@ class RoutingProxy:
         self.upstream_url = upstream.rstrip("/")
         self.recorder = RoutingRecorder(store, num_experts, run_id=run_id, tags=tags, num_layers=num_layers,
                                         top_k=top_k, max_queue=max_queue, flush_interval_s=flush_interval_s)
-        self.server = _ProxyServer((host, port), _Handler)
+        try:
+            self.server = _ProxyServer((host, port))
+        except BaseException:
+            self.recorder.shutdown()
+            raise
         self.server.recorder = self.recorder
         self.server.upstream_url = self.upstream_url
         self.server.upstream_hostname = parts.hostname
@@ -497,14 +520,27 @@ class RoutingProxy:
         return self
 
     def serve_forever(self) -> None:
-        self.server.serve_forever()
+        """Serve on this thread until `stop_accepting()` is called from another."""
+        self.server.serve_forever(0.1)
 
-    def shutdown(self) -> None:
-        """Stop serving, then drain and write what was captured; safe to call twice."""
+    def stop_accepting(self) -> None:
+        """Take no more requests: the serving loop returns, and each kept-alive connection closes
+        after the request it carries. Blocks until the loop has stopped (so call it from another
+        thread than the loop's: `GracefulStop` runs it on one of its own)."""
+        self.server.stopping.set()
+        self.server.shutdown()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop serving, wait (at most `timeout_s`) for the requests in flight, then drain the
+        recorder and write the run's final counts; safe to call twice."""
+        self.server.stopping.set()
         if self._thread is not None:
             self.server.shutdown()
             self._thread.join(10)
             self._thread = None
+        if not self.server.wait_idle(timeout_s):
+            log.warning("moescope proxy: requests still in flight after %g s are not waited for; routing they "
+                        "return is counted as not recorded (closed)", timeout_s)
         self.server.server_close()
         self.recorder.shutdown()
 

@@ -542,3 +542,14 @@ class StoreQueries:
             FROM routing_cooldown_events WHERE {clause}
             ORDER BY step DESC, ts DESC, layer DESC, rank DESC LIMIT 10000""", params)
         return frame.iloc[::-1].reset_index(drop=True)
+
+    def gate_requests(self, run_id: str, limit: int = 10_000) -> pd.DataFrame:
+        """Manual trust-gate requests for a run (`trust_gate_requests`, written by the dashboard's
+        dashboard/gate_requests.py), oldest first: request_id, run_id, requested_at (UTC), layer,
+        expert, action ("override" or "release"), weight (in [0, 1]; 1.0 for a release), reason,
+        requested_by. At most `limit` rows (the latest)."""
+        frame = self.sql("""
+            SELECT request_id, run_id, requested_at, layer, expert, action, weight, reason, requested_by
+            FROM trust_gate_requests WHERE run_id = ?
+            ORDER BY requested_at DESC, request_id DESC LIMIT ?""", [str(run_id), int(limit)])
+        return frame.iloc[::-1].reset_index(drop=True)

@@ -1,15 +1,25 @@
-"""Arrow schemas of every table in a store, and the conversion of probe records into them.
+"""Arrow schemas of every table in a store, and the one builder of each table's rows.
 
 This module is the contract: the Parquet files follow these schemas, `store.Store` reads them,
 and any engine that reads Parquet can read them too. Columns are only ever added, never renamed.
+Every producer builds rows here: the probe's records (`step_tables`, `run_table`, `layers_table`),
+routes of any source (`routes_table`: the probe's and the importers'), columns a source has with
+the rest null (`table_from_columns`: importers, benchmarks), and a writer's counts
+(`probe_stats_table`). `record_rows` (the write pipeline's count of what a dropped record loses)
+learns here how many rows a probe `StepRecord` adds to each table.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol
+
 import numpy as np
 import pyarrow as pa
 
-from moescope.probe.records import Routes, RunInfo, StepRecord, TokenSample
+from moescope.pipeline import record_rows
+from moescope.probe.records import RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")
@@ -149,6 +159,30 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLES = tuple(SCHEMAS)
 
 
+def table_from_columns(name: str, columns: Mapping[str, pa.Array], rows: int) -> pa.Table:
+    """A table of schema `name` from the columns a source has; every column not given is null
+    ("not recorded by this source", never zero). Raises KeyError for an unknown table."""
+    schema = SCHEMAS[name]
+    return pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(rows, f.type)
+                                 for f in schema], schema=schema)
+
+
+@record_rows.register
+def step_rows(record: StepRecord) -> dict[str, int]:
+    """Rows one probe record adds to each table (what the pipeline counts when it is dropped)."""
+    rows = {"steps": 1, "layer_steps": len(record.layers)}
+    for layer in record.layers:
+        if layer.routes is not None:
+            rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
+        for name in ("router_logits", "router_inputs"):
+            sample = getattr(layer, name)
+            if sample is not None:
+                rows[name] = rows.get(name, 0) + len(sample.token)
+    if record.kv_cache:
+        rows["kv_cache"] = len(record.kv_cache)
+    return rows
+
+
 def _tags(tags: dict[str, str], n: int) -> pa.Array:
     return pa.repeat(pa.scalar(list(tags.items()), type=TAGS), n)
 
@@ -205,9 +239,10 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             router_topk_load=None if ls.router_topk_load is None else ls.router_topk_load.tolist(),
             router_z_sum=ls.router_z_sum,
         ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
-    routes = [(record.step, ls.layer, record.tags, ls.routes) for ls in record.layers if ls.routes is not None]
+    routes = [RoutePiece(record.step, ls.layer, record.tags, ls.routes, rank)
+              for ls in record.layers if ls.routes is not None]
     if routes:
-        out["routes"] = routes_table(record.run_id, rank, routes)
+        out["routes"] = routes_table(record.run_id, routes)
     for name, column, attr in (("router_logits", "logits", "router_logits"),
                                ("router_inputs", "hidden", "router_inputs")):
         samples = [_sample_table(record, ls.layer, getattr(ls, attr), name, column, rank)
@@ -221,8 +256,42 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
     return out
 
 
-def routes_table(run_id: str, rank: int, pieces: list[tuple[int, int, dict[str, str], Routes]]) -> pa.Table:
-    """The routes rows of many (step, layer, tags, Routes) pieces, built in one vectorised pass.
+class RouteRows(Protocol):
+    """Per-token routing of one layer, as the probe (`probe.records.Routes`) and the importers
+    (`store.importers.tables.LayerRoutes`) hold it. Rows are tokens; `gate_weights` and `kept` are
+    None where a source does not record them (their columns are then null), `step` and `token`
+    None where every row is of the piece's step, numbered in order."""
+
+    @property
+    def expert_ids(self) -> np.ndarray: ...  # (tokens, k) int
+    @property
+    def gate_weights(self) -> np.ndarray | None: ...  # (tokens, k) float
+    @property
+    def kept(self) -> np.ndarray | None: ...  # (tokens, k) bool
+    @property
+    def token_ids(self) -> np.ndarray | None: ...  # (tokens,) int
+    @property
+    def sequence(self) -> np.ndarray: ...  # (tokens,) int
+    @property
+    def position(self) -> np.ndarray: ...  # (tokens,) int
+    @property
+    def step(self) -> np.ndarray | None: ...  # (tokens,) int: the forward of each row (a window's)
+    @property
+    def token(self) -> np.ndarray | None: ...  # (tokens,) int: the row in its forward's batch
+
+
+class RoutePiece(NamedTuple):
+    """One layer's routes in one step, with what every row of it shares."""
+
+    step: int
+    layer: int
+    tags: Mapping[str, str]
+    routes: RouteRows
+    rank: int = 0
+
+
+def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
+    """The routes rows of many pieces, built in one vectorised pass: the one builder of `routes`.
 
     The writer keeps the probe's numpy arrays until it flushes and converts them here all at once:
     per-piece Arrow tables and a concat would cost more than writing the Parquet file.
@@ -230,46 +299,76 @@ def routes_table(run_id: str, rank: int, pieces: list[tuple[int, int, dict[str, 
     schema = SCHEMAS["routes"]
     if not pieces:
         return schema.empty_table()
-    counts = np.array([len(p[3].expert_ids) for p in pieces], dtype=np.int64)
+    routes = [p.routes for p in pieces]
+    sizes = [len(r.expert_ids) for r in routes]
+    counts = np.array(sizes, dtype=np.int64)
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     token = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-    if any(p[3].token is not None for p in pieces):  # a window's pieces span several forwards
-        token = np.concatenate([p[3].token if p[3].token is not None else np.arange(len(p[3].expert_ids))
-                                for p in pieces]).astype(np.int32, copy=False)
-    widths = np.repeat(np.array([p[3].expert_ids.shape[1] for p in pieces], dtype=np.int32), counts)
+    if any(r.token is not None for r in routes):  # a window's pieces span several forwards
+        token = np.concatenate([r.token if r.token is not None else np.arange(n)
+                                for r, n in zip(routes, sizes)]).astype(np.int32, copy=False)
+    widths = np.repeat(np.array([r.expert_ids.shape[1] for r in routes], dtype=np.int32), counts)
     offsets = np.zeros(total + 1, dtype=np.int32)
     np.cumsum(widths, out=offsets[1:])
     offsets = pa.array(offsets)
 
-    def flat(name: str, dtype) -> np.ndarray:
-        return np.concatenate([getattr(p[3], name).reshape(-1) for p in pieces]).astype(dtype, copy=False)
+    def slots(name: str, dtype, type_: pa.DataType) -> pa.Array:
+        """A (tokens, k) field of every piece as a list column; null rows where a piece lacks it."""
+        present = [getattr(r, name) is not None for r in routes]
+        if not any(present):
+            return pa.nulls(total, pa.list_(type_))
+        values = np.concatenate([getattr(r, name).reshape(-1) if has else np.zeros(r.expert_ids.size)
+                                 for r, has in zip(routes, present)]).astype(dtype, copy=False)
+        mask = None if all(present) else pa.array(np.repeat(~np.array(present), counts))
+        return pa.ListArray.from_arrays(offsets, pa.array(values, type=type_), mask=mask)
 
-    if all(p[3].token_ids is not None for p in pieces):
-        token_ids = pa.array(np.concatenate([p[3].token_ids for p in pieces]).astype(np.int64, copy=False))
+    if all(r.token_ids is not None for r in routes):
+        token_ids = pa.array(np.concatenate([r.token_ids for r in routes]).astype(np.int64, copy=False))
     else:
-        values = np.concatenate([p[3].token_ids if p[3].token_ids is not None else np.zeros(len(p[3].expert_ids))
-                                 for p in pieces]).astype(np.int64)
-        missing = np.concatenate([np.full(len(p[3].expert_ids), p[3].token_ids is None) for p in pieces])
+        values = np.concatenate([r.token_ids if r.token_ids is not None else np.zeros(n)
+                                 for r, n in zip(routes, sizes)]).astype(np.int64)
+        missing = np.concatenate([np.full(n, r.token_ids is None) for r, n in zip(routes, sizes)])
         token_ids = pa.array(values, mask=missing)
     tag_sets: dict[tuple, int] = {}
-    tag_index = np.repeat(np.array([tag_sets.setdefault(tuple(sorted(p[2].items())), len(tag_sets))
+    tag_index = np.repeat(np.array([tag_sets.setdefault(tuple(sorted(p.tags.items())), len(tag_sets))
                                     for p in pieces], dtype=np.int32), counts)
     tags = pa.array([list(t) for t in tag_sets], type=TAGS).take(pa.array(tag_index))
     return pa.Table.from_arrays([
         pa.repeat(pa.scalar(run_id, pa.string()), total),
-        pa.array(np.concatenate([p[3].step if p[3].step is not None else np.full(len(p[3].expert_ids), p[0])
-                                 for p in pieces]).astype(np.int64, copy=False)),
-        pa.array(np.repeat(np.array([p[1] for p in pieces], dtype=np.int32), counts)),
+        pa.array(np.concatenate([r.step if r.step is not None else np.full(n, p.step)
+                                 for p, r, n in zip(pieces, routes, sizes)]).astype(np.int64, copy=False)),
+        pa.array(np.repeat(np.array([p.layer for p in pieces], dtype=np.int32), counts)),
         pa.array(token),
-        pa.array(np.concatenate([p[3].sequence for p in pieces]).astype(np.int32, copy=False)),
-        pa.array(np.concatenate([p[3].position for p in pieces]).astype(np.int32, copy=False)),
+        pa.array(np.concatenate([r.sequence for r in routes]).astype(np.int32, copy=False)),
+        pa.array(np.concatenate([r.position for r in routes]).astype(np.int32, copy=False)),
         token_ids,
-        pa.ListArray.from_arrays(offsets, pa.array(flat("expert_ids", np.int32))),
-        pa.ListArray.from_arrays(offsets, pa.array(flat("gate_weights", np.float32))),
-        pa.ListArray.from_arrays(offsets, pa.array(flat("kept", bool))),
-        tags, pa.array(np.full(total, rank, dtype=np.int32)),
+        pa.ListArray.from_arrays(offsets, pa.array(
+            np.concatenate([r.expert_ids.reshape(-1) for r in routes]).astype(np.int32, copy=False))),
+        slots("gate_weights", np.float32, pa.float32()),
+        slots("kept", bool, pa.bool_()),
+        tags, pa.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts)),
     ], schema=schema)
+
+
+def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written: Mapping[str, int],
+                      dropped: Mapping[tuple[str, str], int], dropped_records: Mapping[str, int]) -> pa.Table:
+    """One writer's cumulative counts as `probe_stats` rows: per table a row of rows written (reason
+    null), and a row per reason rows of it were dropped; records dropped per reason go on the
+    `steps` rows (a record is one window, or one proxied response). Tables with neither are left out."""
+    rows = []
+    for table in SCHEMAS:
+        if table == "probe_stats":
+            continue
+        reasons = sorted({reason for (t, reason) in dropped if t == table})
+        if not reasons and not written.get(table):
+            continue
+        base = dict(run_id=run_id, ts=ts, table_name=table, rank=rank, pid=pid)
+        rows.append(dict(base, written_rows=written.get(table, 0), dropped_rows=0, dropped_records=0, reason=None))
+        rows += [dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
+                      dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0, reason=reason)
+                 for reason in reasons]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"])
 
 
 def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str, column: str,

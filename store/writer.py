@@ -1,10 +1,29 @@
-"""The store's write path: `ParquetExporter`, the exporter that writes a probe's records as tables.
+"""The store's write path: one writer per (store, run, rank) in a process, fed by the write pipeline.
 
-The model thread only calls the probe's `BatchProcessor.emit(record)` (moescope/pipeline.py), which
-never raises and, under the `drop` policy, never waits; its worker thread hands batches to
-exporters. `ParquetExporter` writes
-each table's rows to `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet` through a
-temporary name and a rename, so a reader (or a crash) never sees a torn file.
+    producer ──emit──► BatchProcessor (moescope/pipeline.py) ──export──► RunWriter ──► part files
+
+`run_writer(root, run_id, rank)` hands out the process's one `RunWriter` of a run: every producer
+of the process that writes the run (the probe's `ParquetExporter`, the trust and cooldown policies,
+the alerts table, the training monitor, the proxy, an import, a dashboard gate request) shares it,
+holds a reference and releases it; the last release drains it and writes its final counts. The
+writer owns what a written file is:
+
+- the table's schema (`store.schema.SCHEMAS`; rows given as dicts are converted with it);
+- the part's name, `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet`, from the
+  process's one sequence, so no two writers of a process ever choose one name;
+- the atomic write (`write_table_file`: a temporary name, fsync, rename), so a reader or a crash
+  never sees a torn file;
+- the counts of rows written and dropped, per table and reason, and the run's `probe_stats` rows:
+  cumulative snapshots of this process's counts for the run (readers take the latest per writer).
+
+Rows reach it two ways. `RunWriter.emit(table, rows)` hands them to the writer's own pipeline (a
+`BatchProcessor` started on first use): the write happens on its worker thread, never the
+producer's, rows of a table emitted close together are written as one part, and a failure is
+counted (`write_failed`, or `closed` after the writer closed), never lost silently, unless the
+producer takes refused rows back to write them again later (`on_refused`: the alerts table does,
+so that a full disk loses no transition). `RunWriter.write(table, data)` writes at once on the
+caller's thread, for exporters that
+already run on a pipeline's worker: `ParquetExporter` (the probe's records) and the proxy's recorder.
 """
 
 from __future__ import annotations
@@ -15,6 +34,7 @@ import datetime as dt
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -22,11 +42,18 @@ from collections.abc import Callable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# The queue between the model and the exporters belongs to the probe; re-exported for store users.
-from moescope.pipeline import BatchProcessor, InMemoryExporter, array_bytes, record_rows  # noqa: F401
-from moescope.probe.records import Routes, RunInfo, StepRecord
+# The pipeline is the neutral module's; re-exported for store users.
+from moescope.pipeline import (  # noqa: F401
+    BatchProcessor,
+    DropCounts,
+    InMemoryExporter,
+    array_bytes,
+    record_rows,
+)
+from moescope.probe.records import RunInfo, StepRecord
 from moescope.store.layout import (
     WRITER_ROW_GROUP_ROWS,
+    check_name,
     check_part_name,
     check_rank,
     parquet_options,
@@ -34,30 +61,39 @@ from moescope.store.layout import (
     run_folder,
     tmp_path,
 )
-from moescope.store.schema import SCHEMAS, layers_table, routes_table, run_table, step_tables
+from moescope.store.schema import (
+    SCHEMAS,
+    RoutePiece,
+    layers_table,
+    probe_stats_table,
+    routes_table,
+    run_table,
+    step_tables,
+)
 
 log = logging.getLogger(__name__)
 
 # A table's rows are written once they hold this many bytes, even before `max_rows` or `max_age_s`.
 DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
-
 # One sequence for every writer of the process: two writers never choose one file name.
 _SEQUENCE = itertools.count(1)
 
 
 def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.Table, rank: int = 0,
-                     seq: int | None = None, row_group_size: int = WRITER_ROW_GROUP_ROWS,
-                     name: str | None = None, metadata: dict[bytes, bytes] | None = None) -> str:
+                     row_group_size: int = WRITER_ROW_GROUP_ROWS, name: str | None = None,
+                     metadata: dict[bytes, bytes] | None = None) -> str:
     """Write one Parquet file atomically into the store layout; returns its path.
 
     The rows go to a temporary name, are fsynced, and the file is renamed into place: readers
-    and crashes see the whole file or nothing. Raises OSError (disk full, permissions) after
+    and crashes see the whole file or nothing. The file is named from the process's one sequence
+    unless `name` is given (compaction's own names). Raises OSError (disk full, permissions) after
     removing the temporary file, InvalidNameError (a ValueError) for a table, run id, rank or name
     that cannot be part of a path (see `store.layout.NAME_FORM`), before anything is written.
+    Producers write through their run's `RunWriter`, which calls this.
     """
     folder = run_folder(root, table, run_id)
-    name = check_part_name(name) if name is not None else part_name(rank, next(_SEQUENCE) if seq is None else seq)
+    name = check_part_name(name) if name is not None else part_name(rank, next(_SEQUENCE))
     check_rank(rank)
     os.makedirs(folder, exist_ok=True)
     final = os.path.join(folder, name)
@@ -78,78 +114,314 @@ def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.
     return final
 
 
-class TableWriter:
-    """The one writer of store tables: every table of one run (and rank) goes through it.
+@dataclasses.dataclass
+class TableRows:
+    """Rows of one table on their way through a run writer's pipeline (a `pipeline.Record`)."""
 
-    It owns what a written file is: the table's schema (`store.schema.SCHEMAS`; rows given as
-    dicts are converted with it), the part's name (the process's one sequence, so writers in one
-    process never collide), the atomic write (`write_table_file`), and the count of what could not
-    be written. A failed write's rows are counted as `write_failed` through `on_dropped(table,
-    reason, rows)` (for the probe: its processor, which puts them into `probe_stats`, Prometheus
-    and `session.probe_stats()`), or in `dropped_rows` without one, unless the caller keeps them
-    to write again (`retried`). One error line when writes start failing, one when they work
-    again. Used by the probe's `ParquetExporter`, the trust policy, the alerts table and the
-    dashboard's gate requests.
+    table: str
+    data: pa.Table
+    on_refused: Callable[[pa.Table], None] | None = None  # takes refused rows back (not counted as lost)
+
+    def rows(self) -> dict[str, int]:
+        return {self.table: self.data.num_rows}
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+class _Counts:
+    """A run's counts in this process. They outlive a writer: a run opened again later in the
+    process goes on counting, since its `probe_stats` snapshots are cumulative per process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards these counts, and the state of the writer holding them
+        self.written: Counter[str] = Counter()
+        self.dropped: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
+        self.dropped_records: Counter[str] = Counter()  # reason -> records
+        self.sources: list[tuple[DropCounts, bool]] = []  # live counters added in, (source, its records too)
+
+    def totals(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        rows, records = Counter(self.dropped), Counter(self.dropped_records)
+        for source, with_records in self.sources:
+            source_rows, source_records = source.drop_counts()
+            rows.update(source_rows)
+            if with_records:
+                records.update(source_records)
+        return dict(rows), dict(records)
+
+    def freeze(self) -> None:
+        """Fold the live sources' counts in (they are final now) and let go of the sources."""
+        rows, records = self.totals()
+        self.dropped, self.dropped_records, self.sources = Counter(rows), Counter(records), []
+
+
+_WRITERS: dict[tuple[str, str, int], RunWriter] = {}
+_COUNTS: dict[tuple[str, str, int], _Counts] = {}
+_REGISTRY = threading.Lock()
+
+
+def run_writer(root: str | os.PathLike, run_id: str, rank: int = 0) -> RunWriter:
+    """The process's writer of run `run_id` (rank `rank`) in the store `root`, opened or shared.
+
+    Each call takes a reference: give it back with `release()` (or use the writer as a context
+    manager). Raises InvalidNameError for a run id or rank that cannot be part of a path.
+    """
+    run_folder(root, "runs", run_id)  # a run id that cannot be a folder name is refused here
+    check_rank(rank)
+    key = (os.path.abspath(os.fspath(root)), run_id, rank)
+    with _REGISTRY:
+        writer = _WRITERS.get(key)
+        if writer is None:
+            writer = _WRITERS[key] = RunWriter(key, _COUNTS.setdefault(key, _Counts()))
+        writer._references += 1
+    return writer
+
+
+def open_writers() -> list[RunWriter]:
+    """The run writers open in this process now (for tests and diagnostics)."""
+    with _REGISTRY:
+        return list(_WRITERS.values())
+
+
+class RunWriter:
+    """The one writer of a run's tables (one rank of it) in this process; see the module doc.
+
+    Get it from `run_writer`, never by constructing it. Thread-safe: producers on any thread emit,
+    exporters on their workers write. `written_rows` and `drop_counts()` are this process's counts
+    for the run; `files` the parts this writer wrote; `last_error` why the last write failed (None
+    once one succeeds).
     """
 
-    def __init__(self, root: str | os.PathLike, run_id: str, rank: int = 0,
-                 on_dropped: Callable[[str, str, int], None] | None = None):
-        run_folder(root, "runs", run_id)  # a run id that cannot be a folder name is refused here
-        self.root = os.fspath(root)
-        self.run_id = run_id
-        self.rank = check_rank(rank)
-        self.on_dropped = on_dropped
-        self.written_rows: Counter[str] = Counter()
-        self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, without on_dropped
-        self.files: list[str] = []
-        self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
-        self.last_error: str | None = None  # why the last write failed; None once one succeeds
+    FLUSH_INTERVAL_S = 2.0  # how often an idle writer writes its counts, if the drops changed
 
-    def write(self, table: str, data: pa.Table | Sequence[dict], retried: bool = False) -> bool:
-        """Write `data` (a table, or rows as dicts) as a new part of `table`; False when the disk
-        refused it. Raises InvalidNameError for a table name that cannot be a folder."""
-        if not isinstance(data, pa.Table):
-            data = pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
+    def __init__(self, key: tuple[str, str, int], counts: _Counts):
+        self.root, self.run_id, self.rank = key
+        self._key = key
+        self._counts = counts
+        self._references = 0
+        self._lock = counts.lock  # the counts and the failure state
+        self._stats_lock = threading.Lock()  # one probe_stats snapshot at a time, in order
+        self.files: list[str] = []
+        self.last_error: str | None = None
+        self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
+        self._stats_written: tuple | None = None
+        self._stats_tried = time.monotonic()
+        self._pipeline: BatchProcessor | None = None
+        self.closed = False
+
+    # -- counts --------------------------------------------------------------------------------
+
+    @property
+    def written_rows(self) -> Counter[str]:
+        """Rows written per table (by every producer of the run in this process)."""
+        with self._lock:
+            return Counter(self._counts.written)
+
+    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """(rows dropped per (table, reason), records dropped per reason): this writer's own counts
+        and those of the counters it watches, as `probe_stats` writes them."""
+        with self._lock:
+            return self._counts.totals()
+
+    def count_dropped(self, table: str, reason: str, rows: int, records: int = 0) -> None:
+        """Count rows (and records) a producer lost before they reached the writer, e.g. a proxied
+        response without routing: they land in `probe_stats` with `reason`."""
+        with self._lock:
+            self._counts.dropped[(table, reason)] += rows
+            if records:
+                self._counts.dropped_records[reason] += records
+
+    def watch(self, source: DropCounts, records: bool = True) -> None:
+        """Add a processor's (or an exporter's) drop counters to the run's `probe_stats`; with
+        records=False only its rows (its records are not the run's steps)."""
+        with self._lock:
+            if not any(s is source for s, _ in self._counts.sources):
+                self._counts.sources.append((source, records))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def write(self, table: str, data: pa.Table | Sequence[dict], retried: bool = False,
+              on_dropped: Callable[[str, str, int], None] | None = None) -> bool:
+        """Write `data` (a table, or rows as dicts) as a new part of `table` now, on this thread;
+        False when the disk refused it.
+
+        A refused write's rows are counted as `write_failed`: through `on_dropped(table, reason,
+        rows)` where given (the probe's processor, so that `session.probe_stats()` and Prometheus
+        see them too), else in this writer's counts; not at all when the caller keeps them to write
+        again (`retried`). One error line when writes start failing, one when they work again.
+        Raises InvalidNameError for a table name that cannot be a folder, and pyarrow's errors for
+        rows that do not fit the table's schema.
+        """
+        data = _as_table(table, data)
         try:
             path = write_table_file(self.root, table, self.run_id, data, self.rank)
         except OSError as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            if self._failing is None:
-                self._failing = Counter()
-                log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
-                          "write_failed until a write succeeds again", self.root, e)
-            if not retried:
-                self._failing[table] += data.num_rows
-                if self.on_dropped is not None:
-                    self.on_dropped(table, "write_failed", data.num_rows)
-                else:
-                    self.dropped_rows[(table, "write_failed")] += data.num_rows
+            with self._lock:
+                self.last_error = f"{type(e).__name__}: {e}"
+                if self._failing is None:
+                    self._failing = Counter()
+                    log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
+                              "write_failed until a write succeeds again", self.root, e)
+                if not retried:
+                    self._failing[table] += data.num_rows
+                    if on_dropped is None:
+                        self._counts.dropped[(table, "write_failed")] += data.num_rows
+            if not retried and on_dropped is not None:
+                on_dropped(table, "write_failed", data.num_rows)
             return False
-        if self._failing is not None:
-            lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
-            log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root, lost)
-            self._failing = None
-        self.last_error = None
-        self.files.append(path)
-        self.written_rows[table] += data.num_rows
+        with self._lock:
+            if self._failing is not None:
+                lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
+                log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root,
+                            lost)
+                self._failing = None
+            self.last_error = None
+            self.files.append(path)
+            self._counts.written[table] += data.num_rows
         return True
+
+    def emit(self, table: str, data: pa.Table | Sequence[dict],
+             on_refused: Callable[[pa.Table], None] | None = None) -> None:
+        """Hand rows of `table` to the writer's pipeline: they are written on its worker thread, at
+        once or at the latest by the next `flush()`. Waits only for room in the queue, never for the
+        disk. Rows the disk refuses are counted as `write_failed`, or, with `on_refused`, handed back
+        to it (on the writer's thread) for the producer to emit again later, and not counted. Raises
+        InvalidNameError and pyarrow's errors, as `write`, before anything is queued."""
+        data = _as_table(table, data)
+        if not data.num_rows:
+            return
+        with self._lock:
+            if self.closed:
+                self._counts.dropped[(table, "closed")] += data.num_rows
+                return
+            if self._pipeline is None:
+                self._pipeline = BatchProcessor([_WriterExporter(self)], policy="block",
+                                                flush_interval_s=self.FLUSH_INTERVAL_S, name="moescope-run-writer")
+                self._counts.sources.append((self._pipeline, False))
+            pipeline = self._pipeline
+        pipeline.emit(TableRows(table, data, on_refused))
+
+    def flush(self, timeout_s: float | None = 30.0) -> bool:
+        """Write everything emitted so far, and the counts if the drops changed; False if that did
+        not finish within `timeout_s` (None: no limit)."""
+        pipeline = self._pipeline
+        if pipeline is not None:
+            return pipeline.force_flush(timeout_s)
+        self.write_changed_stats()
+        return True
+
+    def _write_batch(self, batch: Sequence[TableRows]) -> None:
+        """The pipeline's export: each table's rows of the batch as one part, tables in the order
+        they were first emitted."""
+        parts: dict[tuple[str, Callable | None], list[pa.Table]] = {}
+        for rows in batch:
+            parts.setdefault((rows.table, rows.on_refused), []).append(rows.data)
+        for (table, on_refused), tables in parts.items():
+            data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+            if self.write(table, data, retried=on_refused is not None) or on_refused is None:
+                continue
+            try:
+                on_refused(data)
+            except Exception:
+                log.exception("moescope: %d refused rows of %s could not be handed back; they are lost", data.num_rows,
+                              table)
+                self.count_dropped(table, "write_failed", data.num_rows)
+
+    # -- probe_stats ---------------------------------------------------------------------------
+
+    def write_changed_stats(self, min_interval_s: float = 0.0) -> None:
+        """Write `probe_stats` if the drops changed since the last snapshot on disk (or it failed),
+        at most once per `min_interval_s`: drops reach the disk within a flush interval."""
+        if time.monotonic() - self._stats_tried < min_interval_s:
+            return
+        self._stats_tried = time.monotonic()
+        drops = tuple(sorted(self.drop_counts()[0].items()))
+        if drops and drops != self._stats_written:
+            self.write_probe_stats()
+
+    def write_probe_stats(self) -> bool:
+        """Write this process's cumulative rows written and dropped, per table and reason, into
+        `probe_stats` (`store.schema.probe_stats_table`); readers take the latest snapshot per writer
+        (rank, pid), `Store.probe_stats`. Returns False when the disk refused it: a later snapshot
+        carries the same counts (they are cumulative; nothing is counted as lost)."""
+        with self._stats_lock:
+            drops, records = self.drop_counts()
+            data = probe_stats_table(self.run_id, self.rank, os.getpid(), dt.datetime.now(dt.timezone.utc),
+                                     self.written_rows, drops, records)
+            if data.num_rows and not self.write("probe_stats", data, retried=True):
+                return False
+            self._stats_written = tuple(sorted(drops.items()))
+            return True
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Give back one reference; the last drains the writer's pipeline, writes the run's final
+        `probe_stats` and closes the writer."""
+        with _REGISTRY:
+            self._references -= 1
+            if self._references > 0:
+                return
+            if _WRITERS.get(self._key) is self:
+                del _WRITERS[self._key]
+        if self._pipeline is not None:
+            self._pipeline.shutdown()
+        with self._lock:
+            self.closed = True
+            anything = bool(self._counts.written) or bool(self._counts.totals()[0])
+        if anything and not self.write_probe_stats():
+            log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
+                      self.run_id, self.root, self.drop_counts()[0] or "no drops")
+        with self._lock:
+            self._counts.freeze()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _WriterExporter:
+    """The exporter of a run writer's own pipeline: it writes the `TableRows` emitted to the writer."""
+
+    def __init__(self, writer: RunWriter):
+        self.writer = writer
+
+    def export(self, records: Sequence[TableRows]) -> bool:
+        self.writer._write_batch(records)  # what the disk refuses is counted, or handed back
+        return True
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self.writer.write_changed_stats()
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
+    """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder."""
+    check_name("table", table)  # before any row is converted or queued
+    return data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
 
 
 class ParquetExporter:
-    """Buffers rows per table and writes a Parquet file per table when a buffer is big or old.
+    """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
+    table, through the run's writer, when a buffer is big or old.
 
-    One instance writes one run from one process; file names carry rank, pid, a sequence number
-    and the clock, so processes and ranks write side by side without locks. Rows are lost to a
-    crash only from the buffers, which hold at most `max_age_s` seconds (the flush interval) of
+    One instance writes one run from one process; part names carry rank, pid, the process's
+    sequence and the clock, so processes and ranks write side by side without locks. Rows are lost
+    to a crash only from the buffers, which hold at most `max_age_s` seconds (the flush interval) of
     data, `max_rows` rows or `max_bytes` bytes per table. Route rows stay numpy arrays until their
     flush, which converts them in one vectorised pass.
 
     A write that fails (disk full) loses its rows: they are counted with reason `write_failed` in
     the processor's `dropped_rows` (so `session.probe_stats()` and Prometheus see them; in this
-    exporter's own `dropped_rows` when it has no processor), one error is logged when failures
-    start and one line when writes work again, and the counts reach the `probe_stats` table at
-    the first flush the disk takes. The run's `runs` and `layers` rows are kept and retried
-    until they are written (counted as lost only if the exporter shuts down first).
+    exporter's own `dropped_rows` when it has no processor), and the run's writer puts them into
+    `probe_stats` at the first flush the disk takes. The run's `runs` and `layers` rows are kept and
+    retried until they are written (counted as lost only if the exporter shuts down first).
     """
 
     def __init__(self, root: str | os.PathLike, run: RunInfo | None = None, max_rows: int = 256 * 1024,
@@ -163,14 +435,12 @@ class ParquetExporter:
         self.max_bytes = max_bytes
         self.processor = processor  # whose drop counters go into probe_stats
         self._buffers: dict[str, list[pa.Table]] = {}
-        self._route_pieces: list[tuple[int, int, dict[str, str], Routes]] = []
+        self._route_pieces: list[RoutePiece] = []
         self._rows: Counter[str] = Counter()
         self._bytes: Counter[str] = Counter()
         self._first_at: dict[str, float] = {}
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows, without a processor
-        self.tables: TableWriter | None = None  # the run's writer, from on_attach
-        self._stats_written: tuple | None = None
-        self._stats_tried = time.monotonic()
+        self.writer: RunWriter | None = None  # the run's writer, from on_attach
         self._closed = False
         self.last_step: int | None = None  # the last forward exported, for the run_ends row
         self._unwritten_run: list[tuple[str, pa.Table]] = []
@@ -182,14 +452,21 @@ class ParquetExporter:
         a run id that cannot be a folder name is refused here (`InvalidNameError`)."""
         if self.run is run:
             return
-        self.tables = TableWriter(self.root, run.run_id, run.rank, on_dropped=self._count_dropped)
+        self.writer = run_writer(self.root, run.run_id, run.rank)
+        self.writer.watch(self.processor if self.processor is not None else self)
         self.run = run
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
 
     def bind_processor(self, processor: BatchProcessor) -> None:
-        """The probe's processor, whose drop counters this exporter writes into `probe_stats`."""
+        """The probe's processor, whose drop counters go into the run's `probe_stats`."""
         self.processor = processor
+        if self.writer is not None:
+            self.writer.watch(processor)
+
+    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """What this exporter lost without a processor to count it (a `pipeline.DropCounts`)."""
+        return dict(self.dropped_rows), {}
 
     def _write_run(self) -> None:
         """Write the run's own rows that are not on disk yet (they are retried, not dropped)."""
@@ -197,8 +474,8 @@ class ParquetExporter:
                                if not self._write(table, data, retried=True)]
 
     def _write(self, table: str, data: pa.Table, retried: bool = False) -> bool:
-        """Write `data` as a new part of `table` (see `TableWriter.write`); False when refused."""
-        return self.tables.write(table, data, retried=retried)
+        """Write `data` as a new part of `table` (see `RunWriter.write`); False when refused."""
+        return self.writer.write(table, data, retried=retried, on_dropped=self._count_dropped)
 
     def _count_dropped(self, table: str, reason: str, rows: int) -> None:
         if self.processor is not None:
@@ -208,13 +485,13 @@ class ParquetExporter:
 
     @property
     def written_rows(self) -> Counter[str]:
-        """Rows written per table."""
-        return self.tables.written_rows if self.tables is not None else Counter()
+        """Rows written per table into the run (by its writer, for every producer of the process)."""
+        return self.writer.written_rows if self.writer is not None else Counter()
 
     @property
     def files(self) -> list[str]:
-        """Paths of the parts written."""
-        return self.tables.files if self.tables is not None else []
+        """Paths of the parts the run's writer wrote."""
+        return self.writer.files if self.writer is not None else []
 
     def export(self, records: Sequence[StepRecord]) -> bool:
         if self._closed:
@@ -226,7 +503,7 @@ class ParquetExporter:
                                                           else record.step))
             for ls in record.layers:
                 if ls.routes is not None:
-                    self._route_pieces.append((record.step, ls.layer, record.tags, ls.routes))
+                    self._route_pieces.append(RoutePiece(record.step, ls.layer, record.tags, ls.routes, rank))
                     self._rows["routes"] += len(ls.routes.expert_ids)
                     self._bytes["routes"] += array_bytes(ls.routes)
                     self._first_at.setdefault("routes", now)
@@ -243,8 +520,8 @@ class ParquetExporter:
                 self._flush_table(table)
         if self._unwritten_run:
             self._write_run()
-        if now - self._stats_tried >= self.max_age_s:
-            self._write_changed_stats()  # drops reach the disk within a flush interval under steady load
+        # drops reach the disk within a flush interval under steady load
+        self.writer.write_changed_stats(min_interval_s=self.max_age_s)
         return True
 
     def _flush_table(self, table: str) -> None:
@@ -254,7 +531,7 @@ class ParquetExporter:
         if table == "routes":
             pieces, self._route_pieces = self._route_pieces, []
             if pieces:
-                self._write(table, routes_table(self.run.run_id, self.run.rank, pieces))
+                self._write(table, routes_table(self.run.run_id, pieces))
             return
         parts = self._buffers.pop(table, [])
         if parts:
@@ -265,55 +542,18 @@ class ParquetExporter:
             self._flush_table(table)
         if self._unwritten_run:
             self._write_run()
-        self._write_changed_stats()  # drops are made durable at the next flush, not only at exit
+        self.writer.write_changed_stats()  # drops are made durable at the next flush, not only at exit
         return True
-
-    def _write_changed_stats(self) -> None:
-        """Write probe_stats if drops changed since the last snapshot on disk (or it failed)."""
-        self._stats_tried = time.monotonic()
-        drops = self._drop_counts()[0]
-        if drops != self._stats_written and drops:
-            self.write_probe_stats()
-
-    def _drop_counts(self) -> tuple[tuple, dict[str, int]]:
-        """(rows dropped per (table, reason), sorted; records dropped per reason), copied consistently."""
-        rows, records = self.processor.drop_counts() if self.processor else (dict(self.dropped_rows), {})
-        return tuple(sorted(rows.items())), records
 
     def write_probe_stats(self) -> bool:
-        """Write cumulative written and dropped rows, per table and reason, into probe_stats.
-
-        Each write is a snapshot of this writer's counters (rank, pid); readers take the latest
-        snapshot per writer (`Store.probe_stats`). Returns False when the disk refused it: the
-        snapshot is then written at a later flush (it is cumulative; nothing is counted as lost).
-        """
-        now = dt.datetime.now(dt.timezone.utc)
-        drops, dropped_records = self._drop_counts()
-        dropped = Counter(dict(drops))
-        rows = []
-        for table in SCHEMAS:
-            if table == "probe_stats":
-                continue
-            reasons = {reason for (t, reason) in dropped if t == table}
-            if not reasons and not self.written_rows.get(table):
-                continue
-            base = dict(run_id=self.run.run_id, ts=now, table_name=table, rank=self.run.rank,
-                        pid=os.getpid())
-            rows.append(dict(base, written_rows=self.written_rows.get(table, 0), dropped_rows=0,
-                             dropped_records=0, reason=None))
-            for reason in sorted(reasons):
-                rows.append(dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
-                                 dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0,
-                                 reason=reason))
-        if rows and not self._write("probe_stats", pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"]),
-                                    retried=True):
-            return False
-        self._stats_written = drops
-        return True
+        """Write the run's counts into `probe_stats` now (see `RunWriter.write_probe_stats`)."""
+        return self.writer.write_probe_stats()
 
     def shutdown(self) -> None:
+        """Write what is buffered, the run's `run_ends` row and its counts, and release the writer."""
         if self._closed:
             return
+        self._closed = True
         for table in list(self._first_at):
             self._flush_table(table)
         for table, data in self._unwritten_run:  # the last try: no later flush will retry them
@@ -324,7 +564,8 @@ class ParquetExporter:
                                            ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
                                      schema=SCHEMAS["run_ends"])
         self._write("run_ends", ended, retried=True)
-        if not self.write_probe_stats():
-            log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
-                      self.run.run_id, self.root, dict(self._drop_counts()[0]) or "no drops")
-        self._closed = True
+        # Written now, not only when the writer's last holder lets go: the session's counts are final.
+        if not self.writer.write_probe_stats():
+            log.error("moescope: the probe_stats of run %s could not be written to %s; the counts were: %s",
+                      self.run.run_id, self.root, self.writer.drop_counts()[0] or "no drops")
+        self.writer.release()

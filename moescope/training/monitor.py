@@ -118,12 +118,11 @@ class TrainingExporter:
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self.unmatched_windows = 0  # training windows that no optimizer step closed (e.g. split by an eval)
-        self.tables = None
+        self.tables = None  # the run's one writer: train_steps rows go through its pipeline
         if store is not None:
-            from moescope.store.writer import TableWriter
+            from moescope.store.writer import run_writer
 
-            self.tables = TableWriter(store, self.run_id, self.rank,
-                                      on_dropped=session.processor.count_dropped_rows)
+            self.tables = run_writer(store, self.run_id, self.rank)
 
     def expect(self, step_end: int, info: _StepInfo) -> None:
         with self._lock:
@@ -204,7 +203,7 @@ class TrainingExporter:
         rows, self._rows = self._rows, []
         if rows and self.tables is not None:
             try:
-                self.tables.write("train_steps", rows)  # a refused write is counted there, as write_failed
+                self.tables.emit("train_steps", rows)  # written on the writer's thread; a refused write is counted
             except Exception:
                 log.exception("moescope: could not write %d train_steps rows", len(rows))
 
@@ -215,7 +214,7 @@ class TrainingExporter:
                 sink.flush()
             except Exception:
                 log.exception("moescope: flushing %s failed", type(sink).__name__)
-        return True
+        return self.tables.flush(timeout_s) if self.tables is not None else True
 
     def shutdown(self) -> None:
         self.force_flush()
@@ -224,6 +223,9 @@ class TrainingExporter:
                 sink.close()
             except Exception:
                 log.exception("moescope: closing %s failed", type(sink).__name__)
+        if self.tables is not None:
+            tables, self.tables = self.tables, None
+            tables.release()
 
 
 class TrainingMonitor:

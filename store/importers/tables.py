@@ -5,8 +5,9 @@ engine hands them out, slots per expert where it only counts. `build_tables` che
 derives what the probe derives (tokens per expert, co-selection); drift and switch statistics then
 follow from those loads and routes exactly as for a probed run. What an engine cannot give (router
 logits, entropy, gate weights, dropped tokens, parameter counts, forward time) is null, never zero,
-so a view can say "not recorded by this source". `write_tables` writes through the store's one
-atomic file writer, the `runs` row last, so a run appears once all its rows are in place.
+so a view can say "not recorded by this source". The rows are built by the store's one builder
+of each table (`store.schema`), and `write_run` hands them to the run's writer (`store.writer`),
+the `runs` row last, so a run appears once all its rows are in place.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -22,9 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moescope.pipeline import new_run_id
 from moescope.store.layout import check_name, list_runs
-from moescope.store.schema import SCHEMAS, TAGS
-from moescope.store.writer import write_table_file
+from moescope.store.schema import SCHEMAS, TAGS, RoutePiece, routes_table, table_from_columns
+from moescope.store.writer import run_writer
 
 # The probe's limit for co-selection (E x E counts per layer and step), kept for imports too.
 COSELECTION_MAX_EXPERTS = 64
@@ -38,13 +39,17 @@ class SourceFormatError(ValueError):
 
 @dataclass
 class LayerRoutes:
-    """Per-token routing of one MoE layer in one step, every slot set (no -1 left)."""
+    """Per-token routing of one MoE layer in one step, every slot set (no -1 left); the store's
+    `routes_table` builds its rows (a `store.schema.RouteRows`: engines give no gate weights or drops)."""
 
     expert_ids: np.ndarray  # (tokens, k) int32 logical expert ids
     token: np.ndarray  # (tokens,) int32 row of the token in the step as the engine listed it
     sequence: np.ndarray  # (tokens,) int32 request / batch row
     position: np.ndarray  # (tokens,) int32 position in the sequence
     token_ids: np.ndarray | None = None  # (tokens,) int64 input ids where the engine gives them
+    gate_weights: None = None  # not in any engine's routing output
+    kept: None = None  # nor which slots a capacity limit dropped
+    step: None = None  # every row is of its step
 
 
 @dataclass
@@ -110,11 +115,6 @@ def parse_tags(pairs: list[str] | None) -> dict[str, str]:
             raise ValueError(f"--tag {pair!r}: write it as key=value")
         tags[key.strip()] = value.strip()
     return check_tags(tags)
-
-
-def new_run_id(source: str) -> str:
-    """A fresh run id: UTC time, the source, and a random suffix."""
-    return f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{source}-{uuid.uuid4().hex[:8]}"
 
 
 def file_time(path: str) -> dt.datetime:
@@ -238,13 +238,6 @@ def check_unique_steps(steps: list[SourceStep], where: str) -> None:
 
 # -- tables --------------------------------------------------------------------------------------
 
-def _table(name: str, columns: dict[str, pa.Array], rows: int) -> pa.Table:
-    """A table of schema `name`; every column not given is null (not recorded by this source)."""
-    schema = SCHEMAS[name]
-    return pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(rows, f.type)
-                                 for f in schema], schema=schema)
-
-
 def _tag_column(tag_sets: list[dict[str, str]]) -> pa.Array:
     unique: dict[tuple, int] = {}
     index = [unique.setdefault(tuple(sorted(t.items())), len(unique)) for t in tag_sets]
@@ -267,7 +260,7 @@ def build_step_tables(steps: list[SourceStep], spec: RunSpec, shapes: dict[int, 
     step_rows: dict[str, list] = {k: [] for k in ("step", "ts", "tokens", "batch_size", "seq_len", "tags", "rank")}
     ls_rows: dict[str, list] = {k: [] for k in ("step", "ts", "layer", "tokens", "expert_load", "coselection",
                                                "tags", "rank")}
-    pieces: list[tuple[SourceStep, int, LayerRoutes]] = []
+    pieces: list[RoutePiece] = []
     for step in steps:
         tags = {**spec.tags, **step.tags}
         layer_tokens = []
@@ -283,7 +276,7 @@ def build_step_tables(steps: list[SourceStep], spec: RunSpec, shapes: dict[int, 
                          if shape.top_k and shape.top_k > 1 and shape.num_experts <= COSELECTION_MAX_EXPERTS
                          else None)
                 if tokens:
-                    pieces.append((step, layer, routes))
+                    pieces.append(RoutePiece(step.step, layer, tags, routes, step.rank))
                     sequences.update(np.unique(routes.sequence).tolist())
                     longest = max(longest, int(routes.position.max()) + 1)
             else:
@@ -303,7 +296,7 @@ def build_step_tables(steps: list[SourceStep], spec: RunSpec, shapes: dict[int, 
     out: dict[str, pa.Table] = {}
     n = len(steps)
     if n:
-        out["steps"] = _table("steps", {
+        out["steps"] = table_from_columns("steps", {
             "run_id": pa.repeat(pa.scalar(spec.run_id, pa.string()), n),
             "step": pa.array(step_rows["step"], pa.int64()),
             "ts": pa.array(step_rows["ts"], SCHEMAS["steps"].field("ts").type),
@@ -314,7 +307,7 @@ def build_step_tables(steps: list[SourceStep], spec: RunSpec, shapes: dict[int, 
         }, n)
     m = len(ls_rows["step"])
     if m:
-        out["layer_steps"] = _table("layer_steps", {
+        out["layer_steps"] = table_from_columns("layer_steps", {
             "run_id": pa.repeat(pa.scalar(spec.run_id, pa.string()), m),
             "step": pa.array(ls_rows["step"], pa.int64()),
             "ts": pa.array(ls_rows["ts"], SCHEMAS["layer_steps"].field("ts").type),
@@ -325,42 +318,15 @@ def build_step_tables(steps: list[SourceStep], spec: RunSpec, shapes: dict[int, 
             "tags": _tag_column(ls_rows["tags"]), "rank": pa.array(ls_rows["rank"], pa.int32()),
         }, m)
     if pieces:
-        out["routes"] = routes_table(spec, pieces)
+        out["routes"] = routes_table(spec.run_id, pieces)
     return out
-
-
-def routes_table(spec: RunSpec, pieces: list[tuple[SourceStep, int, LayerRoutes]]) -> pa.Table:
-    """The routes rows of (step, layer, routes) pieces in one vectorised pass; weights and kept are null."""
-    counts = np.array([len(r.expert_ids) for _, _, r in pieces], dtype=np.int64)
-    total = int(counts.sum())
-    widths = np.repeat(np.array([r.expert_ids.shape[1] for _, _, r in pieces], dtype=np.int32), counts)
-    offsets = np.zeros(total + 1, dtype=np.int32)
-    np.cumsum(widths, out=offsets[1:])
-    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(
-        np.concatenate([r.expert_ids.reshape(-1) for _, _, r in pieces]).astype(np.int32)))
-    missing = np.concatenate([np.full(len(r.expert_ids), r.token_ids is None) for _, _, r in pieces])
-    token_ids = np.concatenate([r.token_ids if r.token_ids is not None else np.zeros(len(r.expert_ids))
-                                for _, _, r in pieces]).astype(np.int64)
-    return _table("routes", {
-        "run_id": pa.repeat(pa.scalar(spec.run_id, pa.string()), total),
-        "step": pa.array(np.repeat(np.array([s.step for s, _, _ in pieces], dtype=np.int64), counts)),
-        "layer": pa.array(np.repeat(np.array([layer for _, layer, _ in pieces], dtype=np.int32), counts)),
-        "token": pa.array(np.concatenate([r.token for _, _, r in pieces]).astype(np.int32)),
-        "sequence": pa.array(np.concatenate([r.sequence for _, _, r in pieces]).astype(np.int32)),
-        "position": pa.array(np.concatenate([r.position for _, _, r in pieces]).astype(np.int32)),
-        "token_id": pa.array(token_ids, mask=missing if missing.any() else None),
-        "expert_ids": ids,
-        "tags": _tag_column([{**spec.tags, **s.tags} for s, _, _ in pieces]).take(
-            pa.array(np.repeat(np.arange(len(pieces), dtype=np.int32), counts))),
-        "rank": pa.array(np.repeat(np.array([s.rank for s, _, _ in pieces], dtype=np.int32), counts)),
-    }, total)
 
 
 def run_tables(spec: RunSpec, shapes: dict[int, LayerShape], ranks: list[int]) -> dict[str, pa.Table]:
     """The runs row (one per rank, as each probed rank writes one) and the layers rows of the run."""
     ranks = sorted(set(ranks)) or [0]
     world = max(ranks) + 1
-    runs = _table("runs", {
+    runs = table_from_columns("runs", {
         "run_id": pa.array([spec.run_id] * len(ranks), pa.string()),
         "started_at": pa.array([spec.started_at] * len(ranks), SCHEMAS["runs"].field("started_at").type),
         "model_class": pa.array([spec.model] * len(ranks), pa.string()),
@@ -372,7 +338,7 @@ def run_tables(spec: RunSpec, shapes: dict[int, LayerShape], ranks: list[int]) -
     rows = [(layer, rank) for rank in ranks for layer in layers]
     out = {"runs": runs}
     if rows:
-        out["layers"] = _table("layers", {
+        out["layers"] = table_from_columns("layers", {
             "run_id": pa.array([spec.run_id] * len(rows), pa.string()),
             "layer": pa.array([r[0] for r in rows], pa.int32()),
             "module": pa.array([f"{spec.source} layer {r[0]}" for r in rows], pa.string()),
@@ -394,14 +360,27 @@ def check_new_run(root: str, run_id: str) -> None:
                          "(an import never adds steps to an existing run)")
 
 
-def write_tables(root: str, run_id: str, tables: dict[str, pa.Table], seq: int = 0) -> list[str]:
-    """Write each table as one atomic file; `runs` goes last so the run appears complete. Returns paths."""
-    order = [t for t in tables if t != "runs"] + (["runs"] if "runs" in tables else [])
-    paths = []
-    for i, table in enumerate(order):
-        if tables[table].num_rows:
-            paths.append(write_table_file(root, table, run_id, tables[table], seq=seq + i))
-    return paths
+def write_run(root: str, run_id: str, tables: dict[str, pa.Table]) -> list[str]:
+    """Hand the tables to the run's writer, `runs` last and only once every other table is on disk,
+    so the run appears complete or not at all; returns the parts written.
+
+    Raises OSError when the store refused rows (they are counted in `probe_stats` as write_failed;
+    what was written before stays, without its `runs` row).
+    """
+    with run_writer(root, run_id) as writer:
+        first = len(writer.files)
+        for stage in ([t for t in tables if t != "runs"], [t for t in tables if t == "runs"]):
+            before = writer.written_rows
+            for table in stage:
+                writer.emit(table, tables[table])
+            writer.flush(timeout_s=None)
+            written = writer.written_rows
+            short = [t for t in stage if written[t] - before[t] < tables[t].num_rows]
+            if short:
+                raise OSError(f"the store {root!r} did not take the rows of {', '.join(short)} "
+                              f"({writer.last_error or 'see the log'}); run {run_id!r} has no runs row: remove "
+                              "its folders and import again")
+        return writer.files[first:]
 
 
 @dataclass
@@ -451,7 +430,7 @@ def import_source(root: str | os.PathLike, data: SourceData, source: str, run_id
                    tags=tags, started_at=min(s.ts for s in data.steps))
     steps = sorted(data.steps, key=lambda s: (s.step, s.rank))
     tables = {**build_step_tables(steps, spec, shapes), **run_tables(spec, shapes, [s.rank for s in steps])}
-    files = write_tables(root, run_id, tables)
+    files = write_run(root, run_id, tables)
     layer_steps = tables.get("layer_steps")
     return ImportSummary(run_id=run_id, source=source, steps=len({s.step for s in steps}), layers=len(shapes),
                          ranks=len({s.rank for s in steps}),

@@ -235,27 +235,143 @@ def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
     exporter.shutdown()
 
 
-def test_table_writer_owns_schema_naming_and_failure_counts(tmp_path):
-    """Every writer of a process shares one sequence of part names; rows take the table's schema;
-    a refused write is counted once, through the callback, unless the caller keeps the rows."""
+def _event(run_id: str = "run-a") -> dict:
     import datetime as dt
 
-    import pyarrow.parquet as pq
+    return dict(run_id=run_id, ts=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), step=3, layer=1, expert=2,
+                old_weight=1.0, new_weight=0.0, score=12.5, reason="test", source="manual", rank=0)
 
-    from moescope.store.writer import TableWriter
+
+def test_run_writer_owns_schema_naming_and_failure_counts(tmp_path):
+    """Every writer of a process shares one sequence of part names; rows take the table's schema;
+    a refused write is counted once, through the callback, unless the caller keeps the rows."""
+    from moescope.store.writer import run_writer
 
     drops = []
-    a = TableWriter(tmp_path, "run-a", on_dropped=lambda *d: drops.append(d))
-    b = TableWriter(tmp_path, "run-a")
-    row = dict(run_id="run-a", ts=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), step=3, layer=1, expert=2,
-               old_weight=1.0, new_weight=0.0, score=12.5, reason="test", source="manual", rank=0)
-    assert a.write("trust_gate_events", [row]) and b.write("trust_gate_events", [row])
-    assert len({os.path.basename(f) for f in a.files + b.files}) == 2  # one sequence, two names
-    table = pq.read_table(a.files[0])
-    assert table.schema.field("layer").type == "int32" and table.column("score").to_pylist() == [12.5]
-    (tmp_path / "expert_health").write_text("a file where the table's folder should be")
-    assert not a.write("expert_health", [dict(run_id="run-a", layer=0, expert=0)])
-    assert drops == [("expert_health", "write_failed", 1)] and "Error" in a.last_error
-    assert not a.write("expert_health", [dict(run_id="run-a", layer=0, expert=0)], retried=True)
-    assert drops == [("expert_health", "write_failed", 1)]  # kept by the caller: not counted again
-    assert a.written_rows == {"trust_gate_events": 1}
+    with run_writer(tmp_path, "run-a") as a, run_writer(tmp_path, "run-b") as b:
+        assert a.write("trust_gate_events", [_event()], on_dropped=lambda *d: drops.append(d))
+        assert b.write("trust_gate_events", [_event("run-b")])
+        assert len({os.path.basename(f) for f in a.files + b.files}) == 2  # one sequence, two names
+        table = pq.read_table(a.files[0])
+        assert table.schema.field("layer").type == "int32" and table.column("score").to_pylist() == [12.5]
+        (tmp_path / "expert_health").write_text("a file where the table's folder should be")
+        row = dict(run_id="run-a", layer=0, expert=0)
+        assert not a.write("expert_health", [row], on_dropped=lambda *d: drops.append(d))
+        assert drops == [("expert_health", "write_failed", 1)] and "Error" in a.last_error
+        assert not a.write("expert_health", [row], retried=True)
+        assert drops == [("expert_health", "write_failed", 1)]  # kept by the caller: not counted again
+        assert not a.write("expert_health", [row])  # no callback: the writer counts it itself
+        assert a.drop_counts()[0] == {("expert_health", "write_failed"): 1}
+        assert a.written_rows == {"trust_gate_events": 1}
+
+
+def test_one_writer_per_store_run_and_rank_shared_and_reference_counted(tmp_path):
+    from moescope.store.writer import open_writers, run_writer
+
+    first = run_writer(tmp_path, "r")
+    again = run_writer(os.path.join(str(tmp_path), "."), "r")  # the same store, spelled differently
+    other_rank = run_writer(tmp_path, "r", rank=1)
+    assert again is first and other_rank is not first
+    assert first.write("trust_gate_events", [_event("r")])
+    first.release()
+    assert first in open_writers() and not first.closed  # one reference left
+    again.release()
+    assert first.closed and first not in open_writers()
+    other_rank.release()
+    stats = pq.read_table(tmp_path / "probe_stats" / "run_id=r").to_pylist()
+    assert {(s["rank"], s["table_name"], s["written_rows"]) for s in stats} == {(0, "trust_gate_events", 1)}
+    with run_writer(tmp_path, "r") as reopened:  # a run opened again in the process counts on
+        assert reopened is not first and reopened.written_rows["trust_gate_events"] == 1
+
+
+def test_emitted_rows_are_written_on_the_writers_thread_and_a_failure_is_counted(tmp_path, monkeypatch):
+    import moescope.store.writer as writer_module
+
+    threads = []
+    real = writer_module.write_table_file
+
+    def spy(root, table, *args, **kwargs):
+        threads.append((table, threading.current_thread().name))
+        return real(root, table, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_table_file", spy)
+    with writer_module.run_writer(tmp_path, "r") as writer:
+        writer.emit("trust_gate_events", [_event("r")])
+        writer.emit("trust_gate_events", [_event("r")])
+        assert writer.flush(10)
+        assert [name for table, name in threads if table == "trust_gate_events"] == ["moescope-run-writer"]
+        parts = list((tmp_path / "trust_gate_events" / "run_id=r").glob("part-*.parquet"))
+        assert [pq.read_metadata(p).num_rows for p in parts] == [2]  # emitted together: one part
+        (tmp_path / "expert_health").write_text("a file where the table's folder should be")
+        writer.emit("expert_health", [dict(run_id="r", layer=0, expert=0)] * 3)
+        assert writer.flush(10)
+        assert writer.drop_counts()[0] == {("expert_health", "write_failed"): 3}
+    stats = [s for s in pq.read_table(tmp_path / "probe_stats" / "run_id=r").to_pylist()
+             if s["reason"] == "write_failed"]
+    assert [(s["table_name"], s["dropped_rows"]) for s in stats][-1] == ("expert_health", 3)
+    writer.emit("trust_gate_events", [_event("r")])  # after the last release: counted, never silent
+    assert writer.drop_counts()[0][("trust_gate_events", "closed")] == 1
+
+
+def test_refused_rows_go_back_to_a_producer_that_takes_them_and_are_not_counted_lost(tmp_path):
+    from moescope.store.writer import run_writer
+
+    (tmp_path / "trust_gate_events").write_text("no room: a file where the table's folder should be")
+    refused = []
+    with run_writer(tmp_path, "r") as writer:
+        writer.emit("trust_gate_events", [_event("r")], on_refused=refused.append)
+        assert writer.flush(10)
+        assert [t.num_rows for t in refused] == [1] and "Error" in writer.last_error
+        assert not writer.drop_counts()[0]  # handed back, not lost
+        (tmp_path / "trust_gate_events").unlink()
+        writer.emit("trust_gate_events", refused.pop(), on_refused=refused.append)
+        assert writer.flush(10) and not refused and writer.last_error is None
+    assert pq.read_table(tmp_path / "trust_gate_events" / "run_id=r").num_rows == 1
+
+
+def test_a_training_run_with_trust_gate_and_cooldown_opens_one_writer_for_every_table(tmp_path, monkeypatch):
+    """The probe's tables, health and gate events, cooldown events, alerts and train_steps of one run
+    all go through one writer, which counts them all in the run's probe_stats."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import moescope.store.writer as writer_module
+    from moescope import training
+
+    opened = []
+    real_init = writer_module.RunWriter.__init__
+
+    def counted(self, key, counts):
+        opened.append(key)
+        real_init(self, key, counts)
+
+    monkeypatch.setattr(writer_module.RunWriter, "__init__", counted)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = training.watch(model, optimizer, store=tmp_path, trust_gate="auto", cooldown="auto", routes=True)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        if step == 2:
+            monitor.session.trust.override(0, 1, 0.5, "an operator's override")  # a gate event and its alert
+            monitor.cooldown.actuator.start(0, factor=0.5, epsilon=0.01)  # a cooldown event and its alert
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    run_id = monitor.session.run.run_id
+    assert opened == [(os.path.abspath(tmp_path), run_id, 0)]
+    assert writer_module.open_writers() == []
+    tables = {"runs", "layers", "steps", "layer_steps", "routes", "expert_health", "trust_gate_events",
+              "routing_cooldown_events", "alerts", "train_steps", "run_ends"}
+    on_disk = {}
+    for path in tmp_path.glob(f"*/run_id={run_id}/part-*.parquet"):
+        assert path.name.startswith(f"part-00000-{os.getpid()}-")
+        on_disk[path.parent.parent.name] = on_disk.get(path.parent.parent.name, 0) + pq.read_metadata(path).num_rows
+    assert tables <= set(on_disk)
+    stats = pq.read_table(tmp_path / "probe_stats" / f"run_id={run_id}").to_pylist()
+    final = max(s["ts"] for s in stats)
+    counted_rows = {s["table_name"]: s["written_rows"] for s in stats if s["ts"] == final and s["reason"] is None}
+    assert {table: counted_rows.get(table) for table in tables} == {table: on_disk[table] for table in tables}
