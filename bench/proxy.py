@@ -6,7 +6,7 @@ A stand-in engine (a local HTTP server answering in vLLM's response format with
 the real `moescope proxy` command, recording into a temporary store. Requests alternate between
 the engine directly and the proxy (keep-alive connections, one client), so both sides see the
 same machine at the same moment. Prints p50 / p90 / p99 of each, the p50 added latency and the
-median of the per-pair differences, then what the proxy recorded.
+median of the per-pair differences, then what the proxy recorded once stopped with SIGTERM.
 
     python bench/proxy.py                       # 2000 requests of each
     python bench/proxy.py --requests 5000 --prompt-tokens 512 --layers 48
@@ -126,9 +126,10 @@ def main() -> int:
         paired = statistics.median(p - d for p, d in zip(times["proxy"], times["direct"]))
         print(f"added by the proxy: p50 {added * 1000:.3f} ms (median of paired differences {paired * 1000:.3f} ms)")
     finally:
-        proxy.send_signal(signal.SIGINT)
+        proxy.send_signal(signal.SIGTERM)  # as a service manager stops it: it drains and writes everything
         out, _ = proxy.communicate(timeout=60)
-        print(out.strip().splitlines()[-1] if out.strip() else "(the proxy printed no report)")
+        print(out.strip().splitlines()[-1] if out.strip() else "(the proxy printed no report)",
+              f"(exit status {proxy.returncode})")
         engine.shutdown()
         shutil.rmtree(store, ignore_errors=True)
     return 0

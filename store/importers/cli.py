@@ -33,6 +33,11 @@ x-moescope-tag-<key> headers are tagged with them, so the compare page can set r
 v2. Writing happens on a background thread with a bounded queue: a full queue drops and counts a
 record, never delays a response. Listens on 127.0.0.1 unless told otherwise.
 
+SIGTERM (how systemd, Docker and Kubernetes stop a service) or Ctrl-C stops it cleanly: no new
+requests are taken, the ones in flight are answered, everything captured is written with the
+run's final counts (probe_stats), and it exits 0, within --grace-period seconds (else status 1,
+saying what was lost). A second signal exits at once.
+
 example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-experts 64
           then send requests to http://127.0.0.1:8100 instead of :8000
 """
@@ -71,6 +76,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
     p.add_argument("--max-queue", type=int, default=1024, help="responses waiting to be recorded before new ones "
                                                               "are dropped and counted (default 1024)")
+    p.add_argument("--grace-period", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM, how long to drain before giving up (default 10, or $MOESCOPE_GRACE_PERIOD_S)")
     p.set_defaults(func=_proxy)
 
 
@@ -86,18 +93,23 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
+    from moescope.lifecycle import GracefulStop, grace_period_s
     from moescope.store.importers.tables import parse_tags
     from moescope.store.proxy import RoutingProxy, parse_listen
 
     host, port = parse_listen(args.listen)
+    grace_s = grace_period_s(args.grace_period)  # a bad value is refused before anything starts
     proxy = RoutingProxy(args.upstream, args.store, num_experts=args.num_experts, host=host, port=port,
                          run_id=args.run_id, tags=parse_tags(args.tag), num_layers=args.num_layers,
                          top_k=args.top_k, max_queue=args.max_queue)
-    print(f"moescope proxy: http://{proxy.host}:{proxy.port} -> {proxy.upstream_url}, recording run "
-          f"{proxy.recorder.spec.run_id} into {args.store}", flush=True)
-    try:
-        proxy.serve_forever()
-    finally:
-        proxy.shutdown()
-        print(proxy.recorder.report(), flush=True)
+    with GracefulStop(on_stop=proxy.stop_accepting, grace_s=grace_s, what="moescope proxy",
+                      on_exit=lambda status: print(proxy.recorder.report(), flush=True)):
+        # said once the signals are handled: a supervisor that waits for this line may stop it at once
+        print(f"moescope proxy: http://{proxy.host}:{proxy.port} -> {proxy.upstream_url}, recording run "
+              f"{proxy.recorder.spec.run_id} into {args.store}", flush=True)
+        try:
+            proxy.serve_forever()  # returns once a signal stopped the server taking requests
+        finally:
+            proxy.shutdown(timeout_s=grace_s)  # answer what is in flight, drain, write the final counts
+    print(proxy.recorder.report(), flush=True)
     return 0

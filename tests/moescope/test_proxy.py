@@ -319,24 +319,107 @@ def test_listens_on_loopback_unless_told(tmp_path, engine):
         RoutingProxy("https://example.com", str(tmp_path / "store"), num_experts=E)
 
 
-@pytest.mark.integration
-def test_the_command_runs_as_a_process_and_writes_on_interrupt(tmp_path, engine):
+def start_command(root: str, engine: StandInEngine, *options: str) -> tuple[subprocess.Popen, int]:
+    """`moescope proxy` as its own process in front of the stand-in engine, recording run "live";
+    returns the process (once it says it is recording) and its port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = str(tmp_path / "store")
     process = subprocess.Popen([sys.executable, "-m", "moescope.cli", "proxy", "--upstream",
                                 f"http://127.0.0.1:{engine.port}", "--store", root, "--num-experts", str(E),
-                                "--listen", f"127.0.0.1:{port}", "--run-id", "live"],
+                                "--listen", f"127.0.0.1:{port}", "--run-id", "live", *options],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "recording run live" in process.stdout.readline()
+    return process, port
+
+
+def stop_command(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
+
+
+@pytest.mark.integration
+def test_the_command_runs_as_a_process_and_writes_on_interrupt(tmp_path, engine):
+    root = str(tmp_path / "store")
+    process, port = start_command(root, engine)
     try:
-        assert "recording run live" in process.stdout.readline()
         assert post(port, "/v1/completions", {"seed": 7, "prompt_len": 3}, {"X-Router-Version": "v1"})[0] == 200
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate(timeout=30)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        stop_command(process)
     assert "recorded 1 responses into run live" in out
     assert stored_loads(root, "live") == loop_loads(rows_of(0, draw(7, 3), draw(1007, 3)), E)
+
+
+@pytest.mark.integration
+def test_sigterm_drains_every_answered_request_writes_the_counts_and_exits_0(tmp_path, engine):
+    """SIGTERM is how systemd, Docker and Kubernetes stop a service: nothing answered may be lost."""
+    root = str(tmp_path / "store")
+    process, port = start_command(root, engine, "--grace-period", "10")
+    expected = []
+    try:
+        for step in range(10):
+            seed = 20 + step
+            assert post(port, "/v1/completions", {"seed": seed, "prompt_len": 3})[0] == 200
+            expected += rows_of(step, draw(seed, 3), draw(seed + 1000, 3))
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=20)
+        took = time.monotonic() - started
+    finally:
+        stop_command(process)
+    assert process.returncode == 0, err
+    assert took < 10, f"draining took {took:.1f} s, beyond the grace period"
+    steps = parquet_rows(root, "steps", "live")  # raw Parquet rows, read without moescope
+    assert steps.num_rows == 10 and sorted(steps.column("step").to_pylist()) == list(range(10))
+    assert stored_loads(root, "live") == loop_loads(expected, E)
+    stats = parquet_rows(root, "probe_stats", "live").to_pylist()
+    final = max(s["ts"] for s in stats)
+    assert [s["written_rows"] for s in stats if s["ts"] == final and s["table_name"] == "steps"
+            and s["reason"] is None] == [10]
+    assert "recorded 10 responses into run live" in out
+
+
+def _hold_a_request(port: int) -> http.client.HTTPConnection:
+    """A streamed request the stand-in engine holds after its first chunk: in flight until released."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"seed": 2, "prompt_len": 4, "max_tokens": 6, "stream": True,
+                                                        "hold": True}), {"Content-Type": "application/json"})
+    assert conn.getresponse().read1(65536).startswith(b"data: ")
+    return conn
+
+
+@pytest.mark.integration
+def test_a_second_sigterm_exits_at_once_without_waiting_for_the_drain(tmp_path, engine):
+    process, port = start_command(str(tmp_path / "store"), engine, "--grace-period", "60")
+    try:
+        held = _hold_a_request(port)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert process.poll() is None  # draining: the request in flight is still being answered
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=10)
+        took = time.monotonic() - started
+        held.close()
+    finally:
+        stop_command(process)
+    assert process.returncode == 128 + signal.SIGTERM and took < 2
+
+
+@pytest.mark.integration
+def test_a_drain_longer_than_the_grace_period_exits_1_and_says_so(tmp_path, engine):
+    process, port = start_command(str(tmp_path / "store"), engine, "--grace-period", "1")
+    try:
+        held = _hold_a_request(port)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=10)
+        took = time.monotonic() - started
+        held.close()
+    finally:
+        stop_command(process)
+    assert process.returncode == 1 and 1 <= took < 5
+    assert "could not drain within the 1 s grace period" in err
