@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             process.kill()
             process.wait(5)
 
-    with GracefulStop(on_stop=stop_child, on_exit=kill_child, grace_s=getattr(args, "grace_period", None),
+    with GracefulStop(on_stop=stop_child, on_exit=kill_child, grace_s=args.grace_period,
                       what="moescope dashboard", signals=STOP_SIGNALS) as stop:
         process = subprocess.Popen(command(args), env=environment(args))
         if stop.requested.is_set():  # a signal came while the child was being started

@@ -99,7 +99,6 @@ class GracefulStop:
         self.on_exit = on_exit
         self.on_signal = on_signal
         self.requested = threading.Event()
-        self.drained = threading.Event()  # set by `mark_drained()`: only the exit itself is left
         self.signum: int | None = None  # the first signal received
         self.installed = False
         self._previous: dict[int, Any] = {}
@@ -154,16 +153,6 @@ class GracefulStop:
             return self.grace_s
         return max(0.0, self.grace_s - (time.monotonic() - self._requested_at))
 
-    def mark_drained(self) -> None:
-        """Say that everything was drained: should the process still not end within the grace
-        period, the watchdog's message says that nothing queued was lost."""
-        self.drained.set()
-
-    def cancel_watchdog(self) -> None:
-        """Let the process take as long as it needs from here (e.g. a job's own SIGTERM handler)."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-
     def _run_on_stop(self) -> None:
         try:
             self.on_stop()  # type: ignore[misc]
@@ -181,9 +170,6 @@ class GracefulStop:
             self.on_signal(signum, frame)
 
     def _out_of_time(self) -> None:
-        if self.drained.is_set():
-            self._exit(1, f"{self.what}: drained, but the process did not end within the {self.grace_s:g} s grace "
-                          "period; exiting")
         self._exit(1, f"{self.what}: could not drain within the {self.grace_s:g} s grace period; exiting, and "
                       "what was still queued is lost")
 
