@@ -6,10 +6,11 @@ grouping and normalisation) and the block itself. Families in `transformers` dec
 class in `_can_record_outputs["router_logits"]`; most experts modules take
 `(hidden_states, top_k_index, top_k_weights)`, so one generic reading covers them. The few that
 route differently get a small reader, chosen in one table, `ROUTINGS`: capacity masks (Switch
-top-1, NLLB top-2, a capacity per sequence as GShard and Megatron drop tokens:
-`moescope.demo.capacity`), Llama4's dense scores, JetMoE's grouped gating, identity ("zero") experts
-(LongCat-Flash) and a parameter-free skip expert (ZAYA). A user describes a custom MoE module with
-`MoESpec`.
+top-1, NLLB top-2, and a capacity per sequence as GShard and Megatron drop tokens: a block that
+implements `CapacityPerSequence`, an interface declared here, such as
+`moescope.demo.capacity.CapacityMoeBlock`), Llama4's dense scores, JetMoE's grouped gating,
+identity ("zero") experts (LongCat-Flash) and a parameter-free skip expert (ZAYA). A user
+describes a custom MoE module with `MoESpec`.
 
 Sharp edge: readers see the tensors the model really passed, so a family whose experts module
 changes signature in a new `transformers` release fails loudly at attach or in the exactness
@@ -21,7 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -39,6 +40,37 @@ class Choice:
     weights: torch.Tensor
     kept: torch.Tensor | None = None  # (tokens, k) bool; None means every slot was processed
     capacity: int | None = None  # slots per expert in this forward, where the router sizes it per batch
+
+
+@dataclass(frozen=True)
+class CapacityDispatch:
+    """What one forward of a `CapacityPerSequence` block dispatched."""
+
+    kept: torch.Tensor  # (tokens, k) bool, rows batch-major as the experts see them
+    capacity: int  # slots per expert per sequence
+    groups: int  # sequences (batch rows) in the forward
+
+
+@runtime_checkable
+class CapacityPerSequence(Protocol):
+    """An MoE block whose experts take at most `capacity(seq_len)` (token, slot) assignments per
+    sequence and drop the rest, earlier positions first within a choice rank (GShard; Megatron-Core's
+    `moe_token_drop_policy="position"`). The probe reads such a block through these members only;
+    `moescope.demo.capacity.CapacityMoeBlock` implements it.
+
+    The block passes its router's top-k ids and weights to its experts module, with the weights of
+    dropped slots zeroed, and keeps the forward's decision in `dispatch` (overwritten by every
+    forward; None before the first).
+    """
+
+    token_drop_policy: str  # "position"
+    capacity_factor: float
+    max_sequence_length: int | None  # the longest sequence it is configured for (None: unknown)
+    dispatch: CapacityDispatch | None
+
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert for one sequence of `seq_len` tokens."""
+        ...
 
 
 # Readers: router output -> logits (tokens, E); experts call -> Choice; router output -> Choice.
@@ -181,14 +213,14 @@ def capacity_top2_choice(router: nn.Module) -> ChoiceReader:
     return read
 
 
-def sequence_capacity_choice(block: nn.Module) -> ChoiceReader:
-    """GShard/Megatron-style capacity per sequence (`moescope.demo.capacity.CapacityMoeBlock`): the
-    experts get the router's top-k ids and weights with the dropped slots' weights zeroed, and the
-    block keeps the forward's decision in `block.dispatch` (kept mask, capacity per sequence,
-    sequences). Ids and weights are read from the experts call, as the model passed them; which
-    slots were kept from the block, since a weight of 0 alone cannot tell a dropped slot from one
-    whose weight underflowed. The capacity per expert in the forward is the capacity per sequence
-    times the sequences, as for Switch.
+def sequence_capacity_choice(block: CapacityPerSequence) -> ChoiceReader:
+    """GShard/Megatron-style capacity per sequence (a `CapacityPerSequence` block): the experts get
+    the router's top-k ids and weights with the dropped slots' weights zeroed, and the block keeps
+    the forward's decision in `block.dispatch` (kept mask, capacity per sequence, sequences). Ids
+    and weights are read from the experts call, as the model passed them; which slots were kept
+    from the block, since a weight of 0 alone cannot tell a dropped slot from one whose weight
+    underflowed. The capacity per expert in the forward is the capacity per sequence times the
+    sequences, as for Switch.
     """
     def read(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
         ids, weights = experts_arguments(args, kwargs)
@@ -374,7 +406,7 @@ def _capacity_top1(layer: MoELayer) -> None:
 
 
 def _capacity_per_sequence(layer: MoELayer) -> None:
-    block = layer.block
+    block = layer.block  # a CapacityPerSequence: this routing applies to nothing else
     # The layers table holds one capacity per layer: that of a full-length sequence. Each forward
     # records the capacity it really had (per sequence, times its sequences) in layer_steps.
     layer.expert_capacity = int(block.capacity(block.max_sequence_length or 1))
@@ -413,7 +445,7 @@ ROUTINGS: tuple[Routing, ...] = (
     Routing("capacity top-1 (Switch)", lambda r, b, e: isinstance(getattr(r, "expert_capacity", None), int),
             _capacity_top1),
     Routing("capacity per sequence (GShard/Megatron token dropping)",
-            lambda r, b, e: getattr(b, "token_drop_policy", None) == "position" and hasattr(b, "dispatch"),
+            lambda r, b, e: isinstance(b, CapacityPerSequence) and b.token_drop_policy == "position",
             _capacity_per_sequence),
     Routing("grouped gating (JetMoE)", _router_named("JetMoeTopKGating"), _grouped_gating),
     Routing("dense scores (Llama4)", lambda r, b, e: _experts_take_only_hidden_states(e), _dense_scores),

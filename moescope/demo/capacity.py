@@ -33,34 +33,25 @@ Sharp edges:
 - transformers' fused experts kernels have no way to skip a slot (an out-of-range id is only
   safe under expert parallelism), so a dropped slot keeps its expert id with weight 0: the
   output is exactly that of a skipped slot, but the kernel still spends the FLOPs on it.
-- The block keeps the last forward's decision in `dispatch` (kept mask, capacity, groups) for
-  the probe to read; it is overwritten by every forward.
+- The block keeps the last forward's decision in `dispatch` (a `probe.adapters.CapacityDispatch`:
+  kept mask, capacity, groups) for the probe to read; it is overwritten by every forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from moescope.alerts.signals import expert_capacity
+from moescope.probe.adapters import CapacityDispatch, CapacityPerSequence
 
 TOKEN_DROP_POLICY = "position"  # Megatron-Core's name for "earlier positions win within a choice rank"
 
 
 class CapacityInstallError(ValueError):
     """The model cannot take (or already has) the capacity: the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What one forward of a `CapacityMoeBlock` dispatched."""
-
-    kept: torch.Tensor  # (tokens, k) bool, rows batch-major as the experts see them
-    capacity: int  # slots per expert per sequence
-    groups: int  # sequences (batch rows) in the forward
 
 
 def capacity_keep(ids: torch.Tensor, capacity: int, num_experts: int,
@@ -103,12 +94,13 @@ class _Nonpadding:
         return mask[:, mask.shape[1] - seq:].bool()
 
 
-class CapacityMoeBlock(nn.Module):
+class CapacityMoeBlock(nn.Module, CapacityPerSequence):
     """A Mixtral MoE block whose experts have a capacity per sequence (see the module docstring).
 
     Holds the original block's `gate` (router) and `experts`, so parameter names, the router's
     hooks (the probe's, the trust gate's) and the experts kernel are unchanged; between them it
-    zeroes the weights of the slots that did not fit.
+    zeroes the weights of the slots that did not fit. The probe reads it through the interface it
+    declares, `probe.adapters.CapacityPerSequence`.
     """
 
     def __init__(self, block: nn.Module, capacity_factor: float, nonpadding: _Nonpadding | None = None,
@@ -123,7 +115,7 @@ class CapacityMoeBlock(nn.Module):
         self.token_drop_policy = TOKEN_DROP_POLICY
         self.max_sequence_length = max_sequence_length
         self._nonpadding = nonpadding or _Nonpadding()
-        self.dispatch: Dispatch | None = None
+        self.dispatch: CapacityDispatch | None = None
 
     def capacity(self, seq_len: int) -> int:
         """Slots per expert for one sequence of `seq_len` tokens."""
@@ -139,7 +131,7 @@ class CapacityMoeBlock(nn.Module):
         capacity = self.capacity(seq)
         kept = capacity_keep(ids.view(batch, seq, -1), capacity, self.num_experts,
                              self._nonpadding.rows(batch, seq)).reshape(ids.shape)
-        self.dispatch = Dispatch(kept=kept, capacity=capacity, groups=batch)
+        self.dispatch = CapacityDispatch(kept=kept, capacity=capacity, groups=batch)
         weights = torch.where(kept, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
         return self.experts(flat, ids, weights).reshape(batch, seq, hidden)
 
