@@ -1,6 +1,6 @@
 """Where files live in a store, what they are called, and which of them are live.
 
-    <root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet     written by a probe
+    <root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet     written by a run's writer
     <root>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet      written by `compact`
     <root>/<table>/run_id=<id>/.tmp-<name>.inprogress                   a write in flight
     <root>/_quarantine/<table>/run_id=<id>/<name>                       a file moved aside as bad

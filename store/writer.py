@@ -22,8 +22,12 @@ producer's, rows of a table emitted close together are written as one part, and 
 counted (`write_failed`, or `closed` after the writer closed), never lost silently, unless the
 producer takes refused rows back to write them again later (`on_refused`: the alerts table does,
 so that a full disk loses no transition). `RunWriter.write(table, data)` writes at once on the
-caller's thread, for exporters that
-already run on a pipeline's worker: `ParquetExporter` (the probe's records) and the proxy's recorder.
+caller's thread, for exporters that already run on a pipeline's worker: `ParquetExporter` (the
+probe's records) and the proxy's recorder.
+
+Sharp edge: a holder that never releases keeps the writer (and its thread) open for the life of
+the process, and its final `probe_stats` is then the last one a holder wrote (`ParquetExporter`
+writes one at shutdown for that reason).
 """
 
 from __future__ import annotations
