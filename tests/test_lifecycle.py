@@ -23,24 +23,26 @@ SERVICE = textwrap.dedent("""
     drain_s, grace = float(sys.argv[1]), (float(sys.argv[2]) if len(sys.argv) > 2 else None)
     main = threading.main_thread()
 
+    def say(line):  # one write per line: the callbacks run on different threads
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+
     def on_stop():
-        print("on_stop ran", "on the main thread" if threading.current_thread() is main else "on a thread",
-              flush=True)
+        say("on_stop ran " + ("on the main thread" if threading.current_thread() is main else "on a thread"))
 
     def on_signal(signum, frame):
-        print(f"on_signal {signum}", "on the main thread" if threading.current_thread() is main else "elsewhere",
-              flush=True)
+        say(f"on_signal {signum} " + ("on the main thread" if threading.current_thread() is main else "elsewhere"))
 
     def on_exit(status):
-        print(f"on_exit {status}", flush=True)
+        say(f"on_exit {status}")
 
     with GracefulStop(on_stop=on_stop, grace_s=grace, on_exit=on_exit, on_signal=on_signal, what="svc") as stop:
-        print("ready", flush=True)
+        say("ready")
         while not stop.requested.wait(0.05):
             pass
         time.sleep(drain_s)  # the drain
-        print(f"drained with {stop.remaining_s():.1f} s left", flush=True)
-    print("returned", flush=True)
+        say(f"drained with {stop.remaining_s():.1f} s left")
+    say("returned")
     sys.exit(0)
 """)
 
