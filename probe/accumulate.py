@@ -1,5 +1,9 @@
 """Device accumulators: one vectorised reduction per forward over all MoE layers at once.
 
+This module draws the buffers and reduces one group of layers; probe/layout.py decides at attach
+which layers form a group and which rings exist, and probe/reduction.py runs each forward's
+reduction and ring writes over them.
+
 Per device the probe owns one flat buffer, preallocated at attach:
 
     [ counters | group 0 accumulators (L0 x W0) | group 1 ... | health rows | ring 0 | ring 1 ... ]
@@ -76,6 +80,7 @@ class Ring:
     group: LayerGroup
     columns: Columns
     capacity: int
+    sample: int = -1  # tokens a forward writes: -1 every token, n a sample of n
     pos_col: int = -1  # index of its counter in the buffer's head region
     offset: int = -1  # start of its data in the buffer
     host_rows: int = 0  # rows the host knows were written this window (eager and compiled runs)
@@ -83,6 +88,10 @@ class Ring:
     @property
     def size(self) -> int:
         return self.capacity * self.columns.width
+
+    def rows(self, tokens: int) -> int:
+        """Rows a forward of `tokens` tokens writes, before the ring's capacity caps them."""
+        return tokens if self.sample < 0 else min(self.sample, tokens)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset: self.offset + self.size].view(self.capacity, self.columns.width)

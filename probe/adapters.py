@@ -32,6 +32,10 @@ class NoMoELayersError(ValueError):
     """The model has no MoE layer that the probe recognises."""
 
 
+class ProbeAttachError(RuntimeError):
+    """The probe cannot attach to this model as it is; the message says what to do."""
+
+
 @dataclass
 class Choice:
     """The experts each token really went to: ids and weights (tokens, k), and which slots were kept."""

@@ -1,5 +1,9 @@
 """`attach`: hook a model's MoE layers and turn each forward pass into a `StepRecord`.
 
+The session owns the hooks, the windows and the lifecycle. Where the numbers live on the device
+is probe/layout.py's (made once at attach, drawn by probe/accumulate.py); what a forward adds to
+them is probe/reduction.py's; what a closed window becomes is probe/window.py's.
+
 Hooks are global state on the modules they sit on: this session keeps every handle it adds and
 removes exactly those in `close()` (also when attaching fails half-way), leaving other hooks alone.
 Only forwards of the module passed to `attach` are recorded; calling a submodule directly, or the
@@ -23,31 +27,17 @@ import torch
 from torch import nn
 
 from moescope.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor, new_run_id
-from moescope.probe.accumulate import (
-    SAMPLE_MIX,
-    SAMPLE_STRIDE,
-    TOTAL_FORWARDS,
-    WINDOW_FORWARDS,
-    Columns,
-    DeviceBuffer,
-    HealthRows,
-    LayerGroup,
-    Ring,
-)
-from moescope.probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
+from moescope.probe.accumulate import SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
+from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
 from moescope.probe.gate import TrustGate
 from moescope.probe.health import HealthSampler
+from moescope.probe.layout import build_layout
 from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
+from moescope.probe.reduction import ForwardRefs, reduce_forward
 from moescope.probe.timing import ComputeTimer
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
-
-COSELECTION_MAX_EXPERTS = 64  # E x E counts per layer and step; beyond this only on request
-
-
-class ProbeAttachError(RuntimeError):
-    """The probe cannot attach to this model as it is; the message says what to do."""
 
 
 def shared_run_id() -> str:
@@ -134,34 +124,12 @@ class HealthSampling:
     seed: int = 0
 
 
-def _device_of(layer: MoELayer, fallback: torch.device) -> torch.device:
-    for module in (layer.router, layer.experts, layer.block):
-        if module is None:
-            continue
-        for param in module.parameters():
-            return param.device
-        for buffer in module.buffers():
-            return buffer.device
-    return fallback
-
-
-def _router_input_width(layer: MoELayer, config: Any) -> int:
-    weight = getattr(layer.router, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[1])
-    for name in ("hidden_size", "d_model"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ProbeAttachError(f"cannot tell the router input width of {layer.name}; pass router_inputs=False")
-
-
 class ProbeSession:
     """A probe attached to one model. Use as a context manager, or call `close()`.
 
     Per forward the hooks keep references to each MoE layer's router logits and final choice; at
     the end of the forward one stacked reduction per group of like layers adds them to device
-    accumulators (probe/accumulate.py). Every `window` forwards, or `window_s` seconds, or when a
+    accumulators (probe/reduction.py). Every `window` forwards, or `window_s` seconds, or when a
     tag changes, the window closes: one asynchronous copy out, and the record is built on the
     writer's thread (probe/window.py). `window=1` gives one record per forward.
 
@@ -226,8 +194,18 @@ class ProbeSession:
                     exporter.bind_probe_stats(self.probe_stats)
             self.health = HealthSampler(layers, on_error=self._hook_failed, **vars(health)) if health else None
             self.gate = TrustGate(layers, on_error=self._hook_failed) if gate else None
-            self._build_buffers(model, recording.coselection, recording.ring_tokens)
-            self.timer = ComputeTimer(layers, [self._devices[layer.index] for layer in layers],
+            layout = build_layout(
+                model, layers, routes=self.routes, router_logits=self.router_logits,
+                router_inputs=self.router_inputs, window=self.window, coselection=recording.coselection,
+                ring_tokens=recording.ring_tokens,
+                health_layers={layer.index for layer in self.health.layers} if self.health is not None else set())
+            self.buffers = layout.buffers
+            self._position = layout.position
+            if self.health is not None:
+                self.health.bind(layout.health_rows())
+            self._refs = ForwardRefs(len(layers))
+            self._pool = PinnedPool()
+            self.timer = ComputeTimer(layers, [layout.devices[layer.index] for layer in layers],
                                       lambda: self._recording, self._hook_failed) if recording.compute_time else None
             self._reset_forward()
             self._window_open(time.monotonic())
@@ -236,76 +214,6 @@ class ProbeSession:
             self._remove_hooks()
             self.processor.shutdown()  # the writer thread started above must not outlive a failed attach
             raise
-
-    # -- layout --------------------------------------------------------------------------------
-
-    def _build_buffers(self, model: nn.Module, coselection: bool | None, ring_tokens: int) -> None:
-        fallback = next((p.device for p in model.parameters()), torch.device("cpu"))
-        config = getattr(model, "config", None)
-        config = getattr(config, "text_config", None) or config
-        by_key: dict[tuple, list[MoELayer]] = {}
-        devices: dict[int, torch.device] = {}
-        self._devices = devices
-        for layer in self.layers:
-            device = _device_of(layer, fallback)
-            devices[layer.index] = device
-            slots = layer.num_experts + layer.zero_experts
-            cosel = coselection if coselection is not None else (layer.top_k > 1 and slots <= COSELECTION_MAX_EXPERTS)
-            key = (layer.num_experts, slots, layer.top_k, str(device), "decoder" in layer.name, cosel,
-                   layer.expert_capacity is not None)
-            by_key.setdefault(key, []).append(layer)
-        groups_by_device: dict[str, list[LayerGroup]] = {}
-        rings_by_device: dict[str, list[Ring]] = {}
-        self._position = {layer.index: i for i, layer in enumerate(self.layers)}
-        for key, members in by_key.items():
-            device = devices[members[0].index]
-            group = LayerGroup(members, device, coselection=key[5])
-            groups_by_device.setdefault(str(device), []).append(group)
-            rings = rings_by_device.setdefault(str(device), [])
-            n = len(members)
-            k = group.top_k
-            if self.routes:
-                cols = Columns()
-                for name in ("forward", "token", "sequence", "position", "token_id"):
-                    cols.add(name, 1)
-                cols.add("ids", n * k)
-                cols.add("weights", n * k)
-                cols.add("kept", n * k)
-                rings.append(Ring("routes", group, cols, ring_tokens))
-            for kind, size, width in (("logits", self.router_logits, group.router_width),
-                                      ("inputs", self.router_inputs, None)):
-                if not size:
-                    continue
-                if width is None:
-                    width = _router_input_width(members[0], config)
-                cols = Columns()
-                for name in ("forward", "token", "token_id"):
-                    cols.add(name, 1)
-                cols.add("top1", n)
-                cols.add("values", n * width)
-                capacity = ring_tokens if size < 0 else size * self.window
-                rings.append(Ring(kind, group, cols, max(capacity, 1)))
-        self.buffers: list[DeviceBuffer] = []
-        health_layers = {layer.index for layer in self.health.layers} if self.health is not None else set()
-        for name, groups in groups_by_device.items():
-            members = [layer for group in groups for layer in group.layers if layer.index in health_layers]
-            health_rows = None
-            if members:
-                width = max(HealthRows.columns(layer.num_experts).width for layer in members)
-                health_rows = HealthRows({layer.index: layer.num_experts for layer in members},
-                                         [layer.index for layer in members], width)
-            self.buffers.append(DeviceBuffer(groups[0].device, groups, rings_by_device.get(name, []), health_rows))
-        if self.health is not None:
-            rows = {}
-            for buffer in self.buffers:
-                if buffer.health is None:
-                    continue
-                for layer in buffer.health.positions:
-                    cols = HealthRows.columns(buffer.health.num_experts[layer])
-                    rows[layer] = (buffer.health.row(buffer.flat, layer), cols)
-            self.health.bind(rows)
-        self._pool = PinnedPool()
-        self._sample_base: torch.Tensor | None = None
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -337,16 +245,9 @@ class ProbeSession:
             self._handles.pop().remove()
 
     def _reset_forward(self) -> None:
-        n = len(self.layers)
         self._recording = False
         self._reduced = False
-        self._logits: list[torch.Tensor | None] = [None] * n
-        self._choice: list[Choice | None] = [None] * n
-        self._inputs: list[torch.Tensor | None] = [None] * n
-        self._main_ids: torch.Tensor | None = None
-        self._decoder_ids: torch.Tensor | None = None
-        self._shape: tuple = ()
-        self._decoder_shape: tuple = ()
+        self._refs.clear()
         if self.timer is not None:
             self.timer.discard()
 
@@ -355,158 +256,69 @@ class ProbeSession:
             if self._recording:  # re-entrant call of the root: record the outer one only
                 return
             self._reset_forward()
+            refs = self._refs
             inputs = dict(kwargs)
             if args and "input_ids" not in inputs and isinstance(args[0], torch.Tensor):
                 inputs["input_ids"] = args[0]
-            self._main_ids, self._shape = _main_input(inputs, decoder=False)
-            self._decoder_ids, self._decoder_shape = _main_input(inputs, decoder=True)
+            refs.main_ids, refs.shape = _main_input(inputs, decoder=False)
+            refs.decoder_ids, refs.decoder_shape = _main_input(inputs, decoder=True)
             self._started = time.perf_counter()
-            expected = max(_tokens(self._shape), _tokens(self._decoder_shape))
-            if not _capturing() and any(ring.host_rows and ring.host_rows + self._ring_rows(ring, expected)
+            expected = max(_tokens(refs.shape), _tokens(refs.decoder_shape))
+            if not _capturing() and any(ring.host_rows and ring.host_rows + ring.rows(expected)
                                         > ring.capacity for buffer in self.buffers for ring in buffer.rings):
                 self._close_window()  # this forward would not fit: start a new window first
             if self.router_inputs > 0 or self.router_logits > 0:
                 size = max(self.router_inputs, self.router_logits)
                 base = self.buffers[0].flat[TOTAL_FORWARDS].to(torch.int64) * SAMPLE_MIX + self.sample_seed
-                self._sample_base = (base + torch.arange(size, device=base.device) * SAMPLE_STRIDE)
+                refs.sample_base = (base + torch.arange(size, device=base.device) * SAMPLE_STRIDE)
             if self.health is not None:
                 self.health.begin_forward()
             self._recording = True
         except Exception:
             self._hook_failed()
 
-    def _ring_rows(self, ring: Ring, tokens: int) -> int:
-        size = {"routes": -1, "logits": self.router_logits, "inputs": self.router_inputs}[ring.kind]
-        return tokens if size < 0 else min(size, tokens)
-
     def _router_hook(self, layer: MoELayer) -> Callable:
         position = self._position[layer.index]
+        refs = self._refs
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._recording:
                 return
             try:
                 logits = layer.read_logits(output)
-                self._logits[position] = logits
+                refs.logits[position] = logits
                 if self.router_inputs and args and isinstance(args[0], torch.Tensor):
                     hidden = args[0].reshape(-1, args[0].shape[-1])
                     if self.router_inputs > 0:
-                        hidden = hidden.index_select(0, self._sample_base[: min(self.router_inputs, hidden.shape[0])]
+                        hidden = hidden.index_select(0, refs.sample_base[: min(self.router_inputs, hidden.shape[0])]
                                                      % hidden.shape[0])
-                    self._inputs[position] = hidden
+                    refs.inputs[position] = hidden
                 if layer.read_router_choice is not None:
-                    self._choice[position] = layer.read_router_choice(output, logits)
+                    refs.choice[position] = layer.read_router_choice(output, logits)
             except Exception:
                 self._hook_failed()
         return hook
 
     def _experts_hook(self, layer: MoELayer) -> Callable:
         position = self._position[layer.index]
+        refs = self._refs
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self._recording:
                 return
             try:
-                self._choice[position] = layer.read_choice(args, kwargs, self._logits[position])
+                refs.choice[position] = layer.read_choice(args, kwargs, refs.logits[position])
             except Exception:
                 self._hook_failed()
         return hook
 
-    @torch.no_grad()
     def _reduce_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Device side of a forward: every group's stacked reduction and ring writes, and the
-        forward counters. Traceable: under torch.compile it is a graph of its own, with no break."""
+        """Device side of a forward (probe/reduction.py), once per forward of the root. Traceable:
+        under torch.compile it is a graph of its own, with no break."""
         if not self._recording or self._reduced:
             return
         self._reduced = True
-        for buffer in self.buffers:
-            flat = buffer.flat
-            for group in buffer.groups:
-                present = [self._position[layer.index] for layer in group.layers
-                           if self._logits[self._position[layer.index]] is not None
-                           and self._choice[self._position[layer.index]] is not None]
-                if len(present) != len(group.layers):
-                    self._reduce_partial(flat, group, buffer)
-                    continue
-                self._reduce_group(flat, group, buffer, present, slice(0, len(present)))
-            flat[: WINDOW_FORWARDS + 1].add_(1)
-
-    def _reduce_partial(self, flat: torch.Tensor, group: LayerGroup, buffer: DeviceBuffer) -> None:
-        # Some layers did not run (or a reader failed): reduce the ones that did, one by one; no
-        # ring rows, since a ring row holds every layer of the group.
-        for row, layer in enumerate(group.layers):
-            position = self._position[layer.index]
-            if self._logits[position] is not None and self._choice[position] is not None:
-                self._reduce_group(flat, group, None, [position], slice(row, row + 1))
-
-    def _reduce_group(self, flat: torch.Tensor, group: LayerGroup, buffer: DeviceBuffer | None,
-                      present: list[int], rows: slice) -> None:
-        choices = [self._choice[p] for p in present]
-        tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
-        if len(tokens) != 1:  # layers of one group saw different token counts: reduce one by one
-            if len(present) > 1:
-                for i, p in enumerate(present):
-                    self._reduce_group(flat, group, None, [p], slice(rows.start + i, rows.start + i + 1))
-            return
-        ids = [_rows(c.ids, c.ids.shape[-1]) for c in choices]
-        weights = [_rows(c.weights, i.shape[-1]) for c, i in zip(choices, ids)]
-        stacked = group.reduce(
-            flat, [self._logits[p] for p in present], ids, weights,
-            [None if c.kept is None else _rows(c.kept, i.shape[-1]) for c, i in zip(choices, ids)],
-            [self._capacity(group.layers[rows.start + i], c) for i, c in enumerate(choices)], rows)
-        if buffer is None:
-            return
-        for ring in buffer.rings:
-            if ring.group is group:
-                self._write_ring(flat, ring, stacked, present)
-
-    def _capacity(self, layer: MoELayer, choice: Choice) -> int | None:
-        if choice.capacity is not None:  # set per forward where the router sizes it to the batch (NLLB)
-            return choice.capacity
-        if layer.expert_capacity is not None:
-            shape = self._decoder_shape if "decoder" in layer.name else self._shape
-            return layer.expert_capacity * (shape[0] if shape else 1)  # Switch: a capacity per sequence
-        return None
-
-    def _write_ring(self, flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int]) -> None:
-        ids_s, weights_s, kept_s, logits_s = stacked
-        tokens = ids_s.shape[1]
-        acc = flat.dtype
-        device = flat.device
-        main = self._decoder_ids if ring.group.decoder else self._main_ids
-        seq_len = main.shape[-1] if main is not None and main.dim() >= 2 and main.numel() == tokens else tokens
-        if ring.kind == "routes":
-            rows = min(tokens, ring.capacity)
-            token = torch.arange(rows, device=device)
-        else:
-            size = self.router_logits if ring.kind == "logits" else self.router_inputs
-            rows = tokens if size < 0 else min(size, tokens)
-            rows = min(rows, ring.capacity)
-            token = torch.arange(rows, device=device) if size < 0 else self._sample_base[:rows] % tokens
-        if main is not None and main.numel() == tokens:
-            token_id = main.reshape(-1).index_select(0, token).to(acc)
-        else:
-            token_id = torch.full((rows,), -1.0, dtype=acc, device=device)
-        forward = flat[TOTAL_FORWARDS].expand(rows)
-        if ring.kind == "routes":
-            payload = [forward, token.to(acc), (token // seq_len).to(acc), (token % seq_len).to(acc), token_id,
-                       ids_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
-                       weights_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
-                       (torch.ones_like(ids_s[:, :rows], dtype=acc) if kept_s is None
-                        else kept_s[:, :rows].to(acc)).transpose(0, 1).reshape(rows, -1)]
-        else:
-            top1 = ids_s[:, :, 0].index_select(1, token).transpose(0, 1).to(acc)
-            if ring.kind == "logits":
-                values = logits_s.index_select(1, token).transpose(0, 1).reshape(rows, -1).to(acc)
-            else:
-                values = torch.stack([self._inputs[p][:rows] for p in present]).transpose(0, 1).reshape(rows, -1)
-                values = values.to(acc)
-            payload = [forward, token.to(acc), token_id, top1, values]
-        data = torch.cat([p.reshape(rows, -1) for p in payload], dim=1)
-        start = flat[ring.pos_col].to(torch.int64)
-        where = (start + torch.arange(rows, device=device)) % ring.capacity
-        ring.view(flat).index_copy_(0, where, data)
-        flat[ring.pos_col].add_(rows)
+        reduce_forward(self.buffers, self._position, self._refs)
 
     def _on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._recording:
@@ -525,11 +337,12 @@ class ProbeSession:
             if self.timer is not None:
                 self.timer.commit()
             self._duration_s += time.perf_counter() - self._started
-            expected = max(_tokens(self._shape), _tokens(self._decoder_shape))
+            refs = self._refs
+            expected = max(_tokens(refs.shape), _tokens(refs.decoder_shape))
             for buffer in self.buffers:
                 for ring in buffer.rings:
-                    ring.host_rows += self._ring_rows(ring, expected)
-            self._last_shape = self._shape
+                    ring.host_rows += ring.rows(expected)
+            self._last_shape = refs.shape
             if self.kv_cache:
                 self._last_kv = kv_cache_layers(output)
             if (self._forwards_in_window >= self.window
@@ -658,11 +471,6 @@ class ProbeSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _rows(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """(tokens, width) without a view op when the reader already gave that shape."""
-    return tensor if tensor.dim() == 2 else tensor.reshape(-1, width)
 
 
 def _capturing() -> bool:

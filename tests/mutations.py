@@ -110,9 +110,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/probe/test_layers.py",),
         "the experts of unwatched layers count as used by every token (the bug: 0.377 became 0.688)"),
     Mutation(
-        "sampled-token-index-off-by-one", "probe/session.py",
-        "else self._sample_base[:rows] % tokens",
-        "else (self._sample_base[:rows] + 1) % tokens",
+        "sampled-token-index-off-by-one", "probe/reduction.py",
+        "else refs.sample_base[:rows] % tokens",
+        "else (refs.sample_base[:rows] + 1) % tokens",
         ("tests/probe/test_exactness.py", "-k", "sampled"),
         "sampled router logits/inputs name a token other than the one whose values they hold"),
     Mutation(
@@ -198,8 +198,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "per-expert gradient norms are reported squared (issue 15)"),
     Mutation(
         "z-loss-not-squared", "probe/accumulate.py",
-        'block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1, keepdim=True).to(acc)',
-        'block[:, cols["router_z_sum"]] = log_z.sum(dim=1, keepdim=True).to(acc)',
+        'block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1).to(acc)',
+        'block[:, cols["router_z_sum"]] = log_z.sum(dim=1).to(acc)',
         ("tests/probe/test_exactness.py", "-k", "z_loss"),
         "the router z-loss sums logsumexp instead of its square (issue 15)"),
 )
