@@ -35,14 +35,21 @@ are defined here once, with two rules:
   the tokens that chose expert e (a token chooses an expert at most once), so an expert's share
   of the layer's *tokens* is load / tokens (the top-k shares sum to k), its share of the
   *slots* is load / sum(load) (they sum to 1).
+
+At the end, a few signals over a whole query result (the store's frames in, a table out):
+specialisation per layer and divergence per window, so that every view reads them from here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DEFAULT_SMOOTHING = 0.5
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
@@ -517,3 +524,50 @@ def layer_figures_of(rows) -> list[LayerFigures]:
                           float(r.router_entropy) if _present(r.router_entropy) else float("nan"),
                           r.dropped_tokens if _present(r.dropped_tokens) else None)
             for r in rows]
+
+
+# -- signals over the store's frames -----------------------------------------------------------
+# pandas is imported where a frame is built: importing the signals stays numpy-only for those that
+# need nothing else (the Prometheus exporter, the demo's capacity block).
+
+def expert_tag_contingency(expert_tag_load: pd.DataFrame, layer: int) -> tuple[np.ndarray, list[int], list[str]]:
+    """Return one layer's (experts x tag values) slot counts from `Store.expert_tag_load` rows, with
+    the experts and tag values of its rows and columns (sorted): the table that specialisation
+    (`normalized_mutual_information`) is measured on."""
+    rows = expert_tag_load[expert_tag_load.layer == layer]
+    table = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
+    return table.to_numpy(dtype=np.float64), [int(e) for e in table.index], [str(v) for v in table.columns]
+
+
+def specialisation_by_layer(expert_tag_load: pd.DataFrame) -> pd.DataFrame:
+    """Return the specialisation of each layer from `Store.expert_tag_load` rows: columns layer, nmi
+    (NMI(expert; tag), in [0, 1]), tokens (slots counted). Layers with no count are left out."""
+    import pandas as pd
+
+    rows = []
+    for layer in sorted(set(expert_tag_load.layer)):
+        counts = expert_tag_contingency(expert_tag_load, layer)[0]
+        if counts.sum() > 0:
+            rows.append({"layer": int(layer), "nmi": normalized_mutual_information(counts),
+                         "tokens": int(counts.sum())})
+    return pd.DataFrame(rows, columns=["layer", "nmi", "tokens"])
+
+
+def divergence_over_time(drift: pd.DataFrame) -> pd.DataFrame:
+    """Return the KL and JS divergence (nats; `kl_divergence` smoothed as the rules smooth it,
+    `js_divergence` unsmoothed) of each window's load against its layer's baseline, from
+    `Store.drift_windows` rows: columns layer, window_start, window_end (exclusive), step_end (the
+    last step recorded in the window), kl, js. Windows whose load or baseline is empty, or whose
+    baseline has another width, are left out."""
+    import pandas as pd
+
+    rows = []
+    for r in drift.itertuples():
+        load = np.asarray(r.expert_load, dtype=np.float64)
+        ref = np.asarray(r.baseline_load, dtype=np.float64)
+        if ref.size != load.size or ref.sum() <= 0 or load.sum() <= 0:
+            continue
+        rows.append({"layer": int(r.layer), "window_start": int(r.window_start), "window_end": int(r.window_end),
+                     "step_end": int(getattr(r, "last_step", r.window_end - 1)),
+                     "kl": kl_divergence(load, ref), "js": js_divergence(load, ref)})
+    return pd.DataFrame(rows, columns=["layer", "window_start", "window_end", "step_end", "kl", "js"])

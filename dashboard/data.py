@@ -1,7 +1,9 @@
-"""Cached access to the store for the pages: one connection per store, cached query results.
+"""Cached access to the store for the pages: one connection per store, cached query results, and
+the few frames the pages shape from them (each alert's latest state).
 
 The pages only cache and draw: every number comes from a `store.Store` query (`store/queries.py`,
-`store/reports.py`) or an `alerts.signals` function; nothing here writes SQL.
+`store/reports.py`) or an `alerts.signals` function; nothing here writes SQL, and the frames
+shaped here pick rows, never compute a number.
 
 `st.cache_resource` holds the `Store` (one DuckDB connection per store folder, shared by every
 browser session; a lock serialises its use because a DuckDB connection is not meant to be used
@@ -188,3 +190,33 @@ def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame 
 training_span = _cached(Store.training_span)
 # (root, version, run_id, dead_window, last_steps): `alerts.training.training_report`
 training_report = _cached(_training_report)
+
+
+# -- the alerts table (its columns: store/schema.py) -------------------------------------------
+
+def latest_alert_states(alerts: pd.DataFrame) -> pd.DataFrame:
+    """The latest transition of each alert (by fingerprint), from `alerts` table rows.
+
+    Several transitions of one alert can share a step (pending and firing at once when a rule has
+    no `for`); the latest of those is the end of their chain: the one whose state no other of them
+    left from."""
+    if alerts is None or alerts.empty:
+        return pd.DataFrame()
+    latest = []
+    for _, rows in alerts.groupby("fingerprint", sort=False):
+        rows = rows[(rows.step == rows.step.max())]
+        rows = rows[rows.ts == rows.ts.max()]
+        if len(rows) > 1:
+            left = set(rows.previous_state.astype(str))
+            ends = rows[~rows.state.astype(str).isin(left)]
+            rows = ends if not ends.empty else rows
+        latest.append(rows.iloc[-1])
+    return pd.DataFrame(latest).reset_index(drop=True)
+
+
+def firing_now(alerts: pd.DataFrame) -> pd.DataFrame:
+    """Alerts whose latest transition put them in the firing state."""
+    latest = latest_alert_states(alerts)
+    if latest.empty or "state" not in latest:
+        return pd.DataFrame()
+    return latest[latest.state.astype(str) == "firing"].reset_index(drop=True)

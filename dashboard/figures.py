@@ -1,9 +1,11 @@
 """Plotly figure builders: pure functions from data frames (or arrays) to figures.
 
-Nothing here reads the store or Streamlit state, so every figure is tested by building it from a
-frame and reading the numbers back out of its traces. Heatmaps that can be clicked carry a
-transparent scatter trace over their cells: Plotly heatmaps do not report selections, scatter
-points do, and each point's `customdata` says which cell it is.
+Only drawing: the numbers come in computed (store queries, `alerts.signals`, frames shaped by
+dashboard/data.py), and a figure reshapes them only to lay them out (a pivot into a grid, a share
+of its own column). Nothing here reads the store or Streamlit state, so every figure is tested by
+building it from a frame and reading the numbers back out of its traces. Heatmaps that can be
+clicked carry a transparent scatter trace over their cells: Plotly heatmaps do not report
+selections, scatter points do, and each point's `customdata` says which cell it is.
 """
 
 from __future__ import annotations
@@ -35,33 +37,6 @@ def empty_figure(message: str) -> go.Figure:
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, "", height=200)
-
-
-# -- numbers the figures show (computed by alerts.signals; reshaped here) ----------------------
-
-def contingency(expert_tag_load: pd.DataFrame, layer: int) -> tuple[np.ndarray, list[int], list[str]]:
-    """(experts x tag values) counts of one layer from `Store.expert_tag_load` rows."""
-    rows = expert_tag_load[expert_tag_load.layer == layer]
-    table = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
-    return table.to_numpy(dtype=np.float64), [int(e) for e in table.index], [str(v) for v in table.columns]
-
-
-def divergence_over_time(drift: pd.DataFrame) -> pd.DataFrame:
-    """KL and JS divergence (nats, `alerts.signals`) of each window's load against its layer's
-    baseline, from `Store.drift_windows` rows: columns layer, window_start, window_end
-    (exclusive), step_end (the last step recorded in the window), kl, js. Windows whose baseline is
-    empty are left out."""
-    rows = []
-    for r in drift.itertuples():
-        load = np.asarray(r.expert_load, dtype=np.float64)
-        ref = np.asarray(r.baseline_load, dtype=np.float64)
-        if ref.size != load.size or ref.sum() <= 0 or load.sum() <= 0:
-            continue
-        rows.append({"layer": int(r.layer), "window_start": int(r.window_start), "window_end": int(r.window_end),
-                         "step_end": int(getattr(r, "last_step", r.window_end - 1)),
-                         "kl": signals.kl_divergence(load, ref),
-                         "js": signals.js_divergence(load, ref)})
-    return pd.DataFrame(rows, columns=["layer", "window_start", "window_end", "step_end", "kl", "js"])
 
 
 # -- overview --------------------------------------------------------------------------------
@@ -307,8 +282,9 @@ def cluster_scatter(points: pd.DataFrame, colour: str, title: str) -> go.Figure:
 
 def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Sequence[str], key: str,
                           layer: int) -> go.Figure:
-    """Experts x tag values: each tag value's share of slots per expert (columns sum to 1), titled
-    with the layer's specialisation, NMI(expert; tag) (`signals.normalized_mutual_information`)."""
+    """Experts x tag values (`signals.expert_tag_contingency`): each tag value's share of slots per
+    expert (columns sum to 1), titled with the layer's specialisation, NMI(expert; tag)
+    (`signals.normalized_mutual_information`)."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.size == 0 or counts.sum() <= 0:
         return empty_figure(f"no step carries the tag {key!r}")
@@ -324,20 +300,8 @@ def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Se
     return _layout(fig, f"Layer {layer}: {key} share per expert · specialisation NMI(expert; {key}) = {nmi:.3f}")
 
 
-def specialisation_by_layer(expert_tag_load: pd.DataFrame) -> pd.DataFrame:
-    """Specialisation per layer from `Store.expert_tag_load` rows: layer, nmi (NMI(expert; tag), in
-    [0, 1]), tokens (slots counted). Layers with no count are left out."""
-    rows = []
-    for layer in sorted(set(expert_tag_load.layer)):
-        counts = contingency(expert_tag_load, layer)[0]
-        if counts.sum() > 0:
-            rows.append({"layer": int(layer), "nmi": signals.normalized_mutual_information(counts),
-                         "tokens": int(counts.sum())})
-    return pd.DataFrame(rows, columns=["layer", "nmi", "tokens"])
-
-
 def specialisation_figure_by_layer(per_layer: pd.DataFrame, key: str) -> go.Figure:
-    """Bar per layer of the specialisation NMI(expert; tag), from `specialisation_by_layer`."""
+    """Bar per layer of the specialisation NMI(expert; tag), from `signals.specialisation_by_layer`."""
     if per_layer.empty:
         return empty_figure(f"no step carries the tag {key!r}")
     fig = go.Figure(go.Bar(x=per_layer.layer.astype(str), y=per_layer.nmi, marker_color=PALETTE[2],
@@ -352,8 +316,9 @@ def specialisation_figure_by_layer(per_layer: pd.DataFrame, key: str) -> go.Figu
 
 def divergence_figure(divergence: pd.DataFrame, measure: str, thresholds: Sequence[tuple[str, float]] = (),
                       steps: tuple[int, int] | None = None) -> go.Figure:
-    """`measure` ("kl" or "js") per layer over windows, with rule thresholds as dashed lines; the
-    x axis spans `steps` (the run's first and last step) when given."""
+    """`measure` ("kl" or "js") per layer over windows (`signals.divergence_over_time`'s frame), with
+    rule thresholds as dashed lines; the x axis spans `steps` (the run's first and last step) when
+    given."""
     if divergence.empty:
         return empty_figure("no window with a baseline to compare against")
     name = {"kl": "KL divergence", "js": "Jensen-Shannon divergence"}[measure]
@@ -471,36 +436,6 @@ def compare_scalars_figure(values: pd.DataFrame) -> go.Figure:
         if (rows.value >= 0).all():  # counts, rates and shares start at 0, and a panel of zeros reads 0 to 1
             fig.update_yaxes(range=[0, top * 1.1 if top > 0 else 1], row=1, col=col)
     return _layout(fig, "Side by side")
-
-
-# -- the alerts table (its columns: store/schema.py) -------------------------------------------
-
-def latest_alert_states(alerts: pd.DataFrame) -> pd.DataFrame:
-    """The latest transition of each alert (by fingerprint), from `alerts` table rows.
-
-    Several transitions of one alert can share a step (pending and firing at once when a rule has
-    no `for`); the latest of those is the end of their chain: the one whose state no other of them
-    left from."""
-    if alerts is None or alerts.empty:
-        return pd.DataFrame()
-    latest = []
-    for _, rows in alerts.groupby("fingerprint", sort=False):
-        rows = rows[(rows.step == rows.step.max())]
-        rows = rows[rows.ts == rows.ts.max()]
-        if len(rows) > 1:
-            left = set(rows.previous_state.astype(str))
-            ends = rows[~rows.state.astype(str).isin(left)]
-            rows = ends if not ends.empty else rows
-        latest.append(rows.iloc[-1])
-    return pd.DataFrame(latest).reset_index(drop=True)
-
-
-def firing_now(alerts: pd.DataFrame) -> pd.DataFrame:
-    """Alerts whose latest transition put them in the firing state."""
-    latest = latest_alert_states(alerts)
-    if latest.empty or "state" not in latest:
-        return pd.DataFrame()
-    return latest[latest.state.astype(str) == "firing"].reset_index(drop=True)
 
 
 # -- training (the frames of `alerts.training.training_report`) ------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 from moescope.dashboard.embedding import cached_umap_2d, embedding_key
@@ -75,8 +76,9 @@ with common.guard():
     common.filter_caption(ctx)
     load = data.expert_tag_load(ctx.root, ctx.version, ctx.run_id, key, ctx.tag)
     a, b = st.columns(2)
-    a.plotly_chart(fg.specialisation_figure_by_layer(fg.specialisation_by_layer(load), key), key="cl_mi_chart")
-    counts, experts, values = fg.contingency(load, layer) if not load.empty else (np.zeros((0, 0)), [], [])
+    a.plotly_chart(fg.specialisation_figure_by_layer(signals.specialisation_by_layer(load), key), key="cl_mi_chart")
+    counts, experts, values = (signals.expert_tag_contingency(load, layer) if not load.empty
+                               else (np.zeros((0, 0)), [], []))
     b.plotly_chart(fg.specialisation_figure(counts, experts, values, key, layer), key="cl_spec_chart")
     st.caption(f"Specialisation is the normalised mutual information NMI(expert; {key}) between the expert a "
                f"token is routed to (every top-k slot an expert kept counts; slots dropped at capacity do not) and "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 
@@ -67,7 +68,7 @@ with common.guard():
                                      f"Default: {source}.")
     drift = data.drift_from_first_steps(ctx.root, ctx.version, ctx.run_id, int(window),
                                         None if baseline_run == ctx.run_id else baseline_run, int(first))
-    divergence = fg.divergence_over_time(drift)
+    divergence = signals.divergence_over_time(drift)
     a, b = st.columns(2)
     for column, measure in ((a, "kl"), (b, "js")):
         chosen = rules[rules.signal == measure]
@@ -83,7 +84,7 @@ with common.guard():
         st.success("No alert transition recorded for this run.")
     else:
         st.plotly_chart(fg.alert_timeline(alerts, span), key="dr_alert_chart")
-        latest = fg.latest_alert_states(alerts)
+        latest = data.latest_alert_states(alerts)
         st.markdown("**Current state of each alert**")
         st.dataframe(latest.assign(alert=fg.alert_label(latest))[
             ["alert", "state", "step", "ts", "source", "severity", "reason", "expr"]], hide_index=True)

@@ -27,7 +27,7 @@ with common.guard():
     layers = signals.layer_figures_of(layer_totals.itertuples())
     run = signals.run_figures(layers)
     alerts = data.table_rows(ctx.root, ctx.version, "alerts", ctx.run_id, "ts")
-    firing = fg.firing_now(alerts)
+    firing = data.firing_now(alerts)
 
     # An imported run (vLLM, SGLang, ...) has loads but no logits, drops or parameter counts: null, not 0.
     has_active = pd.notna(totals.get("active_fraction"))

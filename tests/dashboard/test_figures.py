@@ -12,6 +12,7 @@ import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
 from moescope.alerts import signals
+from moescope.dashboard import data
 from moescope.dashboard import figures as fg
 from moescope.store.store import Store
 
@@ -93,16 +94,16 @@ def test_specialisation_is_sklearns_nmi():
 def test_specialisation_figure_from_the_store(store, recorded):
     run_id = recorded["runs"][0]
     load = store.expert_tag_load(run_id, "domain")
-    counts, experts, values = fg.contingency(load, 1)
+    counts, experts, values = signals.expert_tag_contingency(load, 1)
     assert values == ["code", "math", "prose"] and experts == list(range(8))
     fig = fg.specialisation_figure(counts, experts, values, "domain", 1)
     assert np.allclose(np.nansum(np.asarray(fig.data[0].z, dtype=float), axis=0), 1.0)
     assert f"NMI(expert; domain) = {signals.normalized_mutual_information(counts):.3f}" in fig.layout.title.text
     # Every token of a step counts k times (top-k slots): totals are tokens x top_k.
     assert counts.sum() == store.step_totals(run_id)["tokens"] * 2
-    per_layer = fg.specialisation_by_layer(load)
-    assert per_layer.nmi.tolist() == [signals.normalized_mutual_information(fg.contingency(load, layer)[0])
-                                      for layer in (0, 1)]
+    per_layer = signals.specialisation_by_layer(load)
+    assert per_layer.nmi.tolist() == [
+        signals.normalized_mutual_information(signals.expert_tag_contingency(load, layer)[0]) for layer in (0, 1)]
 
 
 def test_active_fraction_figures_show_percent(store, recorded):
@@ -134,7 +135,7 @@ def test_active_fraction_noise_draws_flat():
 def test_divergence_figure_draws_rule_thresholds():
     frame = pd.DataFrame({"layer": [0, 0, 1], "window_start": [0, 4, 0], "window_end": [4, 8, 4],
                           "expert_load": [[5, 5], [9, 1], [5, 5]], "baseline_load": [[5, 5], [5, 5], [1, 9]]})
-    div = fg.divergence_over_time(frame)
+    div = signals.divergence_over_time(frame)
     p = np.array([9.5, 1.5]) / 11  # 0.5 pseudo-tokens per expert, as the rules smooth
     assert div.kl.iloc[0] == pytest.approx(0.0) and div.kl.iloc[1] == pytest.approx(np.sum(p * np.log(p / 0.5)))
     fig = fg.divergence_figure(div, "kl", [("RoutingDriftFromBaseline", 0.1)], steps=(0, 6))
@@ -142,7 +143,7 @@ def test_divergence_figure_draws_rule_thresholds():
     assert len(fig.data) == 2
     assert fig.layout.xaxis.range[1] == pytest.approx(6.5)  # the axis stops at the run's last step
     # a window's x is its last recorded step, never past the run
-    div = fg.divergence_over_time(frame.assign(last_step=[3, 6, 3]))
+    div = signals.divergence_over_time(frame.assign(last_step=[3, 6, 3]))
     assert div.step_end.tolist() == [3, 6, 3]
 
 
@@ -152,7 +153,7 @@ def test_alert_states_and_firing_now():
                            "layer": [0, 0, 1, 1], "state": ["pending", "firing", "firing", "resolved"], "ts": ts,
                            "previous_state": ["inactive", "pending", "pending", "firing"], "step": [3, 5, 7, 9],
                            "expert": [None, None, 4, 4], "reason": [None, None, None, "run ended"]})
-    firing = fg.firing_now(alerts)
+    firing = data.firing_now(alerts)
     assert list(firing.fingerprint) == ["a"]
     fig = fg.alert_timeline(alerts, steps=(0, 9))
     assert {t.name for t in fig.data} == {"pending", "firing", "resolved"}
@@ -160,7 +161,7 @@ def test_alert_states_and_firing_now():
     assert list(resolved.x) == [9] and list(resolved.y) == ["Y · layer 1 · expert 4"]  # in steps, names the expert
     assert list(resolved.customdata) == [" (run ended)"]
     assert fig.layout.xaxis.title.text == "step"
-    assert fg.firing_now(pd.DataFrame()).empty
+    assert data.firing_now(pd.DataFrame()).empty
 
 
 def test_gate_history_spans_the_run_and_names_the_expert():

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from moescope.alerts import signals
-from moescope.dashboard import figures as fg
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store
 from tests.dashboard.recording import record_alerts, record_store
@@ -131,7 +130,7 @@ def test_user_text_never_becomes_sql(store, run_id):
 
 def test_drift_windows_against_baseline(store, recorded, run_id):
     steps = rows(recorded["root"], "layer_steps", run_id)
-    div = fg.divergence_over_time(store.drift_from_first_steps(run_id, 6, None, 8))
+    div = signals.divergence_over_time(store.drift_from_first_steps(run_id, 6, None, 8))
     layer0 = sorted((r for r in steps if r["layer"] == 0), key=lambda r: r["step"])
     reference = np.sum([r["expert_load"] for r in layer0[:8]], axis=0)
     first = np.sum([r["expert_load"] for r in layer0 if r["step"] < 6], axis=0)
@@ -143,7 +142,7 @@ def test_drift_windows_against_baseline(store, recorded, run_id):
     other = recorded["runs"][1]
     other0 = sorted((r for r in rows(recorded["root"], "layer_steps", other) if r["layer"] == 0),
                     key=lambda r: r["step"])
-    versus = fg.divergence_over_time(store.drift_from_first_steps(run_id, 6, other, 8))
+    versus = signals.divergence_over_time(store.drift_from_first_steps(run_id, 6, other, 8))
     row = versus[(versus.layer == 0) & (versus.window_start == 0)].iloc[0]
     assert row.kl == pytest.approx(signals.kl_divergence(first, np.sum([r["expert_load"] for r in other0[:8]], axis=0)))
 
