@@ -97,6 +97,12 @@ class AlertTableWriter:
             return writer
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
+        """Hand transitions to their runs' writers; transitions a full disk refused before are tried
+        first (and waited for: only while the disk refuses them), so calling `handle([])` retries."""
+        with self._lock:
+            waiting = bool(self._unwritten)
+        if waiting:
+            self.flush()
         by_run: dict[str, list[AlertTransition]] = {}
         for t in transitions:
             by_run.setdefault(t.run_id, []).append(t)

@@ -141,3 +141,28 @@ def test_baseline_from_another_run_in_the_store(tmp_path):
     runner = StoreAlertRunner(root, pack, run_ids=["now"])
     assert runner.poll_once() == []  # same load as the golden run: no drift
     assert runner.engine.baseline("now", 0).tolist() == (np.array(SKEWED) * 3).tolist()
+
+
+def test_the_alerts_table_keeps_what_a_full_disk_refused_and_a_later_handle_writes_it(tmp_path):
+    import pyarrow.parquet as pq
+
+    from moescope.alerts.engine import AlertTransition
+    from moescope.alerts.storage import AlertTableWriter
+    from moescope.store.writer import open_writers
+
+    transition = AlertTransition(
+        fingerprint="f", alertname="Skew", state="firing", previous_state="pending", at=T0, step=3,
+        run_id="run-a", layer=0, severity="warning", expr="load_max_mean > 2.0", labels={}, annotations={},
+        values={}, starts_at=T0, ends_at=None)
+    blocker = tmp_path / "alerts"
+    blocker.write_text("no room: a file where the table's folder should be")
+    table = AlertTableWriter(str(tmp_path))
+    table.handle([transition])  # written on the run writer's thread, never the caller's
+    assert table.flush(10)
+    assert [row["fingerprint"] for row in table.unwritten] == ["f"] and table.last_error and table.lost == 0
+    blocker.unlink()
+    table.handle([])  # a later call, even with nothing new, writes what waited
+    assert table.unwritten == [] and table.last_error is None
+    assert pq.read_table(tmp_path / "alerts" / "run_id=run-a").column("step").to_pylist() == [3]
+    table.close()
+    assert not [w for w in open_writers() if w.root == str(tmp_path)]  # the run's writer was given back
