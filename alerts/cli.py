@@ -21,7 +21,7 @@ from moescope.alerts.notify import KINDS, NotifierError
 from moescope.alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
 from moescope.alerts.promrules import prometheus_rules_yaml
 from moescope.alerts.rules import RulesError, default_rules, load_rules
-from moescope.lifecycle import GracefulStop, grace_period_s
+from moescope.lifecycle import GracefulStop, add_grace_period_argument
 
 _RUN_HELP = """\
 Evaluate alert rules over a moescope store, as new steps land, and notify receivers.
@@ -91,14 +91,6 @@ def _receivers(args: argparse.Namespace) -> list:
 
 def _outbox_path(args: argparse.Namespace) -> str:
     return args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
-
-
-def seconds(text: str) -> float:
-    """argparse type for --grace-period: a positive number of seconds."""
-    try:
-        return grace_period_s(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10") from None
 
 
 def _load_pack(path: str | None):
@@ -334,9 +326,8 @@ def add_subcommands(subparsers) -> None:
                      help="environment variable holding the HMAC secret for --webhook (never pass it inline)")
     run.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
     run.add_argument("--flush-timeout", type=float, default=10.0, help="seconds to keep delivering at exit")
-    run.add_argument("--grace-period", type=seconds, default=None, metavar="SECONDS",
-                     help="on SIGTERM or Ctrl-C, stop within this many seconds (default 10, or "
-                          "$MOESCOPE_GRACE_PERIOD_S); a second signal exits at once")
+    add_grace_period_argument(run, "finish the poll, write its alerts and deliver what the outbox can within this "
+                                   "many seconds, then exit 0 (what is left waits in the outbox)")
     run.set_defaults(func=cmd_run)
 
     test = sub.add_parser(

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
-from moescope.lifecycle import GracefulStop, grace_period_s
+from moescope.lifecycle import GracefulStop, add_grace_period_argument
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
 # Ctrl-C also reaches the child from the terminal itself; the SIGTERM this command sends it then is harmless
@@ -54,18 +54,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "token text instead of ids, e.g. moescope/demo/model")
     parser.add_argument("--refresh-s", type=float, default=DEFAULT_REFRESH_S,
                         help=f"how often live refresh checks for new data (default {DEFAULT_REFRESH_S:g} s)")
-    parser.add_argument("--grace-period", type=_seconds, default=None, metavar="SECONDS",
-                        help="on SIGTERM, SIGHUP or Ctrl-C, wait this long for the server to stop before killing "
-                             "it (default 10, or $MOESCOPE_GRACE_PERIOD_S); a second signal kills it at once")
+    add_grace_period_argument(parser, "or SIGHUP, stop the server within this many seconds and exit 0; one still "
+                                      "running then is killed and the command exits 1")
     parser.set_defaults(func=run)
     return parser
-
-
-def _seconds(text: str) -> float:
-    try:
-        return grace_period_s(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10") from None
 
 
 def add_subcommands(subparsers) -> None:

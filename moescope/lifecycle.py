@@ -23,6 +23,7 @@ handler someone installed after it is left in place.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["DEFAULT_GRACE_S", "GracefulStop", "grace_period_s"]
+__all__ = ["DEFAULT_GRACE_S", "GracefulStop", "add_grace_period_argument", "grace_period_s"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,23 @@ def grace_period_s(value: float | None = None) -> float:
     if not (0 < value < float("inf")):
         raise ValueError(f"the grace period must be a positive number of seconds, not {value!r}")
     return float(value)
+
+
+def _seconds(text: str) -> float:
+    try:
+        return grace_period_s(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds, e.g. 10") from None
+
+
+def add_grace_period_argument(parser: argparse.ArgumentParser, stops: str = "drain") -> None:
+    """Add `--grace-period SECONDS` to a long-running command's parser (`args.grace_period`: None
+    means `$MOESCOPE_GRACE_PERIOD_S` or 10 s, as `GracefulStop` reads it); `stops` says in the help
+    what the command does within that many seconds, and after. A value that is not a positive
+    number is an argparse error."""
+    parser.add_argument("--grace-period", type=_seconds, default=None, metavar="SECONDS",
+                        help=f"on SIGTERM or Ctrl-C, {stops} (default {DEFAULT_GRACE_S:g}, or "
+                             "$MOESCOPE_GRACE_PERIOD_S); a second signal exits at once")
 
 
 def _say(message: str) -> None:

@@ -3,6 +3,7 @@ the second; in a real process that gets real signals, and in-process for what ne
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import textwrap
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from moescope.lifecycle import DEFAULT_GRACE_S, GracefulStop, grace_period_s
+from moescope.lifecycle import DEFAULT_GRACE_S, GracefulStop, add_grace_period_argument, grace_period_s
 from tests.sigterm import started
 
 # A service loop: "ready" once the handlers are in, then it waits for the stop, "drains" for
@@ -147,3 +148,14 @@ def test_install_off_the_main_thread_does_nothing():
     thread.start()
     thread.join(5)
     assert results == [False]
+
+
+def test_grace_period_argument(capsys):
+    parser = argparse.ArgumentParser()
+    add_grace_period_argument(parser, "drain the queue within this many seconds")
+    assert parser.parse_args([]).grace_period is None  # GracefulStop then reads the environment, or 10 s
+    assert parser.parse_args(["--grace-period", "2.5"]).grace_period == 2.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--grace-period", bad])
+        assert "give a positive number of seconds" in capsys.readouterr().err
