@@ -11,16 +11,14 @@ alerts engine, or the `InMemoryExporter` kept here for tests and in-process cons
 
 This module is a leaf (the standard library and numpy): probe, store and alerts all use it and it
 knows none of their types. A record says what queueing it costs and what dropping it loses through
-`Record` (its host bytes, its rows per table); a record type that cannot say so itself has its
-row count registered with `record_rows.register` by the module that owns its tables (the store's
-schema does it for the probe's `StepRecord`). `new_run_id` is the one generator of run ids.
+`Record` (its host bytes, its rows per table: the probe's `StepRecord` and its deferred window do).
+`new_run_id` is the one generator of run ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import functools
 import logging
 import queue
 import threading
@@ -80,12 +78,10 @@ class DropCounts(Protocol):
     def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]: ...
 
 
-@functools.singledispatch
 def record_rows(record: object) -> dict[str, int]:
     """Rows a record would add to each table; what a dropped record costs, table by table.
 
-    A `Record` answers itself; other types are registered by the module that knows their tables
-    (`record_rows.register`); anything else adds no rows (a dropped one is still counted as a record).
+    A `Record` answers itself; anything else adds no rows (a dropped one is still counted as a record).
     """
     if isinstance(record, Record):
         return dict(record.rows())

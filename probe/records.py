@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moescope.pipeline import array_bytes
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -151,3 +153,22 @@ class StepRecord:
     @property
     def active_param_fraction(self) -> float:
         return self.active_params / self.total_params if self.total_params else float("nan")
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the record's arrays: what it holds while it waits in the write queue."""
+        return array_bytes(self)
+
+    def rows(self) -> dict[str, int]:
+        """Rows the record adds to each table (what the pipeline counts when it is dropped)."""
+        rows = {"steps": 1, "layer_steps": len(self.layers)}
+        for layer in self.layers:
+            if layer.routes is not None:
+                rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
+            for name in ("router_logits", "router_inputs"):
+                sample = getattr(layer, name)
+                if sample is not None:
+                    rows[name] = rows.get(name, 0) + len(sample.token)
+        if self.kv_cache:
+            rows["kv_cache"] = len(self.kv_cache)
+        return rows

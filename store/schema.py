@@ -5,8 +5,7 @@ and any engine that reads Parquet can read them too. Columns are only ever added
 Every producer builds rows here: the probe's records (`step_tables`, `run_table`, `layers_table`),
 routes of any source (`routes_table`: the probe's and the importers'), columns a source has with
 the rest null (`table_from_columns`: importers, benchmarks), and a writer's counts
-(`probe_stats_table`). `record_rows` (the write pipeline's count of what a dropped record loses)
-learns here how many rows a probe `StepRecord` adds to each table.
+(`probe_stats_table`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from moescope.pipeline import record_rows
 from moescope.probe.records import RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
@@ -165,22 +163,6 @@ def table_from_columns(name: str, columns: Mapping[str, pa.Array], rows: int) ->
     schema = SCHEMAS[name]
     return pa.Table.from_arrays([columns[f.name] if f.name in columns else pa.nulls(rows, f.type)
                                  for f in schema], schema=schema)
-
-
-@record_rows.register
-def step_rows(record: StepRecord) -> dict[str, int]:
-    """Rows one probe record adds to each table (what the pipeline counts when it is dropped)."""
-    rows = {"steps": 1, "layer_steps": len(record.layers)}
-    for layer in record.layers:
-        if layer.routes is not None:
-            rows["routes"] = rows.get("routes", 0) + len(layer.routes.expert_ids)
-        for name in ("router_logits", "router_inputs"):
-            sample = getattr(layer, name)
-            if sample is not None:
-                rows[name] = rows.get(name, 0) + len(sample.token)
-    if record.kv_cache:
-        rows["kv_cache"] = len(record.kv_cache)
-    return rows
 
 
 def _tags(tags: dict[str, str], n: int) -> pa.Array:
