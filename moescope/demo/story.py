@@ -168,11 +168,14 @@ class Alerting:
                              base_backoff_s=0.2)
         self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
         rules = load_rules(resources.files("moescope.demo").joinpath("rules.yaml"))
-        self.engine = EngineExporter(AlertEngine(rules), [self.outbox, AlertTableWriter(store_root)])
+        self.alert_table = AlertTableWriter(store_root)
+        self.engine = EngineExporter(AlertEngine(rules), [self.outbox, self.alert_table])
         self.policy = TrustPolicy(sink=self.outbox)
 
     def stop(self) -> None:
-        """Deliver what is left (the run's end resolves its open alerts), then stop everything."""
+        """Deliver what is left (the run's end resolves its open alerts), then stop everything; the
+        alerts table's writer gives its run back, so the run's final probe_stats are written."""
+        self.alert_table.close()
         self.outbox.flush(10.0)
         self.worker.stop()
         self.outbox.close()
