@@ -147,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if delivered_in_time or not outbox.persistent:  # an outbox in memory tries to save itself at close
                 outbox.close()
             _report_unsaved(runner, outbox, outbox_path, left)
+            runner.close()  # each run's writer writes its final probe_stats
     return 0
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from moescope.lifecycle import add_grace_period_argument
+
 IMPORT_HELP = """\
 Bring an engine's routing into a store, as a new run the dashboard, rules and queries read like
 a probed one. Every file is checked before anything is written.
@@ -76,8 +78,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
     p.add_argument("--max-queue", type=int, default=1024, help="responses waiting to be recorded before new ones "
                                                               "are dropped and counted (default 1024)")
-    p.add_argument("--grace-period", type=float, default=None, metavar="SECONDS",
-                   help="on SIGTERM, how long to drain before giving up (default 10, or $MOESCOPE_GRACE_PERIOD_S)")
+    add_grace_period_argument(p, "stop accepting, answer the requests in flight and record what was captured")
     p.set_defaults(func=_proxy)
 
 
