@@ -28,7 +28,7 @@ from moescope.alerts.engine import AlertEngine, EngineExporter
 from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox, OutboxWorker, outbox_path
 from moescope.alerts.rules import load_rules
-from moescope.alerts.signals import normalized_mutual_information
+from moescope.alerts.signals import specialisation_by_layer
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
@@ -395,16 +395,12 @@ def headline_figures(root: str, run_id: str) -> dict:
     fraction per domain (`Store.active_fraction_by_tag`), by position over the baseline phase
     (`Store.active_fraction_by_position`, POSITION_BUCKETS buckets), and the specialisation per
     layer over the baseline phase (`Store.expert_tag_load` into
-    `alerts.signals.normalized_mutual_information`, as the Semantic clusters page computes it)."""
+    `alerts.signals.specialisation_by_layer`, as the Semantic clusters page computes it)."""
     with Store(root) as store:
         per_domain = store.active_fraction_by_tag(run_id, "domain")
         by_position = store.active_fraction_by_position(run_id, POSITION_BUCKETS, tags=SPECIALISATION_TAGS)
         load = store.expert_tag_load(run_id, "domain", tags=SPECIALISATION_TAGS)
-    nmi = []
-    for layer in sorted(set(load.layer)):
-        rows = load[load.layer == layer]
-        counts = rows.pivot_table(index="expert", columns="value", values="load", aggfunc="sum", fill_value=0)
-        nmi.append(normalized_mutual_information(counts.to_numpy(dtype=float)))
+    nmi = [float(v) for v in specialisation_by_layer(load).nmi]
     return {"active_fraction_by_domain": dict(zip(per_domain.value, per_domain.active_fraction.astype(float))),
             "active_fraction_by_position": [
                 {"position_start": int(b.position_start), "position_end": int(b.position_end), "tokens": int(b.tokens),
