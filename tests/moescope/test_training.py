@@ -4,7 +4,9 @@ gradients torch computed, and the raw Parquet rows; plain loop, HF Trainer, Tens
 from __future__ import annotations
 
 import glob
+import json
 import os
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -258,12 +260,27 @@ def test_wandb_offline_run_gets_the_scalars(tmp_path, monkeypatch):
     assert [h["moe/optimizer_step"] for h in history if "moe/optimizer_step" in h] == [1, 2, 3]
 
 
-def _wandb_offline_history(root) -> list[dict]:
+def _wandb_offline_history(root, timeout_s: float = 60.0) -> list[dict]:
     """The history rows an offline W&B run wrote, read back from its transaction log: a 7-byte
     header (":W&B", magic, version), then LevelDB-log records (crc32, little-endian length, type:
-    1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks, each a `wandb_internal_pb2.Record`."""
-    import json
+    1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks, each a `wandb_internal_pb2.Record`.
 
+    W&B's service process writes the log after `run.finish()` has returned (seen: the file still
+    held its 7-byte header alone, about once in six runs, and was whole 0.2 s later), so this reads
+    until the log holds the run's `exit` record, its last, for at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _wandb_offline_records(root)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert any(r.WhichOneof("record_type") == "exit" for r in records), \
+        f"W&B wrote no exit record within {timeout_s:g} s of run.finish()"
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def _wandb_offline_records(root) -> list:
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
@@ -286,14 +303,12 @@ def _wandb_offline_history(root) -> list[dict]:
             pending += chunk
         elif kind == 4:
             chunks.append(pending + chunk)
-    out = []
+    records = []
     for chunk in chunks:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(chunk)
-        if record.WhichOneof("record_type") == "history":
-            out.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                        for item in record.history.item})
-    return out
+        records.append(record)
+    return records
 
 
 def test_hf_trainer_callback_with_accumulation_checkpointing_and_tensorboard(tmp_path):
