@@ -12,13 +12,20 @@ alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one 
 
 from __future__ import annotations
 
-from moescope.probe.adapters import Choice, MoELayer, MoESpec, NoMoELayersError, find_moe_layers
+from moescope.probe.adapters import (
+    CapacityDispatch,
+    CapacityPerSequence,
+    Choice,
+    MoELayer,
+    MoESpec,
+    NoMoELayersError,
+    find_moe_layers,
+)
 from moescope.probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
 from moescope.probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
 
 __all__ = [
-    "Choice", "HealthSampling", "KVCacheLayer", "LayerInfo", "LayerStep", "MoELayer", "MoESpec", "NoMoELayersError",
-    "Pipeline", "ProbeAttachError", "ProbeSession", "Recording", "Routes", "RunInfo", "StepRecord", "TokenSample",
-    "attach",
-    "find_moe_layers",
+    "CapacityDispatch", "CapacityPerSequence", "Choice", "HealthSampling", "KVCacheLayer", "LayerInfo", "LayerStep",
+    "MoELayer", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording", "Routes",
+    "RunInfo", "StepRecord", "TokenSample", "attach", "find_moe_layers",
 ]
