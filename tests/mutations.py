@@ -14,6 +14,13 @@ fail, *survived* when they pass, and an *error* when pytest could not run them (
 a collection error is the mutation breaking Python, not a test noticing). The copy is the working
 tree as it is (uncommitted changes included), never the repository itself.
 
+A run whose tests passed but skipped some (a real Prometheus, Alertmanager or browser missing, no
+CUDA) is reported *untested*, apart from the survivors: a guard that did not run noticed nothing.
+The copy installs as the repository does: `moescope/probe`, `moescope/store`, `moescope/alerts` and
+`moescope/dashboard` are links in the copy to its own top-level folders, so `moescope.probe` there is
+the copy's, mutated, and never the editable install's. `tests/test_mutations.py` checks, in the
+suite, that every mutation's piece is still found exactly once, so a move shows at once.
+
 Exit status: 0 when every mutation chosen was killed, 1 otherwise.
 """
 
@@ -30,6 +37,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBPACKAGES = ("probe", "store", "alerts", "dashboard")  # folders that install as moescope.<name>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,28 +232,50 @@ def copy_tree(destination: str) -> None:
         target = os.path.join(destination, relative)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(source, target)
+    for package in SUBPACKAGES:  # the install's package-dir mapping, as links inside the copy
+        os.symlink(os.path.join("..", package), os.path.join(destination, "moescope", package))
 
 
-def run_tests(copy: str, tests: tuple[str, ...], timeout_s: float) -> tuple[int, float, str]:
-    """(pytest's exit status, seconds, the first failure line) of `tests` run in `copy`."""
+
+def check_pieces(root: str, mutations: tuple[Mutation, ...] | list[Mutation]) -> list[str]:
+    """What is wrong with the mutations' pieces in the tree at `root`: each must be found exactly
+    once in its file (else the code moved and the mutation must follow it). Empty when all are."""
+    problems = []
+    for m in mutations:
+        path = os.path.join(root, m.path)
+        if not os.path.isfile(path):
+            problems.append(f"{m.name}: {m.path} does not exist")
+            continue
+        count = open(path, encoding="utf-8").read().count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: its piece of {m.path} is found {count} times, not once; update it")
+    return problems
+
+
+def run_tests(copy: str, tests: tuple[str, ...], timeout_s: float) -> tuple[int, float, str, int]:
+    """(pytest's exit status, seconds, the first failure line, tests skipped) of `tests` run in `copy`."""
     env = {**os.environ, "PYTHONPATH": copy, "PYTHONDONTWRITEBYTECODE": "1"}
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rs", "-p", "no:cacheprovider", "-o",
                                "addopts=", *tests], cwd=copy, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return -1, time.monotonic() - started, f"timed out after {timeout_s:.0f} s"
+        return -1, time.monotonic() - started, f"timed out after {timeout_s:.0f} s", 0
     lines = (done.stdout + done.stderr).splitlines()
     first = next((line for line in lines if line.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
-    return done.returncode, time.monotonic() - started, first
+    skipped = re.search(r"(\d+) skipped", lines[-1] if lines else "")
+    if skipped and done.returncode == 0:
+        first = next((line for line in lines if line.startswith("SKIPPED")), first)
+    return done.returncode, time.monotonic() - started, first, int(skipped.group(1)) if skipped else 0
 
 
 def check_isolation(copy: str) -> None:
     """The copy's packages, not the repository's, are the ones its tests import."""
     env = {**os.environ, "PYTHONPATH": copy}
-    where = subprocess.run([sys.executable, "-c", "import probe, store, alerts, dashboard, moescope; "
-                            "print('\\n'.join(m.__path__[0] for m in (probe, store, alerts, dashboard, moescope)))"],
+    names = ["moescope"] + [f"moescope.{package}" for package in SUBPACKAGES]
+    where = subprocess.run([sys.executable, "-c", f"import importlib; print('\\n'.join(importlib.import_module(n)"
+                            f".__path__[0] for n in {names!r}))"],
                            cwd=copy, env=env, capture_output=True, text=True, check=True).stdout.split()
     outside = [path for path in where if not os.path.realpath(path).startswith(os.path.realpath(copy))]
     if outside:
@@ -269,12 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="moescope-mutants-") as copy:
         copy_tree(copy)
         check_isolation(copy)
-        for m in chosen:  # every piece must be found exactly once before anything runs
-            count = open(os.path.join(copy, m.path), encoding="utf-8").read().count(m.old)
-            if count != 1:
-                raise SystemExit(f"{m.name}: its piece of {m.path} is found {count} times, not once; update it")
+        problems = check_pieces(copy, chosen)  # every piece must be found exactly once before anything runs
+        if problems:
+            raise SystemExit("\n".join(problems))
         for tests in dict.fromkeys(m.tests for m in chosen):
-            status, seconds, first = run_tests(copy, tests, args.timeout)
+            status, seconds, first, _ = run_tests(copy, tests, args.timeout)
             print(f"baseline  {'passed' if status == 0 else 'FAILED':8} {seconds:6.0f} s  pytest {' '.join(tests)}"
                   + ("" if status == 0 else f"\n          {first}"), flush=True)
             if status != 0:
@@ -286,16 +315,20 @@ def main(argv: list[str] | None = None) -> int:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(original.replace(m.old, m.new))
             try:
-                status, seconds, first = run_tests(copy, m.tests, args.timeout)
+                status, seconds, first, skipped = run_tests(copy, m.tests, args.timeout)
             finally:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(original)
             verdict = {0: "SURVIVED", 1: "killed", -1: "killed"}.get(status, f"error({status})")
+            if verdict == "SURVIVED" and skipped:  # a guard that was skipped noticed nothing
+                verdict = "untested"
             results.append(verdict)
             detail = re.sub(r"\s+", " ", first)[:150]
             print(f"{verdict:9} {m.name:32} {seconds:6.0f} s  {detail}", flush=True)
-    killed = results.count("killed")
-    print(f"\n{killed} of {len(results)} mutations killed")
+    killed, untested = results.count("killed"), results.count("untested")
+    print(f"\n{killed} of {len(results)} mutations killed"
+          + (f"; {untested} not tested (their tests were skipped: install what the SKIPPED lines name)"
+             if untested else ""))
     return 0 if killed == len(results) else 1
 
 
