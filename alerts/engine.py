@@ -27,7 +27,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -40,7 +40,9 @@ from moescope.alerts.window import (
     observations_from_record,
     summed_load,
 )
-from moescope.probe.records import StepRecord
+from moescope.pipeline import Exporter
+from moescope.probe.exporting import AttachListener
+from moescope.probe.records import RunInfo, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,17 @@ class _AlertState:
 
 
 class TransitionSink(Protocol):
+    """Where alert transitions go: the outbox (notifications), the `alerts` table's writer."""
+
     def handle(self, transitions: Sequence[AlertTransition]) -> None: ...
+
+
+@runtime_checkable
+class FlushableSink(TransitionSink, Protocol):
+    """A sink that can be told to deliver or write what it holds (`alerts.outbox.Outbox`,
+    `alerts.storage.AlertTableWriter`); False when that did not finish within `timeout_s`."""
+
+    def flush(self, timeout_s: float = ...) -> bool: ...
 
 
 BaselineLoader = Callable[[str, int, int], "np.ndarray | None"]  # (baseline run_id, layer, steps)
@@ -305,7 +317,7 @@ def hand_to_sinks(transitions: Sequence[AlertTransition], sinks: Iterable[Transi
     return failed
 
 
-class EngineExporter:
+class EngineExporter(Exporter, AttachListener):
     """Runs the engine inside the probe's pipeline: an exporter fed the live StepRecords.
 
     Each exported batch is observed and evaluated; transitions go to every sink (the outbox
@@ -320,7 +332,7 @@ class EngineExporter:
         self.sink_errors = 0
         self._closed = False
 
-    def on_attach(self, run) -> None:
+    def on_attach(self, run: RunInfo) -> None:
         """Called by the probe at attach: the layers' routed experts (zero experts are left out of
         load signals, see `alerts.signals`)."""
         self.engine.routed_experts.update({info.layer: info.num_experts for info in run.layers})
@@ -346,9 +358,8 @@ class EngineExporter:
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         ok = True
         for sink in self.sinks:
-            flush = getattr(sink, "flush", None)
-            if flush is not None:
-                ok = bool(flush(timeout_s)) and ok
+            if isinstance(sink, FlushableSink):
+                ok = bool(sink.flush(timeout_s)) and ok
         return ok
 
     def shutdown(self) -> None:

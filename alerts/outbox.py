@@ -49,7 +49,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from moescope.alerts.engine import AlertTransition
+from moescope.alerts.engine import AlertTransition, FlushableSink
 from moescope.alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def _transaction(db: sqlite3.Connection):
     db.execute("COMMIT")
 
 
-class Outbox:
+class Outbox(FlushableSink):
     """Deliveries kept in a SQLite file at `path`; safe to share between threads of one process.
 
     Raises NotifierError when two notifiers share a name. Never raises because the file cannot

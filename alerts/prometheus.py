@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
@@ -63,6 +63,8 @@ from prometheus_client.registry import Collector
 
 from moescope.alerts.cache import POLICIES, cache_hit_rate, expert_accesses
 from moescope.alerts.window import LayerHistory, LayerObservation, compute_signals, observations_from_record
+from moescope.pipeline import Exporter
+from moescope.probe.exporting import AttachListener, ProbeStats, ProbeStatsReader
 from moescope.probe.records import RunInfo, StepRecord
 
 # rule signal -> (gauge name, help); `alerts.promrules` writes PromQL against exactly these
@@ -102,7 +104,7 @@ class _Layer:
         self.compute_sum_s = 0.0
 
 
-class PrometheusExporter:
+class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
     """Probe exporter keeping per-layer windows; its collector serves them on `/metrics`."""
 
     def __init__(
@@ -138,6 +140,7 @@ class PrometheusExporter:
         self._active_ratio = float("nan")
         self._written: dict[str, float] = {}
         self._dropped: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._stats_source: Callable[[], ProbeStats] | None = None  # bound by the probe at attach
         self._server = None
         self._server_thread: threading.Thread | None = None
         self._serving = threading.Lock()  # serve() and close() may run on different threads
@@ -263,13 +266,13 @@ class PrometheusExporter:
 
     # -- what the collector reads -----------------------------------------------------------
 
-    def bind_probe_stats(self, source) -> None:
+    def bind_probe_stats(self, source: Callable[[], ProbeStats]) -> None:
         """Called by the probe at attach: `source()` returns (written, dropped) as in
         `observe_probe_stats`, and is read afresh at every scrape."""
         self._stats_source = source
 
     def _snapshot(self) -> dict:
-        source = getattr(self, "_stats_source", None)
+        source = self._stats_source
         if source is not None:
             try:
                 self.observe_probe_stats(*source())

@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from moescope.alerts.engine import AlertEngine, AlertTransition, TransitionSink
+from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, TransitionSink
 from moescope.alerts.rules import RulePack
 from moescope.alerts.window import LayerObservation
 from moescope.store.schema import SCHEMAS
@@ -67,7 +67,7 @@ def transitions_table(transitions: Sequence[AlertTransition]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=ALERTS_SCHEMA)
 
 
-class AlertTableWriter:
+class AlertTableWriter(FlushableSink):
     """A TransitionSink that hands transitions to the `alerts` table of their run, through the run's
     writer (`store.writer.run_writer`: the one the run's other producers in this process share).
 

@@ -7,7 +7,9 @@ training monitor, the trust and cooldown policies, the alerts tables and dashboa
 A worker thread builds deferred records (`Deferred`, e.g. the probe's window waiting for its device
 copies) and hands batches to exporters (`Exporter`: `export(records) -> bool`,
 `force_flush(timeout_s) -> bool`, `shutdown()`): the store's writers, the Prometheus exporter, an
-alerts engine, or the `InMemoryExporter` kept here for tests and in-process consumers.
+alerts engine, or the `InMemoryExporter` kept here for tests and in-process consumers. What else an
+exporter offers it declares as a protocol, checked with `isinstance`: `BindsProcessor` (it wants
+the processor feeding it), `WritesRows` (it says how many rows it wrote), `DropCounts`.
 
 This module is a leaf (the standard library and numpy): probe, store and alerts all use it and it
 knows none of their types. A record says what queueing it costs and what dropping it loses through
@@ -70,6 +72,23 @@ class Exporter(Protocol):
     def export(self, records: Sequence[Any]) -> bool: ...
     def force_flush(self, timeout_s: float = 30.0) -> bool: ...
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class BindsProcessor(Protocol):
+    """An exporter that wants the processor feeding it, to count what it loses in the processor's
+    drop counters (the store's `ParquetExporter`). A producer that owns the processor (the probe
+    session) hands it over before the first record."""
+
+    def bind_processor(self, processor: BatchProcessor) -> None: ...
+
+
+@runtime_checkable
+class WritesRows(Protocol):
+    """An exporter that writes rows says how many, per table (the store's `ParquetExporter`)."""
+
+    @property
+    def written_rows(self) -> Mapping[str, int]: ...
 
 
 class DropCounts(Protocol):
@@ -306,7 +325,7 @@ class BatchProcessor:
 _STOP = object()
 
 
-class InMemoryExporter:
+class InMemoryExporter(Exporter):
     """Keeps every exported record; for tests and in-process consumers."""
 
     def __init__(self) -> None:

@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -68,6 +68,14 @@ class GateChange:
     score: float | None = None
     source: str = "manual"  # "manual" (API), "auto" (policy), "override" (operator pin)
     step: int | None = None
+
+
+class GatePolicy(Protocol):
+    """What drives a session's gate from outside the probe and takes an operator's pins
+    (`alerts.trust_policy.TrustPolicy`, bound by `moescope.attach` as `session.trust`)."""
+
+    def override(self, layer: int, expert: int, weight: float, reason: str) -> GateChange | None: ...
+    def release(self, layer: int, expert: int, reason: str = ...) -> GateChange | None: ...
 
 
 @dataclass(frozen=True)

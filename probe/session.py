@@ -26,10 +26,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from moescope.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor, new_run_id
+from moescope.pipeline import (
+    DEFAULT_MAX_QUEUE_BYTES,
+    BatchProcessor,
+    BindsProcessor,
+    Exporter,
+    WritesRows,
+    new_run_id,
+)
 from moescope.probe.accumulate import SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
 from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
-from moescope.probe.gate import TrustGate
+from moescope.probe.exporting import AttachListener, ProbeStats, ProbeStatsReader
+from moescope.probe.gate import GatePolicy, TrustGate
 from moescope.probe.health import HealthSampler
 from moescope.probe.layout import build_layout
 from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
@@ -138,7 +146,7 @@ class ProbeSession:
     the policy it bound, or None).
     """
 
-    def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Any] = (),
+    def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Exporter] = (),
                  recording: Recording = Recording(), pipeline: Pipeline = Pipeline(),
                  health: HealthSampling | None = None, gate: bool = False, tags: dict | None = None,
                  run_id: str | None = None, all_layers: list[MoELayer] | None = None):
@@ -159,7 +167,7 @@ class ProbeSession:
         self.hook_errors = 0
         self.closed = False
         self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
-        self.trust: Any = None  # the trust policy bound by moescope.attach, if any
+        self.trust: GatePolicy | None = None  # the trust policy bound by moescope.attach, if any
         self.timer: ComputeTimer | None = None
 
         rank, world_size = _distributed()
@@ -185,12 +193,12 @@ class ProbeSession:
                                         flush_interval_s=pipeline.flush_interval_s,
                                         max_queue_bytes=pipeline.max_queue_bytes)
         try:
-            for exporter in exporters:
-                if hasattr(exporter, "bind_processor"):
+            for exporter in exporters:  # what each asks for (probe/exporting.py)
+                if isinstance(exporter, BindsProcessor):
                     exporter.bind_processor(self.processor)
-                if hasattr(exporter, "on_attach"):
+                if isinstance(exporter, AttachListener):
                     exporter.on_attach(self.run)
-                if hasattr(exporter, "bind_probe_stats"):
+                if isinstance(exporter, ProbeStatsReader):
                     exporter.bind_probe_stats(self.probe_stats)
             self.health = HealthSampler(layers, on_error=self._hook_failed, **vars(health)) if health else None
             self.gate = TrustGate(layers, on_error=self._hook_failed) if gate else None
@@ -454,11 +462,13 @@ class ProbeSession:
             self._hook_failed()
         self.processor.shutdown()
 
-    def probe_stats(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    def probe_stats(self) -> ProbeStats:
         """What the probe wrote (rows per table) and dropped (rows per table and reason), so far."""
         written: dict[str, int] = {}
         for exporter in self.processor.exporters:  # exporters that write rows say how many (the store's)
-            for table, rows in dict(getattr(exporter, "written_rows", None) or {}).items():
+            if not isinstance(exporter, WritesRows):
+                continue
+            for table, rows in dict(exporter.written_rows or {}).items():
                 written[table] = written.get(table, 0) + rows
         return written, dict(self.processor.dropped_rows)
 
@@ -520,7 +530,7 @@ def _is_compiled(model: nn.Module) -> bool:
         model, "_compiled_call_impl", None) is not None
 
 
-def attach(model: nn.Module, exporters: Sequence[Any] = (), *, specs: Iterable[MoESpec] = (),
+def attach(model: nn.Module, exporters: Sequence[Exporter] = (), *, specs: Iterable[MoESpec] = (),
            layers: str | Sequence[str] | Callable[[str], bool] | None = None, tags: dict | None = None,
            run_id: str | None = None, recording: Recording | None = None, pipeline: Pipeline | None = None,
            health: bool | HealthSampling = False, gate: bool = False, health_options: dict | None = None,

@@ -49,11 +49,15 @@ import pyarrow.parquet as pq
 # The pipeline is the neutral module's; re-exported for store users.
 from moescope.pipeline import (  # noqa: F401
     BatchProcessor,
+    BindsProcessor,
     DropCounts,
+    Exporter,
     InMemoryExporter,
+    WritesRows,
     array_bytes,
     record_rows,
 )
+from moescope.probe.exporting import AttachListener
 from moescope.probe.records import RunInfo, StepRecord
 from moescope.store.layout import (
     WRITER_ROW_GROUP_ROWS,
@@ -387,7 +391,7 @@ class RunWriter:
         self.release()
 
 
-class _WriterExporter:
+class _WriterExporter(Exporter):
     """The exporter of a run writer's own pipeline: it writes the `TableRows` emitted to the writer."""
 
     def __init__(self, writer: RunWriter):
@@ -411,7 +415,7 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     return data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
 
 
-class ParquetExporter:
+class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, DropCounts):
     """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
     table, through the run's writer, when a buffer is big or old.
 
