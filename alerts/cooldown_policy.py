@@ -40,14 +40,26 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from moescope.alerts.engine import FIRING, INACTIVE, RESOLVED, AlertEngine, AlertTransition, fingerprint, hand_to_sinks
+from moescope.alerts.engine import (
+    FIRING,
+    INACTIVE,
+    RESOLVED,
+    AlertEngine,
+    AlertTransition,
+    TransitionSink,
+    fingerprint,
+    hand_to_sinks,
+)
 from moescope.alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.window import observations_from_record
+from moescope.pipeline import Exporter
 from moescope.probe.cooldown import CooldownChange, RouterCooldown, RouterCooldownError
+from moescope.probe.optim import OptimizerLike, SchedulerLike
 from moescope.probe.records import StepRecord
+from moescope.probe.session import ProbeSession
 from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
@@ -56,10 +68,6 @@ RULE_NAME = "RoutingCooldown"
 ALERT_NAME = "RoutingCooldownApplied"
 EVENTS_TABLE = "routing_cooldown_events"
 SEVERITY = "warning"  # the training's hyperparameters were changed by automation, for a while
-
-
-class TransitionSink(Protocol):
-    def handle(self, transitions: Sequence[AlertTransition]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,7 @@ def _number(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-class CooldownPolicy:
+class CooldownPolicy(Exporter):
     """Watches the RoutingCooldown rule and cools routers down; see the module docstring.
 
     Build it with `bind_cooldown`, which also builds the actuator and puts the policy into the
@@ -161,7 +169,7 @@ class CooldownPolicy:
         self.sink = sink
         self.engine = AlertEngine(RulePack(rules=(self.rule,), baseline=Baseline(), source="cooldown policy"))
         self.actuator: RouterCooldown | None = None
-        self.session: Any = None
+        self.session: ProbeSession | None = None
         self.run_id = ""
         self.rank = 0
         self.tables: RunWriter | None = None
@@ -181,7 +189,8 @@ class CooldownPolicy:
 
     # -- binding -------------------------------------------------------------------------------
 
-    def bind(self, session: Any, actuator: RouterCooldown, store: str | os.PathLike | None = None) -> CooldownPolicy:
+    def bind(self, session: ProbeSession, actuator: RouterCooldown,
+             store: str | os.PathLike | None = None) -> CooldownPolicy:
         """Attach to a probe session's run and store folder, and to the actuator's changes."""
         self.session = session
         self.actuator = actuator
@@ -199,7 +208,7 @@ class CooldownPolicy:
         self._changes.append((change, self._forward_step()))
 
     def _forward_step(self) -> int:
-        return int(getattr(self.session, "step", self.last_step))
+        return self.last_step if self.session is None else int(self.session.step)
 
     # -- the exporter interface ----------------------------------------------------------------
 
@@ -380,8 +389,9 @@ class CooldownPolicy:
         hand_to_sinks([transition], (self.alert_table, self.sink), "the cooldown policy")
 
 
-def bind_cooldown(session: Any, optimizer: Any, scheduler: Any = None, config: CooldownConfig | None = None,
-                  store: str | os.PathLike | None = None, sink: TransitionSink | None = None) -> CooldownPolicy:
+def bind_cooldown(session: ProbeSession, optimizer: OptimizerLike, scheduler: SchedulerLike | None = None,
+                  config: CooldownConfig | None = None, store: str | os.PathLike | None = None,
+                  sink: TransitionSink | None = None) -> CooldownPolicy:
     """Cool `session`'s MoE routers down while they collapse: returns the running policy.
 
     Builds the actuator (`probe.cooldown.RouterCooldown` over the session's layers: the router param
@@ -393,12 +403,11 @@ def bind_cooldown(session: Any, optimizer: Any, scheduler: Any = None, config: C
     Raises ValueError for a closed session, and RouterCooldownError (a ValueError) when the optimizer
     does not hold every router parameter or the scheduler does not match it.
     """
-    if getattr(session, "closed", False):
+    if session.closed:
         raise ValueError("the probe session is closed; bind the cooldown to an open session")
     if config is not None and not isinstance(config, CooldownConfig):
         raise ValueError(f"config must be an alerts.cooldown_policy.CooldownConfig, not {type(config).__name__}")
-    actuator = RouterCooldown(session.layers, optimizer, scheduler,
-                              on_error=getattr(session, "count_hook_error", None))
+    actuator = RouterCooldown(session.layers, optimizer, scheduler, on_error=session.count_hook_error)
     try:
         policy = CooldownPolicy(config, sink).bind(session, actuator, store)
     except BaseException:

@@ -36,13 +36,22 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from moescope.alerts.engine import FIRING, INACTIVE, RESOLVED, AlertTransition, fingerprint, hand_to_sinks
+from moescope.alerts.engine import (
+    FIRING,
+    INACTIVE,
+    RESOLVED,
+    AlertTransition,
+    TransitionSink,
+    fingerprint,
+    hand_to_sinks,
+)
 from moescope.alerts.health import ExpertHealth, HealthConfig, HealthScorer
 from moescope.alerts.storage import AlertTableWriter
-from moescope.probe.gate import GateChange, TrustGate, TrustGateError
+from moescope.pipeline import Exporter
+from moescope.probe.gate import GateChange, GatePolicy, TrustGate, TrustGateError
 from moescope.probe.records import StepRecord
+from moescope.probe.session import ProbeSession
 from moescope.store.errors import StoreError
 from moescope.store.store import Store
 from moescope.store.writer import RunWriter, run_writer
@@ -50,10 +59,6 @@ from moescope.store.writer import RunWriter, run_writer
 log = logging.getLogger(__name__)
 
 MODES = (None, "manual", "auto")
-
-
-class TransitionSink(Protocol):
-    def handle(self, transitions: Sequence[AlertTransition]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ class _Judgement:
     since: dt.datetime | None = None
 
 
-class TrustPolicy:
+class TrustPolicy(Exporter, GatePolicy):
     """Scores, judges and (mode "auto") gates; see the module docstring.
 
     Build it with its configuration and a sink, pass it to `moescope.attach(..., trust_policy=)`
@@ -106,7 +111,7 @@ class TrustPolicy:
         self.sink = sink
         self.mode: str | None = None
         self.gate: TrustGate | None = None
-        self.session: Any = None
+        self.session: ProbeSession | None = None
         self.root: str | None = None
         self.run_id = ""
         self.rank = 0
@@ -138,7 +143,7 @@ class TrustPolicy:
 
     # -- binding -------------------------------------------------------------------------------
 
-    def bind(self, session: Any, mode: str | None, store: str | os.PathLike | None) -> TrustPolicy:
+    def bind(self, session: ProbeSession, mode: str | None, store: str | os.PathLike | None) -> TrustPolicy:
         """Attach to a probe session: its run, layers, gate (if any) and store folder."""
         if mode not in MODES:
             raise ValueError(f"trust_gate must be one of None, 'manual', 'auto', not {mode!r}")
@@ -346,7 +351,7 @@ class TrustPolicy:
         return self.gate
 
     def _step(self) -> int:
-        return int(getattr(self.session, "step", self.last_step))
+        return self.last_step if self.session is None else int(self.session.step)
 
     # -- events and alerts ---------------------------------------------------------------------
 
@@ -458,7 +463,7 @@ class TrustPolicy:
             log.exception("could not write %d rows to %s", len(rows), table)
 
 
-def bind_policy(session: Any, policy: TrustPolicy | None, mode: str | None,
+def bind_policy(session: ProbeSession, policy: TrustPolicy | None, mode: str | None,
                 store: str | os.PathLike | None) -> TrustPolicy:
     """The policy a probe session runs: the one given, or a default one, bound to the session."""
     return (policy or TrustPolicy()).bind(session, mode, store)

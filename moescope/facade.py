@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from moescope import probe
+from moescope.pipeline import Exporter
 from moescope.probe.session import Pipeline, ProbeSession
+
+if TYPE_CHECKING:  # imported when a policy is bound: a session without one never loads alerts
+    from moescope.alerts.trust_policy import TrustPolicy
 
 TRUST_GATE_MODES = (None, "manual", "auto")
 
 
-def attach(model: nn.Module, store: str | os.PathLike | None = None, *, exporters: Sequence[Any] = (),
-           trust_gate: str | None = None, trust_policy: Any = None, health: bool | probe.HealthSampling = False,
-           **options: Any) -> ProbeSession:
+def attach(model: nn.Module, store: str | os.PathLike | None = None, *, exporters: Sequence[Exporter] = (),
+           trust_gate: str | None = None, trust_policy: TrustPolicy | None = None,
+           health: bool | probe.HealthSampling = False, **options: Any) -> ProbeSession:
     """Attach the probe to `model` and send its records to a store and any other exporters.
 
     store: a folder to write the Parquet tables into (see the README for the tables).
@@ -57,9 +61,9 @@ def attach(model: nn.Module, store: str | os.PathLike | None = None, *, exporter
         from moescope.alerts.trust_policy import bind_policy
 
         try:
-            session.trust = bind_policy(session, trust_policy, trust_gate, store)
+            session.trust = policy = bind_policy(session, trust_policy, trust_gate, store)
         except BaseException:
             session.close()
             raise
-        session.processor.exporters.append(session.trust)
+        session.processor.exporters.append(policy)
     return session

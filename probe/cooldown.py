@@ -61,7 +61,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moescope.probe.optim import schedulers, torch_optimizer, torch_scheduler
+from moescope.probe.adapters import MoELayer
+from moescope.probe.optim import OptimizerLike, SchedulerLike, schedulers, torch_optimizer, torch_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class _Split:
     parent: dict[int, int]  # new group index -> the parent group's index
     original: list[list[torch.Tensor]]  # each group's params before the split, in order
     layer_params: dict[int, list[int]] = field(default_factory=dict)  # layer -> id() of its router params
-    owner: Any = None  # the open RouterCooldown using this split, if any
+    owner: RouterCooldown | None = None  # the open RouterCooldown using this split, if any
 
 
 _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Split
@@ -134,8 +135,8 @@ class RouterCooldown:
     per-group lists do not match the optimizer's groups.
     """
 
-    def __init__(self, layers: Sequence[Any], optimizer: Any, scheduler: Any = None, *, seed: int = 0,
-                 on_error: Callable[[], None] | None = None):
+    def __init__(self, layers: Sequence[MoELayer], optimizer: OptimizerLike, scheduler: SchedulerLike | None = None,
+                 *, seed: int = 0, on_error: Callable[[], None] | None = None):
         try:
             self.optimizer = torch_optimizer(optimizer)
         except TypeError as e:

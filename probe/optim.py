@@ -9,16 +9,37 @@ unwraps both for both callers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["schedulers", "torch_optimizer", "torch_scheduler"]
+__all__ = ["OptimizerLike", "SchedulerLike", "WrapsOptimizer", "WrapsScheduler", "schedulers", "torch_optimizer",
+           "torch_scheduler"]
 
 _MAX_DEPTH = 8  # wrappers of wrappers; a cycle or a pathological chain stops here
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+class WrapsOptimizer(Protocol):
+    """A framework's wrapper holding the optimizer as `.optimizer` (accelerate, Lightning)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | WrapsOptimizer: ...
+
+
+class WrapsScheduler(Protocol):
+    """A framework's wrapper holding the LR scheduler as `.scheduler` (accelerate)."""
+
+    @property
+    def scheduler(self) -> LRScheduler | WrapsScheduler: ...
+
+
+# What moescope takes as a training's optimizer and scheduler: torch's own, or a wrapper of one.
+OptimizerLike = torch.optim.Optimizer | WrapsOptimizer
+SchedulerLike = LRScheduler | WrapsScheduler
+
+
+def torch_optimizer(optimizer: OptimizerLike) -> torch.optim.Optimizer:
     """The innermost `torch.optim.Optimizer` under wrappers that hold it as `.optimizer`.
 
     accelerate's `AcceleratedOptimizer` subclasses `Optimizer` without owning the parameter groups,
@@ -36,7 +57,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def torch_scheduler(scheduler: Any) -> Any:
+def torch_scheduler(scheduler: SchedulerLike | None) -> SchedulerLike | None:
     """The torch learning-rate scheduler under wrappers that hold it as `.scheduler` (None for None)."""
     for _ in range(_MAX_DEPTH):
         if scheduler is None or hasattr(scheduler, "base_lrs") or hasattr(scheduler, "_schedulers"):
@@ -48,9 +69,10 @@ def torch_scheduler(scheduler: Any) -> Any:
     return scheduler
 
 
-def schedulers(scheduler: Any) -> list[Any]:
+def schedulers(scheduler: SchedulerLike) -> list[SchedulerLike]:
     """The scheduler and every scheduler inside it (SequentialLR, ChainedScheduler)."""
-    out, stack = [], [scheduler]
+    out: list[SchedulerLike] = []
+    stack = [scheduler]
     while stack:
         s = stack.pop()
         out.append(s)

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,12 +24,18 @@ from torch import nn
 import moescope
 from moescope.alerts import signals
 from moescope.lifecycle import GracefulStop
+from moescope.pipeline import Exporter
 from moescope.probe.health import ExpertGradients
-from moescope.probe.optim import torch_optimizer, torch_scheduler
+from moescope.probe.optim import OptimizerLike, SchedulerLike, torch_optimizer, torch_scheduler
 from moescope.probe.records import StepRecord
 from moescope.probe.session import ProbeSession, Recording
 from moescope.probe.window import PinnedPool
-from moescope.training.sinks import sinks_for
+from moescope.training.sinks import ScalarSink, sinks_for
+
+if TYPE_CHECKING:  # the cooldown's modules load only when a monitor turns it on
+    from moescope.alerts.cooldown_policy import CooldownConfig, CooldownPolicy
+    from moescope.alerts.engine import TransitionSink
+    from moescope.store.writer import RunWriter
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +101,18 @@ class _StepInfo:
     lr: float | None
     router_lr: dict[int, float]
     grads: torch.Tensor | None  # (sum of E,) on the host, filled once `event` has completed
-    event: Any
+    event: torch.cuda.Event | None
     sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`
-    pool: Any = None  # where `grads` goes back to once read (CUDA), or None
+    pool: PinnedPool | None = None  # where `grads` goes back to once read (CUDA), or None
 
 
-class TrainingExporter:
+class TrainingExporter(Exporter):
     """Turns each training window's record into a `TrainingStep` (writer thread): losses from the
     recorded router statistics, dead experts over the last steps, the step's learning rates and
     gradient norms; writes `train_steps` rows and logs the scalars."""
 
     def __init__(self, session: ProbeSession, store: str | os.PathLike | None, dead_window: int,
-                 sinks: Sequence[Any] = (), keep_steps: int = 1024):
+                 sinks: Sequence[ScalarSink] = (), keep_steps: int = 1024):
         self.run_id = session.run.run_id
         self.rank = session.run.rank
         self.num_experts = {layer.index: layer.num_experts for layer in session.layers}
@@ -118,7 +124,7 @@ class TrainingExporter:
         self._rows: list[dict] = []
         self._lock = threading.Lock()
         self.unmatched_windows = 0  # training windows that no optimizer step closed (e.g. split by an eval)
-        self.tables = None  # the run's one writer: train_steps rows go through its pipeline
+        self.tables: RunWriter | None = None  # the run's one writer: train_steps rows go through its pipeline
         if store is not None:
             from moescope.store.writer import run_writer
 
@@ -255,10 +261,11 @@ class TrainingMonitor:
     (call `monitor.close()` from it); SIGINT (Ctrl-C) is left alone. False leaves SIGTERM to the job.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, *, store: str | os.PathLike | None = None,
-                 scheduler: Any = None, tensorboard: Any = None, wandb: Any = None, dead_window: int = 64,
-                 grad_norms: bool = True, measure_gradients: str = "step", cooldown: str | None = None,
-                 cooldown_config: Any = None, cooldown_sink: Any = None, stop_on_sigterm: bool = True,
+    def __init__(self, model: nn.Module, optimizer: OptimizerLike, *, store: str | os.PathLike | None = None,
+                 scheduler: SchedulerLike | None = None, tensorboard: Any = None, wandb: Any = None,
+                 dead_window: int = 64, grad_norms: bool = True, measure_gradients: str = "step",
+                 cooldown: str | None = None, cooldown_config: CooldownConfig | None = None,
+                 cooldown_sink: TransitionSink | None = None, stop_on_sigterm: bool = True,
                  grace_period_s: float | None = None, **options: Any):
         if measure_gradients not in ("step", "manual"):
             raise ValueError(f"measure_gradients must be 'step' or 'manual', not {measure_gradients!r}")
@@ -278,9 +285,9 @@ class TrainingMonitor:
         sinks = sinks_for(tensorboard, wandb)
         self.session: ProbeSession = moescope.attach(model, store, recording=recording, tags=tags, **options)
         self.optimizer_step = 0
-        self.cooldown = None
-        self._handles: list[Any] = []
-        self._eval_tags: Any = None
+        self.cooldown: CooldownPolicy | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._eval_tags: contextlib.AbstractContextManager[None] | None = None  # session.tag(phase="eval"), open
         self._info: _StepInfo | None = None
         self._groups: tuple[int, dict[int, int]] = (-1, {})
         self._pool = PinnedPool()
@@ -489,7 +496,8 @@ class TrainingMonitor:
         self.close()
 
 
-def watch(model: nn.Module, optimizer: Any, store: str | os.PathLike | None = None, **options: Any) -> TrainingMonitor:
+def watch(model: nn.Module, optimizer: OptimizerLike, store: str | os.PathLike | None = None,
+          **options: Any) -> TrainingMonitor:
     """Watch a plain training loop: a `TrainingMonitor` (see there for the options)."""
     return TrainingMonitor(model, optimizer, store=store, **options)
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 
-class TensorBoardSink:
+class ScalarSink(Protocol):
+    """Where the training monitor's exporter sends each optimizer step's scalars (writer thread)."""
+
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class TensorBoardSink(ScalarSink):
     """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder)."""
 
     def __init__(self, writer: Any):
@@ -35,7 +43,7 @@ class TensorBoardSink:
             self.writer.close()
 
 
-class WandbSink:
+class WandbSink(ScalarSink):
     """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric."""
 
     def __init__(self, run: Any):
@@ -51,8 +59,10 @@ class WandbSink:
         pass
 
 
-def sinks_for(tensorboard: Any, wandb: Any) -> list[Any]:
-    sinks: list[Any] = []
+def sinks_for(tensorboard: Any, wandb: Any) -> list[ScalarSink]:
+    """The sinks for the monitor's `tensorboard=` and `wandb=` options (see `TrainingMonitor`);
+    each option is one of several kinds (a switch, a folder, a writer or a run), checked here."""
+    sinks: list[ScalarSink] = []
     if tensorboard is not None and tensorboard is not False:
         if not (isinstance(tensorboard, (str, os.PathLike)) or hasattr(tensorboard, "add_scalar")):
             raise TypeError("tensorboard= takes a torch.utils.tensorboard.SummaryWriter or a folder to write "
