@@ -14,6 +14,8 @@ reduced layer by layer and writes no ring rows, since a ring row holds every lay
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from moescope.probe.accumulate import TOTAL_FORWARDS, WINDOW_FORWARDS, DeviceBuffer, LayerGroup, Ring
@@ -26,7 +28,9 @@ class ForwardRefs:
 
     def __init__(self, layers: int):
         self._layers = layers
-        self.sample_base: torch.Tensor | None = None  # offsets of this forward's sampled tokens
+        # offsets of this forward's sampled tokens, set at its start when the session samples router
+        # logits or inputs (empty otherwise: no ring or hook reads it then)
+        self.sample_base = torch.empty(0, dtype=torch.int64)
         self.clear()
 
     def clear(self) -> None:
@@ -70,7 +74,8 @@ def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tup
                   present: list[int], rows: slice) -> None:
     """Reduce the layers at `present` (places in `refs`) into the group's `rows`, and write their
     rows into those of `rings` that belong to the group."""
-    choices = [refs.choice[p] for p in present]
+    # `present`: the places where the hooks kept both the logits and a choice
+    choices = cast("list[Choice]", [refs.choice[p] for p in present])
     tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
     if len(tokens) != 1:  # layers of one group saw different token counts: reduce one by one
         if len(present) > 1:
@@ -80,7 +85,7 @@ def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tup
     ids = [_rows(c.ids, c.ids.shape[-1]) for c in choices]
     weights = [_rows(c.weights, i.shape[-1]) for c, i in zip(choices, ids)]
     stacked = group.reduce(
-        flat, [refs.logits[p] for p in present], ids, weights,
+        flat, cast("list[torch.Tensor]", [refs.logits[p] for p in present]), ids, weights,
         [None if c.kept is None else _rows(c.kept, i.shape[-1]) for c, i in zip(choices, ids)],
         [_capacity(group.layers[rows.start + i], c, refs) for i, c in enumerate(choices)], rows)
     for ring in rings:
@@ -100,7 +105,13 @@ def _capacity(layer: MoELayer, choice: Choice, refs: ForwardRefs) -> int | None:
 
 def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int], refs: ForwardRefs) -> None:
     """Write this forward's rows of `ring` (every token, or the sampled ones) at the ring's
-    position, which the device keeps in its own counter."""
+    position, which the device keeps in its own counter. No row of router inputs where a layer's
+    were not kept (its router was called without its input as a positional tensor, or its hook
+    failed): a ring row holds every layer of the group."""
+    if ring.kind == "inputs":
+        inputs = [hidden for hidden in (refs.inputs[p] for p in present) if hidden is not None]
+        if len(inputs) != len(present):
+            return
     ids_s, weights_s, kept_s, logits_s = stacked
     tokens = ids_s.shape[1]
     acc = flat.dtype
@@ -125,7 +136,7 @@ def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[in
         if ring.kind == "logits":
             values = logits_s.index_select(1, token).transpose(0, 1).reshape(rows, -1).to(acc)
         else:
-            values = torch.stack([refs.inputs[p][:rows] for p in present]).transpose(0, 1).reshape(rows, -1)
+            values = torch.stack([hidden[:rows] for hidden in inputs]).transpose(0, 1).reshape(rows, -1)
             values = values.to(acc)
         payload = [forward, token.to(acc), token_id, top1, values]
     data = torch.cat([p.reshape(rows, -1) for p in payload], dim=1)

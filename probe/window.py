@@ -215,10 +215,12 @@ def _routes(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: Lay
         return None
     ring, data = ring_data
     cols = ring.columns
-    k = group.top_k
-    ids = data[:, cols["ids"]].reshape(len(data), -1, k)[:, position]
-    weights = data[:, cols["weights"]].reshape(len(data), -1, k)[:, position]
-    kept = data[:, cols["kept"]].reshape(len(data), -1, k)[:, position] > 0
+    # (rows, layers, k): a window can hold no row (no forward of it wrote the ring: a layer of the
+    # group did not run, or its reader failed), so no dimension is left to numpy to infer
+    shape = (len(data), len(group.layers), group.top_k)
+    ids = data[:, cols["ids"]].reshape(shape)[:, position]
+    weights = data[:, cols["weights"]].reshape(shape)[:, position]
+    kept = data[:, cols["kept"]].reshape(shape)[:, position] > 0
     token_id = data[:, cols.at("token_id")]
     return Routes(expert_ids=np.rint(ids).astype(np.int32), gate_weights=weights.astype(np.float32), kept=kept,
                   token_ids=None if (token_id < 0).any() else np.rint(token_id).astype(np.int64),
@@ -234,7 +236,7 @@ def _sample(ring_data: tuple[Ring, np.ndarray] | None, position: int, group: Lay
     ring, data = ring_data
     cols = ring.columns
     values = data[:, cols["values"]]
-    values = values.reshape(len(data), len(group.layers), -1)[:, position]
+    values = values.reshape(len(data), len(group.layers), values.shape[1] // len(group.layers))[:, position]
     token_id = data[:, cols.at("token_id")]
     return TokenSample(token=np.rint(data[:, cols.at("token")]).astype(np.int32),
                        token_ids=None if (token_id < 0).any() else np.rint(token_id).astype(np.int64),

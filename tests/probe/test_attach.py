@@ -240,6 +240,38 @@ def test_a_failing_reader_never_breaks_the_forward(caplog):
     assert [ls.layer for ls in memory.records[0].layers] == [1]
 
 
+def test_a_failing_reader_with_rings_keeps_the_window():
+    # The group is reduced layer by layer and writes no ring row that forward; the window's record
+    # is still built (it was lost as build_failed: numpy cannot infer a dimension of 0 rows).
+    model = tiny_model("mixtral")
+    memory = InMemoryExporter()
+    with probe.attach(model, exporters=[memory], routes=True, router_logits=2, window=1) as session:
+        session.layers[0].read_choice = lambda *args: (_ for _ in ()).throw(ValueError("bad reader"))
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 4)))
+    assert session.hook_errors == 1 and session.dropped_records == 0
+    [layer] = memory.records[0].layers
+    assert layer.layer == 1 and layer.tokens == 4 and int(layer.expert_load.sum()) == 4 * 2
+    assert len(layer.routes.expert_ids) == 0 and len(layer.router_logits.token) == 0
+
+
+def test_a_router_called_with_its_input_by_keyword_never_breaks_the_forward():
+    # router_inputs reads the router's positional input; a block that passes it by keyword gives
+    # none: the forward goes on (it raised TypeError) and the window keeps no input row.
+    model = tiny_model("mixtral")
+    memory = InMemoryExporter()
+    with probe.attach(model, exporters=[memory], router_inputs=True, window=1) as session:
+        router = session.layers[0].router
+        router.register_forward_pre_hook(lambda module, args, kwargs: ((), {"hidden_states": args[0], **kwargs}),
+                                         with_kwargs=True, prepend=True)
+        with torch.no_grad():
+            out = model(torch.randint(0, 128, (1, 4)))
+    assert out.logits.isfinite().all()
+    assert session.hook_errors == 0 and session.dropped_records == 0
+    assert [ls.layer for ls in memory.records[0].layers] == [0, 1]
+    assert all(len(ls.router_inputs.token) == 0 for ls in memory.records[0].layers)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the deferred copy path)")
 def test_cuda_records_arrive_without_a_sync_and_match_the_cpu():
     cpu_model = tiny_model("mixtral")
