@@ -140,9 +140,9 @@ class LayerGroup:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset: self.offset + self.size].view(len(self.layers), self.columns.width)
 
-    def reduce(self, flat: torch.Tensor, logits: Sequence[torch.Tensor], ids: Sequence[torch.Tensor],
-               weights: Sequence[torch.Tensor], kept: Sequence[torch.Tensor | None],
-               capacity: Sequence[int | None], rows: slice) -> tuple[torch.Tensor, ...]:
+    def reduce(self, flat: torch.Tensor, logits: list[torch.Tensor], ids: list[torch.Tensor],
+               weights: list[torch.Tensor], kept: Sequence[torch.Tensor | None], capacity: Sequence[int | None],
+               rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Add one forward of the layers in `rows` (all the same token count) to the accumulators.
 
         Returns the stacked (ids, weights, kept, logits) for the rings to reuse.
@@ -204,6 +204,7 @@ class LayerGroup:
         view = self.view(flat)[rows]
         if self.capacity and all(c is not None for c in capacity):
             cap = capacity[0]
+            assert cap is not None  # every layer's capacity is known (checked above)
             load = block[:, cols["expert_load"]][:, : self.num_experts]
             use = load.amax(dim=1, keepdim=True) / cap
             running = view[:, cols["capacity_use"]]

@@ -77,6 +77,11 @@ class CapacityPerSequence(Protocol):
         ...
 
 
+# A family's router or experts module as its family's code reads it: by its own attribute names
+# (top_k, expert_capacity, num_group...). torch types every attribute of an nn.Module it does not
+# know as `Tensor | Module`; these are ints, floats, dtypes and flags, so they are read untyped.
+FamilyModule = Any
+
 # Readers: router output -> logits (tokens, E); experts call -> Choice; router output -> Choice.
 LogitsReader = Callable[[Any], torch.Tensor]
 ChoiceReader = Callable[[tuple, dict, "torch.Tensor | None"], Choice]
@@ -190,7 +195,7 @@ def dense_scores_choice(top_k: int) -> Callable[[Any, torch.Tensor], Choice]:
     return read
 
 
-def capacity_top2_choice(router: nn.Module) -> ChoiceReader:
+def capacity_top2_choice(router: FamilyModule) -> ChoiceReader:
     """NLLB-style: top-2 under a capacity. The experts get the kept first choice as a one-hot mask
     and the combine weights (tokens, E), zero where a slot was dropped at capacity (or, under
     `second_expert_policy="random"`, not sampled).
@@ -230,6 +235,7 @@ def sequence_capacity_choice(block: CapacityPerSequence) -> ChoiceReader:
         ids, weights = experts_arguments(args, kwargs)
         ids = ids.reshape(-1, ids.shape[-1])
         dispatch = block.dispatch
+        assert dispatch is not None, "the block keeps its dispatch before it calls its experts"
         return Choice(ids=ids, weights=weights.reshape(ids.shape), kept=dispatch.kept.reshape(ids.shape),
                       capacity=int(dispatch.capacity) * int(dispatch.groups))
     return read
@@ -398,19 +404,22 @@ def _router_named(*names: str) -> Callable[[nn.Module, nn.Module, nn.Module | No
 
 
 def _capacity_top2(layer: MoELayer) -> None:
+    router: FamilyModule = layer.router
     layer.top_k = 2
-    layer.expert_capacity = layer.router.expert_capacity
-    layer.read_choice = capacity_top2_choice(layer.router)
+    layer.expert_capacity = router.expert_capacity
+    layer.read_choice = capacity_top2_choice(router)
 
 
 def _capacity_top1(layer: MoELayer) -> None:
+    router: FamilyModule = layer.router
     layer.top_k = 1
-    layer.expert_capacity = layer.router.expert_capacity
+    layer.expert_capacity = router.expert_capacity
     layer.read_choice = switch_choice
 
 
 def _capacity_per_sequence(layer: MoELayer) -> None:
-    block = layer.block  # a CapacityPerSequence: this routing applies to nothing else
+    block = layer.block
+    assert isinstance(block, CapacityPerSequence), "this routing applies to nothing else"
     # The layers table holds one capacity per layer: that of a full-length sequence. Each forward
     # records the capacity it really had (per sequence, times its sequences) in layer_steps.
     layer.expert_capacity = int(block.capacity(block.max_sequence_length or 1))
@@ -433,7 +442,8 @@ def _dense_scores(layer: MoELayer) -> None:
 
 
 def _zero_experts(layer: MoELayer) -> None:
-    layer.zero_experts = layer.experts.zero_expert_num
+    experts: FamilyModule = layer.experts  # one with zero_expert_num > 0: this routing applies to nothing else
+    layer.zero_experts = experts.zero_expert_num
 
 
 def _experts_take_only_hidden_states(experts: nn.Module | None) -> bool:

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from moescope.probe.adapters import MoELayer, experts_arguments, topk_experts_choice
+from moescope.probe.adapters import FamilyModule, MoELayer, experts_arguments, topk_experts_choice
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
 
 def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, sort: bool = True) -> Callable:
     """softmax over all experts, top-k, optional renormalisation of the top-k, optional scale."""
-    def rule(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
         logits = output[0]
         probs = F.softmax(logits.float() + state.offset, dim=-1)
         top_value, top_index = torch.topk(probs, router.top_k, dim=-1, sorted=sort)
@@ -119,7 +119,7 @@ def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, 
     return rule
 
 
-def _deepseek_v2(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _deepseek_v2(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     logits = output[0]
     scores = (logits + state.offset).softmax(dim=-1, dtype=torch.float32)
     if router.topk_method == "group_limited_greedy":
@@ -133,7 +133,7 @@ def _deepseek_v2(router: nn.Module, args: tuple, output: Any, state: _LayerState
     return (_gated_logits(logits, state), top_value * router.routed_scaling_factor, top_index)
 
 
-def _deepseek_v3(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _deepseek_v3(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     """Sigmoid scores scaled by w; bias correction, group limiting and top-k as the router does."""
     logits = output[0]
     scores = logits.sigmoid() * state.weight
@@ -158,7 +158,7 @@ def _deepseek_v3(router: nn.Module, args: tuple, output: Any, state: _LayerState
 
 def _topk_softmax(cast_input: bool) -> Callable:
     """top-k over the logits, softmax over the k chosen (GPT-OSS, GraniteMoE)."""
-    def rule(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
         logits = _gated_logits(output[0], state)
         top_value, top_index = torch.topk(logits, router.top_k, dim=-1)
         weights = torch.softmax(top_value, dim=-1, dtype=top_value.dtype)
@@ -168,7 +168,7 @@ def _topk_softmax(cast_input: bool) -> Callable:
     return rule
 
 
-def _phimoe(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _phimoe(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     logits = _gated_logits(output[0], state)
     sparsemixer = _module_function(router, "sparsemixer")
     weights, index = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training,
@@ -176,7 +176,7 @@ def _phimoe(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> 
     return (logits, weights, index)
 
 
-def _llama4(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _llama4(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     """Dense scores: sigmoid of the chosen logits, zero elsewhere; w scales the score."""
     _, raw = output
     logits = _gated_logits(raw, state)
@@ -187,7 +187,7 @@ def _llama4(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> 
     return (scores, logits)
 
 
-def _switch(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _switch(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     """Top-1 of the softmax, then the capacity mask, recomputed from the gated logits."""
     logits = _gated_logits(output[2], state)
     input_dtype = args[0].dtype
@@ -197,7 +197,7 @@ def _switch(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> 
     return (index, probs.max(dim=-1).values.unsqueeze(-1), logits)
 
 
-def _dbrx(router: nn.Module, args: tuple, output: Any, state: _LayerState) -> Any:
+def _dbrx(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
     return _gated_logits(output, state)  # the block's own softmax/top-k/normalisation follow
 
 
@@ -348,7 +348,7 @@ class TrustGate:
                 handles.append(layer.router.register_forward_hook(self._router_hook(layer, rule), prepend=True))
                 if layer.family in DENSE_EXPERTS and layer.experts is not None:
                     handles.append(layer.experts.register_forward_hook(self._dense_hook(layer)))
-            elif self.mechanism(layer.index) is not None:
+            elif layer.experts is not None and self.mechanism(layer.index) is not None:
                 handles.append(layer.experts.register_forward_pre_hook(
                     self._weights_hook(layer), with_kwargs=True, prepend=True))
         return handles

@@ -57,6 +57,7 @@ def expert_outputs(layer: MoELayer, hidden: torch.Tensor, experts: torch.Tensor)
     For the dense style every expert is evaluated (m must be all E, in order).
     """
     module = layer.experts
+    assert module is not None, "health sampling watches only layers with an experts module"
     tokens = hidden.shape[0]
     count = experts.numel()
     batch = hidden.repeat(count, 1)
@@ -77,6 +78,7 @@ def expert_outputs(layer: MoELayer, hidden: torch.Tensor, experts: torch.Tensor)
 def _expert_tensors(layer: MoELayer) -> list[list[tuple[nn.Parameter, int | None]]]:
     """Per expert, its weights: (parameter, row in the parameter's (E, -1) view, or None: all of it)."""
     module, count = layer.experts, layer.num_experts
+    assert module is not None, "health sampling and gradient norms watch only layers with an experts module"
     children = list(module.children())
     if len(children) == count and all(any(True for _ in c.parameters()) for c in children):
         return [[(p, None) for p in child.parameters()] for child in children]  # a submodule per expert (Switch)
@@ -98,20 +100,22 @@ def expert_grad_norms(tensors: list[list[tuple[nn.Parameter, int | None]]], coun
     None when no expert weight has a gradient. One reduction per parameter: a fused (E, ...)
     parameter's gradient is reduced row-wise at once. The health score's gradient component and
     the training monitor's per-expert gradient norms are this number."""
-    fused: dict[int, nn.Parameter] = {}
+    fused: dict[int, torch.Tensor] = {}  # id of a fused parameter -> its gradient
     own: list[torch.Tensor | None] = [None] * count
     for expert, parts in enumerate(tensors):
         for param, row in parts:
-            if param.grad is None:
+            grad = param.grad
+            if grad is None:
                 continue
             if row is None:
-                square = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32) ** 2
-                own[expert] = square if own[expert] is None else own[expert] + square
+                square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) ** 2
+                sofar = own[expert]
+                own[expert] = square if sofar is None else sofar + square
             else:
-                fused[id(param)] = param
+                fused[id(param)] = grad
     total: torch.Tensor | None = None
-    for param in fused.values():
-        rows = torch.linalg.vector_norm(param.grad.detach().reshape(count, -1), dim=1, dtype=torch.float32) ** 2
+    for grad in fused.values():
+        rows = torch.linalg.vector_norm(grad.detach().reshape(count, -1), dim=1, dtype=torch.float32) ** 2
         total = rows if total is None else total + rows
     present = [t for t in own if t is not None]
     if present:
@@ -145,14 +149,16 @@ class _Fingerprint:
             length = max(tensor.numel() // SKETCH_BLOCKS, 1)
             signs = torch.randint(0, 2, (length,), generator=generator).to(torch.float32) * 2 - 1
             self.signs.append(signs.to(device=tensor.device, dtype=tensor.dtype))
-        self.sumsq, self.sketch = self.measure()
+        self.sumsq, self.sketch, _ = self.measure()
 
     @torch.no_grad()
-    def measure(self, grads: bool = False) -> tuple[torch.Tensor, ...]:
-        """(sum of squares (E,), sketch (E, blocks)) and, with grads, gradient norms (E,) or None."""
-        sumsq, sketches = [], []
+    def measure(self, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(sum of squares (E,), sketch (E, blocks), gradient norms (E,)): the norms only with
+        `grads`, and None when no expert weight has a gradient."""
+        sumsq: list[torch.Tensor] = []
+        sketches = []
         for tensors in self.tensors:
-            total = None
+            total: torch.Tensor | None = None
             parts = []
             for (param, row), signs in zip(tensors, self.signs):
                 flat = _part(param, row, self.layer.num_experts)
@@ -161,12 +167,11 @@ class _Fingerprint:
                 blocks = min(SKETCH_BLOCKS, flat.numel())
                 length = signs.numel()
                 parts.append((flat[: blocks * length].view(blocks, length) @ signs).to(torch.float32))
+            sketches.append(torch.cat(parts))  # raises for an expert without weights
+            assert total is not None
             sumsq.append(total)
-            sketches.append(torch.cat(parts))
-        out = (torch.stack(sumsq), torch.stack(sketches))
-        if grads:
-            out = out + (expert_grad_norms(self.tensors, self.layer.num_experts),)
-        return out
+        norms = expert_grad_norms(self.tensors, self.layer.num_experts) if grads else None
+        return torch.stack(sumsq), torch.stack(sketches), norms
 
     def compare(self) -> dict[str, torch.Tensor]:
         """Cosine of the sketch to the fingerprint, norm ratio, and gradient norms when present."""

@@ -315,7 +315,9 @@ class ProbeSession:
             if not self._recording:
                 return
             try:
-                refs.choice[position] = layer.read_choice(args, kwargs, refs.logits[position])
+                read_choice = layer.read_choice
+                assert read_choice is not None  # hooked only where the experts call holds the choice
+                refs.choice[position] = read_choice(args, kwargs, refs.logits[position])
             except Exception:
                 self._hook_failed()
         return hook

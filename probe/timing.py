@@ -40,16 +40,16 @@ class EventPool:
     """Reusable CUDA timing events, handed out on the model's thread and returned by the writer."""
 
     def __init__(self) -> None:
-        self._free: list[Any] = []
+        self._free: list[torch.cuda.Event] = []
         self._lock = threading.Lock()
 
-    def take(self) -> Any:
+    def take(self) -> torch.cuda.Event:
         with self._lock:
             if self._free:
                 return self._free.pop()
         return torch.cuda.Event(enable_timing=True)
 
-    def give(self, events: list[Any]) -> None:
+    def give(self, events: list[torch.cuda.Event]) -> None:
         with self._lock:
             self._free.extend(events)
 
@@ -154,7 +154,8 @@ class ComputeTimer:
             if not self.active():
                 return
             try:
-                if self.cuda:  # devices: all CUDA or all host (a layer on the CPU beside GPUs: not timed)
+                if self.pool is not None:  # CUDA: devices are all CUDA or all host (a layer on the CPU
+                    # beside GPUs: not timed)
                     if device.type != "cuda" or capturing():
                         return
                     event = self.pool.take()
@@ -170,7 +171,7 @@ class ComputeTimer:
             if began is None:
                 return
             try:
-                if self.cuda:
+                if self.pool is not None:  # CUDA
                     event = self.pool.take()
                     event.record(torch.cuda.current_stream(device))
                     self._forward.append((position, what, began, event))
