@@ -298,8 +298,8 @@ class BatchProcessor:
             except Exception:
                 log.exception("flush of %s failed", type(exporter).__name__)
 
-    def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Export everything queued so far and flush the exporters; False on timeout."""
+    def force_flush(self, timeout_s: float | None = 30.0) -> bool:
+        """Export everything queued so far and flush the exporters; False on timeout (None: none)."""
         if self._closed:
             return True
         done = threading.Event()

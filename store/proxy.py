@@ -306,6 +306,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
     server: _ProxyServer
+    _upstream: http.client.HTTPConnection | None = None  # this connection's to the upstream, kept alive
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         log.debug("moescope proxy: " + format, *args)
@@ -320,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _request_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            parts = []
+            parts: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
@@ -345,9 +346,9 @@ class _Handler(BaseHTTPRequestHandler):
         headers = self._upstream_headers(body)
         path = self.server.upstream_path + self.path
         for attempt in (0, 1):
-            conn = getattr(self, "_upstream", None)
+            conn = self._upstream
             fresh = conn is None
-            if fresh:
+            if conn is None:
                 conn = self._upstream = http.client.HTTPConnection(self.server.upstream_hostname,
                                                                    self.server.upstream_port,
                                                                    timeout=self.server.upstream_timeout_s)
@@ -384,7 +385,8 @@ class _Handler(BaseHTTPRequestHandler):
             capture = False
         if self.command == "POST" and response.status >= 300:
             recorder.count(f"upstream_status_{response.status // 100}xx")
-        kept, size, complete = [], 0, False
+        kept: list[bytes] = []
+        size, complete = 0, False
 
         def hand_over() -> None:
             # Once the engine's whole body is read, before the client's last bytes go out: a client
@@ -434,13 +436,13 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             if not complete or response.will_close:
                 response.close()
-                if getattr(self, "_upstream", None) is not None:
+                if self._upstream is not None:
                     self._upstream.close()
                     self._upstream = None
 
     def finish(self) -> None:
         super().finish()
-        if getattr(self, "_upstream", None) is not None:
+        if self._upstream is not None:
             self._upstream.close()
 
 
@@ -510,7 +512,9 @@ class RoutingProxy:
         self.server.upstream_host = parts.netloc
         self.server.upstream_path = parts.path.rstrip("/")
         self.server.upstream_timeout_s = upstream_timeout_s
-        self.host, self.port = self.server.server_address[:2]
+        address = self.server.server_address
+        assert isinstance(address, tuple) and isinstance(address[0], str)  # an AF_INET server's (host, port)
+        self.host, self.port = address[0], address[1]
         self._thread: threading.Thread | None = None
 
     def start(self) -> RoutingProxy:

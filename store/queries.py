@@ -41,7 +41,8 @@ STEPS = "(sum(coalesce(forwards, 1)) / count(DISTINCT rank))::BIGINT"
 def where(run_id: str, layer: int | None = None, step_from: int | None = None, step_to: int | None = None,
           tags: dict[str, str] | None = None) -> tuple[str, list]:
     """A WHERE clause of fixed SQL fragments and its parameters: values never enter the text."""
-    clauses, params = ["run_id = ?"], [str(run_id)]
+    clauses: list[str] = ["run_id = ?"]
+    params: list[object] = [str(run_id)]
     if layer is not None:
         clauses.append("layer = ?")
         params.append(int(layer))
@@ -78,7 +79,7 @@ def _padded(column: pa.ChunkedArray | pa.Array, fill: int | bool, dtype: type) -
     lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     lengths = lists.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     width = int(lengths.max()) if len(lengths) else 0
-    out = np.full((len(lists), width), fill, dtype=dtype)
+    out: np.ndarray = np.full((len(lists), width), fill, dtype=dtype)
     values = lists.flatten().to_numpy(zero_copy_only=False)
     if values.size:
         rows = np.repeat(np.arange(len(lists)), lengths)
@@ -111,6 +112,8 @@ def _vectors(frame: pd.DataFrame, column: str) -> pd.DataFrame:
 
 class StoreQueries:
     """Mixed into `store.Store`; every method runs through `self.sql` (parameters, error mapping)."""
+
+    root: str  # the store's folder (named in errors)
 
     def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:  # pragma: no cover
         raise NotImplementedError

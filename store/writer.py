@@ -481,9 +481,15 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         self._unwritten_run = [(table, data) for table, data in self._unwritten_run
                                if not self._write(table, data, retried=True)]
 
+    def _attached(self) -> tuple[RunInfo, RunWriter]:
+        """The run and its writer, from `on_attach` (the probe calls it before any record)."""
+        assert self.run is not None and self.writer is not None, "ParquetExporter used before on_attach"
+        return self.run, self.writer
+
     def _write(self, table: str, data: pa.Table, retried: bool = False) -> bool:
         """Write `data` as a new part of `table` (see `RunWriter.write`); False when refused."""
-        return self.writer.write(table, data, retried=retried, on_dropped=self._count_dropped)
+        _, writer = self._attached()
+        return writer.write(table, data, retried=retried, on_dropped=self._count_dropped)
 
     def _count_dropped(self, table: str, reason: str, rows: int) -> None:
         if self.processor is not None:
@@ -505,7 +511,8 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         if self._closed:
             return False
         now = time.monotonic()
-        rank = self.run.rank
+        run, writer = self._attached()
+        rank = run.rank
         for record in records:
             self.last_step = max(self.last_step or 0, int(record.step_end if record.step_end is not None
                                                           else record.step))
@@ -529,7 +536,7 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         if self._unwritten_run:
             self._write_run()
         # drops reach the disk within a flush interval under steady load
-        self.writer.write_changed_stats(min_interval_s=self.max_age_s)
+        writer.write_changed_stats(min_interval_s=self.max_age_s)
         return True
 
     def _flush_table(self, table: str) -> None:
@@ -539,13 +546,15 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         if table == "routes":
             pieces, self._route_pieces = self._route_pieces, []
             if pieces:
-                self._write(table, routes_table(self.run.run_id, pieces))
+                self._write(table, routes_table(self._attached()[0].run_id, pieces))
             return
         parts = self._buffers.pop(table, [])
         if parts:
             self._write(table, pa.concat_tables(parts))
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        if self.writer is None:  # never attached (the attach failed): nothing to write
+            return True
         for table in list(self._first_at):
             self._flush_table(table)
         if self._unwritten_run:
@@ -555,25 +564,28 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
 
     def write_probe_stats(self) -> bool:
         """Write the run's counts into `probe_stats` now (see `RunWriter.write_probe_stats`)."""
-        return self.writer.write_probe_stats()
+        return self._attached()[1].write_probe_stats()
 
     def shutdown(self) -> None:
         """Write what is buffered, the run's `run_ends` row and its counts, and release the writer."""
         if self._closed:
             return
         self._closed = True
+        if self.writer is None:  # never attached (the attach failed): nothing written, no writer to give back
+            return
+        run, writer = self._attached()
         for table in list(self._first_at):
             self._flush_table(table)
         for table, data in self._unwritten_run:  # the last try: no later flush will retry them
             self._write(table, data)
         self._unwritten_run = []
         # The session closed: readers (the alerts runner) resolve the run's open alerts on this row.
-        ended = pa.Table.from_pylist([dict(run_id=self.run.run_id, rank=self.run.rank, pid=os.getpid(),
+        ended = pa.Table.from_pylist([dict(run_id=run.run_id, rank=run.rank, pid=os.getpid(),
                                            ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
                                      schema=SCHEMAS["run_ends"])
         self._write("run_ends", ended, retried=True)
         # Written now, not only when the writer's last holder lets go: the session's counts are final.
-        if not self.writer.write_probe_stats():
+        if not writer.write_probe_stats():
             log.error("moescope: the probe_stats of run %s could not be written to %s; the counts were: %s",
-                      self.run.run_id, self.root, self.writer.drop_counts()[0] or "no drops")
-        self.writer.release()
+                      run.run_id, self.root, writer.drop_counts()[0] or "no drops")
+        writer.release()

@@ -10,6 +10,7 @@ trace gives (the module's index in its pipeline stage). Records of multi-token-p
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -44,7 +45,7 @@ def read(paths: list[str]) -> SourceData:
     """Every (step, stage, rank) of the traces; raises SourceFormatError naming the file and line."""
     data = SourceData(steps=[])
     calls: dict[tuple, dict[int, list[np.ndarray]]] = {}
-    times: dict[tuple, object] = {}
+    times: dict[tuple, dt.datetime] = {}
     for path in _files(paths):
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):

@@ -82,7 +82,7 @@ class SourceData:
 @dataclass(frozen=True)
 class LayerShape:
     num_experts: int
-    top_k: int | None
+    top_k: int
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,7 @@ def layer_shapes(data: SourceData, num_experts: int | None = None, top_k: int | 
                                     f"{experts} experts (ids 0..{experts - 1})")
         shapes[layer] = LayerShape(max(experts, 1), widths[layer])
     for layer in sorted(counted):
+        assert k_stated is not None  # counted layers without a top-k were refused above
         experts = stated if stated is not None else counted[layer]
         if counted[layer] != experts:
             raise SourceFormatError(f"{where}: layer {layer} counts {counted[layer]} experts, but the model has "

@@ -43,10 +43,11 @@ def _meta(path: str) -> tuple[int, int]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SourceFormatError(f"{path}: not valid JSON ({e})") from e
     values = [meta.get(k) if isinstance(meta, dict) else None for k in ("num_experts", "num_experts_per_token")]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+    numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if len(numbers) != len(values):
         raise SourceFormatError(f"{path}: meta_info.json must hold positive integers num_experts and "
                                 "num_experts_per_token")
-    return values[0], values[1]
+    return numbers[0], numbers[1]
 
 
 def read(paths: list[str]) -> SourceData:
@@ -65,7 +66,9 @@ def read(paths: list[str]) -> SourceData:
         raise SourceFormatError(f"no rank{{r}}.safetensors next to {metas[0]}")
     data = SourceData(steps=[], num_experts=num_experts, top_k=top_k)
     for path in ranks:
-        rank = int(RANK_FILE.fullmatch(os.path.basename(path)).group(1))
+        match = RANK_FILE.fullmatch(os.path.basename(path))
+        assert match is not None  # _files keeps meta_info.json and rank files only
+        rank = int(match.group(1))
         try:
             tensors = load_file(path)
         except (SafetensorError, OSError, ValueError) as e:

@@ -44,6 +44,17 @@ def test_a_hostile_run_id_never_becomes_a_path(tmp_path, run_id):
     assert _files_under(tmp_path) == before
 
 
+def test_an_attach_refused_for_its_run_id_logs_no_second_failure(tmp_path, caplog):
+    # The session shuts its processor down, which flushes and shuts the exporter that never
+    # attached: it has nothing to write (it used to log two tracebacks of AttributeError).
+    import moescope
+    from moescope.probe.zoo import tiny_model
+
+    with pytest.raises(InvalidNameError, match="run_id"):
+        moescope.attach(tiny_model("mixtral"), store=tmp_path / "store", run_id="a/b")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_moescope_alerts_writes_no_file_outside_the_store(tmp_path):
     """The issue's escape: a run id read from a data file, handed to the alerts table writer."""
     from moescope.alerts.engine import AlertTransition
