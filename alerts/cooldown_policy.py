@@ -234,7 +234,7 @@ class CooldownPolicy(Exporter):
         """Write the queued changes' rows and alerts, and everything handed to the run's writer."""
         with self._lock:
             self._drain()
-        if self.tables is None:
+        if self.tables is None or self.alert_table is None:  # no store: both None
             return True
         return self.alert_table.flush(timeout_s) and self.tables.flush(timeout_s)
 
@@ -313,15 +313,17 @@ class CooldownPolicy(Exporter):
 
     def _guard_rail(self, layer: int, cooling: int) -> tuple[str, str]:
         """(rail, why) when a rail stops `layer` from cooling now, ('', '') when none does."""
-        layers = len(self.actuator.layers)
+        actuator = self.actuator
+        assert actuator is not None  # asked only while one is bound
+        layers = len(actuator.layers)
         limit = max(1, math.floor(self.config.max_share * layers + 1e-9))
         if cooling + 1 > limit:
             return "max_share", (f"guard rail: at most {limit} of {layers} MoE layers cool at once "
                                  f"(max_share {self.config.max_share:g}); {cooling} cooling now")
-        last = self.actuator.last_end_step(layer)
-        if last is not None and self.actuator.optimizer_steps - last < self.config.min_gap_steps:
+        last = actuator.last_end_step(layer)
+        if last is not None and actuator.optimizer_steps - last < self.config.min_gap_steps:
             return "min_gap", (f"guard rail: layer {layer}'s last cooldown ended "
-                               f"{self.actuator.optimizer_steps - last} optimizer steps ago; min_gap_steps is "
+                               f"{actuator.optimizer_steps - last} optimizer steps ago; min_gap_steps is "
                                f"{self.config.min_gap_steps}")
         return "", ""
 
@@ -374,9 +376,10 @@ class CooldownPolicy(Exporter):
             state, previous, starts = RESOLVED, FIRING, self._episodes.pop(change.layer, change.at)
             summary = (f"layer {change.layer}: routing cooldown ended after {change.steps} optimizer steps "
                        f"({change.reason}); router lr back to {change.lr_after:.3g}")
-        numbers = {"lr_factor": change.lr_factor, "epsilon": change.epsilon, "lr_before": change.lr_before,
-                   "lr_after": change.lr_after, "optimizer_step": float(change.optimizer_step),
-                   **{k: v for k, v in values.items() if _number(v) is not None}}
+        numbers: dict[str, float | None] = {
+            "lr_factor": change.lr_factor, "epsilon": change.epsilon, "lr_before": change.lr_before,
+            "lr_after": change.lr_after, "optimizer_step": float(change.optimizer_step),
+            **{k: v for k, v in values.items() if _number(v) is not None}}
         transition = AlertTransition(
             fingerprint=fingerprint(labels), alertname=ALERT_NAME, state=state, previous_state=previous,
             at=change.at, step=forward_step, run_id=self.run_id, layer=change.layer, severity=SEVERITY,

@@ -73,7 +73,7 @@ class AlertTransition:
     expr: str
     labels: dict[str, str]  # the full label set: alertname, severity, run_id, layer + the rule's
     annotations: dict[str, str]
-    values: dict[str, float]  # the signals of the rule's expression at `at`
+    values: dict[str, float | None]  # the signals of the rule's expression at `at` (None: undefined, NaN)
     starts_at: dt.datetime  # when this episode began (pending or firing since)
     ends_at: dt.datetime | None  # set on resolved
     source: str = "rules"  # what raised it: "rules", "health" (ExpertUnhealthy), "trust_gate" (TrustGateChanged)
@@ -212,14 +212,18 @@ class AlertEngine:
             if st.state in (INACTIVE, RESOLVED):
                 st.since = now
                 move(PENDING)
-            if st.state == PENDING and (now - st.since).total_seconds() >= rule.for_s:
+            if st.state == PENDING and st.since is not None and (now - st.since).total_seconds() >= rule.for_s:
                 st.since = now
                 move(FIRING)
         else:
             if st.state == PENDING:
                 move(INACTIVE)
-            elif st.state == FIRING and (now - st.last_true).total_seconds() >= rule.cooldown_s:
+            elif (st.state == FIRING and st.last_true is not None
+                  and (now - st.last_true).total_seconds() >= rule.cooldown_s):
                 move(RESOLVED)
+        since = st.since
+        if not changes or since is None:  # nothing changed (an alert never active has no episode)
+            return []
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}
         out = [
             AlertTransition(
@@ -236,7 +240,7 @@ class AlertEngine:
                 labels=labels,
                 annotations=dict(rule.annotations),
                 values=clean,
-                starts_at=st.since,
+                starts_at=since,
                 ends_at=now if new == RESOLVED else None,
                 window_steps=rule.window.steps,
                 baseline_steps=self.pack.baseline.first_steps,
@@ -269,6 +273,7 @@ class AlertEngine:
             if meta is None or meta.run_id != run_id or st.state not in (PENDING, FIRING):
                 continue
             new = RESOLVED if st.state == FIRING else INACTIVE
+            assert st.since is not None  # pending or firing since then
             out.append(replace(meta, state=new, previous_state=st.state, at=at, step=step, starts_at=st.since,
                                ends_at=at if new == RESOLVED else None, reason=reason,
                                annotations={**meta.annotations, "resolved_reason": reason}))

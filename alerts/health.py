@@ -191,10 +191,13 @@ class _Window:
         self.load += ls.expert_load[:experts]
         self.gate_sum += ls.gate_weight_sum[:experts]
         if ls.expert_output_samples is not None:
+            # sampled: the norms and non-finite counts of the samples come with them
+            assert ls.expert_output_norm_sum is not None and ls.expert_output_nonfinite is not None
             self.samples += ls.expert_output_samples
             self.norm_sum += ls.expert_output_norm_sum
             self.nonfinite += ls.expert_output_nonfinite
         if ls.expert_weight_cosine is not None:  # the latest check of the window counts
+            assert ls.expert_weight_norm_ratio is not None  # a weight check measures both
             self.cosine = ls.expert_weight_cosine.astype(np.float64)
             self.norm_ratio = ls.expert_weight_norm_ratio.astype(np.float64)
         if ls.expert_grad_norm is not None:
@@ -265,43 +268,47 @@ class HealthScorer:
         why: dict[str, str] = {}
         if peers.ungated[e] and peers.routed:
             share = peers.shares[e]
-            comps["load"] = load_component(share, base_share[e] if has_base and base_share is not None else None, cfg)
-            if comps["load"] < 50:
+            base = base_share[e] if has_base and base_share is not None else None
+            load = comps["load"] = load_component(share, base, cfg)
+            if load < 50:
                 why["load"] = f"load {'dead' if share < 1 else 'hot'}: {share:.2f}x its fair share"
             if peers.trusted[e]:
-                comps["confidence"] = confidence_component(peers.gate_mean[e], peers.gate_median, cfg)
-                if comps["confidence"] < 50:
+                confidence = comps["confidence"] = confidence_component(peers.gate_mean[e], peers.gate_median, cfg)
+                if confidence < 50:
                     why["confidence"] = (f"low gate weight when chosen: {peers.gate_mean[e]:.3f} vs median "
                                          f"{peers.gate_median:.3f}")
         if w.samples[e] > 0:
             norm = peers.norm_mean[e] if peers.good[e] > 0 else float("nan")
-            comps["output"] = output_component(norm, int(w.nonfinite[e]), peers.norm_median,
-                                               base_norm[e] if has_base and base_norm is not None else None, cfg)
+            baseline = base_norm[e] if has_base and base_norm is not None else None
+            output = comps["output"] = output_component(norm, int(w.nonfinite[e]), peers.norm_median, baseline, cfg)
             if w.nonfinite[e] > 0:
                 why["output"] = f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled"
-            elif comps["output"] < 50:
+            elif output < 50:
                 why["output"] = f"output norm outlier: {peers.norm_mean[e]:.3g} vs median {peers.norm_median:.3g}"
-        if w.cosine is not None:
-            comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
-            if comps["weight"] < 50:
+        if w.cosine is not None and w.norm_ratio is not None:  # set together, by a weight check
+            weight = comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
+            if weight < 50:
                 why["weight"] = (f"weights drifted: cosine {w.cosine[e]:.3f}, "
                                  f"norm x{w.norm_ratio[e]:.3g} since attach")
         if w.grad is not None:
-            comps["grad"] = grad_component(w.grad[e], peers.grad_median, cfg)
-            if comps["grad"] < 50:
+            grad = comps["grad"] = grad_component(w.grad[e], peers.grad_median, cfg)
+            if grad < 50:
                 why["grad"] = f"gradient norm outlier: {w.grad[e]:.3g} vs median {peers.grad_median:.3g}"
         reasons = [why[name] for name in COMPONENTS if name in why]
         for name in ("output", "weight"):  # the sampled components carry over between visits
-            if comps[name] is not None:
-                self._last[(layer, e, name)] = (comps[name], why.get(name, ""))
+            measured = comps[name]
+            if measured is not None:
+                self._last[(layer, e, name)] = (measured, why.get(name, ""))
             elif (layer, e, name) in self._last:
-                comps[name], reason = self._last[(layer, e, name)]
-                if reason and comps[name] < 50:
+                last, reason = self._last[(layer, e, name)]
+                comps[name] = last
+                if reason and last < 50:
                     reasons.append(f"{reason} (last measured)")
         return comps, reasons
 
     def _row(self, run_id: str, index: int, layer: int, e: int, w: _Window, peers: _Peers,
              comps: dict[str, float | None], reasons: list[str]) -> ExpertHealth:
+        assert w.ts is not None  # a scored window holds a step
         return ExpertHealth(
             run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
             expert=e, score=combine(comps, self.config.weights), load=comps["load"],

@@ -95,7 +95,8 @@ def _request(notifier: Notifier, idempotency_key: str, body: bytes) -> urllib.re
     headers = notifier.headers(body, idempotency_key)
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:
-        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        hostname = parts.hostname or ""  # a notifier's URL has one (notify.py checks)
+        host = f"[{hostname}]" if ":" in hostname else hostname
         netloc = host + (f":{parts.port}" if parts.port is not None else "")
         url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
         credentials = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
@@ -219,10 +220,17 @@ class Outbox(FlushableSink):
         self.unsaved: dict[str, int] = {}  # after close(): {state: rows} that could not be saved
         self._last_persist_try = time.monotonic()
         self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None  # None once closed
         try:
             self._db = self._open_file()
         except (sqlite3.Error, OSError) as exc:
             self._db = self._to_memory(self._read_only_copy(), exc)
+
+    def _connection(self) -> sqlite3.Connection:
+        """The database the deliveries live in; raises RuntimeError once the outbox is closed."""
+        if self._db is None:
+            raise RuntimeError(f"the alerts outbox {self.path} is closed")
+        return self._db
 
     # -- where the rows live -----------------------------------------------------------------
 
@@ -276,13 +284,13 @@ class Outbox(FlushableSink):
         """Run `statements` in one transaction (the caller holds the lock); if the file cannot take
         the write, move to memory and run them there."""
         try:
-            with _transaction(self._db) as db:
+            with _transaction(self._connection()) as db:
                 return statements(db)
         except sqlite3.OperationalError as exc:
             if not self.persistent:
                 raise
-            self._db = self._to_memory(self._db, exc)
-            with _transaction(self._db) as db:
+            self._db = self._to_memory(self._connection(), exc)
+            with _transaction(self._connection()) as db:
                 return statements(db)
 
     def _try_persist(self) -> bool:
@@ -291,7 +299,7 @@ class Outbox(FlushableSink):
         db = None
         try:
             db = self._open_file()
-            rows = self._db.execute(f"SELECT {', '.join(_COLUMNS)} FROM deliveries ORDER BY id").fetchall()
+            rows = self._connection().execute(f"SELECT {', '.join(_COLUMNS)} FROM deliveries ORDER BY id").fetchall()
             updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[3:])
             with _transaction(db):
                 db.executemany(
@@ -303,7 +311,7 @@ class Outbox(FlushableSink):
                     db.close()
             self.unsaved_reason = str(exc) or type(exc).__name__
             return False
-        self._db.close()
+        self._connection().close()
         self._db = db
         self.persistent = True
         self.unsaved_reason = None
@@ -364,7 +372,7 @@ class Outbox(FlushableSink):
 
     def _deliver_to(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
         with self._lock:
-            rows = self._db.execute(
+            rows = self._connection().execute(
                 "SELECT id, idempotency_key, body, attempts, created_at FROM deliveries"
                 " WHERE receiver = ? AND state = ? AND next_attempt_at <= ? ORDER BY id LIMIT ?",
                 (name, PENDING, self.clock(), self.batch_size),
@@ -411,7 +419,7 @@ class Outbox(FlushableSink):
     def counts(self) -> dict[str, int]:
         """Return {state: deliveries} over the whole outbox."""
         with self._lock:
-            return dict(self._db.execute("SELECT state, count(*) FROM deliveries GROUP BY state").fetchall())
+            return dict(self._connection().execute("SELECT state, count(*) FROM deliveries GROUP BY state").fetchall())
 
     def pending(self) -> int:
         """Return how many deliveries to the configured receivers are still to be made."""
@@ -419,12 +427,13 @@ class Outbox(FlushableSink):
             return 0
         with self._lock:
             marks = ", ".join("?" * len(self.notifiers))
-            return self._db.execute(f"SELECT count(*) FROM deliveries WHERE state = ? AND receiver IN ({marks})",
-                                    (PENDING, *self.notifiers)).fetchone()[0]
+            return self._connection().execute(
+                f"SELECT count(*) FROM deliveries WHERE state = ? AND receiver IN ({marks})",
+                (PENDING, *self.notifiers)).fetchone()[0]
 
     def deliveries(self) -> list[dict]:
         with self._lock:
-            cur = self._db.execute(
+            cur = self._connection().execute(
                 "SELECT receiver, idempotency_key, state, attempts, last_error FROM deliveries ORDER BY id"
             )
             names = [d[0] for d in cur.description]
@@ -434,7 +443,7 @@ class Outbox(FlushableSink):
         """Return one summary per receiver name in the outbox: receiver, configured (in this
         Outbox), pending, delivered, dead, dropped, oldest_pending_at (Unix s) and last_error."""
         with self._lock:
-            rows = self._db.execute(
+            rows = self._connection().execute(
                 "SELECT receiver, sum(state = ?), sum(state = ?), sum(state = ?), sum(state = ?),"
                 " min(CASE WHEN state = ? THEN created_at END),"
                 " (SELECT last_error FROM deliveries d2 WHERE d2.receiver = d.receiver AND last_error IS NOT NULL"

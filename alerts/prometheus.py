@@ -55,6 +55,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from wsgiref.simple_server import WSGIServer
 
 import numpy as np
 from prometheus_client import CollectorRegistry, start_http_server
@@ -141,7 +142,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         self._written: dict[str, float] = {}
         self._dropped: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._stats_source: Callable[[], ProbeStats] | None = None  # bound by the probe at attach
-        self._server = None
+        self._server: WSGIServer | None = None
         self._server_thread: threading.Thread | None = None
         self._serving = threading.Lock()  # serve() and close() may run on different threads
         self._closed = False
@@ -349,7 +350,7 @@ class _RoutingCollector(Collector):
         yield self._compute_time(snap["layers"])
 
         if self.exporter.cache_capacity is not None:
-            yield self._cache_hits(snap["layers"])
+            yield self._cache_hits(snap["layers"], self.exporter.cache_capacity)
         if self.exporter.per_expert:
             yield from self._per_expert(snap["layers"])
 
@@ -378,8 +379,8 @@ class _RoutingCollector(Collector):
             family.add_metric([str(index)], list(zip(bounds, cumulative.tolist())), layer["compute_sum_s"])
         return family
 
-    def _cache_hits(self, layers: dict) -> GaugeMetricFamily:
-        capacity, last = self.exporter.cache_capacity, self.exporter.cache_max_tokens
+    def _cache_hits(self, layers: dict, capacity: int) -> GaugeMetricFamily:
+        last = self.exporter.cache_max_tokens
         family = GaugeMetricFamily(
             "moe_layer_expert_cache_hit_ratio",
             f"Share of the window's expert accesses already resident with {capacity} experts per layer in device "

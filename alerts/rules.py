@@ -30,6 +30,7 @@ import math
 import operator
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -37,9 +38,9 @@ from typing import Any
 
 import yaml
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser is the `tomli` package
+else:  # Python 3.10: the same parser is the `tomli` package
     try:
         import tomli as tomllib
     except ModuleNotFoundError:

@@ -83,14 +83,14 @@ def uniform_load(num_experts: int) -> np.ndarray:
     return np.ones(num_experts, dtype=np.float64)
 
 
-def _pair(load: np.ndarray, reference: np.ndarray, alpha: float) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Both loads as smoothed distributions; (None, None) when either is undefined (empty, alpha 0)."""
+def _pair(load: np.ndarray, reference: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both loads as smoothed distributions; None when either is undefined (empty, alpha 0)."""
     p = load_distribution(load, alpha)
     q = load_distribution(reference, alpha)
     if p.shape != q.shape:
         raise ValueError(f"loads differ in number of experts: {p.size} vs {q.size}")
     if np.isnan(p).any() or np.isnan(q).any():
-        return None, None
+        return None
     return p, q
 
 
@@ -100,9 +100,10 @@ def kl_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = DEFAUL
     Raises ValueError when the two vectors differ in length. NaN when either load is empty and
     `alpha` is 0.
     """
-    p, q = _pair(load, reference, alpha)
-    if p is None:
+    pair = _pair(load, reference, alpha)
+    if pair is None:
         return float("nan")
+    p, q = pair
     mask = p > 0
     if np.any(q[mask] == 0):
         return float("inf")
@@ -114,9 +115,10 @@ def js_divergence(load: np.ndarray, reference: np.ndarray, alpha: float = 0.0) -
 
     This is the divergence itself, the square of scipy's `jensenshannon` distance.
     """
-    p, q = _pair(load, reference, alpha)
-    if p is None:
+    pair = _pair(load, reference, alpha)
+    if pair is None:
         return float("nan")
+    p, q = pair
     m = 0.5 * (p + q)
 
     def _kl(a: np.ndarray) -> float:
@@ -459,7 +461,7 @@ class LayerFigures:
     dropped_token_rate: float  # dropped_tokens / tokens; NaN where drops were not recorded
 
 
-def _recorded(value: object) -> bool:
+def _recorded(value: float | None) -> bool:
     """False for a value a source did not record: None, NaN, or pandas' NA (from a null column)."""
     try:
         return value is not None and not math.isnan(float(value))
@@ -477,7 +479,7 @@ def layer_figures(layer: int, expert_load: np.ndarray | list[float], num_experts
     load = np.asarray(expert_load, dtype=np.float64)
     routed = load.size if num_experts is None else int(num_experts)
     recorded = _recorded(dropped_tokens)
-    dropped = int(dropped_tokens) if recorded else 0
+    dropped = int(dropped_tokens) if recorded and dropped_tokens is not None else 0
     return LayerFigures(
         layer=int(layer), tokens=int(tokens), slots=int(load.sum()),
         spread=load_spread(load, routed, tokens),

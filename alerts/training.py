@@ -64,9 +64,10 @@ class TrainingReport:
 
 def _vector_sum(vectors: Sequence[np.ndarray | None]) -> np.ndarray | None:
     """The element-wise sum of one step's per-layer vectors; None unless every layer has one of one width."""
-    if not vectors or any(v is None for v in vectors) or len({len(v) for v in vectors}) != 1:
+    present = [v for v in vectors if v is not None]
+    if not vectors or len(present) != len(vectors) or len({len(v) for v in present}) != 1:
         return None
-    return np.sum(np.stack(vectors), axis=0)
+    return np.sum(np.stack(present), axis=0)
 
 
 def _cooldown_spans(events: pd.DataFrame, last_step: int) -> pd.DataFrame:

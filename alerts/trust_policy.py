@@ -181,7 +181,7 @@ class TrustPolicy(Exporter, GatePolicy):
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Write the buffered health rows, and everything handed to the run's writer so far."""
         self._write_health()
-        if self.tables is None:
+        if self.tables is None or self.alert_table is None:  # no store: both None
             return True
         return self.alert_table.flush(timeout_s) and self.tables.flush(timeout_s)
 
@@ -252,8 +252,8 @@ class TrustPolicy(Exporter, GatePolicy):
             else:
                 reason = f"score {row.score:.1f} < {self.config.bad_below:g} for {j.bad_run} windows: {row.reasons}"
                 try:
-                    self.gate.set(row.layer, row.expert, self.config.gated_weight, reason, score=row.score,
-                                  source="auto", step=step)
+                    self._require_gate().set(row.layer, row.expert, self.config.gated_weight, reason,
+                                             score=row.score, source="auto", step=step)
                     action = f"gated to {self.config.gated_weight:g}"
                 except TrustGateError as e:
                     action = f"not gated: {e}"
@@ -266,16 +266,16 @@ class TrustPolicy(Exporter, GatePolicy):
         j = self.judgements[key]
         j.unhealthy = False
         action = ""
-        if self.mode == "auto" and key not in self.pinned and self.gate.weight(*key) < 1:
+        if self.mode == "auto" and key not in self.pinned and self._require_gate().weight(*key) < 1:
             reason = f"score {row.score:.1f} >= {self.config.good_above:g} for {j.good_run} windows"
-            self.gate.set(row.layer, row.expert, 1.0, reason, score=row.score, source="auto", step=step)
+            self._require_gate().set(row.layer, row.expert, 1.0, reason, score=row.score, source="auto", step=step)
             action = "gate lifted"
         self._notify_health(row, RESOLVED, FIRING, step, action)
 
     def _guard_rail(self, layer: int) -> str:
         """Why gating one more expert of `layer` is not allowed, or '' if it is."""
         experts = self.num_experts[layer]
-        gated = int((self.gate.weights(layer) < 1).sum())
+        gated = int((self._require_gate().weights(layer) < 1).sum())
         limit = int(self.config.max_gated_share * experts)
         if gated + 1 > limit:
             return f"guard rail: at most {self.config.max_gated_share:.0%} of layer {layer} ({limit} experts) gated"
@@ -370,7 +370,7 @@ class TrustPolicy(Exporter, GatePolicy):
         else:
             state, previous, starts = RESOLVED, FIRING, self._episodes.pop(key, change.at)
         labels = self._labels("TrustGateChanged", change.layer, change.expert)
-        values = {"old_weight": change.old_weight, "new_weight": change.new_weight}
+        values: dict[str, float | None] = {"old_weight": change.old_weight, "new_weight": change.new_weight}
         if change.score is not None:
             values["score"] = change.score
         self._send(AlertTransition(

@@ -130,15 +130,19 @@ def _nanmax(values: Iterable[float | None]) -> float:
 
 def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Return (top1, sequence key, position) over the window in recording order, or None."""
-    parts = [o for o in observations if o.expert_ids is not None and len(o.expert_ids)]
-    if not parts:
+    top1s, seqs, positions = [], [], []
+    for o in observations:
+        if o.expert_ids is None or not len(o.expert_ids):
+            continue
+        assert o.sequence is not None and o.position is not None  # routes carry both (from_layer_step, storage)
+        top1s.append(o.expert_ids[:, 0])
+        # a sequence is a batch row of one step: tokens of different steps are never adjacent
+        seqs.append((o.step if o.route_step is None else o.route_step.astype(np.int64)) * (1 << 20)
+                    + o.sequence.astype(np.int64))
+        positions.append(o.position.astype(np.int64))
+    if not top1s:
         return None
-    top1 = np.concatenate([o.expert_ids[:, 0] for o in parts]).astype(np.int64)
-    # a sequence is a batch row of one step: tokens of different steps are never adjacent
-    seq = np.concatenate([(o.step if o.route_step is None else o.route_step.astype(np.int64)) * (1 << 20)
-                          + o.sequence.astype(np.int64) for o in parts])
-    pos = np.concatenate([o.position.astype(np.int64) for o in parts])
-    return top1, seq, pos
+    return np.concatenate(top1s).astype(np.int64), np.concatenate(seqs), np.concatenate(positions)
 
 
 def compute_signals(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -50,10 +51,11 @@ class ReportQueries:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def run_info(self, run_id: str) -> dict[str, object] | None:
+    def run_info(self, run_id: str) -> dict[str, Any] | None:
         """What the run is: model_class, total_params, routed_expert_params (parameter counts),
         source ("probe", or the engine an importer read; "probe" where not recorded), started_at
-        (UTC). None for an unknown run."""
+        (UTC), as the query's row holds them (numpy and pandas scalars, NaN or None where not
+        recorded). None for an unknown run."""
         frame = self.sql("""
             SELECT any_value(model_class) AS model_class, max(total_params) AS total_params,
                    max(routed_expert_params) AS routed_expert_params,
@@ -61,7 +63,7 @@ class ReportQueries:
             FROM runs WHERE run_id = ? GROUP BY run_id""", [run_id])
         return None if frame.empty else frame.iloc[0].to_dict()
 
-    def step_totals(self, run_id: str, tags: dict[str, str] | None = None) -> dict[str, object]:
+    def step_totals(self, run_id: str, tags: dict[str, str] | None = None) -> dict[str, Any]:
         """Totals over a run's recorded rows (a row is a forward or a window of forwards).
 
         Keys: steps (forwards), tokens, first_step, last_step (step numbers), active_fraction
