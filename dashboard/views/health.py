@@ -40,9 +40,11 @@ with common.guard():
         a, b = st.columns(2)
         layers = sorted(int(v) for v in latest.layer.unique())
         layer = a.selectbox("Layer", layers, index=layers.index(int(worst.layer)), key="he_layer")
+        assert layer is not None  # a layer with scores (an index is given)
         experts = sorted(int(v) for v in latest[latest.layer == layer].expert.unique())
         expert = b.selectbox("Expert", experts, key="he_expert",
                              index=experts.index(int(worst.expert)) if int(worst.expert) in experts else 0)
+        assert expert is not None  # an expert with scores (an index is given)
         st.plotly_chart(fg.health_trend(health, ["score", *components], layer, expert, span),
                         key="he_trend_chart")
 
@@ -65,24 +67,30 @@ with common.guard():
                    "trust_policy=TrustPolicy(accept_requests=True))`), through the gate's API, which records "
                    "it as a change above. A finished run applies nothing.")
         layers = ctx.layer_ids()
-        with st.form("he_gate_form"):
-            a, b, c = st.columns(3)
-            layer = a.selectbox("Layer", layers, key="he_req_layer")
-            expert = b.number_input("Expert", min_value=0, max_value=max(ctx.num_experts(layer) - 1, 0),
-                                    step=1, key="he_req_expert")
-            weight = c.slider("Trust weight", 0.0, 1.0, 1.0, 0.05, key="he_req_weight",
-                              help="0 masks the expert (its tokens go to the next choice), 1 restores it.")
-            action = st.radio("Action", ["override", "release"], horizontal=True, key="he_req_action",
-                              format_func=lambda a: {"override": "pin this weight",
-                                                     "release": "release the pin (back to the automatic policy)"}[a])
-            reason = st.text_input("Reason", key="he_req_reason", placeholder="why this change")
-            if st.form_submit_button("Request change"):
-                try:
-                    row = write_request(ctx.root, ctx.run_id, layer, int(expert), weight, reason, action)
-                    st.success(f"Requested weight {row['weight']:g} for layer {row['layer']}, expert "
-                               f"{row['expert']} (request {row['request_id'][:8]}).")
-                except GateRequestError as e:
-                    st.warning(str(e))
+        if not layers:  # the run's layers are not in the store yet: no expert to name
+            st.info("This run has no MoE layer recorded yet; a change can be requested once it has.")
+        else:
+            with st.form("he_gate_form"):
+                a, b, c = st.columns(3)
+                layer = a.selectbox("Layer", layers, key="he_req_layer")
+                assert layer is not None  # the first layer unless another is chosen
+                expert = b.number_input("Expert", min_value=0, max_value=max(ctx.num_experts(layer) - 1, 0),
+                                        step=1, key="he_req_expert")
+                weight = c.slider("Trust weight", 0.0, 1.0, 1.0, 0.05, key="he_req_weight",
+                                  help="0 masks the expert (its tokens go to the next choice), 1 restores it.")
+                action = st.radio("Action", ["override", "release"], horizontal=True, key="he_req_action",
+                                  format_func=lambda a: {
+                                      "override": "pin this weight",
+                                      "release": "release the pin (back to the automatic policy)"}[a])
+                reason = st.text_input("Reason", key="he_req_reason", placeholder="why this change")
+                if st.form_submit_button("Request change"):
+                    assert action is not None  # "override" unless "release" is chosen
+                    try:
+                        row = write_request(ctx.root, ctx.run_id, layer, int(expert), weight, reason, action)
+                        st.success(f"Requested weight {row['weight']:g} for layer {row['layer']}, expert "
+                                   f"{row['expert']} (request {row['request_id'][:8]}).")
+                    except GateRequestError as e:
+                        st.warning(str(e))
         requests = data.table_rows(ctx.root, data.store_version(ctx.root), REQUESTS_TABLE, ctx.run_id,
                                    "requested_at", 50)
         if not requests.empty:

@@ -141,6 +141,23 @@ def test_gate_control_only_with_allow_writes(monkeypatch, recorded, tmp_path):
         [0, 3, "override", 0.25, "looks dead in the heatmap"]]
 
 
+def test_gate_control_waits_for_the_runs_layers(monkeypatch, tmp_path):
+    # A run whose `layers` rows are not in the store (yet) has no expert to name: the form's layer
+    # picker was empty and a request raised TypeError from the page.
+    import shutil
+
+    from moescope.probe.zoo import tiny_model
+
+    root = str(tmp_path / "store")
+    moescope.attach(tiny_model("mixtral"), store=root, run_id="no-layers").close()
+    shutil.rmtree(os.path.join(root, "layers"))
+    at = open_page(app_for(monkeypatch, root, allow_writes=True), "views/health.py")
+    assert_clean(at)
+    assert any("Manual gate control" in s.value for s in at.subheader)
+    assert not at.get("form")
+    assert any("no MoE layer recorded yet" in i.value for i in at.info)
+
+
 @pytest.mark.parametrize("page", list(PAGES))
 def test_missing_store_is_a_friendly_state(monkeypatch, tmp_path, page):
     at = open_page(app_for(monkeypatch, str(tmp_path / "not-yet")), page)
