@@ -32,7 +32,7 @@ PAGES = [
 navigation = st.navigation(PAGES)
 
 
-@st.fragment(run_every=common.current_settings().refresh_s if common.current_settings() else None)
+@st.fragment(run_every=conf.refresh_s if (conf := common.current_settings()) else None)
 def _watch_store(root: str, seen: str) -> None:
     # Re-run the whole app only when a writer has committed a new file since this run began.
     if data.store_version(root) != seen:

@@ -84,9 +84,8 @@ def page_context() -> PageContext | None:
             st.info(f"The store at `{root}` holds no run yet. Attach the probe to a model with "
                     f"`store={conf.store!r}`; runs appear here while they are being written.")
             return None
-        run_id = st.session_state.get(RUN_KEY)
-        if run_id not in set(runs.run_id):
-            run_id = str(runs.run_id.iloc[0])
+        chosen = st.session_state.get(RUN_KEY)
+        run_id = chosen if isinstance(chosen, str) and chosen in set(runs.run_id) else str(runs.run_id.iloc[0])
         return PageContext(root=root, version=version, run_id=run_id, tag=tag_filter_from_state(),
                            settings=conf, layers=data.layers(root, version, run_id))
     return None

@@ -53,9 +53,10 @@ with common.guard():
     rules = drift_rules(alerts)
     runs = data.runs(ctx.root, ctx.version)
     left, mid, right = st.columns(3)
+    this_run = ctx.run_id
     baseline_run = left.selectbox(
-        "Baseline", list(runs.run_id), index=list(runs.run_id).index(ctx.run_id), key="dr_baseline_run",
-        format_func=lambda r: "this run's first steps" if r == ctx.run_id else common.run_label(runs, r))
+        "Baseline", list(runs.run_id), index=list(runs.run_id).index(this_run), key="dr_baseline_run",
+        format_func=lambda r: "this run's first steps" if r == this_run else common.run_label(runs, r))
     rule_names = ", ".join(rules.alertname.unique())
     source = f"as the rules that alerted on this run ({rule_names}) use" if len(rules) else "no drift rule alerted yet"
     first = mid.number_input("Baseline: first steps", min_value=1, max_value=100_000,

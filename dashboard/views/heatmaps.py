@@ -6,6 +6,8 @@ below do the same by hand. On first load the hottest expert of the run is select
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
@@ -23,7 +25,7 @@ if ctx is None:
 
 def _clicked_cell(chart_key: str) -> list[int] | None:
     """The customdata of the clicked cell (see `figures._click_layer`), or None."""
-    state = st.session_state.get(chart_key)
+    state: Any = st.session_state.get(chart_key)  # the chart's selection event, or None: read in the try
     try:
         for point in state["selection"]["points"]:
             custom = point.get("customdata")
@@ -71,10 +73,12 @@ with common.guard():
 
     left, right = st.columns([1, 1])
     layer = left.selectbox("MoE layer", layers, key=LAYER, on_change=lambda: st.session_state.update({STEPS: None}))
+    assert layer is not None  # `layers` is not empty (checked above)
     experts = list(range(ctx.num_experts(layer) or int(share[share.layer == layer].expert.max()) + 1))
     if st.session_state.get(EXPERT) not in experts:
         st.session_state[EXPERT] = experts[0]
     expert = right.selectbox("Expert", experts, key=EXPERT)
+    assert expert is not None  # `experts` is not empty
 
     matrix = data.load_heatmap(ctx.root, ctx.version, ctx.run_id, layer, ctx.tag)
     st.plotly_chart(fg.load_heatmap(matrix, layer), key="hm_time_chart", on_select=_on_time_click,

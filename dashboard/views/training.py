@@ -93,6 +93,7 @@ with common.guard():
             grad_layer = st.selectbox("Layer of the gradient heatmap", layers, key=GRAD_LAYER)
         else:
             grad_layer = choice
+        assert isinstance(grad_layer, int)  # one of `layers`
         st.plotly_chart(fg.expert_grad_heatmap(report.layers, grad_layer, cooldowns), key="tr_grad_chart")
     st.caption(
         "Aux loss: E·Σ f_e·P_e per layer from the recorded top-k counts (before capacity drops) and router "
