@@ -39,13 +39,13 @@ Sharp edges:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from moescope.alerts.signals import expert_capacity
-from moescope.probe.adapters import CapacityDispatch, CapacityPerSequence
+from moescope.probe.adapters import CapacityDispatch, CapacityPerSequence, FamilyModule
 
 TOKEN_DROP_POLICY = "position"  # Megatron-Core's name for "earlier positions win within a choice rank"
 
@@ -103,7 +103,7 @@ class CapacityMoeBlock(nn.Module, CapacityPerSequence):
     declares, `probe.adapters.CapacityPerSequence`.
     """
 
-    def __init__(self, block: nn.Module, capacity_factor: float, nonpadding: _Nonpadding | None = None,
+    def __init__(self, block: FamilyModule, capacity_factor: float, nonpadding: _Nonpadding | None = None,
                  max_sequence_length: int | None = None):
         super().__init__()
         self.gate = block.gate
@@ -150,10 +150,14 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def capacity_blocks(model: nn.Module) -> list[CapacityMoeBlock]:
     """The model's capacity blocks, in layer order (empty when none was installed)."""
-    return [layer.mlp for layer in _decoder_layers(model) if isinstance(getattr(layer, "mlp", None), CapacityMoeBlock)]
+    blocks = [getattr(layer, "mlp", None) for layer in _decoder_layers(model)]
+    return [block for block in blocks if isinstance(block, CapacityMoeBlock)]
 
 
-def install_capacity(model: nn.Module, capacity_factor: float | None = None) -> nn.Module:
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+def install_capacity(model: ModelT, capacity_factor: float | None = None) -> ModelT:
     """Give every MoE block of a transformers Mixtral an expert capacity with token dropping.
 
     `capacity_factor` defaults to the config's ``capacity_factor`` (what a checkpoint trained
@@ -180,9 +184,8 @@ def install_capacity(model: nn.Module, capacity_factor: float | None = None) -> 
         block = getattr(layer, "mlp", None)
         # Exactly a router and the routed experts: a block with more (shared experts, a dense
         # branch) has its own forward, which the capacity block would silently drop.
-        children = {name for name, _ in block.named_children()} if isinstance(block, nn.Module) else set()
-        if children != {"gate", "experts"} or not hasattr(block, "top_k") or \
-                not hasattr(block.experts, "num_experts"):
+        if not isinstance(block, nn.Module) or {name for name, _ in block.named_children()} != {"gate", "experts"} \
+                or not hasattr(block, "top_k") or not hasattr(block.experts, "num_experts"):
             raise CapacityInstallError(f"layer {index} has no Mixtral-style MoE block (exactly mlp.gate and "
                                        "mlp.experts, and mlp.top_k); install_capacity takes a transformers Mixtral")
     nonpadding = _Nonpadding()
@@ -219,5 +222,6 @@ def active_fraction_per_token(model: nn.Module, input_ids: torch.Tensor,
                       dtype=torch.float64)
     model(input_ids=input_ids, attention_mask=attention_mask)
     for block, params in zip(blocks, per_expert):
+        assert block.dispatch is not None  # the forward above set it
         used += block.dispatch.kept.sum(dim=-1).view(input_ids.shape).to(torch.float64).cpu() * params
     return used / total

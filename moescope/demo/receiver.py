@@ -70,8 +70,9 @@ class WebhookReceiver:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/alerts"
+        address = self._server.server_address
+        assert isinstance(address, tuple) and isinstance(address[0], str)  # an AF_INET server's (host, port)
+        return f"http://{address[0]}:{address[1]}/alerts"
 
     def start(self) -> WebhookReceiver:
         self._thread.start()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,15 +61,17 @@ def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(f"{type(model).__name__} has no model.layers; expected a Mixtral-style causal LM")
     routers = [getattr(getattr(layer, "mlp", None), "gate", None) or getattr(getattr(layer, "mlp", None), "router",
                                                                              None) for layer in layers]
-    if any(router is None for router in routers):
+    found = [router for router in routers if router is not None]
+    if len(found) != len(routers):
         raise ValueError(f"{type(model).__name__} has a layer without mlp.gate or mlp.router; expected a "
                          "Mixtral-style or LongCat-Flash MoE")
-    return routers
+    return found
 
 
 def router_width(model: torch.nn.Module) -> int:
     """Choices a router ranks: the routed experts plus any zero (identity) experts."""
-    return int(model.config.num_local_experts) + int(getattr(model.config, "zero_expert_num", 0) or 0)
+    config: Any = model.config  # the model's transformers config, read by its field names
+    return int(config.num_local_experts) + int(getattr(config, "zero_expert_num", 0) or 0)
 
 
 @torch.no_grad()
@@ -109,6 +112,7 @@ def domain_expert_counts(model: torch.nn.Module, tokenizer, texts_by_domain: Map
                     continue
                 model(input_ids=torch.tensor([ids], device=device))
                 for layer, top1 in enumerate(top1_per_layer):
+                    assert top1 is not None  # every router ran in the forward
                     counts[layer, domain_index] += np.bincount(top1.reshape(-1).cpu().numpy(), minlength=num_experts)
     finally:
         for handle in handles:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,8 +34,12 @@ from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
+from moescope.probe.session import ProbeSession
 from moescope.store import Store
 from moescope.summary import format_summary
+
+if TYPE_CHECKING:
+    from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
 
 DESCRIPTION = """\
 Play the whole moescope story on the shipped demo model (a 2.8M-parameter Mixtral trained
@@ -140,7 +145,8 @@ def _run_until(condition: Callable[[], bool], step: Callable[[], None], limit: i
 
 
 def _expert_tensors(model: torch.nn.Module, layer: int) -> list[torch.nn.Parameter]:
-    experts = model.model.layers[layer].mlp.experts
+    mixtral: Any = model  # the demo's Mixtral, read by its module names
+    experts = mixtral.model.layers[layer].mlp.experts
     return [experts.gate_up_proj, experts.down_proj]
 
 
@@ -167,7 +173,8 @@ class Alerting:
         self.outbox = Outbox(outbox_path(store_root), [WebhookNotifier(self.receiver.url, secret=secret)],
                              base_backoff_s=0.2)
         self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
-        rules = load_rules(resources.files("moescope.demo").joinpath("rules.yaml"))
+        with resources.as_file(resources.files("moescope.demo").joinpath("rules.yaml")) as rules_path:
+            rules = load_rules(rules_path)  # the packaged file (a temporary copy where it is in a zip)
         self.alert_table = AlertTableWriter(store_root)
         self.engine = EngineExporter(AlertEngine(rules), [self.outbox, self.alert_table])
         self.policy = TrustPolicy(sink=self.outbox)
@@ -182,7 +189,7 @@ class Alerting:
         self.receiver.stop()
 
 
-def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting):
+def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting) -> ProbeSession:
     return moescope.attach(
         model, store=store_root, routes=True, router_inputs=16, kv_cache=True, health=True,
         trust_gate="auto", trust_policy=alerting.policy, exporters=[alerting.engine], tags={"model": "demo"},
@@ -197,10 +204,10 @@ def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting):
 class Story:
     """The three acts, played on an attached model; each returns the figures it measured."""
 
-    model: torch.nn.Module
-    tokenizer: object
+    model: MixtralForCausalLM
+    tokenizer: PreTrainedTokenizerFast
     traffic: Traffic
-    session: object
+    session: ProbeSession
     alerting: Alerting
     phases: Phases
     store_root: str
@@ -237,6 +244,8 @@ class Story:
 
     def incident(self) -> dict:
         session, traffic = self.session, self.traffic
+        gate = session.gate
+        assert gate is not None  # attached with trust_gate="auto"
         layer, expert = _busiest_expert(self.store_root, session.run.run_id)
         probe_batch = traffic.batch("code", 4)
         clean = self._check(probe_batch)
@@ -252,10 +261,10 @@ class Story:
         def random_domain(phase: str) -> Callable[[], None]:
             return lambda: self.forward(DOMAINS[int(traffic.rng.integers(3))], phase)
 
-        gated = _run_until(lambda: session.gate.weight(layer, expert) == 0.0, random_domain("incident"),
+        gated = _run_until(lambda: gate.weight(layer, expert) == 0.0, random_domain("incident"),
                            self.phases.max_incident, "incident", self.settle)
         masked = self._check(probe_batch)
-        figures.update(gated=session.gate.weight(layer, expert) == 0.0, gated_after_forwards=gated,
+        figures.update(gated=gate.weight(layer, expert) == 0.0, gated_after_forwards=gated,
                        masked_finite=bool(masked.isfinite().all()), masked_error=_relative_error(masked, clean))
         _say(f"   gate {'masked' if figures['gated'] else 'did NOT mask'} the expert after {gated} forwards; "
              f"outputs finite: {figures['masked_finite']}, off by {figures['masked_error']:.3g} from the clean model")
@@ -264,9 +273,9 @@ class Story:
         with torch.no_grad():
             for t, original in zip(_expert_tensors(self.model, layer), saved):
                 t[expert] = original
-        lifted = _run_until(lambda: session.gate.weight(layer, expert) == 1.0, random_domain("recovery"),
+        lifted = _run_until(lambda: gate.weight(layer, expert) == 1.0, random_domain("recovery"),
                             self.phases.max_incident, "recovery", self.settle)
-        figures["lifted"] = session.gate.weight(layer, expert) == 1.0
+        figures["lifted"] = gate.weight(layer, expert) == 1.0
         figures["recovered_error"] = _relative_error(self._check(probe_batch), clean)
         _say(f"   gate {'lifted' if figures['lifted'] else 'NOT lifted'} after {lifted} forwards; "
              f"outputs off by {figures['recovered_error']:.3g} from the clean model")

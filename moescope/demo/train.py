@@ -255,8 +255,9 @@ def build_model(recipe: DemoRecipe, tokenizer, seed: int):
         num_experts_per_tok=recipe.num_experts_per_tok, max_position_embeddings=recipe.max_position_embeddings,
         router_aux_loss_coef=recipe.router_aux_loss_coef, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, capacity_factor=recipe.capacity_factor,
+        pad_token_id=tokenizer.pad_token_id,
     )
+    config.capacity_factor = recipe.capacity_factor  # not a Mixtral field: the config keeps and saves it as one
     torch.manual_seed(seed)
     model = install_capacity(MixtralForCausalLM(config))
     # The grouped kernel runs the experts several times faster than the per-expert loop on CPU
@@ -441,6 +442,9 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
     progress.close()
     train_seconds = time.perf_counter() - started
     train_cpu_seconds = time.process_time() - cpu_started
+    # every step ran (--steps >= 1) and showed every domain's loss on the progress bar
+    measured_loss_ema = {d: v for d, v in domain_loss_ema.items() if v is not None}
+    assert aux_loss_ema is not None and len(measured_loss_ema) == len(domain_loss_ema)
 
     summary = {
         "command": command,
@@ -450,7 +454,7 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_seconds": round(train_seconds, 1),
         "train_cpu_seconds": round(train_cpu_seconds, 1),
-        "train_loss_ema": {d: round(v, 4) for d, v in domain_loss_ema.items()},
+        "train_loss_ema": {d: round(v, 4) for d, v in measured_loss_ema.items()},
         "router_aux_loss_ema": round(aux_loss_ema, 4),
         **evaluate_demo_model(model, tokenizer, recipe.eval_texts_per_domain, random_seed=seed, recipe=recipe),
         "python": ".".join(map(str, __import__("sys").version_info[:3])),
