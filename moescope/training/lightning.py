@@ -67,10 +67,12 @@ class MoescopeLightningCallback(pl.Callback):
         found_tb = found_wandb = None
         for logger in trainer.loggers:
             name = type(logger).__name__
+            # matched by class name, so any TensorBoardLogger or WandbLogger counts: each has .experiment
+            logger_any: Any = logger
             if name == "TensorBoardLogger":
-                found_tb = logger.experiment
+                found_tb = logger_any.experiment
             elif name == "WandbLogger":
-                found_wandb = logger.experiment
+                found_wandb = logger_any.experiment
         return (found_tb if tensorboard == "auto" else tensorboard), (found_wandb if wandb == "auto" else wandb)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -138,9 +138,11 @@ class TrainingExporter(Exporter):
         for record in records:
             if record.tags.get("phase") == "eval":
                 continue
+            step_end = record.step_end
+            assert step_end is not None  # StepRecord fills it in
             with self._lock:
-                info = self._pending.pop(record.step_end, None)
-                for stale in [k for k in self._pending if k < record.step_end]:  # its record was dropped
+                info = self._pending.pop(step_end, None)
+                for stale in [k for k in self._pending if k < step_end]:  # its record was dropped
                     del self._pending[stale]
             if info is None:
                 self.unmatched_windows += 1
@@ -157,6 +159,7 @@ class TrainingExporter(Exporter):
         return True
 
     def _score(self, record: StepRecord, info: _StepInfo) -> TrainingStep:
+        assert record.step_end is not None  # StepRecord fills it in
         grads: dict[int, np.ndarray] = {}
         if info.grads is not None:
             if info.event is not None:
@@ -196,7 +199,8 @@ class TrainingExporter(Exporter):
         step = TrainingStep(
             optimizer_step=info.optimizer_step, step=record.step, step_end=record.step_end, ts=record.ts,
             tokens=record.tokens, lr=info.lr,
-            aux_loss=signals.load_balancing_loss(topk, prob, tokens_all) if topk is not None else float("nan"),
+            aux_loss=(signals.load_balancing_loss(topk, prob, tokens_all) if topk is not None and prob is not None
+                      else float("nan")),
             z_loss=signals.router_z_loss(z_sum, tokens_all), layers=layers)
         self._rows.extend(dict(
             run_id=self.run_id, optimizer_step=step.optimizer_step, step=step.step, step_end=step.step_end,
@@ -439,10 +443,11 @@ class TrainingMonitor:
     def _finish_after_sigterm(self) -> None:
         """Close (drain: train_steps, probe_stats, run_ends), then end the job as it would have ended:
         the job's own SIGTERM handler, or exit 0."""
-        stop, (signum, frame) = self._sigterm, self._signalled
+        stop, signalled = self._sigterm, self._signalled
         self._signalled = None
-        if stop is None:
+        if stop is None or signalled is None:
             return
+        signum, frame = signalled
         previous = stop.previous_handler(signum)
         try:
             self.close()  # puts the job's handler back and stops the watchdog once drained

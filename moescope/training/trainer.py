@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moescope.training.monitor import TrainingMonitor
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 try:
     from transformers import TrainerCallback
@@ -13,7 +16,7 @@ except ImportError:  # pragma: no cover - transformers is a dependency
     TrainerCallback = object  # type: ignore[assignment,misc]
 
 
-class MoescopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
+class MoescopeCallback(TrainerCallback):
     """A `transformers.TrainerCallback` that watches the routing for the training run.
 
     Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
@@ -31,13 +34,14 @@ class MoescopeCallback(TrainerCallback):  # type: ignore[misc,valid-type]
         self.options = options
         self.monitor: TrainingMonitor | None = None
 
-    def _loggers(self, args: Any) -> tuple[Any, Any]:
+    def _loggers(self, args: TrainingArguments) -> tuple[Any, Any]:
         report_to = getattr(args, "report_to", None) or []
         report_to = [report_to] if isinstance(report_to, str) else list(report_to)
         tensorboard, wandb = self.tensorboard, self.wandb
         if tensorboard == "auto":
             tensorboard = None
             if "tensorboard" in report_to or "all" in report_to:
+                assert args.output_dir is not None  # TrainingArguments gives it a default
                 tensorboard = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", "moescope")
         if wandb == "auto":
             wandb = None
