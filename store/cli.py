@@ -11,6 +11,8 @@ import sys
 
 import pandas as pd
 
+from moescope.store_arguments import add_store_arguments, store_epilog, store_location
+
 COMPACT_HELP = """\
 Merge a store's small Parquet files into large sorted ones.
 
@@ -50,23 +52,26 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register compact, prune and query on the moescope command's subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("compact", help="merge a store's small files (safe while writing)",
-                              description=COMPACT_HELP, formatter_class=raw)
-    p.add_argument("store", help="the store folder")
+                              description=COMPACT_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope compact STORE"))
+    add_store_arguments(p)
     p.add_argument("--run", help="only this run id (default: every run)")
     p.add_argument("--grace", type=float, default=2.0,
                    help="seconds between publishing a merged file and deleting its sources (default 2)")
     p.set_defaults(func=_compact)
 
     p = subparsers.add_parser("prune", help="delete runs older than an age",
-                              description=PRUNE_HELP, formatter_class=raw)
-    p.add_argument("store", help="the store folder")
+                              description=PRUNE_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope prune STORE --older-than 7d --dry-run"))
+    add_store_arguments(p)
     p.add_argument("--older-than", required=True, help="age of a run's newest file: 90s, 30m, 12h, 7d, 2w")
     p.add_argument("--dry-run", action="store_true", help="list the runs that would be deleted, delete nothing")
     p.set_defaults(func=_prune)
 
     p = subparsers.add_parser("query", help="run SQL over a store and print a table",
-                              description=QUERY_HELP, formatter_class=raw)
-    p.add_argument("store", help="the store folder")
+                              description=QUERY_HELP, formatter_class=raw,
+                              epilog=store_epilog('moescope query STORE "SELECT count(*) FROM steps"'))
+    add_store_arguments(p)
     p.add_argument("sql", help="the query (DuckDB SQL over the store's views)")
     p.add_argument("--max-rows", type=int, default=100, help="rows to print at most (default 100)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
@@ -78,7 +83,7 @@ def _compact(args: argparse.Namespace) -> int:
     from moescope.store.layout import InvalidNameError
 
     try:
-        results = compact(args.store, run_id=args.run, grace_s=args.grace)
+        results = compact(store_location(args), run_id=args.run, grace_s=args.grace)
     except InvalidNameError as e:
         print(f"moescope compact: {e}", file=sys.stderr)
         return 2
@@ -86,7 +91,7 @@ def _compact(args: argparse.Namespace) -> int:
     for r in merged:
         print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows)")
     if not merged:
-        print(f"nothing to compact in {args.store}")
+        print(f"nothing to compact in {store_location(args).redacted}")
     return 0
 
 
@@ -98,7 +103,7 @@ def _prune(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moescope prune: {e}", file=sys.stderr)
         return 2
-    runs = prune(args.store, age, dry_run=args.dry_run)
+    runs = prune(store_location(args), age, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(runs)} run(s)" + "".join(f"\n  {r}" for r in runs))
     return 0
@@ -108,7 +113,7 @@ def _query(args: argparse.Namespace) -> int:
     from moescope.store import EmptyStoreError, Store, StoreError
 
     try:
-        with Store(args.store) as store:
+        with Store(store_location(args)) as store:
             frame = store.sql(args.sql)
     except EmptyStoreError as e:
         print(str(e))

@@ -1,0 +1,96 @@
+"""How every command takes a store: a folder or a URL, `--storage-option KEY=VALUE`, `--state-dir`.
+
+`summary`, `query`, `compact`, `prune`, `whatif`, `import`, `proxy`, `alerts run` and `dashboard` all
+take a store the same way: `add_store_arguments(parser)` adds the store (positional, or `--store`)
+and `--storage-option`, `store_location(args)` turns them into the one `StoreLocation` the command
+passes on, and `store_epilog(example)` is the help text that teaches the URL form.
+
+State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
+store, under `<store>/.moescope/`, as it always has; for a URL store it goes to a local folder,
+`--state-dir`, by default `~/.cache/moescope/<hash of the redacted URL>` (`state_dir`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+
+from moescope.store.location import StoreLocation, open_location
+
+STORE_HELP = "the store: a local folder, or a URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX)"
+LOCAL_STATE = ".moescope"  # a local store's own state folder, under its root
+
+
+def store_epilog(example: str) -> str:
+    """Help text on the URL form, with `example` (a command line with STORE in the place of the store)."""
+    url = example.replace("STORE", "s3://moe-runs/fleet")
+    return (
+        "a store on object storage:\n"
+        "  STORE may be s3://BUCKET/PREFIX (AWS S3; MinIO, Ceph, R2 through endpoint), gs://BUCKET/PREFIX or\n"
+        "  az://CONTAINER/PREFIX. Credentials come from the environment only (AWS_ACCESS_KEY_ID and\n"
+        "  AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance role; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_*),\n"
+        "  never from an option; what is not a secret goes in --storage-option KEY=VALUE (repeatable): endpoint,\n"
+        "  region, allow_http, force_path_style, max_retries, timeout.\n"
+        "example, a MinIO server on this machine:\n"
+        "  export AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...\n"
+        f"  {url} \\\n"
+        "      --storage-option endpoint=http://127.0.0.1:9000 --storage-option allow_http=true \\\n"
+        "      --storage-option region=us-east-1\n")
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, *, option: bool = False, required: bool = True,
+                        what: str = STORE_HELP, state_dir: bool = False) -> None:
+    """Add the store (a positional STORE, or `--store` with `option`), `--storage-option KEY=VALUE`
+    (repeatable, `args.storage_option`) and, with `state_dir`, `--state-dir DIR` (`args.state_dir`)."""
+    if option:
+        parser.add_argument("--store", required=required, metavar="STORE", help=what)
+    else:
+        parser.add_argument("store", metavar="STORE", help=what)
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option to reach a store on object storage (repeatable), e.g. "
+                             "endpoint=http://127.0.0.1:9000, region=us-east-1, allow_http=true; never a secret: "
+                             "credentials come from the environment")
+    if state_dir:
+        parser.add_argument("--state-dir", metavar="DIR",
+                            help="local folder for state that cannot live on object storage (the alerts outbox); "
+                                 "default STORE/.moescope for a local store, ~/.cache/moescope/<hash of the URL> "
+                                 "for a URL")
+
+
+def store_location(args: argparse.Namespace) -> StoreLocation:
+    """The command's store as a `StoreLocation`. Raises LocationError (a ValueError: the command line
+    prints it) for an unsupported scheme, a secret among the options, or options for a local folder."""
+    return open_location(args.store, getattr(args, "storage_option", None) or None)
+
+
+def cache_root() -> str:
+    """moescope's folder under the user's cache: `$XDG_CACHE_HOME/moescope`, else `~/.cache/moescope`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moescope")
+
+
+def state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
+    """The local folder for a store's state that cannot live on object storage (it is not created
+    here): `given` if set; `<root>/.moescope` for a local store (where it always was); for a URL
+    store `~/.cache/moescope/<hash>`, the hash of the redacted URL, so every command on one machine
+    that names the same store finds the same state, and the folder's name holds no part of the URL."""
+    if given:
+        return os.path.abspath(os.fspath(given))
+    if location.is_local:
+        return os.path.join(location.url, LOCAL_STATE)
+    digest = hashlib.sha256(location.redacted.encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), digest)
+
+
+def make_state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
+    """`state_dir`, created; for a URL store it holds a `STORE` file naming the store (redacted), so
+    a person looking through ~/.cache/moescope can tell whose state it is. Raises OSError."""
+    path = state_dir(location, given)
+    os.makedirs(path, exist_ok=True)
+    if not location.is_local:
+        marker = os.path.join(path, "STORE")
+        if not os.path.exists(marker):
+            with open(marker, "w", encoding="utf-8") as fh:
+                fh.write(location.redacted + "\n")
+    return path
