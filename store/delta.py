@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -683,8 +683,8 @@ def _serve(fd: int) -> None:
     from multiprocessing.connection import Connection
 
     connection = Connection(fd)
-    ops = {"commit": commit, "snapshot": snapshot, "table_exists": table_exists, "vacuum": vacuum,
-           "create_table": create_table}
+    ops: dict[str, Callable[..., Any]] = {"commit": commit, "snapshot": snapshot, "table_exists": table_exists,
+                                          "vacuum": vacuum, "create_table": create_table}
     while True:
         try:
             op, args, kwargs = connection.recv()
