@@ -14,7 +14,8 @@ the processor feeding it), `WritesRows` (it says how many rows it wrote), `DropC
 This module is a leaf (the standard library and numpy): probe, store and alerts all use it and it
 knows none of their types. A record says what queueing it costs and what dropping it loses through
 `Record` (its host bytes, its rows per table: the probe's `StepRecord` and its deferred window do).
-`new_run_id` is the one generator of run ids.
+`new_run_id` is the one generator of run ids; `current_host` the one source of the host a row
+records (the probe's runs row, a writer's probe_stats, its part names, the importers').
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import os
 import queue
+import socket
 import threading
 import uuid
 from collections import Counter
@@ -45,6 +48,13 @@ def new_run_id(source: str | None = None) -> str:
     "proxy"), and a random suffix, e.g. `20250101T120000-ab12cd34` or `20250101T120000-vllm-ab12cd34`."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     return f"{stamp}-{source}-{uuid.uuid4().hex[:8]}" if source else f"{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+def current_host() -> str:
+    """The host this process records in `runs` and `probe_stats`: MOESCOPE_HOST where set (a fleet
+    names its hosts itself, e.g. a pod name, or several writers of one machine stand for hosts in a
+    test), else the machine's hostname."""
+    return os.environ.get("MOESCOPE_HOST", "").strip() or socket.gethostname() or "unknown"
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moescope.pipeline import array_bytes
+from moescope.pipeline import array_bytes, current_host
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class RunInfo:
     rank: int = 0
     world_size: int = 1
     layers: tuple[LayerInfo, ...] = ()
+    host: str = field(default_factory=current_host)  # MOESCOPE_HOST, else the hostname
 
 
 @dataclass

@@ -48,8 +48,8 @@ from moescope.store.layout import WRITER_ROW_GROUP_ROWS, check_name, check_part_
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 
-__all__ = ["CommitError", "PartFile", "Snapshot", "commit", "create_table", "snapshot", "table_exists", "vacuum",
-           "write_part"]
+__all__ = ["CommitError", "LegacyStoreError", "PartFile", "Snapshot", "StoreAccessError", "check_store", "commit",
+           "create_table", "legacy_tables", "snapshot", "table_exists", "vacuum", "write_part"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,16 @@ _STATS_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_strin
 
 class CommitError(StoreError):
     """A commit to a table failed after every retry; the message names the table (redacted) and why."""
+
+
+class StoreAccessError(StoreError):
+    """The store's bucket does not exist, the credentials were refused, or it cannot be reached; the
+    message names the location (redacted, never a secret) and what to check."""
+
+
+class LegacyStoreError(StoreError):
+    """The store was written by a release before Delta tables (Parquet folders without a log); the
+    message names `moescope store upgrade PATH`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +244,83 @@ def _filesystem(loc: StoreLocation) -> Any:
     return fs
 
 
+# -- is the store usable? --------------------------------------------------------------------------
+
+_CHECKED: set[tuple[str, tuple]] = set()
+
+
+def check_store(loc: StoreLocation | str | os.PathLike) -> None:
+    """Check once per process, cheaply, that the store can be used: on object storage one listing
+    under the root (the bucket exists, the credentials are accepted, the endpoint answers); on a local
+    folder, that it holds no table of the previous release. A writer calls this when it opens, so a
+    wrong URL or credentials fail at attach, not at the first flush. Raises StoreAccessError or
+    LegacyStoreError (StoreErrors) saying what to do."""
+    loc = open_location(loc)
+    key = (loc.url, tuple(sorted(loc.storage_options.items())))
+    if key in _CHECKED:
+        return
+    if loc.is_local:
+        legacy = legacy_tables(loc)
+        if legacy:
+            raise LegacyStoreError(
+                f"moescope: the store {loc.redacted} was written by an earlier moescope release (tables "
+                f"{', '.join(legacy)} are Parquet folders without a Delta log): convert it once with "
+                f"`moescope store upgrade {loc.redacted}` (query answers stay the same), then use it again")
+    else:
+        _check_reachable(loc)
+    _CHECKED.add(key)
+
+
+def legacy_tables(loc: StoreLocation | str | os.PathLike) -> list[str]:
+    """Tables of a local store that the previous release wrote: a table folder holding run folders
+    (`run_id=...`) but no `_delta_log`. A writer creates a table's log before its first file, so a
+    Delta store never looks like this. [] for object storage (the previous release never wrote there)."""
+    loc = open_location(loc)
+    if not loc.is_local:
+        return []
+    try:
+        entries = sorted(os.scandir(loc.url), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    legacy = []
+    for entry in entries:
+        if entry.name.startswith(("_", ".")) or not entry.is_dir():
+            continue
+        if os.path.exists(os.path.join(entry.path, "_delta_log")):
+            continue
+        try:
+            if any(name.startswith(f"{PARTITION_COLUMN}=") for name in os.listdir(entry.path)):
+                legacy.append(entry.name)
+        except OSError:
+            continue
+    return legacy
+
+
+def _check_reachable(loc: StoreLocation) -> None:
+    from pyarrow import fs as pafs
+
+    try:
+        _filesystem(loc).get_file_info(pafs.FileSelector(loc.join(), allow_not_found=False, recursive=False))
+        return
+    except FileNotFoundError:
+        return  # nothing under the prefix yet: a new store
+    except OSError as e:
+        text = str(e)
+        upper = text.upper()
+        if "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper or "BUCKET DOES NOT EXIST" in upper:
+            what = ("its bucket does not exist: create the bucket, or fix the URL (a fleet's processes need "
+                    "the bucket made beforehand; moescope never creates one)")
+        elif any(word in upper for word in ("ACCESS_DENIED", "ACCESSDENIED", "SIGNATURE", "INVALIDACCESSKEY",
+                                            "INVALID_ACCESS_KEY", "FORBIDDEN", "403", "EXPIRED", "CREDENTIALS")):
+            what = ("the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or "
+                    "AWS_PROFILE, the instance role) in this process's environment, and that they may list "
+                    "and write under the prefix")
+        else:
+            what = ("it could not be reached: check the endpoint and region (--storage-option endpoint=..., "
+                    "region=...) and the network")
+        raise StoreAccessError(f"moescope: cannot use the store {loc.redacted}: {what} ({_clean(e)})") from e
+
+
 # -- the Delta log ----------------------------------------------------------------------------------
 
 class _Table:
@@ -283,7 +370,7 @@ def _open(loc: StoreLocation, table: str, create: bool) -> _Table | None:
         if not create:
             return None
         delta_table = _create(loc, table)
-    except OSError as e:
+    except (OSError, deltalake.exceptions.DeltaError) as e:  # e.g. a file where the table's folder should be
         raise StoreError(_message(f"cannot read the table {loc.redacted}/{table}", e)) from e
     with _TABLES_LOCK:
         return _TABLES.setdefault(key, _Table(delta_table))
@@ -524,10 +611,11 @@ def _backoff(attempt: int) -> None:
 
 
 def vacuum(loc: StoreLocation | str | os.PathLike, table: str, retention_hours: float) -> list[str]:
-    """Delete the table's files that no version younger than `retention_hours` needs: removed files
-    (compacted away, pruned) and files no commit added (a writer's orphans). delta-rs counts whole
-    hours, so the retention is rounded up. Returns the deleted files' paths (relative to the table);
-    [] when there is no table. Raises StoreError when the storage refuses."""
+    """Delete the table's files that no version younger than `retention_hours` needs: files removed
+    from it (compacted away, pruned) longer ago than that, and, with a retention of at least
+    `ORPHAN_MIN_HOURS`, files no commit added (a crashed writer's orphans) older than that. delta-rs
+    counts whole hours: the retention is rounded up. Returns the deleted files' paths; [] when there
+    is no table. Raises StoreError when the storage refuses."""
     loc = open_location(loc)
     check_name("table", table)
     if retention_hours < 0:
@@ -537,19 +625,26 @@ def vacuum(loc: StoreLocation | str | os.PathLike, table: str, retention_hours: 
     return _guarded(lambda: _vacuum(loc, table, retention_hours), loc, "vacuum", table, retention_hours)
 
 
+# A file no commit added may be one a writer is writing now (written, not yet committed): orphans
+# are only deleted past this age, which no write takes.
+ORPHAN_MIN_HOURS = 1
+
+
 def _vacuum(loc: StoreLocation, table: str, retention_hours: float) -> list[str]:
     cached = _open(loc, table, create=False)
     if cached is None:
         return []
+    hours = math.ceil(retention_hours)
     with cached.lock:
         cached.dt.update_incremental()
-        # never full=True: it deletes every unreferenced file, including a writer's file in flight
-        return list(cached.dt.vacuum(retention_hours=math.ceil(retention_hours), dry_run=False,
-                                     enforce_retention_duration=False))
+        return list(cached.dt.vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False,
+                                     full=hours >= ORPHAN_MIN_HOURS))
 
 
 # -- errors -----------------------------------------------------------------------------------------
 
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY",
+               "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET", "GOOGLE_SERVICE_ACCOUNT_KEY")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _QUERY = re.compile(r"(https?://[^\s?\"']+)\?[^\s\"']*")
 
@@ -560,6 +655,10 @@ def _clean(error: BaseException | None) -> str:
     if error is None:
         return "unknown error"
     text = _ANSI.sub("", str(error)).replace("↳", "")
+    for name in _SECRET_ENV:  # a library that echoed a secret back: never pass it on
+        secret = os.environ.get(name)
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
     text = _QUERY.sub(r"\1?...", text)
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("<")]
     text = " | ".join(lines) or type(error).__name__
@@ -579,7 +678,9 @@ def _guarded(call: Any, loc: StoreLocation, op: str, *args: Any, **kwargs: Any) 
         return call()
     except StoreError:
         raise
-    except OSError as e:
+    except Exception as e:
+        if not isinstance(e, OSError) and not _is_delta_error(e):
+            raise
         raise StoreError(_message(f"{op} on {loc.redacted}/{args[0] if args else ''} failed", e)) from e
     except BaseException as e:
         if type(e).__name__ != "PanicException" or "fork" not in str(e).lower():
@@ -587,6 +688,11 @@ def _guarded(call: Any, loc: StoreLocation, op: str, *args: Any, **kwargs: Any) 
         log.info("moescope: delta-rs's runtime came through a fork; this process now commits through a helper")
         _ROUTE = True
         return _call(op, loc, *args, **kwargs)
+
+
+def _is_delta_error(error: BaseException) -> bool:
+    deltalake = sys.modules.get("deltalake")
+    return deltalake is not None and isinstance(error, deltalake.exceptions.DeltaError)
 
 
 # -- fork safety: the helper process ----------------------------------------------------------------

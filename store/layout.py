@@ -115,9 +115,18 @@ def run_folder(root: str | os.PathLike, table: str, run_id: str) -> str:
     return os.path.join(os.fspath(root), check_name("table", table), f"run_id={check_name('run_id', run_id)}")
 
 
-def part_name(rank: int, seq: int) -> str:
-    """A file name no other writer can choose: rank, pid, sequence and the clock's nanoseconds."""
-    return f"part-{check_rank(rank):05d}-{os.getpid()}-{seq:06d}-{time.time_ns() % 10**12:012d}.parquet"
+def part_name(rank: int, seq: int, host: str) -> str:
+    """A file name no other writer can choose: `part-<rank>-<host>-<pid>-<seq>-<ns>.parquet` (rank,
+    host in `host_name_part` form, pid, the process's sequence and the clock's nanoseconds). The
+    host may hold `-`: read the fields from the ends (rank first; pid, seq, ns last)."""
+    return (f"part-{check_rank(rank):05d}-{host_name_part(host)}-{os.getpid()}-{seq:06d}-"
+            f"{time.time_ns() % 10**12:012d}.parquet")
+
+
+def host_name_part(host: str) -> str:
+    """`host` as part of a file name: letters, digits, `.` and `-` kept, anything else `_`, at most
+    63 characters, never empty."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", host)[:63].strip(".") or "host"
 
 
 def tmp_path(final: str) -> str:

@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
+from moescope.pipeline import current_host
 from moescope.probe.records import RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
@@ -30,6 +31,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         # what recorded the run: "probe", or the engine an importer read ("vllm", "sglang", ...);
         # null in stores written before the column existed, which only the probe wrote
         ("source", pa.string()),
+        # the host the run's process ran on (moescope.pipeline.current_host: MOESCOPE_HOST or the
+        # hostname); null in stores written before the column existed
+        ("host", pa.string()),
     ]),
     "layers": pa.schema([
         ("run_id", pa.string()), ("layer", pa.int32()), ("module", pa.string()), ("family", pa.string()),
@@ -87,6 +91,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("run_id", pa.string()), ("ts", TS), ("table_name", pa.string()), ("written_rows", pa.int64()),
         ("dropped_rows", pa.int64()), ("dropped_records", pa.int64()), ("reason", pa.string()),
         ("rank", pa.int32()), ("pid", pa.int64()),
+        # the writer's host: a writer is (host, rank, pid); null in stores written before the column existed
+        ("host", pa.string()),
     ]),
     # One row per writer (rank, pid) whose session closed: the run has ended for that rank once it
     # is here. last_step is the last forward the writer recorded (null when it recorded none).
@@ -183,7 +189,8 @@ def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
 def run_table(run: RunInfo) -> pa.Table:
     row = dict(run_id=run.run_id, started_at=run.started_at, model_class=run.model_class,
                total_params=run.total_params, routed_expert_params=run.routed_expert_params,
-               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size, source="probe")
+               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size, source="probe",
+               host=run.host)
     return pa.Table.from_pylist([row], schema=SCHEMAS["runs"])
 
 
@@ -334,10 +341,13 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
 
 
 def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written: Mapping[str, int],
-                      dropped: Mapping[tuple[str, str], int], dropped_records: Mapping[str, int]) -> pa.Table:
+                      dropped: Mapping[tuple[str, str], int], dropped_records: Mapping[str, int],
+                      host: str | None = None) -> pa.Table:
     """One writer's cumulative counts as `probe_stats` rows: per table a row of rows written (reason
     null), and a row per reason rows of it were dropped; records dropped per reason go on the
-    `steps` rows (a record is one window, or one proxied response). Tables with neither are left out."""
+    `steps` rows (a record is one window, or one proxied response). Tables with neither are left out.
+    `host` is the writer's (None: this process's, `moescope.pipeline.current_host`)."""
+    host = host if host is not None else current_host()
     rows = []
     for table in SCHEMAS:
         if table == "probe_stats":
@@ -345,7 +355,7 @@ def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written
         reasons = sorted({reason for (t, reason) in dropped if t == table})
         if not reasons and not written.get(table):
             continue
-        base = dict(run_id=run_id, ts=ts, table_name=table, rank=rank, pid=pid)
+        base = dict(run_id=run_id, ts=ts, table_name=table, rank=rank, pid=pid, host=host)
         rows.append(dict(base, written_rows=written.get(table, 0), dropped_rows=0, dropped_records=0, reason=None))
         rows += [dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
                       dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0, reason=reason)

@@ -1,29 +1,39 @@
 """The store's write path: one writer per (store, run, rank) in a process, fed by the write pipeline.
 
-    producer ──emit──► BatchProcessor (moescope/pipeline.py) ──export──► RunWriter ──► part files
+    producer ──emit──► BatchProcessor (moescope/pipeline.py) ──export──► RunWriter ──► Delta commits
 
-`run_writer(root, run_id, rank)` hands out the process's one `RunWriter` of a run: every producer
+`run_writer(store, run_id, rank)` hands out the process's one `RunWriter` of a run: every producer
 of the process that writes the run (the probe's `ParquetExporter`, the trust and cooldown policies,
 the alerts table, the training monitor, the proxy, an import, a dashboard gate request) shares it,
 holds a reference and releases it; the last release drains it and writes its final counts. The
-writer owns what a written file is:
+store is a local folder or a URL (`store.location`); opening a writer checks it once per process
+(`store.delta.check_store`): a missing bucket, refused credentials or a store of the previous
+release fail there, at attach, with a message that says what to do. The writer owns what a
+written file is:
 
 - the table's schema (`store.schema.SCHEMAS`; rows given as dicts are converted with it);
-- the part's name, `<root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet`, from the
-  process's one sequence, so no two writers of a process ever choose one name;
-- the atomic write (`write_table_file`: a temporary name, fsync, rename), so a reader or a crash
-  never sees a torn file;
+- the part's name, `<store>/<table>/run_id=<id>/part-<rank>-<host>-<pid>-<seq>-<ns>.parquet`, from
+  the process's one sequence, so no two writers anywhere ever choose one name;
+- the publication: each write is one Parquet file (`store.delta.write_part`) added to the table by
+  one Delta commit (`store.delta.commit`, carrying the writer's app transaction, so a retry of a
+  commit whose answer was lost is not committed twice). Readers see a table's snapshot, never a
+  folder: a file is seen whole once committed, and not at all before (a crash leaves an orphan
+  that vacuum removes, never a torn or duplicated row);
 - the counts of rows written and dropped, per table and reason, and the run's `probe_stats` rows:
-  cumulative snapshots of this process's counts for the run (readers take the latest per writer).
+  cumulative snapshots of this process's counts for the run, with its host (readers take the
+  latest per writer: host, rank, pid).
 
 Rows reach it two ways. `RunWriter.emit(table, rows)` hands them to the writer's own pipeline (a
 `BatchProcessor` started on first use): the write happens on its worker thread, never the
-producer's, rows of a table emitted close together are written as one part, and a failure is
-counted (`write_failed`, or `closed` after the writer closed), never lost silently, unless the
-producer takes refused rows back to write them again later (`on_refused`: the alerts table does,
-so that a full disk loses no transition). `RunWriter.write(table, data)` writes at once on the
-caller's thread, for exporters that already run on a pipeline's worker: `ParquetExporter` (the
-probe's records) and the proxy's recorder.
+producer's, rows of a table emitted close together are written as one part and one commit, and a
+failure is counted (`write_failed`, or `closed` after the writer closed), never lost silently,
+unless the producer takes refused rows back to write them again later (`on_refused`: the alerts
+table does, so that a full disk loses no transition). `RunWriter.write(table, data)` writes at once
+on the caller's thread, for exporters that already run on a pipeline's worker: `ParquetExporter`
+(the probe's records) and the proxy's recorder.
+
+A process forked from one that wrote starts with no writers (a child's rows are its own, under its
+own pid); its commits go through `store.delta`'s helper process (delta-rs does not survive fork).
 
 Sharp edge: a holder that never releases keeps the writer (and its thread) open for the life of
 the process, and its final `probe_stats` is then the last one a holder wrote (`ParquetExporter`
@@ -32,7 +42,6 @@ writes one at shutdown for that reason).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -40,11 +49,13 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
 # The pipeline is the neutral module's; re-exported for store users.
 from moescope.pipeline import (  # noqa: F401
@@ -55,20 +66,15 @@ from moescope.pipeline import (  # noqa: F401
     InMemoryExporter,
     WritesRows,
     array_bytes,
+    current_host,
     record_rows,
 )
 from moescope.probe.exporting import AttachListener
 from moescope.probe.records import RunInfo, StepRecord
-from moescope.store.layout import (
-    WRITER_ROW_GROUP_ROWS,
-    check_name,
-    check_part_name,
-    check_rank,
-    parquet_options,
-    part_name,
-    run_folder,
-    tmp_path,
-)
+from moescope.store import delta
+from moescope.store.errors import StoreError
+from moescope.store.layout import check_name, check_rank, host_name_part, part_name
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import (
     SCHEMAS,
     RoutePiece,
@@ -86,40 +92,6 @@ DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
 
 # One sequence for every writer of the process: two writers never choose one file name.
 _SEQUENCE = itertools.count(1)
-
-
-def write_table_file(root: str | os.PathLike, table: str, run_id: str, data: pa.Table, rank: int = 0,
-                     row_group_size: int = WRITER_ROW_GROUP_ROWS, name: str | None = None,
-                     metadata: dict[bytes, bytes] | None = None) -> str:
-    """Write one Parquet file atomically into the store layout; returns its path.
-
-    The rows go to a temporary name, are fsynced, and the file is renamed into place: readers
-    and crashes see the whole file or nothing. The file is named from the process's one sequence
-    unless `name` is given (compaction's own names). Raises OSError (disk full, permissions) after
-    removing the temporary file, InvalidNameError (a ValueError) for a table, run id, rank or name
-    that cannot be part of a path (see `store.layout.NAME_FORM`), before anything is written.
-    Producers write through their run's `RunWriter`, which calls this.
-    """
-    folder = run_folder(root, table, run_id)
-    name = check_part_name(name) if name is not None else part_name(rank, next(_SEQUENCE))
-    check_rank(rank)
-    os.makedirs(folder, exist_ok=True)
-    final = os.path.join(folder, name)
-    tmp = tmp_path(final)
-    if metadata:
-        data = data.replace_schema_metadata({**(data.schema.metadata or {}), **metadata})
-    # run_id lives in the folder name (hive partitioning); keeping it in the file too means a
-    # file copied elsewhere still says which run it belongs to.
-    try:
-        pq.write_table(data, tmp, row_group_size=row_group_size, **parquet_options(data.column_names))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    return final
 
 
 @dataclasses.dataclass
@@ -169,19 +141,40 @@ _COUNTS: dict[tuple[str, str, int], _Counts] = {}
 _REGISTRY = threading.Lock()
 
 
-def run_writer(root: str | os.PathLike, run_id: str, rank: int = 0) -> RunWriter:
-    """The process's writer of run `run_id` (rank `rank`) in the store `root`, opened or shared.
+def _after_fork_in_child() -> None:
+    """A forked child starts with no writers: the parent's live on in the parent (their threads did not
+    come through the fork), and the child's rows are counted under its own pid."""
+    global _REGISTRY
+    _WRITERS.clear()
+    _COUNTS.clear()
+    _REGISTRY = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def run_writer(store: str | os.PathLike | StoreLocation, run_id: str, rank: int = 0,
+               storage_options: Mapping[str, Any] | Sequence[str] | None = None) -> RunWriter:
+    """The process's writer of run `run_id` (rank `rank`) in `store` (a folder or a URL), opened or shared.
 
     Each call takes a reference: give it back with `release()` (or use the writer as a context
-    manager). Raises InvalidNameError for a run id or rank that cannot be part of a path.
+    manager). Raises InvalidNameError for a run id or rank that cannot be part of a path,
+    LocationError for a store URL or options that cannot be used, and, when the writer is opened,
+    StoreAccessError (a missing bucket, refused credentials, an endpoint that does not answer) or
+    LegacyStoreError (a store of the previous release: `moescope store upgrade PATH` converts it).
     """
-    run_folder(root, "runs", run_id)  # a run id that cannot be a folder name is refused here
+    check_name("run_id", run_id)  # a run id that cannot be a folder name is refused here
     check_rank(rank)
-    key = (os.path.abspath(os.fspath(root)), run_id, rank)
+    location = open_location(store, storage_options)
+    key = (location.url, run_id, rank)
+    with _REGISTRY:
+        writer = _WRITERS.get(key)
+    if writer is None:
+        delta.check_store(location)  # once per process and store; outside the lock: it may take a request
     with _REGISTRY:
         writer = _WRITERS.get(key)
         if writer is None:
-            writer = _WRITERS[key] = RunWriter(key, _COUNTS.setdefault(key, _Counts()))
+            writer = _WRITERS[key] = RunWriter(key, _COUNTS.setdefault(key, _Counts()), location)
         writer._references += 1
     return writer
 
@@ -197,19 +190,28 @@ class RunWriter:
 
     Get it from `run_writer`, never by constructing it. Thread-safe: producers on any thread emit,
     exporters on their workers write. `written_rows` and `drop_counts()` are this process's counts
-    for the run; `files` the parts this writer wrote; `last_error` why the last write failed (None
-    once one succeeds).
+    for the run (rows committed, rows lost); `files` the files this writer committed (paths or
+    URLs); `last_error` why the last write failed (None once one succeeds).
     """
 
     FLUSH_INTERVAL_S = 2.0  # how often an idle writer writes its counts, if the drops changed
 
-    def __init__(self, key: tuple[str, str, int], counts: _Counts):
+    def __init__(self, key: tuple[str, str, int], counts: _Counts, location: StoreLocation | None = None):
         self.root, self.run_id, self.rank = key
+        self.location = location if location is not None else open_location(self.root)
+        self.host = current_host()
         self._key = key
         self._counts = counts
         self._references = 0
         self._lock = counts.lock  # the counts and the failure state
         self._stats_lock = threading.Lock()  # one probe_stats snapshot at a time, in order
+        # The writer's app transaction: each commit to a table carries (app_id, the table's next seq), so
+        # a commit retried after its answer was lost is recognised as made. One commit per table at a
+        # time: a later seq committed first would make an earlier one look made.
+        self.app_id = f"moescope-writer-{host_name_part(self.host)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._seq: Counter[str] = Counter()
+        self._table_locks: dict[str, threading.Lock] = {}
+        self._tables_made: set[str] = set()
         self.files: list[str] = []
         self.last_error: str | None = None
         self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
@@ -263,14 +265,14 @@ class RunWriter:
         """
         data = _as_table(table, data)
         try:
-            path = write_table_file(self.root, table, self.run_id, data, self.rank)
-        except OSError as e:
+            path = self._publish(table, data)
+        except (OSError, StoreError) as e:
             with self._lock:
                 self.last_error = f"{type(e).__name__}: {e}"
                 if self._failing is None:
                     self._failing = Counter()
                     log.error("moescope: cannot write to the store %s (%s): rows are dropped and counted as "
-                              "write_failed until a write succeeds again", self.root, e)
+                              "write_failed until a write succeeds again", self.location.redacted, e)
                 if not retried:
                     self._failing[table] += data.num_rows
                     if on_dropped is None:
@@ -281,13 +283,30 @@ class RunWriter:
         with self._lock:
             if self._failing is not None:
                 lost = ", ".join(f"{n} of {t}" for t, n in sorted(self._failing.items())) or "none"
-                log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s", self.root,
-                            lost)
+                log.warning("moescope: writing to the store %s works again; rows lost meanwhile: %s",
+                            self.location.redacted, lost)
                 self._failing = None
             self.last_error = None
             self.files.append(path)
             self._counts.written[table] += data.num_rows
         return True
+
+    def _publish(self, table: str, data: pa.Table) -> str:
+        """Write `data` as one file of `table` and commit it (one Delta commit); returns its path.
+        Raises OSError or StoreError when the storage refused either step (the rows are then not in
+        the table: an uncommitted file is invisible)."""
+        with self._lock:
+            table_lock = self._table_locks.setdefault(table, threading.Lock())
+        with table_lock:
+            if table not in self._tables_made:  # the log before the first file: see delta.legacy_tables
+                delta.create_table(self.location, table)
+                self._tables_made.add(table)
+            name = part_name(self.rank, next(_SEQUENCE), self.host)
+            part = delta.write_part(self.location, table, self.run_id, data, name)
+            self._seq[table] += 1
+            delta.commit(self.location, table, [part], app=(self.app_id, self._seq[table]))
+        return self.location.join(table, part.path) if self.location.is_local else \
+            f"{self.location.table_uri(table)}/{part.path}"
 
     def emit(self, table: str, data: pa.Table | Sequence[dict],
              on_refused: Callable[[pa.Table], None] | None = None) -> None:
@@ -351,12 +370,12 @@ class RunWriter:
     def write_probe_stats(self) -> bool:
         """Write this process's cumulative rows written and dropped, per table and reason, into
         `probe_stats` (`store.schema.probe_stats_table`); readers take the latest snapshot per writer
-        (rank, pid), `Store.probe_stats`. Returns False when the disk refused it: a later snapshot
+        (host, rank, pid), `Store.probe_stats`. Returns False when the disk refused it: a later snapshot
         carries the same counts (they are cumulative; nothing is counted as lost)."""
         with self._stats_lock:
             drops, records = self.drop_counts()
             data = probe_stats_table(self.run_id, self.rank, os.getpid(), dt.datetime.now(dt.timezone.utc),
-                                     self.written_rows, drops, records)
+                                     self.written_rows, drops, records, host=self.host)
             if data.num_rows and not self.write("probe_stats", data, retried=True):
                 return False
             self._stats_written = tuple(sorted(drops.items()))
@@ -380,7 +399,7 @@ class RunWriter:
             anything = bool(self._counts.written) or bool(self._counts.totals()[0])
         if anything and not self.write_probe_stats():
             log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
-                      self.run_id, self.root, self.drop_counts()[0] or "no drops")
+                      self.run_id, self.location.redacted, self.drop_counts()[0] or "no drops")
         with self._lock:
             self._counts.freeze()
 
@@ -410,33 +429,48 @@ class _WriterExporter(Exporter):
 
 
 def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
-    """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder."""
+    """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder.
+    A `runs` row without a host gets this process's (`moescope.pipeline.current_host`)."""
     check_name("table", table)  # before any row is converted or queued
-    return data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
+    data = data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
+    if table == "runs" and data.num_rows:
+        host = pa.repeat(pa.scalar(current_host(), pa.string()), data.num_rows)
+        if "host" not in data.column_names:
+            data = data.append_column("host", host)
+        elif data.column("host").null_count:
+            data = data.set_column(data.column_names.index("host"), "host",
+                                   pc.coalesce(data.column("host").cast(pa.string()), host))
+    return data
 
 
 class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, DropCounts):
     """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
     table, through the run's writer, when a buffer is big or old.
 
-    One instance writes one run from one process; part names carry rank, pid, the process's
-    sequence and the clock, so processes and ranks write side by side without locks. Rows are lost
-    to a crash only from the buffers, which hold at most `max_age_s` seconds (the flush interval) of
-    data, `max_rows` rows or `max_bytes` bytes per table. Route rows stay numpy arrays until their
-    flush, which converts them in one vectorised pass.
+    One instance writes one run from one process; part names carry rank, host, pid, the process's
+    sequence and the clock, and each part is added by its own Delta commit, so processes, ranks and
+    hosts write one store side by side without locks. Rows are lost to a crash only from the
+    buffers, which hold at most `max_age_s` seconds (the flush interval) of data, `max_rows` rows or
+    `max_bytes` bytes per table. Route rows stay numpy arrays until their flush, which converts them
+    in one vectorised pass.
 
-    A write that fails (disk full) loses its rows: they are counted with reason `write_failed` in
-    the processor's `dropped_rows` (so `session.probe_stats()` and Prometheus see them; in this
-    exporter's own `dropped_rows` when it has no processor), and the run's writer puts them into
-    `probe_stats` at the first flush the disk takes. The run's `runs` and `layers` rows are kept and
+    A write that fails (disk full, the bucket unreachable after every retry) loses its rows: they
+    are counted with reason `write_failed` in the processor's `dropped_rows` (so
+    `session.probe_stats()` and Prometheus see them; in this exporter's own `dropped_rows` when it
+    has no processor), and the run's writer puts them into `probe_stats` at the first flush the
+    store takes. The run's `runs` and `layers` rows are kept and
     retried until they are written (counted as lost only if the exporter shuts down first).
     """
 
-    def __init__(self, root: str | os.PathLike, run: RunInfo | None = None, max_rows: int = 256 * 1024,
-                 max_age_s: float = 5.0, processor: BatchProcessor | None = None,
-                 max_bytes: int = DEFAULT_MAX_BUFFER_BYTES):
-        """run: the run to write; None to learn it from the probe at attach (`on_attach`)."""
-        self.root = os.fspath(root)
+    def __init__(self, store: str | os.PathLike | StoreLocation, run: RunInfo | None = None,
+                 max_rows: int = 256 * 1024, max_age_s: float = 5.0, processor: BatchProcessor | None = None,
+                 max_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+                 storage_options: Mapping[str, Any] | Sequence[str] | None = None):
+        """store: a folder or a URL (`store.location.open_location`, with `storage_options`); run: the
+        run to write, None to learn it from the probe at attach (`on_attach`). Raises LocationError
+        for a store that cannot be used as given."""
+        self.location = open_location(store, storage_options)
+        self.root = self.location.url
         self.run: RunInfo | None = None
         self.max_rows = max_rows
         self.max_age_s = max_age_s
@@ -457,10 +491,11 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
 
     def on_attach(self, run: RunInfo) -> None:
         """Start writing `run`: its `runs` and `layers` rows first. The probe calls this at attach;
-        a run id that cannot be a folder name is refused here (`InvalidNameError`)."""
+        a run id that cannot be a folder name is refused here (`InvalidNameError`), and so is a store
+        that cannot be used (`StoreAccessError`, `LegacyStoreError`: see `run_writer`)."""
         if self.run is run:
             return
-        self.writer = run_writer(self.root, run.run_id, run.rank)
+        self.writer = run_writer(self.location, run.run_id, run.rank)
         self.writer.watch(self.processor if self.processor is not None else self)
         self.run = run
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
@@ -587,5 +622,5 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         # Written now, not only when the writer's last holder lets go: the session's counts are final.
         if not writer.write_probe_stats():
             log.error("moescope: the probe_stats of run %s could not be written to %s; the counts were: %s",
-                      run.run_id, self.root, writer.drop_counts()[0] or "no drops")
+                      run.run_id, self.location.redacted, writer.drop_counts()[0] or "no drops")
         writer.release()

@@ -1,5 +1,10 @@
-"""Back-pressure: `block` loses nothing and makes the model wait; `drop` never waits and counts
-every row it drops, per table, in probe_stats. A failed write (disk full) is counted too."""
+"""The run writer: back-pressure (`block` loses nothing and makes the model wait; `drop` never waits
+and counts every row it drops, per table, in probe_stats), a failed write or commit counted and
+never visible, one writer per (store, run, rank), one Delta commit per table per flush, hosts in
+probe_stats, runs and part names, and a store that cannot be used refused when the writer opens.
+
+Rows are counted from the raw Parquet files of each table's Delta snapshot (tests/store/test_delta.py's
+`snapshot_rows`), never through moescope's readers."""
 
 from __future__ import annotations
 
@@ -12,9 +17,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.store import Store
+from moescope.pipeline import current_host
+from moescope.store import delta
+from moescope.store.errors import StoreError
+from moescope.store.layout import host_name_part
+from moescope.store.location import StoreLocation
 from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
 from tests.store.helpers import make_record, run_info
+from tests.store.test_delta import latest_probe_stats, snapshot_files, snapshot_rows
 
 
 class SlowDisk:
@@ -48,36 +58,36 @@ def _emit(policy: str, root, n: int = 60):
     return records, processor, emit_s
 
 
-def _written(store: Store, table: str) -> int:
-    return int(store.sql(f"SELECT count(*) AS n FROM {table}").n[0])
+def _written(root, table: str) -> int:
+    return snapshot_rows(root, table).num_rows
+
+
+def _stat(stats: list[dict], table: str, reason: str | None, column: str = "dropped_rows") -> int:
+    return sum(s[column] for s in stats if s["table_name"] == table and s["reason"] == reason)
 
 
 def test_block_policy_is_lossless_and_waits(tmp_path):
     records, processor, emit_s = _emit("block", tmp_path)
-    store = Store(tmp_path)
     assert sum(processor.dropped_records.values()) == 0
     for table in ("steps", "layer_steps", "routes"):
-        assert _written(store, table) == sum(record_rows(r).get(table, 0) for r in records)
+        assert _written(tmp_path, table) == sum(record_rows(r).get(table, 0) for r in records)
     assert emit_s >= 0.01 * (len(records) - 4)  # the model waited for the disk
-    stats = store.probe_stats("r")
-    assert stats.dropped_rows.sum() == 0
+    stats = latest_probe_stats(tmp_path, "r")
+    assert stats and sum(s["dropped_rows"] for s in stats) == 0
 
 
 def test_drop_policy_never_waits_and_counts_every_row(tmp_path):
     records, processor, emit_s = _emit("drop", tmp_path)
-    store = Store(tmp_path)
     assert processor.dropped_records["queue_full"] > 0
     assert emit_s < 0.01 * len(records) / 2
-    stats = store.probe_stats("r")
+    stats = latest_probe_stats(tmp_path, "r")
     for table in ("steps", "layer_steps", "routes"):
         emitted = sum(record_rows(r).get(table, 0) for r in records)
-        dropped = int(stats[stats.table_name == table].dropped_rows.sum())
+        dropped = _stat(stats, table, "queue_full")
         assert dropped > 0
-        assert _written(store, table) + dropped == emitted, table
-        written_row = stats[(stats.table_name == table) & stats.reason.isna()]
-        assert int(written_row.written_rows.iloc[0]) == _written(store, table)
-    steps = stats[(stats.table_name == "steps") & (stats.reason == "queue_full")]
-    assert int(steps.dropped_records.iloc[0]) == processor.dropped_records["queue_full"]
+        assert _written(tmp_path, table) + dropped == emitted, table
+        assert _stat(stats, table, None, "written_rows") == _written(tmp_path, table)
+    assert _stat(stats, "steps", "queue_full", "dropped_records") == processor.dropped_records["queue_full"]
 
 
 def test_drop_counts_are_durable_before_shutdown(tmp_path):
@@ -88,14 +98,14 @@ def test_drop_counts_are_durable_before_shutdown(tmp_path):
     for step in range(20):
         processor.emit(make_record("r", step, rng))
     assert processor.force_flush(10)
-    # a crash now would lose nothing of the accounting: the counts are already on disk
-    stats = Store(tmp_path).probe_stats("r")
+    # a crash now would lose nothing of the accounting: the counts are already committed
+    stats = latest_probe_stats(tmp_path, "r")
     dropped = sum(n for (table, _), n in processor.dropped_rows.items() if table == "steps")
-    assert int(stats[stats.table_name == "steps"].dropped_rows.sum()) == dropped > 0
+    assert sum(s["dropped_rows"] for s in stats if s["table_name"] == "steps") == dropped > 0
     processor.shutdown()
 
 
-def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path):
+def test_a_failed_write_is_counted_and_leaves_nothing_visible(tmp_path):
     exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=100)
     rng = np.random.default_rng(2)
     record = make_record("r", 0, rng)
@@ -105,10 +115,39 @@ def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path):
     exporter.shutdown()
     assert exporter.dropped_rows[("routes", "write_failed")] == record_rows(record)["routes"]
     blocker.unlink()
-    stats = Store(tmp_path).probe_stats("r")
-    row = stats[(stats.table_name == "routes") & (stats.reason == "write_failed")]
-    assert int(row.dropped_rows.iloc[0]) == record_rows(record)["routes"]
-    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp-")]
+    stats = latest_probe_stats(tmp_path, "r")
+    assert _stat(stats, "routes", "write_failed") == record_rows(record)["routes"]
+    assert _written(tmp_path, "routes") == 0
+
+
+def test_a_file_whose_commit_failed_is_counted_lost_and_never_read(tmp_path, monkeypatch):
+    """The file is written, its commit refused: its rows are counted as write_failed, and no reader
+    of the snapshot sees them (no torn or uncounted rows), although the file is on disk."""
+    import moescope.store.writer as writer_module
+
+    real_commit = delta.commit
+    refused: list[str] = []
+
+    def commit(loc, table, adds=(), *args, **kwargs):
+        if table == "steps" and not refused:
+            refused.extend(p.path for p in adds)
+            raise delta.CommitError("moescope: the test refused this commit")
+        return real_commit(loc, table, adds, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module.delta, "commit", commit)
+    rng = np.random.default_rng(4)
+    records = [make_record("r", step, rng) for step in range(3)]
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=100)
+    exporter.export(records[:1])
+    exporter.force_flush()  # this flush's steps commit is refused
+    exporter.export(records[1:])
+    exporter.shutdown()
+    assert len(refused) == 1 and (tmp_path / "steps" / refused[0]).exists()  # the orphan is on disk...
+    steps = snapshot_rows(tmp_path, "steps").column("step").to_pylist()
+    assert sorted(steps) == [1, 2]  # ...and not in the table
+    stats = latest_probe_stats(tmp_path, "r")
+    assert _stat(stats, "steps", "write_failed") == 1
+    assert _stat(stats, "steps", None, "written_rows") == 2
 
 
 def test_policy_must_be_known():
@@ -116,11 +155,12 @@ def test_policy_must_be_known():
         BatchProcessor([], policy="sometimes")
 
 
-def test_rank_and_pid_in_file_names(tmp_path):
+def test_rank_host_and_pid_in_file_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESCOPE_HOST", "gpu node/7")  # not a file name as it is: sanitised
     exporter = ParquetExporter(tmp_path, run_info("r", rank=3, world_size=4))
     exporter.shutdown()
     names = [p.name for p in tmp_path.rglob("part-*.parquet")]
-    assert names and all(n.startswith(f"part-00003-{os.getpid()}-") for n in names)
+    assert names and all(n.startswith(f"part-00003-gpu_node_7-{os.getpid()}-") for n in names)
 
 
 class GatedDisk:
@@ -183,9 +223,8 @@ def test_drop_policy_bounds_the_queue_by_bytes(tmp_path):
     processor.exporters.append(exporter)
     processor.shutdown()
     assert [r.step for r in disk.records] == [0, 1, 2]
-    stats = Store(tmp_path).probe_stats("r")
-    row = stats[(stats.table_name == "routes") & (stats.reason == "queue_bytes_full")]
-    assert int(row.dropped_rows.iloc[0]) == sum(record_rows(r)["routes"] for r in records[3:])
+    stats = latest_probe_stats(tmp_path, "r")
+    assert _stat(stats, "routes", "queue_bytes_full") == sum(record_rows(r)["routes"] for r in records[3:])
 
 
 def test_block_policy_waits_for_queue_bytes_and_loses_nothing():
@@ -229,9 +268,9 @@ def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
     for record in records:
         exporter.export([record])
     # 6 records' routes in parts of 3 (the third crosses 2.5 records' bytes): written before any age or row limit
-    parts = sorted((tmp_path / "routes" / "run_id=r").glob("part-*.parquet"))
+    parts = snapshot_files(StoreLocation(str(tmp_path)), "routes")
     per_record = record_rows(records[0])["routes"]
-    assert [pq.read_metadata(p).num_rows for p in parts] == [3 * per_record, 3 * per_record]
+    assert [p["num_records"] for p in parts] == [3 * per_record, 3 * per_record]
     exporter.shutdown()
 
 
@@ -278,7 +317,7 @@ def test_one_writer_per_store_run_and_rank_shared_and_reference_counted(tmp_path
     again.release()
     assert first.closed and first not in open_writers()
     other_rank.release()
-    stats = pq.read_table(tmp_path / "probe_stats" / "run_id=r").to_pylist()
+    stats = snapshot_rows(tmp_path, "probe_stats").to_pylist()
     assert {(s["rank"], s["table_name"], s["written_rows"]) for s in stats} == {(0, "trust_gate_events", 1)}
     with run_writer(tmp_path, "r") as reopened:  # a run opened again in the process counts on
         assert reopened is not first and reopened.written_rows["trust_gate_events"] == 1
@@ -288,27 +327,25 @@ def test_emitted_rows_are_written_on_the_writers_thread_and_a_failure_is_counted
     import moescope.store.writer as writer_module
 
     threads = []
-    real = writer_module.write_table_file
+    real = delta.write_part
 
-    def spy(root, table, *args, **kwargs):
+    def spy(loc, table, *args, **kwargs):
         threads.append((table, threading.current_thread().name))
-        return real(root, table, *args, **kwargs)
+        return real(loc, table, *args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "write_table_file", spy)
+    monkeypatch.setattr(writer_module.delta, "write_part", spy)
     with writer_module.run_writer(tmp_path, "r") as writer:
         writer.emit("trust_gate_events", [_event("r")])
         writer.emit("trust_gate_events", [_event("r")])
         assert writer.flush(10)
         assert {name for table, name in threads if table == "trust_gate_events"} == {"moescope-run-writer"}
-        parts = list((tmp_path / "trust_gate_events" / "run_id=r").glob("part-*.parquet"))
-        assert sum(pq.read_metadata(p).num_rows for p in parts) == 2
+        assert _written(tmp_path, "trust_gate_events") == 2
         (tmp_path / "expert_health").write_text("a file where the table's folder should be")
         writer.emit("expert_health", [dict(run_id="r", layer=0, expert=0)] * 3)
         assert writer.flush(10)
         assert writer.drop_counts()[0] == {("expert_health", "write_failed"): 3}
-    stats = [s for s in pq.read_table(tmp_path / "probe_stats" / "run_id=r").to_pylist()
-             if s["reason"] == "write_failed"]
-    assert [(s["table_name"], s["dropped_rows"]) for s in stats][-1] == ("expert_health", 3)
+    stats = [s for s in latest_probe_stats(tmp_path, "r") if s["reason"] == "write_failed"]
+    assert [(s["table_name"], s["dropped_rows"]) for s in stats] == [("expert_health", 3)]
     writer.emit("trust_gate_events", [_event("r")])  # after the last release: counted, never silent
     assert writer.drop_counts()[0][("trust_gate_events", "closed")] == 1
 
@@ -326,7 +363,7 @@ def test_refused_rows_go_back_to_a_producer_that_takes_them_and_are_not_counted_
         (tmp_path / "trust_gate_events").unlink()
         writer.emit("trust_gate_events", refused.pop(), on_refused=refused.append)
         assert writer.flush(10) and not refused and writer.last_error is None
-    assert pq.read_table(tmp_path / "trust_gate_events" / "run_id=r").num_rows == 1
+    assert _written(tmp_path, "trust_gate_events") == 1
 
 
 def test_a_training_run_with_trust_gate_and_cooldown_opens_one_writer_for_every_table(tmp_path, monkeypatch):
@@ -341,9 +378,9 @@ def test_a_training_run_with_trust_gate_and_cooldown_opens_one_writer_for_every_
     opened = []
     real_init = writer_module.RunWriter.__init__
 
-    def counted(self, key, counts):
+    def counted(self, key, counts, location=None):
         opened.append(key)
-        real_init(self, key, counts)
+        real_init(self, key, counts, location)
 
     monkeypatch.setattr(writer_module.RunWriter, "__init__", counted)
     torch.manual_seed(0)
@@ -366,12 +403,116 @@ def test_a_training_run_with_trust_gate_and_cooldown_opens_one_writer_for_every_
     assert [w for w in writer_module.open_writers() if w.run_id == run_id] == []  # given back at close
     tables = {"runs", "layers", "steps", "layer_steps", "routes", "expert_health", "trust_gate_events",
               "routing_cooldown_events", "alerts", "train_steps", "run_ends"}
+    host = host_name_part(current_host())
     on_disk = {}
-    for path in tmp_path.glob(f"*/run_id={run_id}/part-*.parquet"):
-        assert path.name.startswith(f"part-00000-{os.getpid()}-")
-        on_disk[path.parent.parent.name] = on_disk.get(path.parent.parent.name, 0) + pq.read_metadata(path).num_rows
+    for table in tables:
+        for action in snapshot_files(StoreLocation(str(tmp_path)), table):
+            assert action["path"].startswith(f"run_id={run_id}/part-00000-{host}-{os.getpid()}-")
+            on_disk[table] = on_disk.get(table, 0) + action["num_records"]
     assert tables <= set(on_disk)
-    stats = pq.read_table(tmp_path / "probe_stats" / f"run_id={run_id}").to_pylist()
-    final = max(s["ts"] for s in stats)
-    counted_rows = {s["table_name"]: s["written_rows"] for s in stats if s["ts"] == final and s["reason"] is None}
+    stats = latest_probe_stats(tmp_path, run_id)
+    assert {s["host"] for s in stats} == {current_host()}
+    counted_rows = {s["table_name"]: s["written_rows"] for s in stats if s["reason"] is None}
     assert {table: counted_rows.get(table) for table in tables} == {table: on_disk[table] for table in tables}
+    assert {table: _written(tmp_path, table) for table in tables} == on_disk  # and the files hold those rows
+
+
+# -- the store: where it is, who writes it, and what it refuses -------------------------------------
+
+def test_a_writer_writes_a_folder_and_an_s3_store_alike(store_location, monkeypatch):
+    """The probe's exporter through the run's writer, on both kinds of store: every row committed,
+    counted in probe_stats with the writer's host, the runs row with its host too."""
+    monkeypatch.setenv("MOESCOPE_HOST", "host-a")
+    rng = np.random.default_rng(5)
+    records = [make_record("r", step, rng) for step in range(4)]
+    exporter = ParquetExporter(store_location, run_info("r", rank=1, world_size=2), max_age_s=1e9)
+    exporter.export(records[:2])
+    exporter.force_flush()
+    exporter.export(records[2:])
+    exporter.shutdown()
+    for table in ("steps", "layer_steps", "routes"):
+        assert _written(store_location, table) == sum(record_rows(r)[table] for r in records), table
+    stats = latest_probe_stats(store_location, "r")
+    assert {(s["host"], s["rank"], s["pid"]) for s in stats} == {("host-a", 1, os.getpid())}
+    assert _stat(stats, "routes", None, "written_rows") == sum(record_rows(r)["routes"] for r in records)
+    [run] = snapshot_rows(store_location, "runs").to_pylist()
+    assert (run["run_id"], run["host"], run["rank"]) == ("r", "host-a", 1)
+    # two flushes, one commit per table each: the routes table holds two files (versions 1 and 2)
+    assert len(snapshot_files(store_location, "routes")) == 2
+    assert delta.snapshot(store_location, "routes").version == 2
+
+
+def test_one_commit_per_table_per_flush(tmp_path):
+    from deltalake import DeltaTable
+
+    rng = np.random.default_rng(6)
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9)
+    exporter.export([make_record("r", step, rng) for step in range(5)])
+    exporter.force_flush()
+    for table in ("steps", "layer_steps", "routes"):
+        log = DeltaTable(str(tmp_path / table)).history()
+        assert [h["operation"] for h in reversed(log)] == ["CREATE TABLE", "WRITE"], table
+    exporter.shutdown()
+
+
+def test_a_run_writer_is_one_per_store_url_run_and_rank(tmp_path, s3_store):
+    from moescope.store.writer import run_writer
+
+    local = run_writer(tmp_path, "r")
+    same = run_writer(StoreLocation(os.path.abspath(tmp_path)), "r")
+    remote = run_writer(s3_store, "r")
+    remote_again = run_writer(s3_store.url, "r", storage_options=dict(s3_store.storage_options))
+    try:
+        assert same is local and remote_again is remote and remote is not local
+        assert (remote.root, remote.run_id, remote.rank) == (s3_store.url, "r", 0)
+        assert remote.write("trust_gate_events", [_event("r")])
+        [action] = snapshot_files(s3_store, "trust_gate_events")
+        assert remote.files == [f"{s3_store.url}/trust_gate_events/{action['path']}"]
+    finally:
+        for writer in (local, same, remote, remote_again):
+            writer.release()
+    assert _written(s3_store, "trust_gate_events") == 1 and _written(tmp_path, "trust_gate_events") == 0
+
+
+def test_attach_to_a_missing_bucket_fails_at_once_naming_the_url_not_the_secret(s3_store):
+    import moescope
+    from moescope.probe.zoo import tiny_model
+
+    model = tiny_model("mixtral")
+    missing = StoreLocation("s3://no-such-bucket/fleet", s3_store.storage_options)
+    started = time.monotonic()
+    with pytest.raises(StoreError) as raised:
+        moescope.attach(model, store=missing)
+    assert time.monotonic() - started < 10
+    message = str(raised.value)
+    assert "s3://no-such-bucket/fleet" in message and "bucket does not exist" in message
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # left as it was
+
+
+def test_wrong_credentials_fail_when_the_writer_opens_naming_the_url_not_the_secret(s3_store, monkeypatch):
+    from moescope.store.writer import open_writers
+
+    wrong = "not-the-secret-9876543210"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    other = StoreLocation(s3_store.url + "/elsewhere", s3_store.storage_options)  # not checked yet this process
+    with pytest.raises(delta.StoreAccessError) as raised:
+        ParquetExporter(other, run_info("r"))
+    message = str(raised.value)
+    assert other.redacted in message and "credentials were refused" in message and wrong not in message
+    assert not [w for w in open_writers() if w.root == other.url]
+
+
+def test_a_store_of_the_previous_release_is_refused_for_writing(tmp_path):
+    import pyarrow as pa
+
+    from moescope.store.writer import run_writer
+
+    old = tmp_path / "steps" / "run_id=r"
+    old.mkdir(parents=True)
+    pq.write_table(pa.table({"run_id": ["r"], "step": [0]}), old / "part-00000-1-000001-1.parquet")
+    with pytest.raises(delta.LegacyStoreError) as raised:
+        run_writer(tmp_path, "new-run")
+    assert f"moescope store upgrade {tmp_path}" in str(raised.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps"]  # nothing written, nothing converted
+    assert sorted(p.name for p in old.iterdir()) == ["part-00000-1-000001-1.parquet"]
