@@ -1,7 +1,8 @@
-"""moescope's store: Parquet tables written by the probe, read through DuckDB views."""
+"""moescope's store: Delta Lake tables written by the probe, read as snapshots through DuckDB views."""
 
 from __future__ import annotations
 
+from moescope.store.delta import CommitError, LegacyStoreError, StoreAccessError
 from moescope.store.errors import EmptyStoreError, QueryError, StoreError
 from moescope.store.quarantine import BadFileWarning, QuarantinedFile
 from moescope.store.queries import Selection
@@ -14,12 +15,15 @@ __all__ = [
            "TABLES",
            "BadFileWarning",
            "BatchProcessor",
+           "CommitError",
            "EmptyStoreError",
            "InMemoryExporter",
+           "LegacyStoreError",
            "ParquetExporter",
            "QuarantinedFile",
            "QueryError",
            "Selection",
            "Store",
+           "StoreAccessError",
            "StoreError",
 ]

@@ -1,117 +1,249 @@
-"""Which files a reader should read now: listed, checked, compaction-resolved.
+"""Which files a reader reads now: one Delta snapshot per table, each file checked once.
 
-`Catalog.snapshot()` lists every table, checks each file it has not seen before (its footer, then
-every page against its checksum: bad ones go to quarantine, or are skipped where they cannot be
-moved), and leaves out every file that a present compacted file replaces.
-If a listed file vanished while it was being checked, the listing may predate a compaction that
-has since finished, so the whole listing is taken again: a snapshot never mixes the two sides of
-a swap. `compact` waits a grace period between publishing a merged file and deleting its sources,
-long enough for any listing that saw neither to finish first.
+`Catalog.snapshot()` reads the latest version of every table (`store.delta.snapshot`: the log says
+which files are live; no folder is listed) and checks each file it has not seen before: its footer
+(rows as the log says), then every page against its checksum (`quarantine.deep_check`). A file
+that fails is quarantined (`Catalog.reject`): copied to `<store>/_quarantine/`, its rows counted as
+lost in `probe_stats` (reason `quarantined`), and removed from its table by a Delta commit, so no
+reader reads it again; this reader leaves it out of the snapshot it is building.
+
+A snapshot's files stay in place until `vacuum` deletes them, and vacuum keeps every file a
+version younger than its retention still needs: a reader's pinned snapshot never loses a file
+under it while the reader refreshes within the retention (one hour by default, `moescope prune`).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+import logging
 import os
-import time
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moescope.store.layout import decode_replaces, list_parts
-from moescope.store.quarantine import deep_check, quarantine
-from moescope.store.schema import TABLES
+from moescope.store import delta
+from moescope.store.errors import StoreError
+from moescope.store.location import StoreLocation
+from moescope.store.quarantine import BadFileWarning, copy_to_quarantine, deep_check, display
+from moescope.store.schema import SCHEMAS, TABLES, table_from_columns
+
+log = logging.getLogger(__name__)
+
+QUARANTINED = "quarantined"  # the probe_stats reason of rows in a quarantined file
+# Every table commit that removes files (compaction, prune, quarantine) carries this app
+# transaction, its version one more than the one read before the snapshot the removes came from:
+# of two such commits made from the same state only the first is made (`store.delta.commit`
+# skips a commit whose app version the table already holds), so a file is never removed twice and
+# rows a compaction rewrote are never committed twice (see `app_version`).
+REWRITE_APP = "moescope-compact:{table}"
 
 
 @dataclass(frozen=True)
 class FileInfo:
-    path: str
-    rows: int
-    columns: tuple[str, ...]
-    replaces: tuple[str, ...]  # basenames in the same folder, for compacted files
+    """A checked data file of one table's snapshot."""
+
+    path: str  # a local path, or a path of the location's pyarrow filesystem (bucket/key)
+    part: delta.PartFile  # its entry in the table's log (path relative to the table, rows, run)
+    rows: int  # rows in its footer
+    columns: tuple[str, ...]  # columns in the file (run_id is in the folder name, not here)
+
+    @property
+    def run_id(self) -> str:
+        return self.part.run_id
 
 
-class Vanished(Exception):
-    """A listed file disappeared before it could be checked: the listing is stale."""
+@dataclass(frozen=True)
+class TableFiles:
+    """One version of a table as a reader reads it: its checked files (None: no table yet)."""
+
+    version: int | None
+    files: list[FileInfo]
+
+
+def quarantine_writer_id(table: str, relative: str) -> int:
+    """The `pid` of the probe_stats rows that count a quarantined file's rows: a hash of the file,
+    so two readers that both quarantine it write the same counter (readers take the latest per
+    writer) and its rows are counted once."""
+    return int.from_bytes(hashlib.sha256(f"{table}/{relative}".encode()).digest()[:7], "big")
 
 
 class Catalog:
-    """Checked files of one store, cached by (path, size, mtime): each file is checked once per reader.
+    """Checked files of one store, cached per file: each file is checked once per reader.
 
     verify=False checks footers only (no read through the pages): faster on a large store, but a
     damaged page is then found only if it makes a query fail, and bit rot can read as other values.
+    quarantine_bad=False skips bad files in this reader without touching the store.
     """
 
-    def __init__(self, root: str | os.PathLike, quarantine_bad: bool = True, verify: bool = True):
-        self.root = os.fspath(root)
+    def __init__(self, location: StoreLocation, quarantine_bad: bool = True, verify: bool = True):
+        self.location = location
         self.quarantine_bad = quarantine_bad
         self.verify = verify
-        self._checked: dict[tuple[str, int, int], FileInfo] = {}  # (path, size, mtime) -> footer
-        self._bad: dict[tuple[str, int, int], str] = {}  # files found bad that are still in place -> why
+        self.filesystem: Any = location.filesystem()
+        self._checked: dict[tuple, FileInfo] = {}
+        self._bad: dict[tuple, str] = {}  # files found bad that are still in their table -> why
+        self._missing: set[tuple] = set()
         self.quarantined_now: list[str] = []
 
-    def _info(self, path: str) -> FileInfo | None:
-        """The file's footer, cached; None if it was bad (moved to quarantine, or skipped)."""
+    def full_path(self, table: str, part: delta.PartFile) -> str:
+        """Where a table's file is, as `self.filesystem` (and, for a local store, DuckDB) reads it."""
+        return self.location.join(table, *part.path.split("/"))
+
+    def _key(self, table: str, part: delta.PartFile, path: str) -> tuple | None:
+        """The cache key of a file: a local file by its size and mtime too (damage written over a
+        file in place makes it a new file to this reader); None when a local file is not there."""
+        if not self.location.is_local:
+            return (table, part.path, part.size)
         try:
             stat = os.stat(path)
         except FileNotFoundError:
-            raise Vanished(path) from None
-        key = (path, stat.st_size, stat.st_mtime_ns)
+            return None
+        return (table, part.path, stat.st_size, stat.st_mtime_ns)
+
+    def check(self, table: str, part: delta.PartFile) -> FileInfo | None:
+        """The file's footer, checked (cached); None when it is bad (quarantined, or skipped) or missing."""
+        path = self.full_path(table, part)
+        key = self._key(table, part, path)
+        if key is None:
+            self._warn_missing(table, part, (table, part.path))
+            return None
         if key in self._checked:
             return self._checked[key]
         if key in self._bad:
             return None
         try:
-            meta = pq.read_metadata(path)
-            info = FileInfo(path, meta.num_rows, tuple(meta.schema.to_arrow_schema().names),
-                            tuple(decode_replaces(meta.metadata)))
+            if self.location.is_local:
+                meta = pq.read_metadata(path)
+            else:
+                with self.filesystem.open_input_file(path) as source:
+                    meta = pq.read_metadata(source)
         except FileNotFoundError:
-            raise Vanished(path) from None
+            self._warn_missing(table, part, key)
+            return None
         except Exception as e:  # a truncated or foreign file: pyarrow raises several types
-            self.reject(path, f"unreadable footer: {type(e).__name__}: {e}", key)
+            self.reject(table, part, f"unreadable footer: {type(e).__name__}: {e}", key)
             return None
-        if self.verify and (problem := deep_check(path)) is not None:
-            self.reject(path, f"damaged data: {problem}", key)
+        if part.rows >= 0 and meta.num_rows != part.rows:
+            self.reject(table, part, f"its footer holds {meta.num_rows} rows, the table's log says {part.rows}", key)
             return None
-        if not os.path.exists(path):
-            raise Vanished(path)  # deep_check reads a vanished file as "not bad": the listing is stale
+        if self.verify and (problem := deep_check(path, None if self.location.is_local else self.filesystem)):
+            self.reject(table, part, f"damaged data: {problem}", key)
+            return None
+        info = FileInfo(path, part, meta.num_rows, tuple(meta.schema.to_arrow_schema().names))
         self._checked[key] = info
         return info
 
-    def reject(self, path: str, reason: str, key: tuple[str, int, int] | None = None) -> None:
-        """Take a bad file out of this reader's listings: to quarantine, or skipped where it cannot move."""
+    def _warn_missing(self, table: str, part: delta.PartFile, key: tuple) -> None:
+        if key in self._missing:
+            return
+        self._missing.add(key)
+        shown = display(self.location, self.full_path(table, part))
+        message = (f"moescope store: {shown}, a file of table {table!r}, is missing from the storage: its "
+                   f"{part.rows} rows are left out. A file of a live version is only deleted by hand or by a vacuum "
+                   f"with a retention shorter than a reader's refresh; run `moescope prune` with the default retention")
+        log.warning(message)
+        warnings.warn(message, BadFileWarning, stacklevel=3)
+
+    def reject(self, table: str, part: delta.PartFile, reason: str, key: tuple | None = None) -> None:
+        """Take a bad file out of its table: copied to quarantine, its rows counted as lost, removed
+        by a Delta commit. Where the copy or the commit cannot be made (a full or read-only disk,
+        an unreachable store) the file stays in its table and this reader skips it, with a warning."""
+        path = self.full_path(table, part)
         if key is None:
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:
-                return
-            key = (path, stat.st_size, stat.st_mtime_ns)
+            key = self._key(table, part, path) or (table, part.path)
         self._checked.pop(key, None)
-        moved = quarantine(self.root, path, reason) if self.quarantine_bad else None
-        if moved:
-            self.quarantined_now.append(moved)
-        else:
-            self._bad[key] = reason
+        self._bad[key] = reason
+        if not self.quarantine_bad:
+            return
+        copy = copy_to_quarantine(self.location, self.filesystem, table, part.path, reason)
+        if copy is None:
+            return
+        try:
+            remove_bad_file(self.location, table, part)
+        except (StoreError, OSError) as e:
+            message = (f"moescope store: {display(self.location, path)} was copied to quarantine but could not be "
+                       f"taken out of table {table!r} ({e}); readers skip it until one can")
+            log.warning(message)
+            warnings.warn(message, BadFileWarning, stacklevel=3)
+            return
+        self.quarantined_now.append(copy)
 
-    def live_files(self, table: str, run_id: str | None = None) -> list[FileInfo]:
-        """Files of a table that hold live rows (raises Vanished when the listing went stale)."""
-        infos = [info for path in list_parts(self.root, table, run_id) if (info := self._info(path))]
-        replaced = {os.path.join(os.path.dirname(i.path), name) for i in infos for name in i.replaces}
-        return [i for i in infos if i.path not in replaced]
-
-    def snapshot(self, tables: tuple[str, ...] = TABLES, attempts: int = 20) -> dict[str, list[FileInfo]]:
-        """Live files of every table, from one consistent listing per table."""
-        result: dict[str, list[FileInfo]] = {}
+    def snapshot(self, tables: tuple[str, ...] = TABLES) -> dict[str, TableFiles]:
+        """The latest version of every table and its checked files. Raises StoreError when the
+        storage cannot be read."""
+        result: dict[str, TableFiles] = {}
         for table in tables:
-            for attempt in range(attempts):
-                try:
-                    result[table] = self.live_files(table)
-                    break
-                except Vanished:
-                    time.sleep(0.01 * attempt)
-            else:
-                raise RuntimeError(f"files of {table!r} kept vanishing while listing {self.root!r}")
+            snap = delta.snapshot(self.location, table)
+            if snap is None:
+                result[table] = TableFiles(None, [])
+                continue
+            result[table] = TableFiles(snap.version, [info for part in snap.files
+                                                      if (info := self.check(table, part)) is not None])
         return result
 
-    def forget_missing(self) -> None:
-        self._checked = {k: v for k, v in self._checked.items() if os.path.exists(k[0])}
-        self._bad = {k: v for k, v in self._bad.items() if os.path.exists(k[0])}
+
+def app_version(location: StoreLocation, table: str, app_id: str) -> int:
+    """The latest version of app transaction `app_id` in `table` (-1: none, or no table). Read before
+    a snapshot, it is at most the version that snapshot holds: a commit that removes the snapshot's
+    files with `app=(app_id, version + 1)` is then made only if no other such commit came first.
+    Raises StoreError when the storage cannot be read."""
+    # store.delta has no public reader of app versions yet: its cached table is read the way its
+    # own commit reads it (under the table's lock, brought up to date first).
+    try:
+        cached = delta._open(location, table, create=False)
+        if cached is None:
+            return -1
+        with cached.lock:
+            cached.dt.update_incremental()
+            found = cached.dt.transaction_version(app_id)
+    except OSError as e:
+        raise StoreError(f"moescope store: cannot read the log of {location.redacted}/{table}: {e}") from e
+    return -1 if found is None else int(found)
+
+
+def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, attempts: int = 5) -> bool:
+    """Count a bad file's rows as lost in `probe_stats`, then remove it from its table; False when
+    it was no longer live (removed by someone else meanwhile: a compaction, a prune, another reader).
+
+    The count comes first and is idempotent (one counter per file, `quarantine_writer_id`): a crash
+    between the two leaves the file live and counted, and the next reader that finds it counts it
+    again under the same counter and removes it. Raises StoreError (CommitError) when the store
+    refuses the commits."""
+    count_lost(location, table, part)
+    app = REWRITE_APP.format(table=table)
+    for _ in range(attempts):
+        seen = app_version(location, table, app)
+        snap = delta.snapshot(location, table)
+        if snap is None or not any(p.path == part.path for p in snap.files):
+            return False
+        delta.commit(location, table, removes=[part], app=(app, seen + 1))
+        after = delta.snapshot(location, table)
+        if after is None or not any(p.path == part.path for p in after.files):
+            return True
+        # a compaction or prune made from the same state committed first: look again
+    raise StoreError(f"moescope store: could not remove {part.path} from {location.redacted}/{table}: other "
+                     f"commits that remove files kept coming first")
+
+
+def count_lost(location: StoreLocation, table: str, part: delta.PartFile) -> None:
+    """Write the `probe_stats` rows that count a quarantined file's rows as lost: table_name the
+    file's table, reason `quarantined`, dropped_rows its rows (as the table's log says), on no
+    writer's account (rank -1, no host, pid `quarantine_writer_id`)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    pid = quarantine_writer_id(table, part.path)
+    rows = max(part.rows, 0)
+    schema = SCHEMAS["probe_stats"]
+    values: dict[str, object] = {
+        "run_id": part.run_id, "ts": now, "table_name": table, "written_rows": 0, "dropped_rows": rows,
+        "dropped_records": 0, "reason": QUARANTINED, "rank": -1, "pid": pid,
+    }
+    columns = {name: pa.array([value], schema.field(name).type) for name, value in values.items()
+               if name in schema.names}
+    data = table_from_columns("probe_stats", columns, 1)
+    name = f"part-quarantine-{pid:016x}-{now.strftime('%Y%m%dT%H%M%S%f')}.parquet"
+    added = delta.write_part(location, "probe_stats", part.run_id, data, name)
+    delta.commit(location, "probe_stats", adds=[added])

@@ -1,56 +1,57 @@
-"""Long runs: merge a run's small files into large sorted ones, and drop old runs.
+"""Long runs: merge a run's small files into large sorted ones, and delete old runs.
 
-Compaction never stops writers and never shows a reader a row twice or misses one:
+Both are Delta commits on the store's tables; neither stops writers, and no reader ever sees a row
+twice or misses one (a reader reads one version of each table; see `store.store`).
 
-1. It takes the live files of one (table, run) (`Catalog`), picks the small ones, and merges them
-   into a file sorted by (layer, step, ...) (DuckDB sorts, pyarrow writes it with page checksums),
-   under a temporary name. Sources that fail their checksums are quarantined, never merged.
-2. The merged file's footer names the files it replaces (`moescope.replaces`); it is fsynced and
-   renamed into place. From that instant every new listing reads the merged file and leaves the
-   sources out; a listing taken just before still reads the sources, which are all still there.
-3. After a grace period, longer than any listing takes, the sources are deleted. A reader whose
-   views still point at them fails to open one, refreshes and runs its query again.
+`compact` merges, per table and run, the small files of the table's latest version into files of
+up to COMPACT_FILE_ROWS rows sorted by (layer, step, ...) (DuckDB sorts, pyarrow writes them, with
+page checksums like every file of the store). Each source is checked first (footer, page
+checksums): a bad one is quarantined, never merged. One commit then removes the sources and adds
+the merged files, both marked `data_change=False` (the same rows, rewritten): a version either has
+the sources or the merged files, never both. Writers keep appending meanwhile; their files are not
+among the sources and stay live. Two compactions (or a compaction and a prune, or a quarantine)
+made from the same version cannot both commit: each such commit carries the app transaction
+`moescope-compact:<table>` at one more than its version read before the snapshot
+(`store.catalog.app_version`), and `store.delta.commit` does not make a commit whose app version
+the table already holds; the one that lost finds its merged files absent from the version it got,
+deletes them and starts again from a new version. A crash before the commit leaves merged files no
+version names (never read; see the README's retention section); after it, the sources are removed
+files, which `vacuum` deletes once they are older than the retention.
 
-Writers keep appending new parts throughout; those are not in the replaced list and stay live.
-One compaction per (table, run) at a time (an advisory lock; a second one skips it). A crash
-at any point leaves a readable store: before the rename nothing changed (a `.tmp-` file remains,
-which readers ignore and `clean_tmp` removes), after it the leftover sources are excluded by the
-footer and deleted by the next compaction.
+`prune` removes every file of the runs whose newest file was committed longer ago than an age, in
+one commit per table, then vacuums each table: removed files older than the retention (default one
+hour) are deleted. The retention is what protects running readers: a reader holds one version of
+each table until it refreshes, and that version's files stay on the storage for the retention.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import re
-import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moescope.store.catalog import Catalog, FileInfo, Vanished
+from moescope.store import delta
+from moescope.store.catalog import REWRITE_APP, Catalog, FileInfo, app_version
 from moescope.store.layout import (
     COMPACT_FILE_ROWS,
     COMPACT_ROW_GROUP_BYTES,
     COMPACT_ROW_GROUP_ROWS,
     check_name,
-    clean_tmp,
-    compacted_name,
-    encode_replaces,
-    is_valid_name,
-    list_runs,
     parquet_options,
-    run_folder,
-    tmp_path,
 )
-from moescope.store.schema import TABLES
+from moescope.store.location import StoreLocation, open_location
+from moescope.store.quarantine import display
+from moescope.store.schema import SCHEMAS, TABLES
 from moescope.store.store import connect
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,11 @@ SORT_KEYS = {
     "steps": "step, rank",
     "kv_cache": "layer, step, rank",
 }
-LOCK_DIR = "_locks"
+COMPACTED_PREFIX = "part-compacted-"
+# Removed files stay on the storage this long before vacuum deletes them: a reader holding an older
+# version (the dashboard between two refreshes, a long query, a Spark job) keeps reading them.
+DEFAULT_RETENTION_HOURS = 1.0
+COMMIT_ATTEMPTS = 5
 
 
 @dataclass
@@ -71,34 +76,14 @@ class CompactResult:
     table: str
     run_id: str
     merged_files: int = 0  # sources merged away
-    written_files: list[str] = field(default_factory=list)
+    written_files: list[str] = field(default_factory=list)  # the merged files (local paths, or URLs)
     rows: int = 0
+    version: int | None = None  # the table version the merge was committed as
     skipped: str | None = None  # why nothing was done
 
 
-@contextlib.contextmanager
-def _lock(root: str, table: str, run_id: str) -> Iterator[bool]:
-    folder = os.path.join(root, LOCK_DIR)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"compact-{table}-{run_id}.lock"), "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _live(catalog: Catalog, table: str, run_id: str) -> list[FileInfo]:
-    for attempt in range(50):
-        try:
-            return catalog.live_files(table, run_id)
-        except Vanished:
-            time.sleep(0.01 * attempt)
-    raise RuntimeError(f"files of {table}/{run_id} kept vanishing")
+def compacted_name() -> str:
+    return f"{COMPACTED_PREFIX}{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
 
 
 def _groups(small: list[FileInfo], target_rows: int) -> list[list[FileInfo]]:
@@ -113,123 +98,163 @@ def _groups(small: list[FileInfo], target_rows: int) -> list[list[FileInfo]]:
     return [g for g in groups if len(g) >= 2]
 
 
-def _delete_sources(folder: str, names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, name))
+def _merge(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
+           row_group_rows: int) -> delta.PartFile:
+    """Write the rows of `group`, sorted by the table's keys, as a new file of the run (uncommitted);
+    returns its PartFile (rows and stats from the footer written).
 
-
-def _merge(con: duckdb.DuckDBPyConnection, table: str, group: list[FileInfo], tmp: str, row_group_rows: int,
-           metadata: dict[bytes, bytes]) -> int:
-    """Write the rows of `group`, sorted by the table's keys, to `tmp`; returns the rows in its footer.
-
-    DuckDB sorts within its memory limit (spilling if it must); pyarrow writes, so the merged
-    file has page checksums like every other file of the store (DuckDB's writer has none). Row
-    groups hold `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES.
+    DuckDB sorts within its memory limit (spilling if it must); pyarrow writes, so the merged file
+    has page checksums like every other file of the store (DuckDB's writer has none). Row groups
+    hold `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES. The file
+    has every column of the table's schema but `run_id` (in the folder name), as the writer's do.
     """
-    schemas = [pq.read_schema(i.path) for i in group]
-    con.read_parquet([i.path for i in group], hive_partitioning=False,
-                     union_by_name=len({i.columns for i in group}) > 1).create_view("sources", replace=True)
+    location = catalog.location
+    if location.is_local:
+        relation = con.read_parquet([i.path for i in group], hive_partitioning=False,
+                                    union_by_name=len({i.columns for i in group}) > 1)
+    else:
+        import pyarrow.dataset as ds
+
+        relation = con.from_arrow(ds.dataset([i.path for i in group], format="parquet",
+                                             filesystem=catalog.filesystem))
+    relation.create_view("sources", replace=True)
+    present = set().union(*(i.columns for i in group))
+    fields = [f for f in SCHEMAS[table] if f.name != delta.PARTITION_COLUMN]
+    columns = ", ".join(f'"{f.name}"' for f in fields if f.name in present)
     order = f" ORDER BY {SORT_KEYS[table]}" if table in SORT_KEYS else ""
-    reader = con.sql(f"SELECT * FROM sources{order}").to_arrow_reader(min(row_group_rows, 64 * 1024))
-    # DuckDB's Arrow types differ in names only (list items, time zone spelling): write the sources' own.
-    unified = pa.unify_schemas([s.remove_metadata() for s in schemas], promote_options="permissive")
-    schema = pa.schema([unified.field(name) for name in reader.schema.names], metadata=metadata)
+    reader = con.sql(f"SELECT {columns} FROM sources{order}").to_arrow_reader(min(row_group_rows, 64 * 1024))
+    schema = pa.schema(fields)
+    name = compacted_name()
+    relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
+    path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)
     pending: list[pa.RecordBatch] = []
     rows = size = 0
-    with pq.ParquetWriter(tmp, schema, **parquet_options(schema.names)) as writer:
-        for batch in reader:
-            batch = batch.cast(schema)
-            pending.append(batch)
-            rows, size = rows + batch.num_rows, size + batch.nbytes
-            while rows >= row_group_rows or (rows and size >= COMPACT_ROW_GROUP_BYTES):
-                held = pa.Table.from_batches(pending, schema)
-                take = min(rows, row_group_rows)
-                writer.write_table(held.slice(0, take), row_group_size=take)
-                rest = held.slice(take)
-                pending, rows, size = rest.to_batches(), rest.num_rows, rest.nbytes
-        if rows:
-            writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=rows)
-    return pq.read_metadata(tmp).num_rows
+
+    def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
+        # DuckDB's Arrow types differ in names only (list items, time zone spelling): write the schema's own.
+        arrays = [batch.column(f.name).cast(f.type) if f.name in present else pa.nulls(batch.num_rows, f.type)
+                  for f in fields]
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    with catalog.filesystem.open_output_stream(path) as stream:
+        writer = pq.ParquetWriter(stream, schema, **parquet_options(schema.names))
+        try:
+            for batch in reader:
+                batch = conform(batch)
+                pending.append(batch)
+                rows, size = rows + batch.num_rows, size + batch.nbytes
+                while rows >= row_group_rows or (rows and size >= COMPACT_ROW_GROUP_BYTES):
+                    held = pa.Table.from_batches(pending, schema)
+                    take = min(rows, row_group_rows)
+                    writer.write_table(held.slice(0, take), row_group_size=take)
+                    rest = held.slice(take)
+                    pending, rows, size = rest.to_batches(), rest.num_rows, rest.nbytes
+            if rows:
+                writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=rows)
+        finally:
+            writer.close()
+        written = stream.tell()
+        footer = writer.writer.metadata
+    if location.is_local:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return delta.PartFile(relative, written, footer.num_rows, run_id, delta.file_stats(footer))
 
 
-def compact_run(root: str | os.PathLike, table: str, run_id: str, target_rows: int = COMPACT_FILE_ROWS,
-                row_group_rows: int = COMPACT_ROW_GROUP_ROWS, grace_s: float = 2.0,
-                memory_limit: str = "4GB") -> CompactResult:
-    """Merge the small live files of one table of one run; see the module docstring.
+def _delete(catalog: Catalog, table: str, parts: Sequence[delta.PartFile]) -> None:
+    """Delete files no version names (merged files whose commit was not made)."""
+    for part in parts:
+        with contextlib.suppress(OSError):
+            catalog.filesystem.delete_file(catalog.full_path(table, part))
 
-    Returns what was done. Raises OSError when the disk cannot take the merged file (nothing
-    is changed then) and RuntimeError when the merged rows do not add up (nothing is published).
+
+def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catalog | None = None,
+                target_rows: int = COMPACT_FILE_ROWS, row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
+                memory_limit: str = "4GB", attempts: int = COMMIT_ATTEMPTS) -> CompactResult:
+    """Merge the small files of one table of one run; see the module docstring.
+
+    Returns what was done. Raises OSError or StoreError when the storage refuses the merged file
+    or the commit (nothing is changed then: the merged files are deleted), and RuntimeError when
+    the merged rows do not add up (nothing is committed).
     """
-    root = os.fspath(root)
-    folder = run_folder(root, table, run_id)  # checks both names before the lock file is named after them
+    catalog = catalog if catalog is not None else Catalog(location)
     result = CompactResult(table, run_id)
-    with _lock(root, table, run_id) as locked:
-        if not locked:
-            result.skipped = "another compaction of this run is in progress"
+    app = REWRITE_APP.format(table=table)
+    for _ in range(attempts):
+        seen = app_version(location, table, app)  # before the snapshot: see store.catalog.app_version
+        snap = delta.snapshot(location, table)
+        if snap is None:
+            result.skipped = "no such table"
             return result
-        catalog = Catalog(root)
-        live = _live(catalog, table, run_id)
-        # Sources a crashed compaction published over but did not delete: excluded already.
-        for info in live:
-            leftovers = [n for n in info.replaces if os.path.exists(os.path.join(folder, n))]
-            if leftovers:
-                time.sleep(max(0.0, grace_s - (time.time() - os.path.getmtime(info.path))))
-                _delete_sources(folder, leftovers)
-        small = sorted((i for i in live if i.rows < target_rows // 2), key=lambda i: os.path.getmtime(i.path))
-        groups = _groups(small, target_rows)
+        small = [p for p in snap.files if p.run_id == run_id and p.rows < target_rows // 2]
+        checked = [info for p in small if (info := catalog.check(table, p)) is not None]  # bad ones: quarantined
+        groups = _groups(checked, target_rows)
         if not groups:
             result.skipped = "nothing to merge"
             return result
         con = connect(memory_limit=memory_limit, preserve_insertion_order=True)
-        published: list[list[str]] = []
+        merged: list[tuple[list[FileInfo], delta.PartFile]] = []
         try:
             for group in groups:
-                name = compacted_name()
-                tmp = tmp_path(os.path.join(folder, name))
-                names = sorted(os.path.basename(i.path) for i in group)
-                try:
-                    merged_rows = _merge(con, table, group, tmp, row_group_rows, encode_replaces(names))
-                    expected = sum(i.rows for i in group)
-                    if merged_rows != expected:
-                        raise RuntimeError(f"merged {merged_rows} rows of {table}/{run_id}, expected {expected}")
-                    with open(tmp, "rb") as f:
-                        os.fsync(f.fileno())
-                    os.replace(tmp, os.path.join(folder, name))
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)
-                    raise
-                published.append(names)
-                result.written_files.append(os.path.join(folder, name))
-                result.merged_files += len(group)
-                result.rows += expected
+                part = _merge(con, catalog, table, run_id, group, row_group_rows)
+                merged.append((group, part))
+                expected = sum(i.rows for i in group)
+                if part.rows != expected:
+                    raise RuntimeError(f"merged {part.rows} rows of {table}/{run_id}, expected {expected}")
+            adds = [part for _, part in merged]
+            removes = [info.part for group, _ in merged for info in group]
+            version = delta.commit(location, table, adds=adds, removes=removes, data_change=False,
+                                   app=(app, seen + 1))
+            committed = delta.snapshot(location, table, version)
+        except BaseException:
+            _delete(catalog, table, [part for _, part in merged])
+            raise
         finally:
             con.close()
-            if published:
-                time.sleep(grace_s)  # readers that listed just before the swap finish listing
-                for names in published:
-                    _delete_sources(folder, names)
+        if committed is not None and {p.path for p in adds} <= {p.path for p in committed.files}:
+            result.version = version
+            result.written_files = [display(location, catalog.full_path(table, p)) for p in adds]
+            result.merged_files = len(removes)
+            result.rows = sum(p.rows for p in adds)
+            return result
+        # another compaction, a prune or a quarantine made from the same version committed first
+        log.info("moescope compact: %s/%s changed under the merge (another compaction?); merging again",
+                 location.redacted, table)
+        _delete(catalog, table, adds)
+    result.skipped = "other commits that remove files kept coming first; run compact again"
     return result
 
 
-def compact(root: str | os.PathLike, run_id: str | None = None, tables: tuple[str, ...] | None = None,
+def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None, tables: tuple[str, ...] | None = None,
             target_rows: int = COMPACT_FILE_ROWS, row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
-            grace_s: float = 2.0, tmp_older_than_s: float = 900.0) -> list[CompactResult]:
-    """Compact every table of one run (or of every run); also removes stale temporary files.
+            retention_hours: float | None = DEFAULT_RETENTION_HOURS,
+            storage_options: Mapping[str, Any] | Sequence[str] | None = None) -> list[CompactResult]:
+    """Compact every table of one run (or of every run), then vacuum the tables it changed:
+    removed files older than `retention_hours` are deleted (None: no vacuum).
 
     Returns one CompactResult per (table, run) looked at. Raises InvalidNameError for a run id
-    not of `store.layout.NAME_FORM`.
+    not of `store.layout.NAME_FORM`, LegacyStoreError for a store of the previous release,
+    StoreError when the storage cannot be read or written.
     """
-    root = os.fspath(root)
+    location = open_location(store, storage_options)
     if run_id is not None:
         check_name("run_id", run_id)
+    delta.check_store(location)
+    catalog = Catalog(location)
     results = []
     for table in tables or TABLES:
-        for run in ([run_id] if run_id else list_runs(root, table)):
-            if os.path.isdir(run_folder(root, table, run)):
-                results.append(compact_run(root, table, run, target_rows, row_group_rows, grace_s))
-    clean_tmp(root, tmp_older_than_s)
+        snap = delta.snapshot(location, table)
+        if snap is None:
+            continue
+        runs = [run_id] if run_id else sorted({p.run_id for p in snap.files})
+        table_results = [compact_run(location, table, run, catalog, target_rows, row_group_rows) for run in runs
+                         if any(p.run_id == run for p in snap.files)]
+        results += table_results
+        if retention_hours is not None and any(r.merged_files for r in table_results):
+            delta.vacuum(location, table, retention_hours)
     return results
 
 
@@ -244,47 +269,85 @@ def parse_age(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def _tables(root: str | os.PathLike) -> list[str]:
-    """Table folders of a store (not `_quarantine`, `_locks`, nor a folder whose name is not a table's)."""
-    return [name for name in sorted(os.listdir(root))
-            if is_valid_name(name, "table") and os.path.isdir(os.path.join(root, name))]
-
-
-def run_last_write(root: str | os.PathLike, run_id: str) -> float:
-    """Newest modification time of any file of a run, over all tables (0 if none)."""
-    newest = 0.0
-    for table in _tables(root):
-        folder = run_folder(root, table, run_id)
-        if not os.path.isdir(folder):
-            continue
-        for entry in os.scandir(folder):
-            newest = max(newest, entry.stat().st_mtime)
+def run_last_commits(location: StoreLocation) -> dict[str, float]:
+    """Per run, the newest commit time (seconds since the epoch) of any of its live files, over all
+    tables. Raises StoreError when the storage cannot be read."""
+    newest: dict[str, float] = {}
+    for table in TABLES:
+        for run_id, at in _file_times(location, table).items():
+            newest[run_id] = max(newest.get(run_id, 0.0), at)
     return newest
 
 
-def prune(root: str | os.PathLike, older_than_s: float, dry_run: bool = False,
-          now: float | None = None) -> list[str]:
-    """Remove every run whose newest file is older than `older_than_s`; returns their ids.
+def _file_times(location: StoreLocation, table: str) -> dict[str, float]:
+    """Per run, the newest add time of its live files in one table."""
+    # store.delta's PartFile has no add time yet: the table's add actions are read from its cached
+    # table the way store.delta reads its snapshot (under the table's lock, brought up to date).
+    try:
+        cached = delta._open(location, table, create=False)
+        if cached is None:
+            return {}
+        with cached.lock:
+            cached.dt.update_incremental()
+            actions = pa.table(cached.dt.get_add_actions(flatten=True))
+    except OSError as e:
+        raise delta.StoreError(f"moescope store: cannot read the log of {location.redacted}/{table}: {e}") from e
+    if not actions.num_rows:
+        return {}
+    runs = actions.column(f"partition.{delta.PARTITION_COLUMN}").to_pylist()
+    times = actions.column("modification_time").cast(pa.int64()).to_pylist()
+    newest: dict[str, float] = {}
+    for run_id, at in zip(runs, times):
+        newest[run_id] = max(newest.get(run_id, 0.0), at / 1000.0)
+    return newest
 
-    A run still being written keeps getting new files, so it is never pruned. Each table's run
-    folder is first renamed into `<root>/_trash` (atomic per table), then deleted; a reader with
-    stale views refreshes when a file vanishes. The quarantine folder is left to the user.
+
+def delete_runs(location: StoreLocation, run_ids: Sequence[str], attempts: int = COMMIT_ATTEMPTS) -> int:
+    """Remove every file of `run_ids` from every table (one commit per table that holds any);
+    returns the files removed. Writers that still append to one of these runs add new files, which
+    are not removed. Raises StoreError when a commit is refused."""
+    doomed = set(run_ids)
+    removed = 0
+    for table in TABLES:
+        app = REWRITE_APP.format(table=table)
+        for _ in range(attempts):
+            seen = app_version(location, table, app)
+            snap = delta.snapshot(location, table)
+            parts = [p for p in snap.files if p.run_id in doomed] if snap is not None else []
+            if not parts:
+                break
+            version = delta.commit(location, table, removes=parts, app=(app, seen + 1))
+            after = delta.snapshot(location, table, version)
+            if after is not None and not {p.path for p in parts} & {p.path for p in after.files}:
+                removed += len(parts)
+            # else: a compaction made from the same version came first; look again
+    return removed
+
+
+def prune(store: str | os.PathLike | StoreLocation, older_than_s: float, dry_run: bool = False,
+          now: float | None = None, retention_hours: float = DEFAULT_RETENTION_HOURS,
+          storage_options: Mapping[str, Any] | Sequence[str] | None = None) -> list[str]:
+    """Delete every run whose newest file was committed more than `older_than_s` ago; returns their ids.
+
+    A run still being written keeps committing files, so it is never pruned. The runs' files are
+    removed from every table (a Delta commit per table), then each table is vacuumed: files removed
+    more than `retention_hours` ago (by this prune, an earlier one, or compaction) are deleted, so
+    the storage shrinks by this prune's files only once a later prune or compact runs after the
+    retention. The quarantine folder is left to the user. Raises StoreError when the storage
+    refuses, LegacyStoreError for a store of the previous release.
     """
-    root = os.fspath(root)
+    location = open_location(store, storage_options)
+    if retention_hours < 0:
+        raise ValueError(f"the retention must be >= 0 hours, not {retention_hours}")
+    delta.check_store(location)
     now = time.time() if now is None else now
-    runs = sorted({run for table in _tables(root) for run in list_runs(root, table)})
-    old = [run for run in runs if now - run_last_write(root, run) > older_than_s]
+    old = sorted(run for run, at in run_last_commits(location).items() if now - at > older_than_s)
     if dry_run:
         return old
-    trash = os.path.join(root, "_trash", uuid.uuid4().hex)
-    for run in old:
-        for table in _tables(root):
-            folder = run_folder(root, table, run)
-            if not os.path.isdir(folder):
-                continue
-            target = os.path.join(trash, table, os.path.basename(folder))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.replace(folder, target)
-        log.info("moescope: pruned run %s from %s", run, root)
-    shutil.rmtree(trash, ignore_errors=True)
+    if old:
+        delete_runs(location, old)
+        for run in old:
+            log.info("moescope: pruned run %s from %s", run, location.redacted)
+    for table in TABLES:
+        delta.vacuum(location, table, retention_hours)
     return old

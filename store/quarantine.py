@@ -1,14 +1,19 @@
-"""Bad files: detected, moved aside with the reason, listed; never deleted.
+"""Bad files: detected, copied aside with the reason, taken out of their table, counted; never deleted.
 
-A Parquet file can be bad because it was copied in by hand half-way, written by a disk that
-filled up, or damaged later (bit rot). Readers check every new file when they first list it: its
-footer, then every page against the CRC-32 checksum the writer stored (a read through the file,
-about as costly as one query over all its columns, once per file per reader). A file that still
-makes a query fail is read through again, by DuckDB too. A bad file is moved to
-`<root>/_quarantine/<table>/run_id=<id>/<name>` with a `<name>.reason.json` beside it, a warning
-is logged with both paths, and the rest of the store stays queryable. On a full or read-only disk
-a bad file that cannot be moved stays where it is, with a warning, and readers skip it. The user
-decides what to do with what is in quarantine; nothing here deletes it.
+A Parquet file can be bad because a disk or a bucket damaged it after it was written (bit rot), or
+because something wrote over it by hand. Readers check every file of a snapshot when they first see
+it: its footer, then every page against the CRC-32 checksum the writer stored (a read through the
+file, about as costly as one query over all its columns, once per file per reader). A file that
+still makes a query fail is read through again, by DuckDB too.
+
+A bad file is copied to `<store>/_quarantine/<table>/run_id=<id>/<name>` with a `<name>.reason.json`
+beside it, a warning (`BadFileWarning`) names both, and the file is taken out of its table by a
+Delta commit that removes it (`store.catalog.Catalog.reject`); its rows are counted as lost in
+`probe_stats` (reason `quarantined`). The original stays in the table's folder until `vacuum`
+deletes it with the other removed files: readers of older snapshots are never cut off. Where the
+copy cannot be made (a full or read-only disk), nothing is removed: the file stays in its table,
+this reader skips it with a warning, and the next reader tries again. The user decides what to do
+with what is in quarantine; nothing here deletes it.
 """
 
 from __future__ import annotations
@@ -20,95 +25,170 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow.parquet as pq
 
 from moescope.store.layout import QUARANTINE_DIR
+from moescope.store.location import StoreLocation
 
 log = logging.getLogger(__name__)
 REASON_SUFFIX = ".reason.json"
 
 
 class BadFileWarning(UserWarning):
-    """A Parquet file in the store was unreadable and has been moved to quarantine."""
+    """A Parquet file in the store was unreadable and has been copied to quarantine (or is skipped)."""
 
 
 @dataclass(frozen=True)
 class QuarantinedFile:
-    path: str  # where it is now, under <root>/_quarantine
-    original_path: str  # where it was
+    path: str  # where the copy is, under <store>/_quarantine (a local path, or a URL)
+    original_path: str  # where the file was in its table (a local path, or a URL)
     reason: str
     moved_at: str  # ISO time, UTC
 
 
-def deep_check(path: str) -> str | None:
+def deep_check(path: str, filesystem: Any = None) -> str | None:
     """Read a file through, every page checked against its checksum; the error text, or None if it reads.
 
-    Each column of each row group must also read back as many rows as the footer says: the
-    checksum covers a page's data, not its header, and a damaged value count in a header can make
-    a reader return fewer values without an error. Pages written without a checksum (files from
-    before checksums, other writers) are read but cannot be checked. Reads column by column in
-    batches, so a wide row group is never held whole.
+    `path` is a local path, or a path of `filesystem` (a pyarrow filesystem: object storage). Each
+    column of each row group must also read back as many rows as the footer says: the checksum
+    covers a page's data, not its header, and a damaged value count in a header can make a reader
+    return fewer values without an error. Pages written without a checksum (other writers) are read
+    but cannot be checked. Reads column by column in batches, so a wide row group is never held whole.
+    A file that is not there is not bad (None): a snapshot's files are only gone once vacuumed.
     """
     try:
-        file = pq.ParquetFile(path, page_checksum_verification=True)
-        for group in range(file.metadata.num_row_groups):
-            expected = file.metadata.row_group(group).num_rows
-            for column in file.schema_arrow.names:
-                batches = file.iter_batches(batch_size=64 * 1024, row_groups=[group], columns=[column])
-                rows = sum(batch.num_rows for batch in batches)
-                if rows != expected:
-                    return f"column {column!r} of row group {group} holds {rows} rows, its footer says {expected}"
+        with _open_input(path, filesystem) as source:
+            file = pq.ParquetFile(source, page_checksum_verification=True)
+            for group in range(file.metadata.num_row_groups):
+                expected = file.metadata.row_group(group).num_rows
+                for column in file.schema_arrow.names:
+                    batches = file.iter_batches(batch_size=64 * 1024, row_groups=[group], columns=[column])
+                    rows = sum(batch.num_rows for batch in batches)
+                    if rows != expected:
+                        return f"column {column!r} of row group {group} holds {rows} rows, its footer says {expected}"
     except FileNotFoundError:
-        return None  # gone (compacted or pruned meanwhile): not bad, just not there
+        return None
     except Exception as e:  # pyarrow raises several types for a damaged file
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def quarantine(root: str | os.PathLike, path: str, reason: str) -> str | None:
-    """Move `path` into the quarantine folder; returns the new path, or None if it was not moved.
+def _open_input(path: str, filesystem: Any) -> Any:
+    if filesystem is None:
+        return open(path, "rb")
+    return filesystem.open_input_file(path)
 
-    Never raises for the disk: a file that vanished meanwhile is left alone (another reader moved
-    it, or it was compacted away); one that cannot be moved (full or read-only disk) stays in place
-    with a warning, and the caller skips it. A reason that cannot be saved beside a moved file is
-    in the warning only; no partial reason file is left behind.
+
+def quarantine_path(location: StoreLocation, table: str, relative: str) -> str:
+    """Where a table's file `relative` (`run_id=<id>/<name>`) is copied: a path of `location.filesystem()`."""
+    return location.join(QUARANTINE_DIR, table, *relative.split("/"))
+
+
+def display(location: StoreLocation, path: str) -> str:
+    """A path of the location's filesystem as messages show it: local as is, object storage as a URL."""
+    return path if location.is_local else f"{location.scheme}://{path}"
+
+
+def copy_to_quarantine(location: StoreLocation, filesystem: Any, table: str, relative: str,
+                       reason: str) -> str | None:
+    """Copy a table's file into the quarantine folder with its reason; the copy's path (as messages
+    show it), or None when it could not be copied (then the caller must leave the file in its table).
+
+    Never raises for the storage: a file that is gone (vacuumed meanwhile) is left alone; one that
+    cannot be copied (full or read-only disk, refused request) gets a warning saying it is skipped.
+    A reason that cannot be saved beside a copy is in the warning only; no partial reason file is
+    left behind. A copy already there (another reader found the file first) is kept, not doubled.
     """
-    root = os.fspath(root)
-    target = os.path.join(root, QUARANTINE_DIR, os.path.relpath(path, root))
+    source = location.join(table, *relative.split("/"))
+    target = quarantine_path(location, table, relative)
+    shown = display(location, source)
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.exists(target):
-            stem, ext = os.path.splitext(target)
-            target = f"{stem}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S%f}{ext}"
-        os.replace(path, target)
+        if location.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not _exists(filesystem, target):
+            _copy(location, filesystem, source, target)
+    except FileNotFoundError:
+        return None
     except OSError as e:
-        if not os.path.exists(path):
-            return None
-        _warn(f"moescope store: unreadable file {path} could not be moved to quarantine ({e}); it stays "
-              f"where it is and readers skip it ({reason}). Free space on the disk (or make the store writable) "
-              f"and open the store again to move it.")
+        _warn(f"moescope store: unreadable file {shown} could not be moved to quarantine ({e}); it stays in its "
+              f"table and readers skip it ({reason}). Free space on the disk (or make the store writable) and open "
+              f"the store again to move it.")
         return None
     moved_at = dt.datetime.now(dt.timezone.utc).isoformat()
-    saved = _write_reason(target, {"original_path": path, "reason": reason, "moved_at": moved_at})
-    _warn(f"moescope store: unreadable file {path} moved to {target} ({reason})"
+    saved = _write_reason(filesystem, target, {"original_path": shown, "reason": reason, "moved_at": moved_at})
+    copy = display(location, target)
+    _warn(f"moescope store: unreadable file {shown} moved to {copy} ({reason}); it is out of its table and its rows "
+          f"are counted as lost in probe_stats (reason 'quarantined')"
           + ("" if saved is None else f"; the reason could not be saved beside it: {saved}"))
-    return target
+    return copy
 
 
-def _write_reason(target: str, reason: dict) -> OSError | None:
-    """Write `<target>.reason.json` through a temporary name; the error, or None when it was written."""
-    final = target + REASON_SUFFIX
-    tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(final) + ".inprogress")
+def _exists(filesystem: Any, path: str) -> bool:
+    from pyarrow import fs as pafs
+
+    return filesystem.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def _copy(location: StoreLocation, filesystem: Any, source: str, target: str) -> None:
+    """Copy `source` to `target`. On a local disk a hard link (no space needed, so a full disk can
+    still quarantine; the data stay when vacuum deletes the table's name), else a copy through a
+    temporary name, so a crash leaves no half copy under the final name. Object storage writes an
+    object whole or not at all."""
+    if not location.is_local:
+        filesystem.copy_file(source, target)
+        return
     try:
-        with open(tmp, "w") as f:
-            json.dump(reason, f)
-        os.replace(tmp, final)
-    except OSError as e:
+        os.link(source, target)
+        return
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        raise
+    except OSError:
+        pass  # a file system without hard links
+    tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(target) + ".inprogress")
+    try:
+        with open(source, "rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, target)
+    except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        raise
+
+
+def _write_reason(filesystem: Any, target: str, reason: dict) -> OSError | None:
+    """Write `<target>.reason.json` whole; the error, or None when it was written."""
+    final = target + REASON_SUFFIX
+    data = json.dumps(reason).encode()
+    if isinstance(filesystem, _local_type()):
+        tmp = os.path.join(os.path.dirname(target), "." + os.path.basename(final) + ".inprogress")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            return e
+        return None
+    try:
+        with filesystem.open_output_stream(final) as f:
+            f.write(data)
+    except OSError as e:
         return e
     return None
+
+
+def _local_type() -> type:
+    from pyarrow import fs as pafs
+
+    return pafs.LocalFileSystem
 
 
 def _warn(message: str) -> None:
@@ -116,21 +196,31 @@ def _warn(message: str) -> None:
     warnings.warn(message, BadFileWarning, stacklevel=4)
 
 
-def quarantined(root: str | os.PathLike) -> list[QuarantinedFile]:
-    """Every file in the store's quarantine folder, with why and when it was moved there."""
-    base = os.path.join(os.fspath(root), QUARANTINE_DIR)
+def quarantined(location: StoreLocation, filesystem: Any = None) -> list[QuarantinedFile]:
+    """Every file in the store's quarantine folder, with why and when it was put there."""
+    from pyarrow import fs as pafs
+
+    filesystem = filesystem if filesystem is not None else location.filesystem()
+    base = location.join(QUARANTINE_DIR)
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=True))
+    except OSError as e:
+        log.warning("moescope store: cannot list the quarantine folder %s: %s", display(location, base), e)
+        return []
+    names = {info.path for info in infos if info.type == pafs.FileType.File}
     found = []
-    for folder, _, names in os.walk(base):
-        for name in sorted(names):
-            if name.endswith(REASON_SUFFIX) or name.startswith("."):
-                continue
-            path = os.path.join(folder, name)
+    for path in sorted(names):
+        name = path.rsplit("/", 1)[-1]
+        if name.endswith(REASON_SUFFIX) or name.startswith("."):
+            continue
+        info: dict = {"original_path": "", "reason": "unknown (not saved: the disk may have been full)",
+                      "moved_at": ""}
+        if path + REASON_SUFFIX in names:
             try:
-                with open(path + REASON_SUFFIX) as f:
-                    info = json.load(f)
+                with filesystem.open_input_stream(path + REASON_SUFFIX) as f:
+                    info = json.loads(f.read())
             except (OSError, ValueError):
-                info = {"original_path": "", "reason": "unknown (not saved: the disk may have been full)",
-                        "moved_at": ""}
-            found.append(QuarantinedFile(path=path, original_path=info.get("original_path", ""),
-                                         reason=info.get("reason", ""), moved_at=info.get("moved_at", "")))
+                pass
+        found.append(QuarantinedFile(path=display(location, path), original_path=info.get("original_path", ""),
+                                     reason=info.get("reason", ""), moved_at=info.get("moved_at", "")))
     return sorted(found, key=lambda q: q.path)

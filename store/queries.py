@@ -436,12 +436,13 @@ class StoreQueries:
     def probe_stats(self, run_id: str) -> pd.DataFrame:
         """Rows written and dropped per table and reason, over all writers of a run.
 
-        Each writer (rank, pid) writes cumulative snapshots; this sums the latest of each.
-        Columns: table_name, reason (None on the written row), written_rows, dropped_rows,
-        dropped_records.
+        Each writer (host, rank, pid) writes cumulative snapshots; this sums the latest of each.
+        Rows of files a reader quarantined are counted under reason 'quarantined', one counter per
+        file (rank -1, no host, pid a hash of the file: see `store.catalog.count_lost`). Columns:
+        table_name, reason (None on the written row), written_rows, dropped_rows, dropped_records.
         """
         return self.sql("""
-            WITH latest AS (SELECT *, max(ts) OVER (PARTITION BY rank, pid) AS last_ts
+            WITH latest AS (SELECT *, max(ts) OVER (PARTITION BY host, rank, pid) AS last_ts
                             FROM probe_stats WHERE run_id = ?)
             SELECT table_name, reason, sum(written_rows)::BIGINT AS written_rows,
                    sum(dropped_rows)::BIGINT AS dropped_rows, sum(dropped_records)::BIGINT AS dropped_records

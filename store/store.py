@@ -1,18 +1,26 @@
-"""Reading a store: DuckDB views over the live Parquet files, and typed queries on top.
+"""Reading a store: DuckDB views over one Delta snapshot per table, and typed queries on top.
 
-Every table of `store.schema` (and any other table folder found in the store) is a view named
-after it, over the files `Catalog` says are live: complete, checked (footer, page checksums),
-not replaced by a compacted file. A table with no file yet is an empty view of the right schema,
-so a query over a new or empty store answers with no rows ("no data yet") instead of failing.
-Every value that comes from a user goes into the SQL as a `?` parameter. The connection reads
-only the store's folder and runs only SELECTs (`connect`, `check_read_only`).
+Every table of `store.schema` is a view named after it, over the files of the table's latest
+version when the view was made (`refresh()`): `store.delta.snapshot` says which files are live (no
+folder is listed), and `Catalog` checks each (footer, page checksums) before it joins a view. A
+table with no Delta table yet is an empty view of the right schema, so a query over a new or empty
+store answers with no rows ("no data yet") instead of failing. Columns are the schema's, in its
+order (`run_id` comes from the folder name: hive partitioning), and a column a file predates reads
+as null. Every value that comes from a user goes into the SQL as a `?` parameter.
 
-Sharp edges: the views hold the file list of the last `refresh()`. A file that vanished since
-(compacted, pruned) makes DuckDB fail; `Store` then refreshes and runs the query again, so a
-query always answers from one consistent set of files. A file that fails to read is checked
-through (by pyarrow and by DuckDB), taken out of the views if it is bad, and the query runs
+Local store: the views read the snapshot's files with `read_parquet`, and the connection reads
+only the store's folder and runs only SELECTs (`connect`, `check_read_only`). Object storage: each
+view is a pyarrow dataset over the snapshot's files (pyarrow's filesystem, credentials from the
+environment chain) that DuckDB scans with filter and projection pushdown; the connection reads no
+file at all itself.
+
+Sharp edges: the views hold the versions of the last `refresh()`. Files a compaction or prune
+removed since stay on the storage until `vacuum` deletes them after its retention (one hour by
+default), so a reader that refreshes more often than that never loses a file under its views; one
+that does not gets a StoreError naming the missing file. A file that fails to read is checked
+through (by pyarrow, and by DuckDB for a local store), quarantined if it is bad, and the query runs
 again without it. Each file is checked once per Store: damage that happens to a file after this
-reader checked it, without changing its size or mtime, is not seen until the next Store.
+reader checked it, without changing its size (or, locally, its mtime), is not seen until the next Store.
 """
 
 from __future__ import annotations
@@ -20,16 +28,17 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import duckdb
 import pandas as pd
 import pyarrow as pa
 
-from moescope.store.catalog import Catalog, FileInfo
+from moescope.store import delta
+from moescope.store.catalog import Catalog, FileInfo, TableFiles
 from moescope.store.errors import EmptyStoreError, QueryError, StoreError
-from moescope.store.layout import TABLE_FORM, is_valid_name, list_parts
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.quarantine import QuarantinedFile, deep_check, quarantined
 from moescope.store.queries import StoreQueries
 from moescope.store.reports import ReportQueries
@@ -39,24 +48,29 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 QUERY_ATTEMPTS = 6
+PARTITION = delta.PARTITION_COLUMN
 
 
-def connect(read_only_root: str | None = None, **settings: object) -> duckdb.DuckDBPyConnection:
+def connect(read_only_root: str | None = None, *, read_no_files: bool = False,
+            **settings: object) -> duckdb.DuckDBPyConnection:
     """The one place connections are opened: in-memory (the data are the Parquet files), UTC.
 
-    Footers are cached between queries: files are immutable once they have their final name.
-    `settings` are DuckDB settings (e.g. memory_limit="4GB"). With `read_only_root` (an absolute
-    folder) the connection is locked to reading that folder: no file outside it can be read or
-    written, no database attached, no extension installed or loaded, and no setting changed
-    afterwards. Writes inside the folder (`COPY ... TO`) are refused by `check_read_only`.
+    Footers are cached between queries: a table's files are immutable once committed. `settings`
+    are DuckDB settings (e.g. memory_limit="4GB"). With `read_only_root` (an absolute folder) the
+    connection is locked to reading that folder: no file outside it can be read or written, no
+    database attached, no extension installed or loaded, and no setting changed afterwards. With
+    `read_no_files` it is locked the same way with no folder at all (a store on object storage,
+    whose views are datasets that pyarrow reads). Writes inside the folder (`COPY ... TO`) are
+    refused by `check_read_only`.
     """
     con = duckdb.connect(":memory:")
     con.execute("SET TimeZone = 'UTC'")
     con.execute("SET parquet_metadata_cache = true")
     for name, value in settings.items():
         con.execute(f"SET {name} = ?", [value])
-    if read_only_root is not None:
-        con.execute("SET allowed_directories = ?", [[os.path.join(read_only_root, "")]])
+    if read_only_root is not None or read_no_files:
+        folders = [os.path.join(read_only_root, "")] if read_only_root is not None else []
+        con.execute("SET allowed_directories = ?", [folders])
         con.execute("SET enable_external_access = false")
         con.execute("SET autoinstall_known_extensions = false")
         con.execute("SET autoload_known_extensions = false")
@@ -98,82 +112,133 @@ def map_error(error: duckdb.Error, root: str) -> StoreError:
                           duckdb.InvalidInputException)) and "parquet" not in str(error).lower():
         return QueryError(f"query over the store {root!r} is not valid: {error}. Tables: "
                           + ", ".join(sorted(SCHEMAS)) + ", e.g. `SELECT * FROM runs`")
+    if isinstance(error, duckdb.IOException) and "no files found" in str(error).lower():
+        return StoreError(f"query over the store {root!r} failed: a file of the table versions this reader holds is "
+                          f"gone ({error}). Files a compaction or prune removed are deleted once they are older than "
+                          f"the retention of `moescope prune` (default 1 h): call refresh() more often than that, or "
+                          f"open the store again")
     return StoreError(f"query over the store {root!r} failed: {error}")
 
 
-def data_version(root: str | os.PathLike) -> str:
-    """A fingerprint of a store's committed Parquet files: count, newest mtime and total size.
-
-    It changes whenever a writer renames a new part into place, so a reader (the dashboard) knows
-    when to refresh its views; '' when the folder is missing. Cheap: a listing and a stat per file.
-    """
-    root = os.fspath(root)
-    if not os.path.isdir(root):
+def data_version(store: str | os.PathLike | StoreLocation,
+                 storage_options: Mapping[str, Any] | Sequence[str] | None = None) -> str:
+    """The Delta version of every table of a store, as one string: it changes with every commit (a
+    writer's flush, a compaction, a prune), so a reader (the dashboard) knows when to refresh its
+    views; '' when a local store's folder is missing. Cheap: for a local store a listing of each
+    table's log folder, for object storage a look at each table's log since the last call.
+    Raises StoreError when object storage cannot be read."""
+    location = open_location(store, storage_options)
+    if location.is_local and not os.path.isdir(location.url):
         return ""
-    count, newest, size = 0, 0.0, 0
-    for table in sorted(os.listdir(root)):
-        if table.startswith(("_", ".")) or not is_valid_name(table, "table"):
-            continue
-        for path in list_parts(root, table):
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:  # compacted away between listing and stat
-                continue
-            count += 1
-            newest = max(newest, stat.st_mtime)
-            size += stat.st_size
-    return f"{count}:{newest:.6f}:{size}"
+    versions = []
+    for table in SCHEMAS:
+        version = _local_version(location, table) if location.is_local else _remote_version(location, table)
+        versions.append("-" if version is None else str(version))
+    return ":".join(versions)
+
+
+_LOG_ENTRY = re.compile(r"(\d{20})\.json")  # a commit; the latest version always has one
+
+
+def _local_version(location: StoreLocation, table: str) -> int | None:
+    """A local table's latest version, from its log folder's names (commits are `<version>.json`)."""
+    try:
+        names = os.listdir(os.path.join(location.url, table, "_delta_log"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    found = [int(m.group(1)) for name in names if (m := _LOG_ENTRY.fullmatch(name))]
+    return max(found) if found else None
+
+
+def _remote_version(location: StoreLocation, table: str) -> int | None:
+    snap = delta.snapshot(location, table)
+    return None if snap is None else snap.version
 
 
 class Store(StoreQueries, ReportQueries):
-    """A read-only view of a store folder. Call `refresh()` to see files written since opening.
+    """A read-only view of a store: a local folder, or a URL (s3://, gs://, az://) with its
+    `storage_options` (endpoint, region, ...; credentials come from the environment chain). Call
+    `refresh()` to see what was committed since opening.
 
-    Raises EmptyStoreError when `root` does not exist ("no data yet"). Every file is checked when
-    first seen (footer and page checksums; `verify=False`: footer only); bad files are moved to
-    `<root>/_quarantine` with a `BadFileWarning` (see `quarantined()`), or skipped where the disk
-    cannot take the move. The DuckDB connection reads only this folder and runs only SELECTs.
+    Raises EmptyStoreError when a local folder does not exist ("no data yet"), LegacyStoreError
+    (a StoreError) for a store written by a release before Delta tables (`moescope store upgrade
+    PATH` converts it), StoreAccessError (a StoreError) when a bucket is missing or the credentials
+    are refused. Every file is checked when first seen (footer and page checksums; `verify=False`:
+    footer only); a bad file is copied to `<store>/_quarantine`, removed from its table and its rows
+    counted as lost, with a `BadFileWarning` (see `quarantined()`), or skipped where the store cannot
+    take that. The DuckDB connection reads only the store and runs only SELECTs.
     """
 
-    def __init__(self, root: str | os.PathLike, quarantine_bad: bool = True, verify: bool = True):
-        self.root = os.path.abspath(os.fspath(root))
-        if not os.path.isdir(self.root):
+    def __init__(self, store: str | os.PathLike | StoreLocation,
+                 storage_options: Mapping[str, Any] | Sequence[str] | None = None,
+                 quarantine_bad: bool = True, verify: bool = True):
+        self.location = open_location(store, storage_options)
+        self.root = self.location.url  # a local folder, or the URL (never a secret: see StoreLocation)
+        if self.location.is_local and not os.path.isdir(self.root):
             raise EmptyStoreError(
-                f"no data yet: there is no store at {os.fspath(root)!r}: record a run first, e.g. "
-                f"`moescope.attach(model, store={os.fspath(root)!r})`, or `moescope demo`")
-        self.con = connect(read_only_root=self.root)
-        self.catalog = Catalog(self.root, quarantine_bad=quarantine_bad, verify=verify)
+                f"no data yet: there is no store at {self.root!r}: record a run first, e.g. "
+                f"`moescope.attach(model, store={self.root!r})`, or `moescope demo`")
+        delta.check_store(self.location)  # a store of the previous release, a missing bucket: say so now
+        if self.location.is_local:
+            self.con = connect(read_only_root=self.root)
+        else:
+            self.con = connect(read_no_files=True)
+        self.catalog = Catalog(self.location, quarantine_bad=quarantine_bad, verify=verify)
+        self.versions: dict[str, int | None] = {}
         self.files: dict[str, list[FileInfo]] = {}
+        self._datasets: dict[str, Any] = {}  # object storage: the pyarrow dataset behind each view
+        self._duckdb_types: dict[str, dict[str, str]] = {}
         self._deep_checked: set[tuple[str, int]] = set()
         self.refresh()
 
     # -- views ---------------------------------------------------------------------------------
 
     def tables(self) -> list[str]:
-        """Tables of the schema, plus any other table folder another component wrote."""
-        extra = []
-        for name in sorted(os.listdir(self.root)):
-            if name in SCHEMAS or name.startswith(("_", ".")) or not os.path.isdir(os.path.join(self.root, name)):
-                continue
-            if is_valid_name(name, "table"):
-                extra.append(name)
-            else:
-                log.warning("moescope store: skipping folder %r in %s: a table name must be %s", name, self.root,
-                            TABLE_FORM)
-        return list(SCHEMAS) + extra
+        """The store's tables: those of the schema (`store.schema.SCHEMAS`)."""
+        return list(SCHEMAS)
 
     def refresh(self) -> None:
-        """Re-create every view over the files live now (the one place views are made)."""
-        self.files = self.catalog.snapshot(tuple(self.tables()))
-        for table, infos in self.files.items():
-            if infos:
-                columns = {info.columns for info in infos}
-                relation = self.con.read_parquet([i.path for i in infos], hive_partitioning=False,
-                                                 union_by_name=len(columns) > 1)
-            elif table in SCHEMAS:
-                relation = self.con.from_arrow(SCHEMAS[table].empty_table())
-            else:
-                continue
-            relation.create_view(table, replace=True)
+        """Pin the latest version of every table and re-create the views over its files (the one
+        place views are made). Raises StoreError when the store cannot be read."""
+        snapshot = self.catalog.snapshot(tuple(self.tables()))
+        self.versions = {table: files.version for table, files in snapshot.items()}
+        self.files = {table: files.files for table, files in snapshot.items()}
+        for table, files in snapshot.items():
+            self._make_view(table, files)
+
+    def _make_view(self, table: str, files: TableFiles) -> None:
+        schema = SCHEMAS[table]
+        if not files.files:
+            self._datasets.pop(table, None)
+            self.con.from_arrow(schema.empty_table()).create_view(table, replace=True)
+            return
+        if not self.location.is_local:
+            import pyarrow.dataset as ds
+
+            dataset = ds.dataset([info.path for info in files.files], schema=schema, format="parquet",
+                                 filesystem=self.catalog.filesystem,
+                                 partitioning=ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive"),
+                                 partition_base_dir=self.location.join(table))
+            self._datasets[table] = dataset
+            self.con.from_arrow(dataset).create_view(table, replace=True)
+            return
+        present = {PARTITION}.union(*(info.columns for info in files.files))
+        types = self._types(table)
+        columns = [_ident(name) if name in present else f"NULL::{types[name]} AS {_ident(name)}"
+                   for name in schema.names]
+        columns += [_ident(name) for name in sorted(present - set(schema.names))]
+        paths = ", ".join(_literal(info.path) for info in files.files)
+        union = "true" if len({info.columns for info in files.files}) > 1 else "false"
+        self.con.execute(f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(columns)} FROM read_parquet("
+                         f"[{paths}], hive_partitioning = true, hive_types = {{'{PARTITION}': 'VARCHAR'}}, "
+                         f"union_by_name = {union})")
+
+    def _types(self, table: str) -> dict[str, str]:
+        """DuckDB's type of each column of a table's schema (for the nulls of a column no file has)."""
+        if table not in self._duckdb_types:
+            relation = self.con.from_arrow(SCHEMAS[table].empty_table())
+            self._duckdb_types[table] = {name: str(kind) for name, kind in zip(relation.columns, relation.types)}
+        return self._duckdb_types[table]
 
     @property
     def has_data(self) -> bool:
@@ -186,38 +251,40 @@ class Store(StoreQueries, ReportQueries):
         for attempt in range(QUERY_ATTEMPTS):
             try:
                 return fetch(self.con)
-            except duckdb.Error as error:
-                if attempt + 1 < QUERY_ATTEMPTS and (self._files_vanished() or self._quarantine_bad(error)):
+            except (duckdb.Error, OSError, pa.ArrowException) as error:
+                if attempt + 1 < QUERY_ATTEMPTS and self._quarantine_bad(error):
                     self.refresh()
                     continue
-                raise map_error(error, self.root) from error
+                if isinstance(error, duckdb.Error):
+                    raise map_error(error, self.location.redacted) from error
+                raise StoreError(f"query over the store {self.location.redacted!r} failed: {error}") from error
         raise AssertionError("unreachable")
 
-    def _files_vanished(self) -> bool:
-        return any(not os.path.exists(i.path) for infos in self.files.values() for i in infos)
-
-    def _quarantine_bad(self, error: duckdb.Error) -> bool:
-        """Read through the files a failed query may have tripped on; take bad ones out of the views."""
+    def _quarantine_bad(self, error: Exception) -> bool:
+        """Read through the files a failed query may have tripped on; take bad ones out of the store."""
         if isinstance(error, (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
                               duckdb.PermissionException)):
             return False  # the SQL is wrong, not a file (a damaged page may raise a bare duckdb.Error)
-        infos = [i for infos in self.files.values() for i in infos]
-        named = [i for i in infos if i.path in str(error)]
+        infos = [(table, i) for table, infos in self.files.items() for i in infos]
+        named = [(table, i) for table, i in infos if i.part.path in str(error) or i.path in str(error)]
+        filesystem = None if self.location.is_local else self.catalog.filesystem
         found = False
-        for info in named or infos:
+        for table, info in named or infos:
             key = (info.path, info.rows)
             if key in self._deep_checked:
                 continue
-            problem = deep_check(info.path) or self._duckdb_problem(info.path)
+            problem = deep_check(info.path, filesystem)
+            if problem is None and self.location.is_local:
+                problem = self._duckdb_problem(info.path)
             if problem is None:
                 self._deep_checked.add(key)
-            elif os.path.exists(info.path):
-                self.catalog.reject(info.path, f"unreadable data: {problem}")
+            else:
+                self.catalog.reject(table, info.part, f"unreadable data: {problem}")
                 found = True
         return found
 
     def _duckdb_problem(self, path: str) -> str | None:
-        """Read a file through with DuckDB; the error text, or None if it reads.
+        """Read a local file through with DuckDB; the error text, or None if it reads.
 
         A few damaged page headers pass pyarrow's checks (the checksum covers the page, not its
         header) but stop DuckDB: those files are bad for this store too.
@@ -248,13 +315,13 @@ class Store(StoreQueries, ReportQueries):
         try:
             check_read_only(self.con, query)
         except duckdb.Error as error:
-            raise map_error(error, self.root) from error
+            raise map_error(error, self.location.redacted) from error
 
     # -- housekeeping --------------------------------------------------------------------------
 
     def quarantined(self) -> list[QuarantinedFile]:
-        """Files moved aside as unreadable (by this or any other reader), with the reason."""
-        return quarantined(self.root)
+        """Files copied aside as unreadable (by this or any other reader), with the reason."""
+        return quarantined(self.location, self.catalog.filesystem)
 
     def close(self) -> None:
         self.con.close()
@@ -264,3 +331,11 @@ class Store(StoreQueries, ReportQueries):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -13,10 +14,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.store import BadFileWarning, Store
+from moescope.store import BadFileWarning, Store, delta
 from moescope.store.compact import compact
+from moescope.store.location import open_location
 from moescope.store.quarantine import deep_check
 from moescope.store.writer import ParquetExporter
+from tests.store.deltafiles import file_path, parts, read_part
 from tests.store.helpers import make_record, run_info
 
 TRIALS = 80
@@ -47,18 +50,25 @@ def _one_file_store(root, compacted: bool):
         exporter.export([make_record("r", step, rng, tokens=16)])
     exporter.shutdown()
     if compacted:
-        [result] = compact(root, tables=("routes",), grace_s=0)
+        [result] = compact(root, tables=("routes",))
         assert result.merged_files == 8 and len(result.written_files) == 1
+
+
+def _the_file(root, table: str) -> tuple[delta.PartFile, Path]:
+    location = open_location(root)
+    [part] = parts(location, table)
+    return part, Path(file_path(location, table, part))
 
 
 @pytest.mark.parametrize("table,compacted", [("routes", False), ("layer_steps", False), ("routes", True)])
 def test_a_flipped_bit_is_quarantined_or_reads_back_identical(tmp_path, table, compacted):
     root = tmp_path / "store"
     _one_file_store(root, compacted)
-    [victim] = (root / table / "run_id=r").glob("part-*.parquet")
+    part, victim = _the_file(root, table)
     pristine = victim.read_bytes()
     columns = [c for c in pq.read_schema(victim).names if c != "tags"]
-    want = _canonical(pq.read_table(victim, columns=columns).to_pandas().sort_values(ORDER[table]))
+    want = _canonical(read_part(open_location(root), table, part).select(columns).to_pandas()
+                      .sort_values(ORDER[table]))
     footer_start = len(pristine) - int.from_bytes(pristine[-8:-4], "little") - 8
     rng = np.random.default_rng(7)
     outcomes = {"quarantined": 0, "identical": 0}
@@ -76,10 +86,12 @@ def test_a_flipped_bit_is_quarantined_or_reads_back_identical(tmp_path, table, c
             got = store.sql(f"SELECT {', '.join(columns)} FROM {table} ORDER BY {', '.join(ORDER[table])}")
         bad = [w for w in caught if issubclass(w.category, BadFileWarning)]
         if bad:
-            assert not victim.exists() and len(got) == 0, f"byte {at}: quarantined, yet its rows were read"
+            assert len(got) == 0, f"byte {at}: quarantined, yet its rows were read"
+            assert part.path not in {p.path for p in parts(open_location(root), table)}, "still in its table"
             assert str(victim) in str(bad[0].message)
             outcomes["quarantined"] += 1
             shutil.rmtree(root / "_quarantine")
+            delta.commit(open_location(root), table, adds=[part])  # the next trial's file: back in its table
         else:
             assert _canonical(got) == want, f"a flipped bit at byte {at} of {len(pristine)} read back as other values"
             outcomes["identical"] += 1
@@ -96,17 +108,19 @@ def test_compaction_does_not_launder_a_damaged_source(tmp_path):
     for step in range(6):
         exporter.export([make_record("r", step, rng)])
     exporter.shutdown()
-    sources = sorted((tmp_path / "routes" / "run_id=r").glob("part-*.parquet"))
-    victim = sources[2]
-    good = sum(pq.read_metadata(p).num_rows for p in sources if p != victim)
+    location = open_location(tmp_path)
+    sources = parts(location, "routes")
+    victim = Path(file_path(location, "routes", sources[2]))
+    good = sum(p.rows for p in sources) - sources[2].rows
     data = bytearray(victim.read_bytes())
     data[len(data) // 3] ^= 0x10
     victim.write_bytes(bytes(data))
     with pytest.warns(BadFileWarning, match=victim.name):
-        [result] = compact(tmp_path, tables=("routes",), grace_s=0)
+        [result] = compact(tmp_path, tables=("routes",))
     assert result.rows == good and result.merged_files == len(sources) - 1
     [merged] = result.written_files
     pq.read_table(merged, page_checksum_verification=True)  # the merged file carries checksums that hold
+    assert [p.path for p in parts(location, "routes")] == [merged.split("/routes/", 1)[1]]
     assert int(Store(tmp_path).sql("SELECT count(*) AS n FROM routes").n[0]) == good
 
 
@@ -115,7 +129,7 @@ def test_a_damaged_page_header_that_only_duckdb_rejects_is_quarantined_when_a_qu
     and stop DuckDB's. A query that trips on one reads the file through DuckDB and moves it aside."""
     root = tmp_path / "store"
     _one_file_store(root, compacted=False)
-    [victim] = (root / "steps" / "run_id=r").glob("part-*.parquet")
+    part, victim = _the_file(root, "steps")
     pristine = victim.read_bytes()
     meta = pq.read_metadata(victim)
     header = meta.row_group(0).column(meta.schema.names.index("step")).data_page_offset
@@ -138,3 +152,4 @@ def test_a_damaged_page_header_that_only_duckdb_rejects_is_quarantined_when_a_qu
     with pytest.warns(BadFileWarning, match="unreadable data"):
         assert len(store.sql("SELECT * FROM steps")) == 0
     assert [q.original_path for q in store.quarantined()] == [str(victim)]
+    assert parts(open_location(root), "steps") == []

@@ -1,85 +1,115 @@
-"""Bad files do not break queries: detected, moved aside with the reason, and reported."""
+"""Bad files do not break queries: detected, copied aside with the reason, taken out of their table by a
+Delta commit, their rows counted as lost in probe_stats, and the copy kept; on a local folder and on S3."""
 
 from __future__ import annotations
 
-import os
-import shutil
+import warnings
 
 import numpy as np
 import pytest
 
-from moescope.store import BadFileWarning, Store
-from moescope.store.writer import ParquetExporter
-from tests.store.helpers import make_record, run_info
+from moescope.store import BadFileWarning, Store, delta
+from moescope.store.catalog import count_lost
+from moescope.store.quarantine import display
+from tests.store.deltafiles import exists, file_path, parts, read_bytes, read_part, write_bytes, write_run
 
 
 @pytest.fixture
-def store_root(tmp_path):
-    rng = np.random.default_rng(0)
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_rows=200)
-    for step in range(10):
-        exporter.export([make_record("r", step, rng, tokens=64)])
-    exporter.shutdown()
-    return tmp_path
+def written(store_location):
+    write_run(store_location, "r", steps=6, max_rows=48)  # one routes file per step
+    files = parts(store_location, "routes")
+    assert len(files) == 6
+    return store_location, files
 
 
-def _count(store: Store) -> int:
-    return int(store.sql("SELECT count(*) AS n FROM routes").n[0])
-
-
-def _victim(root):
-    files = sorted((root / "routes" / "run_id=r").glob("part-*.parquet"))
-    return files[0], sum(__import__("pyarrow.parquet").parquet.read_metadata(f).num_rows for f in files)
-
-
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_a_file_with_a_bad_footer_is_quarantined(store_root, damage):
-    victim, total = _victim(store_root)
-    good_rows = total - __import__("pyarrow.parquet").parquet.read_metadata(victim).num_rows
-    bad = victim.with_name("part-99999-1-000001-1.parquet")  # copied in by hand
-    data = victim.read_bytes()
-    bad.write_bytes({"truncated": data[: len(data) // 2], "garbage": os.urandom(5000), "empty": b""}[damage])
-    victim.unlink()
-    with pytest.warns(BadFileWarning, match=str(bad)):
-        store = Store(store_root)
-    assert _count(store) == good_rows
-    [moved] = store.quarantined()
-    assert moved.original_path == str(bad) and os.path.exists(moved.path) and "footer" in moved.reason
-    assert moved.path.startswith(str(store_root / "_quarantine" / "routes" / "run_id=r"))
-    assert not bad.exists()
-
-
-def test_damage_inside_a_file_is_found_when_it_is_next_listed(store_root):
-    """A file damaged after a reader checked it is a new file to that reader (its mtime changed):
-    the next refresh reads it through, pages against their checksums, and moves it aside."""
-    victim, total = _victim(store_root)
-    good_rows = total - __import__("pyarrow.parquet").parquet.read_metadata(victim).num_rows
-    store = Store(store_root)
-    data = bytearray(victim.read_bytes())
-    rng = np.random.default_rng(1)
+def _damaged(data: bytes, damage: str) -> bytes:
+    if damage == "truncated":
+        return data[: len(data) // 2]
+    if damage == "garbage":
+        return np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes()
     footer = int.from_bytes(data[-8:-4], "little") + 8
-    middle = slice(100, len(data) - footer)  # pages, not the footer: the footer check still passes
-    data[middle] = rng.integers(0, 256, middle.stop - middle.start, dtype=np.uint8).tobytes()
-    tmp = victim.with_name(".tmp-damaged")
-    tmp.write_bytes(bytes(data))
-    os.replace(tmp, victim)
+    middle = bytearray(data)
+    rng = np.random.default_rng(1)
+    middle[100: len(data) - footer] = rng.integers(0, 256, len(data) - footer - 100, dtype=np.uint8).tobytes()
+    return bytes(middle)  # pages scrambled, the footer intact: only the checksums see it
+
+
+def _lost(store: Store, run_id: str) -> dict[tuple[str, str], int]:
+    stats = store.probe_stats(run_id)
+    return {(r.table_name, r.reason): int(r.dropped_rows) for r in stats.itertuples() if isinstance(r.reason, str)}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "pages"])
+def test_a_damaged_file_is_quarantined_removed_from_its_table_and_its_rows_counted(written, damage):
+    location, files = written
+    victim, others = files[2], [p for p in files if p is not files[2]]
+    want = sum(read_part(location, "routes", p).num_rows for p in others)
+    path = file_path(location, "routes", victim)
+    bad = _damaged(read_bytes(location, path), damage)
+    write_bytes(location, path, bad)
+
+    with pytest.warns(BadFileWarning, match=victim.path.split("/")[-1]):
+        store = Store(location)
+    assert int(store.sql("SELECT count(*) AS n FROM routes").n[0]) == want
+    [moved] = store.quarantined()
+    assert moved.original_path == display(location, path)
+    assert moved.reason.startswith("damaged data" if damage == "pages" else "unreadable footer")
+    assert moved.path.endswith(f"_quarantine/routes/run_id=r/{victim.path.split('/')[-1]}")
+    quarantine_path = moved.path.split("://", 1)[-1]
+    assert read_bytes(location, quarantine_path) == bad  # the copy is the file as it was found
+    assert victim.path not in {p.path for p in parts(location, "routes")}  # out of the table, for every reader
+    assert exists(location, path)  # still there for readers of older versions, until vacuum
+    assert _lost(store, "r") == {("routes", "quarantined"): victim.rows}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadFileWarning)  # a fresh reader does not trip on it again
+        other = Store(location)
+    assert int(other.sql("SELECT count(*) AS n FROM routes").n[0]) == want
+    assert _lost(other, "r") == {("routes", "quarantined"): victim.rows}
+
+
+def test_rows_of_a_file_two_readers_quarantine_are_counted_once(written):
+    """The count comes before the removal and is one counter per file: a reader that counted and
+    died before removing the file, and the next reader that counts and removes it, count it once."""
+    location, files = written
+    victim = files[0]
+    path = file_path(location, "routes", victim)
+    write_bytes(location, path, _damaged(read_bytes(location, path), "truncated"))
+    count_lost(location, "routes", victim)  # the first reader, killed after its count
+    with pytest.warns(BadFileWarning):
+        store = Store(location)
+    assert _lost(store, "r") == {("routes", "quarantined"): victim.rows}
+
+
+def test_quarantined_files_are_kept_when_vacuum_deletes_the_removed_originals(written):
+    location, files = written
+    victim = files[1]
+    path = file_path(location, "routes", victim)
+    bad = _damaged(read_bytes(location, path), "truncated")
+    write_bytes(location, path, bad)
+    with pytest.warns(BadFileWarning):
+        store = Store(location)
+    delta.vacuum(location, "routes", retention_hours=0)
+    assert not exists(location, path)
+    [moved] = store.quarantined()
+    assert read_bytes(location, moved.path.split("://", 1)[-1]) == bad
+
+
+def test_damage_inside_a_file_is_found_when_it_is_next_listed(tmp_path):
+    """A file damaged after a reader checked it is a new file to that reader (its mtime changed):
+    the next refresh reads it through, pages against their checksums, and quarantines it."""
+    from moescope.store.location import open_location
+
+    location = open_location(tmp_path / "store")
+    write_run(location, "r", steps=6)
+    files = parts(location, "routes")
+    victim = files[3]
+    want = sum(p.rows for p in files) - victim.rows
+    store = Store(location)
+    path = file_path(location, "routes", victim)
+    write_bytes(location, path, _damaged(read_bytes(location, path), "pages"))
     with pytest.warns(BadFileWarning, match="damaged data"):
         store.refresh()
     query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
-    n = int(store.sql(query).n[0])
-    assert n == good_rows
-    assert [q.original_path for q in store.quarantined()] == [str(victim)]
-    other = Store(store_root)  # a fresh reader does not trip on it again
-    assert _count(other) == good_rows
-
-
-def test_quarantined_files_are_kept_not_deleted(store_root):
-    victim, _ = _victim(store_root)
-    copy = victim.with_name("part-99999-1-000001-2.parquet")
-    shutil.copy(victim, copy)
-    with open(copy, "r+b") as f:
-        f.truncate(100)
-    with pytest.warns(BadFileWarning):
-        store = Store(store_root)
-    [moved] = store.quarantined()
-    assert os.path.getsize(moved.path) == 100
+    assert int(store.sql(query).n[0]) == want
+    assert [q.original_path for q in store.quarantined()] == [path]

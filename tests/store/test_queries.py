@@ -30,7 +30,7 @@ def written(tmp_path_factory):
                 exporter.export([record])
                 records[run_id].append((rank, record))
             exporter.shutdown()
-    compact(root, run_id="b", grace_s=0.0)  # one run compacted, one not: both must answer alike
+    compact(root, run_id="b")  # one run compacted, one not: both must answer alike
     return root, records
 
 
