@@ -187,7 +187,8 @@ class Catalog:
 
 
 def app_version(location: StoreLocation, table: str, app_id: str) -> int:
-    """The latest version of app transaction `app_id` in `table` (-1: none, or no table). Read before
+    """The latest version of app transaction `app_id` in `table` (0: none, or no table; the versions
+    committed start at 1, since `store.delta.commit` cannot tell a held version 0 from none). Read before
     a snapshot, it is at most the version that snapshot holds: a commit that removes the snapshot's
     files with `app=(app_id, version + 1)` is then made only if no other such commit came first.
     Raises StoreError when the storage cannot be read."""
@@ -196,13 +197,13 @@ def app_version(location: StoreLocation, table: str, app_id: str) -> int:
     try:
         cached = delta._open(location, table, create=False)
         if cached is None:
-            return -1
+            return 0
         with cached.lock:
             cached.dt.update_incremental()
             found = cached.dt.transaction_version(app_id)
     except OSError as e:
         raise StoreError(f"moescope store: cannot read the log of {location.redacted}/{table}: {e}") from e
-    return -1 if found is None else int(found)
+    return 0 if found is None else int(found)
 
 
 def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, attempts: int = 5) -> bool:
