@@ -53,6 +53,7 @@ from moescope.probe.gate import GateChange, GatePolicy, TrustGate, TrustGateErro
 from moescope.probe.records import StepRecord
 from moescope.probe.session import ProbeSession
 from moescope.store.errors import StoreError
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.store import Store
 from moescope.store.writer import RunWriter, run_writer
 
@@ -112,7 +113,7 @@ class TrustPolicy(Exporter, GatePolicy):
         self.mode: str | None = None
         self.gate: TrustGate | None = None
         self.session: ProbeSession | None = None
-        self.root: str | None = None
+        self.root: StoreLocation | None = None  # the store (a folder or a URL, with its storage options)
         self.run_id = ""
         self.rank = 0
         self.top_k: dict[int, int] = {}
@@ -143,14 +144,15 @@ class TrustPolicy(Exporter, GatePolicy):
 
     # -- binding -------------------------------------------------------------------------------
 
-    def bind(self, session: ProbeSession, mode: str | None, store: str | os.PathLike | None) -> TrustPolicy:
+    def bind(self, session: ProbeSession, mode: str | None,
+             store: str | os.PathLike | StoreLocation | None) -> TrustPolicy:
         """Attach to a probe session: its run, layers, gate (if any) and store folder."""
         if mode not in MODES:
             raise ValueError(f"trust_gate must be one of None, 'manual', 'auto', not {mode!r}")
         self.session = session
         self.mode = mode
         self.gate = session.gate
-        self.root = None if store is None else os.fspath(store)
+        self.root = None if store is None else open_location(store)
         self.run_id = session.run.run_id
         self.rank = session.run.rank
         # health rows, gate events and alerts go to the run's one writer; what it cannot write is
@@ -464,6 +466,6 @@ class TrustPolicy(Exporter, GatePolicy):
 
 
 def bind_policy(session: ProbeSession, policy: TrustPolicy | None, mode: str | None,
-                store: str | os.PathLike | None) -> TrustPolicy:
+                store: str | os.PathLike | StoreLocation | None) -> TrustPolicy:
     """The policy a probe session runs: the one given, or a default one, bound to the session."""
     return (policy or TrustPolicy()).bind(session, mode, store)
