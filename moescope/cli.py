@@ -20,11 +20,19 @@ moescope watches how a Mixture-of-Experts model routes its tokens.
   moescope whatif cache runs/      expert-cache hit rates (LRU, LFU, Belady) from recorded routes
   moescope grafana > board.json    a Grafana dashboard over the Prometheus exporter's metrics
 
+A store is a folder or a URL a fleet shares: s3://BUCKET/PREFIX (AWS S3, or MinIO, Ceph, R2 through
+an endpoint), gs://BUCKET/PREFIX, az://CONTAINER/PREFIX. Credentials come from the environment
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance role); the rest is given with
+--storage-option KEY=VALUE:
+
+  moescope summary s3://moe-runs/fleet --storage-option endpoint=http://127.0.0.1:9000
+
 In Python, one call attaches the probe to any transformers MoE model:
 
   import moescope
   with moescope.attach(model, store="runs/", routes=True):
       model(**batch)
+  moescope.attach(model, store="s3://moe-runs/fleet", storage_options={"region": "eu-west-1"})
 """
 
 
@@ -51,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from moescope.probe import NoMoELayersError, ProbeAttachError
         from moescope.store import StoreError
 
-        if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, FileNotFoundError, ValueError)):
+        # OSError: a store that cannot be reached (a missing bucket, refused credentials), its URL named
+        if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, OSError, ValueError)):
             print(f"moescope {args.command}: {e}", file=sys.stderr)
             return 1
         raise

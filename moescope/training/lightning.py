@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
+from moescope.store.location import StoreLocation
 from moescope.training.monitor import TrainingMonitor
 
 
@@ -50,10 +51,12 @@ class MoescopeLightningCallback(pl.Callback):
     LightningModule); by default the LightningModule if it defines `forward`, else its one child
     holding MoE layers. tensorboard / wandb: "auto" (default) logs the scalars through the
     Trainer's `TensorBoardLogger` / `WandbLogger` where it has one. Every other option is
-    `moescope.training.TrainingMonitor`'s. The monitor is at `callback.monitor` while fitting.
+    `moescope.training.TrainingMonitor`'s, `storage_options=` among them for a URL store
+    (`store="s3://bucket/prefix"`). The monitor is at `callback.monitor` while fitting.
     """
 
-    def __init__(self, store: str | os.PathLike | None = None, *, module: str | Callable | None = None,
+    def __init__(self, store: str | os.PathLike | StoreLocation | None = None, *,
+                 module: str | Callable | None = None,
                  tensorboard: Any = "auto", wandb: Any = "auto", **options: Any):
         self.store = store
         self.module = module

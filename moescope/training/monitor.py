@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from moescope.probe.optim import OptimizerLike, SchedulerLike, torch_optimizer, 
 from moescope.probe.records import StepRecord
 from moescope.probe.session import ProbeSession, Recording
 from moescope.probe.window import PinnedPool
+from moescope.store.location import StoreLocation, open_location
 from moescope.training.sinks import ScalarSink, sinks_for
 
 if TYPE_CHECKING:  # the cooldown's modules load only when a monitor turns it on
@@ -111,7 +112,7 @@ class TrainingExporter(Exporter):
     recorded router statistics, dead experts over the last steps, the step's learning rates and
     gradient norms; writes `train_steps` rows and logs the scalars."""
 
-    def __init__(self, session: ProbeSession, store: str | os.PathLike | None, dead_window: int,
+    def __init__(self, session: ProbeSession, store: str | os.PathLike | StoreLocation | None, dead_window: int,
                  sinks: Sequence[ScalarSink] = (), keep_steps: int = 1024):
         self.run_id = session.run.run_id
         self.rank = session.run.rank
@@ -242,7 +243,9 @@ class TrainingMonitor:
     """The probe attached for a training run, one record per optimizer step. See the module doc.
 
     model / optimizer: what trains (the torch optimizer under any wrapper). store: where the
-    records and `train_steps` go. tensorboard: a `SummaryWriter` or a folder for one; wandb: a
+    records and `train_steps` go, a folder or a URL (`s3://bucket/prefix`, ...), and
+    storage_options how to reach a URL (`moescope.attach`'s; credentials come from the
+    environment). tensorboard: a `SummaryWriter` or a folder for one; wandb: a
     W&B run, or True for `wandb.run`. dead_window: optimizer steps over which an expert with no
     token counts as dead. grad_norms: measure per-expert gradient norms at each update.
     measure_gradients: "step" (just before the optimizer's update; right for loops and `Trainer`)
@@ -265,8 +268,10 @@ class TrainingMonitor:
     (call `monitor.close()` from it); SIGINT (Ctrl-C) is left alone. False leaves SIGTERM to the job.
     """
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerLike, *, store: str | os.PathLike | None = None,
-                 scheduler: SchedulerLike | None = None, tensorboard: Any = None, wandb: Any = None,
+    def __init__(self, model: nn.Module, optimizer: OptimizerLike, *,
+                 store: str | os.PathLike | StoreLocation | None = None,
+                 storage_options: Mapping[str, Any] | None = None, scheduler: SchedulerLike | None = None,
+                 tensorboard: Any = None, wandb: Any = None,
                  dead_window: int = 64, grad_norms: bool = True, measure_gradients: str = "step",
                  cooldown: str | None = None, cooldown_config: CooldownConfig | None = None,
                  cooldown_sink: TransitionSink | None = None, stop_on_sigterm: bool = True,
@@ -287,6 +292,9 @@ class TrainingMonitor:
         recording = dataclasses.replace(options.pop("recording", None) or Recording(), window=FOREVER, window_s=None)
         tags = {"phase": "train", **{str(k): str(v) for k, v in (options.pop("tags", None) or {}).items()}}
         sinks = sinks_for(tensorboard, wandb)
+        if storage_options and store is None:
+            raise ValueError("storage_options without a store: give store= (a folder or a URL) too")
+        store = None if store is None else open_location(store, storage_options)  # once, for every writer below
         self.session: ProbeSession = moescope.attach(model, store, recording=recording, tags=tags, **options)
         self.optimizer_step = 0
         self.cooldown: CooldownPolicy | None = None
@@ -501,7 +509,7 @@ class TrainingMonitor:
         self.close()
 
 
-def watch(model: nn.Module, optimizer: OptimizerLike, store: str | os.PathLike | None = None,
+def watch(model: nn.Module, optimizer: OptimizerLike, store: str | os.PathLike | StoreLocation | None = None,
           **options: Any) -> TrainingMonitor:
     """Watch a plain training loop: a `TrainingMonitor` (see there for the options)."""
     return TrainingMonitor(model, optimizer, store=store, **options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from moescope.store.location import StoreLocation
 from moescope.training.monitor import TrainingMonitor
 
 if TYPE_CHECKING:
@@ -22,12 +23,13 @@ class MoescopeCallback(TrainerCallback):
     Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
     `on_train_end`. tensorboard / wandb: "auto" (default) logs the scalars where the Trainer's
     `report_to` does: TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`,
-    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s.
+    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s,
+    `storage_options=` among them for a URL store (`store="s3://bucket/prefix"`).
     The monitor is at `callback.monitor` while training runs.
     """
 
-    def __init__(self, store: str | os.PathLike | None = None, *, tensorboard: Any = "auto", wandb: Any = "auto",
-                 **options: Any):
+    def __init__(self, store: str | os.PathLike | StoreLocation | None = None, *, tensorboard: Any = "auto",
+                 wandb: Any = "auto", **options: Any):
         self.store = store
         self.tensorboard = tensorboard
         self.wandb = wandb
