@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from moescope.pipeline import BatchProcessor, new_run_id
+from moescope.pipeline import BatchProcessor, current_host, new_run_id
 from moescope.store.importers.responses import (
     is_sglang,
     is_vllm,
@@ -59,6 +59,7 @@ from moescope.store.importers.tables import (
     run_tables,
 )
 from moescope.store.layout import check_name
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
@@ -139,20 +140,23 @@ class RoutingRecorder:
     responses were recorded and, per reason, how many were not.
     """
 
-    def __init__(self, root: str | os.PathLike, num_experts: int, run_id: str | None = None,
+    def __init__(self, root: str | os.PathLike | StoreLocation, num_experts: int, run_id: str | None = None,
                  tags: dict[str, str] | None = None, num_layers: int | None = None, top_k: int | None = None,
                  max_queue: int = 1024, flush_interval_s: float = 2.0, max_steps: int = 256,
                  model: str = "served model"):
-        """Raises ValueError for a bad option or a run id the store already has, and OSError when
-        the store does not take the run's first row."""
+        """`root`: the store, a folder or a URL (a `StoreLocation` carries its storage options).
+        Raises ValueError for a bad option, a store URL that cannot be used or a run id the store
+        already has, and OSError when the store does not take the run's first row."""
         if num_experts < 1:
             raise ValueError(f"--num-experts must be positive, not {num_experts}")
-        self.root = os.fspath(root)
+        self.location = open_location(root)
+        self.root = self.location.redacted  # how messages name the store
         self.num_experts = num_experts
         self.num_layers, self.top_k = num_layers, top_k
         run_id = check_name("run_id", run_id) if run_id else new_run_id("proxy")
-        check_new_run(self.root, run_id)
+        check_new_run(self.location, run_id)
         self.spec = RunSpec(run_id=run_id, source="proxy", model=model, tags=check_tags(dict(tags or {})),
+                            host=current_host(),
                             started_at=dt.datetime.now(dt.timezone.utc))
         self.flush_interval_s, self.max_steps = flush_interval_s, max_steps
         self._counts: Counter[str] = Counter()  # recorded, and each reason a response was not (but the queue's)
@@ -161,7 +165,7 @@ class RoutingRecorder:
         self._pending: list[SourceStep] = []
         self._first_pending_at: float | None = None
         self._next_step = 0
-        self.writer: RunWriter = run_writer(self.root, run_id)
+        self.writer: RunWriter = run_writer(self.location, run_id)
         if not self.writer.write("runs", run_tables(self.spec, {}, [0])["runs"], retried=True):
             self.writer.release()
             raise OSError(f"cannot write to the store {self.root!r}: {self.writer.last_error}")
@@ -490,7 +494,8 @@ class RoutingProxy:
     OSError when the address cannot be bound or the store cannot be written.
     """
 
-    def __init__(self, upstream: str, store: str | os.PathLike, num_experts: int, host: str = "127.0.0.1",
+    def __init__(self, upstream: str, store: str | os.PathLike | StoreLocation, num_experts: int,
+                 host: str = "127.0.0.1",
                  port: int = 8100, run_id: str | None = None, tags: dict[str, str] | None = None,
                  num_layers: int | None = None, top_k: int | None = None, max_queue: int = 1024,
                  flush_interval_s: float = 2.0, upstream_timeout_s: float = 600.0):

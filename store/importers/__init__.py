@@ -9,8 +9,11 @@ the tables the probe writes, `source` recorded on the run. `moescope import` is 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from moescope.store.importers.tables import ImportSummary, SourceData, SourceFormatError, import_source
+from moescope.store.location import StoreLocation, open_location
 
 KINDS = ("vllm", "sglang", "trtllm", "megatron")
 
@@ -36,18 +39,21 @@ def read_source(kind: str, paths: list[str], num_layers: int | None = None, top_
     return megatron.read(paths)
 
 
-def import_files(kind: str, paths: list[str], store: str | os.PathLike, run_id: str | None = None,
+def import_files(kind: str, paths: list[str], store: str | os.PathLike | StoreLocation, run_id: str | None = None,
                  tags: dict[str, str] | None = None, num_experts: int | None = None, top_k: int | None = None,
-                 num_layers: int | None = None, model: str | None = None, in_order: bool = False) -> ImportSummary:
+                 num_layers: int | None = None, model: str | None = None, in_order: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> ImportSummary:
     """Read every file, check everything, then write one new run into `store`; returns what was written.
 
-    Raises SourceFormatError (a file is not in its engine's layout), ValueError (options or run id)
-    or FileNotFoundError, in each case before anything is written.
+    `store` is a folder or a URL (`s3://bucket/prefix`, ...; `storage_options` as `moescope.attach`
+    takes them). Raises SourceFormatError (a file is not in its engine's layout), ValueError (options,
+    run id, a store URL that cannot be used) or FileNotFoundError, in each case before anything is written.
     """
+    location = open_location(store, storage_options)
     data = read_source(kind, list(paths), num_layers=num_layers, top_k=top_k, in_order=in_order,
                        num_experts=num_experts)
     where = paths[0] if len(paths) == 1 else f"the {len(paths)} {kind} files"
-    return import_source(store, data, kind, run_id=run_id, tags=tags, num_experts=num_experts, top_k=top_k,
+    return import_source(location, data, kind, run_id=run_id, tags=tags, num_experts=num_experts, top_k=top_k,
                          model=model, where=where)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from moescope.lifecycle import add_grace_period_argument
+from moescope.store_arguments import add_store_arguments, store_epilog, store_location
 
 IMPORT_HELP = """\
 Bring an engine's routing into a store, as a new run the dashboard, rules and queries read like
@@ -51,10 +52,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
     raw = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("import", help="bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store",
-                              description=IMPORT_HELP, formatter_class=raw)
+                              description=IMPORT_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope import vllm responses.jsonl --store STORE"))
     p.add_argument("kind", choices=KINDS, help="which engine wrote the files")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to read")
-    p.add_argument("--store", required=True, help="the store folder to write the run into")
+    add_store_arguments(p, option=True, what="the store to write the run into: a folder or a URL "
+                                             "(s3://BUCKET/PREFIX, gs://..., az://...)")
     p.add_argument("--run-id", help="id of the new run (default: time, source and a random suffix)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
     p.add_argument("--num-experts", type=int, help="routed experts per layer (default: from the files, else the "
@@ -67,9 +70,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_import)
 
     p = subparsers.add_parser("proxy", help="record routed experts in front of a vLLM or SGLang server",
-                              description=PROXY_HELP, formatter_class=raw)
+                              description=PROXY_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope proxy --upstream http://127.0.0.1:8000 --num-experts 64 "
+                                                  "--store STORE"))
     p.add_argument("--upstream", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--store", required=True, help="the store folder to write the run into")
+    add_store_arguments(p, option=True, what="the store to write the run into: a folder or a URL "
+                                             "(s3://BUCKET/PREFIX, gs://..., az://...)")
     p.add_argument("--listen", default="127.0.0.1:8100", help="address to listen on (default 127.0.0.1:8100)")
     p.add_argument("--num-experts", type=int, required=True, help="routed experts per MoE layer of the model")
     p.add_argument("--num-layers", type=int, help="SGLang: layers in meta_info.routed_experts")
@@ -86,7 +92,7 @@ def _import(args: argparse.Namespace) -> int:
     from moescope.store.importers import import_files
     from moescope.store.importers.tables import parse_tags
 
-    summary = import_files(args.kind, args.paths, args.store, run_id=args.run_id, tags=parse_tags(args.tag),
+    summary = import_files(args.kind, args.paths, store_location(args), run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
                            model=args.model, in_order=args.in_order)
     print(summary.report())
@@ -100,14 +106,15 @@ def _proxy(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     grace_s = grace_period_s(args.grace_period)  # a bad value is refused before anything starts
-    proxy = RoutingProxy(args.upstream, args.store, num_experts=args.num_experts, host=host, port=port,
+    location = store_location(args)
+    proxy = RoutingProxy(args.upstream, location, num_experts=args.num_experts, host=host, port=port,
                          run_id=args.run_id, tags=parse_tags(args.tag), num_layers=args.num_layers,
                          top_k=args.top_k, max_queue=args.max_queue)
     with GracefulStop(on_stop=proxy.stop_accepting, grace_s=grace_s, what="moescope proxy",
                       on_exit=lambda status: print(proxy.recorder.report(), flush=True)):
         # said once the signals are handled: a supervisor that waits for this line may stop it at once
         print(f"moescope proxy: http://{proxy.host}:{proxy.port} -> {proxy.upstream_url}, recording run "
-              f"{proxy.recorder.spec.run_id} into {args.store}", flush=True)
+              f"{proxy.recorder.spec.run_id} into {location.redacted}", flush=True)
         try:
             proxy.serve_forever()  # returns once a signal stopped the server taking requests
         finally:

@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moescope.pipeline import new_run_id
-from moescope.store.layout import check_name, list_runs
+from moescope.store.layout import check_name
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS, TAGS, RoutePiece, routes_table, table_from_columns
 from moescope.store.writer import run_writer
 
@@ -94,6 +95,9 @@ class RunSpec:
     model: str
     tags: dict[str, str]
     started_at: dt.datetime
+    # the host that recorded the run (the proxy's); None: the writer's, where the import ran (an
+    # engine's files do not say which host served them)
+    host: str | None = None
 
 
 def check_tags(tags: dict[str, str]) -> dict[str, str]:
@@ -334,6 +338,7 @@ def run_tables(spec: RunSpec, shapes: dict[int, LayerShape], ranks: list[int]) -
         "tags": _tag_column([spec.tags] * len(ranks)), "rank": pa.array(ranks, pa.int32()),
         "world_size": pa.array([world] * len(ranks), pa.int32()),
         "source": pa.array([spec.source] * len(ranks), pa.string()),
+        "host": pa.array([spec.host] * len(ranks), pa.string()),
     }, len(ranks))
     layers = sorted(shapes)
     rows = [(layer, rank) for rank in ranks for layer in layers]
@@ -354,21 +359,28 @@ def run_tables(spec: RunSpec, shapes: dict[int, LayerShape], ranks: list[int]) -
 
 # -- writing -------------------------------------------------------------------------------------
 
-def check_new_run(root: str, run_id: str) -> None:
-    """Raise ValueError if `run_id` already has files in the store (an import never appends)."""
-    if any(run_id in list_runs(root, table) for table in SCHEMAS):
-        raise ValueError(f"the store {root!r} already holds a run {run_id!r}: choose another --run-id "
-                         "(an import never adds steps to an existing run)")
+def check_new_run(root: str | os.PathLike | StoreLocation, run_id: str) -> None:
+    """Raise ValueError if `run_id` already has rows in the store (an import never appends): a data
+    file of its partition in the current snapshot of any table."""
+    from moescope.store.delta import snapshot
+
+    location = open_location(root)
+    for table in SCHEMAS:
+        current = snapshot(location, table)
+        if current is not None and any(f.run_id == run_id for f in current.files):
+            raise ValueError(f"the store {location.redacted!r} already holds a run {run_id!r}: choose another "
+                             "--run-id (an import never adds steps to an existing run)")
 
 
-def write_run(root: str, run_id: str, tables: dict[str, pa.Table]) -> list[str]:
+def write_run(root: str | os.PathLike | StoreLocation, run_id: str, tables: dict[str, pa.Table]) -> list[str]:
     """Hand the tables to the run's writer, `runs` last and only once every other table is on disk,
     so the run appears complete or not at all; returns the parts written.
 
     Raises OSError when the store refused rows (they are counted in `probe_stats` as write_failed;
     what was written before stays, without its `runs` row).
     """
-    with run_writer(root, run_id) as writer:
+    location = open_location(root)
+    with run_writer(location, run_id) as writer:
         first = len(writer.files)
         for stage in ([t for t in tables if t != "runs"], [t for t in tables if t == "runs"]):
             before = writer.written_rows
@@ -378,9 +390,10 @@ def write_run(root: str, run_id: str, tables: dict[str, pa.Table]) -> list[str]:
             written = writer.written_rows
             short = [t for t in stage if written[t] - before[t] < tables[t].num_rows]
             if short:
-                raise OSError(f"the store {root!r} did not take the rows of {', '.join(short)} "
-                              f"({writer.last_error or 'see the log'}); run {run_id!r} has no runs row: remove "
-                              "its folders and import again")
+                raise OSError(f"the store {location.redacted!r} did not take the rows of {', '.join(short)} "
+                              f"({writer.last_error or 'see the log'}); run {run_id!r} has no runs row: import "
+                              "again under another --run-id (`moescope prune` removes the partial run once it is "
+                              "old enough)")
         return writer.files[first:]
 
 
@@ -407,14 +420,15 @@ class ImportSummary:
         return "\n".join(lines)
 
 
-def import_source(root: str | os.PathLike, data: SourceData, source: str, run_id: str | None = None,
+def import_source(root: str | os.PathLike | StoreLocation, data: SourceData, source: str, run_id: str | None = None,
                   tags: dict[str, str] | None = None, num_experts: int | None = None, top_k: int | None = None,
                   model: str | None = None, where: str = "the source") -> ImportSummary:
     """Check everything a reader found, then write it as one new run; returns what was written.
 
+    `root` is a folder or a URL (a `StoreLocation` carries its storage options).
     Raises SourceFormatError / ValueError (nothing written) when the data or options do not fit.
     """
-    root = os.fspath(root)
+    root = open_location(root)
     run_id = check_name("run_id", run_id) if run_id else new_run_id(source)
     tags = check_tags({**(tags or {})})
     if not data.steps:
