@@ -51,6 +51,10 @@ class SmallDisk:
                 self._inodes += 1
                 open(f"{self._filler}-{self._inodes}", "xb").close()
 
+    def free_one_inode(self) -> None:
+        """Give back one inode and no byte: room for a name (a hard link), none for data."""
+        os.remove(f"{self._filler}-1")
+
     def free(self) -> None:
         for index in range(self._inodes + 1):
             with contextlib.suppress(FileNotFoundError):
