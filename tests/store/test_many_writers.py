@@ -84,11 +84,11 @@ def test_compaction_under_writers_and_a_reader_sees_every_row_once(tmp_path, spa
     try:
         deadline = time.monotonic() + 120
         while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
-            results = compact(tmp_path, run_id="live", grace_s=0.3, target_rows=100_000)
+            results = compact(tmp_path, run_id="live", target_rows=100_000)
             compactions += sum(1 for r in results if r.merged_files)
         for w in writers:
             assert w.wait(timeout=60) == 0, w.stderr.read()
-        compact(tmp_path, run_id="live", grace_s=0.3)
+        compact(tmp_path, run_id="live")
         time.sleep(0.5)
     finally:
         stop.set()
