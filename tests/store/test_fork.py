@@ -1,0 +1,131 @@
+"""A process that forks after it wrote to a store (DataLoader workers, torch.multiprocessing with
+fork): delta-rs's runtime does not survive fork, so a child's commits go through a helper process
+(store.delta); every row of the parent and of each child lands in the table, and no child meets
+a PanicException.
+
+Rows are counted from the raw Parquet files of the Delta snapshot (tests/store/test_delta.py)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+import moescope
+from moescope.probe.zoo import tiny_model
+from moescope.store import delta
+from tests.store.test_delta import snapshot_rows
+
+BATCH, SEQ = 2, 6
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork is POSIX")
+
+
+def _forwards(model: torch.nn.Module, n: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        for _ in range(n):
+            model(input_ids=torch.randint(0, vocab, (BATCH, SEQ), generator=generator))
+
+
+def _moe_layers(model: torch.nn.Module) -> int:
+    return int(model.config.num_hidden_layers)
+
+
+def _child(store, result_path: str, forwards: int, seed: int) -> None:
+    """A forked child: its own model and attach, `forwards` forwards, closed; what it saw goes to
+    `result_path` as JSON. Never raises (exit status says whether it finished)."""
+    result: dict = {"pid": os.getpid(), "routed": delta._routed()}
+    # what a forked worker of torch does first (DataLoader's do it): the parent's OpenMP threads did
+    # not come through the fork, and torch's next parallel region would wait for them forever
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model("mixtral", seed=seed)
+        with moescope.attach(model, store=store, routes=True, window=1) as session:
+            _forwards(model, forwards, seed)
+            result["run_id"] = session.run.run_id
+        result["helper"] = delta._HELPER is not None  # the child's commits went through its helper
+        result["ok"] = True
+    except BaseException as e:  # a PanicException is a BaseException: report it, whatever it is
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+def _fork_child(store, result_path: str, forwards: int, seed: int) -> int:
+    """os.fork(): the child runs `_child` with its stderr in a file beside the result; returns its pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        status = 1
+        try:
+            err = os.open(result_path + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(err, 2)
+            _child(store, result_path, forwards, seed)
+            status = 0
+        finally:
+            os._exit(status)
+    return pid
+
+
+def _mp_child(store, result_path: str, forwards: int, seed: int) -> None:
+    err = os.open(result_path + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    _child(store, result_path, forwards, seed)
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing-fork"])
+def test_children_forked_after_the_parent_wrote_record_every_row(store_location, tmp_path, how):
+    store = store_location
+    model = tiny_model("mixtral", seed=0)
+    parent = moescope.attach(model, store=store, routes=True, window=1)
+    try:
+        _forwards(model, 3, seed=0)
+        assert parent.flush(30)
+        before = snapshot_rows(store, "steps").num_rows
+        assert before == 3 and delta._USED  # the parent's delta-rs runtime is up: children inherit it
+
+        children = {seed: (str(tmp_path / f"child-{seed}.json"), 2 + seed) for seed in (1, 2)}
+        if how == "os.fork":
+            for seed, (path, n) in children.items():
+                pid = _fork_child(store, path, n, seed)
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0, open(path + ".stderr").read()[-3000:]
+        else:
+            context = multiprocessing.get_context("fork")
+            processes = [context.Process(target=_mp_child, args=(store, path, n, seed))
+                         for seed, (path, n) in children.items()]
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.join(120)
+                assert process.exitcode == 0
+
+        _forwards(model, 2, seed=9)  # the parent goes on writing after its children
+    finally:
+        parent.close()
+
+    results = {}
+    for seed, (path, n) in children.items():
+        stderr = open(path + ".stderr").read()
+        assert "PanicException" not in stderr and "panicked" not in stderr, stderr[-3000:]
+        result = json.load(open(path))
+        assert result.get("ok"), result.get("error")
+        assert result["routed"] and result["helper"] and result["pid"] != os.getpid()
+        results[result["run_id"]] = n
+    results[parent.run.run_id] = 5
+
+    layers = _moe_layers(model)
+    steps = snapshot_rows(store, "steps").to_pylist()
+    routes = snapshot_rows(store, "routes")
+    for run_id, forwards in results.items():
+        assert sum(1 for r in steps if r["run_id"] == run_id) == forwards, run_id
+        assert sum(1 for r in routes.column("run_id").to_pylist() if r == run_id) == forwards * BATCH * SEQ * layers
+    assert len({r["step"] for r in steps if r["run_id"] == parent.run.run_id}) == 5  # none twice
+    stats = snapshot_rows(store, "probe_stats").to_pylist()
+    writers = {(s["run_id"], s["pid"]) for s in stats}
+    assert {run for run, _ in writers} == set(results)  # every process wrote its own counts
