@@ -1,15 +1,20 @@
-"""Where files live in a store, what they are called, and which of them are live.
+"""Where files live in a store, what they are called, and how they are written.
 
-    <root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet     written by a run's writer
-    <root>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet      written by `compact`
-    <root>/<table>/run_id=<id>/.tmp-<name>.inprogress                   a write in flight
-    <root>/_quarantine/<table>/run_id=<id>/<name>                       a file moved aside as bad
+    <store>/<table>/_delta_log/                                              the table's Delta log
+    <store>/<table>/run_id=<id>/part-<rank>-<host>-<pid>-<seq>-<ns>.parquet  written by a run's writer
+    <store>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet           written by `compact`
+    <store>/_quarantine/<table>/run_id=<id>/<name>                           a file moved aside as bad
 
-Every file appears under its final name by one `os.replace`, so a name matching `part-*.parquet`
-is always a complete file. A compacted file carries, in its Parquet footer (key-value metadata
-`moescope.replaces`), the names of the files it replaces; from the instant it appears under its
-final name, readers leave those files out, so a row is seen exactly once whether the sources are
-still there or already deleted. This is the one rule that makes compaction safe under readers.
+Each table is a Delta Lake table (`store.delta`): which files are live is what its log says, never
+a folder listing. A file is written whole under its final name and then committed; a file no
+commit added (a crashed writer's) is invisible and `vacuum` deletes it. This module owns the names
+(a run id or table that may be part of a path, part names) and the Parquet settings every writer
+uses.
+
+The previous release published files by renaming a temporary name and listed folders to read;
+`list_parts`, `list_runs`, `run_folder`, `encode_replaces`, `tmp_files` and `clean_tmp` describe
+that layout for the tests that build or inspect such a store (`moescope store upgrade` converts
+one); nothing that reads or writes a Delta store uses them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import logging
 import os
 import re
 import time
-import uuid
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,6 @@ TMP_PREFIX = ".tmp-"
 TMP_SUFFIX = ".inprogress"
 QUARANTINE_DIR = "_quarantine"
 REPLACES_KEY = b"moescope.replaces"
-COMPACTED_PREFIX = "part-compacted-"
 
 # Parquet writer settings per column kind. Dictionary encoding only where values repeat within a
 # row group (ids, constants, tags, expert ids): on high-cardinality columns (token ids, gate
@@ -129,15 +132,6 @@ def host_name_part(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]", "_", host)[:63].strip(".") or "host"
 
 
-def tmp_path(final: str) -> str:
-    """The temporary name a file is written under before its rename to `final`."""
-    return os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final) + TMP_SUFFIX)
-
-
-def compacted_name() -> str:
-    return f"{COMPACTED_PREFIX}{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
-
-
 def list_parts(root: str | os.PathLike, table: str, run_id: str | None = None) -> list[str]:
     """Complete Parquet files of a table, live or replaced (writes in flight are not matched).
 
@@ -171,17 +165,6 @@ def list_runs(root: str | os.PathLike, table: str) -> list[str]:
 
 def encode_replaces(names: list[str]) -> dict[bytes, bytes]:
     return {REPLACES_KEY: json.dumps(sorted(names)).encode()}
-
-
-def decode_replaces(metadata: dict[bytes, bytes] | None) -> list[str]:
-    """The base names a compacted file replaces; raises InvalidNameError (a ValueError) for a name
-    that is not a part in the same folder: compaction deletes these files, so none may point elsewhere."""
-    if not metadata or REPLACES_KEY not in metadata:
-        return []
-    names = json.loads(metadata[REPLACES_KEY])
-    if not isinstance(names, list):
-        raise InvalidNameError(f"{REPLACES_KEY.decode()} must be a list of part names, not {names!r}")
-    return [check_part_name(name) for name in names]
 
 
 def tmp_files(root: str | os.PathLike) -> list[str]:
