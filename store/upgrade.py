@@ -165,8 +165,8 @@ def _upgrade_table(location: StoreLocation, table: str, lost: list[tuple[str, de
     result = TableUpgrade(table)
     plan_path = _plan_path(root, table)
     if os.path.exists(plan_path):
-        with open(plan_path) as f:
-            plan = json.load(f)
+        with open(plan_path) as saved:
+            plan = json.load(saved)
         created = set(plan["create"])
         snap = delta.snapshot(location, table)
         if snap is not None and created and created <= {p.path for p in snap.files}:
@@ -204,9 +204,10 @@ def _upgrade_table(location: StoreLocation, table: str, lost: list[tuple[str, de
                 result.bad.append(_quarantine(root, table, f, f"damaged data: {e}"))
     if adds:
         result.version = delta.commit(location, table, adds=list(adds.values()))
-    else:
+    else:  # no file to keep: an empty table, so the folder is no longer one of the previous release
         delta.create_table(location, table)
-        result.version = delta.snapshot(location, table).version if delta.table_exists(location, table) else None
+        empty = delta.snapshot(location, table)
+        result.version = empty.version if empty is not None else None
     result.files = len(adds)
     result.rows = sum(p.rows for p in adds.values())
     result.replaced = sum(1 for key in readable if key in replaced and key not in bad)
