@@ -60,6 +60,7 @@ from moescope.probe.cooldown import CooldownChange, RouterCooldown, RouterCooldo
 from moescope.probe.optim import OptimizerLike, SchedulerLike
 from moescope.probe.records import StepRecord
 from moescope.probe.session import ProbeSession
+from moescope.store.location import StoreLocation
 from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class CooldownPolicy(Exporter):
     # -- binding -------------------------------------------------------------------------------
 
     def bind(self, session: ProbeSession, actuator: RouterCooldown,
-             store: str | os.PathLike | None = None) -> CooldownPolicy:
+             store: str | os.PathLike | StoreLocation | None = None) -> CooldownPolicy:
         """Attach to a probe session's run and store folder, and to the actuator's changes."""
         self.session = session
         self.actuator = actuator
@@ -393,7 +394,7 @@ class CooldownPolicy(Exporter):
 
 
 def bind_cooldown(session: ProbeSession, optimizer: OptimizerLike, scheduler: SchedulerLike | None = None,
-                  config: CooldownConfig | None = None, store: str | os.PathLike | None = None,
+                  config: CooldownConfig | None = None, store: str | os.PathLike | StoreLocation | None = None,
                   sink: TransitionSink | None = None) -> CooldownPolicy:
     """Cool `session`'s MoE routers down while they collapse: returns the running policy.
 
