@@ -6,11 +6,12 @@ import argparse
 
 from moescope.demo import story as demo
 from moescope.demo import train as train_demo
+from moescope.store_arguments import add_store_arguments, store_epilog, store_location
 from moescope.summary import format_summary
 
 
 def _summary(args: argparse.Namespace) -> int:
-    print(format_summary(args.store, args.run))
+    print(format_summary(store_location(args), args.run))
     return 0
 
 
@@ -24,9 +25,11 @@ def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser(
         "summary", help="per-layer load spread, entropy, drops and active fraction of a run",
         description="Print a per-layer summary of one run in a store (the latest unless --run is "
-                    "given).\n\nexample:\n  moescope summary runs/demo",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("store", help="the store folder given to moescope.attach(store=...)")
+                    "given); a run recorded by several hosts also gets a per-host table.\n\nexample:\n"
+                    "  moescope summary runs/demo",
+        epilog=store_epilog("moescope summary STORE"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_arguments(p, what="the store given to moescope.attach(store=...): a folder or a URL "
+                                "(s3://BUCKET/PREFIX, gs://..., az://...)")
     p.add_argument("--run", help="run id (default: the most recently started run)")
     p.set_defaults(func=_summary)
 

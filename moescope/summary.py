@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
 
 from moescope.alerts import signals
 from moescope.store import Store
+from moescope.store.location import StoreLocation, open_location
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:
@@ -25,14 +30,56 @@ def layer_rows(store: Store, run_id: str) -> list[dict]:
     return rows
 
 
+def host_rows(store: Store, run_id: str) -> list[dict]:
+    """Per host that recorded the run (`Store.host_totals`, `Store.host_layer_totals`): ranks,
+    forwards (per rank), tokens, load_cv (token-weighted over layers), max_over_mean (of the layer
+    whose busiest expert is furthest above the mean), dropped_rate (over layer-tokens)."""
+    totals = store.host_totals(run_id)
+    per_layer = store.host_layer_totals(run_id)
+    rows = []
+    for t in totals.itertuples():
+        layers = signals.layer_figures_of(per_layer[per_layer.host == t.host].itertuples())
+        run = signals.run_figures(layers)
+        spreads = [f.spread.max_mean for f in layers if not math.isnan(f.spread.max_mean)]
+        rows.append(dict(host=str(t.host), ranks=int(t.ranks), forwards=int(t.forwards), tokens=int(t.tokens or 0),
+                         load_cv=run.load_cv, max_over_mean=max(spreads) if spreads else math.nan,
+                         dropped_rate=run.dropped_token_rate))
+    return rows
+
+
 def _cell(value: float, spec: str, width: int) -> str:
     return f"{'—':>{width}}" if isinstance(value, float) and math.isnan(value) else f"{value:>{width}{spec}}"
 
 
-def format_summary(root: str | os.PathLike, run_id: str | None = None) -> str:
-    """A plain-text report of one run (the latest by default); raises EmptyStoreError if none."""
-    store = Store(root)
-    run_id = run_id or store.latest_run()
+def _shown(value: str) -> str:
+    """An option's value as a message shows it: a URL without its user information or query."""
+    if "://" not in value:
+        return value
+    parts = urlsplit(value)
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def store_arguments(location: StoreLocation) -> str:
+    """The store as a command line names it: the (redacted) location and its --storage-option pairs."""
+    words = [location.redacted if not location.is_local else location.url]
+    for key, value in location.storage_options.items():
+        words += ["--storage-option", f"{key}={_shown(str(value))}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def format_summary(root: str | os.PathLike | StoreLocation, run_id: str | None = None,
+                   storage_options: Mapping[str, Any] | None = None) -> str:
+    """A plain-text report of one run (the latest by default); raises EmptyStoreError if none.
+
+    `root` is a folder or a URL (`storage_options` as `moescope.attach` takes them). A run recorded
+    by more than one host gets a per-host table (`host_rows`)."""
+    location = open_location(root, storage_options)
+    with Store(location) as store:
+        return _summary(store, location, run_id or store.latest_run())
+
+
+def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
     info = store.run_info(run_id) or {"model_class": "?", "total_params": 0}
     steps = store.step_totals(run_id)
     total = int(info["total_params"] or 0)
@@ -59,16 +106,26 @@ def format_summary(root: str | os.PathLike, run_id: str | None = None) -> str:
                      f"{run.dropped_tokens:>8,} {_cell(100 * run.dropped_token_rate, '.2f', 7)}")
         lines.append("(load figures over routed experts; entropy and rates token-weighted; 'all' sums the "
                      "layers' tokens)")
+    hosts = host_rows(store, run_id)
+    if len(hosts) > 1:
+        lines += ["", f"by host ({len(hosts)} hosts; a rank's rows belong to the host its runs row names):",
+                  f"  {'host':<24} {'ranks':>5} {'forwards':>9} {'tokens':>12} {'load CV':>8} {'max/mean':>9} "
+                  f"{'drop %':>7}"]
+        lines += [f"  {h['host'][:24]:<24} {h['ranks']:>5} {h['forwards']:>9,} {h['tokens']:>12,} "
+                  f"{_cell(h['load_cv'], '.2f', 8)} {_cell(h['max_over_mean'], '.2f', 9)} "
+                  f"{_cell(100 * h['dropped_rate'], '.2f', 7)}" for h in hosts]
+        lines.append("  (load CV token-weighted over layers; max/mean of the host's most uneven layer)")
     tags = store.tag_totals(run_id)
     if not tags.empty:
         lines += ["", "by tag:"]
         lines += [f"  {r.key}={r.value}: {r.steps:,} forwards, active fraction {100 * r.active_fraction:.2f}%"
                   for r in tags.itertuples()]
-    root = os.path.abspath(os.fspath(root))
+    where = location.url if location.is_local else location.redacted
     lines += [
         "",
-        f"files: {root}/<table>/run_id={run_id}/*.parquet",
-        "try:  moescope query " + f"{os.fspath(root)} \"SELECT layer, expert_ids, count(*) FROM routes "
+        f"tables: {where}/<table> (Delta Lake, partitioned by run_id: read them as Delta tables, not by globbing "
+        "their Parquet files)",
+        f"try:  moescope query {store_arguments(location)} \"SELECT layer, expert_ids, count(*) FROM routes "
         "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
     ]
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from moescope.alerts.cache import DEFAULT_MAX_TOKENS, POLICIES, cache_report
+from moescope.store_arguments import add_store_arguments, store_epilog, store_location
 
 
 def format_report(report: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None) -> str:
@@ -110,8 +111,10 @@ def add_subcommands(subparsers) -> None:
                     "number of experts, per layer, and print the hit rates of LRU, LFU and the offline optimum "
                     "(Belady). Needs routes: probe.attach(..., routes=True).\n\nexample:\n"
                     "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.png",
+        epilog=store_epilog("moescope whatif cache STORE --layer 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("store", help="the store folder given to probe.attach(store=...)")
+    add_store_arguments(p, what="the store given to moescope.attach(store=...): a folder or a URL "
+                                "(s3://BUCKET/PREFIX, gs://..., az://...)")
     p.add_argument("--run", help="run id (default: the most recently started run)")
     p.add_argument("--layer", type=int, help="one MoE layer (default: every layer)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
@@ -132,7 +135,7 @@ def _cache(args: argparse.Namespace) -> int:
     from moescope.store.importers.tables import parse_tags
 
     tags = parse_tags(args.tag) or None
-    with Store(args.store) as store:
+    with Store(store_location(args)) as store:
         run_id = args.run or store.latest_run()
         report = cache_report(store, run_id, args.layer, tags, _policies(args.policy), args.max_tokens)
     print(format_report(report, run_id, tags))

@@ -27,6 +27,12 @@ MAX_TOKENS_LISTED = 500
 MAX_SAMPLE = 5000
 MAX_TABLE_ROWS = 5000
 MAX_TAG_ROWS = 262144
+MAX_HOSTS = 1024
+UNKNOWN_HOST = "?"  # a rank without a `runs` row naming its host (not written yet, or an older store)
+# A CTE `h`: each rank of run `?` and the host its `runs` rows name (hosts joined by '+' where one
+# rank was recorded on several, e.g. a job resumed elsewhere: its rows are counted once, under both).
+HOST_OF_RANK = """h AS (SELECT rank, string_agg(DISTINCT host, '+' ORDER BY host) AS host
+                       FROM runs WHERE run_id = ? AND host IS NOT NULL GROUP BY rank)"""
 
 
 def token_weighted(column: str) -> str:
@@ -88,6 +94,57 @@ class ReportQueries:
                    max(total_params) AS total_params, min(ts) AS first_ts, max(ts) AS last_ts
             FROM steps WHERE {clause}""", params)
         return frame.iloc[0].to_dict()
+
+    # -- hosts (a rank's rows belong to the host its `runs` row names) ------------------------------
+
+    def host_totals(self, run_id: str, tags: dict[str, str] | None = None, limit: int = MAX_HOSTS) -> pd.DataFrame:
+        """Per host that recorded the run (or its rows carrying `tags`), by host: host, ranks (distinct
+        ranks), forwards (per rank, as `step_totals` counts them), tokens, first_ts, last_ts (UTC). A
+        rank's `steps` rows belong to the host of its `runs` row (`HOST_OF_RANK`; `UNKNOWN_HOST`
+        where none names one). Empty for an unknown run."""
+        clause, params = where(run_id, tags=tags)
+        return self.sql(f"""
+            WITH {HOST_OF_RANK}
+            SELECT coalesce(h.host, '{UNKNOWN_HOST}') AS host, count(DISTINCT s.rank)::BIGINT AS ranks,
+                   (sum(coalesce(s.forwards, 1)) / count(DISTINCT s.rank))::BIGINT AS forwards,
+                   sum(s.tokens)::BIGINT AS tokens, min(s.ts) AS first_ts, max(s.ts) AS last_ts
+            FROM (SELECT * FROM steps WHERE {clause}) s LEFT JOIN h ON h.rank = s.rank
+            GROUP BY 1 ORDER BY 1 LIMIT ?""", [run_id, *params, int(limit)])
+
+    def host_layer_totals(self, run_id: str, tags: dict[str, str] | None = None,
+                          limit: int = MAX_HOSTS) -> pd.DataFrame:
+        """Per (host, MoE layer), the columns of `layer_totals` over that host's ranks' rows (see
+        `host_totals`; `tags` as there), plus host: `alerts.signals.layer_figures_of` reads a host's
+        rows. Ordered by host and layer; at most `limit` hosts."""
+        clause, params = where(run_id, tags=tags)
+        frame = self.sql(f"""
+            WITH {HOST_OF_RANK},
+                 r AS (SELECT coalesce(h.host, '{UNKNOWN_HOST}') AS host, l.*
+                       FROM (SELECT * FROM layer_steps WHERE {clause}) l LEFT JOIN h ON h.rank = l.rank),
+                 hosts AS (SELECT DISTINCT host FROM r ORDER BY host LIMIT ?),
+                 p AS (SELECT host, layer, expert, sum(load) AS load
+                       FROM (SELECT host, layer, unnest(expert_load) AS load,
+                                    unnest(range(len(expert_load)))::INTEGER AS expert FROM r)
+                       GROUP BY ALL),
+                 loads AS (SELECT host, layer, list(load::BIGINT ORDER BY expert) AS expert_load,
+                                  sum(load)::BIGINT AS slots FROM p GROUP BY host, layer),
+                 s AS (SELECT host, layer, sum(tokens)::BIGINT AS tokens,
+                              {token_weighted("router_entropy_mean")} AS router_entropy,
+                              sum(dropped_tokens)::BIGINT AS dropped_tokens,
+                              sum(dropped_assignments)::BIGINT AS dropped_assignments,
+                              max(capacity_use) AS capacity_use,
+                              {token_weighted("active_params_per_token")} AS active_params_per_token
+                       FROM r GROUP BY host, layer),
+                 info AS (SELECT layer, any_value(num_experts) AS num_experts,
+                                 coalesce(any_value(zero_experts), 0) AS zero_experts, any_value(top_k) AS top_k
+                          FROM layers WHERE run_id = ? GROUP BY layer)
+            SELECT s.host, s.layer, info.num_experts, info.zero_experts,
+                   coalesce(info.num_experts + info.zero_experts, len(loads.expert_load)) AS router_width,
+                   info.top_k, s.tokens, loads.slots, loads.expert_load, s.router_entropy, s.dropped_tokens,
+                   s.dropped_assignments, s.capacity_use, s.active_params_per_token
+            FROM s JOIN hosts USING (host) JOIN loads USING (host, layer) LEFT JOIN info USING (layer)
+            ORDER BY s.host, s.layer LIMIT ?""", [run_id, *params, int(limit), run_id, int(limit) * 4096])
+        return _vectors(frame, "expert_load")
 
     def tag_totals(self, run_id: str, limit: int = 50) -> pd.DataFrame:
         """Per step tag (key, value): steps (forwards), tokens, active_fraction (token-weighted)."""
