@@ -18,10 +18,22 @@ from collections.abc import Sequence
 
 from moescope.alerts.engine import FIRING, AlertTransition
 from moescope.alerts.notify import KINDS, NotifierError
-from moescope.alerts.outbox import DEAD, DELIVERED, DROPPED, PENDING, Outbox, OutboxWorker, notifiers_by_name, post
+from moescope.alerts.outbox import (
+    DEAD,
+    DELIVERED,
+    DROPPED,
+    OUTBOX_NAME,
+    PENDING,
+    Outbox,
+    OutboxWorker,
+    notifiers_by_name,
+    outbox_path,
+    post,
+)
 from moescope.alerts.promrules import prometheus_rules_yaml
 from moescope.alerts.rules import RulesError, default_rules, load_rules
 from moescope.lifecycle import GracefulStop, add_grace_period_argument
+from moescope.store_arguments import add_store_arguments, make_state_dir, store_epilog, store_location
 
 _RUN_HELP = """\
 Evaluate alert rules over a moescope store, as new steps land, and notify receivers.
@@ -30,7 +42,9 @@ Why: catch expert skew, dead experts, drift from a baseline or dropped tokens wh
 going, in the tools you already watch (a webhook, Slack, Alertmanager).
 
 Every transition (pending, firing, resolved) is written to the store's `alerts` table.
-Notifications go through a persistent outbox (--outbox), so a receiver that is down gets every
+Notifications go through a persistent outbox (--outbox; by default a SQLite file in the store's
+state folder: STORE/.moescope/ for a local store, --state-dir or ~/.cache/moescope/<hash of the
+URL> for a store on object storage, which cannot hold it), so a receiver that is down gets every
 alert when it comes back, once; receivers are stored by name, never by their secret URL, and
 `moescope alerts outbox list|drop` shows and drops what a receiver no longer configured is owed.
 Without --rules the default rule pack is used (alerts/default_rules.yaml); `moescope alerts
@@ -52,6 +66,8 @@ example:
 """
 
 
+_OUTBOX_HELP = (f"outbox file (default: {OUTBOX_NAME} in the state folder, STORE/.moescope for a local store, "
+                "--state-dir or ~/.cache/moescope/<hash of the URL> for a URL)")
 _NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.*)$")
 
 
@@ -90,7 +106,8 @@ def _receivers(args: argparse.Namespace) -> list:
 
 
 def _outbox_path(args: argparse.Namespace) -> str:
-    return args.outbox or os.path.join(args.store, ".moescope", "alerts-outbox.sqlite")
+    """--outbox, else the outbox file in the store's state folder (`alerts.outbox.outbox_path`)."""
+    return args.outbox or outbox_path(store_location(args), args.state_dir)
 
 
 def _load_pack(path: str | None):
@@ -108,19 +125,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (RulesError, NotifierError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    location = store_location(args)
     outbox_path = _outbox_path(args)
     with contextlib.suppress(OSError):  # a full disk: the outbox then says it runs in memory
-        os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
+        if args.outbox:
+            os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
+        else:
+            make_state_dir(location, args.state_dir)
     outbox = Outbox(outbox_path, notifiers)
     try:
-        runner = StoreAlertRunner(args.store, pack, sinks=[outbox], run_ids=args.run or None)
+        runner = StoreAlertRunner(location, pack, sinks=[outbox], run_ids=args.run or None)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         outbox.close()
         return 2
     with GracefulStop(grace_s=args.grace_period, what="moescope alerts run") as stop:
         worker = OutboxWorker(outbox, interval_s=1.0).start()
-        print(f"evaluating {len(pack.rules)} rules from {pack.source} over {args.store}; "
+        print(f"evaluating {len(pack.rules)} rules from {pack.source} over {location.redacted}; "
               f"{len(notifiers)} receivers; outbox {outbox_path}", file=sys.stderr, flush=True)
         if not outbox.persistent:
             print(f"warning: cannot write the outbox {outbox_path} ({outbox.unsaved_reason}): notifications are "
@@ -310,8 +331,10 @@ def add_subcommands(subparsers) -> None:
     sub = alerts.add_subparsers(dest="alerts_command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="evaluate rules over a store as data lands", description=_RUN_HELP,
+                         epilog=store_epilog("moescope alerts run STORE --webhook https://hooks.example.com/moe"),
                          formatter_class=fmt)
-    run.add_argument("store", metavar="STORE", help="the store folder the probe writes")
+    add_store_arguments(run, what="the store the probe writes: a folder or a URL (s3://BUCKET/PREFIX, gs://..., "
+                                  "az://...)", state_dir=True)
     run.add_argument("--rules", metavar="FILE", help="rules file (.yaml/.toml); default: the built-in pack")
     run.add_argument("--run", action="append", default=[], metavar="RUN_ID", help="only these runs (repeatable)")
     run.add_argument("--interval", type=float, default=5.0, help="seconds between polls of the store (default 5)")
@@ -325,7 +348,7 @@ def add_subcommands(subparsers) -> None:
                      help="any receiver of Alertmanager's webhook payload (version 4)")
     run.add_argument("--secret-env", metavar="VAR", default=None,
                      help="environment variable holding the HMAC secret for --webhook (never pass it inline)")
-    run.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    run.add_argument("--outbox", metavar="PATH", help=_OUTBOX_HELP)
     run.add_argument("--flush-timeout", type=float, default=10.0, help="seconds to keep delivering at exit")
     add_grace_period_argument(run, "finish the poll, write its alerts and deliver what the outbox can within this "
                                    "many seconds, then exit 0 (what is left waits in the outbox)")
@@ -369,12 +392,12 @@ def add_subcommands(subparsers) -> None:
                     "  moescope alerts outbox drop runs/ --receiver 'webhook:https://old.example.com/hook'")
     actions = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     listing = actions.add_parser("list", help="receivers with their pending, delivered, dead and dropped counts")
-    listing.add_argument("store", metavar="STORE")
-    listing.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    add_store_arguments(listing, what="the store `alerts run` watched (its outbox is found by it)", state_dir=True)
+    listing.add_argument("--outbox", metavar="PATH", help=_OUTBOX_HELP)
     listing.set_defaults(func=cmd_outbox_list)
     drop = actions.add_parser("drop", help="drop a receiver's undelivered notifications (kept as 'dropped')")
-    drop.add_argument("store", metavar="STORE")
+    add_store_arguments(drop, what="the store `alerts run` watched (its outbox is found by it)", state_dir=True)
     drop.add_argument("--receiver", action="append", required=True, metavar="NAME",
                       help="receiver name as `outbox list` shows it (repeatable)")
-    drop.add_argument("--outbox", metavar="PATH", help="outbox file (default STORE/.moescope/alerts-outbox.sqlite)")
+    drop.add_argument("--outbox", metavar="PATH", help=_OUTBOX_HELP)
     drop.set_defaults(func=cmd_outbox_drop)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from moescope.alerts.engine import AlertTransition, FlushableSink
 from moescope.alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
+from moescope.store.location import StoreLocation, open_location
 
 log = logging.getLogger(__name__)
 
@@ -515,12 +516,18 @@ class OutboxWorker:
             self._thread.join(timeout_s)
 
 
-OUTBOX_FILE = os.path.join(".moescope", "alerts-outbox.sqlite")  # a store's outbox, under its root
+OUTBOX_NAME = "alerts-outbox.sqlite"  # in the store's local state folder
+OUTBOX_FILE = os.path.join(".moescope", OUTBOX_NAME)  # a local store's outbox, under its root
 
 
-def outbox_path(store_root: str | os.PathLike) -> str:
-    """Where a store's alerts outbox lives by default: `<root>/.moescope/alerts-outbox.sqlite`."""
-    return os.path.join(os.fspath(store_root), OUTBOX_FILE)
+def outbox_path(store: str | os.PathLike | StoreLocation, state_dir: str | os.PathLike | None = None) -> str:
+    """Where a store's alerts outbox lives by default: in the store's local state folder
+    (`moescope.store_arguments.state_dir`): `<root>/.moescope/alerts-outbox.sqlite` for a local
+    store; `state_dir`, else `~/.cache/moescope/<hash of the URL>/`, for a store on object storage,
+    which cannot hold a SQLite file."""
+    from moescope.store_arguments import state_dir as state_folder
+
+    return os.path.join(state_folder(open_location(store), state_dir), OUTBOX_NAME)
 
 
 def read_deliveries(path: str | os.PathLike, fingerprints: Sequence[str] | None = None,

@@ -9,7 +9,7 @@ On start the runner replays each run from its first step: the windows and the al
 rebuilt exactly (event time), transitions already in the `alerts` table are not written twice,
 and notifications already in the outbox are not enqueued twice (same idempotency keys).
 
-The `alerts` table follows the store layout, `<root>/alerts/run_id=<id>/part-*.parquet`, written
+The `alerts` table follows the store layout, the table `<root>/alerts` partitioned by run, written
 by each run's writer (`store.writer.run_writer`) through its pipeline. Sharp edges: a step is read
 once, when its `layer_steps` file has landed; rows that another rank writes later for a step
 already read are not counted, and routes that land after their step's `layer_steps` are missed
@@ -39,6 +39,7 @@ import pyarrow as pa
 from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, TransitionSink
 from moescope.alerts.rules import RulePack
 from moescope.alerts.window import LayerObservation
+from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store
 from moescope.store.writer import RunWriter, run_writer
@@ -80,8 +81,9 @@ class AlertTableWriter(FlushableSink):
     to call twice. Raises InvalidNameError (from `handle`) for a run id that cannot be in a path.
     """
 
-    def __init__(self, root: str | os.PathLike, rank: int = 0, max_unwritten: int = 10_000):
-        self.root = os.fspath(root)
+    def __init__(self, root: str | os.PathLike | StoreLocation, rank: int = 0, max_unwritten: int = 10_000):
+        self.location = open_location(root)
+        self.root = self.location.redacted  # how messages name the store
         self.rank = rank
         self.max_unwritten = max_unwritten
         self.lost = 0
@@ -93,7 +95,7 @@ class AlertTableWriter(FlushableSink):
         with self._lock:
             writer = self._writers.get(run_id)
             if writer is None:
-                writer = self._writers[run_id] = run_writer(self.root, run_id, self.rank)
+                writer = self._writers[run_id] = run_writer(self.location, run_id, self.rank)
             return writer
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
@@ -180,14 +182,17 @@ def read_alerts(store: Store, run_id: str | None = None):
 class StoreAlertRunner:
     """Evaluates a rule pack over a store as new data lands."""
 
-    def __init__(self, root: str, pack: RulePack, sinks: Sequence[TransitionSink] = (),
+    def __init__(self, root: str | os.PathLike | StoreLocation, pack: RulePack, sinks: Sequence[TransitionSink] = (),
                  run_ids: Sequence[str] | None = None, write_alerts: bool = True):
-        self.store = Store(root)
+        """`root`: the store, a folder or a URL (a `StoreLocation` carries its storage options).
+        Raises StoreError (EmptyStoreError: no store there yet) as `Store` does."""
+        self.location = open_location(root)
+        self.store = Store(self.location)
         self.pack = pack
         self.run_ids = list(run_ids) if run_ids else None
         self.engine = AlertEngine(pack, baseline_loader=self._load_baseline)
         self.sinks = list(sinks)
-        self.writer = AlertTableWriter(self.store.root) if write_alerts else None
+        self.writer = AlertTableWriter(self.location) if write_alerts else None
         self._needs_routes = any(set(r.signals) & _ROUTE_SIGNALS for r in pack.rules)
         self._last_step: dict[str, int] = {}
         self._last_forward: dict[str, int] = {}  # the last forward read per run (a row's step_end)
