@@ -9,9 +9,9 @@ list a `pages/` folder as a second, automatic navigation).
 
 from __future__ import annotations
 
-import os
 import time
 
+import pandas as pd
 import streamlit as st
 
 from moescope.dashboard import common, data
@@ -46,12 +46,17 @@ def sidebar() -> None:
     if conf is None:
         st.sidebar.info("No store given: start with `moescope dashboard STORE`.")
         return
-    root = os.path.abspath(conf.store)
-    st.sidebar.caption(f"store `{root}`" + (" · writes allowed" if conf.allow_writes else ""))
-    if not os.path.isdir(root):
-        return
-    version = data.store_version(root)
     try:
+        location = conf.location
+    except ValueError as e:  # the page says so too
+        st.sidebar.warning(f"The store cannot be opened: {e}")
+        return
+    root = location.url
+    st.sidebar.caption(f"store `{location.redacted}`" + (" · writes allowed" if conf.allow_writes else ""))
+    if not data.store_exists(root):
+        return
+    try:
+        version = data.store_version(root)
         runs = data.runs(root, version)
         if runs.empty:
             return
@@ -72,11 +77,14 @@ def sidebar() -> None:
             if st.session_state.get(common.TAG_VALUE_KEY) not in values:
                 st.session_state[common.TAG_VALUE_KEY] = values[0]
             st.sidebar.selectbox(f"{key} =", values, key=common.TAG_VALUE_KEY)
+    except data.NoStore:
+        return
     except StoreError as e:
         st.sidebar.warning(f"The store could not be read: {e}")
         return
-    newest_write = float(version.split(":")[1]) if version else 0.0
-    recent = time.time() - newest_write < 300  # a store written in the last 5 minutes is live
+    last = runs.last_ts.max() if "last_ts" in runs and len(runs) else None
+    # a store written in the last 5 minutes is live
+    recent = last is not None and pd.notna(last) and time.time() - pd.Timestamp(last).timestamp() < 300
     if common.LIVE_KEY not in st.session_state:
         st.session_state[common.LIVE_KEY] = recent
     if st.sidebar.toggle("Live refresh", key=common.LIVE_KEY,

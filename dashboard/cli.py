@@ -18,6 +18,8 @@ import sys
 
 from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
 from moescope.lifecycle import GracefulStop, add_grace_period_argument
+from moescope.store.location import parse_storage_options
+from moescope.store_arguments import add_store_arguments, store_epilog, store_location
 
 APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
 # Ctrl-C also reaches the child from the terminal itself; the SIGTERM this command sends it then is harmless
@@ -39,11 +41,13 @@ examples:
   moescope dashboard runs/demo                       # http://127.0.0.1:8501
   moescope dashboard runs/demo --port 8600 --tokenizer moescope/demo/model
   moescope dashboard /data/store --host 0.0.0.0      # reachable from other machines: mind who can
-"""
+
+""" + store_epilog("moescope dashboard STORE")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("store", metavar="STORE", help="store folder (as given to moescope.attach(store=...))")
+    add_store_arguments(parser, what="the store given to moescope.attach(store=...): a folder or a URL "
+                                     "(s3://BUCKET/PREFIX, gs://..., az://...)", state_dir=True)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
@@ -61,7 +65,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_subcommands(subparsers) -> None:
-    """Register `dashboard STORE [--host] [--port] [--allow-writes] [--tokenizer PATH]`."""
+    """Register `dashboard STORE [--storage-option K=V] [--state-dir DIR] [--host] [--port] [--allow-writes]
+    [--tokenizer PATH]`."""
     build_parser(subparsers.add_parser(
         "dashboard", help="open a store in the browser (Streamlit dashboard)", description=DESCRIPTION,
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -76,8 +81,11 @@ def command(args: argparse.Namespace) -> list[str]:
 
 
 def environment(args: argparse.Namespace) -> dict[str, str]:
+    """The Streamlit child's environment: this one (credentials reach the store's libraries from it,
+    never through the settings), with the settings added."""
     settings = Settings(store=args.store, allow_writes=args.allow_writes, tokenizer=args.tokenizer,
-                        refresh_s=args.refresh_s)
+                        refresh_s=args.refresh_s, storage_options=parse_storage_options(args.storage_option),
+                        state_dir=getattr(args, "state_dir", None))
     env = dict(os.environ)
     env.update(settings.env())
     root = os.path.dirname(os.path.dirname(APP))
@@ -99,10 +107,15 @@ def run(args: argparse.Namespace) -> int:
               "tokenizer.json (e.g. moescope/demo/model), or leave --tokenizer out to show token ids",
               file=sys.stderr)
         return 2
-    if not os.path.isdir(args.store):
+    try:
+        location = store_location(args)
+    except ValueError as e:
+        print(f"moescope dashboard: {e}", file=sys.stderr)
+        return 2
+    if location.is_local and not os.path.isdir(location.url):
         print(f"moescope dashboard: no store at {args.store!r} yet; the dashboard waits for the first run "
               "to be recorded there", file=sys.stderr)
-    print(f"moescope dashboard: http://{args.host}:{args.port}  (store {os.path.abspath(args.store)})",
+    print(f"moescope dashboard: http://{args.host}:{args.port}  (store {location.redacted})",
           file=sys.stderr, flush=True)
     process: subprocess.Popen | None = None
 

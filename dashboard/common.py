@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ LIVE_KEY = "ms_live"
 
 @dataclass(frozen=True)
 class PageContext:
-    root: str
+    root: str  # the store's location url (a folder, or a URL): the data functions' key
     version: str
     run_id: str
     tag: TagFilter
@@ -46,9 +45,7 @@ class PageContext:
 
 
 def current_settings() -> settings.Settings | None:
-    import sys
-
-    return settings.load(argv=sys.argv[1:] if sys.argv and sys.argv[0].endswith("app.py") else None)
+    return settings.current()
 
 
 def run_label(runs: pd.DataFrame, run_id: str) -> str:
@@ -71,18 +68,23 @@ def page_context() -> PageContext | None:
     if conf is None:
         st.info("No store given. Start the dashboard with `moescope dashboard STORE`.")
         return None
-    root = os.path.abspath(conf.store)
-    if not os.path.isdir(root):
-        st.info(f"There is no store at `{root}` yet. Record a run into it, e.g. "
-                f"`moescope.attach(model, store={conf.store!r}, routes=True)`, or run `moescope demo`; "
+    try:
+        location = conf.location
+    except ValueError as e:  # a URL or options that cannot be used: what to change, never a traceback
+        st.error(f"The store cannot be opened: {e}")
+        return None
+    root, name = location.url, location.redacted
+    if not data.store_exists(root):
+        st.info(f"There is no store at `{name}` yet. Record a run into it, e.g. "
+                f"`moescope.attach(model, store={name!r}, routes=True)`, or run `moescope demo`; "
                 "this page shows it as soon as the first files land.")
         return None
-    version = data.store_version(root)
     with guard():
+        version = data.store_version(root)
         runs = data.runs(root, version)
         if runs.empty:
-            st.info(f"The store at `{root}` holds no run yet. Attach the probe to a model with "
-                    f"`store={conf.store!r}`; runs appear here while they are being written.")
+            st.info(f"The store at `{name}` holds no run yet. Attach the probe to a model with "
+                    f"`store={name!r}`; runs appear here while they are being written.")
             return None
         chosen = st.session_state.get(RUN_KEY)
         run_id = chosen if isinstance(chosen, str) and chosen in set(runs.run_id) else str(runs.run_id.iloc[0])
@@ -97,7 +99,7 @@ def guard() -> Iterator[None]:
     try:
         yield
     except data.NoStore as e:
-        st.info(f"There is no store at `{e}` yet.")
+        st.info(f"There is no store at `{settings.location_of(str(e)).redacted}` yet.")
     except StoreError as e:
         log.warning("store query failed: %s", e)
         st.warning(f"The store could not answer this view: {e}")

@@ -5,7 +5,9 @@ The pages only cache and draw: every number comes from a `store.Store` query (`s
 `store/reports.py`) or an `alerts.signals` function; nothing here writes SQL, and the frames
 shaped here pick rows, never compute a number.
 
-`st.cache_resource` holds the `Store` (one DuckDB connection per store folder, shared by every
+A page names its store by `ctx.root`, the location's url (a folder or `s3://...`): a plain string,
+so it keys the caches; `settings.location_of` gives it back with the storage options the dashboard
+was started with. `st.cache_resource` holds the `Store` (one DuckDB connection per store, shared by every
 browser session; a lock serialises its use because a DuckDB connection is not meant to be used
 by two threads at once). Query results go through `st.cache_data` keyed by the widget values and
 by the store's *version* (`store.store.data_version`, a fingerprint of its committed files): when
@@ -25,6 +27,7 @@ import streamlit as st
 
 from moescope.alerts.outbox import outbox_path, read_deliveries
 from moescope.alerts.training import training_report as _training_report
+from moescope.dashboard import settings
 from moescope.store.store import EmptyStoreError, Store, data_version
 
 T = TypeVar("T")
@@ -32,11 +35,22 @@ TTL_S = 600
 _lock = threading.RLock()
 
 TagFilter = tuple[str, str] | None  # (tag key, value) from the sidebar, or no filter
-store_version = data_version
 
 
 class NoStore(Exception):
-    """The dashboard's store folder does not exist (yet)."""
+    """The dashboard's store does not exist (yet). Its argument is the store's `ctx.root`."""
+
+
+def store_exists(root: str) -> bool:
+    """Whether there may be a store at `root`: a local folder must exist; a store on object storage
+    is asked for (a missing one raises NoStore from the first query: "no store yet")."""
+    location = settings.location_of(root)
+    return os.path.isdir(location.url) if location.is_local else True
+
+
+def store_version(root: str) -> str:
+    """The store's `data_version` (changes with every commit; '' where there is no store yet)."""
+    return data_version(settings.location_of(root))
 
 
 def tags(tag: TagFilter) -> dict[str, str] | None:
@@ -46,13 +60,13 @@ def tags(tag: TagFilter) -> dict[str, str] | None:
 
 @st.cache_resource(show_spinner=False)
 def _open(root: str) -> dict[str, Any]:
-    return {"store": Store(root), "version": None}
+    return {"store": Store(settings.location_of(root)), "version": None}
 
 
 def with_store(root: str, version: str, fn: Callable[..., T], *args: Any) -> T:
     """Run `fn(store, *args)` on the cached store of `root`, first re-making its views if the
-    store's files changed since they were made. Raises NoStore when the folder is missing."""
-    if not os.path.isdir(root):
+    store's files changed since they were made. Raises NoStore when there is no store there."""
+    if not store_exists(root):
         raise NoStore(root)
     try:
         entry = _open(root)
@@ -102,6 +116,9 @@ expert_tag_load = _cached(Store.expert_tag_load, tagged=True)
 drift_from_first_steps = _cached(Store.drift_from_first_steps)
 table_rows = _cached(Store.table_rows)
 probe_stats = _cached(Store.probe_stats)
+# (root, version, run_id, tag): per host that recorded the run (`Store.host_totals`, `Store.host_layer_totals`)
+host_totals = _cached(Store.host_totals, tagged=True)
+host_layer_totals = _cached(Store.host_layer_totals, tagged=True)
 
 
 def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
@@ -175,8 +192,10 @@ def context_text(ids: Any, positions: Any, centre: int, tokenizer_path: str | No
 @st.cache_data(ttl=10, max_entries=32, show_spinner=False)
 def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame | None:
     """The alerts outbox's deliveries of these alerts (`alerts.outbox.read_deliveries`; re-read every
-    10 s: it is not Parquet); None when the store has no outbox."""
-    rows = read_deliveries(outbox_path(root), fingerprints)
+    10 s: it is not Parquet); None when the store has no outbox. The outbox is in the store's local
+    state folder (`alerts.outbox.outbox_path`: `--state-dir`, else where `alerts run` keeps it)."""
+    conf = settings.current()
+    rows = read_deliveries(outbox_path(settings.location_of(root), conf.state_dir if conf else None), fingerprints)
     if rows is None:
         return None
     frame = pd.DataFrame(rows, columns=["fingerprint", "receiver", "state", "attempts", "created_at",

@@ -145,6 +145,20 @@ def layer_spread_figure(layers: Sequence[signals.LayerFigures]) -> go.Figure:
     return _layout(fig, "Load spread per layer", barmode="group")
 
 
+def host_load_figure(per_host: dict[str, Sequence[signals.LayerFigures]]) -> go.Figure:
+    """Per layer, a bar per host: max/mean of the routed experts' load over that host's ranks."""
+    if not per_host:
+        return empty_figure("no layer steps recorded")
+    fig = go.Figure([
+        go.Bar(x=[str(f.layer) for f in layers], y=[f.spread.max_mean for f in layers], name=host,
+               marker_color=PALETTE[i % len(PALETTE)],
+               hovertemplate=f"{host}, layer %{{x}}: max/mean %{{y:.3f}}<extra></extra>")
+        for i, (host, layers) in enumerate(per_host.items())])
+    fig.update_xaxes(title="MoE layer", type="category")
+    fig.update_yaxes(title="load max / mean (1 = perfectly even)", rangemode="tozero")
+    return _layout(fig, "Load spread per layer, by host", barmode="group")
+
+
 def entropy_figure(entropy: pd.DataFrame) -> go.Figure:
     """Mean per-token router entropy (nats, token-weighted in each bucket) per layer over the step
     buckets of `Store.layer_buckets`."""

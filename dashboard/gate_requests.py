@@ -24,6 +24,8 @@ import os
 import socket
 import uuid
 
+from moescope.dashboard.settings import location_of
+from moescope.store.location import StoreLocation
 from moescope.store.schema import SCHEMAS
 from moescope.store.writer import run_writer
 
@@ -36,9 +38,10 @@ class GateRequestError(ValueError):
     """A gate request that cannot be written; the message says what to change."""
 
 
-def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int, weight: float,
+def write_request(root: str | os.PathLike | StoreLocation, run_id: str, layer: int, expert: int, weight: float,
                   reason: str, action: str = "override") -> dict:
-    """Append one trust-gate request to the store; returns the row written.
+    """Append one trust-gate request to the store (`root`: a page's `ctx.root`, a folder or a URL,
+    reached with the dashboard's storage options); returns the row written.
 
     Raises GateRequestError for an unknown action, a weight outside [0, 1], a negative layer or
     expert, or an empty reason (every change of the gate must say why)."""
@@ -55,11 +58,12 @@ def write_request(root: str | os.PathLike, run_id: str, layer: int, expert: int,
     row = {"request_id": uuid.uuid4().hex, "run_id": run_id, "requested_at": dt.datetime.now(dt.timezone.utc),
            "layer": int(layer), "expert": int(expert), "action": action, "weight": float(weight),
            "reason": reason.strip()[:500], "requested_by": f"dashboard@{socket.gethostname()}"}
-    with run_writer(root, run_id) as writer:
+    location = location_of(root)
+    with run_writer(location, run_id) as writer:
         # The operator waits for the answer: the row is on disk (or refused) when this returns.
         before = writer.written_rows[REQUESTS_TABLE]
         writer.emit(REQUESTS_TABLE, [row])
         if not writer.flush() or writer.written_rows[REQUESTS_TABLE] == before:
-            raise GateRequestError(f"the request could not be written to {os.fspath(root)!r} "
+            raise GateRequestError(f"the request could not be written to {location.redacted!r} "
                                    f"({writer.last_error or 'is the disk full?'}); nothing was changed")
     return row

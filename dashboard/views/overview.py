@@ -1,6 +1,8 @@
-"""Overview: what the run did, in headline numbers and a few figures."""
+"""Overview: what the run did, in headline numbers and a few figures; by host where several recorded it."""
 
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 import streamlit as st
@@ -10,6 +12,7 @@ from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 
 POSITION_BUCKETS = 8  # position buckets of the by-position chart
+HOST_KEY = "ov_host"  # the host filter of the By host section
 
 st.title("Overview")
 ctx = common.page_context()
@@ -125,6 +128,36 @@ with common.guard():
                    fg.empty_figure(common.not_recorded("router entropy", ctx)), key="ov_entropy_chart")
     c.plotly_chart(fg.dropped_figure(buckets) if has_dropped else
                    fg.empty_figure(common.not_recorded("dropped tokens", ctx)), key="ov_dropped_chart")
+
+    hosts = data.host_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+    if len(hosts) > 1:
+        st.subheader("By host")
+        per_layer = data.host_layer_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
+        by_host = {str(h): signals.layer_figures_of(per_layer[per_layer.host == h].itertuples()) for h in hosts.host}
+        names = list(by_host)
+        if st.session_state.get(HOST_KEY) not in [None, *names]:
+            st.session_state[HOST_KEY] = None
+        host = st.selectbox("Host", [None, *names], key=HOST_KEY,
+                            format_func=lambda h: "— all hosts —" if h is None else h,
+                            help="The hosts that recorded this run: a rank's rows belong to the host its `runs` "
+                                 "row names (MOESCOPE_HOST, else the hostname).")
+        shown = names if host is None else [host]
+        rows = []
+        for name in shown:
+            run_h = signals.run_figures(by_host[name])
+            spreads = [f.spread.max_mean for f in by_host[name] if not math.isnan(f.spread.max_mean)]
+            totals_h = hosts[hosts.host == name].iloc[0]
+            rows.append({"host": name, "ranks": int(totals_h.ranks), "forwards": int(totals_h.forwards),
+                         "tokens": int(totals_h.tokens or 0), "load CV": run_h.load_cv,
+                         "max/mean (most uneven layer)": max(spreads) if spreads else math.nan,
+                         "dropped %": 100 * run_h.dropped_token_rate})
+        st.dataframe(pd.DataFrame(rows), hide_index=True,
+                     column_config={"load CV": st.column_config.NumberColumn(format="%.3f"),
+                                    "max/mean (most uneven layer)": st.column_config.NumberColumn(format="%.2f"),
+                                    "dropped %": st.column_config.NumberColumn(format="%.2f")})
+        st.plotly_chart(fg.host_load_figure({name: by_host[name] for name in shown}), key="ov_host_chart")
+        st.caption("Forwards per rank; load CV token-weighted over layers, max/mean and drops over each host's "
+                   "own ranks' tokens.")
 
     st.subheader("Alerts firing now")
     if firing.empty:
