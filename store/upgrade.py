@@ -15,9 +15,13 @@ read: every `part-*.parquet` whose footer reads and whose pages pass their check
 files a good merged file replaces; those are rewritten beside the originals as the files of a Delta
 table (`<name without .parquet>-delta.parquet`: the same rows in the same order and row groups,
 every column of the table's schema, `run_id` only in the folder name as Delta wants it, page
-checksums) and added in one commit; then the originals are deleted. The rewrite is what makes every
-engine agree: Spark refuses a file holding its partition column, and the Delta schema has `run_id`
-as a partition column only. Files the previous readers left out are deleted: replaced sources,
+checksums) and added in one commit; then the originals are deleted. Why rewrite rather than commit
+the old files as they are: every file of a table then has one physical schema, the table's, as a
+Delta writer leaves it (the partition column only in the log and the folder; columns added since an
+old file was written present as nulls; the old footer keys gone), so an engine that takes a table's
+columns from one file (Spark without mergeSchema, a fixed-schema Dask read) reads every file alike,
+and no reader has to decide between a file's run_id and the log's. It costs one read and one write
+of the store, once. Files the previous readers left out are deleted: replaced sources,
 `.tmp-*.inprogress` files; bad files are moved to `_quarantine/` with their reason and their rows
 (where the footer says) counted as lost in `probe_stats` (reason `quarantined`). The old
 `_quarantine/` folder moves as it is to `_previous-release/quarantine/`, folders of tables this

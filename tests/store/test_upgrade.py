@@ -273,3 +273,31 @@ def test_an_upgrade_interrupted_finishes_when_run_again(old_store, monkeypatch, 
         columns = [c for c in want[table].column_names if c != "host"]
         assert rows(_all(store, table), columns) == rows(want[table].to_pandas(), columns), table
     assert not (root / "_upgrade").exists()
+
+
+@pytest.mark.integration
+def test_spark_reads_the_upgraded_tables_as_the_previous_readers_did(old_store, java, tmp_path, monkeypatch):
+    """Spark reads the upgraded tables' snapshot files, run_id from the folders (as the Delta connector
+    takes it from the log), with the previous readers' answers."""
+    pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    root, _ = old_store
+    want = old_reader(root)
+    upgrade(root)
+    location = open_location(root)
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    spark = (SparkSession.builder.master("local[1]").appName("moescope-upgrade").config("spark.ui.enabled", "false")
+             .config("spark.local.dir", str(tmp_path / "spark")).config("spark.sql.shuffle.partitions", "2")
+             .getOrCreate())
+    try:
+        for table in ("steps", "layer_steps", "routes"):
+            files = [str(root / table / p.path) for p in parts(location, table)]
+            frame = spark.read.option("basePath", str(root / table)).parquet(*files)
+            got = collections.Counter(tuple(r) for r in frame.groupBy("run_id", "rank", "step").count().collect())
+            brute = collections.Counter()
+            for run_id, rank, step in zip(*(want[table].column(c).to_pylist() for c in ("run_id", "rank", "step"))):
+                brute[(run_id, rank, step)] += 1
+            assert got == collections.Counter({(*k, n): 1 for k, n in brute.items()}), table
+    finally:
+        spark.stop()
