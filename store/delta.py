@@ -49,7 +49,7 @@ from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 
 __all__ = ["CommitError", "LegacyStoreError", "PartFile", "Snapshot", "StoreAccessError", "check_store", "commit",
-           "create_table", "legacy_tables", "snapshot", "table_exists", "vacuum", "write_part"]
+           "create_table", "legacy_tables", "snapshot", "table_exists", "transaction_version", "vacuum", "write_part"]
 
 log = logging.getLogger(__name__)
 
@@ -415,6 +415,27 @@ def table_exists(loc: StoreLocation | str | os.PathLike, table: str) -> bool:
     if _routed():
         return _call("table_exists", loc, table)
     return _guarded(lambda: _open(loc, table, create=False) is not None, loc, "table_exists", table)
+
+
+def transaction_version(loc: StoreLocation | str | os.PathLike, table: str, app_id: str) -> int | None:
+    """The latest version of app transaction `app_id` the table holds now (None: none, or no table).
+    Read before a snapshot, it is at most what that snapshot holds. Raises StoreError when the
+    storage cannot be read."""
+    loc = open_location(loc)
+    check_name("table", table)
+    if _routed():
+        return _call("transaction_version", loc, table, app_id)
+    return _guarded(lambda: _transaction_version(loc, table, app_id), loc, "transaction_version", table, app_id)
+
+
+def _transaction_version(loc: StoreLocation, table: str, app_id: str) -> int | None:
+    cached = _open(loc, table, create=False)
+    if cached is None:
+        return None
+    with cached.lock:
+        cached.dt.update_incremental()
+        found = cached.dt.transaction_version(app_id)
+    return None if found is None else int(found)
 
 
 def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | None = None, *,
@@ -790,7 +811,8 @@ def _serve(fd: int) -> None:
 
     connection = Connection(fd)
     ops: dict[str, Callable[..., Any]] = {"commit": commit, "snapshot": snapshot, "table_exists": table_exists,
-                                          "vacuum": vacuum, "create_table": create_table}
+                                          "vacuum": vacuum, "create_table": create_table,
+                                          "transaction_version": transaction_version}
     while True:
         try:
             op, args, kwargs = connection.recv()

@@ -189,6 +189,9 @@ def test_an_app_transaction_is_committed_once(tmp_path):
     assert delta.commit(tmp_path, "steps", [other], app=("writer-a", 2)) == 2
     assert delta.commit(tmp_path, "steps", [other], app=("writer-b", 1)) == 3  # another writer's own sequence
     assert snapshot_rows(tmp_path, "steps").num_rows == 6
+    assert delta.transaction_version(tmp_path, "steps", "writer-a") == 2
+    assert delta.transaction_version(tmp_path, "steps", "writer-c") is None
+    assert delta.transaction_version(tmp_path, "routes", "writer-a") is None  # no table
 
 
 def test_an_empty_commit_and_an_unknown_table_are_refused(tmp_path):
