@@ -18,6 +18,7 @@ import pytest
 
 from moescope.dashboard import cli, settings
 from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
+from moescope.store.location import StoreLocation
 from moescope.store.store import Store
 from tests.sigterm import started
 
@@ -54,6 +55,32 @@ def test_command_is_headless_streamlit_bound_to_the_host(tmp_path):
     loaded = settings.load(cli.environment(args))
     assert loaded == settings.Settings(store=str(tmp_path), allow_writes=True, tokenizer=str(tmp_path),
                                        refresh_s=settings.DEFAULT_REFRESH_S)
+
+
+def test_a_store_url_reaches_the_app_with_its_options_and_state_folder_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-the-settings")
+    args = parse(["dashboard", "s3://bucket/fleet/", "--storage-option", "endpoint=http://127.0.0.1:9000",
+                  "--storage-option", "region=eu-west-1", "--state-dir", str(tmp_path / "state")])
+    env = cli.environment(args)
+    loaded = settings.load(env)
+    assert loaded == settings.Settings(store="s3://bucket/fleet", refresh_s=settings.DEFAULT_REFRESH_S,
+                                       storage_options={"AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+                                                        "AWS_REGION": "eu-west-1"},
+                                       state_dir=str(tmp_path / "state"))
+    # the child gets the credentials from the environment it inherits, never inside a setting
+    assert not [k for k, v in env.items() if k.startswith("MOESCOPE_DASHBOARD") and "not-for-the-settings" in v]
+    by_hand = settings.load({}, ["s3://bucket/fleet", "--storage-option", "endpoint=http://127.0.0.1:9000"])
+    assert by_hand.location == StoreLocation("s3://bucket/fleet", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000"})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["s3://bucket/fleet", "--storage-option", "aws_secret_access_key=xyz"], "environment"),
+    (["gopher://bucket/fleet"], "not supported"),
+])
+def test_a_store_that_cannot_be_opened_is_refused_before_the_server_starts(argv, says, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "xyz" not in err
 
 
 def test_settings_from_script_arguments_and_missing():
