@@ -478,3 +478,13 @@ def test_the_proxy_records_into_the_bucket(s3_store):
     assert list(zip(runs.run_id, runs.source, runs.host)) == [(run_id, "proxy", current_host())]
     steps = raw(s3_store, "steps")
     assert list(steps.run_id) == [run_id] and int(steps.tokens.iloc[0]) == 8
+
+
+def test_dashboard_on_an_empty_prefix_says_there_is_no_store_yet(s3_store, monkeypatch):
+    at = _app(monkeypatch, s3_store)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert any("no store" in i.value.lower() or "no run" in i.value.lower() for i in at.info), [
+        i.value for i in at.info]
+    assert s3_store.redacted in _page_text(at)
