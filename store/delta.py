@@ -48,8 +48,9 @@ from moescope.store.layout import WRITER_ROW_GROUP_ROWS, check_name, check_part_
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 
-__all__ = ["CommitError", "LegacyStoreError", "PartFile", "Snapshot", "StoreAccessError", "check_store", "commit",
-           "create_table", "legacy_tables", "snapshot", "table_exists", "transaction_version", "vacuum", "write_part"]
+__all__ = ["CommitConflictError", "CommitError", "LegacyStoreError", "PartFile", "Snapshot", "StoreAccessError",
+           "check_store", "commit", "create_table", "legacy_tables", "snapshot", "table_exists", "transaction_version",
+           "vacuum", "write_part"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,12 @@ _STATS_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_strin
 
 class CommitError(StoreError):
     """A commit to a table failed after every retry; the message names the table (redacted) and why."""
+
+
+class CommitConflictError(CommitError):
+    """A commit that removes files was refused because one of them is no longer in the table (another
+    commit removed it since it was read: a compaction, a prune, a quarantine). Nothing was committed;
+    read a new snapshot and decide again."""
 
 
 class StoreAccessError(StoreError):
@@ -557,6 +564,8 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
                 base = delta_table.version()
                 if app is not None and (delta_table.transaction_version(app[0]) or -1) >= app[1]:
                     return _version_of(loc, table, delta_table, base, app)  # committed by an earlier try
+                if removes:
+                    _check_live(loc, table, delta_table, removes)
                 delta_table.create_write_transaction(actions, mode="append", schema=SCHEMAS[table],
                                                      partition_by=[PARTITION_COLUMN], commit_properties=properties)
                 delta_table.update_incremental()
@@ -578,6 +587,25 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
     what = f"{len(adds)} added and {len(removes)} removed file(s)"
     raise CommitError(_message(f"could not commit {what} to {loc.redacted}/{table} after {attempt + 1} tries "
                                "(check that the store is reachable and writable)", last)) from last
+
+
+def _check_live(loc: StoreLocation, table: str, delta_table: Any, removes: Sequence[PartFile | str]) -> None:
+    """Raise CommitConflictError unless every file to remove is live in `delta_table`'s version.
+
+    delta-rs checks a commit against the commits made since the version its table object read, not
+    since the caller read its snapshot; and it accepts a remove of a file that is already gone. A
+    rewrite of files someone else removed meanwhile (a compaction of a file a quarantine took out)
+    would then add their rows back. From the version checked here on, delta-rs's own conflict check
+    takes over."""
+    actions = pa.table(delta_table.get_add_actions(flatten=True))
+    live = set(actions.column("path").to_pylist()) if actions.num_rows else set()
+    gone = [p.path if isinstance(p, PartFile) else p for p in removes]
+    gone = [path for path in gone if path not in live]
+    if gone:
+        raise CommitConflictError(
+            f"moescope: not committed to {loc.redacted}/{table}: {len(gone)} file(s) to remove are no longer in "
+            f"the table (another commit removed them since they were read, e.g. {gone[0]}): read a new snapshot "
+            "and try again")
 
 
 def _landed(loc: StoreLocation, table: str, app: tuple[str, int]) -> bool:

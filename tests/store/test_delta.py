@@ -157,6 +157,22 @@ def test_removes_and_adds_in_one_commit_and_an_old_version_stays_readable(store_
     assert [f.path for f in delta.snapshot(loc, "steps").files] == [merged.path]
 
 
+def test_a_rewrite_of_a_file_someone_else_removed_is_refused_and_commits_nothing(tmp_path):
+    """A compaction read files a and b; meanwhile another commit (a quarantine) removed b. Its commit
+    (remove a and b, add their merge) would bring b's rows back: it is refused, and nothing changes."""
+    a = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 0, 10), "part-a.parquet")
+    b = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 10, 10), "part-b.parquet")
+    delta.commit(tmp_path, "steps", [a, b])
+    read = delta.snapshot(tmp_path, "steps")
+    quarantined = delta.commit(tmp_path, "steps", removes=[b])
+    merged = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 0, 20), "part-merged.parquet")
+    with pytest.raises(delta.CommitConflictError, match="no longer in the table"):
+        delta.commit(tmp_path, "steps", [merged], read.files, data_change=False, app=("moescope-compact:steps", 1))
+    assert delta.snapshot(tmp_path, "steps").version == quarantined
+    assert sorted(snapshot_rows(tmp_path, "steps").column("step").to_pylist()) == list(range(10))
+    assert delta.transaction_version(tmp_path, "steps", "moescope-compact:steps") is None
+
+
 def test_vacuum_deletes_removed_and_orphaned_files_and_keeps_live_ones(tmp_path):
     live = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 0, 5), "part-live.parquet")
     gone = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 5, 5), "part-gone.parquet")
