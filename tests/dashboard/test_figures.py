@@ -186,5 +186,17 @@ def test_empty_frames_give_a_message_not_an_error():
     empty = pd.DataFrame()
     for fig in (fg.active_fraction_figure(empty), fg.layer_share_heatmap(empty, {}), fg.entropy_figure(empty),
                 fg.load_heatmap(empty, 0), fg.alert_timeline(empty), fg.layer_spread_figure([]),
-                fg.compare_scalars_figure(empty), fg.divergence_figure(empty, "js")):
+                fg.compare_scalars_figure(empty), fg.divergence_figure(empty, "js"), fg.host_load_figure({})):
         assert fig.layout.annotations and fig.layout.annotations[0].text
+
+
+def test_host_load_figure_draws_a_bar_per_host_of_each_layers_max_over_mean():
+    loads = {"alpha": {0: [4, 2, 2, 0], 1: [2, 2, 2, 2]}, "beta": {0: [1, 1, 1, 5]}}
+    per_host = {host: [signals.layer_figures(layer, load, 4, 0, sum(load) // 2, float("nan"), 0)
+                       for layer, load in layers.items()] for host, layers in loads.items()}
+    fig = fg.host_load_figure(per_host)
+    assert [trace.name for trace in fig.data] == ["alpha", "beta"]
+    for trace in fig.data:
+        want = loads[trace.name]
+        assert list(trace.x) == [str(layer) for layer in want]
+        assert list(trace.y) == pytest.approx([max(v) / np.mean(v) for v in want.values()])
