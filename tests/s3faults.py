@@ -6,12 +6,14 @@
 - `slowdown_every=N`: every Nth request is answered 503 with S3's `SlowDown` XML error body;
 - `reset_every=N`: every Nth request's connection is reset (TCP RST, no response);
 - `latency_s=S`: every request waits S seconds before it is forwarded;
-- `methods` / `path_contains`: only matching requests count towards N and get the faults;
+- `methods` / `path_contains`: only matching requests count towards N and get the faults (the
+  path is matched URL-decoded: `run_id=` matches `run_id%3D`);
 - `after_forward=True`: a 503 or a reset comes AFTER upstream has applied the request (the
   ambiguous failure: the write happened, the client was told it did not);
 - `budget=K`: at most K faults, then requests pass.
 
-It counts requests by method, faults by kind and responses by status (`counts()`).
+It counts requests by method, faults by kind and responses by status (`counts()`), and keeps the
+last LOG_SIZE requests' method, path and outcome (`log()`).
 
 The proxy's threaded server runs in its own process (like the S3 server, so a client call that
 holds the GIL cannot starve it) and is bounded: it stops on `stop()`, when the test process dies
@@ -33,12 +35,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                  b'<Message>Please reduce your request rate.</Message><RequestId>moescope-fault</RequestId></Error>')
 LIFETIME_S = 900.0
 UPSTREAM_TIMEOUT_S = 60.0
+LOG_SIZE = 5000
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
                "expect"}
 
@@ -73,7 +76,13 @@ class FaultProxy:
         "forwarded": n, "errors": n} since the start or the last `reset_counts()`."""
         return self._call({"op": "counts"})
 
+    def log(self) -> list[tuple[str, str, str]]:
+        """The last LOG_SIZE requests since the start or `reset_counts()`: (method, path, outcome),
+        outcome an HTTP status, "reset", or "error" (the client or upstream went away)."""
+        return [tuple(entry) for entry in self._call({"op": "log"})["log"]]  # type: ignore[misc]
+
     def reset_counts(self) -> None:
+        """Zero the counts and empty the log."""
         self._call({"op": "reset_counts"})
 
     def stop(self) -> None:
@@ -144,12 +153,21 @@ class _Faults:
             self.statuses: collections.Counter[str] = collections.Counter()
             self.forwarded = 0
             self.errors = 0
+            self.log: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=LOG_SIZE)
+
+    def outcome(self, method: str, path: str, outcome: str) -> None:
+        with self.lock:
+            self.log.append((method, path, outcome))
+            if outcome.isdigit():
+                self.statuses[outcome] += 1
+            elif outcome == "error":
+                self.errors += 1
 
     def decide(self, method: str, path: str) -> tuple[str | None, float]:
         """The fault for this request (None, "slowdown" or "reset") and the latency to add."""
         with self.lock:
             self.requests[method] += 1
-            if (self.methods is not None and method not in self.methods) or self.path_contains not in path:
+            if (self.methods is not None and method not in self.methods) or self.path_contains not in unquote(path):
                 return None, 0.0
             self.eligible += 1
             fault = None
@@ -199,6 +217,7 @@ def _make_server(upstream: str, faults: _Faults) -> ThreadingHTTPServer:
             self.connection.close()
             self.close_connection = True
             self.wfile = _Discard()  # nothing more goes out on this connection
+            faults.outcome(self.command, self.path, "reset")
 
         def _slowdown(self) -> None:
             self.send_response(503, "Slow Down")
@@ -208,8 +227,7 @@ def _make_server(upstream: str, faults: _Faults) -> ThreadingHTTPServer:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(SLOWDOWN_BODY)
-            with faults.lock:
-                faults.statuses["503"] += 1
+            faults.outcome(self.command, self.path, "503")
 
         def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -249,11 +267,9 @@ def _make_server(upstream: str, faults: _Faults) -> ThreadingHTTPServer:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                with faults.lock:
-                    faults.statuses[str(status)] += 1
+                faults.outcome(self.command, self.path, str(status))
             except OSError:  # the client went away, or upstream did: the client sees a closed connection
-                with faults.lock:
-                    faults.errors += 1
+                faults.outcome(self.command, self.path, "error")
                 self.close_connection = True
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
@@ -305,6 +321,9 @@ def _serve(upstream: str, lifetime_s: float) -> int:
                 reply: dict[str, Any] = {"ok": True}
             elif op == "counts":
                 reply = faults.snapshot()
+            elif op == "log":
+                with faults.lock:
+                    reply = {"log": list(faults.log)}
             elif op == "reset_counts":
                 faults.reset_counts()
                 reply = {"ok": True}

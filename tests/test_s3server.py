@@ -151,6 +151,11 @@ def test_the_proxy_forwards_bodies_heads_and_errors_unchanged(proxy, s3_env):
     counts = proxy.counts()
     assert counts["requests"] == {"PUT": 1, "HEAD": 1, "GET": 3}
     assert counts["statuses"] == {"200": 3, "206": 1, "404": 1} and counts["faults"] == {}
+    path = f"/{s3_env.bucket}/px/a"
+    assert proxy.log() == [("PUT", path, "200"), ("HEAD", path, "200"), ("GET", path, "200"), ("GET", path, "206"),
+                           ("GET", f"/{s3_env.bucket}/px/none", "404")]
+    proxy.reset_counts()
+    assert proxy.log() == [] and proxy.counts()["requests"] == {}
     s3_env.delete_prefix("px/")
 
 
@@ -187,6 +192,7 @@ def test_a_reset_connection_gets_no_response_and_the_request_is_not_applied(prox
         client.put_object(Bucket=s3_env.bucket, Key="reset/2", Body=b"x")
     assert s3_env.keys("reset/") == ["reset/1"]
     assert proxy.counts()["faults"] == {"reset": 1}
+    assert [outcome for _, _, outcome in proxy.log()] == ["200", "reset"]
     s3_env.delete_prefix("reset/")
 
 
