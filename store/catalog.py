@@ -192,17 +192,7 @@ def app_version(location: StoreLocation, table: str, app_id: str) -> int:
     a snapshot, it is at most the version that snapshot holds: a commit that removes the snapshot's
     files with `app=(app_id, version + 1)` is then made only if no other such commit came first.
     Raises StoreError when the storage cannot be read."""
-    # store.delta has no public reader of app versions yet: its cached table is read the way its
-    # own commit reads it (under the table's lock, brought up to date first).
-    try:
-        cached = delta._open(location, table, create=False)
-        if cached is None:
-            return 0
-        with cached.lock:
-            cached.dt.update_incremental()
-            found = cached.dt.transaction_version(app_id)
-    except OSError as e:
-        raise StoreError(f"moescope store: cannot read the log of {location.redacted}/{table}: {e}") from e
+    found = delta.transaction_version(location, table, app_id)
     return 0 if found is None else int(found)
 
 
@@ -221,7 +211,10 @@ def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, a
         snap = delta.snapshot(location, table)
         if snap is None or not any(p.path == part.path for p in snap.files):
             return False
-        delta.commit(location, table, removes=[part], app=(app, seen + 1))
+        try:
+            delta.commit(location, table, removes=[part], app=(app, seen + 1))
+        except delta.CommitConflictError:
+            continue  # removed meanwhile: the next look says so
         after = delta.snapshot(location, table)
         if after is None or not any(p.path == part.path for p in after.files):
             return True

@@ -13,8 +13,9 @@ among the sources and stay live. Two compactions (or a compaction and a prune, o
 made from the same version cannot both commit: each such commit carries the app transaction
 `moescope-compact:<table>` at one more than its version read before the snapshot
 (`store.catalog.app_version`), and `store.delta.commit` does not make a commit whose app version
-the table already holds; the one that lost finds its merged files absent from the version it got,
-deletes them and starts again from a new version. A crash before the commit leaves merged files no
+the table already holds, nor one that removes a file no longer in the table; the one that lost
+finds its merged files absent from the version it got (or gets CommitConflictError), deletes them
+and starts again from a new version. A crash before the commit leaves merged files no
 version names (never read; see the README's retention section); after it, the sources are removed
 files, which `vacuum` deletes once they are older than the retention.
 
@@ -206,9 +207,12 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
                     raise RuntimeError(f"merged {part.rows} rows of {table}/{run_id}, expected {expected}")
             adds = [part for _, part in merged]
             removes = [info.part for group, _ in merged for info in group]
-            version = delta.commit(location, table, adds=adds, removes=removes, data_change=False,
-                                   app=(app, seen + 1))
-            committed = delta.snapshot(location, table, version)
+            try:
+                version: int | None = delta.commit(location, table, adds=adds, removes=removes, data_change=False,
+                                                   app=(app, seen + 1))
+            except delta.CommitConflictError:  # a source was removed since the snapshot: nothing committed
+                version = None
+            committed = delta.snapshot(location, table, version) if version is not None else None
         except BaseException:
             _delete(catalog, table, [part for _, part in merged])
             raise
@@ -316,7 +320,10 @@ def delete_runs(location: StoreLocation, run_ids: Sequence[str], attempts: int =
             parts = [p for p in snap.files if p.run_id in doomed] if snap is not None else []
             if not parts:
                 break
-            version = delta.commit(location, table, removes=parts, app=(app, seen + 1))
+            try:
+                version = delta.commit(location, table, removes=parts, app=(app, seen + 1))
+            except delta.CommitConflictError:
+                continue  # a compaction or quarantine removed some of them meanwhile: look again
             after = delta.snapshot(location, table, version)
             if after is not None and not {p.path for p in parts} & {p.path for p in after.files}:
                 removed += len(parts)

@@ -20,7 +20,7 @@ from moescope.store import Store, delta
 from moescope.store import compact as compaction
 from moescope.store.compact import compact, parse_age
 from moescope.store.location import open_location
-from tests.store.deltafiles import exists, file_path, parts, read_table, write_run
+from tests.store.deltafiles import exists, file_path, parts, read_part, read_table, write_run
 
 KEY = ["run_id", "rank", "step", "layer", "token"]
 
@@ -150,6 +150,33 @@ def test_appends_between_a_compactions_read_and_its_commit_land(store_location, 
     keys = _keys(store_location)
     assert max(keys.values()) == 1
     assert sum(keys.values()) == 9 * 48 and {k[1] for k in keys} == {0, 1}
+
+
+def test_a_source_removed_between_a_compactions_read_and_its_commit_stays_removed(tmp_path, monkeypatch):
+    """A quarantine (or prune) takes one of the sources out after the compaction read them: the
+    compaction's commit is refused (nothing committed, its merged file deleted), and it merges again
+    from the new version, without the removed file's rows."""
+    location = open_location(tmp_path)
+    write_run(location, "r", steps=5)
+    files = parts(location, "routes")
+    taken = files[1]
+    [taken_step] = set(read_part(location, "routes", taken).column("step").to_pylist())
+    real_commit = delta.commit
+    refused = []
+
+    def remove_a_source_first(loc, table, adds=(), removes=(), **kwargs):
+        if table == "routes" and adds and not refused:
+            refused.extend(file_path(location, table, p) for p in adds)
+            real_commit(loc, table, removes=[taken])  # as a reader's quarantine does
+        return real_commit(loc, table, adds, removes, **kwargs)
+
+    monkeypatch.setattr(compaction.delta, "commit", remove_a_source_first)
+    [result] = compact(location, tables=("routes",))
+    assert result.merged_files == 4 and result.rows == 4 * 48
+    assert refused and not any(exists(location, path) for path in refused)
+    keys = _keys(location)
+    assert sum(keys.values()) == len(keys) == 4 * 48
+    assert {k[2] for k in keys} == set(range(5)) - {taken_step}
 
 
 @pytest.mark.integration
