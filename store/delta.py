@@ -101,13 +101,16 @@ class LegacyStoreError(StoreError):
 class PartFile:
     """One data file of a table: `path` relative to the table's root (`run_id=<id>/<name>`), its size
     in bytes, its rows, its run, and its Delta stats (JSON: numRecords, minValues, maxValues,
-    nullCount of top-level primitive columns), or None where not read."""
+    nullCount of top-level primitive columns), or None where not read. `modification_time`: when it
+    was added, in ms since the epoch, as the log says (a snapshot's files; None for a file not
+    committed yet)."""
 
     path: str
     size: int
     rows: int
     run_id: str
     stats: str | None = None
+    modification_time: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,11 +487,13 @@ def _files(delta_table: Any, with_stats: bool) -> list[PartFile]:
     rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else [None] * len(paths)
     partition = f"partition.{PARTITION_COLUMN}"
     runs = actions.column(partition).to_pylist() if partition in actions.column_names else [None] * len(paths)
+    times = (actions.column("modification_time").to_pylist() if "modification_time" in actions.column_names
+             else [None] * len(paths))
     stats: list[str | None] = [None] * len(paths)
     if with_stats:
         stats = _stats_of(actions)
-    return [PartFile(p, int(s), int(r) if r is not None else -1, run, st)
-            for p, s, r, run, st in zip(paths, sizes, rows, runs, stats)]
+    return [PartFile(p, int(s), int(r) if r is not None else -1, run, st, None if t is None else int(t))
+            for p, s, r, run, st, t in zip(paths, sizes, rows, runs, stats, times)]
 
 
 def _stats_of(actions: pa.Table) -> list[str | None]:

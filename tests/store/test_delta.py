@@ -95,6 +95,7 @@ def test_a_committed_file_is_in_the_snapshot_with_its_stats_and_an_uncommitted_o
     snap = delta.snapshot(loc, "steps")
     assert snap is not None and snap.version == version and [f.path for f in snap.files] == [part.path]
     assert snap.files[0].rows == 50 and orphan.path not in {f.path for f in snap.files}
+    assert snap.files[0].modification_time == action["modification_time"] > 0
     # the stats readers prune on, against the rows themselves
     stats = json.loads(part.stats)
     assert stats["numRecords"] == 50
