@@ -457,7 +457,8 @@ def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | 
     check_name("table", table)
     if _routed():
         return _call("snapshot", loc, table, version, with_stats=with_stats)
-    return _guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table)
+    return _guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table, version,
+                    with_stats=with_stats)
 
 
 def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: bool) -> Snapshot | None:

@@ -129,3 +129,38 @@ def test_children_forked_after_the_parent_wrote_record_every_row(store_location,
     stats = snapshot_rows(store, "probe_stats").to_pylist()
     writers = {(s["run_id"], s["pid"]) for s in stats}
     assert {run for run, _ in writers} == set(results)  # every process wrote its own counts
+
+
+def test_a_child_that_did_not_know_its_runtime_was_inherited_switches_to_the_helper(tmp_path):
+    """Code we cannot see may have started delta-rs before the fork: the child's first delta call
+    panics (a PanicException, a BaseException); store.delta catches that one, routes the process
+    through its helper and makes the call there."""
+    from tests.store.test_delta import steps_rows
+
+    first = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 0, 4), "part-parent.parquet")
+    delta.commit(tmp_path, "steps", [first])
+    result_path = str(tmp_path / "child.json")
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            delta._ROUTE = False  # as if the fork handler had not seen the parent's use
+            result: dict = {}
+            try:
+                part = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 4, 4), "part-child.parquet")
+                result["version"] = delta.commit(tmp_path, "steps", [part])
+                result["snapshot"] = delta.snapshot(tmp_path, "steps", version=1).version
+                result["routed"] = delta._routed()
+            except BaseException as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    result = json.load(open(result_path))
+    assert "error" not in result, result["error"]
+    assert result == {"version": 2, "snapshot": 1, "routed": True}
+    assert sorted(snapshot_rows(tmp_path, "steps").column("step").to_pylist()) == list(range(8))
