@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # 2. compaction
     started = time.perf_counter()
-    compact(root, grace_s=0.0)
+    compact(root, retention_hours=0.0)
     compact_s = time.perf_counter() - started
     compacted_bytes = _du(os.path.join(root, "routes"))
     files_after = len(os.listdir(os.path.join(root, "routes", f"run_id={run_id}")))

@@ -80,7 +80,7 @@ def store_location(request, tmp_path):
     return open_location(tmp_path / "store")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def java():
     """The path of `java` (PySpark's JVM); skips naming default-jre-headless, fails under CI."""
     return require_program("java", "/usr/bin/java", package="default-jre-headless")

@@ -1,5 +1,6 @@
-"""The README's plain-DuckDB query reads every row once, even with a compaction's sources still
-there; the bare glob it warns about does not."""
+"""The README's plain-DuckDB recipe (a Delta snapshot's file list into `read_parquet`) reads every
+row once, also after a compaction whose replaced files are still on the disk; the bare glob it warns
+about does not."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections import Counter
 
 import duckdb
 import numpy as np
-import pyarrow.parquet as pq
 
 from moescope.store.compact import compact
 from moescope.store.writer import ParquetExporter
@@ -17,28 +17,38 @@ from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 
 
-def _readme_query() -> str:
+def _readme_recipe() -> str:
     with open(os.path.join(REPO, "README.md")) as f:
-        blocks = re.findall(r"```sql\n(.*?)```", f.read(), flags=re.S)
-    [query] = [b for b in blocks if "moescope.replaces" in b]
-    return query
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    [recipe] = [b for b in blocks if 'DeltaTable("runs/routes")' in b]
+    return recipe
 
 
-def test_the_readme_duckdb_query_skips_replaced_parts(tmp_path, monkeypatch):
+def test_the_readme_recipe_reads_each_row_once(tmp_path, monkeypatch, capsys):
     root = tmp_path / "runs"
     rng = np.random.default_rng(0)
+    records = [make_record("r", step, rng) for step in range(6)]
     exporter = ParquetExporter(root, run_info("r"), max_rows=48)  # one routes file per step
-    for step in range(6):
-        exporter.export([make_record("r", step, rng)])
+    exporter.export(records[:3])
+    exporter.force_flush()
+    exporter.export(records[3:])
     exporter.shutdown()
-    sources = sorted((root / "routes" / "run_id=r").glob("part-*.parquet"))
-    want = Counter((row["layer"], tuple(row["expert_ids"])) for p in sources for row in pq.read_table(p).to_pylist())
-    kept = {p: p.read_bytes() for p in sources}
-    compact(root, tables=("routes",), grace_s=0)
-    for path, data in kept.items():  # as during the grace period, or after a crash before the deletion
-        path.write_bytes(data)
+    # what was recorded, from the records themselves
+    want = Counter((layer.layer, tuple(int(e) for e in ids)) for record in records for layer in record.layers
+                   for ids in layer.routes.expert_ids)
+    compact(root, tables=("routes",), retention_hours=1.0)  # the merged-away files stay on the disk
     monkeypatch.chdir(tmp_path)
-    got = duckdb.connect().sql(_readme_query()).fetchall()
-    assert Counter({(layer, tuple(ids)): n for layer, ids, n in got}) == want
+    captured = {}
+    real_sql = duckdb.sql
+
+    def sql(query, *args, **kwargs):
+        relation = real_sql(query, *args, **kwargs)
+        captured["rows"] = relation.fetchall()
+        return relation
+
+    monkeypatch.setattr(duckdb, "sql", sql)
+    exec(compile(_readme_recipe(), "README.md", "exec"), {})
+    got = Counter({(layer, tuple(ids)): n for layer, ids, n in captured["rows"]})
+    assert got == want
     bare = duckdb.connect().sql("select count(*) from read_parquet('runs/routes/**/*.parquet')").fetchall()[0][0]
-    assert bare == 2 * sum(want.values())  # what the README warns about
+    assert bare > sum(want.values())  # what the README warns about: the replaced files are read too
