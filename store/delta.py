@@ -142,12 +142,37 @@ def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, 
     data = _conform(table, data)
     if metadata:
         data = data.replace_schema_metadata({**(data.schema.metadata or {}), **metadata})
-    fs = _filesystem(loc)
     folder = loc.join(table, f"{PARTITION_COLUMN}={run_id}")
-    path = f"{folder}/{name}" if not loc.is_local else os.path.join(folder, name)
     if loc.is_local:
+        path = os.path.join(folder, name)
         os.makedirs(folder, exist_ok=True)
-    with fs.open_output_stream(path) as stream:
+        size, footer = _write_file(loc, path, data, row_group_size)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:  # an upload is whole or absent; one cut by a reset or a 503 is made again under the same name
+        path = f"{folder}/{name}"
+        deadline = time.monotonic() + APP_RETRY_DEADLINE_S
+        for attempt in range(APP_RETRIES + 1):
+            if attempt:
+                _backoff(attempt)
+            try:
+                size, footer = _write_file(loc, path, data, row_group_size)
+                break
+            except OSError as e:
+                if not _transient(e) or attempt == APP_RETRIES or time.monotonic() > deadline:
+                    raise OSError(_message(f"cannot upload {loc.redacted}/{table}/{PARTITION_COLUMN}={run_id}/"
+                                           f"{name} after {attempt + 1} tries", e)) from e
+                log.info("moescope: upload to %s/%s failed (try %d), retrying: %s", loc.redacted, table,
+                         attempt + 1, _clean(e))
+    return PartFile(f"{PARTITION_COLUMN}={run_id}/{name}", size, data.num_rows, run_id, file_stats(footer))
+
+
+def _write_file(loc: StoreLocation, path: str, data: pa.Table, row_group_size: int) -> tuple[int, pq.FileMetaData]:
+    """Write `data` as one Parquet file at `path`; returns its size and footer."""
+    with _filesystem(loc).open_output_stream(path) as stream:
         writer = pq.ParquetWriter(stream, data.schema, **parquet_options(data.column_names))
         try:
             writer.write_table(data, row_group_size=row_group_size)
@@ -155,13 +180,7 @@ def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, 
             writer.close()
         size = stream.tell()
         footer = writer.writer.metadata
-    if loc.is_local:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return PartFile(f"{PARTITION_COLUMN}={run_id}/{name}", size, data.num_rows, run_id, file_stats(footer))
+    return size, footer
 
 
 def _conform(table: str, data: pa.Table) -> pa.Table:
@@ -364,7 +383,8 @@ def _key(loc: StoreLocation, table: str) -> tuple[str, tuple]:
 
 def _open(loc: StoreLocation, table: str, create: bool) -> _Table | None:
     """The process's cached table; created (empty, schema SCHEMAS[table], partitioned by run) when
-    missing and `create`, else None when missing. Raises StoreError when the storage cannot be read."""
+    missing and `create`, else None when missing. A transient failure of object storage (a reset, a
+    503, a timeout) is retried with backoff; raises StoreError when the storage cannot be read."""
     key = _key(loc, table)
     with _TABLES_LOCK:
         cached = _TABLES.get(key)
@@ -374,21 +394,32 @@ def _open(loc: StoreLocation, table: str, create: bool) -> _Table | None:
     from deltalake.exceptions import TableNotFoundError
 
     uri, options = loc.table_uri(table), dict(loc.storage_options) or None
-    try:
-        delta_table = deltalake.DeltaTable(uri, storage_options=options)
-    except TableNotFoundError:
-        if not create:
-            return None
-        delta_table = _create(loc, table)
-    except (OSError, deltalake.exceptions.DeltaError) as e:  # e.g. a file where the table's folder should be
-        raise StoreError(_message(f"cannot read the table {loc.redacted}/{table}", e)) from e
+    deadline = time.monotonic() + APP_RETRY_DEADLINE_S
+    for attempt in range(APP_RETRIES + 1):
+        if attempt:
+            _backoff(attempt)
+        try:
+            try:
+                delta_table = deltalake.DeltaTable(uri, storage_options=options)
+            except TableNotFoundError:
+                if not create:
+                    return None
+                delta_table = _create(loc, table)
+            break
+        except (OSError, deltalake.exceptions.DeltaError) as e:  # e.g. a file where the table's folder should be
+            if loc.is_local or not _transient(e) or attempt == APP_RETRIES or time.monotonic() > deadline:
+                what = "create" if create else "read"
+                raise StoreError(_message(f"cannot {what} the table {loc.redacted}/{table}", e)) from e
+            log.info("moescope: opening %s/%s failed (try %d), retrying: %s", loc.redacted, table, attempt + 1,
+                     _clean(e))
     with _TABLES_LOCK:
         return _TABLES.setdefault(key, _Table(delta_table))
 
 
 def _create(loc: StoreLocation, table: str) -> Any:
     """Create the empty table, or open it if another process created it first (both may try at once:
-    the log's version 0 is written with put-if-absent, so exactly one creation wins)."""
+    the log's version 0 is written with put-if-absent, so exactly one creation wins), or if our own
+    creation landed though its answer was lost. Raises what delta-rs raised when neither works."""
     deltalake = _deltalake()
     uri, options = loc.table_uri(table), dict(loc.storage_options) or None
     if table not in SCHEMAS:
@@ -402,7 +433,22 @@ def _create(loc: StoreLocation, table: str) -> Any:
         try:
             return deltalake.DeltaTable(uri, storage_options=options)
         except Exception:
-            raise StoreError(_message(f"cannot create the table {loc.redacted}/{table}", first)) from first
+            raise first from None
+
+
+_TRANSIENT = ("503", "500 ", "502", "504", "slowdown", "slow down", "reset", "timed out", "timeout", "connection",
+              "sending request", "broken pipe", "temporar", "internalerror", "service unavailable", "eof")
+_PERMANENT = ("403", "forbidden", "access denied", "accessdenied", "signature", "invalidaccesskey", "nosuchbucket",
+              "no_such_bucket", "lacked the necessary privileges", "404 not found")
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether an object-storage error may pass if tried again (a reset, a 5xx, SlowDown, a timeout),
+    as opposed to an answer that will not change (refused credentials, a missing bucket)."""
+    text = str(error).lower()
+    if any(word in text for word in _PERMANENT):
+        return False
+    return any(word in text for word in _TRANSIENT)
 
 
 def create_table(loc: StoreLocation | str | os.PathLike, table: str) -> None:
@@ -576,17 +622,20 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
                                                      partition_by=[PARTITION_COLUMN], commit_properties=properties)
                 delta_table.update_incremental()
                 return _version_of(loc, table, delta_table, base, app, adds[0].path if adds else None)
-        except (deltalake.exceptions.DeltaError, OSError) as e:
+        except (deltalake.exceptions.DeltaError, OSError, StoreError) as e:
             last = e
             if isinstance(e, deltalake.exceptions.TableNotFoundError):  # deleted under us: open it again
                 with _TABLES_LOCK:
                     _TABLES.pop(_key(loc, table), None)
+            if isinstance(e, CommitConflictError):
+                raise
             if app is not None and _landed(loc, table, app):
                 cached = _open(loc, table, create=True)
                 assert cached is not None
                 with cached.lock:
                     return _version_of(loc, table, cached.dt, -1, app)
-            if time.monotonic() > deadline:
+            retry = isinstance(e, (deltalake.exceptions.CommitFailedError, deltalake.exceptions.TableNotFoundError))
+            if time.monotonic() > deadline or not (retry or (not loc.is_local and _transient(e))):
                 break
             log.info("moescope: commit to %s/%s failed (try %d of %d), retrying: %s", loc.redacted, table,
                      attempt + 1, APP_RETRIES + 1, _clean(e))
