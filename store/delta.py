@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moescope.store.errors import StoreError
-from moescope.store.layout import WRITER_ROW_GROUP_ROWS, check_name, check_part_name, parquet_options
+from moescope.store.layout import WRITER_ROW_GROUP_ROWS, check_name, check_part_name, is_valid_name, parquet_options
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 
@@ -303,7 +303,9 @@ def check_store(loc: StoreLocation | str | os.PathLike) -> None:
 def legacy_tables(loc: StoreLocation | str | os.PathLike) -> list[str]:
     """Tables of a local store that the previous release wrote: a table folder holding run folders
     (`run_id=...`) but no `_delta_log`. A writer creates a table's log before its first file, so a
-    Delta store never looks like this. [] for object storage (the previous release never wrote there)."""
+    Delta store never looks like this. A folder whose name is not a valid table name (`bad table`)
+    is not a table, as the previous release's readers skipped it too. [] for object storage (the
+    previous release never wrote there)."""
     loc = open_location(loc)
     if not loc.is_local:
         return []
@@ -313,7 +315,7 @@ def legacy_tables(loc: StoreLocation | str | os.PathLike) -> list[str]:
         return []
     legacy = []
     for entry in entries:
-        if entry.name.startswith(("_", ".")) or not entry.is_dir():
+        if not is_valid_name(entry.name, "table") or not entry.is_dir():
             continue
         if os.path.exists(os.path.join(entry.path, "_delta_log")):
             continue
