@@ -284,25 +284,15 @@ def run_last_commits(location: StoreLocation) -> dict[str, float]:
 
 
 def _file_times(location: StoreLocation, table: str) -> dict[str, float]:
-    """Per run, the newest add time of its live files in one table."""
-    # store.delta's PartFile has no add time yet: the table's add actions are read from its cached
-    # table the way store.delta reads its snapshot (under the table's lock, brought up to date).
-    try:
-        cached = delta._open(location, table, create=False)
-        if cached is None:
-            return {}
-        with cached.lock:
-            cached.dt.update_incremental()
-            actions = pa.table(cached.dt.get_add_actions(flatten=True))
-    except OSError as e:
-        raise delta.StoreError(f"moescope store: cannot read the log of {location.redacted}/{table}: {e}") from e
-    if not actions.num_rows:
-        return {}
-    runs = actions.column(f"partition.{delta.PARTITION_COLUMN}").to_pylist()
-    times = actions.column("modification_time").cast(pa.int64()).to_pylist()
+    """Per run, the newest add time (seconds since the epoch) of its live files in one table.
+
+    Read from a snapshot's PartFile.modification_time, so it works wherever store.delta does (in a
+    forked child too, through its helper)."""
+    snap = delta.snapshot(location, table)
     newest: dict[str, float] = {}
-    for run_id, at in zip(runs, times):
-        newest[run_id] = max(newest.get(run_id, 0.0), at / 1000.0)
+    for part in snap.files if snap is not None else ():
+        if part.modification_time is not None:
+            newest[part.run_id] = max(newest.get(part.run_id, 0.0), part.modification_time / 1000.0)
     return newest
 
 
