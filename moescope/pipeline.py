@@ -28,6 +28,7 @@ import queue
 import socket
 import threading
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -99,6 +100,15 @@ class WritesRows(Protocol):
 
     @property
     def written_rows(self) -> Mapping[str, int]: ...
+
+
+@runtime_checkable
+class ForkAware(Protocol):
+    """An exporter that holds per-process state (buffers, a writer's identity) and must start afresh
+    in a forked child that records on its own; its processor calls this once, before the child's
+    first record reaches it."""
+
+    def after_fork_in_child(self) -> None: ...
 
 
 class DropCounts(Protocol):
@@ -173,14 +183,48 @@ class BatchProcessor:
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
         self.exported_records = 0
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._start_lock = threading.Lock()
+        self._worker: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
         self._worker.start()
+        _PROCESSORS.add(self)
+
+    def _reset_in_child(self) -> None:
+        """In a forked child: the parent's queue, locks and counts stay the parent's (its worker thread
+        did not come through the fork, and the records queued there are the parent's to write). The
+        child starts empty, with no worker until it emits: a child that never records (a DataLoader
+        worker) starts no thread and writes nothing."""
+        self._queue = queue.Queue(maxsize=self._queue.maxsize)
+        self._space = threading.Condition(threading.Lock())
+        self.queued_bytes = 0
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self.dropped_records = Counter()
+        self.dropped_rows = Counter()
+        self.exported_records = 0
+        self._worker = None
+
+    def _start_in_child(self) -> None:
+        with self._start_lock:
+            if self._worker is not None:
+                return
+            for exporter in self.exporters:
+                if isinstance(exporter, ForkAware):
+                    try:
+                        exporter.after_fork_in_child()
+                    except Exception:
+                        log.exception("moescope: %s could not start afresh in a forked child",
+                                      type(exporter).__name__)
+            self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._worker.start()
 
     def emit(self, record: Any) -> None:
         """Hand a record over; never raises."""
         if self._closed:
             self._count_drop(record, "closed")
             return
+        if self._worker is None:  # the first record of a forked child
+            self._start_in_child()
         size = 0
         try:
             size = record_bytes(record)
@@ -310,7 +354,7 @@ class BatchProcessor:
 
     def force_flush(self, timeout_s: float | None = 30.0) -> bool:
         """Export everything queued so far and flush the exporters; False on timeout (None: none)."""
-        if self._closed:
+        if self._closed or self._worker is None:  # closed, or a forked child that recorded nothing
             return True
         done = threading.Event()
         self._queue.put(done)
@@ -321,6 +365,8 @@ class BatchProcessor:
         if self._closed:
             return
         self._closed = True
+        if self._worker is None:  # a forked child that recorded nothing: the exporters are the parent's
+            return
         with self._space:
             self._space.notify_all()  # a model thread waiting for queue bytes gives up ("closed")
         self._queue.put(_STOP)
@@ -333,6 +379,15 @@ class BatchProcessor:
 
 
 _STOP = object()
+_PROCESSORS: weakref.WeakSet[BatchProcessor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for processor in list(_PROCESSORS):
+        processor._reset_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class InMemoryExporter(Exporter):

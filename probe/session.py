@@ -12,13 +12,16 @@ recomputation of gradient checkpointing, records nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,6 +169,8 @@ class ProbeSession:
         self.step = 0
         self.hook_errors = 0
         self.closed = False
+        self._forked = False  # set in a forked child until its first forward (see _start_in_child)
+        _SESSIONS.add(self)
         self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
         self.trust: GatePolicy | None = None  # the trust policy bound by moescope.attach, if any
         self.timer: ComputeTimer | None = None
@@ -263,6 +268,8 @@ class ProbeSession:
         try:
             if self._recording:  # re-entrant call of the root: record the outer one only
                 return
+            if self._forked:
+                self._start_in_child()
             self._reset_forward()
             refs = self._refs
             inputs = dict(kwargs)
@@ -373,6 +380,34 @@ class ProbeSession:
         self.hook_errors += 1
         if self.hook_errors == 1:
             log.exception("moescope probe hook failed; the forward goes on unrecorded for that layer")
+
+    # -- a forked child ------------------------------------------------------------------------
+
+    def _start_in_child(self) -> None:
+        """The first forward of a forked child (torch.multiprocessing with fork, os.fork) on the model
+        this session watches: the window open at the fork is the parent's to record, so it is dropped
+        here; the child's forwards are recorded under the same run and rank, numbered on from the
+        fork, and its last window is written when the child exits (atexit, and multiprocessing's exit
+        finalizers, which run where atexit does not). A child that never runs the model (a DataLoader
+        worker) does none of this and writes nothing."""
+        self._forked = False
+        with self._lock:
+            if self._forwards_in_window:
+                for buffer in self.buffers:
+                    buffer.snapshot(whole_rings=self.graphed)
+            self._window_open(time.monotonic())
+        atexit.register(self._exit_in_child)
+        multiprocessing.util.Finalize(self, self._exit_in_child, exitpriority=10)
+
+    def _exit_in_child(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._close_window(force=True)
+        except Exception:
+            self._hook_failed()
+        self.processor.shutdown()
 
     # -- windows -------------------------------------------------------------------------------
 
@@ -530,6 +565,19 @@ def _is_compiled(model: nn.Module) -> bool:
     wrapper = getattr(optimized, "OptimizedModule", None)
     return (wrapper is not None and isinstance(model, wrapper)) or getattr(
         model, "_compiled_call_impl", None) is not None
+
+
+_SESSIONS: weakref.WeakSet[ProbeSession] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for session in list(_SESSIONS):
+        if not session.closed:
+            session._lock = threading.Lock()  # a thread of the parent's may have held it at the fork
+            session._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attach(model: nn.Module, exporters: Sequence[Exporter] = (), *, specs: Iterable[MoESpec] = (),

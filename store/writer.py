@@ -50,6 +50,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -63,6 +64,7 @@ from moescope.pipeline import (  # noqa: F401
     BindsProcessor,
     DropCounts,
     Exporter,
+    ForkAware,
     InMemoryExporter,
     WritesRows,
     array_bytes,
@@ -141,13 +143,20 @@ _COUNTS: dict[tuple[str, str, int], _Counts] = {}
 _REGISTRY = threading.Lock()
 
 
+_LIVE: weakref.WeakSet[RunWriter] = weakref.WeakSet()  # every writer object of this process
+
+
 def _after_fork_in_child() -> None:
     """A forked child starts with no writers: the parent's live on in the parent (their threads did not
-    come through the fork), and the child's rows are counted under its own pid."""
+    come through the fork), and the child's rows are counted under its own pid. A writer object the
+    child inherited (an exporter holds it) becomes the child's own: its own app transaction, its own
+    counts, so a commit of the child's is never taken for one of the parent's, nor counted twice."""
     global _REGISTRY
     _WRITERS.clear()
     _COUNTS.clear()
     _REGISTRY = threading.Lock()
+    for writer in list(_LIVE):
+        writer._become_the_childs()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -219,6 +228,21 @@ class RunWriter:
         self._stats_tried = time.monotonic()
         self._pipeline: BatchProcessor | None = None
         self.closed = False
+        _LIVE.add(self)
+
+    def _become_the_childs(self) -> None:
+        counts = _Counts()
+        counts.sources = list(self._counts.sources)  # the same producers (reset in the child), counted afresh
+        self._counts = counts
+        self._lock = counts.lock
+        self._stats_lock = threading.Lock()
+        self.app_id = f"moescope-writer-{host_name_part(self.host)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._seq = Counter()
+        self._table_locks = {}
+        self.files = []
+        self.last_error = None
+        self._failing = None
+        self._stats_written = None
 
     # -- counts --------------------------------------------------------------------------------
 
@@ -443,7 +467,7 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     return data
 
 
-class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, DropCounts):
+class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, DropCounts, ForkAware):
     """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
     table, through the run's writer, when a buffer is big or old.
 
@@ -500,6 +524,18 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         self.run = run
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child that records (a `pipeline.ForkAware`): the rows buffered at the fork are the
+        parent's to write, and so are the run's own rows; the child writes its forwards under its pid."""
+        self._buffers.clear()
+        self._route_pieces = []
+        self._rows.clear()
+        self._bytes.clear()
+        self._first_at.clear()
+        self.dropped_rows.clear()
+        self._unwritten_run = []
+        self.last_step = None
 
     def bind_processor(self, processor: BatchProcessor) -> None:
         """The probe's processor, whose drop counters go into the run's `probe_stats`."""
