@@ -1,12 +1,28 @@
-"""Store benchmark: writer throughput, bytes per route row, query latency after compaction.
+"""Store benchmark: writer throughput, query latency and compaction, on local disk and on S3, side by side.
 
-    python bench/store.py                 # 50 M route rows (about 2 minutes and 1 GB of disk)
-    python bench/store.py --rows 2000000  # a quick look
+    python bench/store.py                      # 50 M route rows to a temporary folder
+    python bench/store.py --s3                 # the same, and beside it the same to a local S3 server (moto)
+    python bench/store.py --store s3           # only the local S3 server
+    python bench/store.py --store s3://bucket/prefix --storage-option endpoint=http://host:9000
+    python bench/store.py --rows 2000000 --s3  # a quick look
 
-Records are synthetic but complete (`StepRecord`s with routes, loads that are the bincount of the
-routes), generated vectorised off the clock and written through the real exporter on
-one pinned core. Targets: writer >= 2 M route rows/s on one core; p50 <= 300 ms for the heatmap,
-drift and token-lookup queries after compaction.
+Each store (`--store`, repeatable: a folder, an object-storage URL, or `s3` for a moto server this
+script starts in its own process from tests/s3server.py and stops at the end) gets the same run:
+
+1. writer: synthetic but complete `StepRecord`s (routes, loads that are the bincount of the routes),
+   generated off the clock, written through the real exporter (`ParquetExporter`: Arrow, Parquet with
+   page checksums, one Delta commit per part) in this one process, pinned to one core. Reported as
+   route rows/s of wall time spent in the exporter, median and range over `--segments` consecutive
+   stretches of the run, and as rows per CPU-second of this process. Targets: >= 2 M/s to local disk,
+   >= 1 M/s to S3.
+2. compaction: the run's small files (one per 256 K rows, as the probe flushes them) merged into
+   large sorted ones and committed (`moescope.store.compact`); one timing, it cannot be repeated on
+   the same files. Target: <= 1.5 x the previous release's 27.6 s for 191 -> <= 8 files (50 M rows).
+3. queries after compaction on a fresh `Store` (heatmap, drift, token lookup): median and range over
+   `--repeats` timed runs after one warm-up. Targets: p50 <= 300 ms locally, <= 1 s through S3.
+
+The load average (`os.getloadavg()`) is printed beside each phase: on a shared machine the figures
+move with it. Every store the script made is removed at the end (`--keep` keeps it).
 """
 
 from __future__ import annotations
@@ -16,18 +32,29 @@ import datetime as dt
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
 
 import numpy as np
 
 from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
-from moescope.store import Store
+from moescope.store import Store, delta
 from moescope.store.compact import compact
+from moescope.store.location import StoreLocation, open_location, parse_storage_options
 from moescope.store.writer import ParquetExporter
 
-WRITER_TARGET = 2_000_000
-QUERY_TARGET_MS = 300.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WRITER_TARGET = {"local": 2_000_000, "object": 1_000_000}
+QUERY_TARGET_MS = {"local": 300.0, "object": 1000.0}
+COMPACT_BEFORE_S = 27.6  # the previous release: 191 -> <= 8 route files of 50 M rows
+COMPACT_TARGET_S = 1.5 * COMPACT_BEFORE_S
+RUN_ID = "bench"
+DEFAULT_MAX_ROWS = 256 * 1024  # ParquetExporter's: a part per 256 K rows of a table
 
 
 def _layer_routes(tokens: int, experts: int, top_k: int, skew: np.ndarray, rng: np.random.Generator) -> Routes:
@@ -56,105 +83,238 @@ def _record(run_id: str, step: int, layers: int, experts: int, top_k: int, token
                       total_params=10**8, tags=tags, layers=layer_steps)
 
 
-def _du(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+def _load() -> str:
+    return "load " + "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _p50(fn, repeats: int) -> float:
+def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """`median [min-max, n=N]`."""
+    return (f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}, "
+            f"n={len(values)}]")
+
+
+def _pin_process(cpus: set[int]) -> dict[int, set[int]]:
+    """Pin every thread of this process (delta-rs's runtime threads too) to `cpus`; returns what each had."""
+    before = {}
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return before
+
+
+def _unpin_process(before: dict[int, set[int]], default: set[int]) -> None:
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, before.get(tid, default))
+        except OSError:
+            pass
+
+
+def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
     fn()  # the first run warms the footer cache, as a dashboard's would be
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
         times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return times
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _route_files(loc: StoreLocation) -> tuple[int, int, int]:
+    """(files, bytes, rows) of the run's route files in the table's latest snapshot."""
+    snap = delta.snapshot(loc, "routes")
+    parts = [p for p in snap.files if p.run_id == RUN_ID] if snap else []
+    return len(parts), sum(p.size for p in parts), sum(p.rows for p in parts)
+
+
+def bench_store(label: str, loc: StoreLocation, args: argparse.Namespace) -> dict[str, Any]:
+    """The writer, compaction and queries on one (empty) store; prints as it goes, returns the figures."""
+    kind = "local" if loc.is_local else "object"
+    per_step = args.layers * args.tokens
+    steps = max(1, int(args.rows) // per_step)
+    rows = steps * per_step
+    rng = np.random.default_rng(0)  # the same records for every store
+    skews = rng.dirichlet(np.ones(args.experts) * 0.5, size=args.layers)
+    run = RunInfo(run_id=RUN_ID, started_at=dt.datetime.now(dt.timezone.utc), model_class="Bench",
+                  total_params=10**8, routed_expert_params=9 * 10**7, tags={"bench": "store"},
+                  layers=tuple(LayerInfo(i, f"layers.{i}", "bench", args.experts, args.top_k, 10**6)
+                               for i in range(args.layers)))
+    print(f"\n== {label}: {loc.redacted} ({_load()})", flush=True)
+
+    # 1. writer: the exporter's work (records -> Arrow -> Parquet -> upload -> Delta commit) on one core
+    # stretches end where the exporter flushes (every 256 K rows), so each holds its share of the commits
+    per_flush = -(-DEFAULT_MAX_ROWS // per_step)
+    flushes = max(1, steps // per_flush)
+    segments = max(1, min(args.segments, flushes))
+    bounds = [round(i * flushes / segments) * per_flush for i in range(segments)] + [steps]
+    cores = os.sched_getaffinity(0)
+    pinned = _pin_process({min(cores)})
+    rates: list[float] = []
+    busy_total = cpu_total = 0.0
+    try:
+        exporter = ParquetExporter(loc, run, max_rows=DEFAULT_MAX_ROWS, max_age_s=1e9)  # flushes by size
+        for i in range(segments):
+            busy = cpu = 0.0
+            for step in range(bounds[i], bounds[i + 1]):
+                record = _record(RUN_ID, step, args.layers, args.experts, args.top_k, args.tokens, skews, rng,
+                                 {"split": "train" if step % 10 else "eval"})  # generated off the clock
+                started, cpu_started = time.perf_counter(), time.process_time()
+                exporter.export([record])
+                if step == steps - 1:
+                    exporter.shutdown()
+                busy += time.perf_counter() - started
+                cpu += time.process_time() - cpu_started
+            if busy > 0:
+                rates.append((bounds[i + 1] - bounds[i]) * per_step / busy)
+            busy_total += busy
+            cpu_total += cpu
+    finally:
+        _unpin_process(pinned, cores)
+    files_before, bytes_before, rows_written = _route_files(loc)
+    assert rows_written == rows, f"{rows_written} route rows in the snapshot, {rows} written"
+    target = WRITER_TARGET[kind]
+    print(f"writer: {_spread([r / 1e6 for r in rates])} M route rows/s per process on one core "
+          f"(median {statistics.median(rates) / target:.2f}x the {target / 1e6:.0f} M/s target; "
+          f"overall {rows / busy_total / 1e6:.2f} M/s, {rows / cpu_total / 1e6:.2f} M rows per CPU-s); "
+          f"{files_before} route files, {bytes_before / rows:.2f} bytes/route row as written ({_load()})", flush=True)
+
+    # 2. compaction
+    started = time.perf_counter()
+    compact(loc, run_id=RUN_ID, retention_hours=0.0)
+    compact_s = time.perf_counter() - started
+    files_after, bytes_after, rows_after = _route_files(loc)
+    assert rows_after == rows, f"{rows_after} route rows after compaction, {rows} before"
+    print(f"compaction: {compact_s:.1f} s, n=1 ({rows / compact_s / 1e6:.2f} M rows/s), {files_before} -> "
+          f"{files_after} route files, {bytes_after / rows:.2f} bytes/route row after ({bytes_after / 1e6:.0f} MB); "
+          f"goal <= {COMPACT_TARGET_S:.1f} s for 50 M rows ({_load()})", flush=True)
+
+    # 3. queries on a fresh reader
+    store = Store(loc)
+    layer, expert = args.layers // 2, 7 % args.experts
+    window = max(1, steps // 20)
+    queries = {
+        "heatmap": ("load_matrix, 1 layer, 100 buckets",
+                    lambda: store.load_matrix(RUN_ID, layer, bucket_steps=max(1, steps // 100))),
+        "drift": ("drift_windows, all layers, 20 windows", lambda: store.drift_windows(RUN_ID, window)),
+        "token lookup": ("expert_routes, 1000 tokens", lambda: store.expert_routes(RUN_ID, layer, expert, limit=1000)),
+        "token lookup, 100 steps": ("expert_routes in a 100-step window", lambda: store.expert_routes(
+            RUN_ID, layer, expert, step_from=steps // 2, step_to=steps // 2 + 100, limit=1000)),
+    }
+    budget = QUERY_TARGET_MS[kind]
+    figures: dict[str, Any] = {
+        "store": loc.redacted, "rows": rows, "writer_rows_per_s": statistics.median(rates),
+        "writer_rates": rates, "writer_rows_per_cpu_s": rows / cpu_total, "files_before": files_before,
+        "files_after": files_after, "bytes_per_route_row_written": bytes_before / rows,
+        "bytes_per_route_row": bytes_after / rows, "compact_s": compact_s, "queries_ms": {},
+    }
+    try:
+        for name, (what, query) in queries.items():
+            times = _times(query, args.repeats)
+            figures["queries_ms"][name] = times
+            print(f"query {name:<24} p50 {_spread(times, '{:.1f}')} ms  ({what}; "
+                  f"{statistics.median(times) / budget:.2f}x the {budget:.0f} ms budget)", flush=True)
+        assert len(store.expert_routes(RUN_ID, layer, expert, limit=1000)) == 1000 or rows < 1_000_000
+    finally:
+        store.close()
+    figures["load"] = os.getloadavg()
+    return figures
+
+
+def _summary(results: dict[str, dict[str, Any]]) -> None:
+    labels = list(results)
+    width = max(14, *(len(label) for label in labels))
+
+    def row(name: str, cell: Callable[[dict[str, Any]], str]) -> None:
+        print(f"{name:<30}" + "".join(f"{cell(results[label]):>{width + 12}}" for label in labels))
+
+    print("\n== side by side (medians [min-max, n])")
+    row("store", lambda f: f["store"][-(width + 10):])
+    row("route rows", lambda f: f"{f['rows']:,}")
+    row("writer M rows/s per process", lambda f: _spread([r / 1e6 for r in f["writer_rates"]]))
+    row("writer M rows per CPU-s", lambda f: f"{f['writer_rows_per_cpu_s'] / 1e6:.2f}")
+    row("compaction s (files)", lambda f: f"{f['compact_s']:.1f} ({f['files_before']} -> {f['files_after']})")
+    row("bytes/route row compacted", lambda f: f"{f['bytes_per_route_row']:.2f}")
+    for name in next(iter(results.values()))["queries_ms"]:
+        row(f"{name} ms", lambda f, name=name: _spread(f["queries_ms"][name], "{:.1f}"))
+    row("load average at end", lambda f: "/".join(f"{x:.2f}" for x in f["load"]))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the first store's figures (all of them under "stores")."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=float, default=50e6, help="route rows to write (default 50e6)")
+    parser.add_argument("--rows", type=float, default=50e6, help="route rows to write per store (default 50e6)")
+    parser.add_argument("--store", action="append", default=[],
+                        help="a folder, an object-storage URL (a fresh prefix below it is used and removed), or "
+                             "'s3' for a local moto S3 server started here; repeatable (default: a temporary folder)")
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="storage option for the --store URLs (endpoint, region, allow_http, ...)")
+    parser.add_argument("--s3", action="store_true", help="also run on a local moto S3 server (same as --store s3)")
+    parser.add_argument("--root", help="a local store folder (same as --store FOLDER)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step and layer")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per query (median reported)")
-    parser.add_argument("--root", help="store folder (default: a temporary folder, removed after)")
-    parser.add_argument("--keep", action="store_true", help="keep the store folder")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per query after one warm-up")
+    parser.add_argument("--segments", type=int, default=5, help="stretches of the write timed apart (spread)")
+    parser.add_argument("--keep", action="store_true", help="keep the stores written")
     args = parser.parse_args(argv)
 
-    root = args.root or tempfile.mkdtemp(prefix="moescope-bench-")
-    shutil.rmtree(root, ignore_errors=True)
+    stores = list(args.store) + ([args.root] if args.root else []) or [""]  # "": a temporary folder
+    if args.s3 and "s3" not in stores:
+        stores.append("s3")
+    options = parse_storage_options(args.storage_option)
     per_step = args.layers * args.tokens
     steps = max(1, int(args.rows) // per_step)
-    rows = steps * per_step
-    run_id = "bench"
-    rng = np.random.default_rng(0)
-    skews = rng.dirichlet(np.ones(args.experts) * 0.5, size=args.layers)
-    run = RunInfo(run_id=run_id, started_at=dt.datetime.now(dt.timezone.utc), model_class="Bench",
-                  total_params=10**8, routed_expert_params=9 * 10**7, tags={"bench": "store"},
-                  layers=tuple(LayerInfo(i, f"layers.{i}", "bench", args.experts, args.top_k, 10**6)
-                               for i in range(args.layers)))
-    print(f"store benchmark: {rows:,} route rows = {steps} steps x {args.layers} layers x {args.tokens} tokens, "
-          f"{args.experts} experts, top-{args.top_k}; store at {root}")
+    print(f"store benchmark: {steps * per_step:,} route rows per store = {steps} steps x {args.layers} layers x "
+          f"{args.tokens} tokens, {args.experts} experts, top-{args.top_k}; {os.cpu_count()} CPUs, {_load()}")
 
-    # 1. writer: the exporter's work (records -> Arrow -> Parquet, fsync, rename) on one core
-    cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(cores)})
-    exporter = ParquetExporter(root, run, max_age_s=1e9)
-    written = 0
-    busy = 0.0
+    results: dict[str, dict[str, Any]] = {}
+    with ExitStack() as cleanup:
+        for spec in stores:
+            if spec == "s3":
+                server = _s3_server(cleanup)
+                loc = server.location(f"bench-{uuid.uuid4().hex[:8]}")
+                label = f"S3 (moto at {server.endpoint})"
+            elif "://" in spec:
+                base = open_location(spec, options)
+                loc = StoreLocation(f"{base.url}/bench-{uuid.uuid4().hex[:8]}", base.storage_options)
+                label = spec
+                if not args.keep:
+                    cleanup.callback(_remove_prefix, loc)
+            else:
+                folder = spec or tempfile.mkdtemp(prefix="moescope-bench-")
+                shutil.rmtree(folder, ignore_errors=True)
+                loc = open_location(folder)
+                label = "local disk"
+                if not args.keep and not spec:
+                    cleanup.callback(shutil.rmtree, folder, True)
+            results[label if label not in results else f"{label} #{len(results)}"] = bench_store(label, loc, args)
+        if len(results) > 1:
+            _summary(results)
+    first = dict(next(iter(results.values())))
+    first["stores"] = results
+    return first
+
+
+def _s3_server(cleanup: ExitStack) -> Any:
+    """tests/s3server.py's moto server in its own process, stopped when `cleanup` closes."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from tests.s3server import S3Server
+
+    server = S3Server(auth=False)  # signatures not checked: moto's Python would be the bottleneck twice over
+    cleanup.callback(server.stop)
+    return server.start()
+
+
+def _remove_prefix(loc: StoreLocation) -> None:
     try:
-        for step in range(steps):
-            record = _record(run_id, step, args.layers, args.experts, args.top_k, args.tokens, skews, rng,
-                             {"split": "train" if step % 10 else "eval"})  # generated off the clock
-            started = time.perf_counter()
-            exporter.export([record])
-            busy += time.perf_counter() - started
-            written += per_step
-        started = time.perf_counter()
-        exporter.shutdown()
-        busy += time.perf_counter() - started
-    finally:
-        os.sched_setaffinity(0, cores)
-    writer_rate = rows / busy
-    routes_bytes = _du(os.path.join(root, "routes"))
-    files_before = len(os.listdir(os.path.join(root, "routes", f"run_id={run_id}")))
-    print(f"writer: {writer_rate / 1e6:.2f} M route rows/s on one core "
-          f"({writer_rate / WRITER_TARGET:.2f}x the 2 M/s target); {files_before} route files, "
-          f"{routes_bytes / rows:.2f} bytes/route row as written")
-
-    # 2. compaction
-    started = time.perf_counter()
-    compact(root, retention_hours=0.0)
-    compact_s = time.perf_counter() - started
-    compacted_bytes = _du(os.path.join(root, "routes"))
-    files_after = len(os.listdir(os.path.join(root, "routes", f"run_id={run_id}")))
-    print(f"compaction: {compact_s:.1f} s ({rows / compact_s / 1e6:.2f} M rows/s), {files_before} -> {files_after} "
-          f"route files, {compacted_bytes / rows:.2f} bytes/route row after ({compacted_bytes / 1e6:.0f} MB)")
-
-    # 3. queries
-    store = Store(root)
-    layer, expert = args.layers // 2, 7 % args.experts
-    window = max(1, steps // 20)
-    queries = {
-        "heatmap (load_matrix, 1 layer, 100 buckets)":
-            lambda: store.load_matrix(run_id, layer, bucket_steps=max(1, steps // 100)),
-        "drift (drift_windows, all layers, 20 windows)": lambda: store.drift_windows(run_id, window),
-        "token lookup (expert_routes, 1000 tokens)": lambda: store.expert_routes(run_id, layer, expert, limit=1000),
-        "token lookup in a 100-step window": lambda: store.expert_routes(
-            run_id, layer, expert, step_from=steps // 2, step_to=steps // 2 + 100, limit=1000),
-    }
-    figures = {"writer_rows_per_s": writer_rate, "bytes_per_route_row": compacted_bytes / rows,
-               "bytes_per_route_row_written": routes_bytes / rows, "compact_s": compact_s}
-    for name, query in queries.items():
-        p50 = _p50(query, args.repeats)
-        figures[name] = p50
-        print(f"query p50 {p50:8.1f} ms  {name}  ({p50 / QUERY_TARGET_MS:.2f}x the 300 ms budget)")
-    assert len(store.expert_routes(run_id, layer, expert, limit=1000)) == 1000 or rows < 1_000_000
-    store.close()
-    if not args.keep and not args.root:
-        shutil.rmtree(root, ignore_errors=True)
-    return figures
+        loc.filesystem().delete_dir(loc.join())
+    except OSError as error:
+        print(f"could not remove {loc.redacted}: {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":
