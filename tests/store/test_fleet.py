@@ -482,3 +482,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_fleet_benchmark_runs(kind, tmp_path, monkeypatch):
+    """bench/fleet.py end to end, small: its figures add up (the README quotes its full run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fleet", os.path.join(REPO, "bench", "fleet.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_fleet", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    store = ["--store", str(tmp_path / "store")] if kind == "local" else []
+    saved = dict(os.environ)
+    try:
+        (out,) = bench.main([*store, "--writers", "2", "--hosts", "2", "--seconds", "4", "--phases", "paced",
+                             "--rate", "8192", "--layers", "2", "--tokens", "256", "--compact-every", "2"])
+    finally:  # the bench's own S3 server puts its credentials in the environment
+        os.environ.clear()
+        os.environ.update(saved)
+    assert out["writers"] == 2 and out["hosts"] == 2 and out["dropped_rows"] == 0
+    assert out["route_rows"] == out["snapshot_route_rows"] > 0
+    assert out["commits"] > 0 and out["commit_p50_s"] > 0
+    assert out["compactor"]["error_count"] == 0 and out["reader"]["error_count"] == 0
+    assert out["reader"]["runs"] > 0
+    if kind == "s3":  # every writer's data file and commit is a request the server counted
+        assert out["requests_per_writer_per_minute"]["PUT"] > 0 and "conflicts_retried" in out
