@@ -18,7 +18,7 @@ transaction: a writer commits with `app=(app_id, seq)`, seq rising per table, an
 Fork safety: delta-rs's runtime does not survive `fork` (a forked child's first delta call raises
 PanicException, a BaseException). A child forked after this process used delta-rs routes every
 call of this module through a helper process it starts on first use (a fresh interpreter, started
-with `subprocess`, so no user `__main__` is re-run); only metadata crosses (the location, file
+with `subprocess`, so no user `__main__` is re-run); only metadata crosses, as JSON (the location, file
 actions, results), never Arrow data: `write_part` is pyarrow and runs in the child itself.
 """
 
@@ -33,6 +33,7 @@ import os
 import random
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -828,11 +829,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class _Helper:
     """A fresh interpreter that runs this module's delta calls for a forked child. It starts with
     `subprocess` (not multiprocessing's spawn, which re-imports the user's `__main__` and would re-run
-    a script without a main guard) and talks over a socket pair; it exits when the child's end closes."""
+    a script without a main guard) and talks over a socket pair in length-prefixed JSON messages
+    (`_send`, `_receive`; never pickle); it exits when the child's end closes."""
 
     def __init__(self) -> None:
-        from multiprocessing.connection import Connection
-
         ours, theirs = socket.socketpair()
         code = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
                 "from moescope.store.delta import _serve; _serve(int(sys.argv[2]))")
@@ -841,16 +841,18 @@ class _Helper:
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
-        self.connection = Connection(ours.detach())
+        self.connection = ours
         self.lock = threading.Lock()
 
     def call(self, op: str, args: tuple, kwargs: dict) -> Any:
         with self.lock:
-            self.connection.send((op, args, kwargs))
-            status, value = self.connection.recv()
-        if status == "error":
-            raise value
-        return value
+            _send(self.connection, {"op": op, "args": [_encode(a) for a in args],
+                                    "kwargs": {k: _encode(v) for k, v in kwargs.items()}})
+            answer = _receive(self.connection)
+        if "error" in answer:
+            error = answer["error"]
+            raise _ERRORS.get(error.get("type"), StoreError)(error.get("message", "the delta helper failed"))
+        return _decode(answer.get("ok"))
 
     def forget(self) -> None:
         """In a forked grandchild: close our copy of the connection (the helper is the parent's)."""
@@ -891,33 +893,91 @@ def _call(op: str, *args: Any, **kwargs: Any) -> Any:
 
 
 def _serve(fd: int) -> None:
-    """The helper's loop: answer each (op, args, kwargs) with ("ok", result) or ("error", exception)."""
-    from multiprocessing.connection import Connection
-
-    connection = Connection(fd)
+    """The helper's loop: answer each {op, args, kwargs} with {"ok": result} or {"error": {type,
+    message}}: a StoreError keeps its class (one of this module's), anything else becomes a
+    StoreError with the error's cleaned text."""
+    connection = socket.socket(fileno=fd)
     ops: dict[str, Callable[..., Any]] = {"commit": commit, "snapshot": snapshot, "table_exists": table_exists,
                                           "vacuum": vacuum, "create_table": create_table,
                                           "transaction_version": transaction_version}
     while True:
         try:
-            op, args, kwargs = connection.recv()
+            request = _receive(connection)
         except (EOFError, OSError):
             return
         try:
-            answer: tuple[str, Any] = ("ok", ops[op](*args, **kwargs))
+            args = [_decode(a) for a in request["args"]]
+            kwargs = {k: _decode(v) for k, v in request["kwargs"].items()}
+            answer: dict[str, Any] = {"ok": _encode(ops[request["op"]](*args, **kwargs))}
+        except StoreError as e:
+            name = type(e).__name__ if type(e) in _ERRORS.values() else "StoreError"
+            answer = {"error": {"type": name, "message": str(e)}}
         except Exception as e:
-            answer = ("error", e if _picklable(e) else StoreError(_clean(e)))
+            answer = {"error": {"type": "StoreError", "message": _clean(e)}}
         try:
-            connection.send(answer)
+            _send(connection, answer)
         except (EOFError, OSError):
             return
 
 
-def _picklable(error: Exception) -> bool:
-    import pickle
+# The helper's messages: JSON objects, each sent as its length (4 bytes, big-endian) and its UTF-8 text.
+_HEADER = struct.Struct(">I")
+_ERRORS: dict[str, type[StoreError]] = {cls.__name__: cls for cls in (
+    StoreError, CommitError, CommitConflictError, StoreAccessError, LegacyStoreError)}
 
-    try:
-        pickle.loads(pickle.dumps(error))
-        return True
-    except Exception:
-        return False
+
+def _send(connection: socket.socket, message: dict[str, Any]) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    connection.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _receive(connection: socket.socket) -> dict[str, Any]:
+    """One message; EOFError when the other end closed."""
+    size, = _HEADER.unpack(_read_exactly(connection, _HEADER.size))
+    return json.loads(_read_exactly(connection, size).decode("utf-8"))
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = connection.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the delta helper's connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _encode(value: Any) -> Any:
+    """A call's argument or result as JSON: scalars and lists as they are; a StoreLocation, a
+    PartFile, a Snapshot and a tuple as an object tagged with its kind ("$")."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, StoreLocation):
+        return {"$": "location", "url": value.url, "storage_options": dict(value.storage_options)}
+    if isinstance(value, PartFile):
+        return {"$": "part", **dataclasses.asdict(value)}
+    if isinstance(value, Snapshot):
+        return {"$": "snapshot", "version": value.version, "files": [_encode(f) for f in value.files]}
+    if isinstance(value, tuple):
+        return {"$": "tuple", "items": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    raise TypeError(f"the delta helper cannot send a {type(value).__name__}")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("$")
+    if kind == "location":
+        return StoreLocation(value["url"], dict(value["storage_options"]))
+    if kind == "part":
+        return PartFile(**{f.name: value[f.name] for f in dataclasses.fields(PartFile)})
+    if kind == "snapshot":
+        return Snapshot(int(value["version"]), [_decode(f) for f in value["files"]])
+    if kind == "tuple":
+        return tuple(_decode(v) for v in value["items"])
+    raise ValueError(f"the delta helper got a message it cannot read: {str(value)[:200]}")
