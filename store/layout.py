@@ -9,31 +9,18 @@ Each table is a Delta Lake table (`store.delta`): which files are live is what i
 a folder listing. A file is written whole under its final name and then committed; a file no
 commit added (a crashed writer's) is invisible and `vacuum` deletes it. This module owns the names
 (a run id or table that may be part of a path, part names) and the Parquet settings every writer
-uses.
-
-The previous release published files by renaming a temporary name and listed folders to read;
-`list_parts`, `list_runs`, `run_folder`, `encode_replaces`, `tmp_files` and `clean_tmp` describe
-that layout for the tests that build or inspect such a store (`moescope store upgrade` converts
-one); nothing that reads or writes a Delta store uses them.
+uses. The previous release's layout (temporary names renamed into place, compaction footers) is
+known only to `store.upgrade`, which converts such a store.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import logging
 import os
 import re
 import time
 from collections.abc import Sequence
 
-log = logging.getLogger(__name__)
-
-TMP_PREFIX = ".tmp-"
-# A temporary name does not end in .parquet either, so no engine's `*.parquet` glob reads a write in flight.
-TMP_SUFFIX = ".inprogress"
 QUARANTINE_DIR = "_quarantine"
-REPLACES_KEY = b"moescope.replaces"
 
 # Parquet writer settings per column kind. Dictionary encoding only where values repeat within a
 # row group (ids, constants, tags, expert ids): on high-cardinality columns (token ids, gate
@@ -71,7 +58,7 @@ def parquet_options(columns: Sequence[str]) -> dict:
 
 # Names that become parts of a path: a table, a run id. A run id can come from a data file (the
 # alerts runner reads it from `layer_steps`), so it is never trusted: no separator, no `..`, no
-# leading dot (hidden, `.tmp-` files), no `=` (hive partitioning), nothing a shell must quote.
+# leading dot (hidden files), no `=` (hive partitioning), nothing a shell must quote.
 NAME_FORM = "1 to 128 characters of A-Za-z0-9 . _ -, not starting with a dot"
 _NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
 # A table is a folder beside the store's own (`_quarantine`, `_locks`, `_trash`), which start with `_`.
@@ -113,11 +100,6 @@ def check_part_name(name: object) -> str:
     return name
 
 
-def run_folder(root: str | os.PathLike, table: str, run_id: str) -> str:
-    """`<root>/<table>/run_id=<run_id>`; raises InvalidNameError for a table or run id not of NAME_FORM."""
-    return os.path.join(os.fspath(root), check_name("table", table), f"run_id={check_name('run_id', run_id)}")
-
-
 def part_name(rank: int, seq: int, host: str) -> str:
     """A file name no other writer can choose: `part-<rank>-<host>-<pid>-<seq>-<ns>.parquet` (rank,
     host in `host_name_part` form, pid, the process's sequence and the clock's nanoseconds). The
@@ -130,61 +112,3 @@ def host_name_part(host: str) -> str:
     """`host` as part of a file name: letters, digits, `.` and `-` kept, anything else `_`, at most
     63 characters, never empty."""
     return re.sub(r"[^A-Za-z0-9.-]", "_", host)[:63].strip(".") or "host"
-
-
-def list_parts(root: str | os.PathLike, table: str, run_id: str | None = None) -> list[str]:
-    """Complete Parquet files of a table, live or replaced (writes in flight are not matched).
-
-    Raises InvalidNameError for a table or run id not of NAME_FORM; folders and files whose names
-    are not valid are left out (see `list_runs`).
-    """
-    if run_id is not None:
-        folders = [run_folder(root, table, run_id)]
-    else:
-        folders = [run_folder(root, table, run) for run in list_runs(root, table)]
-    return sorted(path for folder in folders for path in glob.glob(os.path.join(glob.escape(folder), "part-*.parquet"))
-                  if _PART.fullmatch(os.path.basename(path)))
-
-
-def list_runs(root: str | os.PathLike, table: str) -> list[str]:
-    """Run ids with a folder in `table`; a folder whose run id is not of NAME_FORM is left out, with a warning."""
-    base = os.path.join(os.fspath(root), check_name("table", table))
-    try:
-        names = os.listdir(base)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    runs = []
-    for name in sorted(n[len("run_id="):] for n in names if n.startswith("run_id=")):
-        if is_valid_name(name):
-            runs.append(name)
-        else:
-            log.warning("moescope store: skipping folder %r in %s: a run id must be %s", f"run_id={name}", base,
-                        NAME_FORM)
-    return runs
-
-
-def encode_replaces(names: list[str]) -> dict[bytes, bytes]:
-    return {REPLACES_KEY: json.dumps(sorted(names)).encode()}
-
-
-def tmp_files(root: str | os.PathLike) -> list[str]:
-    """Temporary files of writes in flight, or left behind by a process that crashed."""
-    return sorted(glob.glob(os.path.join(glob.escape(os.fspath(root)), "*", "run_id=*", TMP_PREFIX + "*")))
-
-
-def clean_tmp(root: str | os.PathLike, older_than_s: float = 900.0) -> list[str]:
-    """Delete temporary files older than `older_than_s`; returns their paths.
-
-    Readers never match temporary names, so this is housekeeping, not a correctness step. The age
-    bound keeps a write still in flight (a slow disk, a large flush) from being pulled away.
-    """
-    removed = []
-    now = time.time()
-    for path in tmp_files(root):
-        try:
-            if now - os.stat(path).st_mtime >= older_than_s:
-                os.remove(path)
-                removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
