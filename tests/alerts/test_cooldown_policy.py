@@ -10,7 +10,6 @@ and the webhooks from a real local HTTP receiver.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 
@@ -25,6 +24,7 @@ from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox
 from moescope.alerts.rules import default_rules
 from moescope.probe.cooldown import RouterCooldownError
+from moescope.store import delta
 from tests.alerts.records import layer_step, step_record
 
 torch.set_num_threads(1)
@@ -76,11 +76,15 @@ class Run:
         assert self.session.processor.force_flush(10)
 
     def table(self, name: str) -> list[dict]:
-        """Raw rows of a table's Parquet files, in the order they were written."""
-        paths = glob.glob(os.path.join(self.root, name, f"run_id={self.session.run.run_id}", "part-*.parquet"))
+        """Raw rows of a table's committed Parquet files (the Delta snapshot's), in the order they were
+        written: part names end in -<seq>-<ns>.parquet, the writer's sequence."""
+        run_id = self.session.run.run_id
+        paths = [os.path.join(self.root, name, part.path) for part in delta.snapshot(self.root, name).files
+                 if part.run_id == run_id]
         rows = []
-        for path in sorted(paths, key=lambda p: int(os.path.basename(p).split("-")[3])):
-            rows.extend(pq.read_table(path).to_pylist())
+        for path in sorted(paths, key=lambda p: int(os.path.basename(p)[: -len(".parquet")].split("-")[-2])):
+            # run_id is the partition's (in the folder name and the log, not in the file)
+            rows.extend({**row, "run_id": run_id} for row in pq.read_table(path).to_pylist())
         return rows
 
     def close(self) -> None:

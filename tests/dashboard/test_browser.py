@@ -45,7 +45,7 @@ def running_dashboard(root, log_dir) -> Iterator[str]:
     check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
     port = free_port()
     args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
-                     refresh_s=5.0)
+                     refresh_s=5.0, storage_option=[], state_dir=None)
     log_path = os.path.join(log_dir, "streamlit.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log,

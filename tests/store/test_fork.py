@@ -175,19 +175,20 @@ def _child_on_the_parents_model(model: torch.nn.Module, forwards: int, seed: int
 
 def test_a_forked_child_running_the_parents_attached_model_is_recorded(tmp_path):
     """Under the default policy="block" the child's forwards once filled the parent's queue, whose
-    worker thread did not come through the fork, and the child hung; before that its rows were lost.
+    worker thread did not come through the fork, and the child hung once the queue was full (16 records
+    here, 256 by default); before that its rows were lost.
     Now the child's first record starts a worker of its own, the window open at the fork stays the
     parent's, and the child's last window is written when it exits."""
     store = str(tmp_path / "store")
     model = tiny_model("mixtral", seed=0)
     layers = _moe_layers(model)
     context = multiprocessing.get_context("fork")
-    with moescope.attach(model, store=store, routes=True, window=1) as session:
+    with moescope.attach(model, store=store, routes=True, window=1, max_queue=16) as session:
         _forwards(model, 3, seed=1)
         session.flush()  # the parent has used delta-rs before the fork
         _forwards(model, 1, seed=2)  # an open window at the fork (window=1 closes it at the next forward)
         children = [context.Process(target=_child_on_the_parents_model, args=(model, n, 10 + i))
-                    for i, n in enumerate((300, 7))]  # 300 > the queue's 256 records
+                    for i, n in enumerate((40, 7))]  # 40 > the queue's 16 records
         for child in children:
             child.start()
         for child in children:
@@ -195,7 +196,7 @@ def test_a_forked_child_running_the_parents_attached_model_is_recorded(tmp_path)
             assert child.exitcode == 0, f"child exit code {child.exitcode} (None: it hung)"
         _forwards(model, 2, seed=3)
         run_id = session.run.run_id
-    forwards = 3 + 1 + 300 + 7 + 2
+    forwards = 3 + 1 + 40 + 7 + 2
 
     def rows(table: str) -> int:
         data = snapshot_rows(store, table)
