@@ -343,11 +343,11 @@ def report(out: dict, setup: Setup, args: argparse.Namespace) -> str:
         if done is None:
             continue
         took = _spread(done["seconds"])
-        merged = f", {done['merged']} merged files" if role == "compactor" else ""
-        unfinished = f"; stopped in one after {done['unfinished_s']:.0f} s" if done["unfinished_s"] else ""
-        lines.append(f"  {role:<22}{done['runs']} {what}{merged}, each median {took[0]:.2f} s "
-                     f"[{took[1]:.2f} - {took[2]:.2f}]{unfinished}; {done['error_count']} errors "
-                     + (f"(first: {done['errors'][0][:200]})" if done["errors"] else ""))
+        merged = f" ({done['merged']} merged files)" if role == "compactor" else ""
+        each = f", each median {took[0]:.2f} s [{took[1]:.2f} - {took[2]:.2f}]" if done["seconds"] else ""
+        unfinished = (f"; stopped {done['unfinished_s']:.0f} s into one more" if done["unfinished_s"] >= 1 else "")
+        lines.append(f"  {role:<22}{done['runs']} {what}{merged}{each}{unfinished}; {done['error_count']} errors"
+                     + (f" (first: {done['errors'][0][:200]})" if done["errors"] else ""))
     snapshot = out["snapshot_route_rows"]
     lines.append(f"  rows                  {out['route_rows']} route rows reported written, "
                  f"{snapshot if snapshot is not None else '?'} in the snapshot; {out['dropped_rows']} dropped")
