@@ -152,10 +152,10 @@ def option_args(storage_options: dict[str, str]) -> list[str]:
     return [arg for key, value in storage_options.items() for arg in ("--option", f"{key}={value}")]
 
 
-def writer_env(run_id: str, rank: int, world_size: int, hosts_of: int = RANKS_PER_HOST) -> dict[str, str]:
+def writer_env(run_id: str, rank: int, world_size: int, ranks_per_host: int = RANKS_PER_HOST) -> dict[str, str]:
     """What a fleet's process gets from its launcher: the run, its rank, the world, its host."""
     return {"MOESCOPE_RUN_ID": run_id, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank % hosts_of), "MOESCOPE_HOST": f"host-{rank // hosts_of}",
+            "LOCAL_RANK": str(rank % ranks_per_host), "MOESCOPE_HOST": f"host-{rank // ranks_per_host}",
             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
