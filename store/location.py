@@ -145,7 +145,8 @@ class StoreLocation:
                 kwargs["region"] = region
             if options.get("AWS_FORCE_PATH_STYLE", "").lower() == "true":
                 kwargs["force_virtual_addressing"] = False
-            return fs.S3FileSystem(**kwargs)
+            # a file is one PUT, not a multipart upload's three requests (POST, PUT, POST)
+            return fs.S3FileSystem(allow_delayed_open=True, **kwargs)
         if self.scheme == "gs":
             return fs.GcsFileSystem()
         return fs.AzureFileSystem(account_name=os.environ.get("AZURE_STORAGE_ACCOUNT_NAME", ""))

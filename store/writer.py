@@ -510,6 +510,10 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         self._closed = False
         self.last_step: int | None = None  # the last forward exported, for the run_ends row
         self._unwritten_run: list[tuple[str, pa.Table]] = []
+        # on_attach writes the run's rows on the caller's thread, export and force_flush retry them on the
+        # pipeline's: one writer at a time, or a slow first commit has both threads commit them (seen: a
+        # run's runs and layers rows twice with 8 writers on S3)
+        self._run_rows_lock = threading.Lock()
         if run is not None:
             self.on_attach(run)
 
@@ -549,8 +553,9 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
 
     def _write_run(self) -> None:
         """Write the run's own rows that are not on disk yet (they are retried, not dropped)."""
-        self._unwritten_run = [(table, data) for table, data in self._unwritten_run
-                               if not self._write(table, data, retried=True)]
+        with self._run_rows_lock:
+            self._unwritten_run = [(table, data) for table, data in self._unwritten_run
+                                   if not self._write(table, data, retried=True)]
 
     def _attached(self) -> tuple[RunInfo, RunWriter]:
         """The run and its writer, from `on_attach` (the probe calls it before any record)."""
@@ -647,9 +652,10 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         run, writer = self._attached()
         for table in list(self._first_at):
             self._flush_table(table)
-        for table, data in self._unwritten_run:  # the last try: no later flush will retry them
-            self._write(table, data)
-        self._unwritten_run = []
+        with self._run_rows_lock:
+            for table, data in self._unwritten_run:  # the last try: no later flush will retry them
+                self._write(table, data)
+            self._unwritten_run = []
         # The session closed: readers (the alerts runner) resolve the run's open alerts on this row.
         ended = pa.Table.from_pylist([dict(run_id=run.run_id, rank=run.rank, pid=os.getpid(),
                                            ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],

@@ -516,3 +516,26 @@ def test_a_store_of_the_previous_release_is_refused_for_writing(tmp_path):
     assert f"moescope store upgrade {tmp_path}" in str(raised.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps"]  # nothing written, nothing converted
     assert sorted(p.name for p in old.iterdir()) == ["part-00000-1-000001-1.parquet"]
+
+
+def test_the_runs_rows_are_written_once_when_two_threads_retry_them(tmp_path, monkeypatch):
+    """on_attach writes a run's own rows on the caller's thread and export/force_flush retry them on
+    the pipeline's: with a slow first commit both once committed them (8 writers on S3: every rank's
+    runs and layers rows twice)."""
+    exporter = ParquetExporter(tmp_path, max_age_s=0.0)
+    real_write = exporter._write
+
+    def slow_write(table, data, retried=False):
+        time.sleep(0.3)  # a slow object store's commit
+        return real_write(table, data, retried=retried)
+
+    monkeypatch.setattr(exporter, "_write", slow_write)
+    run = run_info("r")
+    attaching = threading.Thread(target=exporter.on_attach, args=(run,))
+    attaching.start()
+    time.sleep(0.05)
+    exporter.force_flush()  # the pipeline's thread, while the attach's first write is in flight
+    attaching.join()
+    exporter.shutdown()
+    assert snapshot_rows(tmp_path, "runs").num_rows == 1
+    assert snapshot_rows(tmp_path, "layers").num_rows == len(run.layers)
