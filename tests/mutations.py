@@ -143,7 +143,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         'policy="drop" makes the model wait for a stuck exporter'),
     Mutation(
         "compaction-count-unchecked", "store/compact.py",
-        "if merged_rows != expected:",
+        "if part.rows != expected:",
         "if False:",
         ("tests/store/test_compact.py",),
         "compaction publishes a merged file whose rows do not add up"),
