@@ -99,6 +99,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/store/test_reports.py", "tests/dashboard/test_figures.py"),
         "active_fraction_by_tag halved (issue 16, mutation 4; its tests are issue 11's)"),
     Mutation(
+        "active-fraction-by-position-width", "store/reports.py",
+        "ceil((max(position) + 1) / ?::DOUBLE)",
+        "ceil(max(position) / ?::DOUBLE)",
+        ("tests/store/test_reports.py", "-k", "by_position"),
+        "the position buckets' width leaves out the longest position (issue 25: 1 080 tokens of 1 152 at 16 "
+        "positions and 3 buckets)"),
+    Mutation(
         "layers-predicate-ignored", "probe/session.py",
         "    if callable(layers):\n        return layers\n",
         "    if callable(layers):\n        return lambda name: True\n",

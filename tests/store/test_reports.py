@@ -88,6 +88,10 @@ def test_step_totals_and_active_fraction_by_tag(store, recorded, run_id):
     by_tag = store.active_fraction_by_tag(run_id, "domain")
     assert sorted(by_tag.value) == ["code", "math", "prose"]
     assert by_tag.steps.sum() == len(steps)
+    for value in ("code", "math", "prose"):  # each tag's row is its own token-weighted mean
+        tagged = [r for r in steps if r["tags"]["domain"] == value]
+        weighted = sum(r["active_param_fraction"] * r["tokens"] for r in tagged) / sum(r["tokens"] for r in tagged)
+        assert by_tag[by_tag.value == value].active_fraction.iloc[0] == pytest.approx(weighted, rel=1e-12)
 
 
 def test_coselection_matches_pairs_of_routes(store, recorded, run_id):
@@ -170,3 +174,55 @@ def test_router_input_sample_is_fixed_and_has_context(store, recorded, run_id):
     for r in a.itertuples():
         assert r.top1_expert == inputs[(r.step, r.token)]["top1_expert"]
         assert r.token_id in list(r.context_ids)
+
+
+@pytest.mark.parametrize("buckets", [3, 5, 7])
+@pytest.mark.parametrize("lengths", [(16, 11, 5), (13, 7, 9, 2)])
+def test_active_fraction_by_position_at_sizes_that_do_not_divide(tmp_path, buckets, lengths):
+    """Buckets of width ceil(P / buckets) over positions 0..P-1, P the longest row: with P = 16 or 13
+    and 3, 5 or 7 buckets no width divides evenly, so an off-by-one in the width (ceil(max / buckets))
+    moves the boundaries and drops the last position; checked against a loop over the raw rows."""
+    import dataclasses as dc
+
+    from moescope.store.writer import ParquetExporter
+    from tests.store.helpers import make_record, run_info
+    from tests.store.test_delta import snapshot_rows
+
+    rng = np.random.default_rng(len(lengths) * 10 + buckets)
+    tokens = sum(lengths)
+    sequence = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)]).astype(np.int32)
+    position = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    root = tmp_path / "store"
+    exporter = ParquetExporter(root, run_info("r"))
+    for step in range(4):
+        record = make_record("r", step, rng, tokens=tokens)
+        record.layers = [dc.replace(ls, routes=dc.replace(ls.routes, sequence=sequence, position=position))
+                         for ls in record.layers]
+        exporter.export([record])
+    exporter.shutdown()
+
+    routes = snapshot_rows(root, "routes").to_pylist()
+    layers = {row["layer"]: row for row in snapshot_rows(root, "layers").to_pylist()}
+    run = snapshot_rows(root, "runs").to_pylist()[0]
+    used: dict[tuple, float] = defaultdict(float)
+    where: dict[tuple, int] = {}
+    for row in routes:
+        key = (row["step"], row["rank"], row["token"])
+        info = layers[row["layer"]]
+        used[key] += sum(1 for e, k in zip(row["expert_ids"], row["kept"]) if k and e < info["num_experts"]) \
+            * info["params_per_expert"]
+        where[key] = row["position"]
+    longest = max(where.values()) + 1
+    width = -(-longest // buckets)
+    want: dict[int, list[float]] = defaultdict(list)
+    for key, p in where.items():
+        want[p // width].append((run["total_params"] - run["routed_expert_params"] + used[key]) / run["total_params"])
+
+    got = Store(root).active_fraction_by_position("r", buckets)
+    assert got.tokens.sum() == len(where)  # every (step, rank, token) with routes, once
+    assert list(got.bucket) == sorted(want)
+    for row in got.itertuples():
+        assert row.position_start == row.bucket * width
+        assert row.tokens == len(want[row.bucket])
+        assert row.active_fraction == pytest.approx(float(np.mean(want[row.bucket])), rel=1e-12)
+    assert got.position_end.iloc[-1] >= longest  # the last bucket reaches the longest position
