@@ -87,18 +87,11 @@ class FaultProxy:
 
     def stop(self) -> None:
         """Stop the proxy process; safe to call twice."""
+        from tests.s3server import stop_child  # this file also runs as the proxy's own script
+
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.stdin:
-                proc.stdin.close()
-            proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout:
-            proc.stdout.close()
+        if proc is not None:
+            stop_child(proc)
 
     def __enter__(self) -> FaultProxy:
         return self

@@ -99,15 +99,7 @@ class S3Server:
             self._saved_env = None
         proc, self._proc = self._proc, None
         if proc is not None:
-            try:
-                if proc.stdin:
-                    proc.stdin.close()  # the child's signal to stop
-                proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait(timeout=10)
-            if proc.stdout:
-                proc.stdout.close()
+            stop_child(proc)
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
@@ -245,6 +237,21 @@ def _serve(bucket: str, auth: bool) -> int:
     return 0
 
 
+
+def stop_child(proc: subprocess.Popen) -> None:
+    """Stop a helper process started with a stdin pipe: closing its stdin is its signal to stop;
+    killed if it has not gone within 10 s. Used by the S3 server and the fault proxy."""
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait(timeout=10)
+    if proc.stdout:
+        proc.stdout.close()
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -257,3 +264,4 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.exit(_serve(args.bucket, args.auth))
+
