@@ -26,6 +26,7 @@ from moescope.pipeline import new_run_id
 from moescope.store.layout import check_name
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS, TAGS, RoutePiece, routes_table, table_from_columns
+from moescope.store.text import control_characters
 from moescope.store.writer import run_writer
 
 # The probe's limit for co-selection (E x E counts per layer and step), kept for imports too.
@@ -101,12 +102,16 @@ class RunSpec:
 
 
 def check_tags(tags: dict[str, str]) -> dict[str, str]:
-    """Return the tags if every key is a plain name and every value short; raise ValueError otherwise."""
+    """Return the tags if every key is a plain name and every value short printable text; raise
+    ValueError otherwise (the importers' --tag options and the proxy's tag headers both come here)."""
     for key, value in tags.items():
         if not isinstance(key, str) or not _TAG_KEY.fullmatch(key):
             raise ValueError(f"tag key {key!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-'")
         if not isinstance(value, str) or len(value) > MAX_TAG_VALUE:
             raise ValueError(f"tag {key}: the value must be a string of at most {MAX_TAG_VALUE} characters")
+        if found := control_characters(value):
+            raise ValueError(f"tag {key}: the value holds control characters ({', '.join(found)}): "
+                             f"use printable text")
     return dict(tags)
 
 
