@@ -106,6 +106,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the position buckets' width leaves out the longest position (issue 25: 1 080 tokens of 1 152 at 16 "
         "positions and 3 buckets)"),
     Mutation(
+        "step-bucket-width", "store/reports.py",
+        "ceil((max(coalesce(step_end, step)) - min(step) + 1) / ?::DOUBLE)",
+        "ceil((max(coalesce(step_end, step)) - min(step)) / ?::DOUBLE)",
+        ("tests/store/test_reports.py", "-k", "do_not_divide"),
+        "the step buckets' width leaves out the last step: one bucket too many over 16 steps in 3 "
+        "(active_fraction_buckets, layer_buckets, the heatmaps; issue 25)"),
+    Mutation(
         "layers-predicate-ignored", "probe/session.py",
         "    if callable(layers):\n        return layers\n",
         "    if callable(layers):\n        return lambda name: True\n",

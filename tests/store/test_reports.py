@@ -226,3 +226,108 @@ def test_active_fraction_by_position_at_sizes_that_do_not_divide(tmp_path, bucke
         assert row.tokens == len(want[row.bucket])
         assert row.active_fraction == pytest.approx(float(np.mean(want[row.bucket])), rel=1e-12)
     assert got.position_end.iloc[-1] >= longest  # the last bucket reaches the longest position
+
+
+def _stepped_store(root, first: int, span: int) -> None:
+    """A run whose recorded steps cover first .. first + span - 1: single forwards, then one window
+    of three forwards at the end (so `step_end`, not `step`, marks the last step), tokens varying."""
+    import dataclasses as dc
+
+    from moescope.store.writer import ParquetExporter
+    from tests.store.helpers import make_record, run_info
+
+    rng = np.random.default_rng(span)
+    exporter = ParquetExporter(root, run_info("r"))
+    last = first + span - 1
+    step = first
+    while step <= last:
+        forwards = 3 if last - step == 2 else 1
+        record = make_record("r", step, rng, tokens=8 * (1 + step % 3))
+        exporter.export([dc.replace(record, forwards=forwards, step_end=step + forwards - 1)])
+        step += forwards
+    exporter.shutdown()
+
+
+# (buckets or window steps, steps the run spans): span - 1 is a multiple of the buckets, so a width of
+# ceil((span - 1) / buckets) (the off-by-one) differs from the right ceil(span / buckets) and makes
+# one bucket too many; nothing divides evenly.
+UNEVEN = [(3, 16), (5, 16), (7, 15), (4, 13)]
+
+
+@pytest.mark.parametrize("buckets,span", UNEVEN)
+def test_step_buckets_at_sizes_that_do_not_divide(tmp_path, buckets, span):
+    """active_fraction_buckets and layer_buckets: at most `buckets` buckets of width
+    ceil(span / buckets) from the first step, tokens and token-weighted figures equal to a loop over
+    the raw rows, the last bucket ending at the run's last step."""
+    from tests.store.test_delta import snapshot_rows
+
+    first = 2
+    root = tmp_path / "store"
+    _stepped_store(root, first, span)
+    width = -(-span // buckets)
+    last = first + span - 1
+
+    steps = snapshot_rows(root, "steps").to_pylist()
+    want: dict[int, list[dict]] = defaultdict(list)
+    for row in steps:
+        want[(row["step"] - first) // width].append(row)
+    got = Store(root).active_fraction_buckets("r", max_buckets=buckets)
+    assert len(got) <= buckets and list(got.step_start) == [first + i * width for i in sorted(want)]
+    assert got.tokens.sum() == sum(row["tokens"] for row in steps)
+    for row in got.itertuples():
+        members = want[(row.step_start - first) // width]
+        tokens = sum(m["tokens"] for m in members)
+        assert row.tokens == tokens
+        assert row.step_end == max(m["step_end"] for m in members)
+        assert row.active_fraction == pytest.approx(
+            sum(m["tokens"] * m["active_param_fraction"] for m in members) / tokens, rel=1e-12)
+    assert got.step_end.iloc[-1] == last
+
+    layer_rows = snapshot_rows(root, "layer_steps").to_pylist()
+    per_layer: dict[tuple, list[dict]] = defaultdict(list)
+    for row in layer_rows:
+        per_layer[(row["layer"], (row["step"] - first) // width)].append(row)
+    got = Store(root).layer_buckets("r", max_buckets=buckets)
+    assert sorted(zip(got.layer, (got.step_start - first) // width)) == sorted(per_layer)
+    assert all(got.groupby("layer").size() <= buckets)
+    for row in got.itertuples():
+        members = per_layer[(row.layer, (row.step_start - first) // width)]
+        tokens = sum(m["tokens"] for m in members)
+        assert row.tokens == tokens
+        assert row.dropped_tokens == sum(m["dropped_tokens"] for m in members)
+        assert row.router_entropy == pytest.approx(
+            sum(m["tokens"] * m["router_entropy_mean"] for m in members) / tokens, rel=1e-12)
+
+
+@pytest.mark.parametrize("window,span", UNEVEN)
+def test_load_and_drift_windows_at_sizes_that_do_not_divide(tmp_path, window, span):
+    """load_windows (and drift_windows over it): windows aligned to multiples of `window`, the final
+    one partial; each window's expert load, tokens and last step equal a loop over the raw rows."""
+    from tests.store.test_delta import snapshot_rows
+
+    first = 2
+    root = tmp_path / "store"
+    _stepped_store(root, first, span)
+    layer_rows = snapshot_rows(root, "layer_steps").to_pylist()
+    want: dict[tuple, list[dict]] = defaultdict(list)
+    for row in layer_rows:
+        want[(row["layer"], row["step"] // window)].append(row)
+
+    store = Store(root)
+    got = store.load_windows("r", window)
+    assert sorted(zip(got.layer, got.window_start // window)) == sorted(want)
+    for row in got.itertuples():
+        assert row.window_start % window == 0 and row.window_end == row.window_start + window
+        members = want[(row.layer, row.window_start // window)]
+        assert row.tokens == sum(m["tokens"] for m in members)
+        assert row.last_step == max(m["step_end"] for m in members)
+        assert row.steps == sum(m["forwards"] for m in members)
+        assert list(row.expert_load) == list(np.sum([m["expert_load"] for m in members], axis=0))
+    assert got.last_step.max() == first + span - 1
+
+    drift = store.drift_windows("r", window)
+    first_window = min(w for _, w in want)
+    for row in drift.itertuples():
+        base = want[(row.layer, first_window)]
+        assert list(row.baseline_load) == list(np.sum([m["expert_load"] for m in base], axis=0))
+        assert row.baseline_tokens == sum(m["tokens"] for m in base)
