@@ -82,7 +82,8 @@ class Recording:
     """What a session records beyond the per-layer aggregates, and how forwards become records.
 
     window / window_s: a record covers up to `window` forwards or `window_s` seconds, whichever
-    ends first (None: no time limit); `window=1` records every forward. routes: per-token expert
+    ends first (None: no time limit), all of one kind (prefill or decode steps); `window=1` records
+    every forward. routes: per-token expert
     ids and gate weights, kept in a device ring of `ring_tokens` tokens per group of like layers.
     router_logits / router_inputs: True for every token, n for a sample of n tokens per layer and
     forward (chosen on the device from `sample_seed` and the forward counter). kv_cache: KV-cache
@@ -141,8 +142,9 @@ class ProbeSession:
     Per forward the hooks keep references to each MoE layer's router logits and final choice; at
     the end of the forward one stacked reduction per group of like layers adds them to device
     accumulators (probe/reduction.py). Every `window` forwards, or `window_s` seconds, or when a
-    tag changes, the window closes: one asynchronous copy out, and the record is built on the
-    writer's thread (probe/window.py). `window=1` gives one record per forward.
+    tag changes, or when the forwards change kind (prefill and decode, `forward_kind`), the window
+    closes: one asynchronous copy out, and the record is built on the writer's thread
+    (probe/window.py). `window=1` gives one record per forward.
 
     The session produces records and hands them to its exporters; it knows nothing of where they
     go. `moescope.attach` wires the store, the trust policy and alerts to it (`session.trust` is
@@ -279,9 +281,14 @@ class ProbeSession:
             refs.decoder_ids, refs.decoder_shape = _main_input(inputs, decoder=True)
             self._started = time.perf_counter()
             expected = max(_tokens(refs.shape), _tokens(refs.decoder_shape))
+            kind = forward_kind(refs.shape, refs.decoder_shape)
+            if not _capturing() and self._forwards_in_window and kind is not None and self._window_kind is not None \
+                    and kind != self._window_kind:
+                self._close_window()  # a prefill after decode steps (or the reverse): a row holds one kind
             if not _capturing() and any(ring.host_rows and ring.host_rows + ring.rows(expected)
                                         > ring.capacity for buffer in self.buffers for ring in buffer.rings):
                 self._close_window()  # this forward would not fit: start a new window first
+            self._window_kind = kind or self._window_kind
             if self.router_inputs > 0 or self.router_logits > 0:
                 size = max(self.router_inputs, self.router_logits)
                 base = self.buffers[0].flat[TOTAL_FORWARDS].to(torch.int64) * SAMPLE_MIX + self.sample_seed
@@ -417,6 +424,7 @@ class ProbeSession:
         self._duration_s = 0.0
         self._last_kv = None
         self._last_shape = getattr(self, "_last_shape", ())
+        self._window_kind: str | None = None
 
     def _close_window(self, force: bool = False) -> None:
         """Snapshot the device accumulators and hand the window to the writer. Model thread:
@@ -526,6 +534,17 @@ def _capturing() -> bool:
 
 def _tokens(shape: tuple) -> int:
     return shape[0] * shape[1] if shape else 0
+
+
+def forward_kind(shape: tuple, decoder_shape: tuple) -> str | None:
+    """"decode" when the forward feeds one token per sequence (a generation step over a KV cache),
+    "prefill" when more, None when the shape is unknown. A window never mixes the two: its row's
+    seq_len and per-token figures describe one kind of forward. An encoder-decoder's kind is its
+    decoder's (the encoder runs on the first forward only)."""
+    main = decoder_shape or shape
+    if not main:
+        return None
+    return "decode" if main[1] == 1 else "prefill"
 
 
 def _main_input(inputs: dict[str, Any], decoder: bool) -> tuple[torch.Tensor | None, tuple]:

@@ -135,8 +135,9 @@ def test_generate_records_every_step_with_kv_cache(tmp_path):
 
 
 def test_a_window_sums_the_forwards_it_covers(tmp_path):
-    """Default windows: the four forwards of a short generate are one record, whose sums equal the
-    per-forward records' and whose routes still say which forward each token came from."""
+    """Default windows: a short generate is two records, the prefill and its three decode steps (a
+    row holds one kind of forward); each record's sums equal its per-forward records' and its routes
+    still say which forward each token came from."""
     model = tiny_model("mixtral")
     prompt = torch.randint(0, 128, (2, 5))
     per_forward, windowed = InMemoryExporter(), InMemoryExporter()
@@ -144,20 +145,54 @@ def test_a_window_sums_the_forwards_it_covers(tmp_path):
         with moescope.attach(model, store=tmp_path / str(window), exporters=[exporter], routes=True,
                           window=window, window_s=None), torch.no_grad():
             model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert len(per_forward.records) == 4 and len(windowed.records) == 1
-    window = windowed.records[0]
-    assert (window.step, window.step_end, window.forwards, window.tokens) == (0, 3, 4, 16)
-    for layer, ls in enumerate(window.layers):
-        parts = [r.layers[layer] for r in per_forward.records]
-        np.testing.assert_array_equal(ls.expert_load, sum(p.expert_load for p in parts))
-        np.testing.assert_array_equal(ls.coselection, sum(p.coselection for p in parts))
-        assert ls.tokens == sum(p.tokens for p in parts) == 16
-        entropy = sum(p.router_entropy_mean * p.tokens for p in parts) / 16
-        assert ls.router_entropy_mean == pytest.approx(entropy, rel=1e-12)
-        np.testing.assert_array_equal(ls.routes.step, np.repeat([0, 1, 2, 3], [10, 2, 2, 2]))
-        np.testing.assert_array_equal(ls.routes.expert_ids, np.concatenate([p.routes.expert_ids for p in parts]))
+    assert len(per_forward.records) == 4 and len(windowed.records) == 2
+    prefill, decode = windowed.records
+    assert (prefill.step, prefill.step_end, prefill.forwards, prefill.tokens, prefill.seq_len) == (0, 0, 1, 10, 5)
+    assert (decode.step, decode.step_end, decode.forwards, decode.tokens, decode.seq_len) == (1, 3, 3, 6, 1)
+    for window, members in ((prefill, per_forward.records[:1]), (decode, per_forward.records[1:])):
+        for layer, ls in enumerate(window.layers):
+            parts = [r.layers[layer] for r in members]
+            np.testing.assert_array_equal(ls.expert_load, sum(p.expert_load for p in parts))
+            np.testing.assert_array_equal(ls.coselection, sum(p.coselection for p in parts))
+            assert ls.tokens == sum(p.tokens for p in parts) == window.tokens
+            entropy = sum(p.router_entropy_mean * p.tokens for p in parts) / window.tokens
+            assert ls.router_entropy_mean == pytest.approx(entropy, rel=1e-12)
+            np.testing.assert_array_equal(ls.routes.step, np.repeat([r.step for r in members],
+                                                                    [r.tokens for r in members]))
+            np.testing.assert_array_equal(ls.routes.expert_ids,
+                                          np.concatenate([p.routes.expert_ids for p in parts]))
     routes = Store(tmp_path / "32").sql("SELECT step, count(*) AS n FROM routes GROUP BY step ORDER BY step")
     assert routes.n.tolist() == [2 * 10, 2 * 2, 2 * 2, 2 * 2]
+
+
+def test_a_row_never_mixes_prefill_and_decode(tmp_path):
+    """Two generates back to back, then a plain forward: every steps row's forwards are of one kind,
+    its seq_len is theirs and its tokens their sum, checked against the shapes the model itself was
+    called with (a forward pre-hook of the test's own)."""
+    model = tiny_model("mixtral")
+    shapes: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True)
+    with moescope.attach(model, store=tmp_path, window=32, window_s=None), torch.no_grad():
+        model.generate(torch.randint(0, 128, (2, 7)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.generate(torch.randint(0, 128, (3, 6)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model(torch.randint(0, 128, (1, 9)))
+    # the runs of like forwards, as the model saw them
+    runs: list[list[tuple[int, int]]] = []
+    for shape in shapes:
+        if runs and (runs[-1][-1][1] == 1) == (shape[1] == 1):
+            runs[-1].append(shape)
+        else:
+            runs.append([shape])
+    steps = Store(tmp_path).sql("SELECT step, step_end, forwards, tokens, batch_size, seq_len FROM steps ORDER BY step")
+    assert len(steps) == len(runs) == 5  # prefill, decode x3, prefill, decode x2, one forward
+    first = 0
+    for row, run in zip(steps.itertuples(), runs):
+        assert (row.step, row.step_end, row.forwards) == (first, first + len(run) - 1, len(run))
+        assert row.tokens == sum(b * n for b, n in run)
+        assert (row.batch_size, row.seq_len) == run[-1]
+        first += len(run)
 
 
 def test_duckdb_reads_the_store_with_nothing_but_a_glob(tmp_path):
