@@ -12,21 +12,37 @@ from moescope.store_arguments import add_store_arguments, store_epilog, store_lo
 
 IMPORT_HELP = """\
 Bring an engine's routing into a store, as a new run the dashboard, rules and queries read like
-a probed one. Every file is checked before anything is written.
+a probed one. Every file is checked before anything is written: a bad one gets one line naming
+the file, the place in it and what was expected, and nothing is written. A file given twice (the
+same path, or the same bytes) is refused. Large files are read in pieces (memory follows a piece,
+not the file: JSON Lines, .npy, CSV and traces; one JSON document, a .pt dump and a TensorRT-LLM
+rank file are read whole), and progress shows on stderr when a pass takes more than a few seconds.
 
   vllm      responses of a server started with --enable-return-routed-experts (JSON, JSON Lines,
-            streamed chunks), or CompletionOutput.routed_experts saved as .npy (or base64 of it)
+            streamed chunks), or CompletionOutput.routed_experts saved as .npy (or base64 of it);
+            [tokens, layers, top_k] ids, -1 for a row not computed (prefix-cache hit)
   sglang    expert_distribution_recorder_*.pt dumps (stat, per_pass, per_token), the legacy CSV,
-            or /generate responses with meta_info.routed_experts (needs --num-layers, --top-k)
-  trtllm    the EXPERT_STATISTIC_PATH folder (meta_info.json, rank*.safetensors)
-  megatron  the --moe-routing-trace-path folder or its router_trace_rank*.jsonl files
+            or /generate responses: meta_info.routed_experts is base64 of little-endian int32,
+            shape (seq_len - 1, num_hidden_layers, top_k), so pass --num-layers and --top-k.
+            per_pass/per_token dumps map physical slots with the map in force at dump time
+            (last_physical_to_logical_map); under EPLB rebalancing, passes before a rebalance may
+            be mapped wrongly: steps are tagged expert_map=<hash> so a change shows; dump after
+            each rebalance to be exact
+  trtllm    the EXPERT_STATISTIC_PATH folder (meta_info.json, rank*.safetensors); with its load
+            balancer on these count physical slots, not experts: pass --num-experts to have that
+            refused rather than imported as experts
+  megatron  the --moe-routing-trace-path folder or its router_trace_rank*.jsonl files; the trace's
+            "stage" ("pre_dispatch") is where in the router it recorded, not a pipeline stage:
+            steps are tagged trace_stage=<stage>
 
-Router logits, entropy, gate weights, drops and parameter counts are not in these files: they
-are left empty and the dashboard says "not recorded by this source".
+Expert ids must be in 0..E-1 (E: --num-experts, else the largest id seen + 1 up to --max-experts,
+65536 by default); -1 only where a format means "not computed". Router logits, entropy, gate
+weights, drops and parameter counts are not in these files: they are left empty and the
+dashboard says "not recorded by this source".
 
 example:  moescope import vllm responses.jsonl --store runs/ --tag router=v2
           moescope import sglang dumps/*.pt --store runs/ --top-k 8
-          moescope import trtllm expert_statistic/ --store runs/
+          moescope import trtllm expert_statistic/ --store runs/ --num-experts 256
 """
 
 PROXY_HELP = """\
@@ -48,7 +64,7 @@ example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-ex
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register import and proxy on the moescope command's subparsers."""
-    from moescope.store.importers import KINDS
+    from moescope.store.importers import KINDS, MAX_EXPERTS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("import", help="bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store",
@@ -62,6 +78,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
     p.add_argument("--num-experts", type=int, help="routed experts per layer (default: from the files, else the "
                                                    "largest id seen + 1)")
+    p.add_argument("--max-experts", type=int, default=MAX_EXPERTS,
+                   help=f"refuse expert ids and counts of more experts than this per layer (default {MAX_EXPERTS}: "
+                        "a larger id is a corrupt or wrapped value)")
     p.add_argument("--top-k", type=int, help="experts per token; needed where the files only count slots")
     p.add_argument("--num-layers", type=int, help="layers in SGLang's flat meta_info.routed_experts")
     p.add_argument("--model", help="model name shown for the run (default: from the files)")
@@ -94,7 +113,7 @@ def _import(args: argparse.Namespace) -> int:
 
     summary = import_files(args.kind, args.paths, store_location(args), run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
-                           model=args.model, in_order=args.in_order)
+                           model=args.model, in_order=args.in_order, max_experts=args.max_experts)
     print(summary.report())
     return 0
 

@@ -1,30 +1,48 @@
 """Megatron-core's router trace (`--moe-routing-trace-path DIR`): `router_trace_rank{r}.jsonl`.
 
-One JSON line per router call: `step`, `stage`, `block`, `layer`, `rank`, `num_tokens`, `topk`,
-`top_indices` (`num_tokens` lists of `topk` expert ids). A (step, stage, rank) is one step of that
-rank, tagged `stage=<stage>`; several calls of one layer in a step (micro-batches) are its
-sequences, in file order, positions counting the rows of each call. Layers keep the number the
-trace gives (the module's index in its pipeline stage). Records of multi-token-prediction heads
-(`block: "mtp"`) are left out and counted: their layer numbers repeat the decoder's.
+One JSON line per router call (megatron/core/transformer/moe/router_tracer: one record per step,
+block and layer): `step`, `stage`, `block`, `layer`, `rank`, `num_tokens`, `topk`, `top_indices`
+(`num_tokens` lists of `topk` expert ids). A (step, stage, rank) is one step of that rank; several
+calls of one layer in a step (micro-batches) are its sequences, in file order, positions counting
+the rows of each call. Layers keep the number the trace gives (the module's index in its pipeline
+stage). Records of multi-token-prediction heads (`block: "mtp"`, with `mtp_idx`) are left out and
+counted: their layer numbers repeat the decoder's.
+
+`stage` is the tracer's name for the point in the router where it recorded ("pre_dispatch": the
+top-k before tokens are dispatched to experts), not a pipeline-parallel stage: steps are tagged
+`trace_stage=<stage>`. The tracer writes a step's records together (it flushes at each step), so
+records are read line by line and a step ends where the next begins; a step that appears again
+after another is refused as the same records read twice. Expert ids must be in 0..E-1 (E from
+--num-experts, else the --max-experts limit): the trace has no "not computed" marker.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
-from moescope.store.importers.tables import LayerRoutes, SourceData, SourceFormatError, SourceStep, file_time
+from moescope.store.importers.fields import DEFAULT_LIMIT, INT32_MAX, ExpertLimit, check_expert_ids, json_int
+from moescope.store.importers.tables import (
+    LayerRoutes,
+    SourceData,
+    SourceFormatError,
+    SourceStep,
+    StepStream,
+    file_time,
+)
 
 TRACE_FILE = re.compile(r"router_trace_rank(\d+)\.jsonl")
 FIELDS = ("step", "stage", "block", "layer", "rank", "num_tokens", "topk", "top_indices")
 MTP = "records of multi-token-prediction heads (block 'mtp') left out"
+STAGE_TAG = "trace_stage"
 
 
-def _files(paths: list[str]) -> list[str]:
+def files(paths: list[str]) -> list[str]:
+    """The trace files an import of `paths` reads (a folder: its router_trace_rank*.jsonl)."""
     out = []
     for path in paths:
         if os.path.isdir(path):
@@ -37,51 +55,64 @@ def _files(paths: list[str]) -> list[str]:
     return out
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read(paths: list[str]) -> SourceData:
-    """Every (step, stage, rank) of the traces; raises SourceFormatError naming the file and line."""
+def read(paths: list[str], limit: ExpertLimit = DEFAULT_LIMIT) -> SourceData:
+    """Every (step, stage, rank) of the traces, read lazily, one router call at a time; a bad record
+    raises SourceFormatError naming the file, the line and the field."""
     data = SourceData(steps=[])
-    calls: dict[tuple, dict[int, list[np.ndarray]]] = {}
-    times: dict[tuple, dt.datetime] = {}
-    for path in _files(paths):
+    data.steps = StepStream(lambda: _steps(files(paths), limit, data))
+    return data
+
+
+def _steps(paths: list[str], limit: ExpertLimit, data: SourceData) -> Iterator[SourceStep]:
+    data.notes.clear()
+    for path in paths:
+        ts = file_time(path)
+        current = None
+        calls: dict[int, int] = {}  # per layer of the step in progress: (calls so far, rows so far)
+        rows: dict[int, int] = {}
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 where = f"{path} line {number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SourceFormatError(f"{where}: not valid JSON ({e}); is the file truncated?") from e
-                if not isinstance(record, dict) or not set(FIELDS) <= set(record):
-                    raise SourceFormatError(f"{where}: a trace record needs the fields {', '.join(FIELDS)}")
-                if not all(_is_int(record[k]) for k in ("step", "layer", "rank", "num_tokens", "topk")):
-                    raise SourceFormatError(f"{where}: step, layer, rank, num_tokens and topk must be integers")
+                record = _record(line, where)
                 if record["block"] != "decoder" or "mtp_idx" in record:
                     data.notes[MTP] += 1
                     continue
-                ids = _indices(record, where)
+                ids = _indices(record, where, limit)
                 key = (record["step"], str(record["stage"]), record["rank"])
-                calls.setdefault(key, {}).setdefault(record["layer"], []).append(ids)
-                times.setdefault(key, file_time(path))
-    for (step_id, stage, rank), layers in calls.items():
-        step = SourceStep(step=step_id, ts=times[(step_id, stage, rank)], rank=rank, tags={"stage": stage})
-        for layer, parts in layers.items():
-            sizes = np.array([len(p) for p in parts])
-            starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
-            total = int(sizes.sum())
-            step.routes[layer] = LayerRoutes(
-                expert_ids=np.concatenate(parts).astype(np.int32), token=np.arange(total, dtype=np.int32),
-                sequence=np.repeat(np.arange(len(parts), dtype=np.int32), sizes),
-                position=(np.arange(total) - starts).astype(np.int32))
-        data.steps.append(step)
-    return data
+                if key != current:
+                    current, calls, rows = key, {}, {}
+                layer = record["layer"]
+                call, first = calls.get(layer, 0), rows.get(layer, 0)
+                calls[layer], rows[layer] = call + 1, first + len(ids)
+                n = len(ids)
+                routes = LayerRoutes(expert_ids=ids.astype(np.int32), token=np.arange(first, first + n, dtype=np.int32),
+                                     sequence=np.full(n, call, dtype=np.int32), position=np.arange(n, dtype=np.int32))
+                yield SourceStep(step=key[0], ts=ts, rank=key[2], tags={STAGE_TAG: key[1]}, routes={layer: routes},
+                                 where=where)
 
 
-def _indices(record: dict, where: str) -> np.ndarray:
+def _record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SourceFormatError(f"{where}: not valid JSON ({e}); is the file truncated?") from e
+    except RecursionError as e:
+        raise SourceFormatError(f"{where}: JSON nested too deeply to be a trace record") from e
+    if not isinstance(record, dict) or not set(FIELDS) <= set(record):
+        raise SourceFormatError(f"{where}: a trace record needs the fields {', '.join(FIELDS)}")
+    json_int(record["step"], "step", where)
+    json_int(record["layer"], "layer", where, high=INT32_MAX)
+    json_int(record["rank"], "rank", where, high=INT32_MAX)
+    json_int(record["num_tokens"], "num_tokens", where)
+    json_int(record["topk"], "topk", where, low=1, high=INT32_MAX)
+    if not isinstance(record["stage"], str):
+        raise SourceFormatError(f"{where}: stage must be a string (the tracer writes \"pre_dispatch\")")
+    return record
+
+
+def _indices(record: dict, where: str, limit: ExpertLimit) -> np.ndarray:
     tokens, topk, rows = record["num_tokens"], record["topk"], record["top_indices"]
     if not isinstance(rows, list) or len(rows) != tokens:
         raise SourceFormatError(f"{where}: top_indices must hold num_tokens={tokens} rows")
@@ -89,11 +120,9 @@ def _indices(record: dict, where: str) -> np.ndarray:
         return np.zeros((0, topk), dtype=np.int64)
     try:
         ids = np.asarray(rows)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise SourceFormatError(f"{where}: top_indices rows differ in length; expected {topk} ids each") from e
     if ids.shape != (tokens, topk) or ids.dtype.kind not in "iu":
         raise SourceFormatError(f"{where}: top_indices must be {tokens} x {topk} integer expert ids, got "
                                 f"{ids.dtype} {ids.shape}")
-    if ids.min() < 0:
-        raise SourceFormatError(f"{where}: top_indices holds a negative expert id")
-    return ids
+    return check_expert_ids(ids, f"{where} top_indices", limit, ("token row", "slot"), not_computed=False)

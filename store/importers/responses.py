@@ -5,6 +5,11 @@ vLLM (`--enable-return-routed-experts`) puts `prompt_routed_experts` once per re
 them over its chunks, which are joined in order. SGLang (`--enable-return-routed-experts`) puts
 `meta_info.routed_experts`: base64 of raw int32 bytes flattened from `[tokens, layers, top_k]`,
 which needs the model's layer count and top-k to unflatten; a stream repeats it, the last one wins.
+SGLang's own reader (`extract_routed_experts_from_meta_info`) decodes it with
+`np.frombuffer(..., dtype=np.int32)`; its capturer fills an int32 buffer of shape
+`(seq_len - 1, num_hidden_layers, num_experts_per_tok)` (seq_len = prompt + completion tokens; the
+last token never runs a forward), so it is read here as little-endian int32 of that shape. Its
+layer axis counts every hidden layer, dense ones included.
 
 Alignment (both engines): row i of a sequence's routing is the token at position i, as the input of
 the forward that routed it. A prompt routes every token. The last generated token is returned but
@@ -19,14 +24,27 @@ import base64
 import binascii
 import datetime as dt
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from moescope.store.importers.fields import (
+    DEFAULT_LIMIT,
+    INT64_MAX,
+    INT64_MIN,
+    ExpertLimit,
+    json_int,
+    json_object,
+    json_token_ids,
+)
 from moescope.store.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
 
 NPY_MAGIC = b"\x93NUMPY"
 NPY_MAGIC_B64 = base64.b64encode(NPY_MAGIC)  # b"k05VTVBZ": how base64 text of a .npy file starts
+# Token rows per piece of a step: a long sequence is checked and written in pieces of this many
+# rows (each piece's decoded ids: rows x layers x top-k), so memory follows a piece, not the file.
+CHUNK_ROWS = 1 << 16
 
 
 @dataclass
@@ -37,6 +55,7 @@ class RoutedSequence:
     sequence: int
     first_position: int = 0
     token_ids: np.ndarray | None = None  # (rows,) the input token of each row, where the response has it
+    first_row: int = 0  # the row of `ids[0]` in the whole sequence (a chunk of a longer one), for messages
 
 
 def decode_npy(raw: bytes, where: str) -> np.ndarray:
@@ -47,21 +66,34 @@ def decode_npy(raw: bytes, where: str) -> np.ndarray:
         array = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:
         raise SourceFormatError(f"{where}: the .npy payload cannot be read ({e}); is it truncated?") from e
-    return _integer(array, where)
+    return check_routed_array(array, where)
 
 
-def _integer(array: np.ndarray, where: str) -> np.ndarray:
+def check_routed_array(array: np.ndarray, where: str) -> np.ndarray:
+    """The array as it is, once it is an integer (tokens, layers, top_k) array; its ids are
+    range-checked in their own dtype where they are split (`tables.split_routed_rows`)."""
     if array.dtype.kind not in "iu":
         raise SourceFormatError(f"{where}: routed experts must be integer expert ids, got dtype {array.dtype}")
     if array.ndim != 3:
         raise SourceFormatError(f"{where}: routed experts must be (tokens, layers, top_k), got shape {array.shape}")
-    return array.astype(np.int32) if array.dtype.kind == "u" else array
+    return array
+
+
+def _nested_ints(array: np.ndarray, where: str) -> np.ndarray:
+    """Nested JSON lists numpy could not make integers of: name the first value that is not an int64."""
+    flat = array.reshape(-1)
+    for i, value in enumerate(flat):
+        if isinstance(value, bool) or not isinstance(value, int) or not INT64_MIN <= value <= INT64_MAX:
+            position = ", ".join(f"{axis} {int(n)}" for axis, n in zip(("token row", "layer", "slot"),
+                                                                         np.unravel_index(i, array.shape)))
+            raise SourceFormatError(f"{where}: expert id {value!r} at {position} is not an integer expert id")
+    return array.astype(np.int64)
 
 
 def vllm_array(value, where: str) -> np.ndarray:
     """vLLM's routed experts in any of its three forms (array, nested lists, base64 .npy) as an array."""
     if isinstance(value, np.ndarray):
-        return _integer(value, where)
+        return check_routed_array(value, where)
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
@@ -73,12 +105,16 @@ def vllm_array(value, where: str) -> np.ndarray:
             return np.zeros((0, 0, 0), dtype=np.int32)
         try:
             array = np.asarray(value)
-        except ValueError as e:  # ragged nesting
+        except (ValueError, RecursionError) as e:  # ragged or absurdly deep nesting
             raise SourceFormatError(f"{where}: routed experts are ragged nested lists; expected "
                                     "[tokens][layers][top_k]") from e
-        if array.dtype.kind == "b" or (array.dtype == object):
+        if array.dtype.kind == "b":
             raise SourceFormatError(f"{where}: routed experts must be nested lists of integers")
-        return _integer(array, where)
+        if array.dtype == object and array.ndim == 3:  # integers beyond int64, or mixed values
+            return _nested_ints(array, where)
+        if array.dtype == object:
+            raise SourceFormatError(f"{where}: routed experts must be nested lists of integers")
+        return check_routed_array(array, where)
     raise SourceFormatError(f"{where}: routed experts must be nested lists or base64 .npy text, "
                             f"not {type(value).__name__}")
 
@@ -111,11 +147,8 @@ def _check_rows(rows: int, tokens: int | None, generated: bool, what: str, where
                                    if generated else f"{tokens}, one per token"))
 
 
-def _ids_column(values, rows: int) -> np.ndarray | None:
-    if values is None:
-        return None
-    ids = np.asarray(values, dtype=np.int64).reshape(-1)
-    return ids[:rows] if len(ids) >= rows else None
+def _ids_column(ids: np.ndarray | None, rows: int) -> np.ndarray | None:
+    return ids[:rows] if ids is not None and len(ids) >= rows else None
 
 
 def is_vllm(body) -> bool:
@@ -138,19 +171,33 @@ def merge_vllm_stream(chunks: list[dict], where: str) -> dict:
                 merged[key] = chunk[key]
         if chunk.get("prompt_routed_experts") is not None:
             merged["prompt_routed_experts"] = vllm_array(chunk["prompt_routed_experts"], where)
-        for choice in chunk.get("choices") or []:
-            slot = choices.setdefault(int(choice.get("index", 0)), {"index": int(choice.get("index", 0)),
-                                                                    "parts": [], "token_ids": []})
+        for choice in _choices(chunk, where):
+            index = _choice_index(choice, where)
+            slot = choices.setdefault(index, {"index": index, "parts": [], "token_ids": []})
             if choice.get("routed_experts") is not None:
                 part = vllm_array(choice["routed_experts"], where)
                 if part.size:
                     slot["parts"].append(part)
-            slot["token_ids"] += list(choice.get("token_ids") or [])
+            generated = json_token_ids(choice.get("token_ids"), f"choices[{index}].token_ids", where)
+            slot["token_ids"] += [] if generated is None else generated.tolist()
     for index in sorted(choices):
         slot = choices[index]
         merged["choices"].append({"index": index, "token_ids": slot["token_ids"] or None,
                                   "routed_experts": np.concatenate(slot["parts"]) if slot["parts"] else None})
     return merged
+
+
+def _choices(body: dict, where: str) -> list[dict]:
+    choices = body.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise SourceFormatError(f"{where}: choices must be a list of objects")
+    return choices
+
+
+def _choice_index(choice: dict, where: str) -> int:
+    return json_int(choice.get("index", 0), "choices[].index", where, high=2**31 - 1)
 
 
 def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
@@ -159,10 +206,10 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
     The prompt's rows go with choice 0 (the prompt ran once, for every choice); choice i's generated
     rows follow at positions from the prompt's length, in sequence i.
     """
-    usage = body.get("usage") or {}
-    choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
-    prompt_ids = body.get("prompt_token_ids")
-    prompt_tokens = len(prompt_ids) if prompt_ids is not None else usage.get("prompt_tokens")
+    usage = json_object(body.get("usage"), "usage", where)
+    choices = _choices(body, where)
+    prompt_ids = json_token_ids(body.get("prompt_token_ids"), "prompt_token_ids", where)
+    prompt_tokens = len(prompt_ids) if prompt_ids is not None else _count(usage, "prompt_tokens", where)
     out: list[RoutedSequence] = []
     first = 0
     if body.get("prompt_routed_experts") is not None:
@@ -177,16 +224,23 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
     for choice in choices:
         if choice.get("routed_experts") is None:
             continue
-        index = int(choice.get("index", 0))
+        index = _choice_index(choice, where)
         ids = vllm_array(choice["routed_experts"], f"{where} choices[{index}].routed_experts")
         generated = choice.get("token_ids")
+        if not isinstance(generated, np.ndarray):  # a merged stream's are checked already
+            generated = json_token_ids(generated, f"choices[{index}].token_ids", where)
         tokens = len(generated) if generated is not None else (
-            usage.get("completion_tokens") if len(choices) == 1 else None)
+            _count(usage, "completion_tokens", where) if len(choices) == 1 else None)
         _check_rows(len(ids), tokens, True, f"choices[{index}].routed_experts", where)
         if len(ids):
             out.append(RoutedSequence(ids, sequence=index, first_position=first,
                                       token_ids=_ids_column(generated, len(ids))))
     return out
+
+
+def _count(usage: dict, field: str, where: str) -> int | None:
+    value = usage.get(field)
+    return None if value is None else json_int(value, f"usage.{field}", where)
 
 
 def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | None, where: str,
@@ -197,13 +251,13 @@ def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | No
     latest: dict[int, dict] = {}
     for position, body in enumerate(bodies):
         if is_sglang(body):
-            latest[int(body.get("index", 0)) if stream else position] = body
+            latest[json_int(body.get("index", 0), "index", where, high=2**31 - 1) if stream else position] = body
     out = []
     for index in sorted(latest):
         meta = latest[index]["meta_info"]
         ids = sglang_array(meta["routed_experts"], num_layers, top_k, f"{where} meta_info.routed_experts")
-        prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
-        total = int(prompt) + int(completion) if prompt is not None and completion is not None else None
+        prompt, completion = (_count(meta, f, where) for f in ("prompt_tokens", "completion_tokens"))
+        total = prompt + completion if prompt is not None and completion is not None else None
         _check_rows(len(ids), total, True, "meta_info.routed_experts", where)
         if len(ids):
             out.append(RoutedSequence(ids, sequence=index, first_position=0))
@@ -211,13 +265,15 @@ def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | No
 
 
 def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, where: str, rank: int = 0,
-                   tags: dict[str, str] | None = None) -> tuple[SourceStep, int]:
-    """One step holding these sequences' routes; returns it and the rows left out as not computed."""
+                   tags: dict[str, str] | None = None, limit: ExpertLimit = DEFAULT_LIMIT,
+                   first_token: int = 0) -> tuple[SourceStep, int]:
+    """One step holding these sequences' routes (its rows numbered from `first_token`); returns it
+    and the rows left out as not computed."""
     per_layer: dict[int, list[tuple]] = {}
     skipped = 0
-    offset = 0
+    offset = first_token
     for seq in sequences:
-        layers, not_computed = split_routed_rows(seq.ids, where)
+        layers, not_computed = split_routed_rows(seq.ids, where, limit, first_row=seq.first_row)
         skipped += not_computed
         for layer, (rows, ids) in layers.items():
             per_layer.setdefault(layer, []).append((
@@ -236,4 +292,19 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
                                     token=np.concatenate([p[1] for p in parts]),
                                     sequence=np.concatenate([p[2] for p in parts]),
                                     position=np.concatenate([p[3] for p in parts]), token_ids=token_ids)
-    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes), skipped
+    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped
+
+
+def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime, where: str,
+                    limit: ExpertLimit = DEFAULT_LIMIT, chunk_rows: int = CHUNK_ROWS,
+                    ) -> Iterator[tuple[SourceStep, int]]:
+    """The step of these sequences in pieces of at most `chunk_rows` token rows, in order (pieces of
+    one step share its number); yields each piece and its rows left out as not computed."""
+    offset = 0
+    for seq in sequences:
+        for start in range(0, len(seq.ids), chunk_rows):
+            end = min(start + chunk_rows, len(seq.ids))
+            chunk = RoutedSequence(np.asarray(seq.ids[start:end]), seq.sequence, seq.first_position + start,
+                                   None if seq.token_ids is None else seq.token_ids[start:end], first_row=start)
+            yield sequences_step([chunk], step, ts, where, limit=limit, first_token=offset + start)
+        offset += len(seq.ids)

@@ -15,47 +15,75 @@ needs anything beyond tensors, lists, dicts and numbers is refused, never unpick
   `global_physical_count [layers, physical]`). Physical expert slots are mapped to logical experts
   through the map. `per_token` records add `input_ids`, `positions`, `extend_seq_lens`,
   `forward_mode` and `topk_ids_of_layer [layers, tokens, 8]` (physical ids, padded with -1): routes.
-- Legacy CSV `layer_id,expert_id,count`: one window per file.
-- JSON `/generate` output carrying `meta_info.routed_experts` (see `responses`): one step per request.
+- Legacy CSV `layer_id,expert_id,count`: one window per file, read line by line.
+- JSON `/generate` output carrying `meta_info.routed_experts` (see `responses`: base64 of
+  little-endian int32, shape (seq_len - 1, num_hidden_layers, top_k)): one step per request.
+
+The map under EPLB: SGLang's recorder dumps the map in force when the dump is taken, and says so
+("This may change during recording, so here we say it is the 'last' one"). With expert-parallel
+load balancing rebalancing during a recording, passes recorded before a rebalance were routed
+under an earlier map, and mapping their physical slots with the last one can credit their tokens
+to the wrong logical experts; nothing in the dump tells which passes those are. Each step of a
+per_pass / per_token dump is tagged `expert_map=<first 12 hex of the map's sha256>`, so dumps
+taken under different maps are told apart (`moescope query` tag values, the compare page). To be
+exact, dump after each rebalance (or record with rebalancing off): each dump's map then covers
+its passes.
 
 Layers whose counts are zero throughout (dense layers) are left out. Counts are slots (top-k
-assignments); tokens are slots / top-k, so count-only dumps need `--top-k`.
+assignments); tokens are slots / top-k, so count-only dumps need `--top-k`. A .pt dump is loaded
+whole (torch.load); CSV and JSON Lines files are read a piece at a time.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
-import io
+import hashlib
 import os
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
-from moescope.store.importers.responses import is_sglang, sequences_step, sglang_sequences
+from moescope.store.importers.fields import DEFAULT_LIMIT, INT32_MAX, INT64_MAX, ExpertLimit, json_time
+from moescope.store.importers.responses import is_sglang, sequence_pieces, sglang_sequences
 from moescope.store.importers.tables import (
     LayerRoutes,
     SourceData,
     SourceFormatError,
     SourceStep,
+    StepStream,
     file_time,
     split_routed_rows,
 )
-from moescope.store.importers.vllm import read_json_values
+from moescope.store.importers.vllm import response_groups
 
 DUMP_NAME = re.compile(r"expert_distribution_recorder_(\d+(?:\.\d+)?)(?:_(\d+))?\.pt$")
 CSV_HEADER = ["layer_id", "expert_id", "count"]
 WRAPPED = ("stat buffer full (rows may have wrapped around and lost time order): imported as one window step; "
            "pass --in-order if the buffer was unbounded")
 NOT_COMPUTED = "token rows with every slot -1 left out"
+MAP_TAG = "expert_map"
+
+
+def files(paths: list[str]) -> list[str]:
+    """The files an import of `paths` reads (SGLang takes files, not folders)."""
+    return list(paths)
 
 
 def dump_time(path: str) -> dt.datetime:
-    """The time in a recorder dump's name, else the file's modification time."""
+    """The time in a recorder dump's name, else the file's modification time. Raises
+    SourceFormatError for a name whose time is not a Unix time."""
     match = DUMP_NAME.search(os.path.basename(path))
     if match:
-        return dt.datetime.fromtimestamp(float(match.group(1)), dt.timezone.utc)
+        return json_time(float(match.group(1)), "the time in the file name (expert_distribution_recorder_{time})",
+                         path)
     return file_time(path)
+
+
+def map_hash(mapping: np.ndarray) -> str:
+    """The first 12 hex of the sha256 of a physical-to-logical map (int64, C order)."""
+    return hashlib.sha256(np.ascontiguousarray(mapping, dtype=np.int64).tobytes()).hexdigest()[:12]
 
 
 def load_pt(path: str) -> dict:
@@ -111,16 +139,20 @@ def _stat_steps(payload: dict, path: str, first_step: int, ts: dt.datetime, in_o
     else:
         windows = list(counts[used])
     data.num_experts = counts.shape[2]
-    return [SourceStep(step=first_step + i, ts=ts, rank=rank,
+    return [SourceStep(step=first_step + i, ts=ts, rank=rank, where=path,
                        counts={layer: window[layer] for layer in range(window.shape[0])})
             for i, window in enumerate(windows)]
 
 
-def _detail_steps(payload: dict, path: str, ts: dt.datetime, data: SourceData) -> list[SourceStep]:
+def _detail_steps(payload: dict, path: str, ts: dt.datetime, data: SourceData, limit: ExpertLimit,
+                  ) -> list[SourceStep]:
     mapping = _tensor(payload["last_physical_to_logical_map"], 2, "last_physical_to_logical_map", path)
     layers, physical = mapping.shape
-    if mapping.size and mapping.min() < 0:
-        raise SourceFormatError(f"{path}: last_physical_to_logical_map holds negative expert ids")
+    if mapping.size and (mapping.min() < 0 or mapping.max() >= limit.value):
+        bad = int(mapping.min()) if mapping.min() < 0 else int(mapping.max())
+        raise SourceFormatError(f"{path}: last_physical_to_logical_map holds expert id {bad}, outside "
+                                f"0..{limit.value - 1} ({limit.name})")
+    tags = {MAP_TAG: map_hash(mapping)}
     experts = int(mapping.max()) + 1 if mapping.size else 0
     data.num_experts = max(data.num_experts or 0, experts)
     records = payload["records"]
@@ -138,7 +170,8 @@ def _detail_steps(payload: dict, path: str, ts: dt.datetime, data: SourceData) -
         if physical_count.shape != (layers, physical):
             raise SourceFormatError(f"{where}: global_physical_count has shape {physical_count.shape}, but the map "
                                     f"is {layers} layers x {physical} physical experts")
-        step = steps.setdefault((step_id, rank), SourceStep(step=step_id, ts=ts, rank=rank))
+        step = steps.setdefault((step_id, rank), SourceStep(step=step_id, ts=ts, rank=rank, tags=dict(tags),
+                                                            where=where))
         if "topk_ids_of_layer" in record:
             _add_token_routes(step, record, mapping, physical_count, where, data)
             continue
@@ -189,63 +222,93 @@ def _add_token_routes(step: SourceStep, record: dict, mapping: np.ndarray, physi
         step.tags["forward_mode"] = str(mode)
 
 
-def _csv_counts(path: str, text: str) -> dict[int, dict[int, int]]:
-    reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if header is None or [h.strip() for h in header] != CSV_HEADER:
-        raise SourceFormatError(f"{path}: a legacy SGLang CSV starts with the header {','.join(CSV_HEADER)}")
+def _csv_counts(path: str, limit: ExpertLimit) -> dict[int, dict[int, int]]:
+    """Slots per (layer, expert) of a legacy CSV, summed over its lines, read line by line."""
     out: dict[int, dict[int, int]] = {}
-    for number, row in enumerate(reader, 2):
-        if not row:
-            continue
-        try:
-            layer, expert, count = (int(v) for v in row)
-        except ValueError as e:
-            raise SourceFormatError(f"{path}: line {number} is not three integers layer_id,expert_id,count") from e
-        if min(layer, expert, count) < 0:
-            raise SourceFormatError(f"{path}: line {number} holds a negative value")
-        out.setdefault(layer, {})
-        out[layer][expert] = out[layer].get(expert, 0) + count
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or [h.strip() for h in header] != CSV_HEADER:
+            raise SourceFormatError(f"{path}: a legacy SGLang CSV starts with the header {','.join(CSV_HEADER)}")
+        for number, row in enumerate(reader, 2):
+            if not row:
+                continue
+            try:
+                layer, expert, count = (int(v) for v in row)
+            except ValueError as e:
+                raise SourceFormatError(f"{path}: line {number} is not three integers layer_id,expert_id,count") from e
+            for field, value, high in (("layer_id", layer, INT32_MAX), ("expert_id", expert, limit.value - 1),
+                                       ("count", count, INT64_MAX)):
+                if not 0 <= value <= high:
+                    raise SourceFormatError(f"{path}: line {number}: {field} {value} is outside 0..{high}")
+            total = out.setdefault(layer, {}).get(expert, 0) + count
+            if total > INT64_MAX:
+                raise SourceFormatError(f"{path}: line {number}: the counts of layer {layer}, expert {expert} sum "
+                                        f"past {INT64_MAX}")
+            out[layer][expert] = total
     return out
 
 
 def read(paths: list[str], num_layers: int | None = None, top_k: int | None = None,
-         in_order: bool = False, num_experts: int | None = None) -> SourceData:
-    """Every step in the files, checked; raises SourceFormatError naming the file and what was expected.
+         in_order: bool = False, num_experts: int | None = None, limit: ExpertLimit = DEFAULT_LIMIT) -> SourceData:
+    """Every step in the files, read lazily (each pass reads them again); a bad file raises
+    SourceFormatError naming the file and what was expected.
 
     `num_layers` and `top_k` unflatten per-request routed experts; `in_order` says a full stat
     buffer was unbounded, so its rows are in time order.
     """
+    ordered = sorted(paths, key=dump_time)
     data = SourceData(steps=[])
+    data.steps = StepStream(lambda: _steps(ordered, num_layers, top_k, in_order, num_experts, limit, data))
+    return data
+
+
+def _kind(path: str) -> str:
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save: a zip, or an old pickle stream
+        return "dump"
+    return "csv" if head.lstrip().startswith(b"layer_id") else "responses"
+
+
+def _steps(paths: list[str], num_layers: int | None, top_k: int | None, in_order: bool, num_experts: int | None,
+           limit: ExpertLimit, data: SourceData) -> Iterator[SourceStep]:
+    data.notes.clear()
     kinds: set[str] = set()
+
+    def found(kind: str) -> None:
+        kinds.add(kind)
+        if len(kinds) > 1:
+            raise SourceFormatError(f"the files mix SGLang formats ({', '.join(sorted(kinds))}); import each kind as "
+                                    "its own run")
+
     csv_files: list[tuple[str, dict]] = []
-    for path in sorted(paths, key=dump_time):
-        with open(path, "rb") as f:
-            head = f.read(64)
-        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save: a zip, or an old pickle stream
-            payload = load_pt(path)
-            if "logical_count" in payload:
-                kinds.add("stat")
-                data.steps += _stat_steps(payload, path, len(data.steps), dump_time(path), in_order, data)
-            elif "records" in payload and "last_physical_to_logical_map" in payload:
-                kinds.add("detail")
-                data.steps += _detail_steps(payload, path, dump_time(path), data)
-            else:
-                raise SourceFormatError(f"{path}: not an expert-distribution dump: expected the keys logical_count "
-                                        f"(stat mode) or records and last_physical_to_logical_map, found "
-                                        f"{sorted(map(str, payload))[:8]}")
+    number = 0
+    for path in paths:
+        kind = _kind(path)
+        if kind == "csv":
+            found("csv")
+            csv_files.append((path, _csv_counts(path, limit)))
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        if text.lstrip().startswith("layer_id"):
-            kinds.add("csv")
-            csv_files.append((path, _csv_counts(path, text)))
+        if kind == "responses":
+            found("responses")
+            for step in _responses(path, num_layers, top_k, number, limit, data):
+                number = step.step + 1
+                yield step
             continue
-        kinds.add("responses")
-        _read_responses(path, text, num_layers, top_k, data)
-    if len(kinds) > 1:
-        raise SourceFormatError(f"the files mix SGLang formats ({', '.join(sorted(kinds))}); import each kind as "
-                                "its own run")
+        payload = load_pt(path)
+        if "logical_count" in payload:
+            steps = _stat_steps(payload, path, number, dump_time(path), in_order, data)
+            found("stat")
+        elif "records" in payload and "last_physical_to_logical_map" in payload:
+            steps = _detail_steps(payload, path, dump_time(path), data, limit)
+            found("detail")
+        else:
+            raise SourceFormatError(f"{path}: not an expert-distribution dump: expected the keys logical_count "
+                                    f"(stat mode) or records and last_physical_to_logical_map, found "
+                                    f"{sorted(map(str, payload))[:8]}")
+        number += len(steps)
+        yield from steps
     if csv_files:
         width = num_experts or 1 + max((e for _, c in csv_files for layer in c.values() for e in layer), default=0)
         for path, counts in csv_files:
@@ -253,47 +316,33 @@ def read(paths: list[str], num_layers: int | None = None, top_k: int | None = No
             for layer, experts in counts.items():
                 vector = np.zeros(width, dtype=np.int64)
                 for expert, count in experts.items():
-                    if expert >= width:
-                        raise SourceFormatError(f"{path}: expert {expert} is outside the model's {width} experts")
                     vector[expert] = count
                 vectors[layer] = vector
-            data.steps.append(SourceStep(step=len(data.steps), ts=file_time(path), counts=vectors))
-    _drop_dense_layers(data)
-    return data
+            yield SourceStep(step=number, ts=file_time(path), counts=vectors, where=path)
+            number += 1
 
 
-def _read_responses(path: str, text: str, num_layers: int | None, top_k: int | None, data: SourceData) -> None:
-    values = read_json_values(path, text)
-    groups: dict[object, list] = {}
-    for position, value in enumerate(values):
-        if isinstance(value, list):  # a batch: one sequence per item
-            groups[("batch", position)] = value
-        else:
-            meta = value.get("meta_info") if isinstance(value, dict) else None
-            rid = meta.get("id") if isinstance(meta, dict) else None
-            groups.setdefault(rid if isinstance(rid, str) else ("item", position), []).append(value)
-    for number, (key, bodies) in enumerate(groups.items()):
-        where = f"{path} response {number}"
+def _responses(path: str, num_layers: int | None, top_k: int | None, first_step: int, limit: ExpertLimit,
+               data: SourceData) -> Iterator[SourceStep]:
+    def request_id(value):
+        meta = value.get("meta_info") if isinstance(value, dict) else None
+        return meta.get("id") if isinstance(meta, dict) else None
+
+    number = first_step
+    for where, bodies, batch in response_groups(path, request_id):
         if not any(is_sglang(b) for b in bodies):
             if any(isinstance(b, dict) and ("prompt_routed_experts" in b or "choices" in b) for b in bodies):
                 raise SourceFormatError(f"{where}: this is an OpenAI-style (vLLM) response; import it with "
                                         "`moescope import vllm`")
             data.notes["response without meta_info.routed_experts skipped"] += 1
             continue
-        stream = not (isinstance(key, tuple) and key[0] == "batch")
-        sequences = sglang_sequences(bodies, num_layers, top_k, where, stream=stream)
-        step, skipped = sequences_step(sequences, len(data.steps), file_time(path), where)
-        if skipped:
-            data.notes[NOT_COMPUTED] += skipped
-        data.steps.append(step)
-
-
-def _drop_dense_layers(data: SourceData) -> None:
-    """Leave out counted layers that are zero in every step: dense layers have no router."""
-    routed = {layer for s in data.steps for layer, c in s.counts.items() if c.any()}
-    dense = {layer for s in data.steps for layer in s.counts} - routed
-    for step in data.steps:
-        for layer in dense:
-            step.counts.pop(layer, None)
-    if dense:
-        data.notes[f"{len(dense)} dense layers (zero counts throughout) left out"] += 1
+        sequences = sglang_sequences(bodies, num_layers, top_k, where, stream=not batch)
+        produced = False
+        for step, skipped in sequence_pieces(sequences, number, file_time(path), where, limit):
+            if skipped:
+                data.notes[NOT_COMPUTED] += skipped
+            produced = True
+            yield step
+        if not produced:
+            yield SourceStep(step=number, ts=file_time(path), where=where)
+        number += 1

@@ -3,89 +3,152 @@
 Every file is recognised by its content, not its name:
 
 - a `.npy` file holding one sequence's `CompletionOutput.routed_experts` (`[seq_len, layers,
-  top_k]`, int16/int32/uint8, -1 where a position was not computed);
+  top_k]`, int16/int32/uint8, -1 where a position was not computed); it is memory-mapped and read
+  in pieces of `responses.CHUNK_ROWS` rows;
 - base64 text of such a file (it starts with `k05VTVBZ`, the base64 of the `\\x93NUMPY` magic);
-- JSON: one OpenAI-compatible response, a list of them, or JSON Lines with one per line. Items
-  sharing an `id` are the chunks of one streamed response and are joined (see `responses`).
+- JSON: one OpenAI-compatible response, a list of them, or JSON Lines with one per line (a file
+  whose first line is a whole JSON value is JSON Lines, read line by line). Consecutive items
+  sharing an `id` are the chunks of one streamed response and are joined (see `responses`); the
+  same `id` again after another response is the response read twice, and refused.
 
 Each response or array is one step, in the order the paths and their contents give. Rows align
 to tokens as `responses` says; a response's `created` time is the step's time (else the file's).
+
+Expert ids: signed arrays use -1 for "not computed"; any other id outside 0..E-1 (E from
+--num-experts, else the --max-experts limit) is an error naming the file, the row, layer and slot,
+and the value; unsigned arrays are compared as they are (a uint32 4294967295 is not -1).
+
+Memory: a `.npy` file and JSON Lines are read a piece at a time; one JSON document (not JSON
+Lines), a base64 file and a single response are decoded whole, so save large captures as JSON
+Lines or `.npy`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import datetime as dt
+import itertools
 import json
+from collections.abc import Iterator
 
+import numpy as np
+
+from moescope.store.importers.fields import DEFAULT_LIMIT, ExpertLimit, json_time
 from moescope.store.importers.responses import (
     NPY_MAGIC,
     NPY_MAGIC_B64,
     RoutedSequence,
+    check_routed_array,
     decode_npy,
     is_vllm,
     merge_vllm_stream,
-    sequences_step,
+    sequence_pieces,
     vllm_sequences,
 )
-from moescope.store.importers.tables import SourceData, SourceFormatError, file_time
+from moescope.store.importers.tables import SourceData, SourceFormatError, SourceStep, StepStream, file_time
 
 NOT_COMPUTED = "token rows with every slot -1 (not computed: prefix-cache hits) left out"
 NO_ROUTING = "response without routed experts skipped (was the request sent with routed experts on?)"
 
 
-def read_json_values(path: str, text: str) -> list:
-    """The JSON values of a file: one document, or one per line (JSON Lines). Raises SourceFormatError."""
+def files(paths: list[str]) -> list[str]:
+    """The files an import of `paths` reads (vLLM takes files, not folders)."""
+    return list(paths)
+
+
+def _loads(text: str, where: str):
     try:
-        value = json.loads(text)
-        return value if isinstance(value, list) else [value]
-    except json.JSONDecodeError as whole:
-        lines = [line for line in text.splitlines() if line.strip()]
-        if len(lines) < 2:
-            raise SourceFormatError(f"{path}: not valid JSON ({whole}); is the file truncated?") from whole
-    values = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+        return json.loads(text)
+    except RecursionError as e:
+        raise SourceFormatError(f"{where}: JSON nested too deeply to be a response; is the file damaged?") from e
+
+
+def json_values(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, value) for each JSON value of a file: one document (a list's items are its
+    values), or JSON Lines, one value a line, read line by line (a file whose first line is a whole
+    value and is followed by more lines). Raises SourceFormatError naming the file (and line)."""
+    with open(path, encoding="utf-8") as f:
         try:
-            values.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise SourceFormatError(f"{path}: line {number} is not valid JSON ({e}); is the file truncated?") from e
-    return values
-
-
-def group_streams(values: list) -> list[list[dict]]:
-    """Responses as lists of bodies: items sharing an `id` (a stream's chunks) form one group."""
-    groups: dict[object, list[dict]] = {}
-    for position, value in enumerate(values):
-        if isinstance(value, list):  # a line holding the chunk list of one stream
-            groups[("list", position)] = [v for v in value if isinstance(v, dict)]
-        elif isinstance(value, dict):
-            key = value.get("id") if isinstance(value.get("id"), str) else ("item", position)
-            groups.setdefault(key, []).append(value)
-    return list(groups.values())
-
-
-def read(paths: list[str]) -> SourceData:
-    """Every step in the files, checked; raises SourceFormatError naming the file and what was expected."""
-    data = SourceData(steps=[])
-    for path in paths:
-        with open(path, "rb") as f:
-            raw = f.read()
-        if raw.startswith(NPY_MAGIC) or raw.lstrip().startswith(NPY_MAGIC_B64):
-            npy = raw if raw.startswith(NPY_MAGIC) else _b64(raw, path)
-            sequences = [RoutedSequence(decode_npy(npy, path), sequence=0)]
-            _add(data, sequences, file_time(path), path)
-            continue
-        try:
-            text = raw.decode("utf-8")
+            lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
+            first, second = next(lines, None), next(lines, None)
+            if first is None:
+                raise SourceFormatError(f"{path}: the file is empty")
+            if second is not None and _whole_value(first[1]):
+                for number, line in itertools.chain([first, second], lines):
+                    try:
+                        yield number, _loads(line, f"{path} line {number}")
+                    except json.JSONDecodeError as e:
+                        raise SourceFormatError(f"{path}: line {number} is not valid JSON ({e}); is the file "
+                                                "truncated?") from e
+                return
+            text = first[1] + ("" if second is None else second[1] + f.read())
         except UnicodeDecodeError as e:
             raise SourceFormatError(f"{path}: neither a .npy file, base64 of one, nor JSON responses") from e
-        if not text.strip():
-            raise SourceFormatError(f"{path}: the file is empty")
-        for number, bodies in enumerate(group_streams(read_json_values(path, text))):
-            where = f"{path} response {number}"
+    try:
+        document = _loads(text, path)
+    except json.JSONDecodeError as e:
+        raise SourceFormatError(f"{path}: not valid JSON ({e}); is the file truncated?") from e
+    for value in document if isinstance(document, list) else [document]:
+        yield 1, value
+
+
+def _whole_value(line: str) -> bool:
+    try:
+        json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
+def response_groups(path: str, key_of) -> Iterator[tuple[str, list, bool]]:
+    """(where, bodies, is_list) per response: consecutive values with the same `key_of(value)` (a
+    stream's chunks) form one; a list value is one of its own (a stream saved as a list, or an
+    SGLang batch), `is_list` then True. Raises SourceFormatError when a key comes back after
+    another response."""
+    seen: set = set()
+    current: tuple | None = None
+    bodies: list = []
+    number = 0
+    for line, value in json_values(path):
+        if isinstance(value, list):
+            key = ("list", line, number)
+        else:
+            found = key_of(value)
+            key = found if isinstance(found, str) else ("item", line, number)
+        if key != current:
+            if bodies:
+                yield f"{path} response {number}", bodies, isinstance(current, tuple) and current[0] == "list"
+                number += 1
+            if key in seen:
+                raise SourceFormatError(f"{path} line {line}: response {key!r} appears again after other responses: "
+                                        "the same response twice, or a stream whose chunks are not together")
+            seen.add(key)
+            current, bodies = key, []
+        bodies += [v for v in value if isinstance(v, dict)] if isinstance(value, list) else [value]
+    if bodies:
+        yield f"{path} response {number}", bodies, isinstance(current, tuple) and current[0] == "list"
+
+
+def read(paths: list[str], limit: ExpertLimit = DEFAULT_LIMIT) -> SourceData:
+    """The steps of the files, read lazily (each pass reads them again); a bad file raises
+    SourceFormatError naming the file, the place in it and what was expected."""
+    data = SourceData(steps=[])
+    data.steps = StepStream(lambda: _steps(paths, limit, data))
+    return data
+
+
+def _steps(paths: list[str], limit: ExpertLimit, data: SourceData) -> Iterator[SourceStep]:
+    data.notes.clear()
+    number = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        if head.startswith(NPY_MAGIC) or head.lstrip().startswith(NPY_MAGIC_B64):
+            sequence = RoutedSequence(_npy_file(path, head), sequence=0)
+            yield from _pieces(data, [sequence], number, file_time(path), path, limit)
+            number += 1
+            continue
+        for where, bodies, _ in response_groups(path, lambda v: v.get("id") if isinstance(v, dict) else None):
             if not any(is_vllm(b) for b in bodies):
                 if any(isinstance(b, dict) and "meta_info" in b for b in bodies):
                     raise SourceFormatError(f"{where}: this is an SGLang response; import it with `moescope "
@@ -93,12 +156,22 @@ def read(paths: list[str]) -> SourceData:
                 data.notes[NO_ROUTING] += 1
                 continue
             body = bodies[0] if len(bodies) == 1 else merge_vllm_stream(bodies, where)
-            data.model = data.model or body.get("model")
+            data.model = data.model or (body.get("model") if isinstance(body.get("model"), str) else None)
             created = body.get("created")
-            ts = (dt.datetime.fromtimestamp(float(created), dt.timezone.utc)
-                  if isinstance(created, (int, float)) else file_time(path))
-            _add(data, vllm_sequences(body, where), ts, where)
-    return data
+            ts = file_time(path) if created is None else json_time(created, "created", where)
+            yield from _pieces(data, vllm_sequences(body, where), number, ts, where, limit)
+            number += 1
+
+
+def _npy_file(path: str, head: bytes) -> np.ndarray:
+    if not head.startswith(NPY_MAGIC):
+        with open(path, "rb") as f:
+            return decode_npy(_b64(f.read(), path), path)
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        raise SourceFormatError(f"{path}: the .npy file cannot be read ({e}); is it truncated?") from e
+    return check_routed_array(array, path)
 
 
 def _b64(raw: bytes, path: str) -> bytes:
@@ -108,8 +181,13 @@ def _b64(raw: bytes, path: str) -> bytes:
         raise SourceFormatError(f"{path}: starts like base64 of a .npy file but is not valid base64") from e
 
 
-def _add(data: SourceData, sequences: list[RoutedSequence], ts: dt.datetime, where: str) -> None:
-    step, skipped = sequences_step(sequences, len(data.steps), ts, where)
-    if skipped:
-        data.notes[NOT_COMPUTED] += skipped
-    data.steps.append(step)
+def _pieces(data: SourceData, sequences: list[RoutedSequence], number: int, ts, where: str,
+            limit: ExpertLimit) -> Iterator[SourceStep]:
+    produced = False
+    for step, skipped in sequence_pieces(sequences, number, ts, where, limit):
+        if skipped:
+            data.notes[NOT_COMPUTED] += skipped
+        produced = True
+        yield step
+    if not produced:  # a response whose routing is empty is still a step
+        yield SourceStep(step=number, ts=ts, where=where)
