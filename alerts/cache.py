@@ -31,19 +31,26 @@ Definitions, stated once:
     rule (the tests check it against an exhaustive search); with C < k it is the same rule.
 - Hit rate = hits / accesses: a share of *accesses* (slots that ran an expert), not of tokens.
 
-LRU is a stack policy (a cache of C holds the C most recent experts), so one pass gives every
-capacity; LFU and Belady are replayed once per capacity.
+Under these rules all three are stack algorithms: the cache of C after a token is the best C of
+(the cache before it, plus the token's experts), the token's experts first and then by the
+policy's order, an order that does not depend on C. So the caches of every size nest, and one pass
+over the stream gives every capacity at once (`_stack_depth_counts`; LRU's stack depths are
+vectorised). The work grows with accesses x min(E, the largest capacity asked for), so E is
+bounded (MAX_EXPERTS, a parameter above it) and the capacities can be a short list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 POLICIES: tuple[str, ...] = ("lru", "lfu", "belady")
-NEVER = float("inf")
+# The most routed experts per layer the replay takes unless told otherwise: the work grows with
+# accesses x experts, and a count far above any real model's is an expert id out of range.
+MAX_EXPERTS = 4096
 
 
 def expert_accesses(expert_ids: np.ndarray, num_experts: int, kept: np.ndarray | None = None) -> np.ndarray:
@@ -77,17 +84,17 @@ def expert_accesses(expert_ids: np.ndarray, num_experts: int, kept: np.ndarray |
 
 @dataclass(frozen=True)
 class CacheCurve:
-    """Hits of one policy at every capacity 1..E over one stream of accesses (or several, summed)."""
+    """Hits of one policy at each capacity over one stream of accesses (or several, summed)."""
 
     policy: str
-    hits: np.ndarray  # (E,) int64: hits[c - 1] with c experts resident
+    hits: np.ndarray  # (len(capacities),) int64: hits[i] with capacities[i] experts resident
     accesses: int
     tokens: int  # tokens with at least one access
+    capacities: np.ndarray | None = None  # experts resident, ascending; None: 1..len(hits)
 
-    @property
-    def capacities(self) -> np.ndarray:
-        """The capacities 1..E, aligned with `hits`."""
-        return np.arange(1, len(self.hits) + 1)
+    def __post_init__(self) -> None:
+        if self.capacities is None:
+            object.__setattr__(self, "capacities", np.arange(1, len(self.hits) + 1))
 
     @property
     def hit_rate(self) -> np.ndarray:
@@ -98,82 +105,199 @@ class CacheCurve:
 
     def __add__(self, other: CacheCurve) -> CacheCurve:
         """Two streams served by separate caches (two ranks): hits and accesses add up."""
-        if other.policy != self.policy or len(other.hits) != len(self.hits):
-            raise ValueError("only curves of the same policy and number of experts add up")
+        if other.policy != self.policy or not np.array_equal(other.capacities, self.capacities):
+            raise ValueError("only curves of the same policy and capacities add up")
         return CacheCurve(self.policy, self.hits + other.hits, self.accesses + other.accesses,
-                          self.tokens + other.tokens)
-
-
-def _rows(accesses: np.ndarray) -> list[tuple[int, ...]]:
-    arr = np.asarray(accesses)
-    if arr.ndim != 2:
-        raise ValueError(f"accesses must be a (tokens, k) array from expert_accesses, got shape {arr.shape}")
-    return [row for row in (tuple(e for e in r if e >= 0) for r in arr.tolist()) if row]
-
-
-def _next_uses(rows: Sequence[tuple[int, ...]]) -> list[tuple[float, ...]]:
-    """For every access, the index of the next token that accesses the same expert (NEVER if none)."""
-    seen: dict[int, float] = {}
-    out: list[tuple[float, ...]] = [()] * len(rows)
-    for t in range(len(rows) - 1, -1, -1):
-        row = rows[t]
-        out[t] = tuple(seen.get(e, NEVER) for e in row)
-        for e in row:
-            seen[e] = t
-    return out
-
-
-def _lru_hits(rows: Sequence[tuple[int, ...]], num_experts: int) -> np.ndarray:
-    """LRU hits at every capacity 1..E in one pass: an access hits a cache of C when its expert is
-    among the C most recently used before the token (its stack depth is below C)."""
-    depth_counts = np.zeros(num_experts + 1, dtype=np.int64)
-    stack: list[int] = []  # most recent first; one token's experts in slot order
-    for row in rows:
-        for e in row:
-            if e in stack:
-                depth_counts[stack.index(e)] += 1
-        stack = list(row) + [e for e in stack if e not in row]
-    return np.cumsum(depth_counts)[:num_experts]
-
-
-def _replay(rows: Sequence[tuple[int, ...]], capacity: int, policy: str,
-            next_uses: Sequence[tuple[float, ...]] | None) -> int:
-    """Hits of one policy with `capacity` experts resident, by direct simulation."""
-    resident: set[int] = set()
-    recency: dict[int, tuple[int, int]] = {}  # expert -> (token, -slot) of its last access
-    count: dict[int, int] = {}
-    next_use: dict[int, float] = {}
-    if policy == "lru":
-        def order(e: int) -> tuple:
-            return recency[e]
-    elif policy == "lfu":
-        def order(e: int) -> tuple:
-            return count[e], recency[e]
-    else:
-        def order(e: int) -> tuple:
-            return -next_use[e], recency[e]
-    hits = 0
-    for t, row in enumerate(rows):
-        for slot, e in enumerate(row):
-            if e in resident:
-                hits += 1
-            recency[e] = (t, -slot)
-            count[e] = count.get(e, 0) + 1
-            if next_uses is not None:
-                next_use[e] = next_uses[t][slot]
-        resident.update(row)
-        excess = len(resident) - capacity
-        if excess > 0:
-            victims = sorted((e for e in resident if e not in row), key=order)[:excess]
-            if len(victims) < excess:  # the token alone uses more than the cache holds
-                victims += sorted(row, key=order)[:excess - len(victims)]
-            resident.difference_update(victims)
-    return hits
+                          self.tokens + other.tokens, self.capacities)
 
 
 def _check(policy: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _capacities(capacities: Iterable[int] | None, num_experts: int) -> np.ndarray:
+    """The capacities asked for, sorted and unique (1..num_experts when None)."""
+    if capacities is None:
+        return np.arange(1, num_experts + 1)
+    chosen = sorted({int(c) for c in capacities})
+    if not chosen or chosen[0] < 1:
+        raise ValueError(f"capacities (experts resident per layer) must be at least 1, got {list(capacities)}")
+    return np.array(chosen, dtype=np.int64)
+
+
+def _check_experts(num_experts: int, max_experts: int) -> None:
+    if num_experts > max_experts:
+        raise ValueError(f"{num_experts:,} experts is more than the cache replay takes ({max_experts:,}): the "
+                         "work grows with tokens x experts. An expert id out of range (a bad import) makes a "
+                         "layer look this large; if it really has that many, raise max_experts")
+
+
+def _flat(accesses: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The accesses in replay order: (token, column, expert) of every access, and the row width."""
+    arr = np.asarray(accesses)
+    if arr.ndim != 2:
+        raise ValueError(f"accesses must be a (tokens, k) array from expert_accesses, got shape {arr.shape}")
+    token, column = np.nonzero(arr >= 0)  # row-major: by token, then slot
+    return token, column, arr[token, column].astype(np.int64), arr.shape[1]
+
+
+def _lru_depth_counts(token: np.ndarray, column: np.ndarray, expert: np.ndarray, width: int, tokens: int,
+                      num_experts: int) -> np.ndarray:
+    """How many accesses found their expert at each LRU stack depth (0: most recent), vectorised.
+
+    The LRU stack before a token orders the experts by their last access, later tokens first and
+    within a token the router's earlier choice first; an access's depth is the number of experts
+    whose last access is more recent than its expert's. First uses have no depth (they miss at any C).
+    """
+    counts = np.zeros(num_experts, dtype=np.int64)
+    last = np.full(num_experts, -1, dtype=np.int64)  # recency code of each expert's last access
+    recency = token * width + (width - 1 - column)  # higher: more recent
+    block = max(1, (1 << 22) // (width * num_experts))  # tokens per block: bounded memory
+    starts = np.searchsorted(token, np.arange(0, tokens + block, block))
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        if lo == hi:
+            continue
+        first = token[lo]
+        rows = token[lo:hi] - first
+        seen = np.full((rows[-1] + 2, num_experts), -1, dtype=np.int64)
+        seen[0] = last
+        seen[rows + 1, expert[lo:hi]] = recency[lo:hi]
+        np.maximum.accumulate(seen, axis=0, out=seen)  # row t: last access before token t of the block
+        last = seen[-1].copy()
+        before = seen[:-1]
+        # depth = experts used more recently; the codes are distinct except -1 (never used), the lowest
+        rank = np.empty_like(before)
+        np.put_along_axis(rank, np.argsort(before, axis=1), np.arange(num_experts)[None, :], axis=1)
+        own = before[rows, expert[lo:hi]]
+        depth = num_experts - 1 - rank[rows, expert[lo:hi]]
+        counts += np.bincount(depth[own >= 0], minlength=num_experts)[:num_experts]
+    return counts
+
+
+def _priorities(token: np.ndarray, column: np.ndarray, expert: np.ndarray, width: int, tokens: int,
+                policy: str) -> np.ndarray:
+    """Each access's standing after it (higher: evicted later), one int64: the policy's key, then recency."""
+    recency = token * width + (width - 1 - column)
+    scale = (tokens + 1) * width  # above every recency code
+    order = np.argsort(expert, kind="stable")  # each expert's accesses in replay order
+    group_start = np.r_[0, np.flatnonzero(np.diff(expert[order])) + 1]
+    sizes = np.diff(np.r_[group_start, len(order)])
+    rank = np.arange(len(order)) - np.repeat(group_start, sizes)  # accesses of the expert before this one
+    if policy == "lfu":
+        count = np.empty(len(order), dtype=np.int64)
+        count[order] = rank + 1  # accesses since the stream began, this one included
+        return count * scale + recency
+    next_use = np.full(len(order), tokens, dtype=np.int64)  # never again: farther than any token
+    follows = rank[1:] > 0  # the next access in sorted order is the same expert's
+    next_use[order[:-1][follows]] = token[order[1:][follows]]
+    return -next_use * scale + recency
+
+
+def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndarray, num_experts: int,
+                        deepest: int) -> np.ndarray:
+    """How many accesses found their expert at each stack depth below `deepest`, in one pass.
+
+    Under the all-at-once rule every policy here is a stack algorithm: the cache of C after a
+    token is the best C of (the cache of C before it, plus the token's experts), the token's
+    experts first and then by the policy's standing (`priority`, higher kept), which does not
+    depend on C. So the caches of every size nest, and one list (the stack) holds them all: the
+    cache of C is its first C experts, and an access hits at C exactly when its expert's depth is
+    below C. After a token, its experts go on top, best first; below them each depth takes the
+    best of what was above it in the old stack and not yet placed (a carried pool, never more than
+    the token's experts), down to the deepest of the token's experts; below that nothing moves.
+    Only the first `deepest` depths are kept: deeper ones change no cache of that size or less.
+    """
+    order = np.lexsort((-priority, token))  # each token's experts, best standing first
+    bounds = np.r_[0, np.flatnonzero(np.diff(token)) + 1, len(token)].tolist()
+    # arrays, not lists: 8 bytes an access instead of a Python int each
+    experts, priorities = array("q", expert[order].tobytes()), array("q", priority[order].tobytes())
+    depths = array("q")  # every access's depth before its token, -1 for none
+    depth_of = [-1] * num_experts  # each expert's place in the stack; -1: not in it
+    stack: list[int] = []
+    standing: list[int] = []  # standing[i]: the standing of stack[i]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        row = experts[lo:hi]
+        width = hi - lo
+        found = [depth_of[e] for e in row]
+        depths.extend(found)
+        # the stack changes down to the deepest of the token's experts, or to the bottom after a first
+        # use (or a use from below `deepest`), which carries an expert all the way down
+        end = deepest if min(found) < 0 else max(max(found) + 1, width)
+        used = set(row)
+        size = len(stack)
+        pool = [(standing[i], x) for i, x in enumerate(stack[:width]) if x not in used]  # carried down
+        stack[:width] = row
+        standing[:width] = priorities[lo:hi]
+        for depth, e in enumerate(row):
+            depth_of[e] = depth
+        if pool and size > width:
+            best = max(pool)
+            best_standing, best_expert = best
+            for i in range(width, min(end, size)):
+                x = stack[i]
+                if x in used:  # a slot the token's expert left: the pool's best takes it
+                    stack[i], standing[i] = best_expert, best_standing
+                    depth_of[best_expert] = i
+                    pool.remove(best)
+                    if not pool:
+                        break
+                elif standing[i] > best_standing:  # better than all carried: stays
+                    continue
+                else:  # the pool's best takes the slot, x is carried further down
+                    pool[pool.index(best)] = (standing[i], x)
+                    stack[i], standing[i] = best_expert, best_standing
+                    depth_of[best_expert] = i
+                best = max(pool)
+                best_standing, best_expert = best
+        if pool:  # the old stack ran out: what is still carried goes below it, best first
+            for s, x in sorted(pool, reverse=True):
+                depth_of[x] = len(stack)
+                stack.append(x)
+                standing.append(s)
+        if len(stack) > deepest:
+            for x in stack[deepest:]:
+                depth_of[x] = -1
+            del stack[deepest:], standing[deepest:]
+    found = np.frombuffer(depths, dtype=np.int64)
+    return np.bincount(found[found >= 0], minlength=deepest)[:deepest]
+
+
+def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str] = POLICIES,
+                 capacities: Iterable[int] | None = None, max_experts: int | None = None) -> dict[str, CacheCurve]:
+    """Hits at each capacity (default every one from 1 to `num_experts`) for each policy, over one
+    stream of accesses (from :func:`expert_accesses`, in recording order; one cache, so one rank's
+    stream). Every capacity comes from one pass per policy (the stack of `_stack_depth_counts`;
+    LRU's depths vectorised); the work grows with accesses x min(num_experts, largest capacity).
+    A capacity above `num_experts` holds every expert.
+
+    Returns {policy: CacheCurve}. Raises ValueError for an unknown policy, a capacity below 1, an
+    expert id at or above `num_experts`, or `num_experts` above `max_experts` (default MAX_EXPERTS).
+    """
+    policies = tuple(policies)
+    for policy in policies:
+        _check(policy)
+    _check_experts(num_experts, MAX_EXPERTS if max_experts is None else max_experts)
+    wanted = _capacities(capacities, num_experts)
+    token, column, expert, width = _flat(accesses)
+    if len(expert) and expert.max() >= num_experts:
+        raise ValueError(f"an expert id is at or above num_experts={num_experts}; build the accesses with "
+                         "expert_accesses(ids, num_experts)")
+    tokens = int(token[-1]) + 1 if len(token) else 0
+    deepest = int(min(wanted[-1], num_experts))
+    depth_index = np.minimum(wanted, num_experts) - 1
+    curves = {}
+    for policy in policies:
+        if not len(expert):
+            counts = np.zeros(0, dtype=np.int64)
+        elif policy == "lru":
+            counts = _lru_depth_counts(token, column, expert, width, tokens, num_experts)
+        else:
+            priority = _priorities(token, column, expert, width, tokens, policy)
+            counts = _stack_depth_counts(token, expert, priority, num_experts, deepest)
+        hits = np.cumsum(counts)[depth_index] if len(counts) else np.zeros(len(wanted), dtype=np.int64)
+        curves[policy] = CacheCurve(policy, hits.astype(np.int64), len(expert), len(np.unique(token)), wanted)
+    return curves
 
 
 def cache_hits(accesses: np.ndarray, capacity: int, policy: str) -> tuple[int, int]:
@@ -185,9 +309,10 @@ def cache_hits(accesses: np.ndarray, capacity: int, policy: str) -> tuple[int, i
     _check(policy)
     if capacity < 1:
         raise ValueError(f"capacity (experts resident per layer) must be at least 1, got {capacity}")
-    rows = _rows(accesses)
-    total = sum(len(row) for row in rows)
-    return _replay(rows, int(capacity), policy, _next_uses(rows) if policy == "belady" else None), total
+    arr = np.asarray(accesses)
+    experts = int(arr.max()) + 1 if arr.size and arr.max() >= 0 else 1
+    curve = cache_curves(arr, experts, [policy], [capacity], max_experts=experts)[policy]
+    return int(curve.hits[0]), curve.accesses
 
 
 def cache_hit_rate(accesses: np.ndarray, capacity: int, policy: str) -> float:
@@ -196,55 +321,30 @@ def cache_hit_rate(accesses: np.ndarray, capacity: int, policy: str) -> float:
     return hits / total if total else float("nan")
 
 
-def cache_curves(accesses: np.ndarray, num_experts: int,
-                 policies: Iterable[str] = POLICIES) -> dict[str, CacheCurve]:
-    """Hits at every capacity 1..`num_experts` for each policy, over one stream of accesses
-    (from :func:`expert_accesses`, in recording order; one cache, so one rank's stream).
-
-    Returns {policy: CacheCurve}. Raises ValueError for an unknown policy, or an expert id at or
-    above `num_experts`.
-    """
-    policies = tuple(policies)
-    for policy in policies:
-        _check(policy)
-    rows = _rows(accesses)
-    if rows and max(max(row) for row in rows) >= num_experts:
-        raise ValueError(f"an expert id is at or above num_experts={num_experts}; build the accesses with "
-                         "expert_accesses(ids, num_experts)")
-    total = sum(len(row) for row in rows)
-    next_uses = _next_uses(rows) if "belady" in policies else None
-    curves = {}
-    for policy in policies:
-        if policy == "lru":
-            hits = _lru_hits(rows, num_experts)
-        else:
-            hits = np.array([_replay(rows, c, policy, next_uses) for c in range(1, num_experts + 1)],
-                            dtype=np.int64)
-        curves[policy] = CacheCurve(policy, hits, total, len(rows))
-    return curves
-
-
 # -- replaying a store's routes --------------------------------------------------------------
 
 REPORT_COLUMNS = ["layer", "policy", "capacity", "hit_rate", "hits", "accesses", "tokens", "truncated"]
-# Tokens replayed per layer unless told otherwise: LFU and Belady replay the stream once per
-# capacity, so the work grows with tokens x experts.
+# Tokens replayed per layer unless told otherwise: the work grows with tokens x experts.
 DEFAULT_MAX_TOKENS = 200_000
 
 
 def replay_routes(pages: Iterable, num_experts: int, policies: Iterable[str] = POLICIES,
-                  max_tokens: int | None = DEFAULT_MAX_TOKENS) -> tuple[dict[str, CacheCurve], bool]:
+                  max_tokens: int | None = DEFAULT_MAX_TOKENS, capacities: Iterable[int] | None = None,
+                  max_experts: int | None = None) -> tuple[dict[str, CacheCurve], bool]:
     """The curves of one layer's routes, one cache per rank: ({policy: CacheCurve}, truncated).
 
     `pages` are `store.queries.RoutePage`s in recording order (`Store.routes_in_order`). Each
     rank serves its own tokens from its own device memory, so each rank's tokens go through a
     cache of their own, in recording order; hits and accesses are summed over the ranks. At most
     `max_tokens` rows are replayed (the first ones; None: all); `truncated` says whether more
-    were recorded. Raises ValueError for an unknown policy or max_tokens < 1.
+    were recorded. `capacities` and `max_experts` are :func:`cache_curves`'. Raises ValueError
+    for an unknown policy, max_tokens < 1, a capacity below 1, or num_experts above max_experts.
     """
     policies = tuple(policies)
     for policy in policies:
         _check(policy)
+    _check_experts(num_experts, MAX_EXPERTS if max_experts is None else max_experts)
+    wanted = _capacities(capacities, num_experts)
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     per_rank: dict[int, list[np.ndarray]] = {}
@@ -260,38 +360,57 @@ def replay_routes(pages: Iterable, num_experts: int, policies: Iterable[str] = P
         taken += rows
         if truncated:
             break
-    total = {policy: CacheCurve(policy, np.zeros(num_experts, dtype=np.int64), 0, 0) for policy in policies}
+    total = {policy: CacheCurve(policy, np.zeros(len(wanted), dtype=np.int64), 0, 0, wanted) for policy in policies}
     for parts in per_rank.values():
-        for policy, curve in cache_curves(np.concatenate(parts), num_experts, policies).items():
+        curves = cache_curves(np.concatenate(parts), num_experts, policies, wanted, max_experts=num_experts)
+        for policy, curve in curves.items():
             total[policy] = total[policy] + curve
     return total, truncated
 
 
 def cache_report(store, run_id: str | None = None, layer: int | None = None, tags: dict[str, str] | None = None,
-                 policies: Iterable[str] = POLICIES, max_tokens: int | None = DEFAULT_MAX_TOKENS):
-    """Hit rates of every MoE layer of a run (or one layer) at every capacity, as a long DataFrame.
+                 policies: Iterable[str] = POLICIES, max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 capacities: Iterable[int] | None = None, max_experts: int | None = None):
+    """Hit rates of every MoE layer of a run (or one layer) at each capacity, as a long DataFrame.
 
-    Columns: layer, policy, capacity (experts resident per layer, 1..E routed experts), hit_rate
-    (hits / accesses), hits, accesses, tokens (replayed tokens with an access), truncated (more
-    routes were recorded than `max_tokens`). Layers without routes have no rows, so a run that
-    recorded none gives an empty frame. `run_id` defaults to the latest run; `tags` keeps the
-    steps carrying every given tag (that traffic alone goes through the cache). Raises
-    ValueError for a layer the run does not have, or an unknown policy.
+    Columns: layer, policy, capacity (experts resident per layer: `capacities`, by default every
+    one from 1 to the layer's routed experts E), hit_rate (hits / accesses), hits, accesses, tokens
+    (replayed tokens with an access), truncated (more routes were recorded than `max_tokens`).
+    Layers without routes have no rows, so a run that recorded none gives an empty frame. `run_id`
+    defaults to the latest run; `tags` keeps the steps carrying every given tag (that traffic alone
+    goes through the cache). Raises ValueError for a run the store does not hold, a layer the run
+    does not have, a layer with more routed experts than `max_experts` (default MAX_EXPERTS), an
+    unknown policy or a capacity below 1; EmptyStoreError for a store without runs.
     """
     import pandas as pd
 
     policies = tuple(policies)
-    run_id = run_id or store.latest_run()
+    for policy in policies:
+        _check(policy)
+    if capacities is not None:
+        capacities = _capacities(capacities, 1)
+    bound = MAX_EXPERTS if max_experts is None else max_experts
+    if run_id is None:
+        run_id = store.latest_run()
+    elif store.run_info(run_id) is None:
+        raise ValueError(f"run {run_id!r} is not in this store (its latest run is {store.latest_run()!r}); "
+                         "give a run id it holds, or leave out the run for the latest")
     layers = store.layers(run_id)
     if layer is not None:
         if int(layer) not in set(layers.layer.astype(int)):
             raise ValueError(f"run {run_id!r} has no MoE layer {layer}; its layers are "
                              f"{', '.join(map(str, layers.layer.astype(int))) or 'none'}")
         layers = layers[layers.layer == int(layer)]
+    for info in layers.itertuples():  # before any replay: a bad layer fails fast, not after the others
+        if int(info.num_experts) > bound:
+            raise ValueError(f"layer {int(info.layer)} of run {run_id!r} has {int(info.num_experts):,} routed experts, "
+                             f"more than the cache replay takes ({bound:,}; the work grows with tokens x experts). "
+                             "An expert id out of range in an import makes a layer look this large: check it, "
+                             "replay other layers with --layer, or raise the bound (--max-experts, max_experts=)")
     rows = []
     for info in layers.itertuples():
         curves, truncated = replay_routes(store.routes_in_order(run_id, int(info.layer), tags=tags),
-                                          int(info.num_experts), policies, max_tokens)
+                                          int(info.num_experts), policies, max_tokens, capacities, bound)
         for policy, curve in curves.items():
             if curve.tokens == 0:
                 continue

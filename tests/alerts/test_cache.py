@@ -1,4 +1,5 @@
-"""Expert-cache simulation checked against textbook cases, a brute-force replay written here, and an
+"""Expert-cache simulation checked against textbook cases, two replays written here (a brute-force
+one and the direct per-capacity simulation the module used before its one-pass stack), and an
 exhaustive search for the offline optimum."""
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from moescope.alerts.cache import POLICIES, CacheCurve, cache_curves, cache_hit_rate, cache_hits, expert_accesses
+from moescope.alerts.cache import (
+    MAX_EXPERTS,
+    POLICIES,
+    CacheCurve,
+    cache_curves,
+    cache_hit_rate,
+    cache_hits,
+    expert_accesses,
+)
 
 # Silberschatz's reference string (Operating System Concepts, ch. 9): with 3 frames, OPT takes 9
 # page faults, LRU 12. Every page here is one expert, one token each (k = 1).
@@ -47,6 +56,47 @@ def _brute_force_hits(rows: list[list[int]], capacity: int, policy: str) -> int:
             others = [e for e in resident if e not in needed]
             victim = min(others or [e for e in needed if e in resident], key=key)
             resident.remove(victim)
+    return hits
+
+
+def _replay_hits(rows: list[list[int]], capacity: int, policy: str) -> int:
+    """The module's definition simulated directly, one capacity at a time (the module's own replay
+    before the one-pass stack): resident set, recency, counts and next uses kept as the stream goes."""
+    rows = [list(dict.fromkeys(e for e in row if e >= 0)) for row in rows]
+    rows = [row for row in rows if row]
+    upcoming: dict[int, float] = {}
+    next_uses: list[list[float]] = [[] for _ in rows]
+    for t in range(len(rows) - 1, -1, -1):
+        next_uses[t] = [upcoming.get(e, float("inf")) for e in rows[t]]
+        for e in rows[t]:
+            upcoming[e] = t
+    resident: set[int] = set()
+    recency: dict[int, tuple[int, int]] = {}  # expert -> (token, -slot) of its last access
+    count: dict[int, int] = {}
+    next_use: dict[int, float] = {}
+    if policy == "lru":
+        def order(e: int) -> tuple:
+            return recency[e]
+    elif policy == "lfu":
+        def order(e: int) -> tuple:
+            return count[e], recency[e]
+    else:
+        def order(e: int) -> tuple:
+            return -next_use[e], recency[e]
+    hits = 0
+    for t, row in enumerate(rows):
+        for slot, e in enumerate(row):
+            hits += e in resident
+            recency[e] = (t, -slot)
+            count[e] = count.get(e, 0) + 1
+            next_use[e] = next_uses[t][slot]
+        resident.update(row)
+        excess = len(resident) - capacity
+        if excess > 0:
+            victims = sorted((e for e in resident if e not in row), key=order)[:excess]
+            if len(victims) < excess:  # the token alone uses more than the cache holds
+                victims += sorted(row, key=order)[:excess - len(victims)]
+            resident.difference_update(victims)
     return hits
 
 
@@ -118,6 +168,7 @@ def test_every_capacity_equals_the_brute_force_replay(policy):
         curve = cache_curves(expert_accesses(np.array(rows), experts), experts, [policy])[policy]
         assert curve.accesses == len(rows) * k and curve.tokens == len(rows)
         want = [_brute_force_hits(rows, c, policy) for c in range(1, experts + 1)]
+        assert [_replay_hits(rows, c, policy) for c in range(1, experts + 1)] == want, (case, rows)
         assert curve.hits.tolist() == want, (case, rows)
         for c in range(1, experts + 1):
             assert cache_hits(expert_accesses(np.array(rows), experts), c, policy) == (want[c - 1], len(rows) * k)
@@ -133,9 +184,82 @@ def test_belady_is_the_optimum_and_bounds_the_others():
             optimum = _optimum_hits(rows, c)
             assert curves["belady"].hits[c - 1] == optimum, (case, c, rows)
             assert curves["lru"].hits[c - 1] <= optimum and curves["lfu"].hits[c - 1] <= optimum
-        for curve in curves.values():  # more room never hurts a stack policy, nor the optimum
-            if curve.policy != "lfu":
-                assert np.all(np.diff(curve.hits) >= 0), curve
+        for curve in curves.values():  # all three are stack policies here: more room never hurts
+            assert np.all(np.diff(curve.hits) >= 0), curve
+
+
+def _stream(rng: random.Random, tokens: int, experts: int, k: int) -> np.ndarray:
+    """Raw routes as a router gives them: k slots a token, skewed or bursty choices, repeats within a
+    token, padding (-1) and zero experts (ids >= experts) mixed in, whole tokens of them included."""
+    weights = [1 + rng.choice([0.0, 1.0, 6.0]) * e for e in range(experts)]
+    ids = np.empty((tokens, k), dtype=np.int64)
+    previous = [0] * k
+    for t in range(tokens):
+        if t and rng.random() < 0.2:  # a burst: the same choices again (ties in recency order)
+            ids[t] = previous
+            continue
+        for slot in range(k):
+            draw = rng.random()
+            ids[t, slot] = -1 if draw < 0.05 else experts + 1 if draw < 0.1 else rng.choices(range(experts), weights)[0]
+        previous = list(ids[t])
+    return ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_pass_equals_the_replay_at_every_capacity(policy, seed):
+    """The stack (every capacity at once) against the direct replay of each capacity, exactly: C < k,
+    C = E, capacities above E, short lists of capacities, LFU's equal counts and Belady's equal next
+    uses (several experts of one token next used together, or never again) broken as the rules say."""
+    rng = random.Random(seed)
+    for case in range(25):
+        experts = rng.randint(1, 12)
+        k = rng.randint(1, min(experts, 6) + 2)  # k above E too: repeats fill the extra slots
+        ids = _stream(rng, rng.randint(0, 90), experts, k)
+        accesses = expert_accesses(ids, experts)
+        rows = accesses.tolist()
+        want = [_replay_hits(rows, c, policy) for c in range(1, experts + 1)]
+        curve = cache_curves(accesses, experts, [policy])[policy]
+        assert curve.capacities.tolist() == list(range(1, experts + 1))
+        assert curve.hits.tolist() == want, (case, ids.tolist())
+        chosen = rng.sample(range(1, experts + 3), rng.randint(1, experts + 2))
+        some = cache_curves(accesses, experts, [policy], capacities=chosen)[policy]
+        assert some.capacities.tolist() == sorted(chosen)
+        assert some.hits.tolist() == [want[min(c, experts) - 1] for c in sorted(chosen)], (case, chosen)
+        assert some.accesses == curve.accesses == int((accesses >= 0).sum())
+    # a longer skewed stream, top-6 of 24, where stacks run deep
+    ids = _stream(rng, 600, 24, 6)
+    accesses = expert_accesses(ids, 24)
+    curve = cache_curves(accesses, 24, [policy])[policy]
+    assert curve.hits.tolist() == [_replay_hits(accesses.tolist(), c, policy) for c in range(1, 25)]
+
+
+def test_capacities_choose_the_points_of_the_curve():
+    accesses = expert_accesses(np.array(TEXTBOOK), num_experts=8)
+    curves = cache_curves(accesses, 8, capacities=[3, 20, 1, 3])
+    for policy, curve in curves.items():
+        assert curve.capacities.tolist() == [1, 3, 20]  # sorted, once each; 20 holds all 8
+        assert curve.hits.tolist() == [_replay_hits([[e] for e in TEXTBOOK], c, policy) for c in (1, 3, 8)]
+    assert curves["belady"].hits[1] == 20 - 9 and curves["lru"].hits[1] == 20 - 12
+    assert cache_hits(accesses, 50, "lfu") == (20 - 6, 20)  # above E: everything resident, first uses miss
+    with pytest.raises(ValueError, match="at least 1"):
+        cache_curves(accesses, 8, capacities=[2, 0])
+    with pytest.raises(ValueError, match="at least 1"):
+        cache_curves(accesses, 8, capacities=[])
+    left, right = cache_curves(accesses, 8, ["lru"], [1, 2])["lru"], cache_curves(accesses, 8, ["lru"], [1, 3])["lru"]
+    with pytest.raises(ValueError, match="capacities"):
+        left + right
+
+
+def test_the_number_of_experts_is_bounded():
+    accesses = expert_accesses(np.array([[0, 1], [1, 2]]), num_experts=3)
+    # one bad imported id made a layer of 10^7 experts; the replay refuses it at once and says why
+    with pytest.raises(ValueError, match=r"10,000,000 experts is more than the cache replay takes \(4,096\)"):
+        cache_curves(accesses, 10**7, ["lru"])
+    assert MAX_EXPERTS == 4096
+    big = cache_curves(accesses, 5000, capacities=[1, 2, 5000], max_experts=5000)
+    # raised on purpose, it runs: at C = 1 only Belady keeps expert 1 (next used) over the router's first choice
+    assert {p: c.hits.tolist() for p, c in big.items()} == {"lru": [0, 1, 1], "lfu": [0, 1, 1], "belady": [1, 1, 1]}
 
 
 def test_accesses_skip_zero_experts_drops_and_repeats():
