@@ -202,6 +202,8 @@ class CooldownPolicy(Exporter):
             self.tables = run_writer(store, self.run_id, self.rank)  # what it cannot write lands in probe_stats
             self.alert_table = AlertTableWriter(store, self.rank)
         actuator.listeners.append(self._on_change)
+        for change in actuator.changes:  # made before the policy bound: a cooldown resumed from a checkpoint
+            self._on_change(change)
         return self
 
     def _on_change(self, change: CooldownChange) -> None:

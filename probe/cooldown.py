@@ -33,8 +33,15 @@ Sharp edges:
   at the parent's lr. `optimizer.state_dict()` is saved in the layout the optimizer had before the
   split (hooks registered at the split), so a checkpoint loads into an optimizer built the usual
   way, with or without a cooldown attached; loading one into a split optimizer splits it the same
-  way. A scheduler's state_dict keeps the split's longer lists: resuming a scheduler saved with a
-  cooldown needs the cooldown attached again (it then finds the lists already extended).
+  way. The cooldowns in force, the steps counted and each layer's last end are saved with it (the
+  `moescope_cooldown` key of the first param group: plain values, `torch.load(weights_only=True)`
+  reads them) and restored by `load_state_dict`, before or after the attach: a layer cooling at the
+  save cools on for the steps it had left.
+- A scheduler's state_dict has no hooks and keeps the layout it was saved in. One saved without a
+  cooldown (lists as long as the optimizer's groups before the split) loads into a split one in
+  either order: the step hooks extend its lists again before its next step. One saved with a
+  cooldown keeps the split's longer lists: resuming it needs the cooldown attached again (it then
+  finds the lists already extended); a plain optimizer cannot step it.
 - A step that raises between the hooks leaves the scaled lr in the groups until the next step's
   pre-hook puts the scheduled value back first.
 - The jitter hook is Python on the router: under torch.compile a change of cooling state is a
@@ -49,6 +56,7 @@ the step or forward goes on as if the layer were not cooling.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -65,6 +73,12 @@ from moescope.probe.adapters import MoELayer
 from moescope.probe.optim import OptimizerLike, SchedulerLike, schedulers, torch_optimizer, torch_scheduler
 
 log = logging.getLogger(__name__)
+
+# moescope's state saved with an optimizer's state_dict: a key of the first param group, which torch
+# carries through `load_state_dict` into the live groups (a top-level key it drops), so a checkpoint
+# loaded before the cooldown is attached still restores it.
+STATE_PREFIX = "moescope_"
+COOLDOWN_STATE = "moescope_cooldown"
 
 # Per-param-group lists kept by torch's schedulers; each gets the parent group's entry for a new group.
 SCHEDULER_LISTS = ("base_lrs", "lr_lambdas", "_last_lr", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
@@ -122,6 +136,23 @@ def _copy_value(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
+def _hyperparameter(key: str) -> bool:
+    """A param group's key that a split group copies: not its params, and not moescope's saved state."""
+    return key not in ("params", "param_names") and not key.startswith(STATE_PREFIX)
+
+
+def take_saved(optimizer: torch.optim.Optimizer, key: str) -> Any:
+    """Remove `key` from every param group of `optimizer` and return the first group's value (None
+    when absent): moescope's state rides in a checkpoint's first param group, and torch's
+    `load_state_dict` puts the saved groups' keys into the live groups."""
+    found = None
+    for gi, group in enumerate(optimizer.param_groups):
+        value = group.pop(key, None)
+        if gi == 0:
+            found = value
+    return found
+
+
 class RouterCooldown:
     """Cools chosen MoE layers' routers down during training; see the module docstring.
 
@@ -165,6 +196,7 @@ class RouterCooldown:
             self._split = self._split_once()
             self._split.owner = self
         try:
+            self.load_state(take_saved(self.optimizer, COOLDOWN_STATE))  # a checkpoint loaded before the attach
             self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
             for layer in self.layers.values():
@@ -236,7 +268,7 @@ class RouterCooldown:
                 here = here[1:]
                 moved = {id(p) for piece in here for p in piece[2]}
             for index, _, inside in here:
-                new = {k: _copy_value(v) for k, v in group.items() if k not in ("params", "param_names")}
+                new = {k: _copy_value(v) for k, v in group.items() if _hyperparameter(k)}
                 new["params"] = inside
                 if "param_names" in group:
                     names = dict(zip(map(id, group["params"]), group["param_names"], strict=True))
@@ -256,6 +288,7 @@ class RouterCooldown:
         self._check_scheduler(split, extend=True, before=before)
         self.optimizer.register_state_dict_post_hook(_saved_unsplit(split))
         self.optimizer.register_load_state_dict_pre_hook(_loaded_split(split))
+        self.optimizer.register_load_state_dict_post_hook(_loaded_state(split))
         _SPLITS[self.optimizer] = split
         return split
 
@@ -275,6 +308,92 @@ class RouterCooldown:
                 raise RouterCooldownError(
                     f"{type(scheduler).__name__}.{name} has {len(values)} entries for {total} param groups; pass "
                     "the scheduler built over this optimizer, or build it after the cooldown is attached")
+
+    def fit_scheduler(self) -> None:
+        """Give the split's groups their entries again in a scheduler whose lists have the length the
+        optimizer had before the split: a scheduler state_dict saved without a cooldown, loaded after
+        the attach. The step hooks call it, so the scheduler's next step finds every group."""
+        if self.scheduler is None or not self._split.parent:
+            return
+        total = len(self.optimizer.param_groups)
+        before = total - len(self._split.parent)
+        for scheduler in schedulers(self.scheduler):
+            for name in SCHEDULER_LISTS:
+                values = getattr(scheduler, name, None)
+                if isinstance(values, list) and len(values) == before:
+                    values.extend(copy.copy(values[self._split.parent[gi]]) for gi in sorted(self._split.parent))
+
+    # -- saved with the optimizer ----------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this cooldown (plain values: loads with `weights_only=True`):
+        the optimizer steps counted, each cooling layer's cooldown, each layer's last end."""
+        with self._lock:
+            return {"optimizer_steps": int(self.optimizer_steps),
+                    "cooling": {int(layer): {"factor": c.factor, "epsilon": c.epsilon, "started_step": c.started_step,
+                                             "ends_at_step": c.ends_at_step, "source": c.source, "reason": c.reason}
+                                for layer, c in self._cooling.items()},
+                    "last_end": {int(layer): int(step) for layer, step in self._last_end.items()}}
+
+    def load_state(self, state: dict[str, Any] | None) -> list[CooldownChange]:
+        """Make the cooldowns of a checkpoint (`state()`) the ones in force: its step count and last
+        ends; a layer cooling now and not in it ends ("checkpoint loaded"), a layer cooling in it
+        starts again for the steps it had left (reason "resumed from a checkpoint: ..."). Layers this
+        actuator does not cover are skipped with a warning. Returns the changes (also passed to each
+        listener). None (a checkpoint without cooldown state) changes nothing."""
+        if state is None or self.closed:
+            return []
+        try:
+            steps = int(state["optimizer_steps"])
+            saved = {int(layer): Cooling(factor=float(c["factor"]), epsilon=float(c["epsilon"]),
+                                         started_step=int(c["started_step"]),
+                                         ends_at_step=None if c["ends_at_step"] is None else int(c["ends_at_step"]),
+                                         source=str(c["source"]), reason=str(c["reason"]))
+                     for layer, c in state["cooling"].items()}
+            last_end = {int(layer): int(step) for layer, step in state["last_end"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RouterCooldownError(f"the checkpoint's cooldown state ({COOLDOWN_STATE}) cannot be read ({e!r}); "
+                                      f"remove the key from its first param group to resume without it") from None
+        unknown = sorted(set(saved) - set(self.layers))
+        if unknown:
+            log.warning("routing cooldown: the checkpoint cools MoE layers %s that this cooldown does not cover; "
+                        "they are left out", unknown)
+        changes = [c for c in (self.end(layer, "checkpoint loaded") for layer in sorted(self.cooling()))
+                   if c is not None]
+        with self._lock:
+            self.optimizer_steps = steps
+            self._last_end = {layer: step for layer, step in last_end.items() if layer in self.layers}
+            for layer, cooling in sorted(saved.items()):
+                if layer not in self.layers or (cooling.ends_at_step is not None and cooling.ends_at_step <= steps):
+                    continue
+                self._cooling[layer] = cooling
+                scheduled = self.scheduled_lr(layer)
+                change = CooldownChange(
+                    at=dt.datetime.now(dt.timezone.utc), layer=layer, action="start", optimizer_step=steps,
+                    lr_factor=cooling.factor, epsilon=cooling.epsilon, lr_before=scheduled,
+                    lr_after=scheduled * cooling.factor, reason=f"resumed from a checkpoint: {cooling.reason}",
+                    source=cooling.source, steps=None if cooling.ends_at_step is None else cooling.ends_at_step - steps)
+                self.changes.append(change)
+                changes.append(change)
+        for change in changes:
+            if change.action == "start":
+                self._notify(change)
+        return changes
+
+    def set_optimizer_steps(self, optimizer_steps: int) -> None:
+        """Count from `optimizer_steps` updates done now (the training monitor's count, on a resume):
+        the cooldowns in force and the last ends move with the count, so each keeps the steps it has
+        left and the gap since its end."""
+        with self._lock:
+            shift = int(optimizer_steps) - self.optimizer_steps
+            if not shift:
+                return
+            self.optimizer_steps += shift
+            self._cooling = {layer: dataclasses.replace(
+                c, started_step=c.started_step + shift,
+                ends_at_step=None if c.ends_at_step is None else c.ends_at_step + shift)
+                for layer, c in self._cooling.items()}
+            self._last_end = {layer: step + shift for layer, step in self._last_end.items()}
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -407,6 +526,7 @@ class RouterCooldown:
         try:
             with self._lock:
                 self._restore()  # a step that raised after the last pre-hook left its groups scaled
+                self.fit_scheduler()
                 cooling = [(gi, c.factor) for layer, c in self._cooling.items() for gi in self._split.groups[layer]]
                 saved = self._saved
                 for gi, factor in cooling:
@@ -424,6 +544,7 @@ class RouterCooldown:
         try:
             with self._lock:
                 self._restore()
+                self.fit_scheduler()  # before the scheduler's step, which follows the optimizer's
                 self.optimizer_steps += 1
                 due = sorted(layer for layer, c in self._cooling.items()
                              if c.ends_at_step is not None and self.optimizer_steps >= c.ends_at_step)
@@ -470,27 +591,35 @@ def _saved_unsplit(split: _Split) -> Callable:
     """A state_dict post-hook: the split's groups folded back into their parents, params in the order
     the optimizer had before the split; `state` (keyed by the same ids) is untouched."""
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict | None:
-        groups = optimizer.param_groups
-        if len(state_dict["param_groups"]) != len(groups) or not split.parent:
-            return None
-        ids = dict(zip(map(id, chain.from_iterable(g["params"] for g in groups)),
-                       chain.from_iterable(g["params"] for g in state_dict["param_groups"]), strict=True))
-        names = {id(p): n for g in groups if "param_names" in g for p, n in zip(g["params"], g["param_names"],
-                                                                                  strict=True)}
-        out = []
-        for gi, saved in enumerate(state_dict["param_groups"]):
-            if gi in split.parent:
-                continue
-            if gi < len(split.original) and any(p == gi for p in split.parent.values()):
-                here = {id(p) for g in [gi, *(n for n, p in split.parent.items() if p == gi)]
-                        for p in groups[g]["params"]}
-                params = [p for p in split.original[gi] if id(p) in here]
-                saved = {**saved, "params": [ids[id(p)] for p in params]}
-                if "param_names" in saved:
-                    saved["param_names"] = [names[id(p)] for p in params]
-            out.append(saved)
+        out = _unsplit(split, optimizer, state_dict) or state_dict["param_groups"]
+        if split.owner is not None and out:  # the cooldown's state rides in the first group
+            out = [{**out[0], COOLDOWN_STATE: split.owner.state()}, *out[1:]]
         return {**state_dict, "param_groups": out}
     return hook
+
+
+def _unsplit(split: _Split, optimizer: torch.optim.Optimizer, state_dict: dict) -> list[dict] | None:
+    """The saved param groups folded back into the layout before the split (None: nothing to fold)."""
+    groups = optimizer.param_groups
+    if len(state_dict["param_groups"]) != len(groups) or not split.parent:
+        return None
+    ids = dict(zip(map(id, chain.from_iterable(g["params"] for g in groups)),
+                   chain.from_iterable(g["params"] for g in state_dict["param_groups"]), strict=True))
+    names = {id(p): n for g in groups if "param_names" in g for p, n in zip(g["params"], g["param_names"],
+                                                                              strict=True)}
+    out = []
+    for gi, saved in enumerate(state_dict["param_groups"]):
+        if gi in split.parent:
+            continue
+        if gi < len(split.original) and any(p == gi for p in split.parent.values()):
+            here = {id(p) for g in [gi, *(n for n, p in split.parent.items() if p == gi)]
+                    for p in groups[g]["params"]}
+            params = [p for p in split.original[gi] if id(p) in here]
+            saved = {**saved, "params": [ids[id(p)] for p in params]}
+            if "param_names" in saved:
+                saved["param_names"] = [names[id(p)] for p in params]
+        out.append(saved)
+    return out
 
 
 def _loaded_split(split: _Split) -> Callable:
@@ -516,7 +645,7 @@ def _loaded_split(split: _Split) -> Callable:
                        if "param_names" in saved else None)
             for target in [gi, *children]:
                 params = groups[target]["params"]
-                piece = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+                piece = {k: v for k, v in saved.items() if _hyperparameter(k)}
                 piece = {**piece, "params": [by_param[id(p)] for p in params]} if target != gi else {
                     **saved, "params": [by_param[id(p)] for p in params]}
                 if by_name is not None:
@@ -525,4 +654,16 @@ def _loaded_split(split: _Split) -> Callable:
         if any(g is None for g in out):
             return None
         return {**state_dict, "param_groups": out}
+    return hook
+
+
+def _loaded_state(split: _Split) -> Callable:
+    """A load_state_dict post-hook: the checkpoint's cooldown state (which torch put into the first
+    param group) becomes the open actuator's; without one open it waits there for the next attach."""
+    def hook(optimizer: torch.optim.Optimizer) -> None:
+        owner = split.owner
+        if owner is None or owner.closed:
+            return
+        owner.load_state(take_saved(optimizer, COOLDOWN_STATE))
+        owner.fit_scheduler()
     return hook

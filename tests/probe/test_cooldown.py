@@ -289,6 +289,82 @@ def test_state_dict_round_trips_between_split_and_unsplit_optimizers():
     cooldown.close()
 
 
+def _sequential(optimizer):
+    """A warm-up by LambdaLR (its per-group base_lrs are what a checkpoint restores), then a decay."""
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_decay),
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)], milestones=[5])
+
+
+def test_a_checkpoint_saved_before_any_split_loads_into_a_split_optimizer_and_scheduler(tmp_path):
+    """Files written by torch.save and read with weights_only=True; the oracle is the plain run that
+    wrote the checkpoint going on without a cooldown: same parameters, same rates in every group."""
+    plain = _model()
+    plain_optimizer = torch.optim.SGD(_hf_groups(plain), lr=0.2)
+    plain_scheduler = _sequential(plain_optimizer)
+    for step in range(3):
+        _train_step(plain, plain_optimizer, plain_scheduler, seed=step)
+    torch.save({"model": plain.state_dict(), "optimizer": plain_optimizer.state_dict(),
+                "scheduler": plain_scheduler.state_dict()}, tmp_path / "checkpoint.pt")
+    expected = []
+    for step in range(3, 7):
+        expected.append([g["lr"] for g in plain_optimizer.param_groups])
+        _train_step(plain, plain_optimizer, plain_scheduler, seed=step)
+
+    model = _model(seed=1)
+    optimizer = torch.optim.SGD(_hf_groups(model), lr=0.2)
+    scheduler = _sequential(optimizer)
+    cooldown = RouterCooldown(probe.find_moe_layers(model), optimizer, scheduler)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])  # its lists are the two groups' before the split
+    used = []
+    for step in range(3, 7):  # the scheduler's step raised torch's zip() error here
+        used.append([g["lr"] for g in optimizer.param_groups])
+        _train_step(model, optimizer, scheduler, seed=step)
+    assert used == [[decay, rest, decay, decay] for decay, rest in expected]
+    mine = dict(model.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(mine[name], p, rtol=0, atol=0, msg=name)
+    cooldown.close()
+
+
+def test_the_cooldowns_in_force_are_saved_with_the_optimizer_and_restored_before_the_attach(tmp_path):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cooldown = RouterCooldown(probe.find_moe_layers(model), optimizer)
+    for step in range(2):
+        _train_step(model, optimizer, seed=step)
+    cooldown.start(0, factor=0.25, epsilon=0.0, steps=3, reason="by hand")
+    _train_step(model, optimizer, seed=2)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "checkpoint.pt")
+    cooldown.close()
+
+    twin = _model(seed=1)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    twin.load_state_dict(checkpoint["model"])
+    twin_optimizer.load_state_dict(checkpoint["optimizer"])  # before the cooldown is attached
+    resumed = RouterCooldown(probe.find_moe_layers(twin), twin_optimizer)
+    assert resumed.optimizer_steps == 3 and set(resumed.cooling()) == {0}
+    assert resumed.cooling()[0].ends_at_step == 5 and resumed.cooling()[0].factor == 0.25
+    [change] = resumed.changes
+    assert (change.action, change.reason, change.steps, change.optimizer_step) == (
+        "start", "resumed from a checkpoint: by hand", 2, 3)
+    assert all(not any(k.startswith("moescope_") for k in g) for g in twin_optimizer.param_groups)
+    router = twin.model.layers[0].mlp.gate.weight
+    for step, lr in [(3, 0.025), (4, 0.025), (5, 0.1)]:  # SGD written out: p - lr * g
+        x = _batch(step)
+        twin(x, labels=x).loss.backward()
+        before, grad = router.detach().clone(), router.grad.detach().clone()
+        twin_optimizer.step()
+        twin_optimizer.zero_grad()
+        torch.testing.assert_close(router.detach(), before - lr * grad, rtol=1e-12, atol=1e-15)
+    assert resumed.cooling() == {} and resumed.last_end_step(0) == 5
+    resumed.close()
+
+
 # -- the jitter ------------------------------------------------------------------------------------
 
 def _capture(layer):
