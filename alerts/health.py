@@ -18,7 +18,9 @@ score to 0 whatever the others say. Components (see `docs/health.md` for the def
 - weight: cosine of the weight sketch to the attach fingerprint, mapped linearly from
   `weight_cosine_floor` (0) to 1 (100), times `band_score(norm ratio, weight_norm_band)`;
   0 when non-finite.
-- grad (training only, when the probe saw gradients): gradient norm against the peers' median.
+- grad (training only, when the probe saw gradients): gradient norm against the peers' median;
+  0 when it is NaN or inf. Under the training monitor these are the norms it took just before
+  each optimizer update.
 
 `band_score(r, band) = 100 * min(1, band / max(r, 1 / r))`: 100 inside [1/band, band], then
 inversely proportional to how far outside. Load and confidence are left out for an expert whose
@@ -292,7 +294,9 @@ class HealthScorer:
                                  f"norm x{w.norm_ratio[e]:.3g} since attach")
         if w.grad is not None:
             grad = comps["grad"] = grad_component(w.grad[e], peers.grad_median, cfg)
-            if grad < 50:
+            if not math.isfinite(w.grad[e]):
+                why["grad"] = f"non-finite gradient: norm {w.grad[e]}"
+            elif grad < 50:
                 why["grad"] = f"gradient norm outlier: {w.grad[e]:.3g} vs median {peers.grad_median:.3g}"
         reasons = [why[name] for name in COMPONENTS if name in why]
         for name in ("output", "weight"):  # the sampled components carry over between visits

@@ -26,10 +26,13 @@ Per optimizer step and MoE layer (`TrainingStep`, the `train_steps` table, the s
   layers' tokens as `load_balancing_loss_func` does, and equals the model's `aux_loss`);
 - `z_loss`: the router z-loss (`alerts.signals.router_z_loss`);
 - `expert_grad_norm`: L2 norm of each expert's weight gradients (`probe.health.expert_grad_norms`,
-  the health score's gradient component);
+  the health score's gradient component); NaN where the gradients held a NaN, None where the
+  experts had no gradient (frozen);
 - `dead_expert_fraction`: experts with no token over the last `dead_window` optimizer steps;
 - `router_lr`: the learning rate the router's parameters were updated with (a cooldown's factor
   included), and `lr`, the first parameter group's.
+A run resumed from a checkpoint under its run id goes on counting optimizer steps and forwards
+from the checkpoint's (`TrainingMonitor`, "Resuming").
 The store keeps what cannot be recomputed (`train_steps`: learning rates and gradient norms per
 step and layer); losses and dead experts derive from `layer_steps`, which carries their inputs.
 """

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,8 @@ import moescope
 from moescope.alerts import signals
 from moescope.lifecycle import GracefulStop
 from moescope.pipeline import Exporter
+from moescope.probe.accumulate import TOTAL_FORWARDS
+from moescope.probe.cooldown import COOLDOWN_STATE, take_saved
 from moescope.probe.health import ExpertGradients
 from moescope.probe.optim import OptimizerLike, SchedulerLike, torch_optimizer, torch_scheduler
 from moescope.probe.records import StepRecord
@@ -42,6 +45,9 @@ log = logging.getLogger(__name__)
 
 FOREVER = 2**62  # a window that only the optimizer step closes
 ROWS_PER_WRITE = 64  # train_steps rows are written in parts of this many steps (and on every flush)
+# The monitor's counts saved with the optimizer's state_dict (a key of its first param group, as the
+# cooldown's state: see probe/cooldown.py), so a run resumed under its run id goes on counting.
+TRAINING_STATE = "moescope_training"
 
 
 @dataclass
@@ -56,7 +62,7 @@ class TrainingLayer:
     router_entropy: float  # normalised to [0, 1]
     load_max_mean: float
     router_lr: float | None  # the learning rate the router's parameters were updated with
-    expert_grad_norm: np.ndarray | None  # (E,), None when the experts had no gradient
+    expert_grad_norm: np.ndarray | None  # (E,), None when the experts had no gradient; NaN where it was NaN
 
     def scalars(self) -> dict[str, float]:
         out = {"aux_loss": self.aux_loss, "z_loss": self.z_loss, "dead_expert_fraction": self.dead_expert_fraction,
@@ -64,7 +70,7 @@ class TrainingLayer:
         if self.router_lr is not None:
             out["router_lr"] = self.router_lr
         if self.expert_grad_norm is not None and self.expert_grad_norm.size:
-            out["expert_grad_norm_max"] = float(np.max(self.expert_grad_norm))
+            out["expert_grad_norm_max"] = float(np.max(self.expert_grad_norm))  # NaN when any expert's is NaN
             out["expert_grad_norm_min"] = float(np.min(self.expert_grad_norm))
         return out
 
@@ -84,14 +90,17 @@ class TrainingStep:
     layers: list[TrainingLayer] = field(default_factory=list)
 
     def scalars(self) -> dict[str, float]:
-        """The TensorBoard / W&B scalars: `moe/<metric>/layer_<i>` and `moe/<metric>/all_layers`."""
+        """The TensorBoard / W&B scalars: `moe/<metric>/layer_<i>` and `moe/<metric>/all_layers`.
+        A figure that could not be computed (NaN) is left out, except the gradient norms: a NaN
+        gradient is what they measured, and is logged as NaN."""
         out = {"moe/aux_loss/all_layers": self.aux_loss, "moe/z_loss/all_layers": self.z_loss}
         if self.lr is not None:
             out["moe/lr"] = self.lr
         for layer in self.layers:
             for name, value in layer.scalars().items():
                 out[f"moe/{name}/layer_{layer.layer}"] = value
-        return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
+        return {k: float(v) for k, v in out.items()
+                if v is not None and (math.isfinite(v) or k.startswith("moe/expert_grad_norm_"))}
 
 
 @dataclass
@@ -103,7 +112,7 @@ class _StepInfo:
     router_lr: dict[int, float]
     grads: torch.Tensor | None  # (sum of E,) on the host, filled once `event` has completed
     event: torch.cuda.Event | None
-    sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`
+    sizes: list[tuple[int, int]]  # (layer, E) in the order of `grads`: the layers whose experts had gradients
     pool: PinnedPool | None = None  # where `grads` goes back to once read (CUDA), or None
 
 
@@ -176,6 +185,8 @@ class TrainingExporter(Exporter):
         topk = prob = None
         z_sum = tokens_all = 0.0
         for ls in record.layers:
+            if ls.layer in grads:  # the step's own gradients (health scores them next: see TrainingMonitor)
+                ls.expert_grad_norm = grads[ls.layer]
             experts = self.num_experts.get(ls.layer, ls.expert_load.size)
             routed = signals.routed_load(ls.expert_load, experts)
             history = self._loads[ls.layer]
@@ -196,7 +207,7 @@ class TrainingExporter(Exporter):
                 router_entropy=signals.normalized_entropy(ls.router_entropy_mean, ls.router_prob_sum.size
                                                           if ls.router_prob_sum is not None else experts),
                 load_max_mean=signals.max_mean_ratio(routed), router_lr=info.router_lr.get(ls.layer),
-                expert_grad_norm=None if grad is None or np.isnan(grad).all() else grad))
+                expert_grad_norm=grad))
         step = TrainingStep(
             optimizer_step=info.optimizer_step, step=record.step, step_end=record.step_end, ts=record.ts,
             tokens=record.tokens, lr=info.lr,
@@ -256,6 +267,22 @@ class TrainingMonitor:
     other option is `moescope.attach`'s (routes, health, tags, run_id, recording, ...), except the
     window: a training record always covers one optimizer step.
 
+    Resuming: `optimizer.state_dict()` carries the monitor's counts (run id, optimizer steps,
+    forwards; the `moescope_training` key of the first param group, plain values that
+    `torch.load(weights_only=True)` reads). A checkpoint of the same run id loaded into the optimizer,
+    before or after `watch`, continues them: the next update is numbered after the checkpoint's
+    last, and the forwards too, so the resumed process's `train_steps`, `layer_steps` and routes rows
+    follow the first one's. A checkpoint of another run id (a fine-tune started from it), or one
+    saved without the monitor, leaves the new run counting from 1. With `cooldown="auto"` the
+    cooldowns in force come back too (probe/cooldown.py). Sharp edges: steps redone after a crash
+    past the last checkpoint get the numbers they had (they are the same updates, done again); the
+    dead-expert window starts empty; a checkpoint loaded into a plain optimizer and saved again
+    keeps the old counts.
+
+    Per-expert gradient norms are NaN where torch's gradients were (a NaN or inf in an expert's
+    weights' gradients), None where the experts had none (frozen); they go into the step's record,
+    so the health score (`health=True`) judges each update's own gradients.
+
     stop_on_sigterm (default True): when the job gets SIGTERM (a scheduler's preemption, `kill`,
     Kubernetes), the monitor closes first: at once if the training thread is between a forward and
     an optimizer step, else as soon as the forward or the optimizer step under way ends, so every
@@ -288,6 +315,11 @@ class TrainingMonitor:
                                  "step; leave it out")
         self.optimizer = torch_optimizer(optimizer)
         self.scheduler = torch_scheduler(scheduler)
+        # A checkpoint loaded before the watch: its counts (and, without a cooldown, its cooldown
+        # state, which would go stale) leave the live param groups before anything copies them.
+        resumed = take_saved(self.optimizer, TRAINING_STATE)
+        if cooldown is None and take_saved(self.optimizer, COOLDOWN_STATE) is not None:
+            log.warning("moescope: the checkpoint's routing cooldown state is dropped: cooldown is off")
         self.measure_mode = measure_gradients
         recording = dataclasses.replace(options.pop("recording", None) or Recording(), window=FOREVER, window_s=None)
         tags = {"phase": "train", **{str(k): str(v) for k, v in (options.pop("tags", None) or {}).items()}}
@@ -306,16 +338,22 @@ class TrainingMonitor:
         self._sigterm: GracefulStop | None = None
         self._busy = 0  # forwards and optimizer steps under way: SIGTERM waits for them to end
         self._signalled: tuple[int, Any] | None = None  # (signum, frame) of a SIGTERM not yet acted on
+        self._last_counts: dict[str, Any] = {}  # the counts at close, for a checkpoint saved after it
         try:
             if stop_on_sigterm:  # the first of the optimizer's pre-hooks (the cooldown's come next)
                 self._handles.append(self.optimizer.register_step_pre_hook(self._step_begins))
             self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
-            self.session.processor.exporters.append(self.exporter)
+            # First in the pipeline: it puts the step's gradient norms into the record, where the
+            # health score (the trust policy's exporter) reads them.
+            self.session.processor.exporters.insert(0, self.exporter)
+            self._resume(resumed)  # first: a cooldown resumed below is written with the counts continued
             if cooldown == "auto":
                 from moescope.alerts.cooldown_policy import bind_cooldown
 
                 self.cooldown = bind_cooldown(self.session, self.optimizer, self.scheduler, cooldown_config,
                                               store, cooldown_sink)
+                assert self.cooldown.actuator is not None  # bind_cooldown binds one
+                self.cooldown.actuator.set_optimizer_steps(self.optimizer_step)
             self._gradients = [ExpertGradients(layer) for layer in self.session.layers
                                if grad_norms and layer.experts is not None]
             self._routers = {layer.index: [id(p) for p in layer.router.parameters()] for layer in self.session.layers}
@@ -323,6 +361,9 @@ class TrainingMonitor:
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_update))
             self._handles.append(self.optimizer.register_step_post_hook(self._after_update))
             self._handles.append(model.register_forward_pre_hook(self._phase, prepend=True))
+            # After the cooldown's: a checkpoint's cooldown state is loaded before the counts align it.
+            self._handles.append(self.optimizer.register_load_state_dict_post_hook(self._loaded))
+            self.optimizer.register_state_dict_post_hook(_save_counts(self))  # stays after close
             if stop_on_sigterm:
                 self._install_sigterm(model, grace_period_s)
         except BaseException:
@@ -359,15 +400,14 @@ class TrainingMonitor:
             lr = float(groups[0]["lr"]) if groups else None
             router_lr = {layer: float(groups[i]["lr"]) for layer, i in self._router_groups().items()}
             grads, event, sizes = None, None, []
-            if self._gradients:
-                norms = []
-                for gradients in self._gradients:
-                    norm = gradients.norms()
-                    layer = gradients.layer
-                    if norm is None:
-                        norm = torch.full((layer.num_experts,), float("nan"))
-                    norms.append(norm.to(torch.float32))
-                    sizes.append((layer.index, layer.num_experts))
+            norms: list[torch.Tensor] = []
+            for gradients in self._gradients:
+                norm = gradients.norms()
+                if norm is None:  # no expert weight has a gradient (frozen experts): no figure, not NaN
+                    continue
+                norms.append(norm.to(torch.float32))
+                sizes.append((gradients.layer.index, gradients.layer.num_experts))
+            if norms:
                 device = next((n.device for n in norms if n.device.type != "cpu"), torch.device("cpu"))
                 flat = torch.cat([n.to(device) for n in norms])
                 if flat.is_cuda:  # a pooled page-locked buffer, given back once the writer has read it
@@ -400,6 +440,44 @@ class TrainingMonitor:
             self.session.end_window()
         except Exception:
             log.exception("moescope: closing the training step's window failed")
+
+    # -- resuming (the counts saved with the optimizer) --------------------------------------------
+
+    def training_state(self) -> dict[str, Any]:
+        """What a checkpoint of the optimizer keeps of this monitor: the run id, the optimizer steps
+        and the forwards counted."""
+        return {"run_id": self.session.run.run_id, "optimizer_step": int(self.optimizer_step),
+                "forward_step": int(self.session.step)}
+
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's load_state_dict post-hook: continue from the checkpoint's counts."""
+        if self.cooldown is None and take_saved(self.optimizer, COOLDOWN_STATE) is not None:
+            log.warning("moescope: the checkpoint's routing cooldown state is dropped: cooldown is off")
+        self._resume(take_saved(self.optimizer, TRAINING_STATE))
+
+    def _resume(self, saved: Any) -> None:
+        """Continue a run from a checkpoint's counts (`training_state()`): the next update is
+        `optimizer_step + 1` and the next forward `forward_step`, so a resumed run's rows follow
+        the first process's instead of numbering them again. A checkpoint of another run id (a
+        fine-tune started from it) leaves the counts as they are; so does one without counts."""
+        if saved is not None:
+            try:
+                run_id, optimizer_step, forward_step = (str(saved["run_id"]), int(saved["optimizer_step"]),
+                                                        int(saved["forward_step"]))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("moescope: the checkpoint's training counts (%s) cannot be read (%r); counting goes on "
+                            "from %d", TRAINING_STATE, e, self.optimizer_step)
+                saved = None
+        if saved is not None and run_id != self.session.run.run_id:
+            log.info("moescope: the checkpoint was saved by run %r; run %r counts its own optimizer steps",
+                     run_id, self.session.run.run_id)
+        elif saved is not None:
+            self.optimizer_step = optimizer_step
+            if forward_step > self.session.step:  # never back: a forward number is a row's key
+                _skip_forwards(self.session, forward_step - self.session.step)
+        actuator = None if self.cooldown is None else self.cooldown.actuator
+        if actuator is not None:  # its events count the same optimizer steps as train_steps
+            actuator.set_optimizer_steps(self.optimizer_step)
 
     # -- SIGTERM (see the class doc) ---------------------------------------------------------------
 
@@ -496,6 +574,7 @@ class TrainingMonitor:
                 tags, self._eval_tags = self._eval_tags, None
                 tags.__exit__(None, None, None)
             self.session.close()
+            self._last_counts["counts"] = self.training_state()
         finally:
             self._busy = max(self._busy - 1, 0)
             if self._sigterm is not None:
@@ -507,6 +586,31 @@ class TrainingMonitor:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _skip_forwards(session: ProbeSession, forwards: int) -> None:
+    """Number the session's next forward `forwards` later: the host's count and each device
+    buffer's own counter (the routes' and records' forward numbers come from it) move together."""
+    session.step += forwards
+    for buffer in session.buffers:
+        buffer.flat[TOTAL_FORWARDS] += forwards
+
+
+def _save_counts(monitor: TrainingMonitor) -> Any:
+    """An optimizer state_dict post-hook: the monitor's counts into the first param group. It holds
+    the monitor weakly; once the monitor is gone it saves the counts the monitor had at close."""
+    ref = weakref.ref(monitor)
+    last: dict[str, Any] = {}
+    monitor._last_counts = last
+
+    def hook(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict | None:
+        alive = ref()
+        counts = alive.training_state() if alive is not None else last.get("counts")
+        groups = state_dict["param_groups"]
+        if counts is None or not groups:
+            return None
+        return {**state_dict, "param_groups": [{**groups[0], TRAINING_STATE: counts}, *groups[1:]]}
+    return hook
 
 
 def watch(model: nn.Module, optimizer: OptimizerLike, store: str | os.PathLike | StoreLocation | None = None,
