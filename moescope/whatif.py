@@ -1,8 +1,9 @@
 """`moescope whatif cache`: how often would an offloaded server find its experts already resident?
 
 Replays one run's recorded routes (``probe.attach(..., routes=True)``) layer by layer through an
-expert cache of every size C from 1 to E, under LRU, LFU and the offline optimum (Belady), and
-prints the hit-rate curves; ``--plot`` also draws them to a PNG. The definitions (what a hit is,
+expert cache of every size C from 1 to E (or the sizes ``--capacity`` names), under LRU, LFU and
+the offline optimum (Belady), and prints the hit-rate curves; ``--plot`` also draws them to a PNG.
+One pass over the routes per policy gives every size. The definitions (what a hit is,
 how a token's experts are needed at once, the tie rules) are in :mod:`alerts.cache`.
 
 The replay itself is :func:`alerts.cache.cache_report`, which the dashboard's Expert cache page
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from moescope.alerts.cache import DEFAULT_MAX_TOKENS, POLICIES, cache_report
+from moescope.alerts.cache import DEFAULT_MAX_TOKENS, MAX_EXPERTS, POLICIES, cache_report
 from moescope.store_arguments import add_store_arguments, store_epilog, store_location
 
 
@@ -102,15 +103,18 @@ def write_plot(report: pd.DataFrame, path: str | os.PathLike, title: str = "") -
 
 
 def add_subcommands(subparsers) -> None:
-    """`moescope whatif cache STORE [--run ID] [--layer L] [--tag k=v] [--plot PNG]`."""
+    """`moescope whatif cache STORE [--run ID] [--layer L] [--tag k=v] [--capacity C[,C...]] [--plot PNG]`."""
     whatif = subparsers.add_parser("whatif", help="replay recorded routes under another serving setup")
     kinds = whatif.add_subparsers(dest="whatif", metavar="WHAT")
     p = kinds.add_parser(
         "cache", help="expert-cache hit rate (LRU, LFU, Belady) for every number of resident experts",
         description="Replay a run's recorded routes through an expert cache of every size C from 1 to the "
-                    "number of experts, per layer, and print the hit rates of LRU, LFU and the offline optimum "
-                    "(Belady). Needs routes: probe.attach(..., routes=True).\n\nexample:\n"
-                    "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.png",
+                    "number of experts (or the sizes --capacity names), per layer, and print the hit rates of "
+                    "LRU, LFU and the offline optimum (Belady). One pass per policy gives every size; the work "
+                    "grows with tokens x min(experts, largest C). Needs routes: probe.attach(..., routes=True)."
+                    "\n\nexamples:\n"
+                    "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.png\n"
+                    "  moescope whatif cache runs/demo --capacity 8,16,32",
         epilog=store_epilog("moescope whatif cache STORE --layer 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_store_arguments(p, what="the store given to moescope.attach(store=...): a folder or a URL "
@@ -121,9 +125,15 @@ def add_subcommands(subparsers) -> None:
                    help="replay only the steps with this tag (repeatable: all must hold)")
     p.add_argument("--policy", action="append", choices=POLICIES,
                    help="a policy to replay (repeatable; default: all three)")
+    p.add_argument("--capacity", action="append", metavar="C[,C...]",
+                   help="experts resident per layer to replay: one number or a comma-separated list "
+                        "(repeatable; default: every C from 1 to the layer's experts)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="replay at most this many tokens per layer, the first recorded "
                         f"(default {DEFAULT_MAX_TOKENS:,})")
+    p.add_argument("--max-experts", type=int, default=MAX_EXPERTS,
+                   help="refuse a layer with more routed experts than this (default "
+                        f"{MAX_EXPERTS:,}; more usually means an expert id out of range in an import)")
     p.add_argument("--plot", metavar="PNG", help="also draw the curves to this PNG file "
                    "(needs matplotlib, or plotly with kaleido)")
     p.set_defaults(func=_cache)
@@ -135,9 +145,11 @@ def _cache(args: argparse.Namespace) -> int:
     from moescope.store.importers.tables import parse_tags
 
     tags = parse_tags(args.tag) or None
+    capacities = _capacities(args.capacity)
     with Store(store_location(args)) as store:
         run_id = args.run or store.latest_run()
-        report = cache_report(store, run_id, args.layer, tags, _policies(args.policy), args.max_tokens)
+        report = cache_report(store, run_id, args.layer, tags, _policies(args.policy), args.max_tokens,
+                              capacities, args.max_experts)
     print(format_report(report, run_id, tags))
     if args.plot and not report.empty:
         try:
@@ -151,3 +163,17 @@ def _cache(args: argparse.Namespace) -> int:
 
 def _policies(chosen: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen)) if chosen else POLICIES
+
+
+def _capacities(given: Sequence[str] | None) -> list[int] | None:
+    """The --capacity values as numbers (None: every capacity). Raises ValueError for anything but
+    whole numbers of at least 1."""
+    if not given:
+        return None
+    capacities = []
+    for part in (p.strip() for text in given for p in text.split(",")):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--capacity takes whole numbers of at least 1 (experts resident per layer), "
+                             f"like --capacity 8 or --capacity 4,8,16; got {part!r}")
+        capacities.append(int(part))
+    return capacities

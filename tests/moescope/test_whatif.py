@@ -129,3 +129,52 @@ def test_a_run_without_routes_says_how_to_record_them(tmp_path, capsys):
     assert main(["whatif", "cache", root]) == 0
     out = capsys.readouterr().out
     assert f"run {run_id}: no routes recorded" in out and "routes=True" in out
+
+
+def test_a_run_that_does_not_exist_says_so(recorded, capsys):
+    root, run_id = recorded
+    assert main(["whatif", "cache", root, "--run", "no-such-run"]) == 1
+    captured = capsys.readouterr()
+    assert "no routes recorded" not in captured.out
+    assert captured.err.strip().count("\n") == 0  # one line
+    assert captured.err.startswith("moescope whatif: run 'no-such-run' is not in this store")
+    assert f"its latest run is {run_id!r}" in captured.err
+    with Store(root) as store, pytest.raises(ValueError, match="not in this store"):
+        cache_report(store, "no-such-run")
+
+
+def test_capacity_replays_the_sizes_asked_for(recorded, capsys):
+    root, run_id = recorded
+    assert main(["whatif", "cache", root, "--layer", "1", "--capacity", "8,2", "--capacity", "5",
+                 "--capacity", "12"]) == 0
+    out = capsys.readouterr().out
+    accesses = _raw_accesses(root, run_id, 1, None)
+    total = sum(len(a) for a in accesses)
+    printed = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in printed] == [2, 5, 8, 12]  # 12 > E: all 8 routed experts resident
+    for row in printed:
+        capacity = min(int(row[0]), ROUTED_EXPERTS)
+        want = [f"{100 * _brute_force_hits(accesses, capacity, p) / total:.1f}%" for p in POLICIES]
+        assert row[1:] == want, row
+    with Store(root) as store:
+        report = cache_report(store, run_id, layer=0, capacities=[3], policies=["belady"])
+    assert report.capacity.tolist() == [3]
+    assert report.hits.tolist() == [_brute_force_hits(_raw_accesses(root, run_id, 0, None), 3, "belady")]
+
+
+@pytest.mark.parametrize("given", ["0", "4,x", "2.5", ""])
+def test_a_bad_capacity_gets_one_line(recorded, capsys, given):
+    root, _ = recorded
+    assert main(["whatif", "cache", root, "--capacity", given]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moescope whatif: --capacity takes whole numbers of at least 1") and err.count("\n") == 1
+
+
+def test_a_layer_with_more_experts_than_the_bound_is_refused(recorded, capsys):
+    root, run_id = recorded
+    assert main(["whatif", "cache", root, "--max-experts", "4"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert (f"layer 0 of run {run_id!r} has 8 routed experts, more than the cache replay takes (4;"
+            in captured.err) and "--max-experts" in captured.err
+    assert main(["whatif", "cache", root, "--layer", "1", "--max-experts", "8", "--capacity", "1"]) == 0
