@@ -26,8 +26,8 @@ with common.guard():
         st.stop()
     limit = right.select_slider("Tokens replayed (the first recorded)", [5_000, 20_000, 50_000, 200_000],
                                 value=20_000, key=TOKENS,
-                                help="LFU and Belady replay the routes once per cache size: more tokens, "
-                                     "more waiting.")
+                                help="One pass over the routes per policy gives every cache size; the "
+                                     "work grows with tokens x experts: more tokens, more waiting.")
     report = data.cache_report(ctx.root, ctx.version, ctx.run_id, layer, limit, ctx.tag)
     if report.empty:
         st.info("No routes recorded for this layer (or none with the chosen tag): the cache is replayed from "
