@@ -187,6 +187,7 @@ def _query(args: argparse.Namespace) -> int:
     except StoreError as e:
         print(f"moescope query: {e}", file=sys.stderr)
         return 1
+    frame = _printable(frame)
     if args.format == "csv":
         frame.head(args.max_rows).to_csv(sys.stdout, index=False)
     elif args.format == "json":
@@ -200,6 +201,31 @@ def _query(args: argparse.Namespace) -> int:
         if len(frame) > args.max_rows:
             print(f"... {len(frame) - args.max_rows} more rows (use --max-rows)")
     return 0
+
+
+def _printable(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every string (in a cell, in a cell's lists and maps, and the column names)
+    through `escape_control`: a store written before control characters were refused at the door
+    (or by anything else) cannot clear the screen or rewrite a line of the terminal this prints to."""
+    from moescope.store.text import escape_control
+
+    def escape(value):
+        if isinstance(value, str):
+            return escape_control(value)
+        if isinstance(value, dict):
+            return {escape(k): escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [escape(v) for v in value]
+        if hasattr(value, "dtype") and pd.api.types.is_object_dtype(value.dtype):  # arrays of strings or maps
+            return [escape(v) for v in value]
+        return value
+
+    out = frame.copy()
+    out.columns = [escape_control(str(c)) for c in frame.columns]
+    for i, dtype in enumerate(frame.dtypes):
+        if pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype):
+            out.isetitem(i, frame.iloc[:, i].map(escape, na_action="ignore"))
+    return out
 
 
 def _upgrade(args: argparse.Namespace) -> int:
