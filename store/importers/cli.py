@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moescope.lifecycle import add_grace_period_argument
 from moescope.store_arguments import add_store_arguments, store_epilog, store_location
@@ -57,6 +58,22 @@ requests are taken, the ones in flight are answered, everything captured is writ
 run's final counts (probe_stats), and it exits 0, within --grace-period seconds (else status 1,
 saying what was lost). A second signal exits at once.
 
+Bounds: --max-connections client connections at most (when all are taken, the one idle longest is
+closed to make room; with none idle, new clients wait until one is free), each closed after
+--idle-timeout seconds without a request; a request's line and headers must arrive within --header-timeout, each
+piece of its body and each write of the response within --read-timeout; the engine must answer
+within --upstream-timeout per read. Bodies are streamed, never held whole; a request the client
+cut short never reaches the engine whole. If the engine fails mid-response the client's connection
+is closed at once and the response counted (upstream_incomplete, upstream_timeout).
+
+Privacy: prompt and generated token ids are not stored (routes.token_id is null) unless
+--record-token-ids is given: with the model's tokenizer they are the users' text. Credentials in
+--upstream (http://USER:PASSWORD@HOST:PORT) are sent as an Authorization: Basic header and never
+printed or returned to clients (the command line itself is visible to other local users in ps).
+
+If the recorder stops (it should not: a body it cannot read is counted and skipped), the proxy
+answers 503, says so, and exits 1 rather than pass traffic it cannot record.
+
 example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-experts 64
           then send requests to http://127.0.0.1:8100 instead of :8000
 """
@@ -101,10 +118,49 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, help="SGLang: experts per token in meta_info.routed_experts")
     p.add_argument("--run-id", help="id of the new run (default: time, source and a random suffix)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
-    p.add_argument("--max-queue", type=int, default=1024, help="responses waiting to be recorded before new ones "
-                                                              "are dropped and counted (default 1024)")
+    p.add_argument("--max-queue", type=_positive_int, default=1024,
+                   help="responses waiting to be recorded before new ones are dropped and counted (default 1024)")
+    p.add_argument("--max-queue-mb", type=_positive_number, default=256, metavar="MIB",
+                   help="MiB of response bodies waiting to be recorded before new ones are dropped and counted; as "
+                        "much again may be held by responses being captured (default 256)")
+    p.add_argument("--record-token-ids", action="store_true",
+                   help="store each token's id in routes.token_id (off by default: with a tokenizer they give the "
+                        "prompts back, which is personal data for a proxy in front of users)")
+    p.add_argument("--max-connections", type=_positive_int, default=256,
+                   help="client connections at most; when all are taken the one idle longest is closed, and with "
+                        "none idle new clients wait for one to be free (default 256)")
+    p.add_argument("--idle-timeout", type=_positive_number, default=60.0, metavar="SECONDS",
+                   help="close a connection that waits this long for a request (default 60)")
+    p.add_argument("--header-timeout", type=_positive_number, default=10.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this, all together (default 10)")
+    p.add_argument("--read-timeout", type=_positive_number, default=60.0, metavar="SECONDS",
+                   help="longest wait for a client to send the next piece of a body or take the next piece of a "
+                        "response (default 60)")
+    p.add_argument("--upstream-timeout", type=_positive_number, default=600.0, metavar="SECONDS",
+                   help="longest wait for the engine to connect or send the next bytes; a non-streamed generation "
+                        "sends nothing until it is done (default 600)")
     add_grace_period_argument(p, "stop accepting, answer the requests in flight and record what was captured")
     p.set_defaults(func=_proxy)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive whole number")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number, e.g. 10 or 0.5") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, e.g. 10 or 0.5")
+    return value
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -121,14 +177,19 @@ def _import(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     from moescope.lifecycle import GracefulStop, grace_period_s
     from moescope.store.importers.tables import parse_tags
-    from moescope.store.proxy import RoutingProxy, parse_listen
+    from moescope.store.proxy import ProxyLimits, RoutingProxy, parse_listen, parse_upstream
 
     host, port = parse_listen(args.listen)
+    parse_upstream(args.upstream)  # a bad URL is refused before the store is touched
     grace_s = grace_period_s(args.grace_period)  # a bad value is refused before anything starts
     location = store_location(args)
+    limits = ProxyLimits(max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
+                         header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
+                         upstream_timeout_s=args.upstream_timeout)
     proxy = RoutingProxy(args.upstream, location, num_experts=args.num_experts, host=host, port=port,
                          run_id=args.run_id, tags=parse_tags(args.tag), num_layers=args.num_layers,
-                         top_k=args.top_k, max_queue=args.max_queue)
+                         top_k=args.top_k, max_queue=args.max_queue, limits=limits,
+                         max_queue_bytes=int(args.max_queue_mb * 2**20), record_token_ids=args.record_token_ids)
     with GracefulStop(on_stop=proxy.stop_accepting, grace_s=grace_s, what="moescope proxy",
                       on_exit=lambda status: print(proxy.recorder.report(), flush=True)):
         # said once the signals are handled: a supervisor that waits for this line may stop it at once
@@ -139,4 +200,8 @@ def _proxy(args: argparse.Namespace) -> int:
         finally:
             proxy.shutdown(timeout_s=grace_s)  # answer what is in flight, drain, write the final counts
     print(proxy.recorder.report(), flush=True)
+    if proxy.failure:
+        print(f"moescope proxy: stopped because {proxy.failure}; the engine's later traffic was not recorded",
+              file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -11,6 +11,7 @@ expected loads are counted by loops over the arrays the stand-in drew.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -38,6 +39,14 @@ def draw(seed: int, rows: int, dense: int | None = None) -> np.ndarray:
     if dense is not None:
         out[:, dense] = -1
     return out
+
+
+def prompt_token_ids(prompt_len: int) -> list[int]:
+    return [100 + i for i in range(prompt_len)]
+
+
+def generated_token_ids(gen: int) -> list[int]:
+    return [200 + i for i in range(gen)]
 
 
 def rows_of(step: int, *arrays: np.ndarray) -> list[tuple]:
@@ -80,11 +89,14 @@ class StandInEngine:
                 seed, prompt_len, gen = body["seed"], body["prompt_len"], body.get("max_tokens", 4)
                 prompt, generated = draw(seed, prompt_len), draw(seed + 1000, gen - 1)
                 if not body.get("stream"):
-                    self.reply(200, json.dumps({
-                        "id": f"cmpl-{seed}", "object": "text_completion", "created": 1_700_000_000, "model": "m",
-                        "prompt_routed_experts": prompt.tolist(),
-                        "choices": [{"index": 0, "text": "hi", "routed_experts": generated.tolist()}],
-                        "usage": {"prompt_tokens": prompt_len, "completion_tokens": gen}}).encode())
+                    reply = {"id": f"cmpl-{seed}", "object": "text_completion", "created": 1_700_000_000, "model": "m",
+                             "prompt_routed_experts": prompt.tolist(),
+                             "choices": [{"index": 0, "text": "hi", "routed_experts": generated.tolist()}],
+                             "usage": {"prompt_tokens": prompt_len, "completion_tokens": gen}}
+                    if body.get("token_ids"):  # as vLLM with return_token_ids: the prompt's and the generated ids
+                        reply["prompt_token_ids"] = prompt_token_ids(prompt_len)
+                        reply["choices"][0]["token_ids"] = generated_token_ids(gen)
+                    self.reply(200, json.dumps(reply).encode())
                     return
                 events = [{"id": f"cmpl-{seed}", "prompt_routed_experts": prompt.tolist(),
                            "choices": [{"index": 0, "text": "h", "routed_experts": generated[:1].tolist()}]}]
@@ -130,6 +142,116 @@ class StandInEngine:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+class RawUpstream:
+    """An engine that misbehaves on purpose, on a raw socket at 127.0.0.1: each connection's first
+    request is read (Content-Length or chunked) and `answer(upstream, conn)` writes whatever it likes.
+    `requests` holds (method, path, lowercased headers, body) of every request received whole,
+    `partial` the bytes of those that ended before they were whole, `body_bytes` the body bytes
+    received so far. `close()` releases answers waiting on `hold`, and stops everything."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.requests: list[tuple[str, str, dict, bytes]] = []
+        self.partial: list[bytes] = []
+        self.body_bytes = 0
+        self.hold = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self.hold.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        reader = conn.makefile("rb")
+        raw = b""
+        try:
+            while not raw.endswith(b"\r\n\r\n"):
+                line = reader.readline()
+                if not line:
+                    self.partial.append(raw)
+                    return
+                raw += line
+            lines = raw.decode("latin-1").split("\r\n")
+            method, path, _ = lines[0].split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
+            body = b""
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                while True:
+                    size = int(reader.readline().split(b";")[0] or b"x", 16)
+                    if not size:
+                        if reader.readline() != b"\r\n":
+                            raise ValueError("no end of the chunked body")
+                        break
+                    piece = reader.read(size)
+                    body += piece
+                    self.body_bytes += len(piece)
+                    if len(piece) < size or reader.readline() != b"\r\n":
+                        raise ValueError("a short chunk")
+            else:
+                left = int(headers.get("content-length", 0))
+                while left:
+                    piece = reader.read1(min(left, 65536))
+                    if not piece:
+                        raise ValueError("a short body")
+                    body += piece
+                    left -= len(piece)
+                    self.body_bytes += len(piece)
+        except (ValueError, OSError):
+            self.partial.append(raw)
+            conn.close()
+            return
+        self.requests.append((method, path, headers, body))
+        try:
+            self.answer(self, conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.hold.set()
+        self._thread.join(5)
+        self.listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+def json_answer(body: bytes):
+    """An answer that sends `body` whole as a JSON response, and closes."""
+
+    def answer(upstream: RawUpstream, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (len(body), body))
+
+    return answer
+
+
+@pytest.fixture
+def raw_upstream():
+    started = []
+
+    def start(answer) -> RawUpstream:
+        upstream = RawUpstream(answer)
+        started.append(upstream)
+        return upstream
+
+    yield start
+    for upstream in started:
+        upstream.close()
 
 
 @pytest.fixture
