@@ -263,7 +263,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{len(errors)} errors in {args.rules}", file=sys.stderr)
         return 2
     for rule in pack.rules:
-        print(f"{rule.name}: {rule.expr} (for {rule.for_s:g}s, cooldown {rule.cooldown_s:g}s, {rule.severity})")
+        print(f"{rule.name}: {rule.expr} (for {rule.describe_for()}, cooldown {rule.describe_cooldown()}, "
+              f"{rule.severity})")
     return 0
 
 

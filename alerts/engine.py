@@ -11,6 +11,8 @@ fingerprint over its labels, and moves through
 - `cooldown`: a firing alert stays firing until its condition has been false that long, so a
   value hovering around the threshold neither flaps nor notifies twice.
 
+Both are seconds of event time, or, where a rule writes `N steps`, that many steps (forwards).
+
 Time is *event time*: the timestamps of the recorded steps, not the wall clock. Replaying a
 recorded run therefore gives the same transitions as watching it live, and notifications keyed
 on (fingerprint, episode start, status) are the same on every replay, which lets the outbox
@@ -97,6 +99,16 @@ class _AlertState:
     state: str = INACTIVE
     since: dt.datetime | None = None  # pending since, or firing since
     last_true: dt.datetime | None = None
+    since_step: int = 0  # the same two as the last step of their observation, for step-counted rules
+    last_true_step: int = 0
+
+
+def _lasted(seconds: float, steps: int | None, start: dt.datetime, start_step: int, now: dt.datetime,
+            now_step: int) -> bool:
+    """Whether a `for` or `cooldown` of `seconds` (or of `steps` steps, where given) has passed."""
+    if steps is not None:
+        return now_step - start_step >= steps
+    return (now - start).total_seconds() >= seconds
 
 
 class TransitionSink(Protocol):
@@ -201,6 +213,7 @@ class AlertEngine:
         fp = fingerprint(labels)
         st = self._alerts.setdefault(fp, _AlertState())
         now = obs.ts
+        now_step = obs.step + obs.forwards - 1
         changes: list[tuple[str, str]] = []
 
         def move(new: str) -> None:
@@ -208,18 +221,19 @@ class AlertEngine:
             st.state = new
 
         if active:
-            st.last_true = now
+            st.last_true, st.last_true_step = now, now_step
             if st.state in (INACTIVE, RESOLVED):
-                st.since = now
+                st.since, st.since_step = now, now_step
                 move(PENDING)
-            if st.state == PENDING and st.since is not None and (now - st.since).total_seconds() >= rule.for_s:
-                st.since = now
+            if st.state == PENDING and st.since is not None \
+                    and _lasted(rule.for_s, rule.for_steps, st.since, st.since_step, now, now_step):
+                st.since, st.since_step = now, now_step
                 move(FIRING)
         else:
             if st.state == PENDING:
                 move(INACTIVE)
             elif (st.state == FIRING and st.last_true is not None
-                  and (now - st.last_true).total_seconds() >= rule.cooldown_s):
+                  and _lasted(rule.cooldown_s, rule.cooldown_steps, st.last_true, st.last_true_step, now, now_step)):
                 move(RESOLVED)
         since = st.since
         if not changes or since is None:  # nothing changed (an alert never active has no episode)

@@ -40,6 +40,9 @@ def prometheus_rules(pack: RulePack, group: str = "moescope", interval_s: float 
     """Return the rules file as a dict (dump it with yaml.safe_dump)."""
     rules = []
     for rule in pack.rules:
+        if rule.for_steps is not None or rule.cooldown_steps is not None:
+            raise RulesError(f"{rule.name}: a `for` or `cooldown` counted in steps has no Prometheus equivalent "
+                             f"(Prometheus counts time); write it as a duration such as 2m")
         entry = {
             "alert": rule.name,
             "expr": rule_expr(rule),

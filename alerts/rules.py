@@ -16,6 +16,9 @@ The shape (YAML shown; TOML uses `[defaults]`, `[baseline]` and `[[rules]]`)::
         window: 32                     # steps, or a duration such as 10m
         for: 2m                        # how long the condition must hold before firing
         cooldown: 5m                   # how long it must be false before the alert resolves
+
+`for` and `cooldown` are durations of event time (the recorded steps' timestamps), or a count of
+steps written `200 steps`: a count means the same forwards on a fast machine and a slow one.
         severity: warning              # info | warning | critical
         labels: {team: training}
         annotations: {summary: "...", runbook_url: "https://..."}
@@ -85,6 +88,7 @@ _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_STEPS_RE = re.compile(r"(\d+)\s*steps?")
 
 _TOP_KEYS = {"version", "defaults", "baseline", "rules"}
 _DEFAULT_KEYS = {"window", "for", "cooldown", "severity"}
@@ -144,6 +148,15 @@ class Rule:
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     line: int | None = None
+    # `for` / `cooldown` counted in steps (forwards) instead of seconds; None: the seconds above count
+    for_steps: int | None = None
+    cooldown_steps: int | None = None
+
+    def describe_for(self) -> str:
+        return f"{self.for_steps} steps" if self.for_steps is not None else f"{self.for_s:g}s"
+
+    def describe_cooldown(self) -> str:
+        return f"{self.cooldown_steps} steps" if self.cooldown_steps is not None else f"{self.cooldown_s:g}s"
 
     @property
     def signals(self) -> tuple[str, ...]:
@@ -350,6 +363,15 @@ class _Reader:
         except (ValueError, TypeError) as exc:
             raise self.fail(path, str(exc)) from None
 
+    def span(self, value: Any, path: Path) -> tuple[float, int | None]:
+        """A `for` or `cooldown`: (seconds, None) for a duration, (0.0, n) for `n steps`."""
+        if isinstance(value, str) and (m := _STEPS_RE.fullmatch(value.strip())):
+            return 0.0, int(m.group(1))
+        try:
+            return parse_duration(value), None
+        except (ValueError, TypeError) as exc:
+            raise self.fail(path, f"{exc}, or a count of steps such as '200 steps'") from None
+
     def window(self, value: Any, path: Path) -> Window:
         if isinstance(value, int) and not isinstance(value, bool):
             if value < 1:
@@ -392,9 +414,10 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
     defaults_doc = reader.attempt(reader.mapping, doc.get("defaults", {}), ("defaults",), _DEFAULT_KEYS, default={})
     default_window = reader.attempt(reader.window, defaults_doc.get("window", 32), ("defaults", "window"),
                                     default=Window(steps=32))
-    default_for = reader.attempt(reader.duration, defaults_doc.get("for", "1m"), ("defaults", "for"), default=60.0)
-    default_cooldown = reader.attempt(reader.duration, defaults_doc.get("cooldown", "5m"), ("defaults", "cooldown"),
-                                      default=300.0)
+    default_for = reader.attempt(reader.span, defaults_doc.get("for", "1m"), ("defaults", "for"),
+                                 default=(60.0, None))
+    default_cooldown = reader.attempt(reader.span, defaults_doc.get("cooldown", "5m"), ("defaults", "cooldown"),
+                                      default=(300.0, None))
     default_severity = reader.attempt(reader.severity, defaults_doc.get("severity", "warning"),
                                       ("defaults", "severity"), default="warning")
 
@@ -438,14 +461,15 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
         def field(key: str, check: Callable[[Any, Path], Any], default: Any) -> Any:
             return reader.attempt(check, item[key], path + (key,), default=default) if key in item else default
 
+        for_s, for_steps = field("for", reader.span, default_for)
+        cooldown_s, cooldown_steps = field("cooldown", reader.span, default_cooldown)
         rules.append(
             Rule(
                 name=str(name),
                 expr=str(item["expr"]).strip(),
                 conditions=conditions,
                 window=field("window", reader.window, default_window),
-                for_s=field("for", reader.duration, default_for),
-                cooldown_s=field("cooldown", reader.duration, default_cooldown),
+                for_s=for_s, for_steps=for_steps, cooldown_s=cooldown_s, cooldown_steps=cooldown_steps,
                 severity=field("severity", reader.severity, default_severity),
                 labels=reader.attempt(reader.string_map, item.get("labels", {}), path + ("labels",), RESERVED_LABELS,
                                       default={}),

@@ -50,6 +50,34 @@ def test_pending_firing_resolved_with_for_and_cooldown():
     assert transitions[1].idempotency_key() != transitions[2].idempotency_key()
 
 
+@pytest.mark.parametrize("seconds_per_step", [0.01, 1.0, 60.0])
+def test_step_counted_for_and_cooldown_ignore_the_clock(seconds_per_step):
+    """`for: 3 steps` / `cooldown: 2 steps`: the same transitions at the same steps whether a step
+    took 10 ms or a minute (a duration-counted rule moves with the clock; this one must not)."""
+    pack = parse_rules(PACK.replace("for: 3s", "for: 3 steps").replace("cooldown: 2s", "cooldown: 2 steps"))
+    rule = pack.rules[0]
+    assert (rule.for_steps, rule.cooldown_steps) == (3, 2)
+    loads = [BALANCED] * 5 + [SKEWED] * 8 + [BALANCED] * 8
+    engine = AlertEngine(pack)
+    got = []
+    for step, load in enumerate(loads):
+        rec = step_record(step, [layer_step(0, load), layer_step(1, BALANCED)], seconds_per_step=seconds_per_step)
+        got.extend((t.step, t.state) for t in engine.ingest(observations_from_record(rec)))
+    # the window [4,5] is skewed first at step 5 (pending), still true 3 steps later (8: firing);
+    # its last true step is 13 (window [12,13]), false from 14, 2 steps later (15) resolved
+    assert got == [(5, "pending"), (8, "firing"), (15, "resolved")]
+
+
+def test_a_step_count_is_refused_where_prometheus_needs_time():
+    from moescope.alerts.promrules import prometheus_rules
+    from moescope.alerts.rules import RulesError
+
+    with pytest.raises(RulesError, match="counted in steps has no Prometheus equivalent"):
+        prometheus_rules(parse_rules(PACK.replace("cooldown: 2s", "cooldown: 40 steps")))
+    with pytest.raises(RulesError, match="200 steps"):
+        parse_rules(PACK.replace("cooldown: 2s", "cooldown: 2 fortnights"))
+
+
 def test_no_flapping_inside_cooldown_and_pending_that_clears():
     engine = AlertEngine(parse_rules(PACK.replace("window: 2", "window: 1")))
     # skewed long enough to fire, then alternating every step: never false for 2 s -> no resolve
