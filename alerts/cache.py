@@ -34,14 +34,16 @@ Definitions, stated once:
 Under these rules all three are stack algorithms: the cache of C after a token is the best C of
 (the cache before it, plus the token's experts), the token's experts first and then by the
 policy's order, an order that does not depend on C. So the caches of every size nest, and one pass
-over the stream gives every capacity at once (`_stack_depth_counts`; LRU's stack depths are
-vectorised). The work grows with accesses x min(E, the largest capacity asked for), so E is
-bounded (MAX_EXPERTS, a parameter above it) and the capacities can be a short list.
+over the stream gives every capacity at once (`_stack_depth_counts`, a Python loop whose work
+grows with accesses x min(E, the largest capacity asked for); LRU's stack depths are computed in
+numpy instead, tokens x E). So E is bounded (MAX_EXPERTS, unless `max_experts` raises it) and the
+capacities can be a short list.
 """
 
 from __future__ import annotations
 
 from array import array
+from bisect import insort
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -232,24 +234,24 @@ def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndar
         for depth, e in enumerate(row):
             depth_of[e] = depth
         if pool and size > width:
-            best = max(pool)
-            best_standing, best_expert = best
+            pool.sort()  # ascending: the best carried is last
+            best_standing, best_expert = pool[-1]
             for i in range(width, min(end, size)):
                 x = stack[i]
                 if x in used:  # a slot the token's expert left: the pool's best takes it
                     stack[i], standing[i] = best_expert, best_standing
                     depth_of[best_expert] = i
-                    pool.remove(best)
+                    pool.pop()
                     if not pool:
                         break
                 elif standing[i] > best_standing:  # better than all carried: stays
                     continue
                 else:  # the pool's best takes the slot, x is carried further down
-                    pool[pool.index(best)] = (standing[i], x)
+                    pool.pop()
+                    insort(pool, (standing[i], x))
                     stack[i], standing[i] = best_expert, best_standing
                     depth_of[best_expert] = i
-                best = max(pool)
-                best_standing, best_expert = best
+                best_standing, best_expert = pool[-1]
         if pool:  # the old stack ran out: what is still carried goes below it, best first
             for s, x in sorted(pool, reverse=True):
                 depth_of[x] = len(stack)
@@ -268,8 +270,9 @@ def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str]
     """Hits at each capacity (default every one from 1 to `num_experts`) for each policy, over one
     stream of accesses (from :func:`expert_accesses`, in recording order; one cache, so one rank's
     stream). Every capacity comes from one pass per policy (the stack of `_stack_depth_counts`;
-    LRU's depths vectorised); the work grows with accesses x min(num_experts, largest capacity).
-    A capacity above `num_experts` holds every expert.
+    LRU's depths vectorised); LFU's and Belady's work grows with accesses x min(num_experts,
+    largest capacity), LRU's with tokens x num_experts. A capacity above `num_experts` holds every
+    expert.
 
     Returns {policy: CacheCurve}. Raises ValueError for an unknown policy, a capacity below 1, an
     expert id at or above `num_experts`, or `num_experts` above `max_experts` (default MAX_EXPERTS).
