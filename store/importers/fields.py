@@ -49,11 +49,12 @@ def check_max_experts(max_experts: int) -> int:
 
 
 def check_expert_ids(ids: np.ndarray, where: str, limit: ExpertLimit, axes: tuple[str, ...],
-                     not_computed: bool) -> np.ndarray:
+                     not_computed: bool, first_row: int = 0) -> np.ndarray:
     """`ids` as int64 once every id is in 0..limit-1 (or -1 where `not_computed` says the format
     marks a row not computed that way); raise SourceFormatError naming the first id that is not,
-    its position (one name per axis) and its value. Unsigned ids are compared as they are, so a
-    large unsigned value never passes as -1."""
+    its position (one name per axis, the first counted from `first_row`: a chunk of a longer
+    array) and its value. Unsigned ids are compared as they are, so a large unsigned value never
+    passes as -1."""
     if ids.dtype.kind not in "iu":
         raise SourceFormatError(f"{where}: expert ids must be integers, got {ids.dtype}")
     low = -1 if not_computed else 0
@@ -62,7 +63,8 @@ def check_expert_ids(ids: np.ndarray, where: str, limit: ExpertLimit, axes: tupl
         bad |= ids < low
     if bad.any():
         index = np.unravel_index(int(np.argmax(bad.reshape(-1))), ids.shape)
-        position = ", ".join(f"{axis} {int(i)}" for axis, i in zip(axes, index))
+        position = ", ".join(f"{axis} {int(i) + (first_row if n == 0 else 0)}"
+                             for n, (axis, i) in enumerate(zip(axes, index)))
         allowed = f"0..{limit.value - 1}" + (", or -1 for a row not computed" if not_computed else "")
         raise SourceFormatError(f"{where}: expert id {ids[index].item()} at {position} is outside {allowed} "
                                 f"({limit.name}); the file is damaged or written for another model")

@@ -275,31 +275,34 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
     for seq in sequences:
         layers, not_computed = split_routed_rows(seq.ids, where, limit, first_row=seq.first_row)
         skipped += not_computed
+        n = len(seq.ids)
+        columns = (np.arange(offset, offset + n, dtype=np.int32), np.full(n, seq.sequence, dtype=np.int32),
+                   np.arange(seq.first_position, seq.first_position + n, dtype=np.int32), seq.token_ids)
         for layer, (rows, ids) in layers.items():
-            per_layer.setdefault(layer, []).append((
-                ids, (offset + rows).astype(np.int32), np.full(len(rows), seq.sequence, dtype=np.int32),
-                (seq.first_position + rows).astype(np.int32),
-                None if seq.token_ids is None else seq.token_ids[rows]))
-        offset += len(seq.ids)
+            every = len(rows) == n  # most layers compute every row: share the columns, index nothing
+            per_layer.setdefault(layer, []).append((ids, *(c if every or c is None else c[rows] for c in columns)))
+        offset += n
     routes = {}
     for layer, parts in per_layer.items():
         widths = {p[0].shape[1] for p in parts}
         if len(widths) > 1:
             raise SourceFormatError(f"{where}: layer {layer} routes {sorted(widths)} experts per token in "
                                     "different sequences of one response")
-        token_ids = None if any(p[4] is None for p in parts) else np.concatenate([p[4] for p in parts])
-        routes[layer] = LayerRoutes(expert_ids=np.concatenate([p[0] for p in parts]),
-                                    token=np.concatenate([p[1] for p in parts]),
-                                    sequence=np.concatenate([p[2] for p in parts]),
-                                    position=np.concatenate([p[3] for p in parts]), token_ids=token_ids)
+        ids, token, sequence, position, token_ids = (
+            parts[0] if len(parts) == 1 else
+            [None if any(p[i] is None for p in parts) else np.concatenate([p[i] for p in parts]) for i in range(5)])
+        routes[layer] = LayerRoutes(expert_ids=ids, token=token, sequence=sequence, position=position,
+                                    token_ids=token_ids)
     return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped
 
 
 def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime, where: str,
-                    limit: ExpertLimit = DEFAULT_LIMIT, chunk_rows: int = CHUNK_ROWS,
+                    limit: ExpertLimit = DEFAULT_LIMIT, chunk_rows: int | None = None,
                     ) -> Iterator[tuple[SourceStep, int]]:
-    """The step of these sequences in pieces of at most `chunk_rows` token rows, in order (pieces of
-    one step share its number); yields each piece and its rows left out as not computed."""
+    """The step of these sequences in pieces of at most `chunk_rows` (default CHUNK_ROWS) token
+    rows, in order (pieces of one step share its number); yields each piece and its rows left out
+    as not computed."""
+    chunk_rows = chunk_rows or CHUNK_ROWS
     offset = 0
     for seq in sequences:
         for start in range(0, len(seq.ids), chunk_rows):

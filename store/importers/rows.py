@@ -76,10 +76,10 @@ class _StepSums:
 class TableBuilder:
     """Pieces in, (table, rows) out: `add` each piece in stream order, then `finish`."""
 
-    def __init__(self, spec: RunSpec, shapes: dict[int, LayerShape], route_rows: int = ROUTE_ROWS_PER_PART,
-                 layer_rows: int = LAYER_ROWS_PER_PART):
+    def __init__(self, spec: RunSpec, shapes: dict[int, LayerShape], route_rows: int | None = None,
+                 layer_rows: int | None = None):
         self.spec, self.shapes = spec, shapes
-        self.route_rows, self.layer_rows = route_rows, layer_rows
+        self.route_rows, self.layer_rows = route_rows or ROUTE_ROWS_PER_PART, layer_rows or LAYER_ROWS_PER_PART
         self._current: _StepSums | None = None
         self._pieces: list[RoutePiece] = []
         self._pending_routes = 0

@@ -100,28 +100,31 @@ def split_routed_rows(ids: np.ndarray, where: str, limit: ExpertLimit = DEFAULT_
     """
     if ids.ndim != 3:
         raise SourceFormatError(f"{where}: routing must be (tokens, layers, top_k), got shape {ids.shape}")
-    rows_in = f"{where} (rows from {first_row})" if first_row else where
-    ids = check_expert_ids(ids, rows_in, limit, ("token row", "layer", "slot"), not_computed=True)
+    ids = check_expert_ids(ids, where, limit, ("token row", "layer", "slot"), not_computed=True, first_row=first_row)
     valid = ids >= 0
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     computed_any = np.zeros(ids.shape[0], dtype=bool)
+    every_row = np.arange(ids.shape[0])
     for layer in range(ids.shape[1]):
         used = valid[:, layer, :]
         slots = used.any(axis=0)
         if not slots.any():
             continue
-        used = used[:, slots]
+        layer_ids = ids[:, layer, :] if slots.all() else ids[:, layer, slots]
+        used = used if slots.all() else used[:, slots]
         rows = used.any(axis=1)
-        partial = rows & ~used.all(axis=1)
-        if partial.any():
-            row = int(np.flatnonzero(partial)[0])
-            raise SourceFormatError(
-                f"{where}: token row {first_row + row} of layer {layer} has {int(used[row].sum())} of "
-                f"{used.shape[1]} expert slots set and -1 in the others; a token is either routed in every slot "
-                "or not computed (all -1)")
+        everything = rows.all()
+        if not everything or not used.all():
+            partial = rows & ~used.all(axis=1)
+            if partial.any():
+                row = int(np.flatnonzero(partial)[0])
+                raise SourceFormatError(
+                    f"{where}: token row {first_row + row} of layer {layer} has {int(used[row].sum())} of "
+                    f"{used.shape[1]} expert slots set and -1 in the others; a token is either routed in every "
+                    "slot or not computed (all -1)")
         computed_any |= rows
-        index = np.flatnonzero(rows)
-        out[layer] = (index, ids[index][:, layer][:, slots].astype(np.int32))
+        index = every_row if everything else np.flatnonzero(rows)
+        out[layer] = (index, (layer_ids if everything else layer_ids[index]).astype(np.int32))
     return out, int(np.count_nonzero(~computed_any))
 
 
