@@ -7,9 +7,13 @@ the real `moescope proxy` command, recording into a temporary store. Requests al
 the engine directly and the proxy (keep-alive connections, one client), so both sides see the
 same machine at the same moment. Prints p50 / p90 / p99 of each, the p50 added latency and the
 median of the per-pair differences, then what the proxy recorded once stopped with SIGTERM.
+With --idle-connections N, N sockets connect to the proxy and send nothing for the whole
+measurement (with more than --max-connections of them the proxy hangs up the idle ones to make
+room: the timed client must not notice).
 
     python bench/proxy.py                       # 2000 requests of each
     python bench/proxy.py --requests 5000 --prompt-tokens 512 --layers 48
+    python bench/proxy.py --idle-connections 1000 --max-connections 64
 """
 
 from __future__ import annotations
@@ -72,6 +76,17 @@ def timed_post(conn: http.client.HTTPConnection, request: bytes) -> float:
     return time.perf_counter() - started
 
 
+def _closed(sock: socket.socket) -> bool:
+    """Whether the proxy has closed this idle socket (a read returns end-of-file at once)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def percentiles(values: list[float]) -> tuple[float, float, float]:
     ms = np.asarray(values) * 1000
     return tuple(float(np.percentile(ms, q)) for q in (50, 90, 99))
@@ -85,6 +100,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--idle-connections", type=int, default=0,
+                        help="sockets held open to the proxy, sending nothing, while it is measured (default 0)")
+    parser.add_argument("--max-connections", type=int, default=256, help="the proxy's --max-connections (default 256)")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -102,11 +120,15 @@ def main() -> int:
     store = tempfile.mkdtemp(prefix="moescope-proxy-bench-")
     proxy = subprocess.Popen([sys.executable, "-m", "moescope.cli", "proxy", "--upstream",
                               f"http://127.0.0.1:{engine.server_address[1]}", "--store", store, "--num-experts",
-                              str(args.experts), "--listen", f"127.0.0.1:{port}", "--max-queue", "100000"],
+                              str(args.experts), "--listen", f"127.0.0.1:{port}", "--max-queue", "100000",
+                              "--max-connections", str(args.max_connections)],
                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         print(proxy.stdout.readline().strip())
         request = json.dumps({"model": "bench", "prompt": "hello", "max_tokens": args.gen_tokens}).encode()
+        # Opened first: past --max-connections the proxy hangs up the connection idle longest, which
+        # must be one of these, not the timed client's kept-alive one (a pooled client would reconnect).
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(args.idle_connections)]
         direct = http.client.HTTPConnection("127.0.0.1", engine.server_address[1])
         via = http.client.HTTPConnection("127.0.0.1", port)
         for _ in range(50):  # warm both paths (connections, the proxy's imports and first writes)
@@ -117,8 +139,13 @@ def main() -> int:
             order = (("direct", direct), ("proxy", via)) if i % 2 else (("proxy", via), ("direct", direct))
             for name, conn in order:
                 times[name].append(timed_post(conn, request))
+        hung_up = sum(_closed(sock) for sock in idle)
+        for sock in idle:
+            sock.close()
         print(f"\n{args.requests} non-streaming requests each, response {len(body) / 1024:.0f} KiB "
-              f"({args.prompt_tokens}+{args.gen_tokens} tokens x {args.layers} layers x top-{args.top_k}):")
+              f"({args.prompt_tokens}+{args.gen_tokens} tokens x {args.layers} layers x top-{args.top_k})"
+              + (f", {args.idle_connections} idle connections held ({hung_up} hung up by the proxy to make room, "
+                 f"--max-connections {args.max_connections})" if idle else "") + ":")
         print(f"{'':<10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}")
         for name in ("direct", "proxy"):
             print(f"{name:<10}" + "".join(f"{v:>10.3f}" for v in percentiles(times[name])))
