@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shutil
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
@@ -34,6 +36,20 @@ In Python, one call attaches the probe to any transformers MoE model:
       model(**batch)
   moescope.attach(model, store="s3://moe-runs/fleet", storage_options={"region": "eu-west-1"})
 """
+
+
+def program_name() -> str:
+    """How to call moescope so that a command printed for the user runs as printed: `moescope` where
+    the shell finds this installation's script, else the script's path (`.venv/bin/moescope` from
+    the project folder, when the virtual environment is not activated), else `python -m moescope.cli`."""
+    script = os.path.join(os.path.dirname(sys.executable), "moescope")
+    if not os.path.isfile(script):
+        return f"{sys.executable} -m moescope.cli"
+    found = shutil.which("moescope")
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "moescope"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else script
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from moescope.alerts import signals
+from moescope.cli import program_name
 from moescope.store import Store
 from moescope.store.location import StoreLocation, open_location
 
@@ -125,7 +126,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
         "",
         f"tables: {where}/<table> (Delta Lake, partitioned by run_id: read them as Delta tables, not by globbing "
         "their Parquet files)",
-        f"try:  moescope query {store_arguments(location)} \"SELECT layer, expert_ids, count(*) FROM routes "
+        f"try:  {program_name()} query {store_arguments(location)} \"SELECT layer, expert_ids, count(*) FROM routes "
         "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
     ]
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from moescope.alerts.rules import load_rules
 from moescope.alerts.signals import specialisation_by_layer
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
+from moescope.cli import program_name
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
 from moescope.probe.session import ProbeSession
@@ -194,6 +195,9 @@ def _attach(model: torch.nn.Module, store_root: str, alerting: Alerting) -> Prob
         model, store=store_root, routes=True, router_inputs=16, kv_cache=True, health=True,
         trust_gate="auto", trust_policy=alerting.policy, exporters=[alerting.engine], tags={"model": "demo"},
         flush_interval_s=1.0,
+        # Windows counted in forwards only (no `window_s`): the same seed gives the same rows, and
+        # so the same alerts and figures, on a fast machine and a loaded one.
+        window=8, window_s=None,
         # The story is a few hundred forwards long: sample expert health at every forward, not
         # every 4th (the default, which keeps its cost down on a busy server), so the incident is
         # judged within a few windows.
@@ -341,7 +345,7 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say(f"  finished in {figures['seconds']:.0f} s")
     _say("")
     _say("Open the dashboard on this store:")
-    _say(f"  moescope dashboard {store_arg} --tokenizer {demo_model_path()}")
+    _say(f"  {program_name()} dashboard {store_arg} --tokenizer {demo_model_path()}")
 
 
 def _capacity(config) -> str:

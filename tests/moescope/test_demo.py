@@ -11,6 +11,8 @@ import contextlib
 import json
 import math
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -325,3 +327,59 @@ def test_the_alerts_received_are_the_outbox_deliveries(demo):
     assert Counter(summary["alerts_received"]) == delivered
     printed = Counter(f"{status}:{name}" for status, name in re.findall(r"webhook <- \[(\w+)\] (\w+)", out))
     assert printed == delivered
+
+
+def _figures(summary: dict) -> dict:
+    """What the demo measured, without what names this run (store, fingerprints) or times it; floats
+    to 12 digits (DuckDB's parallel sums may add in another order: the last bits differ)."""
+    def rounded(value):
+        if isinstance(value, float):
+            return float(f"{value:.12g}")
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return value
+
+    figures = {k: v for k, v in summary.items() if k not in ("store", "seconds", "alerts_received",
+                                                             "alerts_delivered")}
+    figures["alerts"] = sorted((d["status"], d["name"], d["step"]) for d in summary["alerts_delivered"])
+    return rounded(figures)
+
+
+def test_the_same_seed_tells_the_same_story_on_a_loaded_machine(demo, tmp_path):
+    """Issue 24: the demo's windows, phases and rule spans are counted in forwards, so a second run
+    with both cores busy (two spinning processes beside it) gives the very same figures and alerts,
+    at the same steps, as the first."""
+    root, _, summary = demo
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        result = subprocess.run([sys.executable, "-m", "moescope.cli", "demo", "--quick", "--store",
+                                 str(tmp_path / "again")], capture_output=True, text=True, timeout=900)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    again = json.loads((tmp_path / "again" / "demo_summary.json").read_text())
+    assert _figures(again) == _figures(summary)
+    steps = _table(root, "steps").sort_values("step")
+    steps_again = _table(tmp_path / "again", "steps").sort_values("step")
+    assert steps.step.tolist() == steps_again.step.tolist()
+    assert steps.tokens.tolist() == steps_again.tokens.tolist()
+
+
+def test_the_commands_the_demo_prints_run_as_printed(demo):
+    """A newcomer copies the printed commands into a shell whose PATH does not hold the virtual
+    environment (it is not activated): they must run as printed."""
+    root, out, _ = demo
+    shell_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(root.parent)}
+    query = next(line for line in out.splitlines() if line.startswith("try:  ")).removeprefix("try:  ")
+    result = subprocess.run(["bash", "-c", query], capture_output=True, text=True, env=shell_env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "expert_ids" in result.stdout
+    dashboard = out.splitlines()[out.splitlines().index("Open the dashboard on this store:") + 1].strip()
+    result = subprocess.run(["bash", "-c", dashboard.replace(" dashboard ", " dashboard --help ", 1)],
+                            capture_output=True, text=True, env=shell_env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "usage: moescope dashboard" in result.stdout
