@@ -68,8 +68,8 @@ def _steps(paths: list[str], limit: ExpertLimit, data: SourceData) -> Iterator[S
     for path in paths:
         ts = file_time(path)
         current = None
-        calls: dict[int, int] = {}  # per layer of the step in progress: (calls so far, rows so far)
-        rows: dict[int, int] = {}
+        calls: dict[int, int] = {}  # per layer of the step in progress: its calls so far (micro-batches)
+        rows: dict[int, int] = {}  # and its token rows so far
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():

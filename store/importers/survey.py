@@ -75,7 +75,7 @@ def survey(steps: Iterable[SourceStep], num_experts: int | None, top_k: int | No
         numbers.add(step.step)
         started = step.ts if started is None else min(started, step.ts)
         for layer, routes in step.routes.items():
-            _check_routes(step, layer, routes.expert_ids, widths, largest, num_experts)
+            _check_routes(step, layer, routes.expert_ids, routes.token, widths, largest, num_experts)
         for layer, counts in step.counts.items():
             if counts.ndim != 1 or (counts.size and counts.min() < 0):
                 raise SourceFormatError(f"{step.where}: the counts of layer {layer} in step {step.step} must be a "
@@ -103,8 +103,8 @@ def survey(steps: Iterable[SourceStep], num_experts: int | None, top_k: int | No
     return Survey(shapes=shapes, ranks=ranks, step_numbers=numbers, started_at=started, rows=rows, dense=dense)
 
 
-def _check_routes(step: SourceStep, layer: int, ids: np.ndarray, widths: dict[int, int], largest: dict[int, int],
-                  num_experts: int | None) -> None:
+def _check_routes(step: SourceStep, layer: int, ids: np.ndarray, token: np.ndarray, widths: dict[int, int],
+                  largest: dict[int, int], num_experts: int | None) -> None:
     k = ids.shape[1]
     if widths.setdefault(layer, k) != k:
         raise SourceFormatError(f"{step.where}: layer {layer} routes {widths[layer]} experts per token in one "
@@ -115,7 +115,8 @@ def _check_routes(step: SourceStep, layer: int, ids: np.ndarray, widths: dict[in
     largest[layer] = max(largest.get(layer, -1), top)
     if num_experts is not None and top >= num_experts:
         row, slot = (int(i) for i in np.argwhere(ids >= num_experts)[0])
-        raise SourceFormatError(f"{step.where}: expert id {int(ids[row, slot])} at token row {row}, layer {layer}, "
+        raise SourceFormatError(f"{step.where}: expert id {int(ids[row, slot])} at token row {int(token[row])}, "
+                                f"layer {layer}, "
                                 f"slot {slot} is outside 0..{num_experts - 1} (--num-experts {num_experts})")
     if k > 1:
         ordered = np.sort(ids, axis=1)

@@ -3,8 +3,8 @@
 Every file is recognised by its content, not its name:
 
 - a `.npy` file holding one sequence's `CompletionOutput.routed_experts` (`[seq_len, layers,
-  top_k]`, int16/int32/uint8, -1 where a position was not computed); it is memory-mapped and read
-  in pieces of `responses.CHUNK_ROWS` rows;
+  top_k]`, int16/int32/uint8, -1 where a position was not computed); it is read from disk in pieces
+  of `responses.CHUNK_ROWS` rows (not memory-mapped: a map's pages would count against memory);
 - base64 text of such a file (it starts with `k05VTVBZ`, the base64 of the `\\x93NUMPY` magic);
 - JSON: one OpenAI-compatible response, a list of them, or JSON Lines with one per line (a file
   whose first line is a whole JSON value is JSON Lines, read line by line). Consecutive items
@@ -29,6 +29,7 @@ import base64
 import binascii
 import itertools
 import json
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -163,15 +164,50 @@ def _steps(paths: list[str], limit: ExpertLimit, data: SourceData) -> Iterator[S
             number += 1
 
 
-def _npy_file(path: str, head: bytes) -> np.ndarray:
+class NpyRows:
+    """The rows of a C-ordered `.npy` file, read from disk a slice at a time (`rows[a:b]`), so a
+    file's pages are not held as a memory map would hold them."""
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: np.dtype, offset: int):
+        self.path, self.shape, self.dtype, self.offset = path, shape, dtype, offset
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(self.shape[0])
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * self.row_bytes)
+            raw = f.read(max(stop - start, 0) * self.row_bytes)
+        if len(raw) != max(stop - start, 0) * self.row_bytes:
+            raise SourceFormatError(f"{self.path}: the .npy file ends before its row {stop - 1}; is it truncated?")
+        return np.frombuffer(raw, dtype=self.dtype).reshape(-1, *self.shape[1:])
+
+
+def _npy_file(path: str, head: bytes) -> np.ndarray | NpyRows:
     if not head.startswith(NPY_MAGIC):
         with open(path, "rb") as f:
             return decode_npy(_b64(f.read(), path), path)
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)  # the header is text, parsed without unpickling
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            offset = f.tell()
     except (ValueError, EOFError, OSError) as e:
         raise SourceFormatError(f"{path}: the .npy file cannot be read ({e}); is it truncated?") from e
-    return check_routed_array(array, path)
+    if fortran or dtype.hasobject:
+        raise SourceFormatError(f"{path}: expected a C-ordered integer array (np.save of CompletionOutput."
+                                f"routed_experts), got {'Fortran order' if fortran else dtype}")
+    if len(shape) != 3:
+        raise SourceFormatError(f"{path}: routed experts must be (tokens, layers, top_k), got shape {shape}")
+    check_routed_array(np.empty((0, *shape[1:]), dtype=dtype), path)  # integer ids
+    rows = NpyRows(path, shape, dtype, offset)
+    if os.path.getsize(path) < offset + shape[0] * rows.row_bytes:
+        raise SourceFormatError(f"{path}: the .npy file is shorter than its {shape} header says; is it truncated?")
+    return rows
 
 
 def _b64(raw: bytes, path: str) -> bytes:
