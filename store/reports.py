@@ -372,6 +372,42 @@ class ReportQueries:
             [run_id, int(layer), int(seed), size, run_id, int(layer), run_id, int(layer), int(context),
              int(context)])
 
+    # -- routing jitter (moescope.jitter_check) ---------------------------------------------------
+
+    def jitter_layers(self, run_id: str) -> pd.DataFrame:
+        """A jitter run's figures, one row per (condition, layer) in the order the conditions ran:
+        condition, baseline (the condition it is compared with), description, layer, tokens ((token,
+        layer) pairs compared), set_changed, top1_changed, kept_changed (token counts) and each as a
+        fraction of tokens (*_fraction), max_weight_change (largest absolute gate-weight change),
+        margin_kind, margin_edges (lower bin edges), changed_by_margin, unchanged_by_margin (tokens
+        per bin: expert set changed, or not), listed (tokens in `jitter_tokens`), batch_size,
+        padding_side, dtype, attn_implementation. Empty for a run without jitter rows."""
+        return self.sql("""
+            SELECT condition, baseline, description, layer, tokens, set_changed, top1_changed, kept_changed,
+                   set_changed / nullif(tokens, 0) AS set_changed_fraction,
+                   top1_changed / nullif(tokens, 0) AS top1_changed_fraction,
+                   kept_changed / nullif(tokens, 0) AS kept_changed_fraction,
+                   max_weight_change, margin_kind, margin_edges, changed_by_margin, unchanged_by_margin, listed,
+                   batch_size, padding_side, dtype, attn_implementation
+            FROM jitter WHERE run_id = ? ORDER BY condition_order, condition, layer, rank""", [run_id])
+
+    def jitter_tokens(self, run_id: str, condition: str | None = None, layer: int | None = None,
+                      limit: int = MAX_TOKENS_LISTED) -> pd.DataFrame:
+        """A jitter run's listed tokens (expert set or top-1 changed), of one condition and layer where
+        given, at most `limit` (capped at MAX_TOKENS_LISTED), narrowest top-k margin first: the
+        `jitter_tokens` columns but run_id and rank (margins in the baseline's router logits)."""
+        clauses, params = ["run_id = ?"], [run_id]
+        if condition is not None:
+            clauses.append("condition = ?")
+            params.append(str(condition))
+        if layer is not None:
+            clauses.append("layer = ?")
+            params.append(int(layer))
+        limit = max(1, min(int(limit), MAX_TOKENS_LISTED))
+        return self.sql(f"""
+            SELECT * EXCLUDE (run_id, rank) FROM jitter_tokens WHERE {" AND ".join(clauses)}
+            ORDER BY topk_margin, condition, layer, sequence, position LIMIT ?""", [*params, limit])
+
     # -- tables written by the alerts side and the dashboard -------------------------------------
 
     def table_rows(self, table: str, run_id: str, order: str | None = None,

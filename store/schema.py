@@ -144,6 +144,35 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("ts", TS), ("layer", pa.int32()), ("tokens", pa.int64()), ("lr", pa.float64()),
         ("router_lr", pa.float64()), ("expert_grad_norm", pa.list_(pa.float64())), ("rank", pa.int32()),
     ]),
+    # -- routing jitter (moescope.jitter_check): the same inputs run under another condition --
+    # One row per (condition, layer) of a jitter run. tokens: (token, layer) pairs compared with the
+    # condition's `baseline` run; set_changed / top1_changed / kept_changed: how many changed their
+    # chosen experts, their top-1 (the chosen expert of highest logit), the experts that processed
+    # them; max_weight_change: largest |gate weight| change, dense over experts; the baseline's top-k
+    # margin (margin_kind "logit": k-th minus (k+1)-th logit) counted per bin of margin_edges (lower
+    # edges) for the tokens whose set changed and the rest; listed: rows of jitter_tokens; the
+    # condition's batch_size, padding_side, dtype and attn_implementation as run.
+    "jitter": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("condition", pa.string()), ("condition_order", pa.int32()),
+        ("baseline", pa.string()), ("description", pa.string()), ("layer", pa.int32()), ("tokens", pa.int64()),
+        ("set_changed", pa.int64()), ("top1_changed", pa.int64()), ("kept_changed", pa.int64()),
+        ("max_weight_change", pa.float64()), ("margin_kind", pa.string()), ("margin_edges", pa.list_(pa.float64())),
+        ("changed_by_margin", pa.list_(pa.int64())), ("unchanged_by_margin", pa.list_(pa.int64())),
+        ("listed", pa.int64()), ("batch_size", pa.int32()), ("padding_side", pa.string()), ("dtype", pa.string()),
+        ("attn_implementation", pa.string()), ("rank", pa.int32()),
+    ]),
+    # One row per token of a jitter run whose expert set or top-1 changed under a condition (at most
+    # a bounded number per condition and layer; `jitter.listed` says how many): sequence is the
+    # input's index, position the token's in it; margins from the baseline's logits; the experts and
+    # gate weights of both runs in slot order; context_ids the input's tokens from context_start.
+    "jitter_tokens": pa.schema([
+        ("run_id", pa.string()), ("condition", pa.string()), ("layer", pa.int32()), ("sequence", pa.int32()),
+        ("position", pa.int32()), ("token_id", pa.int64()), ("set_changed", pa.bool_()),
+        ("top1_changed", pa.bool_()), ("topk_margin", pa.float64()), ("top1_margin", pa.float64()),
+        ("baseline_ids", pa.list_(pa.int32())), ("condition_ids", pa.list_(pa.int32())),
+        ("baseline_weights", pa.list_(pa.float32())), ("condition_weights", pa.list_(pa.float32())),
+        ("context_ids", pa.list_(pa.int64())), ("context_start", pa.int32()), ("rank", pa.int32()),
+    ]),
     # -- alert transitions, from every source (alerts/storage.py writes them) --
     # One row per change of one alert's state: the rules engine's (source "rules"), the expert-
     # health policy's ExpertUnhealthy ("health") and the trust gate's TrustGateChanged ("trust_gate",
