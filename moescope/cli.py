@@ -10,7 +10,7 @@ import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
 SUBCOMMAND_MODULES = ("moescope.commands", "moescope.whatif", "moescope.store.cli", "moescope.store.importers.cli",
-                      "moescope.alerts.cli", "moescope.dashboard.cli", "moescope.alerts.grafana")
+                      "moescope.alerts.cli", "moescope.dashboard.cli", "moescope.alerts.grafana", "moescope.jitter_cli")
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.

@@ -47,7 +47,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -56,6 +56,9 @@ from torch import nn
 
 from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
+
+if TYPE_CHECKING:
+    from moescope.store.location import StoreLocation
 
 # Lower edges of the margin histogram's bins, in router logits (the last bin is open).
 MARGIN_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
@@ -400,7 +403,8 @@ def _reason(error: BaseException) -> str:
 def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor, *,
            tokenizer: Any = None, conditions: Sequence[str] = CONDITION_KINDS, batch_size: int = 8,
            other_batch_size: int = 3, dtypes: Sequence[str] = DEFAULT_DTYPES, max_tokens: int | None = None,
-           max_listed: int = 1000, specs: Sequence[MoESpec] = (), store: str | os.PathLike | None = None,
+           max_listed: int = 1000, specs: Sequence[MoESpec] = (),
+           store: str | os.PathLike | StoreLocation | None = None,
            run_id: str | None = None, tags: dict[str, str] | None = None, progress: bool = False) -> JitterReport:
     """Run `inputs` under each condition of `conditions` (CONDITION_KINDS: repeat, batched,
     left_padding, batch_size, dtype, attention) and compare every token's routing in every MoE layer
@@ -487,17 +491,21 @@ def jitter_line(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]
 
 # -- the store ---------------------------------------------------------------------------------
 
-def write_report(store: str | os.PathLike, report: JitterReport, model: nn.Module, layers: Sequence[MoELayer],
-                 run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport, model: nn.Module,
+                 layers: Sequence[MoELayer], run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
     """Write `report` as run `run_id` (a new id when None): its `jitter` and `jitter_tokens` rows,
     then its `layers` rows and its `runs` row (source "jitter") last, so that the run appears
     complete or not at all. Returns the run id; raises OSError when the store refused rows."""
     import pyarrow as pa
 
     from moescope.pipeline import new_run_id
+    from moescope.store.location import open_location
     from moescope.store.schema import SCHEMAS
     from moescope.store.writer import run_writer
 
+    location = open_location(store)
+    if location.is_local and os.path.isfile(location.url):
+        raise JitterError(f"the store {location.url!r} is a file: give a folder (it is created if missing)")
     run_id = run_id or new_run_id()
     now = dt.datetime.now(dt.timezone.utc)
     jitter_rows = [dict(row, run_id=run_id, ts=now, margin_kind=MARGIN_KIND, margin_edges=list(MARGIN_EDGES),
@@ -513,10 +521,10 @@ def write_report(store: str | os.PathLike, report: JitterReport, model: nn.Modul
                    total_params=sum(p.numel() for p in model.parameters()),
                    routed_expert_params=sum(layer.params_per_expert * layer.num_experts for layer in layers),
                    tags=list((tags or {}).items()), rank=0, world_size=1, source="jitter")
-    with run_writer(store, run_id) as writer:
+    with run_writer(location, run_id) as writer:
         for table, rows in (("jitter", jitter_rows), ("jitter_tokens", token_rows), ("layers", layer_rows),
                             ("runs", [run_row])):
             if rows and not writer.write(table, pa.Table.from_pylist(rows, schema=SCHEMAS[table])):
-                raise OSError(f"the store {os.fspath(store)!r} did not take the {table} rows "
+                raise OSError(f"the store {location.redacted!r} did not take the {table} rows "
                               f"({writer.last_error or 'see the log'})")
     return run_id
