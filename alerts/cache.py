@@ -393,11 +393,7 @@ def cache_report(store, run_id: str | None = None, layer: int | None = None, tag
     if capacities is not None:
         capacities = _capacities(capacities, 1)
     bound = MAX_EXPERTS if max_experts is None else max_experts
-    if run_id is None:
-        run_id = store.latest_run()
-    elif store.run_info(run_id) is None:
-        raise ValueError(f"run {run_id!r} is not in this store (its latest run is {store.latest_run()!r}); "
-                         "give a run id it holds, or leave out the run for the latest")
+    run_id = store.check_run(run_id)
     layers = store.layers(run_id)
     if layer is not None:
         if int(layer) not in set(layers.layer.astype(int)):

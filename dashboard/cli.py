@@ -51,6 +51,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
+    parser.add_argument("--wait", action="store_true",
+                        help="serve a local store that does not exist yet, waiting for its first run (without "
+                             "it, a missing store is an error, as for every command)")
     parser.add_argument("--allow-writes", action="store_true",
                         help="show the manual trust-gate control (writes gate requests into the store)")
     parser.add_argument("--tokenizer", metavar="PATH",
@@ -112,7 +115,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moescope dashboard: {e}", file=sys.stderr)
         return 2
+    if location.is_local and os.path.isfile(location.url):
+        print(f"moescope dashboard: {args.store!r} is a file, not a store: give the folder that "
+              "moescope.attach(store=...) or `moescope import` wrote into", file=sys.stderr)
+        return 1
     if location.is_local and not os.path.isdir(location.url):
+        if not args.wait:
+            print(f"moescope dashboard: no store at {args.store!r}: record a run there first (e.g. `moescope "
+                  "demo`), or give --wait to open the dashboard now and wait for the first run", file=sys.stderr)
+            return 1
         print(f"moescope dashboard: no store at {args.store!r} yet; the dashboard waits for the first run "
               "to be recorded there", file=sys.stderr)
     print(f"moescope dashboard: http://{args.host}:{args.port}  (store {location.redacted})",

@@ -71,13 +71,14 @@ def store_arguments(location: StoreLocation) -> str:
 
 def format_summary(root: str | os.PathLike | StoreLocation, run_id: str | None = None,
                    storage_options: Mapping[str, Any] | None = None) -> str:
-    """A plain-text report of one run (the latest by default); raises EmptyStoreError if none.
+    """A plain-text report of one run (the latest by default); raises EmptyStoreError if none, and
+    UnknownRunError for a run id the store does not hold.
 
     `root` is a folder or a URL (`storage_options` as `moescope.attach` takes them). A run recorded
     by more than one host gets a per-host table (`host_rows`)."""
     location = open_location(root, storage_options)
     with Store(location) as store:
-        return _summary(store, location, run_id or store.latest_run())
+        return _summary(store, location, store.check_run(run_id))
 
 
 def _summary(store: Store, location: StoreLocation, run_id: str) -> str:

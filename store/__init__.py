@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moescope.store.delta import CommitError, LegacyStoreError, StoreAccessError
-from moescope.store.errors import EmptyStoreError, QueryError, StoreError
+from moescope.store.errors import EmptyStoreError, QueryError, StoreError, UnknownRunError
 from moescope.store.quarantine import BadFileWarning, QuarantinedFile
 from moescope.store.queries import Selection
 from moescope.store.schema import SCHEMAS, TABLES
@@ -26,4 +26,5 @@ __all__ = [
            "Store",
            "StoreAccessError",
            "StoreError",
+           "UnknownRunError",
 ]

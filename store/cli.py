@@ -176,15 +176,12 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from moescope.store import EmptyStoreError, Store, StoreError
+    from moescope.store import Store, StoreError
 
     try:
         with Store(store_location(args)) as store:
             frame = store.sql(args.sql)
-    except EmptyStoreError as e:
-        print(str(e))
-        return 0
-    except StoreError as e:
+    except StoreError as e:  # a missing store (EmptyStoreError) too: every command exits 1 on one
         print(f"moescope query: {e}", file=sys.stderr)
         return 1
     frame = _printable(frame)

@@ -290,6 +290,9 @@ def check_store(loc: StoreLocation | str | os.PathLike) -> None:
     if key in _CHECKED:
         return
     if loc.is_local:
+        if os.path.isfile(loc.url) or os.path.isfile(os.path.dirname(loc.url.rstrip(os.sep)) or "."):
+            raise StoreAccessError(f"moescope: the store {loc.redacted!r} is a file (or inside one), not a folder: "
+                                   f"give a folder to record into, e.g. store='runs/'")
         legacy = legacy_tables(loc)
         if legacy:
             raise LegacyStoreError(

@@ -11,5 +11,9 @@ class EmptyStoreError(StoreError):
     """The store holds no data yet (no folder, or no run recorded in it)."""
 
 
+class UnknownRunError(StoreError, ValueError):
+    """A run id the store does not hold; the message names the store's latest run."""
+
+
 class QueryError(StoreError):
     """The SQL itself is wrong (syntax, unknown table or column, bad parameter)."""

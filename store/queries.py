@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from moescope.store.errors import EmptyStoreError
+from moescope.store.errors import EmptyStoreError, UnknownRunError
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,17 @@ class StoreQueries:
             FROM runs r LEFT JOIN s USING (run_id) GROUP BY r.run_id ORDER BY started_at, run_id""")
         frame["tags"] = [dict(t) if t is not None else {} for t in frame["tags"]]
         return frame
+
+    def check_run(self, run_id: str | None) -> str:
+        """`run_id` if the store holds it, else (None) its latest run. Raises UnknownRunError naming
+        the latest run, or EmptyStoreError when the store holds none."""
+        if run_id is None:
+            return self.latest_run()
+        if self.sql("SELECT 1 FROM runs WHERE run_id = ? LIMIT 1", [str(run_id)]).empty:
+            raise UnknownRunError(f"run {run_id!r} is not in the store {self.root!r} (its latest run is "
+                                  f"{self.latest_run()!r}): give a run id it holds, or leave out the run "
+                                  f"for the latest")
+        return str(run_id)
 
     def latest_run(self) -> str:
         """The id of the most recently started run; raises EmptyStoreError when there is none."""

@@ -174,6 +174,9 @@ class Store(StoreQueries, ReportQueries):
                  quarantine_bad: bool = True, verify: bool = True):
         self.location = open_location(store, storage_options)
         self.root = self.location.url  # a local folder, or the URL (never a secret: see StoreLocation)
+        if self.location.is_local and os.path.isfile(self.root):
+            raise StoreError(f"{self.root!r} is a file, not a store: give the folder that moescope.attach(store=...) "
+                             f"or `moescope import` wrote into")
         if self.location.is_local and not os.path.isdir(self.root):
             raise EmptyStoreError(
                 f"no data yet: there is no store at {self.root!r}: record a run first, e.g. "

@@ -23,3 +23,68 @@ def test_summary_of_a_missing_store_says_what_to_do(tmp_path):
     assert result.returncode == 1
     assert "record a run first" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _small_store(root) -> str:
+    """A store with one run (two steps) written through the real writer; returns the run id."""
+    import numpy as np
+
+    from moescope.store.writer import ParquetExporter
+    from tests.store.helpers import make_record, run_info
+
+    rng = np.random.default_rng(0)
+    exporter = ParquetExporter(root, run_info("r1"))
+    exporter.export([make_record("r1", step, rng) for step in range(2)])
+    exporter.shutdown()
+    return "r1"
+
+
+def test_a_missing_store_is_exit_1_for_every_command(tmp_path):
+    """Issue 24: `query` printed "no data yet" and exited 0; every command says it and exits 1."""
+    missing = str(tmp_path / "nope")
+    for args in (["query", missing, "SELECT 1"], ["summary", missing], ["whatif", "cache", missing],
+                 ["dashboard", missing, "--port", "1"]):
+        result = _moescope(*args, check=False)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert "no store at" in result.stderr or "no data yet" in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_a_run_the_store_does_not_hold_is_exit_1_naming_the_latest(tmp_path):
+    run = _small_store(tmp_path / "store")
+    for args in (["summary", str(tmp_path / "store"), "--run", "nosuchrun"],
+                 ["whatif", "cache", str(tmp_path / "store"), "--run", "nosuchrun"]):
+        result = _moescope(*args, check=False)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert "'nosuchrun' is not in the store" in result.stderr and repr(run) in result.stderr
+    assert _moescope("summary", str(tmp_path / "store"), "--run", run).returncode == 0
+
+
+def test_a_store_that_is_a_file_says_so(tmp_path):
+    """`summary README.md` advised `moescope.attach(model, store='README.md')`; it says "is a file"."""
+    path = tmp_path / "README.md"
+    path.write_text("# not a store\n")
+    for args in (["summary", str(path)], ["query", str(path), "SELECT 1"], ["whatif", "cache", str(path)],
+                 ["dashboard", str(path), "--port", "1"]):
+        result = _moescope(*args, check=False)
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        assert "is a file" in result.stderr and "attach(model" not in result.stderr, (args, result.stderr)
+
+
+def test_attach_to_a_file_is_refused_at_attach(tmp_path):
+    """attach(store=<a file>) logged "Not a directory ... rows are dropped" and carried on."""
+    import pytest
+    import torch
+
+    import moescope
+    from moescope.probe.zoo import tiny_model
+    from moescope.store import StoreError
+
+    path = tmp_path / "notes.txt"
+    path.write_text("x")
+    model = tiny_model("mixtral")
+    for store in (path, path / "runs"):
+        with pytest.raises(StoreError, match="is a file"):
+            with moescope.attach(model, store=store):
+                model(torch.randint(0, 128, (1, 4)))
+    assert path.read_text() == "x"

@@ -137,9 +137,9 @@ def test_a_run_that_does_not_exist_says_so(recorded, capsys):
     captured = capsys.readouterr()
     assert "no routes recorded" not in captured.out
     assert captured.err.strip().count("\n") == 0  # one line
-    assert captured.err.startswith("moescope whatif: run 'no-such-run' is not in this store")
+    assert captured.err.startswith("moescope whatif: run 'no-such-run' is not in the store")
     assert f"its latest run is {run_id!r}" in captured.err
-    with Store(root) as store, pytest.raises(ValueError, match="not in this store"):
+    with Store(root) as store, pytest.raises(ValueError, match="not in the store"):
         cache_report(store, "no-such-run")
 
 

@@ -53,7 +53,8 @@ def test_query_compact_prune(tmp_path):
 
 
 def test_errors_and_help_teach(tmp_path):
-    assert "no data yet" in _cli("query", str(tmp_path / "none"), "SELECT 1").stdout
+    missing = _cli("query", str(tmp_path / "none"), "SELECT 1")
+    assert missing.returncode == 1 and "no data yet" in missing.stderr
     bad = _cli("query", str(tmp_path), "SELEC 1")
     assert bad.returncode == 1 and "not valid" in bad.stderr
     assert _cli("prune", str(tmp_path), "--older-than", "soon").returncode == 2
