@@ -28,6 +28,7 @@ PAGES = [
     st.Page("views/health.py", title="Expert health", icon=":material/health_and_safety:", url_path="health"),
     st.Page("views/training.py", title="Training", icon=":material/model_training:", url_path="training"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare:", url_path="compare"),
+    st.Page("views/jitter.py", title="Routing jitter", icon=":material/shuffle:", url_path="jitter"),
 ]
 navigation = st.navigation(PAGES)
 

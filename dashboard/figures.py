@@ -535,3 +535,63 @@ def expert_grad_heatmap(per_layer: pd.DataFrame, layer: int, cooldowns: pd.DataF
     fig.update_xaxes(title="optimizer step")
     fig.update_yaxes(title="expert", dtick=1 if width <= 32 else None, autorange="reversed")
     return _layout(fig, f"Layer {layer}: expert gradient norms per optimizer step")
+
+
+# -- routing jitter ------------------------------------------------------------------------------
+
+JITTER_FIGURES = {  # `Store.jitter_layers` column -> what it shows
+    "set_changed_fraction": "expert set changed (% of tokens)",
+    "top1_changed_fraction": "top-1 expert changed (% of tokens)",
+    "kept_changed_fraction": "experts that ran changed (% of tokens)",
+    "max_weight_change": "largest gate-weight change",
+}
+
+
+def jitter_heatmap(rows: pd.DataFrame, column: str = "set_changed_fraction") -> go.Figure:
+    """Condition x layer heatmap of one `Store.jitter_layers` figure (JITTER_FIGURES: a fraction drawn
+    in percent, or the largest gate-weight change as it is), conditions in the order they ran; the
+    hover adds the tokens compared, the condition's baseline and its description."""
+    if rows.empty:
+        return empty_figure("no routing jitter measured in this run")
+    percent = column.endswith("_fraction")
+    conditions = list(dict.fromkeys(rows.condition))
+    layers = sorted(int(v) for v in rows.layer.unique())
+    z = np.full((len(conditions), len(layers)), np.nan)
+    text = np.full(z.shape, "", dtype=object)
+    for row in rows.itertuples():
+        i, j = conditions.index(row.condition), layers.index(int(row.layer))
+        value = getattr(row, column)
+        z[i, j] = value * 100 if percent else value
+        text[i, j] = f"{int(row.tokens):,} tokens vs {row.baseline}: {row.description}"
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[str(v) for v in layers], y=conditions, colorscale="Reds", zmin=0, customdata=text,
+        colorbar={"title": "%" if percent else "|Δw|"},
+        hovertemplate="%{y}, layer %{x}: %{z:.3g}" + ("%" if percent else "") + "<br>%{customdata}<extra></extra>"))
+    fig.update_xaxes(title="MoE layer", type="category")
+    fig.update_yaxes(title="condition", autorange="reversed", type="category")
+    return _layout(fig, f"Routing jitter: {JITTER_FIGURES.get(column, column)}",
+                   height=max(HEIGHT, 60 + 32 * len(conditions)))
+
+
+def jitter_margin_figure(rows: pd.DataFrame, title: str = "") -> go.Figure:
+    """The baseline's top-k margin of the tokens whose expert set changed and of the rest, summed over
+    `rows` (`Store.jitter_layers` rows: one condition, one or every layer), each group as a share of
+    its own tokens per bin of margin_edges, counts in the hover. Flips at rounding noise sit left."""
+    if rows.empty:
+        return empty_figure("no routing jitter measured")
+    edges = list(rows.margin_edges.iloc[0])
+    labels = [f"≥{edge:g}" for edge in edges]
+    kind = str(rows.margin_kind.iloc[0])
+    fig = go.Figure()
+    for name, column, colour in (("expert set changed", "changed_by_margin", PALETTE[3]),
+                                 ("unchanged", "unchanged_by_margin", PALETTE[0])):
+        counts = np.sum(np.stack([np.asarray(v, dtype=np.int64) for v in rows[column]]), axis=0)
+        total = int(counts.sum())
+        share = counts / total * 100 if total else np.zeros(len(counts))
+        fig.add_trace(go.Bar(
+            x=labels, y=share, name=f"{name} ({total:,} tokens)", marker_color=colour, customdata=counts,
+            hovertemplate=f"{name}, margin %{{x}}: %{{customdata}} tokens (%{{y:.1f}}%)<extra></extra>"))
+    fig.update_xaxes(title=f"top-k margin in the baseline (k-th minus (k+1)-th router {kind}), bin's lower edge",
+                     type="category")
+    fig.update_yaxes(title="% of the group's tokens", range=[0, 100])
+    return _layout(fig, title or "Where the flips sit: top-k margin", barmode="group")

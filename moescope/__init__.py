@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 # name -> the module that defines it
 _EXPORTS = {
     "attach": "moescope.facade",
+    "jitter": "moescope.jitter_check",
     "HealthSampling": "moescope.probe",
     "MoESpec": "moescope.probe",
     "NoMoELayersError": "moescope.probe",
@@ -29,10 +30,11 @@ _EXPORTS = {
 }
 
 __all__ = ["HealthSampling", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording",
-           "Store", "StoreError", "attach"]
+           "Store", "StoreError", "attach", "jitter"]
 
 if TYPE_CHECKING:
     from moescope.facade import attach
+    from moescope.jitter_check import jitter
     from moescope.probe import (
         HealthSampling,
         MoESpec,
