@@ -120,8 +120,8 @@ class JitterReport:
         flipped = self.tokens[self.tokens.set_changed] if not self.tokens.empty else self.tokens
         where = ""
         if len(flipped):
-            where = (f"; flipped tokens' median top-k margin {flipped.topk_margin.median():.3g} logits "
-                     f"(tokens kept: {self.median_unchanged_margin():.3g})")
+            where = (f"; median top-k margin of the flipped {flipped.topk_margin.median():.3g} logits, of the "
+                     f"unchanged in the bin from {self.median_unchanged_margin():g}")
         return ("Routing jitter, expert set changed for (token, layer) pairs: " + ", ".join(parts) + where
                 + (f"; skipped: {', '.join(self.skipped)}" if self.skipped else ""))
 
