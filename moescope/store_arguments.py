@@ -1,9 +1,12 @@
 """How every command takes a store: a folder or a URL, `--storage-option KEY=VALUE`, `--state-dir`.
 
 `summary`, `query`, `compact`, `prune`, `whatif`, `import`, `proxy`, `alerts run` and `dashboard` all
-take a store the same way: `add_store_arguments(parser)` adds the store (positional, or `--store`)
-and `--storage-option`, `store_location(args)` turns them into the one `StoreLocation` the command
-passes on, and `store_epilog(example)` is the help text that teaches the URL form.
+take a store the same way: `add_store_arguments(parser)` adds `--store STORE`, which every command
+takes, and where the store is the command's only path also a positional STORE (`moescope summary
+runs/` and `moescope summary --store runs/` are the same; `import` and `proxy` take files and
+URLs as positionals, so only `--store`), and `--storage-option`; `store_location(args)` turns
+them into the one `StoreLocation` the command passes on, and `store_epilog(example)` is the help
+text that teaches the URL form.
 
 State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
 store, under `<store>/.moescope/`, as it always has; for a URL store it goes to a local folder,
@@ -46,7 +49,9 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, option: bool = False
     if option:
         parser.add_argument("--store", required=required, metavar="STORE", help=what)
     else:
-        parser.add_argument("store", metavar="STORE", help=what)
+        parser.add_argument("store", metavar="STORE", nargs="?", action=_StoreAction, help=what)
+        parser.add_argument("--store", dest="store", metavar="STORE", action=_StoreAction,
+                            help="the same as STORE (every command takes --store)")
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option to reach a store on object storage (repeatable), e.g. "
                              "endpoint=http://127.0.0.1:9000, region=us-east-1, allow_http=true; never a secret: "
@@ -58,9 +63,25 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, option: bool = False
                                  "for a URL")
 
 
+class _StoreAction(argparse.Action):
+    """The store as a positional STORE or `--store STORE`, into one `args.store`: an absent positional
+    leaves a `--store` value alone, and two different stores are an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:  # the positional, not given
+            return
+        current = getattr(namespace, self.dest, None)
+        if current is not None and current != values:
+            parser.error(f"the store is given twice ({current!r} and {values!r}): give it once, as STORE or --store")
+        setattr(namespace, self.dest, values)
+
+
 def store_location(args: argparse.Namespace) -> StoreLocation:
     """The command's store as a `StoreLocation`. Raises LocationError (a ValueError: the command line
-    prints it) for an unsupported scheme, a secret among the options, or options for a local folder."""
+    prints it) for an unsupported scheme, a secret among the options, or options for a local folder,
+    and ValueError when no store was given."""
+    if getattr(args, "store", None) is None:
+        raise ValueError("no store given: name it as STORE or --store STORE (a folder or a URL)")
     return open_location(args.store, getattr(args, "storage_option", None) or None)
 
 

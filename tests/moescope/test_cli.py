@@ -88,3 +88,22 @@ def test_attach_to_a_file_is_refused_at_attach(tmp_path):
             with moescope.attach(model, store=store):
                 model(torch.randint(0, 128, (1, 4)))
     assert path.read_text() == "x"
+
+
+def test_every_command_takes_the_store_as_store_too(tmp_path):
+    """One convention: `--store STORE` works in every command (import and proxy take only that);
+    where the store is the only path it may also come first, positionally. Both spellings give the
+    same output; two different stores are refused."""
+    root = str(tmp_path / "store")
+    _small_store(root)
+    for command in (["summary"], ["whatif", "cache"]):
+        positional = _moescope(*command, root)
+        flagged = _moescope(*command, "--store", root)
+        assert positional.stdout == flagged.stdout and positional.stdout
+    sql = "SELECT count(*) AS n FROM routes"
+    assert _moescope("query", "--store", root, sql).stdout == _moescope("query", root, sql).stdout
+    assert _moescope("query", sql, "--store", root).stdout == _moescope("query", root, sql).stdout
+    twice = _moescope("summary", root, "--store", str(tmp_path / "other"), check=False)
+    assert twice.returncode == 2 and "the store is given twice" in twice.stderr
+    missing = _moescope("summary", check=False)
+    assert missing.returncode == 1 and "no store given" in missing.stderr
