@@ -35,6 +35,7 @@ from moescope.alerts.trust_policy import TrustPolicy
 from moescope.cli import program_name
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
+from moescope.jitter_check import jitter_line
 from moescope.probe.session import ProbeSession
 from moescope.store import Store
 from moescope.summary import format_summary
@@ -314,6 +315,12 @@ def run(args: argparse.Namespace) -> int:
         session.close()  # the run ends: its open alerts resolve ("run ended") and go to the receiver
         alerting.stop()
     figures.update(headline_figures(store_root, session.run.run_id))
+    # Routing jitter, once the probe is detached (its forwards are not the story's): the same held-out
+    # texts alone, batched, repeated and in bfloat16. Printed only: a jitter run in this store would
+    # become its latest run, the one the dashboard opens (`moescope jitter demo --store ...` keeps one).
+    texts = [story.traffic.texts[d][i][:400] for d in DOMAINS for i in range(2)]
+    figures["jitter"] = jitter_line(model, texts, tokenizer=tokenizer, conditions=("repeat", "batched", "dtype"),
+                                    dtypes=("bfloat16",), max_tokens=128)
     figures["alerts_received"] = [f"{d['status']}:{d['alert']['name']}" for d in alerting.receiver.received]
     figures["alerts_delivered"] = [{"status": d["status"], "name": d["alert"]["name"], "step": d["alert"]["step"],
                                     "fingerprint": d["alert"]["fingerprint"]} for d in alerting.receiver.received]
@@ -340,6 +347,8 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say(f"  specialisation NMI(expert; domain) per layer, {SPECIALISATION_SCOPE}: "
          + ", ".join(f"{v:.3f}" for v in figures["specialisation_by_layer"]))
     _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
+    _say(f"  {figures['jitter']}")
+    _say(f"    (measure it on your model: {program_name()} jitter MODEL_FOLDER --store runs/jitter)")
     _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")

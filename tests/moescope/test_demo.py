@@ -383,3 +383,12 @@ def test_the_commands_the_demo_prints_run_as_printed(demo):
                             capture_output=True, text=True, env=shell_env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "usage: moescope dashboard" in result.stdout
+
+
+def test_the_demo_prints_its_routing_jitter(demo):
+    """Issue 24: the demo shows one line of the jitter check (measured against the model's own router
+    outputs in tests/moescope/test_jitter.py): repeats of the fp32 demo model change nothing."""
+    _, out, summary = demo
+    line = summary["jitter"]
+    assert line in out and line.startswith("Routing jitter")
+    assert "repeat 0.00%" in line and "bfloat16" in line and "batch=" in line
