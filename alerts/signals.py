@@ -497,7 +497,7 @@ class RunFigures:
     load_cv: float  # token-weighted mean over layers of each layer's CV
     entropy: RouterEntropy  # token-weighted over layers (and, inside each layer, over its rows)
     dropped_tokens: int  # summed over layers
-    dropped_token_rate: float  # dropped_tokens / layer_tokens
+    dropped_token_rate: float  # dropped_tokens / layer_tokens of the layers that record drops; NaN if none does
     hottest: LayerFigures | None  # the layer whose busiest expert has the largest share of its slots
 
 
@@ -506,13 +506,15 @@ def run_figures(layers: list[LayerFigures]) -> RunFigures:
     tokens = np.array([f.tokens for f in layers], dtype=np.float64)
     total = int(tokens.sum())
     dropped = sum(f.dropped_tokens for f in layers)
+    # tokens of the layers whose source records drops: an importer's layers (NaN rate) count as unknown, not 0
+    dropping = sum(f.tokens for f in layers if not math.isnan(f.dropped_token_rate))
     entropy = RouterEntropy(token_weighted_mean([f.entropy.nats for f in layers], tokens),
                             token_weighted_mean([f.entropy.normalized for f in layers], tokens))
     shares = [f.spread.hottest_slot_share for f in layers]
     hottest = layers[int(np.nanargmax(shares))] if layers and not np.isnan(shares).all() else None
     return RunFigures(layer_tokens=total, load_cv=token_weighted_mean([f.spread.cv for f in layers], tokens),
                       entropy=entropy, dropped_tokens=dropped,
-                      dropped_token_rate=dropped / total if total else float("nan"), hottest=hottest)
+                      dropped_token_rate=dropped / dropping if dropping else float("nan"), hottest=hottest)
 
 
 def _present(value: object) -> bool:

@@ -17,6 +17,7 @@ import streamlit as st
 
 from moescope.dashboard import data, settings
 from moescope.dashboard.data import TagFilter
+from moescope.store import schema
 from moescope.store.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def guard() -> Iterator[None]:
         st.warning(f"The store could not answer this view: {e}")
 
 
-NOT_RECORDED = "not recorded by this source"
+NOT_RECORDED = schema.NOT_RECORDED
 
 
 def run_source(ctx: PageContext) -> str:

@@ -17,6 +17,7 @@ from moescope.alerts import signals
 from moescope.cli import program_name
 from moescope.store import Store
 from moescope.store.location import StoreLocation, open_location
+from moescope.store.schema import NOT_RECORDED
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:
@@ -46,6 +47,16 @@ def host_rows(store: Store, run_id: str) -> list[dict]:
                          load_cv=run.load_cv, max_over_mean=max(spreads) if spreads else math.nan,
                          dropped_rate=run.dropped_token_rate))
     return rows
+
+
+def _count(value: Any) -> int:
+    """A parameter count from a row: 0 where it is null (not recorded)."""
+    return 0 if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
+
+
+def _dropped(dropped: int, rate: float) -> str:
+    """The dropped-token cell: '—' where the source records no drops (its rate is NaN), never 0."""
+    return f"{'—':>8}" if math.isnan(rate) else f"{dropped:>8,}"
 
 
 def _cell(value: float, spec: str, width: int) -> str:
@@ -82,17 +93,20 @@ def format_summary(root: str | os.PathLike | StoreLocation, run_id: str | None =
 
 
 def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
-    info = store.run_info(run_id) or {"model_class": "?", "total_params": 0}
+    info = store.run_info(run_id) or {"model_class": "?", "total_params": 0, "source": "probe"}
+    source = str(info.get("source") or "probe")
+    not_recorded = f"{NOT_RECORDED} ({source})"
     steps = store.step_totals(run_id)
-    total = int(info["total_params"] or 0)
+    total = _count(info["total_params"])
     active = float(steps["active_params"]) if steps["steps"] and steps["active_params"] is not None else math.nan
     layers = signals.layer_figures_of(store.layer_totals(run_id).itertuples())
     run = signals.run_figures(layers)
+    counts = f"{int(steps['steps']):,} forwards, {int(steps['tokens']):,} tokens"
     lines = [
-        f"run {run_id}: {info['model_class']}, {total:,} parameters",
-        f"{int(steps['steps']):,} forwards, {int(steps['tokens']):,} tokens; "
-        f"active parameters per token {active:,.0f} = {100 * active / total:.1f}% of the model" if total else
-        f"{int(steps['steps']):,} forwards, {int(steps['tokens']):,} tokens",
+        f"run {run_id}: {info['model_class']}, " + (f"{total:,} parameters" if total else
+                                                   f"parameter counts {not_recorded}"),
+        f"{counts}; active parameters per token {active:,.0f} = {100 * active / total:.1f}% of the model"
+        if total and not math.isnan(active) else f"{counts}; active parameters per token {not_recorded}",
         "",
         f"{'layer':>5} {'tokens':>10} {'max/mean':>9} {'load CV':>8} {'dead':>5} {'entropy':>8} "
         f"{'H/ln E':>8} {'dropped':>8} {'drop %':>7}",
@@ -100,14 +114,19 @@ def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
     for r in layer_rows(store, run_id):
         lines.append(f"{r['layer']:>5} {r['tokens']:>10,} {_cell(r['max_over_mean'], '.2f', 9)} "
                      f"{_cell(r['load_cv'], '.2f', 8)} {r['dead_experts']:>5} {_cell(r['entropy'], '.3f', 8)} "
-                     f"{_cell(r['entropy_norm'], '.3f', 8)} {r['dropped_tokens']:>8,} "
+                     f"{_cell(r['entropy_norm'], '.3f', 8)} {_dropped(r['dropped_tokens'], r['dropped_rate'])} "
                      f"{_cell(100 * r['dropped_rate'], '.2f', 7)}")
     if layers:
         lines.append(f"{'all':>5} {run.layer_tokens:>10,} {'':>9} {_cell(run.load_cv, '.2f', 8)} {'':>5} "
                      f"{_cell(run.entropy.nats, '.3f', 8)} {_cell(run.entropy.normalized, '.3f', 8)} "
-                     f"{run.dropped_tokens:>8,} {_cell(100 * run.dropped_token_rate, '.2f', 7)}")
+                     f"{_dropped(run.dropped_tokens, run.dropped_token_rate)} "
+                     f"{_cell(100 * run.dropped_token_rate, '.2f', 7)}")
         lines.append("(load figures over routed experts; entropy and rates token-weighted; 'all' sums the "
                      "layers' tokens)")
+        missing = [name for name, value in (("router entropy", run.entropy.nats),
+                                            ("dropped tokens", run.dropped_token_rate)) if math.isnan(value)]
+        if missing:
+            lines.append(f"(—: {' and '.join(missing)} {not_recorded})")
     hosts = host_rows(store, run_id)
     if len(hosts) > 1:
         lines += ["", f"by host ({len(hosts)} hosts; a rank's rows belong to the host its runs row names):",

@@ -191,6 +191,10 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 TABLES = tuple(SCHEMAS)
 
+# What every view (the dashboard, `summary`) says of a figure a source does not record (a null column),
+# instead of showing it as zero.
+NOT_RECORDED = "not recorded by this source"
+
 
 def table_from_columns(name: str, columns: Mapping[str, pa.Array], rows: int) -> pa.Table:
     """A table of schema `name` from the columns a source has; every column not given is null

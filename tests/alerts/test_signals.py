@@ -204,7 +204,9 @@ def test_layer_and_run_figures_follow_the_rules():
     assert a.dropped_token_rate == pytest.approx(0.1) and math.isnan(b.dropped_token_rate)
     assert a.entropy.normalized == pytest.approx(1.2 / math.log(6))
     run = sig.run_figures([a, b])
-    assert run.layer_tokens == 20 and run.dropped_tokens == 1 and run.dropped_token_rate == pytest.approx(1 / 20)
+    # the rate is over the layers that record drops: b's 10 tokens are unknown, not 10 kept
+    assert run.layer_tokens == 20 and run.dropped_tokens == 1 and run.dropped_token_rate == pytest.approx(1 / 10)
+    assert math.isnan(sig.run_figures([b]).dropped_token_rate)
     assert run.load_cv == pytest.approx((a.spread.cv + 0.0) / 2)
     assert run.entropy.nats == pytest.approx((1.2 + 0.9) / 2)
     assert run.hottest is a

@@ -72,3 +72,32 @@ def test_printed_summary_shows_those_figures_and_the_active_fraction(recorded):
     b = steps[[dict(t).get("domain") == "b" for t in steps.tags]]
     share = (b.active_param_fraction * b.tokens).sum() / b.tokens.sum()
     assert f"domain=b: {len(b):,} forwards, active fraction {100 * share:.2f}%" in text
+
+
+def test_an_imported_run_says_not_recorded_where_the_dashboard_does(tmp_path):
+    """Issue 24: `summary` of an imported run showed "0 parameters", "dropped 0" and a 0.00% drop rate
+    where the dashboard says "not recorded by this source": the same words in both."""
+    import json
+
+    from moescope.store.importers import import_files
+
+    rng = np.random.default_rng(0)
+    body = {"id": "r0", "model": "test-moe", "prompt_token_ids": list(range(6)),
+            "prompt_routed_experts": [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(2)]
+                                      for _ in range(6)],
+            "choices": [{"index": 0, "token_ids": [7, 8, 9],
+                         "routed_experts": [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(2)]
+                                            for _ in range(2)]}]}
+    path = tmp_path / "responses.jsonl"
+    path.write_text(json.dumps(body) + "\n")
+    root = tmp_path / "store"
+    run = import_files("vllm", [str(path)], str(root), num_experts=8).run_id
+    text = format_summary(root, run)
+    assert "parameter counts not recorded by this source (vllm)" in text
+    assert "active parameters per token not recorded by this source (vllm)" in text
+    assert "router entropy and dropped tokens not recorded by this source (vllm)" in text
+    assert " 0 parameters" not in text and "0.00" not in text
+    table = [line.split() for line in text.splitlines()
+             if line.split()[:1] in (["0"], ["1"], ["all"]) and "forwards," not in line]
+    assert len(table) == 3 and all(row[-2:] == ["—", "—"] for row in table)
+    assert [int(row[1].replace(",", "")) for row in table[:2]] == [8, 8]  # tokens per layer: 6 + 2 rows
