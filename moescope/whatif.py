@@ -2,7 +2,8 @@
 
 Replays one run's recorded routes (``probe.attach(..., routes=True)``) layer by layer through an
 expert cache of every size C from 1 to E (or the sizes ``--capacity`` names), under LRU, LFU and
-the offline optimum (Belady), and prints the hit-rate curves; ``--plot`` also draws them to a PNG.
+the offline optimum (Belady), and prints the hit-rate curves; ``--plot`` also draws them (an HTML page,
+or a PNG with the ``plot`` extra).
 One pass over the routes per policy gives every size. The definitions (what a hit is,
 how a token's experts are needed at once, the tie rules) are in :mod:`alerts.cache`.
 
@@ -45,8 +46,12 @@ def format_report(report: pd.DataFrame, run_id: str, tags: dict[str, str] | None
     return "\n".join(lines)
 
 
-def plot_backend() -> str | None:
-    """The library `write_plot` will use: "matplotlib", "plotly" (with kaleido), or None."""
+def plot_backend(path: str | os.PathLike = "plot.png") -> str | None:
+    """The library `write_plot` will use for `path`: "plotly-html" for a .html file (plotly is a
+    dependency: always there), for a PNG "matplotlib" (the `plot` extra), "plotly" (with kaleido),
+    or None."""
+    if os.fspath(path).lower().endswith((".html", ".htm")):
+        return "plotly-html"
     if importlib.util.find_spec("matplotlib") is not None:
         return "matplotlib"
     if importlib.util.find_spec("plotly") is not None and importlib.util.find_spec("kaleido") is not None:
@@ -55,21 +60,26 @@ def plot_backend() -> str | None:
 
 
 def write_plot(report: pd.DataFrame, path: str | os.PathLike, title: str = "") -> str:
-    """Draw the curves (hit rate against capacity, a panel per layer, a line per policy) to a PNG.
-
-    Uses matplotlib when installed, else plotly with kaleido. Returns the backend used. Raises
-    RuntimeError when neither is installed, ValueError for an empty report.
+    """Draw the curves (hit rate against capacity, a panel per layer, a line per policy) to `path`:
+    an interactive page for a .html path (plotly, the dashboard's figure), else a PNG (matplotlib,
+    from `pip install "moescope[plot]"`, or plotly with kaleido). Returns the backend used. Raises
+    RuntimeError when a PNG is asked for and neither is installed, ValueError for an empty report.
     """
     if report.empty:
         raise ValueError("nothing to plot: the report has no curves")
-    backend = plot_backend()
+    backend = plot_backend(path)
     if backend is None:
-        raise RuntimeError("no PNG written: drawing needs matplotlib (pip install matplotlib) or plotly with "
-                           "kaleido (pip install kaleido); the table above has the same numbers")
-    if backend == "plotly":
+        raise RuntimeError("no PNG written: a PNG needs matplotlib (pip install \"moescope[plot]\"); or give "
+                           "--plot cache.html for an interactive page with what is installed; the table above "
+                           "has the same numbers")
+    if backend.startswith("plotly"):
         from moescope.dashboard.figures import cache_hit_figure
 
-        cache_hit_figure(report, title).write_image(os.fspath(path), format="png")
+        figure = cache_hit_figure(report, title)
+        if backend == "plotly-html":
+            figure.write_html(os.fspath(path), include_plotlyjs=True)  # the page works offline
+        else:
+            figure.write_image(os.fspath(path), format="png")
         return backend
     import matplotlib
 
@@ -103,7 +113,7 @@ def write_plot(report: pd.DataFrame, path: str | os.PathLike, title: str = "") -
 
 
 def add_subcommands(subparsers) -> None:
-    """`moescope whatif cache STORE [--run ID] [--layer L] [--tag k=v] [--capacity C[,C...]] [--plot PNG]`."""
+    """`moescope whatif cache STORE [--run ID] [--layer L] [--tag k=v] [--capacity C[,C...]] [--plot FILE]`."""
     whatif = subparsers.add_parser("whatif", help="replay recorded routes under another serving setup")
     kinds = whatif.add_subparsers(dest="whatif", metavar="WHAT")
     p = kinds.add_parser(
@@ -113,7 +123,7 @@ def add_subcommands(subparsers) -> None:
                     "LRU, LFU and the offline optimum (Belady). One pass per policy gives every size; the work "
                     "grows with tokens x min(experts, largest C). Needs routes: probe.attach(..., routes=True)."
                     "\n\nexamples:\n"
-                    "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.png\n"
+                    "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.html\n"
                     "  moescope whatif cache runs/demo --capacity 8,16,32",
         epilog=store_epilog("moescope whatif cache STORE --layer 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,8 +144,8 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--max-experts", type=int, default=MAX_EXPERTS,
                    help="refuse a layer with more routed experts than this (default "
                         f"{MAX_EXPERTS:,}; more usually means an expert id out of range in an import)")
-    p.add_argument("--plot", metavar="PNG", help="also draw the curves to this PNG file "
-                   "(needs matplotlib, or plotly with kaleido)")
+    p.add_argument("--plot", metavar="FILE", help="also draw the curves to this file: FILE.html an interactive "
+                   "page (works on any install), FILE.png an image (needs pip install \"moescope[plot]\")")
     p.set_defaults(func=_cache)
     whatif.set_defaults(func=lambda args: whatif.print_help() or 2)
 
