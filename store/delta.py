@@ -433,8 +433,11 @@ def _create(loc: StoreLocation, table: str) -> Any:
     if loc.is_local:
         os.makedirs(uri, exist_ok=True)
     try:
+        # No commit retries: a creation that loses the race for version 0 must fail and open the
+        # winner's table (below), not retry as version 1, a second creation in the log.
         return deltalake.DeltaTable.create(uri, schema=SCHEMAS[table], mode="ignore", partition_by=[PARTITION_COLUMN],
-                                           configuration=TABLE_CONFIGURATION, storage_options=options)
+                                           configuration=TABLE_CONFIGURATION, storage_options=options,
+                                           commit_properties=deltalake.CommitProperties(max_commit_retries=0))
     except Exception as first:  # lost the race to create it: open the winner's
         try:
             return deltalake.DeltaTable(uri, storage_options=options)

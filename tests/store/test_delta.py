@@ -250,6 +250,31 @@ def test_concurrent_appends_from_four_processes_commit_every_row_once(store_loca
     assert delta.snapshot(loc, "steps").version == WORKERS * COMMITS  # version 0 made the table, once
 
 
+RACED_TABLES = ("steps", "layer_steps", "runs", "layers")
+
+
+def _create_at(url: str, options: dict, start: float) -> int:
+    loc = StoreLocation(url, options)
+    for i, table in enumerate(RACED_TABLES):
+        while time.time() < start + i:  # every process tries at the same moment, a table a second
+            pass
+        delta.create_table(loc, table)
+    return os.getpid()
+
+
+def test_processes_racing_to_create_a_table_make_one_creation(store_location):
+    """6 spawned processes create the same tables at one instant: each log holds version 0 only. On
+    object storage delta-rs retried a lost creation as version 1 (a second metaData), seen as an
+    extra version in a loaded CI run; a lost creation now opens the winner's table."""
+    loc = store_location
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(6) as pool:
+        start = time.time() + 6  # after every worker has imported moescope
+        pids = pool.starmap(_create_at, [(loc.url, dict(loc.storage_options), start)] * 6, chunksize=1)
+    assert len(set(pids)) == 6
+    assert {table: delta.snapshot(loc, table).version for table in RACED_TABLES} == dict.fromkeys(RACED_TABLES, 0)
+
+
 # -- object storage: faults and refusals ---------------------------------------------------------------
 
 def test_an_ambiguous_commit_is_not_committed_twice(s3_store):
