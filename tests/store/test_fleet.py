@@ -40,9 +40,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 HOSTS = 4
 RANKS_PER_HOST = 2
-# How long the writers run forwards, once every one is ready: long enough for a compaction (which
-# checks every small file of the run it has not seen, ~20 requests each on S3) to commit under them.
-WRITE_S = 45.0
+# The writers run forwards from "go" until the parent says "stop": at least WRITE_S, and until the
+# compactor has merged files (it checks every small file of the run it has not seen, ~20 requests
+# each on S3: on a loaded machine that takes longer than any fixed time) and a flush more has passed.
+WRITE_S = 30.0
+WRITE_CAP_S = 600.0  # a writer stops by itself after this, should the parent never say "stop"
+COMPACTED_TIMEOUT_S = 300.0
 FORWARD_SLEEP_S = 0.1  # between forwards: under 10 forwards a second per writer
 FLUSH_S = 5.0  # moescope's default: each writer commits each table every 5 s, racing 7 others for the log
 COMPACT_EVERY_S = 4.0
@@ -283,7 +286,7 @@ def test_four_hosts_two_ranks_with_compaction_and_a_reader(s3_store):
     run_id = "fleet-run"
     world = HOSTS * RANKS_PER_HOST
     with fleet_processes() as children:
-        writers = [Child("writer", ["--store", url, *option_args(options), "--seconds", str(WRITE_S),
+        writers = [Child("writer", ["--store", url, *option_args(options), "--seconds", str(WRITE_CAP_S),
                                     "--sleep", str(FORWARD_SLEEP_S), "--flush", str(FLUSH_S)],
                          env=writer_env(run_id, rank, world)) for rank in range(world)]
         children += writers
@@ -298,8 +301,13 @@ def test_four_hosts_two_ranks_with_compaction_and_a_reader(s3_store):
         compactor = Child("compactor", ["--store", url, *option_args(options), "--run", run_id,
                                         "--every", str(COMPACT_EVERY_S)])
         children.append(compactor)
+        started = time.monotonic()
+        wait_for([compactor], "compacted", COMPACTED_TIMEOUT_S)  # a compaction committed under the writers
+        time.sleep(max(FLUSH_S + 1, WRITE_S - (time.monotonic() - started)))  # and every writer commits after it
         for writer in writers:
-            assert writer.wait(timeout_s=WRITE_S + 120) == 0, writer.stderr()[-3000:]
+            writer.send("stop")
+        for writer in writers:
+            assert writer.wait(timeout_s=180) == 0, writer.stderr()[-3000:]
         time.sleep(COMPACT_EVERY_S + 1)  # one more compaction, and reads of it, with every writer done
         compactor.close_stdin()
         reader.close_stdin()
@@ -368,9 +376,15 @@ def _stdin_closed(timeout_s: float) -> bool:
     return bool(readable) and not sys.stdin.readline()
 
 
+def _said(word: str) -> bool:
+    """Whether the parent has written `word` on stdin (a line), without waiting for it."""
+    readable, _, _ = select.select([sys.stdin], [], [], 0.0)
+    return bool(readable) and sys.stdin.readline().strip() in (word, "")
+
+
 def writer_main(args: argparse.Namespace) -> int:
-    """Record forwards of a tiny Mixtral into the store until `--seconds` after the parent's "go";
-    prints the run, rank, host, forwards and rows written as it exits."""
+    """Record forwards of a tiny Mixtral into the store from the parent's "go" until its "stop" (or
+    `--seconds`, a cap); prints the run, rank, host, forwards and rows written as it exits."""
     import torch
 
     import moescope
@@ -389,7 +403,7 @@ def writer_main(args: argparse.Namespace) -> int:
             return 1
         deadline = time.monotonic() + args.seconds
         with torch.no_grad():
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not _said("stop"):
                 model(torch.randint(0, 128, (BATCH, SEQ), generator=generator))
                 forwards += 1
                 if forwards == 1:
@@ -416,7 +430,10 @@ def compactor_main(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             results = compact(location, run_id=args.run)
-            compactions += any(getattr(r, "merged_files", 0) for r in results)
+            merged = any(getattr(r, "merged_files", 0) for r in results)
+            if merged and not compactions:
+                print("compacted", flush=True)  # the first compaction that merged files has committed
+            compactions += merged
         except Exception:  # noqa: BLE001 - every failure is reported to the test
             errors += 1
             first_errors = (first_errors + [traceback.format_exc(limit=3)])[:3]
