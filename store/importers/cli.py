@@ -16,8 +16,9 @@ Bring an engine's routing into a store, as a new run the dashboard, rules and qu
 a probed one. Every file is checked before anything is written: a bad one gets one line naming
 the file, the place in it and what was expected, and nothing is written. A file given twice (the
 same path, or the same bytes) is refused. Large files are read in pieces (memory follows a piece,
-not the file: JSON Lines, .npy, CSV and traces; one JSON document, a .pt dump and a TensorRT-LLM
-rank file are read whole), and progress shows on stderr when a pass takes more than a few seconds.
+not the file: JSON Lines, a JSON list of responses, .npy, CSV and traces; a JSON document of one
+response, a .pt dump and a TensorRT-LLM rank file are read whole), and progress shows on stderr
+when a pass takes more than a few seconds.
 
   vllm      responses of a server started with --enable-return-routed-experts (JSON, JSON Lines,
             streamed chunks), or CompletionOutput.routed_experts saved as .npy (or base64 of it);

@@ -65,9 +65,11 @@ def _loads(text: str, where: str):
 
 
 def json_values(path: str) -> Iterator[tuple[int, object]]:
-    """(line number, value) for each JSON value of a file: one document (a list's items are its
-    values), or JSON Lines, one value a line, read line by line (a file whose first line is a whole
-    value and is followed by more lines). Raises SourceFormatError naming the file (and line)."""
+    """(line number, value) for each JSON value of a file: JSON Lines, one value a line, read line by
+    line (a file whose first line is a whole value and is followed by more lines); one document that
+    is a list, its items decoded one at a time as the file is read (memory follows an item, not the
+    file); or one other document, read whole (one response). Raises SourceFormatError naming the file
+    (and line)."""
     with open(path, encoding="utf-8") as f:
         try:
             lines = ((number, line) for number, line in enumerate(f, 1) if line.strip())
@@ -82,15 +84,76 @@ def json_values(path: str) -> Iterator[tuple[int, object]]:
                         raise SourceFormatError(f"{path}: line {number} is not valid JSON ({e}); is the file "
                                                 "truncated?") from e
                 return
-            text = first[1] + ("" if second is None else second[1] + f.read())
+            text = first[1] + ("" if second is None else second[1])
+            if text.lstrip().startswith("["):
+                for value in _list_items(f, text, path):
+                    yield 1, value
+                return
+            text += f.read()
         except UnicodeDecodeError as e:
             raise SourceFormatError(f"{path}: neither a .npy file, base64 of one, nor JSON responses") from e
     try:
         document = _loads(text, path)
     except json.JSONDecodeError as e:
         raise SourceFormatError(f"{path}: not valid JSON ({e}); is the file truncated?") from e
-    for value in document if isinstance(document, list) else [document]:
-        yield 1, value
+    yield 1, document
+
+
+READ_CHARS = 1 << 20  # characters read at a time while decoding a list's items
+
+
+def _list_items(f, text: str, path: str) -> Iterator[object]:
+    """The items of the JSON list that `text` (the file's first characters) starts and `f` goes on
+    with, each decoded once it is whole: the buffer holds one item and what follows it, never the
+    list. An item cut at the buffer's end is decoded again once more is read (reads double in size
+    while one item is incomplete, so a large item costs a few decodes, not one per read)."""
+    decoder = json.JSONDecoder()
+    buffer, pos, ended, index = text, text.index("[") + 1, False, 0
+    want = "item or ]"
+
+    def more(least: int = READ_CHARS) -> None:
+        nonlocal buffer, pos, ended
+        chunk = f.read(max(least, READ_CHARS))
+        ended = not chunk
+        buffer, pos = buffer[pos:] + chunk, 0
+
+    while True:
+        while True:  # the next character that is not white space
+            while pos < len(buffer) and buffer[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buffer) or ended:
+                break
+            more()
+        if pos >= len(buffer):
+            raise SourceFormatError(f"{path}: the JSON list ends after {index} items without its ']'; is the file "
+                                    "truncated?")
+        char = buffer[pos]
+        if char == "]" and want != "item":
+            if buffer[pos + 1:].strip() or f.read(1).strip():
+                raise SourceFormatError(f"{path}: text after the JSON list's closing ']'")
+            return
+        if char == "," and want == ", or ]":
+            pos, want = pos + 1, "item"
+            continue
+        if want == ", or ]":
+            raise SourceFormatError(f"{path}: item {index} of the JSON list is followed by {char!r}, not ',' or "
+                                    "']'; is the file damaged?")
+        while True:
+            try:
+                value, end = decoder.raw_decode(buffer, pos)
+                break
+            except RecursionError as e:
+                raise SourceFormatError(f"{path}: item {index} of the JSON list is nested too deeply to be a "
+                                        "response; is the file damaged?") from e
+            except json.JSONDecodeError as e:
+                if ended or (e.pos == pos and buffer[pos] not in '{["-0123456789tfn'):  # not a value at all
+                    raise SourceFormatError(f"{path}: item {index} of the JSON list is not valid JSON ({e}); is "
+                                            "the file truncated?") from e
+                more(len(buffer) - pos)  # the item may go on past the buffer: read as much again
+        yield value
+        pos, want, index = end, ", or ]", index + 1
+        if pos > READ_CHARS:  # drop what was decoded
+            buffer, pos = buffer[pos:], 0
 
 
 def _whole_value(line: str) -> bool:

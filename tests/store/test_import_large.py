@@ -138,3 +138,69 @@ def test_the_benchmark_runs_and_reports_its_figures(tmp_path):
     assert "12,000 route rows, 10 steps" in done.stdout and "peak RSS" in done.stdout
     assert not os.path.exists(tmp_path / "bench")  # removed unless --keep
     json.dumps(done.stdout)
+
+
+def _as_list_document(jsonl: str, path: str) -> None:
+    """The same responses as one JSON document, a list (how `json.dump(responses, f)` saves them)."""
+    with open(jsonl) as src, open(path, "w") as dst:
+        dst.write("[\n" + ",\n".join(line.strip() for line in src if line.strip()) + "\n]\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak from /proc (Linux)")
+def test_a_list_document_is_read_an_item_at_a_time(tmp_path):
+    """A vLLM capture saved as one JSON list (not JSON Lines) was read whole: four times the
+    responses may cost no more than a piece's worth of memory, as for JSON Lines."""
+    rng = np.random.default_rng(5)
+    peaks = []
+    for requests in (20, 80):
+        lines = str(tmp_path / f"responses{requests}.jsonl")
+        _responses(lines, rng, requests)
+        path = str(tmp_path / f"responses{requests}.json")
+        _as_list_document(lines, path)
+        peaks.append(_peak_kib(path, str(tmp_path / f"store{requests}")))
+    grown_mib = (peaks[1] - peaks[0]) / 1024
+    assert grown_mib < 24, f"peak grew by {grown_mib:.0f} MiB from 100 000 to 400 000 rows ({peaks} KiB)"
+    assert parquet_rows(str(tmp_path / "store80"), "routes").num_rows == 400_000 * 4
+
+
+@pytest.mark.parametrize("read_chars", [7, 64, 1 << 20])
+def test_a_list_document_stores_what_its_json_lines_store(tmp_path, monkeypatch, read_chars):
+    """Items cut at any buffer boundary (7 characters, 64, a MiB) decode to the same responses: the
+    stored routes equal those of the same responses as JSON Lines, row for row."""
+    from moescope.store.importers import vllm
+
+    rng = np.random.default_rng(6)
+    lines = str(tmp_path / "r.jsonl")
+    _responses(lines, rng, 3, rows_each=40)
+    document = str(tmp_path / "r.json")
+    _as_list_document(lines, document)
+    monkeypatch.setattr(vllm, "READ_CHARS", read_chars)
+    runs = [import_files("vllm", [path], str(tmp_path / name), num_experts=128).run_id
+            for path, name in ((lines, "a"), (document, "b"))]
+
+    def routes(name: str, run: str) -> list:
+        table = parquet_rows(str(tmp_path / name), "routes", run)
+        return sorted(zip(table.column("step").to_pylist(), table.column("layer").to_pylist(),
+                          table.column("token").to_pylist(), table.column("expert_ids").to_pylist()))
+
+    assert routes("a", runs[0]) == routes("b", runs[1]) and len(routes("a", runs[0])) == 3 * 40 * 4
+
+
+@pytest.mark.parametrize("text,says", [
+    ("[", "without its ']'"),
+    ('[{"id": "a"}', "without its ']'"),
+    ('[{"id": "a"} {"id": "b"}]', "not ',' or ']'"),
+    ('[{"id": "a"}, ]', "item 1 of the JSON list is not valid JSON"),
+    ('[{"id": "a"}] trailing', "text after the JSON list"),
+    ('[{"id": "a", "x": [1, 2', "item 0 of the JSON list is not valid JSON"),
+    ("[" + "[" * 200_000 + "]" * 200_000 + "]", "nested too deeply"),
+])
+def test_a_broken_list_document_is_one_line_naming_the_file(tmp_path, text, says):
+    from moescope.store.importers import SourceFormatError
+
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    with pytest.raises(SourceFormatError, match=says) as raised:
+        import_files("vllm", [str(path)], str(tmp_path / "store"), num_experts=8)
+    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "store").exists() or parquet_rows(str(tmp_path / "store"), "routes").num_rows == 0
