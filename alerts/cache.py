@@ -107,7 +107,8 @@ class CacheCurve:
 
     def __add__(self, other: CacheCurve) -> CacheCurve:
         """Two streams served by separate caches (two ranks): hits and accesses add up."""
-        if other.policy != self.policy or not np.array_equal(other.capacities, self.capacities):
+        if other.policy != self.policy or not np.array_equal(np.asarray(other.capacities),
+                                                             np.asarray(self.capacities)):
             raise ValueError("only curves of the same policy and capacities add up")
         return CacheCurve(self.policy, self.hits + other.hits, self.accesses + other.accesses,
                           self.tokens + other.tokens, self.capacities)
@@ -261,8 +262,8 @@ def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndar
             for x in stack[deepest:]:
                 depth_of[x] = -1
             del stack[deepest:], standing[deepest:]
-    found = np.frombuffer(depths, dtype=np.int64)
-    return np.bincount(found[found >= 0], minlength=deepest)[:deepest]
+    every = np.frombuffer(depths, dtype=np.int64)
+    return np.bincount(every[every >= 0], minlength=deepest)[:deepest]
 
 
 def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str] = POLICIES,
@@ -413,7 +414,8 @@ def cache_report(store, run_id: str | None = None, layer: int | None = None, tag
         for policy, curve in curves.items():
             if curve.tokens == 0:
                 continue
-            for capacity, hits, rate in zip(curve.capacities, curve.hits, curve.hit_rate):
+            capacities = np.arange(1, len(curve.hits) + 1) if curve.capacities is None else curve.capacities
+            for capacity, hits, rate in zip(capacities, curve.hits, curve.hit_rate):
                 rows.append((int(info.layer), policy, int(capacity), float(rate), int(hits), curve.accesses,
                              curve.tokens, truncated))
     return pd.DataFrame(rows, columns=REPORT_COLUMNS)

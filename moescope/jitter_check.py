@@ -171,8 +171,10 @@ def plan_conditions(kinds: Sequence[str], inputs: int, batch_size: int, other_ba
             out.append(Condition(f"attn={other_attn}", BASELINE,
                                  f"each input alone, attention '{other_attn}' instead of '{attn_implementation}'",
                                  attn_implementation=other_attn))
-    seen: set[str] = set()
-    return [c for c in out if not (c.name in seen or seen.add(c.name))]
+    unique: dict[str, Condition] = {}
+    for condition in out:
+        unique.setdefault(condition.name, condition)  # the first of each name, in order
+    return list(unique.values())
 
 
 @contextlib.contextmanager
@@ -199,7 +201,7 @@ def _attention(model: nn.Module, implementation: str | None) -> Iterator[None]:
         yield
         return
     config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
+    before = str(getattr(config, "_attn_implementation", None) or "eager")
     set_attn: Callable[[str], Any] = model.set_attn_implementation  # type: ignore[assignment]
     set_attn(implementation)
     try:

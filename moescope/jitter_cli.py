@@ -92,6 +92,8 @@ def load_model(name: str) -> tuple[Any, Any, bool]:
     for MODEL: `demo` or a local folder. Raises JitterError when there is nothing to load there."""
     from moescope.demo.data import demo_model_path, load_demo_model
 
+    model: Any
+    tokenizer: Any
     if name == DEMO:
         model, tokenizer = load_demo_model()
         return model, tokenizer, True

@@ -219,6 +219,7 @@ class ProbeSession:
             if self.health is not None:
                 self.health.bind(layout.health_rows())
             self._refs = ForwardRefs(len(layers))
+            self._window_kind: str | None = None  # prefill or decode: the kind of the open window's forwards
             self._pool = PinnedPool()
             self.timer = ComputeTimer(layers, [layout.devices[layer.index] for layer in layers],
                                       lambda: self._recording, self._hook_failed) if recording.compute_time else None
@@ -424,7 +425,7 @@ class ProbeSession:
         self._duration_s = 0.0
         self._last_kv = None
         self._last_shape = getattr(self, "_last_shape", ())
-        self._window_kind: str | None = None
+        self._window_kind = None
 
     def _close_window(self, force: bool = False) -> None:
         """Snapshot the device accumulators and hand the window to the writer. Model thread:

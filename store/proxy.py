@@ -52,6 +52,7 @@ import base64
 import contextlib
 import datetime as dt
 import http.client
+import io
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 from urllib.parse import unquote, urlsplit
 
 from moescope.pipeline import BatchProcessor, current_host, new_run_id
@@ -540,7 +542,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         try:
             self.connection.settimeout(limits.idle_timeout_s)
-            if not self.rfile.peek(1):  # the client closed, or the proxy hung up this idle connection
+            # the client closed, or the proxy hung up this idle connection
+            if not cast(io.BufferedReader, self.rfile).peek(1):
                 return
         except OSError:  # idle past --idle-timeout, or reset
             return
@@ -870,7 +873,7 @@ class _ProxyServer(ThreadingHTTPServer):
         if why := self.recorder.failed:
             raise RecorderFailed(why)
 
-    def process_request(self, request, client_address) -> None:  # type: ignore[override]
+    def process_request(self, request, client_address) -> None:
         """Serve a new connection once there is room: when every one of `max_connections` is taken
         the one idle longest is hung up; with none idle the serving loop waits for one to free up
         (new clients wait in the listen backlog meanwhile, as for an engine's own queue)."""

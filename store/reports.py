@@ -396,7 +396,8 @@ class ReportQueries:
         """A jitter run's listed tokens (expert set or top-1 changed), of one condition and layer where
         given, at most `limit` (capped at MAX_TOKENS_LISTED), narrowest top-k margin first: the
         `jitter_tokens` columns but run_id and rank (margins in the baseline's router logits)."""
-        clauses, params = ["run_id = ?"], [run_id]
+        clauses: list[str] = ["run_id = ?"]
+        params: list[object] = [run_id]
         if condition is not None:
             clauses.append("condition = ?")
             params.append(str(condition))

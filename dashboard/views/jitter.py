@@ -38,8 +38,9 @@ with common.guard():
                 "(MODEL: `demo` or a local model folder) or `moescope.jitter(model, inputs, store=...)`; each "
                 "check is a run of its own: pick it in the sidebar.")
         st.stop()
-    figure = st.selectbox("Figure", list(fg.JITTER_FIGURES), format_func=fg.JITTER_FIGURES.get, key=FIGURE)
-    st.plotly_chart(fg.jitter_heatmap(rows, figure), key="jit_heatmap")
+    figure = st.selectbox("Figure", list(fg.JITTER_FIGURES), format_func=lambda name: fg.JITTER_FIGURES[name],
+                          key=FIGURE)
+    st.plotly_chart(fg.jitter_heatmap(rows, str(figure)), key="jit_heatmap")
     table = pd.DataFrame({
         "condition": rows.condition, "compared with": rows.baseline, "layer": rows.layer, "tokens": rows.tokens,
         "set changed %": (rows.set_changed_fraction * 100).round(3),
@@ -64,7 +65,7 @@ with common.guard():
     if st.session_state.get(LAYER) not in layers:
         st.session_state[LAYER] = EVERY_LAYER
     chosen = right.selectbox("MoE layer", layers, key=LAYER)
-    layer = None if chosen == EVERY_LAYER else int(chosen)
+    layer = None if chosen == EVERY_LAYER or chosen is None else int(chosen)
     picked = rows[(rows.condition == condition) & ((rows.layer == layer) if layer is not None else True)]
     st.plotly_chart(fg.jitter_margin_figure(picked, f"{condition}, {chosen if layer is None else f'layer {layer}'}: "
                                                     "top-k margin of flipped and unchanged tokens"),

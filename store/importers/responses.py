@@ -26,6 +26,7 @@ import datetime as dt
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ CHUNK_ROWS = 1 << 16
 class RoutedSequence:
     """One sequence's routing as a response carries it: rows aligned to positions from `first_position`."""
 
-    ids: np.ndarray  # (rows, layers, top_k) integer ids, -1 where not computed
+    ids: Any  # (rows, layers, top_k) integer ids, -1 where not computed: an array, or vllm.NpyRows (read by slices)
     sequence: int
     first_position: int = 0
     token_ids: np.ndarray | None = None  # (rows,) the input token of each row, where the response has it
@@ -288,9 +289,11 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
         if len(widths) > 1:
             raise SourceFormatError(f"{where}: layer {layer} routes {sorted(widths)} experts per token in "
                                     "different sequences of one response")
-        ids, token, sequence, position, token_ids = (
-            parts[0] if len(parts) == 1 else
-            [None if any(p[i] is None for p in parts) else np.concatenate([p[i] for p in parts]) for i in range(5)])
+        if len(parts) == 1:
+            ids, token, sequence, position, token_ids = parts[0]
+        else:
+            ids, token, sequence, position = (np.concatenate([p[i] for p in parts]) for i in range(4))
+            token_ids = None if any(p[4] is None for p in parts) else np.concatenate([p[4] for p in parts])
         routes[layer] = LayerRoutes(expert_ids=ids, token=token, sequence=sequence, position=position,
                                     token_ids=token_ids)
     return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped

@@ -170,10 +170,11 @@ def response_groups(path: str, key_of) -> Iterator[tuple[str, list, bool]]:
     SGLang batch), `is_list` then True. Raises SourceFormatError when a key comes back after
     another response."""
     seen: set = set()
-    current: tuple | None = None
+    current: str | tuple | None = None
     bodies: list = []
     number = 0
     for line, value in json_values(path):
+        key: str | tuple
         if isinstance(value, list):
             key = ("list", line, number)
         else:
