@@ -22,6 +22,9 @@ HEIGHT = 380
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
            "#9D755D", "#BAB0AC")
 STATE_COLOURS = {"inactive": "#BAB0AC", "pending": "#EECA3B", "resolved": "#54A24B", "firing": "#E45756"}
+# NMI(expert; tag) over every kept top-k slot (`signals.specialisation_by_layer`). Not the demo model
+# card's "top-1 specialisation" (the router's first choice per token, before any capacity): one name each.
+SLOT_SPECIALISATION = "kept-slot specialisation"
 
 
 def _layout(fig: go.Figure, title: str, **kwargs) -> go.Figure:
@@ -95,10 +98,10 @@ def active_by_position_figure(by_position: pd.DataFrame) -> go.Figure:
         customdata=np.stack([by_position.tokens, by_position.dropped_slots, by_position.kept_slots], axis=1),
         hovertemplate="positions %{x}: %{y:.3f}% of parameters per token<br>%{customdata[0]} tokens; "
                       "%{customdata[1]:.2f} slots dropped, %{customdata[2]:.2f} kept per token<extra></extra>"))
-    lo, hi = float(pct.min()), float(pct.max())
-    pad = max((hi - lo) * 0.5, 0.5)
+    # Bars start at 0: a bar's length is its value, so a cut axis would make a small drift look large.
+    top = float(pct.max())
     fig.update_xaxes(title="position in the input", type="category")
-    fig.update_yaxes(title="% of parameters per token", range=[max(0.0, lo - pad), hi + pad])
+    fig.update_yaxes(title="% of parameters per token", range=[0.0, top * 1.1 if top > 0 else 1.0])
     return _layout(fig, "Active-parameter fraction by position")
 
 
@@ -297,8 +300,9 @@ def cluster_scatter(points: pd.DataFrame, colour: str, title: str) -> go.Figure:
 def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Sequence[str], key: str,
                           layer: int) -> go.Figure:
     """Experts x tag values (`signals.expert_tag_contingency`): each tag value's share of slots per
-    expert (columns sum to 1), titled with the layer's specialisation, NMI(expert; tag)
-    (`signals.normalized_mutual_information`)."""
+    expert (columns sum to 1), with the layer's kept-slot specialisation, NMI(expert; tag)
+    (`signals.normalized_mutual_information`), in the subtitle: a short title and a subtitle fit a
+    half-width column where one long title was cut before its value."""
     counts = np.asarray(counts, dtype=np.float64)
     if counts.size == 0 or counts.sum() <= 0:
         return empty_figure(f"no step carries the tag {key!r}")
@@ -311,19 +315,23 @@ def specialisation_figure(counts: np.ndarray, experts: Sequence[int], values: Se
                       "(%{z:.1%} of the tag's slots)<extra></extra>"))
     fig.update_xaxes(title=key, type="category")
     fig.update_yaxes(title="expert", type="category")
-    return _layout(fig, f"Layer {layer}: {key} share per expert · specialisation NMI(expert; {key}) = {nmi:.3f}")
+    fig = _layout(fig, f"Layer {layer}: {key} share per expert")
+    fig.update_layout(title_subtitle_text=f"{SLOT_SPECIALISATION} NMI(expert; {key}) = {nmi:.3f}", margin_t=70)
+    return fig
 
 
 def specialisation_figure_by_layer(per_layer: pd.DataFrame, key: str) -> go.Figure:
-    """Bar per layer of the specialisation NMI(expert; tag), from `signals.specialisation_by_layer`."""
+    """Bar per layer of the kept-slot specialisation NMI(expert; tag), from `signals.specialisation_by_layer`."""
     if per_layer.empty:
         return empty_figure(f"no step carries the tag {key!r}")
     fig = go.Figure(go.Bar(x=per_layer.layer.astype(str), y=per_layer.nmi, marker_color=PALETTE[2],
                            customdata=per_layer.tokens,
                            hovertemplate="layer %{x}: NMI %{y:.3f} over %{customdata} slots<extra></extra>"))
     fig.update_xaxes(title="MoE layer", type="category")
-    fig.update_yaxes(title=f"specialisation NMI(expert; {key})", range=[0, 1])
-    return _layout(fig, f"How much the expert choice tells about {key}")
+    fig.update_yaxes(title=f"NMI(expert; {key}) over kept slots", range=[0, 1])
+    fig = _layout(fig, f"{SLOT_SPECIALISATION.capitalize()} per layer")
+    fig.update_layout(title_subtitle_text=f"how much the expert a slot went to tells about {key}", margin_t=70)
+    return fig
 
 
 # -- drift and alerts ------------------------------------------------------------------------
@@ -441,15 +449,39 @@ def compare_scalars_figure(values: pd.DataFrame) -> go.Figure:
     from plotly.subplots import make_subplots
 
     metrics = list(dict.fromkeys(values.metric))
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
-    for col, metric in enumerate(metrics, start=1):
+    # At most COMPARE_COLUMNS panels a row, titles wrapped: six panels in one row of a 1500 px window
+    # left each title wider than its panel, and neighbours overlapped.
+    cols = min(COMPARE_COLUMNS, len(metrics))
+    rows_n = -(-len(metrics) // cols)
+    fig = make_subplots(rows=rows_n, cols=cols, subplot_titles=[_wrap(m, 24) for m in metrics],
+                        horizontal_spacing=0.1, vertical_spacing=0.25 if rows_n > 1 else 0.0)
+    for i, metric in enumerate(metrics):
+        row, col = divmod(i, cols)
         rows = values[values.metric == metric]
         fig.add_trace(go.Bar(x=rows.side, y=rows.value, marker_color=[PALETTE[i] for i in range(len(rows))],
-                             showlegend=False, hovertemplate="%{x}: %{y:.4g}<extra></extra>"), row=1, col=col)
+                             showlegend=False, hovertemplate="%{x}: %{y:.4g}<extra></extra>"), row=row + 1, col=col + 1)
         top = float(rows.value.max()) if len(rows) else 0.0
         if (rows.value >= 0).all():  # counts, rates and shares start at 0, and a panel of zeros reads 0 to 1
-            fig.update_yaxes(range=[0, top * 1.1 if top > 0 else 1], row=1, col=col)
-    return _layout(fig, "Side by side")
+            fig.update_yaxes(range=[0, top * 1.1 if top > 0 else 1], row=row + 1, col=col + 1)
+    fig.update_annotations(font_size=13)
+    fig = _layout(fig, "Side by side", height=300 * rows_n + 60)
+    fig.update_layout(margin_t=100)  # room for the title above the first row's two-line panel titles
+    return fig
+
+
+COMPARE_COLUMNS = 3
+
+
+def _wrap(text: str, width: int) -> str:
+    """`text` broken at spaces into lines of at most `width` characters (a longer word keeps its
+    own line), joined with Plotly's <br>."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "<br>".join(lines)
 
 
 # -- training (the frames of `alerts.training.training_report`) ------------------------------

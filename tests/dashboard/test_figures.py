@@ -98,7 +98,11 @@ def test_specialisation_figure_from_the_store(store, recorded):
     assert values == ["code", "math", "prose"] and experts == list(range(8))
     fig = fg.specialisation_figure(counts, experts, values, "domain", 1)
     assert np.allclose(np.nansum(np.asarray(fig.data[0].z, dtype=float), axis=0), 1.0)
-    assert f"NMI(expert; domain) = {signals.normalized_mutual_information(counts):.3f}" in fig.layout.title.text
+    # The value sits in the subtitle, the title stays short: one long title was cut before its value.
+    assert fig.layout.title.text == "Layer 1: domain share per expert"
+    nmi = normalized_mutual_info_score(*zip(*[(e, v) for e, row in zip(experts, counts) for v, n in zip(values, row)
+                                              for _ in range(int(n))]))
+    assert fig.layout.title.subtitle.text == f"kept-slot specialisation NMI(expert; domain) = {nmi:.3f}"
     # Every token of a step counts k times (top-k slots): totals are tokens x top_k.
     assert counts.sum() == store.step_totals(run_id)["tokens"] * 2
     per_layer = signals.specialisation_by_layer(load)
@@ -180,6 +184,35 @@ def test_compare_panels_of_non_negative_metrics_start_at_zero():
     fig = fg.compare_scalars_figure(values)
     assert list(fig.layout.yaxis.range) == [0, 1]  # nothing dropped: 0 to 1, not -1 to 1
     assert list(fig.layout.yaxis2.range) == pytest.approx([0, 0.55])
+
+
+def test_compare_panels_wrap_their_titles_three_to_a_row():
+    # Six panels in one row of a 1500 px window: each title was wider than its panel and overlapped
+    # its neighbours. Three a row, titles broken into lines of at most 24 characters.
+    metrics = ["active params / token (%)", "load CV (token-weighted over layers)", "router entropy (nats)",
+               "router entropy H / ln E", "dropped tokens (% of layer-tokens)", "latency / token (ms)"]
+    values = pd.DataFrame({"side": ["A", "B"] * 6, "metric": [m for m in metrics for _ in "AB"],
+                           "value": np.arange(12, dtype=float)})
+    fig = fg.compare_scalars_figure(values)
+    titles = [a.text for a in fig.layout.annotations]
+    assert [t.replace("<br>", " ") for t in titles] == metrics
+    assert max(len(line) for t in titles for line in t.split("<br>")) <= 24
+    domains = {(tuple(fig.layout[f"xaxis{i or ''}"].domain), tuple(fig.layout[f"yaxis{i or ''}"].domain))
+               for i in ("", 2, 3, 4, 5, 6)}
+    assert len({x for x, _ in domains}) == 3 and len({y for _, y in domains}) == 2  # a 2 x 3 grid
+    for i, (metric, axis) in enumerate(zip(metrics, ("yaxis", "yaxis2", "yaxis3", "yaxis4", "yaxis5", "yaxis6"))):
+        assert list(fig.layout[axis].range) == pytest.approx([0, 1.1 * (2 * i + 1)]), metric
+
+
+def test_active_by_position_bars_start_at_zero():
+    # Bars from 18% up made a 37% -> 29% drift look like a halving: the axis starts at 0.
+    by_position = pd.DataFrame({"position_start": [0, 32, 64, 96], "position_end": [32, 64, 96, 128],
+                                "active_fraction": [0.3706, 0.3412, 0.3097, 0.2911], "tokens": [64] * 4,
+                                "dropped_slots": [0.1, 0.3, 0.6, 0.8], "kept_slots": [7.9, 7.7, 7.4, 7.2]})
+    fig = fg.active_by_position_figure(by_position)
+    assert fig.layout.yaxis.range[0] == 0
+    assert fig.layout.yaxis.range[1] >= 37.06
+    assert list(fig.data[0].y) == pytest.approx([37.06, 34.12, 30.97, 29.11])
 
 
 def test_empty_frames_give_a_message_not_an_error():
