@@ -10,6 +10,7 @@ list a `pages/` folder as a second, automatic navigation).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pandas as pd
 import streamlit as st
@@ -17,18 +18,22 @@ import streamlit as st
 from moescope.dashboard import common, data
 from moescope.store.store import StoreError
 
-st.set_page_config(page_title="moescope", page_icon=":material/troubleshoot:", layout="wide")
+# The tab icon ships with the package: a ":material/...:" icon makes the browser fetch it from
+# fonts.gstatic.com, which fails (and logs an error) where the dashboard runs offline. For the same
+# reason the navigation has plain titles, no Material icons.
+ICON = Path(__file__).parent / "icon.png"
+st.set_page_config(page_title="moescope", page_icon=str(ICON), layout="wide")
 
 PAGES = [
-    st.Page("views/overview.py", title="Overview", icon=":material/dashboard:", url_path="overview", default=True),
-    st.Page("views/heatmaps.py", title="Heatmaps", icon=":material/grid_on:", url_path="heatmaps"),
-    st.Page("views/cache.py", title="Expert cache", icon=":material/memory:", url_path="cache"),
-    st.Page("views/clusters.py", title="Semantic clusters", icon=":material/bubble_chart:", url_path="clusters"),
-    st.Page("views/drift.py", title="Drift and alerts", icon=":material/notifications_active:", url_path="drift"),
-    st.Page("views/health.py", title="Expert health", icon=":material/health_and_safety:", url_path="health"),
-    st.Page("views/training.py", title="Training", icon=":material/model_training:", url_path="training"),
-    st.Page("views/compare.py", title="Compare", icon=":material/compare:", url_path="compare"),
-    st.Page("views/jitter.py", title="Routing jitter", icon=":material/shuffle:", url_path="jitter"),
+    st.Page("views/overview.py", title="Overview", url_path="overview", default=True),
+    st.Page("views/heatmaps.py", title="Heatmaps", url_path="heatmaps"),
+    st.Page("views/cache.py", title="Expert cache", url_path="cache"),
+    st.Page("views/clusters.py", title="Semantic clusters", url_path="clusters"),
+    st.Page("views/drift.py", title="Drift and alerts", url_path="drift"),
+    st.Page("views/health.py", title="Expert health", url_path="health"),
+    st.Page("views/training.py", title="Training", url_path="training"),
+    st.Page("views/compare.py", title="Compare", url_path="compare"),
+    st.Page("views/jitter.py", title="Routing jitter", url_path="jitter"),
 ]
 navigation = st.navigation(PAGES)
 

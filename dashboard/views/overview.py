@@ -49,16 +49,19 @@ with common.guard():
     cols[3].metric("Load spread (CV)", f"{run.load_cv:.3f}" if layers else "—",
                    help="Coefficient of variation of tokens per routed expert (zero experts left out), "
                         "token-weighted mean over layers; 0 is perfectly even.")
+    # The second figure of a tile goes in a caption under it: st.metric's delta draws an up-arrow
+    # chip, which reads as a change since some earlier time, and these are not changes.
     cols[4].metric("Router entropy", f"{run.entropy.nats:.3f} nats" if has_entropy else "—",
-                   delta=f"H / ln E = {run.entropy.normalized:.3f}" if has_entropy else None, delta_color="off",
                    help="Mean per-token entropy of the router's softmax, token-weighted over layers and steps. "
                         "H / ln E divides by the log of the router's choices (experts + zero experts): 0 is "
                         "always one expert, 1 is no preference, comparable across models.")
+    if has_entropy:
+        cols[4].caption(f"H / ln E = {run.entropy.normalized:.3f}")
     cols[5].metric("Dropped tokens", f"{run.dropped_tokens:,}" if has_dropped else "—",
-                   delta=f"{run.dropped_token_rate:.2%} of layer-tokens" if has_dropped and run.layer_tokens
-                   else None, delta_color="off",
                    help="Tokens no expert processed because every chosen expert was at capacity, summed over "
                         "layers; the rate is over the tokens every layer routed (dropped / tokens).")
+    if has_dropped and run.layer_tokens:
+        cols[5].caption(f"{run.dropped_token_rate:.2%} of layer-tokens")
     cols[6].metric("Alerts firing now", str(len(firing)),
                    help="Alerts whose latest transition is firing: rules, expert health and the trust gate. "
                         "A finished run has resolved them all (reason: run ended).")
@@ -92,7 +95,7 @@ with common.guard():
                       f"({hot.spread.hottest_load:,} of {hot.tokens:,}), "
                       f"{hot.spread.hottest_slot_share:.1%} of its routing slots (max/mean "
                       f"{hot.spread.max_mean:.2f}).")
-        right.page_link("views/heatmaps.py", label="Which tokens go there?", icon=":material/arrow_forward:")
+        right.page_link("views/heatmaps.py", label="Which tokens go there? →")
         st.caption("A token routed to k experts fills k slots: token shares of a layer's experts add up to k, "
                    "slot shares to 100%.")
 

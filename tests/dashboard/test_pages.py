@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 import moescope
 from moescope.dashboard import settings
+from moescope.probe.zoo import tiny_model
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 PAGES = {  # page -> plotly charts it draws on the recorded store
@@ -68,6 +69,21 @@ def test_overview_headline_numbers(monkeypatch, recorded):
     alerts = table(recorded["root"], "alerts", run_id).sort_values("ts", kind="stable")
     firing = (alerts.groupby("fingerprint").tail(1).state == "firing").sum()
     assert metrics["Alerts firing now"] == str(firing)
+
+
+def test_overview_second_figures_are_captions_not_delta_chips(monkeypatch, recorded):
+    # st.metric's delta draws an up-arrow chip that reads as a change; H / ln E and the drop rate are not.
+    run_id = recorded["runs"][-1]
+    layer_steps = table(recorded["root"], "layer_steps", run_id)
+    experts = tiny_model("mixtral").config.num_local_experts  # the recorded model's router choices
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/overview.py")
+    assert_clean(at)
+    assert {m.label: m.delta for m in at.metric if m.delta} == {}
+    captions = [c.value for c in at.caption]
+    nats = (layer_steps.router_entropy_mean * layer_steps.tokens).sum() / layer_steps.tokens.sum()
+    assert f"H / ln E = {nats / np.log(experts):.3f}" in captions
+    rate = layer_steps.dropped_tokens.sum() / layer_steps.tokens.sum()
+    assert f"{rate:.2%} of layer-tokens" in captions
 
 
 def test_tag_filter_narrows_the_numbers(monkeypatch, recorded):
