@@ -344,7 +344,8 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
              + ", ".join(f"{b['position_start']}-{b['position_end'] - 1}: {100 * b['active_fraction']:.2f}%"
                          for b in by_position))
     _say(f"  {headline_sentence(figures)}")
-    _say(f"  specialisation NMI(expert; domain) per layer, {SPECIALISATION_SCOPE}: "
+    _say(f"  kept-slot specialisation NMI(expert; domain) per layer, {SPECIALISATION_SCOPE} (the model card's "
+         "top-1 specialisation counts the router's first choices before the capacity): "
          + ", ".join(f"{v:.3f}" for v in figures["specialisation_by_layer"]))
     _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
     _say(f"  {figures['jitter']}")
