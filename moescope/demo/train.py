@@ -483,6 +483,7 @@ def model_card(summary: dict) -> str:
     recipe = summary["recipe"]
     router_scale = recipe["router_lr_scale"]
     spec = summary["specialisation"]
+    held_out_tokens = ", ".join(f"{n:,} {d}" for d, n in spec["tokens_per_domain"].items())
     layer_rows = "\n".join(
         f"| {layer} | {trained:.3f} | {random:.3f} | "
         + ", ".join(f"{d} → {e} ({share:.0%})" for d, (e, share) in spec["favourite_experts"][layer].items()) + " |"
@@ -555,10 +556,10 @@ included. Final load-balancing loss (moving average): {summary['router_aux_loss_
 Losses are next-token cross-entropy in nats; held-out figures are on {spec['texts_per_domain']} held-out
 texts per domain (`domain_texts(domain, {spec['texts_per_domain']}, seed=0)`).
 
-## Specialisation
+## Top-1 specialisation
 
-Normalised mutual information between a token's domain and the expert its router ranks first,
-per layer, on the same held-out texts ({', '.join(f'{n:,} {d}' for d, n in spec['tokens_per_domain'].items())}
+Normalised mutual information between a token's domain and the expert its router ranks first
+(before the capacity drops anything), per layer, on the same held-out texts ({held_out_tokens}
 tokens), against the same config with random weights. Measured by
 `moescope.demo.specialisation.measure_specialisation`; the last column gives each domain's most
 chosen top-1 expert and the share of that domain's tokens it takes.
@@ -571,6 +572,14 @@ A layer whose NMI stays near the random figure routes by something other than th
 identity, position); a layer whose favourite expert is the same for every domain has a hot expert
 that the load-balancing loss, which balances top-2 choices rather than top-1, tolerates. Both are
 worth seeing in the dashboard.
+
+This is not the figure `moescope demo` prints and the dashboard's Semantic clusters page draws.
+That one, *kept-slot specialisation*, is NMI(expert; domain) over every top-k slot an expert kept
+(second choices in, slots dropped at capacity out), on the demo's traffic, and it comes out lower
+than the top-1 figures above: second choices are less tied to a domain than first ones, and the
+capacity caps the slots an expert keeps per sequence (see Model), so a domain's favourite expert
+keeps only part of its first choices. Both use `alerts.signals.normalized_mutual_information`;
+they count different things.
 {active_fraction_section(summary)}"""
 
 

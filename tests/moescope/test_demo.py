@@ -391,4 +391,5 @@ def test_the_demo_prints_its_routing_jitter(demo):
     _, out, summary = demo
     line = summary["jitter"]
     assert line in out and line.startswith("Routing jitter")
+    assert "kept-slot specialisation NMI(expert; domain)" in out  # the Clusters page's name for its figure
     assert "repeat 0.00%" in line and "bfloat16" in line and "batch=" in line

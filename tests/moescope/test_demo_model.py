@@ -338,3 +338,20 @@ def test_quick_training_writes_a_loadable_model(tmp_path):
 def test_load_demo_model_says_how_to_build_a_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="train-demo"):
         load_demo_model(tmp_path)
+
+
+def test_the_committed_model_card_is_what_train_demo_writes():
+    """`moescope train-demo` regenerates the card from training_summary.json: the committed card must
+    be exactly that text, so a wording fixed in one (issue 24: top-1 vs kept-slot specialisation) is
+    not undone by the next training run."""
+    import json
+    import os
+
+    from moescope.demo.data import demo_model_path
+    from moescope.demo.train import model_card
+
+    folder = demo_model_path()
+    with open(os.path.join(folder, "training_summary.json"), encoding="utf-8") as fh:
+        summary = json.load(fh)
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as fh:
+        assert model_card(summary) == fh.read()
