@@ -43,13 +43,18 @@ def store_epilog(example: str) -> str:
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, *, option: bool = False, required: bool = True,
-                        what: str = STORE_HELP, state_dir: bool = False) -> None:
-    """Add the store (a positional STORE, or `--store` with `option`), `--storage-option KEY=VALUE`
-    (repeatable, `args.storage_option`) and, with `state_dir`, `--state-dir DIR` (`args.state_dir`)."""
+                        what: str = STORE_HELP, state_dir: bool = False, followed_by_positionals: bool = False) -> None:
+    """Add the store (a positional STORE and `--store`, or only `--store` with `option`),
+    `--storage-option KEY=VALUE` (repeatable, `args.storage_option`) and, with `state_dir`,
+    `--state-dir DIR` (`args.state_dir`). `followed_by_positionals`: the command takes more
+    positionals after STORE (query's SQL); its parser then reads options before positionals, so that
+    `query STORE --format json SQL` and `query --store STORE SQL` both parse."""
     if option:
         parser.add_argument("--store", required=required, metavar="STORE", help=what)
     else:
         parser.add_argument("store", metavar="STORE", nargs="?", action=_StoreAction, help=what)
+        if followed_by_positionals:
+            parser.__class__ = _OptionsFirstParser
         parser.add_argument("--store", dest="store", metavar="STORE", action=_StoreAction,
                             help="the same as STORE (every command takes --store)")
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
@@ -61,6 +66,23 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, option: bool = False
                             help="local folder for state that cannot live on object storage (the alerts outbox); "
                                  "default STORE/.moescope for a local store, ~/.cache/moescope/<hash of the URL> "
                                  "for a URL")
+
+
+class _OptionsFirstParser(argparse.ArgumentParser):
+    """A (sub)parser that takes every option first and then the positionals from what is left
+    (argparse's intermixed parsing): an optional STORE before a required positional otherwise takes
+    the wrong word once an option sits between them."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._intermixed:  # parse_known_intermixed_args calls back here for each of its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
 
 
 class _StoreAction(argparse.Action):
