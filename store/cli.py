@@ -102,7 +102,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("query", help="run SQL over a store and print a table",
                               description=QUERY_HELP, formatter_class=raw,
                               epilog=store_epilog('moescope query STORE "SELECT count(*) FROM steps"'))
-    add_store_arguments(p)
+    add_store_arguments(p, followed_by_positionals=True)
     p.add_argument("sql", help="the query (DuckDB SQL over the store's views)")
     p.add_argument("--max-rows", type=int, default=100, help="rows to print at most (default 100)")
     p.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
