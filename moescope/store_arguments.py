@@ -75,7 +75,7 @@ class _OptionsFirstParser(argparse.ArgumentParser):
 
     _intermixed = False
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         if self._intermixed:  # parse_known_intermixed_args calls back here for each of its two passes
             return super().parse_known_args(args, namespace)
         self._intermixed = True
