@@ -396,17 +396,12 @@ class ReportQueries:
         """A jitter run's listed tokens (expert set or top-1 changed), of one condition and layer where
         given, at most `limit` (capped at MAX_TOKENS_LISTED), narrowest top-k margin first: the
         `jitter_tokens` columns but run_id and rank (margins in the baseline's router logits)."""
-        clauses: list[str] = ["run_id = ?"]
-        params: list[object] = [run_id]
+        clause, params = where(run_id, layer)
         if condition is not None:
-            clauses.append("condition = ?")
-            params.append(str(condition))
-        if layer is not None:
-            clauses.append("layer = ?")
-            params.append(int(layer))
+            clause, params = f"{clause} AND condition = ?", [*params, str(condition)]
         limit = max(1, min(int(limit), MAX_TOKENS_LISTED))
         return self.sql(f"""
-            SELECT * EXCLUDE (run_id, rank) FROM jitter_tokens WHERE {" AND ".join(clauses)}
+            SELECT * EXCLUDE (run_id, rank) FROM jitter_tokens WHERE {clause}
             ORDER BY topk_margin, condition, layer, sequence, position LIMIT ?""", [*params, limit])
 
     # -- tables written by the alerts side and the dashboard -------------------------------------
