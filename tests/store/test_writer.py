@@ -539,3 +539,31 @@ def test_the_runs_rows_are_written_once_when_two_threads_retry_them(tmp_path, mo
     exporter.shutdown()
     assert snapshot_rows(tmp_path, "runs").num_rows == 1
     assert snapshot_rows(tmp_path, "layers").num_rows == len(run.layers)
+
+
+def test_route_files_carry_the_encodings_the_layout_names_and_page_checksums(tmp_path):
+    """Parquet settings name a nested column's leaf: the expert ids (a list) are dictionary encoded
+    and the gate weights split by byte stream, not only named so; token numbers are delta encoded.
+    Every page still carries its checksum (a damaged page is detected, `store.quarantine`)."""
+    rng = np.random.default_rng(9)
+    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9)
+    exporter.export([make_record("r", step, rng, tokens=64) for step in range(4)])
+    exporter.shutdown()
+    [part] = delta.snapshot(str(tmp_path), "routes").files
+    path = tmp_path / "routes" / part.path
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {group.column(i).path_in_schema: set(group.column(i).encodings) for i in range(group.num_columns)}
+    assert "RLE_DICTIONARY" in encodings["expert_ids.list.element"]
+    assert "BYTE_STREAM_SPLIT" in encodings["gate_weights.list.element"]
+    assert "DELTA_BINARY_PACKED" in encodings["token_id"] and "DELTA_BINARY_PACKED" in encodings["token"]
+    assert "RLE_DICTIONARY" in encodings["layer"]
+    assert pq.read_table(path, page_checksum_verification=True).num_rows == 4 * 3 * 64
+    token_ids = group.column(5)
+    assert token_ids.path_in_schema == "token_id"
+    with open(path, "r+b") as f:  # one flipped bit in the token ids' data: the page checksum catches it
+        f.seek(token_ids.data_page_offset + token_ids.total_compressed_size - 8)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(OSError):
+        pq.read_table(path, page_checksum_verification=True)
