@@ -50,6 +50,7 @@ class FileInfo:
     part: delta.PartFile  # its entry in the table's log (path relative to the table, rows, run)
     rows: int  # rows in its footer
     columns: tuple[str, ...]  # columns in the file (run_id is in the folder name, not here)
+    decoded_bytes: int = -1  # its rows' size uncompressed, as its footer says (-1: not known)
 
     @property
     def run_id(self) -> str:
@@ -104,8 +105,12 @@ class Catalog:
             return None
         return (table, part.path, stat.st_size, stat.st_mtime_ns)
 
-    def check(self, table: str, part: delta.PartFile) -> FileInfo | None:
-        """The file's footer, checked (cached); None when it is bad (quarantined, or skipped) or missing."""
+    def check(self, table: str, part: delta.PartFile, verify: bool | None = None) -> FileInfo | None:
+        """The file's footer, checked (cached); None when it is bad (quarantined, or skipped) or missing.
+
+        verify=False checks the footer only, for a caller that reads the file through itself with
+        the same check (`store.quarantine.read_checked`: compaction) and rejects it if that fails;
+        such a result is not cached as checked."""
         path = self.full_path(table, part)
         key = self._key(table, part, path)
         if key is None:
@@ -130,11 +135,14 @@ class Catalog:
         if part.rows >= 0 and meta.num_rows != part.rows:
             self.reject(table, part, f"its footer holds {meta.num_rows} rows, the table's log says {part.rows}", key)
             return None
-        if self.verify and (problem := deep_check(path, None if self.location.is_local else self.filesystem)):
+        deep = self.verify if verify is None else verify and self.verify
+        if deep and (problem := deep_check(path, None if self.location.is_local else self.filesystem)):
             self.reject(table, part, f"damaged data: {problem}", key)
             return None
-        info = FileInfo(path, part, meta.num_rows, tuple(meta.schema.to_arrow_schema().names))
-        self._checked[key] = info
+        info = FileInfo(path, part, meta.num_rows, tuple(meta.schema.to_arrow_schema().names),
+                        sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+        if deep or not self.verify:
+            self._checked[key] = info
         return info
 
     def _warn_missing(self, table: str, part: delta.PartFile, key: tuple) -> None:

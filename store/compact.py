@@ -4,9 +4,12 @@ Both are Delta commits on the store's tables; neither stops writers, and no read
 twice or misses one (a reader reads one version of each table; see `store.store`).
 
 `compact` merges, per table and run, the small files of the table's latest version into files of
-up to COMPACT_FILE_ROWS rows sorted by (layer, step, ...) (DuckDB sorts, pyarrow writes them, with
-page checksums like every file of the store). Each source is checked first (footer, page
-checksums): a bad one is quarantined, never merged. One commit then removes the sources and adds
+up to COMPACT_FILE_ROWS rows sorted by (layer, step, ...), written by pyarrow with page checksums
+like every file of the store. A merge whose rows fit in IN_MEMORY_MERGE_BYTES (routes: 8 Mi rows
+take about 0.8 GB) reads each source once, checking it as it reads (footer, page checksums, rows
+per column), and sorts in pyarrow; a larger one (wide rows) is sorted by DuckDB within its memory
+limit, spilling if it must, after each source is checked. A bad source is quarantined, never
+merged: the merge starts again without it. One commit then removes the sources and adds
 the merged files, both marked `data_change=False` (the same rows, rewritten): a version either has
 the sources or the merged files, never both. Writers keep appending meanwhile; their files are not
 among the sources and stay live. Two compactions (or a compaction and a prune, or a quarantine)
@@ -38,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moescope.store import delta
@@ -51,7 +56,7 @@ from moescope.store.layout import (
     parquet_options,
 )
 from moescope.store.location import StoreLocation, open_location
-from moescope.store.quarantine import display
+from moescope.store.quarantine import display, read_checked
 from moescope.store.schema import SCHEMAS, TABLES
 from moescope.store.store import connect
 
@@ -70,6 +75,9 @@ COMPACTED_PREFIX = "part-compacted-"
 # version (the dashboard between two refreshes, a long query, a Spark job) keeps reading them.
 DEFAULT_RETENTION_HOURS = 1.0
 COMMIT_ATTEMPTS = 5
+# A merge whose sources take at most this much memory decoded (their footers say) is read and sorted
+# in memory by pyarrow, each source read once; a larger one goes through DuckDB, which can spill.
+IN_MEMORY_MERGE_BYTES = 2 * 1024**3
 
 
 @dataclass
@@ -102,7 +110,23 @@ def _groups(small: list[FileInfo], target_rows: int) -> list[list[FileInfo]]:
 def _merge(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
            row_group_rows: int) -> delta.PartFile:
     """Write the rows of `group`, sorted by the table's keys, as a new file of the run (uncommitted);
-    returns its PartFile (rows and stats from the footer written).
+    returns its PartFile (rows and stats from the footer written). Raises _BadSource when a source
+    fails its check (nothing is written then).
+
+    A group whose rows fit in IN_MEMORY_MERGE_BYTES is merged by `_merge_in_memory` (each source
+    read once, checked as it is read); a larger one by `_merge_duckdb`, each source checked through
+    first."""
+    if all(i.decoded_bytes >= 0 for i in group) and sum(i.decoded_bytes for i in group) <= IN_MEMORY_MERGE_BYTES:
+        return _merge_in_memory(catalog, table, run_id, group, row_group_rows)
+    for info in group:
+        if catalog.check(table, info.part) is None:  # checked through; a bad one is quarantined (or skipped)
+            raise _BadSource(info, "")
+    return _merge_duckdb(con, catalog, table, run_id, group, row_group_rows)
+
+
+def _merge_duckdb(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
+                  row_group_rows: int) -> delta.PartFile:
+    """`_merge` for a group too large to sort in memory.
 
     DuckDB sorts within its memory limit (spilling if it must); pyarrow writes, so the merged file
     has page checksums like every other file of the store (DuckDB's writer has none). Row groups
@@ -165,6 +189,77 @@ def _merge(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id:
     return delta.PartFile(relative, written, footer.num_rows, run_id, delta.file_stats(footer))
 
 
+class _BadSource(Exception):
+    """A source of a merge failed its check while it was read: quarantine it and merge again without it."""
+
+    def __init__(self, info: FileInfo, reason: str):
+        super().__init__(reason)
+        self.info, self.reason = info, reason
+
+
+def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
+                     row_group_rows: int) -> delta.PartFile:
+    """`_merge` for a group that fits in memory: each source read once, checked as it is read
+    (`store.quarantine.read_checked`; raises _BadSource for a bad one, before anything is written),
+    the rows sorted by the table's keys with pyarrow (a stable sort) and written in row groups of
+    `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES.
+
+    Where the sorted order is made of long runs of consecutive rows (a writer's files hold each
+    layer's rows of a step together), a row group is assembled from slices of the sources, not
+    copied row by row."""
+    location = catalog.location
+    filesystem = None if location.is_local else catalog.filesystem
+    fields = [f for f in SCHEMAS[table] if f.name != delta.PARTITION_COLUMN]
+    schema = pa.schema(fields)
+    tables = []
+    for info in group:
+        data, problem = read_checked(info.path, filesystem)
+        if data is None:
+            raise _BadSource(info, f"damaged data: {problem}" if problem else "")  # "": gone, not bad
+        # the schema's own types (names of list items, time zone spelling), nulls for a column a file lacks
+        tables.append(pa.Table.from_arrays(
+            [data.column(f.name).cast(f.type) if f.name in data.column_names else pa.nulls(data.num_rows, f.type)
+             for f in fields], schema=schema))
+    merged = pa.concat_tables(tables)
+    del tables
+    rows = merged.num_rows
+    keys = [k.strip() for k in SORT_KEYS[table].split(",")] if table in SORT_KEYS else []
+    if keys and rows:
+        order = pc.sort_indices(merged.select(keys), sort_keys=[(k, "ascending") for k in keys],
+                                null_placement="at_end").to_numpy()
+    else:
+        order = np.arange(rows)
+    per_row = max(1, merged.nbytes // max(1, rows))
+    step = max(1, min(row_group_rows, COMPACT_ROW_GROUP_BYTES // per_row))
+    name = compacted_name()
+    relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
+    path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)
+    with catalog.filesystem.open_output_stream(path) as stream:
+        writer = pq.ParquetWriter(stream, schema, **parquet_options(schema.names))
+        try:
+            for start in range(0, rows, step):
+                take = order[start:start + step]
+                breaks = np.flatnonzero(np.diff(take) != 1) + 1
+                if (len(breaks) + 1) * 64 <= len(take):  # runs of 64 rows or more on average: slices
+                    starts = np.concatenate([[0], breaks])
+                    ends = np.concatenate([breaks, [len(take)]])
+                    piece = pa.concat_tables([merged.slice(int(take[a]), int(b - a)) for a, b in zip(starts, ends)])
+                else:
+                    piece = merged.take(pa.array(take))
+                writer.write_table(piece, row_group_size=len(take))
+        finally:
+            writer.close()
+        written = stream.tell()
+        footer = writer.writer.metadata
+    if location.is_local:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return delta.PartFile(relative, written, footer.num_rows, run_id, delta.file_stats(footer))
+
+
 def _delete(catalog: Catalog, table: str, parts: Sequence[delta.PartFile]) -> None:
     """Delete files no version names (merged files whose commit was not made)."""
     for part in parts:
@@ -184,14 +279,17 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
     catalog = catalog if catalog is not None else Catalog(location)
     result = CompactResult(table, run_id)
     app = REWRITE_APP.format(table=table)
-    for _ in range(attempts):
+    tries = restarts = 0
+    while tries < attempts:
         seen = app_version(location, table, app)  # before the snapshot: see store.catalog.app_version
         snap = delta.snapshot(location, table)
         if snap is None:
             result.skipped = "no such table"
             return result
         small = [p for p in snap.files if p.run_id == run_id and p.rows < target_rows // 2]
-        checked = [info for p in small if (info := catalog.check(table, p)) is not None]  # bad ones: quarantined
+        # footers now (bad ones: quarantined); pages as each group is merged (`_merge_in_memory` reads
+        # them through once, checked; a group for DuckDB is checked through first)
+        checked = [info for p in small if (info := catalog.check(table, p, verify=False)) is not None]
         groups = _groups(checked, target_rows)
         if not groups:
             result.skipped = "nothing to merge"
@@ -213,6 +311,15 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
             except delta.CommitConflictError:  # a source was removed since the snapshot: nothing committed
                 version = None
             committed = delta.snapshot(location, table, version) if version is not None else None
+        except _BadSource as bad:
+            _delete(catalog, table, [part for _, part in merged])
+            if bad.reason:
+                catalog.reject(table, bad.info.part, bad.reason)
+            restarts += 1  # each restart leaves out one more file: they are bounded by the files
+            if restarts > len(small):
+                result.skipped = "sources kept failing their checks or going missing; run compact again"
+                return result
+            continue  # again without it: it is quarantined, or skipped by this catalog (not a commit race)
         except BaseException:
             _delete(catalog, table, [part for _, part in merged])
             raise
@@ -228,6 +335,7 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
         log.info("moescope compact: %s/%s changed under the merge (another compaction?); merging again",
                  location.redacted, table)
         _delete(catalog, table, adds)
+        tries += 1
     result.skipped = "other commits that remove files kept coming first; run compact again"
     return result
 

@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moescope.store.layout import QUARANTINE_DIR
@@ -73,6 +74,35 @@ def deep_check(path: str, filesystem: Any = None) -> str | None:
     except Exception as e:  # pyarrow raises several types for a damaged file
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def read_checked(path: str, filesystem: Any = None) -> tuple[pa.Table | None, str | None]:
+    """Read a whole file, checked as `deep_check` checks it: every page against its checksum, and
+    each column of each row group read on its own must hold the rows the footer says. Returns
+    (its rows, None), (None, the error text) for a bad file, or (None, None) when it is not there.
+    For a caller that holds the file's rows anyway (compaction's merge): the check and the read are
+    one pass through the file, not two."""
+    try:
+        source = pa.OSFile(path) if filesystem is None else filesystem.open_input_file(path)
+        with source:
+            file = pq.ParquetFile(source, page_checksum_verification=True)
+            schema = file.schema_arrow
+            groups = []
+            for group in range(file.metadata.num_row_groups):
+                expected = file.metadata.row_group(group).num_rows
+                columns = []
+                for column in schema.names:
+                    data = file.read_row_group(group, columns=[column], use_threads=False).column(0)
+                    if len(data) != expected:
+                        return None, (f"column {column!r} of row group {group} holds {len(data)} rows, its footer "
+                                      f"says {expected}")
+                    columns.append(data)
+                groups.append(pa.Table.from_arrays(columns, schema=schema))
+            return (pa.concat_tables(groups) if groups else schema.empty_table()), None
+    except FileNotFoundError:
+        return None, None
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _open_input(path: str, filesystem: Any) -> Any:

@@ -275,3 +275,76 @@ def test_compaction_keeps_what_a_pinned_reader_needs_until_the_retention(tmp_pat
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+def _sorted_rows(location) -> list[tuple]:
+    """Every routes row of the latest version in file order, the files in name order (the merged ones)."""
+    fs = location.filesystem()
+    out = []
+    for part in sorted(parts(location, "routes"), key=lambda p: p.path):
+        with fs.open_input_file(file_path(location, "routes", part)) as f:
+            data = pq.read_table(f)
+        columns = [c for c in data.column_names if c != "tags"]
+        out += [tuple(tuple(v) if isinstance(v, list) else v for v in row)
+                for row in zip(*(data.column(c).to_pylist() for c in columns + ["tags"]))]
+    return out
+
+
+def test_the_in_memory_merge_and_duckdbs_write_the_same_rows_in_the_same_order(tmp_path, monkeypatch):
+    """A group that fits in memory is sorted by pyarrow (each source read once), a larger one by
+    DuckDB: both give the same rows in the same (layer, step, rank, token) order, in row groups of
+    the size asked. Two ranks' files interleave, so the order is not the files' own."""
+    stores = {}
+    for name, limit in (("memory", compaction.IN_MEMORY_MERGE_BYTES), ("duckdb", -1)):
+        location = open_location(tmp_path / name)
+        write_run(location, "r", steps=6, rank=0, seed=3)
+        write_run(location, "r", steps=6, rank=1, seed=4)
+        want = _rows(location)
+        monkeypatch.setattr(compaction, "IN_MEMORY_MERGE_BYTES", limit)
+        calls = []
+        for merge in ("_merge_in_memory", "_merge_duckdb"):
+            real = getattr(compaction, merge)
+            monkeypatch.setattr(compaction, merge, lambda *a, _real=real, _name=merge, **k: (calls.append(_name),
+                                                                                            _real(*a, **k))[1])
+        [result] = compact(location, tables=("routes",), row_group_rows=100)
+        assert set(calls) == {"_merge_in_memory" if name == "memory" else "_merge_duckdb"}
+        assert result.merged_files == 12 and _rows(location) == want
+        [part] = parts(location, "routes")
+        meta = pq.read_metadata(file_path(location, "routes", part))
+        assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [100] * 5 + [76]
+        rows = _sorted_rows(location)
+        stores[name] = rows
+    assert stores["memory"] == stores["duckdb"]
+    keys = [(row[1], row[0], row[-2], row[2]) for row in stores["memory"]]  # layer, step, rank, token
+    assert keys == sorted(keys)
+
+
+def test_a_source_found_damaged_while_merged_in_memory_is_quarantined_and_the_merge_goes_on(tmp_path):
+    """Compaction reads each source once, checking every page as it reads: a file whose footer is
+    sound but a page damaged is found there, copied to quarantine and taken out of the table, and
+    the other sources are merged without it; no merged file holds its rows."""
+    location = open_location(tmp_path)
+    write_run(location, "r", steps=5)
+    sources = sorted(parts(location, "routes"), key=lambda p: p.path)
+    bad = sources[2]
+    path = tmp_path / "routes" / bad.path
+    meta = pq.read_metadata(path)
+    column = meta.row_group(0).column(7)
+    assert column.path_in_schema == "gate_weights.list.element"
+    data = bytearray(path.read_bytes())
+    data[column.data_page_offset + column.total_compressed_size - 4] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert pq.read_metadata(path).num_rows == 48  # the footer reads: only a read through finds it
+    good = collections.Counter()
+    for part in sources:
+        if part != bad:
+            rows = pq.read_table(tmp_path / "routes" / part.path)
+            good.update(zip(*(rows.column(c).to_pylist() for c in ("step", "layer", "token"))))
+    with pytest.warns(Warning):
+        [result] = compact(location, tables=("routes",))
+    assert result.merged_files == 4 and result.rows == 4 * 48
+    assert bad.path not in {p.path for p in parts(location, "routes")}
+    assert collections.Counter(zip(*(read_table(location, "routes").column(c).to_pylist()
+                                     for c in ("step", "layer", "token")))) == good
+    [moved] = Store(location).quarantined()
+    assert moved.reason.startswith("damaged data") and moved.original_path.endswith(bad.path.split("/")[-1])
