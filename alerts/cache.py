@@ -183,10 +183,11 @@ def _priorities(token: np.ndarray, column: np.ndarray, expert: np.ndarray, width
     """Each access's standing after it (higher: evicted later), one int64: the policy's key, then recency."""
     recency = token * width + (width - 1 - column)
     scale = (tokens + 1) * width  # above every recency code
-    order = np.argsort(expert, kind="stable")  # each expert's accesses in replay order
-    group_start = np.r_[0, np.flatnonzero(np.diff(expert[order])) + 1]
-    sizes = np.diff(np.r_[group_start, len(order)])
-    rank = np.arange(len(order)) - np.repeat(group_start, sizes)  # accesses of the expert before this one
+    # each expert's accesses in replay order; numpy's stable sort of 16-bit ids is a radix sort
+    narrow = expert.astype(np.uint16) if expert.max() < (1 << 16) else expert
+    order = np.argsort(narrow, kind="stable")
+    sizes = np.bincount(expert)  # accesses of each expert
+    rank = np.arange(len(order)) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # accesses of the expert before this one
     if policy == "lfu":
         count = np.empty(len(order), dtype=np.int64)
         count[order] = rank + 1  # accesses since the stream began, this one included
