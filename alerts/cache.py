@@ -198,8 +198,27 @@ def _priorities(token: np.ndarray, column: np.ndarray, expert: np.ndarray, width
     return -next_use * scale + recency
 
 
-def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndarray, num_experts: int,
-                        deepest: int) -> np.ndarray:
+def _best_first(token: np.ndarray, column: np.ndarray, width: int, priority: np.ndarray) -> np.ndarray:
+    """The accesses' indices in replay order, each token's best standing (highest priority) first.
+
+    A sort within each token's row of `width` slots (the standings in a (tokens, width) grid, empty
+    slots last), not of the whole stream by (token, standing): on the benchmark's 8 M accesses 0.3 s
+    of CPU instead of 1.2 to 2.4 s for np.lexsort.
+    """
+    rows = int(token[-1]) + 1
+    slot = token * width + column  # each access's place in the grid
+    key = np.full(rows * width, np.iinfo(np.int64).max, dtype=np.int64)  # ascending: best first, empty last
+    key[slot] = -priority
+    grid = np.argsort(key.reshape(rows, width), axis=1)
+    grid += np.arange(0, rows * width, width)[:, None]
+    index = np.full(rows * width, -1, dtype=np.int64)  # the access in each slot
+    index[slot] = np.arange(len(slot))
+    order = index[grid.ravel()]
+    return order[order >= 0]
+
+
+def _stack_depth_counts(token: np.ndarray, column: np.ndarray, expert: np.ndarray, priority: np.ndarray,
+                        width: int, num_experts: int, deepest: int) -> np.ndarray:
     """How many accesses found their expert at each stack depth below `deepest`, in one pass.
 
     Under the all-at-once rule every policy here is a stack algorithm: the cache of C after a
@@ -212,7 +231,7 @@ def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndar
     the token's experts), down to the deepest of the token's experts; below that nothing moves.
     Only the first `deepest` depths are kept: deeper ones change no cache of that size or less.
     """
-    order = np.lexsort((-priority, token))  # each token's experts, best standing first
+    order = _best_first(token, column, width, priority)
     bounds = np.r_[0, np.flatnonzero(np.diff(token)) + 1, len(token)].tolist()
     # arrays, not lists: 8 bytes an access instead of a Python int each
     experts, priorities = array("q", expert[order].tobytes()), array("q", priority[order].tobytes())
@@ -222,23 +241,23 @@ def _stack_depth_counts(token: np.ndarray, expert: np.ndarray, priority: np.ndar
     standing: list[int] = []  # standing[i]: the standing of stack[i]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         row = experts[lo:hi]
-        width = hi - lo
+        k = hi - lo  # the token's experts
         found = [depth_of[e] for e in row]
         depths.extend(found)
         # the stack changes down to the deepest of the token's experts, or to the bottom after a first
         # use (or a use from below `deepest`), which carries an expert all the way down
-        end = deepest if min(found) < 0 else max(max(found) + 1, width)
+        end = deepest if min(found) < 0 else max(max(found) + 1, k)
         used = set(row)
         size = len(stack)
-        pool = [(standing[i], x) for i, x in enumerate(stack[:width]) if x not in used]  # carried down
-        stack[:width] = row
-        standing[:width] = priorities[lo:hi]
+        pool = [(standing[i], x) for i, x in enumerate(stack[:k]) if x not in used]  # carried down
+        stack[:k] = row
+        standing[:k] = priorities[lo:hi]
         for depth, e in enumerate(row):
             depth_of[e] = depth
-        if pool and size > width:
+        if pool and size > k:
             pool.sort()  # ascending: the best carried is last
             best_standing, best_expert = pool[-1]
-            for i in range(width, min(end, size)):
+            for i in range(k, min(end, size)):
                 x = stack[i]
                 if x in used:  # a slot the token's expert left: the pool's best takes it
                     stack[i], standing[i] = best_expert, best_standing
@@ -299,7 +318,7 @@ def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str]
             counts = _lru_depth_counts(token, column, expert, width, tokens, num_experts)
         else:
             priority = _priorities(token, column, expert, width, tokens, policy)
-            counts = _stack_depth_counts(token, expert, priority, num_experts, deepest)
+            counts = _stack_depth_counts(token, column, expert, priority, width, num_experts, deepest)
         hits = np.cumsum(counts)[depth_index] if len(counts) else np.zeros(len(wanted), dtype=np.int64)
         curves[policy] = CacheCurve(policy, hits.astype(np.int64), len(expert), len(np.unique(token)), wanted)
     return curves
