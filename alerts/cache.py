@@ -230,58 +230,72 @@ def _stack_depth_counts(token: np.ndarray, column: np.ndarray, expert: np.ndarra
     best of what was above it in the old stack and not yet placed (a carried pool, never more than
     the token's experts), down to the deepest of the token's experts; below that nothing moves.
     Only the first `deepest` depths are kept: deeper ones change no cache of that size or less.
+
+    Most of the walk down passes slots that keep their expert, so that case is one comparison: a
+    stack entry is one int, the expert's *code* (its standing x E + the expert: the codes sort as
+    the standings do, and code % E is the expert), and the slots the token's experts left hold a
+    hole value below every code, so a slot changes exactly when its code is not above the pool's best.
     """
     order = _best_first(token, column, width, priority)
     bounds = np.r_[0, np.flatnonzero(np.diff(token)) + 1, len(token)].tolist()
+    if int(np.abs(priority).max()) >= (1 << 62) // num_experts:
+        # the codes could overflow int64 (they stay within +-2**62 + E); the ranks of the standings keep
+        # their order, all the stack needs
+        ranks = np.empty_like(priority)
+        ranks[np.argsort(priority)] = np.arange(len(priority))
+        priority = ranks
     # arrays, not lists: 8 bytes an access instead of a Python int each
-    experts, priorities = array("q", expert[order].tobytes()), array("q", priority[order].tobytes())
+    experts = array("q", expert[order].tobytes())
+    codes = array("q", (priority[order] * num_experts + expert[order]).tobytes())
+    hole = -(1 << 63)  # below every code
     depths = array("q")  # every access's depth before its token, -1 for none
     depth_of = [-1] * num_experts  # each expert's place in the stack; -1: not in it
-    stack: list[int] = []
-    standing: list[int] = []  # standing[i]: the standing of stack[i]
+    stack: list[int] = []  # the experts' codes
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         row = experts[lo:hi]
         k = hi - lo  # the token's experts
         found = [depth_of[e] for e in row]
-        depths.extend(found)
+        depths.fromlist(found)
+        found.sort()
+        missing = found.count(-1)  # experts not in the stack, sorted first
         # the stack changes down to the deepest of the token's experts, or to the bottom after a first
         # use (or a use from below `deepest`), which carries an expert all the way down
-        end = deepest if min(found) < 0 else max(max(found) + 1, k)
-        used = set(row)
+        if missing:
+            end = deepest
+            del found[:missing]
+        else:
+            end = max(found[-1] + 1, k)
         size = len(stack)
-        pool = [(standing[i], x) for i, x in enumerate(stack[:k]) if x not in used]  # carried down
-        stack[:k] = row
-        standing[:k] = priorities[lo:hi]
+        for depth in found:  # the slots the token's experts leave
+            stack[depth] = hole
+        pool = sorted(stack[:k])  # carried down: the old top's experts the token does not use
+        del pool[:pool.count(hole)]
+        stack[:k] = codes[lo:hi]
         for depth, e in enumerate(row):
             depth_of[e] = depth
         if pool and size > k:
-            pool.sort()  # ascending: the best carried is last
-            best_standing, best_expert = pool[-1]
-            for i in range(k, min(end, size)):
-                x = stack[i]
-                if x in used:  # a slot the token's expert left: the pool's best takes it
-                    stack[i], standing[i] = best_expert, best_standing
-                    depth_of[best_expert] = i
-                    pool.pop()
+            best = pool[-1]  # ascending: the best carried is last
+            for i, code in enumerate(stack[k:min(end, size)], k):
+                if code > best:  # better than all carried: stays
+                    continue
+                if code == hole:  # a slot the token's expert left: the pool's best takes it
+                    stack[i] = pool.pop()
+                    depth_of[best % num_experts] = i
                     if not pool:
                         break
-                elif standing[i] > best_standing:  # better than all carried: stays
-                    continue
-                else:  # the pool's best takes the slot, x is carried further down
-                    pool.pop()
-                    insort(pool, (standing[i], x))
-                    stack[i], standing[i] = best_expert, best_standing
-                    depth_of[best_expert] = i
-                best_standing, best_expert = pool[-1]
+                else:  # the pool's best takes the slot, this one is carried further down
+                    insort(pool, code)
+                    stack[i] = pool.pop()
+                    depth_of[best % num_experts] = i
+                best = pool[-1]
         if pool:  # the old stack ran out: what is still carried goes below it, best first
-            for s, x in sorted(pool, reverse=True):
-                depth_of[x] = len(stack)
-                stack.append(x)
-                standing.append(s)
+            for code in reversed(pool):
+                depth_of[code % num_experts] = len(stack)
+                stack.append(code)
         if len(stack) > deepest:
-            for x in stack[deepest:]:
-                depth_of[x] = -1
-            del stack[deepest:], standing[deepest:]
+            for code in stack[deepest:]:
+                depth_of[code % num_experts] = -1
+            del stack[deepest:]
     every = np.frombuffer(depths, dtype=np.int64)
     return np.bincount(every[every >= 0], minlength=deepest)[:deepest]
 

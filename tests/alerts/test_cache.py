@@ -234,6 +234,25 @@ def test_one_pass_equals_the_replay_at_every_capacity(policy, seed):
     assert curve.hits.tolist() == [_replay_hits(accesses.tolist(), c, policy) for c in range(1, 25)]
 
 
+@pytest.mark.parametrize("policy", ["lfu", "belady"])
+def test_standings_too_large_to_pack_go_through_the_stack_as_ranks(policy):
+    """The stack packs standing x E + expert into one int64; standings too large for that are replaced
+    by their ranks (the same order), and the depths stay the same."""
+    from moescope.alerts.cache import _flat, _priorities, _stack_depth_counts
+
+    experts = 12
+    accesses = expert_accesses(_stream(random.Random(5), 300, experts, 4), experts)
+    token, column, expert, width = _flat(accesses)
+    priority = _priorities(token, column, expert, width, int(token[-1]) + 1, policy)
+    want = _stack_depth_counts(token, column, expert, priority, width, experts, experts)
+    # the same order, and int64 still holds it; standing x E + expert would overflow for the largest
+    huge = priority * ((1 << 64) // experts // int(np.abs(priority).max()))
+    assert int(np.abs(huge).max()) < 1 << 63 and int(np.abs(huge).max()) * experts >= 1 << 63
+    assert _stack_depth_counts(token, column, expert, huge, width, experts, experts).tolist() == want.tolist()
+    rows = accesses.tolist()
+    assert np.cumsum(want).tolist() == [_replay_hits(rows, c, policy) for c in range(1, experts + 1)]
+
+
 def test_capacities_choose_the_points_of_the_curve():
     accesses = expert_accesses(np.array(TEXTBOOK), num_experts=8)
     curves = cache_curves(accesses, 8, capacities=[3, 20, 1, 3])
