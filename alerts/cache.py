@@ -322,6 +322,7 @@ def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str]
         raise ValueError(f"an expert id is at or above num_experts={num_experts}; build the accesses with "
                          "expert_accesses(ids, num_experts)")
     tokens = int(token[-1]) + 1 if len(token) else 0
+    with_access = int(np.count_nonzero(np.diff(token))) + 1 if len(token) else 0  # token is sorted
     deepest = int(min(wanted[-1], num_experts))
     depth_index = np.minimum(wanted, num_experts) - 1
     curves = {}
@@ -334,7 +335,7 @@ def cache_curves(accesses: np.ndarray, num_experts: int, policies: Iterable[str]
             priority = _priorities(token, column, expert, width, tokens, policy)
             counts = _stack_depth_counts(token, column, expert, priority, width, num_experts, deepest)
         hits = np.cumsum(counts)[depth_index] if len(counts) else np.zeros(len(wanted), dtype=np.int64)
-        curves[policy] = CacheCurve(policy, hits.astype(np.int64), len(expert), len(np.unique(token)), wanted)
+        curves[policy] = CacheCurve(policy, hits.astype(np.int64), len(expert), with_access, wanted)
     return curves
 
 
