@@ -210,7 +210,10 @@ def _best_first(token: np.ndarray, column: np.ndarray, width: int, priority: np.
     key = np.full(rows * width, np.iinfo(np.int64).max, dtype=np.int64)  # ascending: best first, empty last
     key[slot] = -priority
     grid = np.argsort(key.reshape(rows, width), axis=1)
+    del key  # one grid-sized array less at the peak
     grid += np.arange(0, rows * width, width)[:, None]
+    if len(slot) == rows * width:  # every slot an access: slot and access numbers agree
+        return grid.ravel()
     index = np.full(rows * width, -1, dtype=np.int64)  # the access in each slot
     index[slot] = np.arange(len(slot))
     order = index[grid.ravel()]
