@@ -154,24 +154,40 @@ class _Fingerprint:
     @torch.no_grad()
     def measure(self, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(sum of squares (E,), sketch (E, blocks), gradient norms (E,)): the norms only with
-        `grads`, and None when no expert weight has a gradient."""
-        sumsq: list[torch.Tensor] = []
-        sketches = []
-        for tensors in self.tensors:
-            total: torch.Tensor | None = None
-            parts = []
-            for (param, row), signs in zip(tensors, self.signs):
-                flat = _part(param, row, self.layer.num_experts)
-                square = torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
-                total = square if total is None else total + square
-                blocks = min(SKETCH_BLOCKS, flat.numel())
+        `grads`, and None when no expert weight has a gradient. A fused (E, ...) parameter is
+        measured for every expert at once (two ops), a submodule per expert one by one."""
+        count = self.layer.num_experts
+        sumsq: torch.Tensor | None = None
+        parts = []
+        if all(row is not None for _, row in self.tensors[0]):  # fused: every expert a row of each parameter
+            for (param, _), signs in zip(self.tensors[0], self.signs):
+                rows = param.detach().view(count, -1)
+                square = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32) ** 2
+                sumsq = square if sumsq is None else sumsq + square
+                blocks = min(SKETCH_BLOCKS, rows.shape[1])
                 length = signs.numel()
-                parts.append((flat[: blocks * length].view(blocks, length) @ signs).to(torch.float32))
-            sketches.append(torch.cat(parts))  # raises for an expert without weights
-            assert total is not None
-            sumsq.append(total)
-        norms = expert_grad_norms(self.tensors, self.layer.num_experts) if grads else None
-        return torch.stack(sumsq), torch.stack(sketches), norms
+                parts.append((rows[:, : blocks * length].reshape(count, blocks, length) @ signs).to(torch.float32))
+            if sumsq is None:
+                raise ValueError("an expert without weights has no fingerprint")
+            sketch = torch.cat(parts, dim=1)
+        else:
+            totals, sketches = [], []
+            for tensors in self.tensors:
+                total: torch.Tensor | None = None
+                pieces = []
+                for (param, row), signs in zip(tensors, self.signs):
+                    flat = _part(param, row, count)
+                    square = torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
+                    total = square if total is None else total + square
+                    blocks = min(SKETCH_BLOCKS, flat.numel())
+                    length = signs.numel()
+                    pieces.append((flat[: blocks * length].view(blocks, length) @ signs).to(torch.float32))
+                sketches.append(torch.cat(pieces))  # raises for an expert without weights
+                assert total is not None
+                totals.append(total)
+            sumsq, sketch = torch.stack(totals), torch.stack(sketches)
+        norms = expert_grad_norms(self.tensors, count) if grads else None
+        return sumsq, sketch, norms
 
     def compare(self) -> dict[str, torch.Tensor]:
         """Cosine of the sketch to the fingerprint, norm ratio, and gradient norms when present."""
@@ -192,10 +208,20 @@ class HealthSampler:
     """Samples expert outputs and re-checks weight fingerprints, at every `sample_every`-th forward.
 
     `install(active)` hooks the routers; `active()` says whether the current forward is recorded.
-    At a sampling forward each hooked layer adds its measurements into its row of the probe's
-    device buffer (`bind`); a window's record carries their sums. The token and expert choices
-    are made on the device from a device visit counter (no host sync, replays under CUDA graphs).
-    `sample(layer, hidden)` returns one layer's measurements as named device tensors.
+    At a sampling forward the visited layers add their measurements into their rows of the probe's
+    device buffer (`bind`); a window's record carries their sums. `sample(layer, hidden)` returns
+    one layer's measurements as named device tensors.
+
+    The budget of a sampled forward is `experts_per_forward` experts per watched layer (None: every
+    expert of every layer), spent in as few calls of the experts modules as it takes: the layers
+    are visited in turn, each running min(budget, its experts) experts in one call, until the
+    budget is spent. So each expert is visited as often as if every layer ran its share, with one
+    call instead of one per layer when a layer has at least as many experts as there are layers.
+    Weight fingerprints rotate too: each layer is checked every `weight_every` sampled forwards,
+    the layers spread over them. The token and expert choices within a layer are made on the
+    device from its visit counter (no host sync). Under CUDA-graph capture and torch.compile every
+    layer runs its own `experts_per_forward` at each sampled forward instead (the host's rotation
+    would be frozen into the graph), and all fingerprints are checked every `weight_every`.
     """
 
     def __init__(self, layers: list[MoELayer], tokens_per_expert: int = 4, experts_per_forward: int | None = 1,
@@ -203,6 +229,8 @@ class HealthSampler:
                  on_error: Callable[[], None] | None = None):
         if tokens_per_expert < 1:
             raise ValueError("tokens_per_expert must be at least 1")
+        if experts_per_forward is not None and experts_per_forward < 1:
+            raise ValueError("experts_per_forward must be at least 1 (or None: every expert)")
         if weight_every < 1:
             raise ValueError("weight_every must be at least 1 (sampled forwards between weight checks)")
         if sample_every < 1:
@@ -214,13 +242,24 @@ class HealthSampler:
         self.sample_every = sample_every
         self.on_error = on_error
         self.seed = seed
+        # experts run per sampled forward: the layers' shares, pooled
+        self.budget = (sum(layer.num_experts for layer in self.layers) if experts_per_forward is None
+                       else experts_per_forward * max(len(self.layers), 1))
         self.now = False  # this forward samples (decided on the host before the forward)
-        self.weights_now = False  # this forward also re-checks weight fingerprints
+        self.weights_now = False  # every layer's weights are due (the rule under capture and compile)
+        self.visiting: dict[int, int] = {}  # layer index -> experts it runs at this forward
+        self.weights_due: set[int] = set()  # layers whose fingerprints are checked at this forward
         self._forwards = 0
         self._samples = 0
+        self._next_layer = 0  # the rotation's place among self.layers
         self._visits: dict[int, torch.Tensor] = {}
         self._rows: dict[int, tuple[torch.Tensor, Any]] = {}
         self.fingerprints = {layer.index: _Fingerprint(layer, seed + layer.index) for layer in self.layers}
+
+    def experts_per_visit(self, layer: MoELayer) -> int:
+        """Experts a visit of `layer` runs while the layers take turns: all of a dense-style layer's."""
+        count = layer.num_experts
+        return count if dispatch_style(layer) == "dense" else min(self.budget, count)
 
     def refingerprint(self, layer: int | None = None) -> None:
         """Take the weight fingerprint again (after a deliberate weight update, e.g. in training)."""
@@ -232,23 +271,53 @@ class HealthSampler:
         """Where each layer accumulates: layer -> (its row of the device buffer, its Columns)."""
         self._rows = rows
 
-    def begin_forward(self) -> None:
-        """Host side, before a forward: decide whether it samples, and whether weights are checked."""
+    def begin_forward(self, capturing: bool = False) -> None:
+        """Host side, before a forward: whether it samples, which layers it visits, whose weights
+        are checked. `capturing`: the forward is captured into a CUDA graph (every layer visits)."""
         self.now = self._forwards % self.sample_every == 0
-        self.weights_now = self.now and self._samples % self.weight_every == 0
         self._forwards += 1
-        if self.now:
-            self._samples += 1
+        self.visiting, self.weights_due = {}, set()
+        self.weights_now = False
+        if not self.now or not self.layers:
+            return
+        count = len(self.layers)
+        self.weights_now = self._samples % self.weight_every == 0
+        if capturing:
+            share = self.experts_per_forward
+            self.visiting = {layer.index: layer.num_experts if share is None or dispatch_style(layer) == "dense"
+                             else min(share, layer.num_experts) for layer in self.layers}
+            self.weights_due = {layer.index for layer in self.layers} if self.weights_now else set()
+        else:
+            spent = 0
+            while spent < self.budget and len(self.visiting) < count:
+                layer = self.layers[self._next_layer]
+                self._next_layer = (self._next_layer + 1) % count
+                self.visiting[layer.index] = self.experts_per_visit(layer)
+                spent += self.visiting[layer.index]
+            # layer i is checked at the sampled forwards s with s = i * weight_every // count (mod weight_every)
+            self.weights_due = {layer.index for i, layer in enumerate(self.layers)
+                                if (self._samples - i * self.weight_every // count) % self.weight_every == 0}
+        self._samples += 1
 
     def install(self, active: Callable[[], bool]) -> list[torch.utils.hooks.RemovableHandle]:
         return [layer.router.register_forward_hook(self._hook(layer, active)) for layer in self.layers]
 
     def _hook(self, layer: MoELayer, active: Callable[[], bool]) -> Callable:
+        share = self.experts_per_forward
+        every_layer = layer.num_experts if share is None or dispatch_style(layer) == "dense" \
+            else min(share, layer.num_experts)
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self.now or not active() or not args or not isinstance(args[0], torch.Tensor):
                 return
+            if torch.compiler.is_compiling():  # no host rotation inside a graph: every layer, its share
+                experts, weights = every_layer, self.weights_now
+            else:
+                experts, weights = self.visiting.get(layer.index, 0), layer.index in self.weights_due
+                if not experts and not weights:
+                    return
             try:
-                self.accumulate(layer, self.sample(layer, args[0], weights=self.weights_now))
+                self.accumulate(layer, self.sample(layer, args[0], weights=weights, experts=experts))
             except Exception:
                 if self.on_error is not None:
                     self.on_error()
@@ -280,21 +349,27 @@ class HealthSampler:
         return self._visits[layer.index]
 
     @torch.no_grad()
-    def sample(self, layer: MoELayer, hidden: torch.Tensor, weights: bool | None = None) -> dict[str, torch.Tensor]:
+    def sample(self, layer: MoELayer, hidden: torch.Tensor, weights: bool | None = None,
+               experts: int | None = None) -> dict[str, torch.Tensor]:
         """The device tensors of one layer for one sampling forward (see the module docstring).
 
-        weights: also re-check the weight fingerprint (default: every `weight_every`-th visit).
+        weights: also re-check the weight fingerprint (default: every `weight_every`-th call).
+        experts: how many experts run, rotating from where the layer's last visit stopped (default
+        `experts_per_visit`; 0: none, only the weights).
         """
         hidden = hidden.detach().reshape(-1, hidden.shape[-1])
         tokens = hidden.shape[0]
         count = layer.num_experts
         device = hidden.device
-        visit = self._visit(layer, device)
         out: dict[str, torch.Tensor] = {}
         if weights is None:
             weights = self._samples % self.weight_every == 0
             self._samples += 1
-        if tokens:
+        per = self.experts_per_visit(layer) if experts is None else experts
+        if dispatch_style(layer) == "dense" and per:
+            per = count  # the dense call evaluates every expert
+        if tokens and per:
+            visit = self._visit(layer, device)
             n = min(self.tokens_per_expert, tokens)
             # Tokens whose input is already non-finite (a fault upstream) say nothing about this
             # layer's experts: sample finite ones first, and count only those. The order among
@@ -304,7 +379,6 @@ class HealthSampler:
             key = rank.to(torch.float32) + (~finite_in) * float(2 * tokens)
             rows = key.topk(n, largest=False).indices
             valid = finite_in.index_select(0, rows)  # (n,)
-            per = count if dispatch_style(layer) == "dense" else min(self.experts_per_forward or count, count)
             index = (torch.arange(per, device=device) + visit * per) % count
             result = expert_outputs(layer, hidden.index_select(0, rows), index).to(torch.float32)
             finite = torch.isfinite(result).all(dim=-1)  # (m, n)
@@ -317,7 +391,7 @@ class HealthSampler:
             out["health_nonfinite"] = torch.zeros(count, dtype=torch.int64, device=device).index_copy(
                 0, index, (~finite & valid).sum(dim=1))
             out["health_input_nonfinite"] = (~finite_in).sum().reshape(1)
-        visit.add_(1)
+            visit.add_(1)
         if weights:
             out.update(self.fingerprints[layer.index].compare())
         return out

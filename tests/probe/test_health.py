@@ -117,3 +117,68 @@ def test_rotation_bounds_the_experts_per_forward():
     assert seen == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]
     with pytest.raises(ValueError):
         HealthSampler([layer], tokens_per_expert=0)
+
+
+def test_layers_take_turns_spending_one_expert_per_layer_in_one_call():
+    """The default budget (one expert per layer per sampled forward) is spent in one layer at a time:
+    4 layers of 8 experts run 4 experts of one layer in one experts call per sampled forward, and
+    every (layer, expert) is visited exactly once in 8 sampled forwards. Oracle: the experts
+    modules' own calls, counted beside the model's, and the records' per-expert sample counts."""
+    model = tiny_model("mixtral", num_hidden_layers=4)
+    layers = probe.find_moe_layers(model)
+    calls = {layer.index: 0 for layer in layers}
+    for layer in layers:
+        forward = layer.experts.forward
+
+        def counted(*args, _forward=forward, _index=layer.index, **kwargs):
+            calls[_index] += 1
+            return _forward(*args, **kwargs)
+        layer.experts.forward = counted
+    memory = InMemoryExporter()
+    per_forward = []
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    with probe.attach(model, exporters=[memory], health=True, window=1, window_s=None,
+                      health_options=dict(sample_every=2, tokens_per_expert=3)) as session, torch.no_grad():
+        for _ in range(16):
+            before = dict(calls)
+            model(ids)
+            per_forward.append({i: calls[i] - before[i] - 1 for i in calls})  # minus the model's own call
+        session.flush()
+    assert len(memory.records) == 16
+    visited = set()
+    for step, (record, extra) in enumerate(zip(memory.records, per_forward)):
+        sampled = {(row.layer, e) for row in record.layers for e in np.flatnonzero(row.expert_output_samples)}
+        if step % 2:
+            assert not sampled and sum(extra.values()) == 0
+            continue
+        assert len(sampled) == 4 and len({layer for layer, _ in sampled}) == 1
+        assert sum(extra.values()) == 1  # one call of one layer's experts module
+        assert all(row.expert_output_samples.sum() in (0, 4 * 3) for row in record.layers)
+        assert not visited & sampled
+        visited |= sampled
+    assert visited == {(layer.index, e) for layer in layers for e in range(8)}
+
+
+def test_weight_checks_rotate_over_the_layers():
+    """Each layer's fingerprint is checked every `weight_every` sampled forwards, the layers spread
+    over them (not all at once); a scaled expert shows at its layer's next check."""
+    model = tiny_model("mixtral", num_hidden_layers=4)
+    memory = InMemoryExporter()
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(3))
+    with probe.attach(model, exporters=[memory], health=True, window=1, window_s=None,
+                      health_options=dict(sample_every=1, weight_every=4)) as session, torch.no_grad():
+        for _ in range(8):
+            model(ids)
+        layer = session.layers[2]
+        for param, row in _expert_tensors(layer)[1]:
+            param.view(8, -1)[row].mul_(3.0)
+        for _ in range(4):
+            model(ids)
+        session.flush()
+    def was_checked(row) -> bool:  # a record carries a weight check only where the window took one
+        return row.expert_weight_norm_ratio is not None and not np.isnan(row.expert_weight_norm_ratio).all()
+    checked = [[row.layer for row in record.layers if was_checked(row)] for record in memory.records]
+    assert checked[:8] == [[0], [1], [2], [3], [0], [1], [2], [3]]
+    ratios = [record.layers[2].expert_weight_norm_ratio for record in memory.records[8:]]
+    assert [was_checked(record.layers[2]) for record in memory.records[8:]] == [False, False, True, False]
+    np.testing.assert_allclose(ratios[2][1], 3.0, rtol=1e-5)
