@@ -25,7 +25,6 @@ Router entropy's 95th percentile comes from a fixed-bin histogram over [0, ln E]
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,29 +139,23 @@ class LayerGroup:
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset: self.offset + self.size].view(len(self.layers), self.columns.width)
 
-    def reduce(self, flat: torch.Tensor, logits: list[torch.Tensor], ids: list[torch.Tensor],
-               weights: list[torch.Tensor], kept: Sequence[torch.Tensor | None], capacity: Sequence[int | None],
-               rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Add one forward of the layers in `rows` (all the same token count) to the accumulators.
-
-        Returns the stacked (ids, weights, kept, logits) for the rings to reuse.
-        """
+    def reduce(self, flat: torch.Tensor, logits_s: torch.Tensor, ids_s: torch.Tensor, weights_s: torch.Tensor,
+               kept_s: torch.Tensor | None, capacity: int | None, rows: slice, forwards: int = 1) -> None:
+        """Add `forwards` forwards of the layers in `rows` to the accumulators, stacked by layer:
+        logits (L, N, slots), ids and weights (L, N, k), kept (L, N, k) bool or None (every slot
+        kept), N = forwards x the tokens of each (every forward the same count). `capacity`: slots
+        per expert in each forward, where the layers have one (the running maximum of use is taken
+        per forward)."""
         acc = flat.dtype
         cols = self.columns
-        n_layers = len(logits)
-        logits_s = torch.stack(logits)  # (L, T, E)
-        ids_s = torch.stack(ids).long()  # (L, T, k)
-        weights_s = torch.stack(weights)
+        n_layers = logits_s.shape[0]
+        ids_s = ids_s.long()
         tokens = ids_s.shape[1]
-        if all(k is None for k in kept):
-            kept_s = None
-            kept_f = torch.ones_like(ids_s, dtype=acc)
-        else:
-            kept_s = torch.stack([torch.ones_like(i, dtype=torch.bool) if k is None else k for i, k in zip(ids, kept)])
-            kept_f = kept_s.to(acc)
+        kept_f = torch.ones_like(ids_s, dtype=acc) if kept_s is None else kept_s.to(acc)
         flat_ids = ids_s.reshape(n_layers, -1).clamp(0, self.slots - 1)
 
-        log_probs = torch.log_softmax(logits_s.float(), dim=-1)
+        logits_f = logits_s.float()
+        log_probs = torch.log_softmax(logits_f, dim=-1)
         probs = log_probs.exp()
         entropy = -(probs * log_probs).sum(dim=-1)  # (L, T)
         # the k most probable experts: the top-1/top-2 margin, and the load-balancing loss's
@@ -178,17 +171,24 @@ class LayerGroup:
         block[:, cols["tokens"]] = tokens
         block[:, cols["expert_load"]].scatter_add_(1, flat_ids, kept_f.reshape(n_layers, -1))
         block[:, cols["gate_weight_sum"]].scatter_add_(1, flat_ids, (weights_s.to(acc) * kept_f).reshape(n_layers, -1))
-        block[:, cols["router_prob_sum"]] = probs.sum(dim=1).to(acc)
+        def token_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:  # (L, N, ...) -> (L, ...) in acc
+            if forwards == 1:
+                return x.sum(dim=1, keepdim=keepdim).to(acc)
+            # each forward's sum in the float32 of one forward, then the forwards' in acc: the same
+            # figures as reducing the forwards one by one
+            return x.reshape(n_layers, forwards, -1, *x.shape[2:]).sum(dim=2).to(acc).sum(dim=1, keepdim=keepdim)
+
+        block[:, cols["router_prob_sum"]] = token_sum(probs)
         block[:, cols["router_topk_load"]].scatter_add_(1, topk_ids, torch.ones_like(topk_ids, dtype=acc))
-        block[:, cols["entropy_sum"]] = entropy.sum(dim=1, keepdim=True).to(acc)
+        block[:, cols["entropy_sum"]] = token_sum(entropy, keepdim=True)
         block[:, cols["entropy_hist"]].scatter_add_(1, bins, torch.ones_like(bins, dtype=acc))
-        block[:, cols["margin_sum"]] = margin.sum(dim=1, keepdim=True).to(acc)
+        block[:, cols["margin_sum"]] = token_sum(margin, keepdim=True)
         # logsumexp(logits) = logit - log_softmax at any slot; at the most probable one it is finite
         # even where a gate masked other slots to -inf (a separate logsumexp costs as much as the
         # log-softmax itself on CPU)
         first = top.indices[..., :1]
-        log_z = logits_s.float().gather(-1, first) - log_probs.gather(-1, first)  # (L, T, 1)
-        block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1).to(acc)
+        log_z = logits_f.gather(-1, first) - log_probs.gather(-1, first)  # (L, T, 1)
+        block[:, cols["router_z_sum"]] = token_sum(log_z.square())
         if kept_s is not None:
             dropped = ~kept_s
             block[:, cols["dropped_tokens"]] = dropped.all(dim=-1).sum(dim=1, keepdim=True).to(acc)
@@ -202,16 +202,17 @@ class LayerGroup:
             onehot.scatter_add_(2, ids_s.clamp(0, self.slots - 1), kept_f.float())
             block[:, cols["coselection"]] = torch.bmm(onehot.transpose(1, 2), onehot).reshape(n_layers, -1).to(acc)
         view = self.view(flat)[rows]
-        if self.capacity and all(c is not None for c in capacity):
-            cap = capacity[0]
-            assert cap is not None  # every layer's capacity is known (checked above)
+        if self.capacity and capacity is not None:
             load = block[:, cols["expert_load"]][:, : self.num_experts]
-            use = load.amax(dim=1, keepdim=True) / cap
+            if forwards > 1:  # each forward's own load: its slots are per forward
+                load = torch.zeros(n_layers, forwards, self.slots, dtype=acc, device=flat.device).scatter_add_(
+                    2, flat_ids.view(n_layers, forwards, -1), kept_f.reshape(n_layers, forwards, -1))
+                load = load[..., : self.num_experts].amax(dim=1)
+            use = load.amax(dim=1, keepdim=True) / capacity
             running = view[:, cols["capacity_use"]]
             running.copy_(torch.maximum(running, use))
-            view[:, cols["capacity"]].clamp_(min=float(cap))
+            view[:, cols["capacity"]].clamp_(min=float(capacity))
         view.add_(block)
-        return ids_s, weights_s, kept_s, logits_s
 
 
 def entropy_quantile(hist: np.ndarray, q: float, router_width: int) -> float:

@@ -145,7 +145,7 @@ class MoELayer:
 def logits_at(index: int | None) -> LogitsReader:
     def read(output: Any) -> torch.Tensor:
         logits = output if index is None or isinstance(output, torch.Tensor) else output[index]
-        return logits.reshape(-1, logits.shape[-1])
+        return logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])  # a view op costs ~µs
     return read
 
 
@@ -155,6 +155,8 @@ _WEIGHT_NAMES = ("top_k_weights", "routing_weights", "router_scores", "topk_weig
 
 def experts_arguments(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The (ids, weights) an experts module was called with, by position or by keyword."""
+    if not kwargs and len(args) >= 3:  # (hidden_states, ids, weights): most families, on every forward
+        return args[1], args[2]
     ids = next((kwargs[n] for n in _ID_NAMES if n in kwargs), None)
     weights = next((kwargs[n] for n in _WEIGHT_NAMES if n in kwargs), None)
     rest = list(args[1:])
@@ -169,8 +171,9 @@ def experts_arguments(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Te
 
 def topk_experts_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
     ids, weights = experts_arguments(args, kwargs)
-    ids = ids.reshape(-1, ids.shape[-1])
-    return Choice(ids=ids, weights=weights.reshape(ids.shape))
+    if ids.dim() != 2:  # (tokens, k) already, in most families: no view op on the hot path
+        ids = ids.reshape(-1, ids.shape[-1])
+    return Choice(ids=ids, weights=weights if weights.shape == ids.shape else weights.reshape(ids.shape))
 
 
 def switch_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:

@@ -24,7 +24,8 @@ from moescope.probe.adapters import Choice, MoELayer
 
 class ForwardRefs:
     """References the hooks keep during one forward, by each layer's place among the watched
-    layers; no copies and no math. `clear()` starts the next forward."""
+    layers; no copies and no math. `clear()` starts the next forward (fresh lists: a `snapshot()`
+    taken before keeps this forward's references, for a deferred reduction)."""
 
     def __init__(self, layers: int):
         self._layers = layers
@@ -43,6 +44,11 @@ class ForwardRefs:
         self.shape: tuple = ()  # (batch, sequence) of the forward's input; () when unknown
         self.decoder_shape: tuple = ()
 
+    def snapshot(self) -> ForwardRefs:
+        kept = ForwardRefs.__new__(ForwardRefs)
+        kept.__dict__.update(self.__dict__)
+        return kept
+
 
 @torch.no_grad()
 def reduce_forward(buffers: list[DeviceBuffer], position: dict[int, int], refs: ForwardRefs) -> None:
@@ -57,8 +63,52 @@ def reduce_forward(buffers: list[DeviceBuffer], position: dict[int, int], refs: 
             if len(present) != len(group.layers):
                 _reduce_partial(flat, group, position, refs)
                 continue
-            _reduce_group(flat, group, buffer.rings, refs, present, slice(0, len(present)))
+            _reduce_group(flat, group, buffer.rings, [refs], present, slice(0, len(present)))
         flat[: WINDOW_FORWARDS + 1].add_(1)
+
+
+def count_forward(buffers: list[DeviceBuffer]) -> None:
+    """Count a forward whose reduction is deferred (`deferral_key`, `reduce_deferred`)."""
+    for buffer in buffers:
+        buffer.flat[: WINDOW_FORWARDS + 1].add_(1)
+
+
+def deferral_key(buffers: list[DeviceBuffer], position: dict[int, int], refs: ForwardRefs) -> tuple | None:
+    """What forwards reduced together must share (every group: its token count, capacity, and
+    whether token ids and router inputs were kept), or None when this forward cannot be stacked
+    with others: a layer did not run, or the layers of a group saw different token counts."""
+    key: list = [refs.shape, refs.decoder_shape]
+    for buffer in buffers:
+        for group in buffer.groups:
+            choices = []
+            for layer in group.layers:
+                at = position[layer.index]
+                choice = refs.choice[at]
+                if choice is None or refs.logits[at] is None:
+                    return None
+                choices.append(choice)
+            tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
+            if len(tokens) != 1:
+                return None
+            count = tokens.pop()
+            main = refs.decoder_ids if group.decoder else refs.main_ids
+            caps = {_capacity(layer, c, refs) for layer, c in zip(group.layers, choices)}
+            key.append((count, tuple(caps), main is not None and main.numel() == count,
+                        all(refs.inputs[position[layer.index]] is not None for layer in group.layers)))
+    return tuple(key)
+
+
+@torch.no_grad()
+def reduce_deferred(buffers: list[DeviceBuffer], position: dict[int, int], forwards: list[ForwardRefs]) -> None:
+    """Add forwards already counted on the device (`count_forward`, oldest first, all of one
+    `deferral_key`) to the accumulators and rings in one stacked pass per group: the same sums as
+    one `reduce_forward` each, with the ops of one."""
+    if not forwards:
+        return
+    for buffer in buffers:
+        for group in buffer.groups:
+            present = [position[layer.index] for layer in group.layers]
+            _reduce_group(buffer.flat, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True)
 
 
 def _reduce_partial(flat: torch.Tensor, group: LayerGroup, position: dict[int, int], refs: ForwardRefs) -> None:
@@ -67,30 +117,47 @@ def _reduce_partial(flat: torch.Tensor, group: LayerGroup, position: dict[int, i
     for row, layer in enumerate(group.layers):
         at = position[layer.index]
         if refs.logits[at] is not None and refs.choice[at] is not None:
-            _reduce_group(flat, group, (), refs, [at], slice(row, row + 1))
+            _reduce_group(flat, group, (), [refs], [at], slice(row, row + 1))
 
 
-def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tuple[()], refs: ForwardRefs,
-                  present: list[int], rows: slice) -> None:
-    """Reduce the layers at `present` (places in `refs`) into the group's `rows`, and write their
-    rows into those of `rings` that belong to the group."""
+def _stack(per_forward: list[list[torch.Tensor]]) -> torch.Tensor:
+    """(L, F x T, ...) from F forwards' lists of L (T, ...) tensors: one op."""
+    if len(per_forward) == 1:
+        return torch.stack(per_forward[0])
+    layers, count = len(per_forward[0]), len(per_forward)
+    stacked = torch.stack([per_forward[f][i] for i in range(layers) for f in range(count)])  # layer-major
+    return stacked.view(layers, count * stacked.shape[1], *stacked.shape[2:])
+
+
+def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tuple[()], forwards: list[ForwardRefs],
+                  present: list[int], rows: slice, counted: bool = False) -> None:
+    """Reduce the layers at `present` (places in each forward's refs) into the group's `rows`, and
+    write their rows into those of `rings` that belong to the group. More than one forward: all
+    of one `deferral_key`, already counted (`counted`)."""
     # `present`: the places where the hooks kept both the logits and a choice
-    choices = cast("list[Choice]", [refs.choice[p] for p in present])
-    tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
+    choices = [cast("list[Choice]", [refs.choice[p] for p in present]) for refs in forwards]
+    tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices[0]}
     if len(tokens) != 1:  # layers of one group saw different token counts: reduce one by one
         if len(present) > 1:
             for i, p in enumerate(present):
-                _reduce_group(flat, group, (), refs, [p], slice(rows.start + i, rows.start + i + 1))
+                _reduce_group(flat, group, (), forwards, [p], slice(rows.start + i, rows.start + i + 1))
         return
-    ids = [_rows(c.ids, c.ids.shape[-1]) for c in choices]
-    weights = [_rows(c.weights, i.shape[-1]) for c, i in zip(choices, ids)]
-    stacked = group.reduce(
-        flat, cast("list[torch.Tensor]", [refs.logits[p] for p in present]), ids, weights,
-        [None if c.kept is None else _rows(c.kept, i.shape[-1]) for c, i in zip(choices, ids)],
-        [_capacity(group.layers[rows.start + i], c, refs) for i, c in enumerate(choices)], rows)
+    ids = [[_rows(c.ids, c.ids.shape[-1]) for c in forward] for forward in choices]
+    weights = [[_rows(c.weights, i.shape[-1]) for c, i in zip(forward, fids)] for forward, fids in zip(choices, ids)]
+    if all(c.kept is None for forward in choices for c in forward):
+        kept_s = None
+    else:
+        kept_s = _stack([[torch.ones_like(i, dtype=torch.bool) if c.kept is None else _rows(c.kept, i.shape[-1])
+                          for c, i in zip(forward, fids)] for forward, fids in zip(choices, ids)])
+    caps = [_capacity(group.layers[rows.start + i], c, forwards[0]) for i, c in enumerate(choices[0])]
+    stacked = (_stack(ids), _stack(weights), kept_s,
+               _stack([cast("list[torch.Tensor]", [refs.logits[p] for p in present]) for refs in forwards]))
+    ids_s, weights_s, kept_s, logits_s = stacked
+    group.reduce(flat, logits_s, ids_s, weights_s, kept_s,
+                 caps[0] if all(c is not None for c in caps) else None, rows, forwards=len(forwards))
     for ring in rings:
         if ring.group is group:
-            _write_ring(flat, ring, stacked, present, refs)
+            _write_ring(flat, ring, stacked, present, forwards, counted)
 
 
 def _capacity(layer: MoELayer, choice: Choice, refs: ForwardRefs) -> int | None:
@@ -103,47 +170,64 @@ def _capacity(layer: MoELayer, choice: Choice, refs: ForwardRefs) -> int | None:
     return None
 
 
-def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int], refs: ForwardRefs) -> None:
-    """Write this forward's rows of `ring` (every token, or the sampled ones) at the ring's
+def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int], forwards: list[ForwardRefs],
+                counted: bool) -> None:
+    """Write these forwards' rows of `ring` (every token, or the sampled ones) at the ring's
     position, which the device keeps in its own counter. No row of router inputs where a layer's
     were not kept (its router was called without its input as a positional tensor, or its hook
-    failed): a ring row holds every layer of the group."""
+    failed): a ring row holds every layer of the group. `counted`: the device's forward counter
+    already counts these forwards (a deferred reduction); otherwise it is the first one's number."""
+    count = len(forwards)
     if ring.kind == "inputs":
-        inputs = [hidden for hidden in (refs.inputs[p] for p in present) if hidden is not None]
-        if len(inputs) != len(present):
+        inputs = [[hidden for hidden in (refs.inputs[p] for p in present) if hidden is not None] for refs in forwards]
+        if any(len(held) != len(present) for held in inputs):
             return
     ids_s, weights_s, kept_s, logits_s = stacked
-    tokens = ids_s.shape[1]
+    n_layers = ids_s.shape[0]
+    tokens = ids_s.shape[1] // count  # per forward
     acc = flat.dtype
     device = flat.device
-    main = refs.decoder_ids if ring.group.decoder else refs.main_ids
+    first = forwards[0]
+    main = first.decoder_ids if ring.group.decoder else first.main_ids
     seq_len = main.shape[-1] if main is not None and main.dim() >= 2 and main.numel() == tokens else tokens
-    rows = min(ring.rows(tokens), ring.capacity)
-    token = torch.arange(rows, device=device) if ring.sample < 0 else refs.sample_base[:rows] % tokens
+    rows = min(ring.rows(tokens), ring.capacity)  # per forward
+    if ring.sample < 0:
+        token = torch.arange(rows, device=device).expand(count, rows)
+    else:
+        token = torch.stack([refs.sample_base[:rows] for refs in forwards]) % tokens
     if main is not None and main.numel() == tokens:
-        token_id = main.reshape(-1).index_select(0, token).to(acc)
+        mains = [refs.decoder_ids if ring.group.decoder else refs.main_ids for refs in forwards]
+        token_id = torch.stack([m.reshape(-1) for m in mains]).gather(1, token).to(acc)  # type: ignore[union-attr]
     else:
-        token_id = torch.full((rows,), -1.0, dtype=acc, device=device)
-    forward = flat[TOTAL_FORWARDS].expand(rows)
+        token_id = torch.full((count, rows), -1.0, dtype=acc, device=device)
+    number = flat[TOTAL_FORWARDS] - count if counted else flat[TOTAL_FORWARDS]  # the first forward's
+    forward = number.expand(rows) if count == 1 else (number + torch.arange(count, device=device, dtype=acc)
+                                                       ).repeat_interleave(rows)
+    total = count * rows
     if ring.kind == "routes":
+        def slots(tensor: torch.Tensor) -> torch.Tensor:  # (L, F x T, k) -> (F x rows, L x k), each forward's first
+            return tensor.view(n_layers, count, tokens, -1)[:, :, :rows].permute(1, 2, 0, 3).reshape(total, -1)
         payload = [forward, token.to(acc), (token // seq_len).to(acc), (token % seq_len).to(acc), token_id,
-                   ids_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
-                   weights_s[:, :rows].transpose(0, 1).reshape(rows, -1).to(acc),
-                   (torch.ones_like(ids_s[:, :rows], dtype=acc) if kept_s is None
-                    else kept_s[:, :rows].to(acc)).transpose(0, 1).reshape(rows, -1)]
+                   slots(ids_s).to(acc), slots(weights_s).to(acc),
+                   torch.ones((total, n_layers * ids_s.shape[2]), dtype=acc, device=device)
+                   if kept_s is None else slots(kept_s).to(acc)]
     else:
-        top1 = ids_s[:, :, 0].index_select(1, token).transpose(0, 1).to(acc)
+        at = token.unsqueeze(0).expand(n_layers, count, rows)
+        top1 = ids_s[:, :, 0].view(n_layers, count, tokens).gather(2, at).permute(1, 2, 0).to(acc)
         if ring.kind == "logits":
-            values = logits_s.index_select(1, token).transpose(0, 1).reshape(rows, -1).to(acc)
+            width = logits_s.shape[-1]
+            values = logits_s.view(n_layers, count, tokens, width).gather(
+                2, at.unsqueeze(-1).expand(n_layers, count, rows, width)).permute(1, 2, 0, 3)
         else:
-            values = torch.stack([hidden[:rows] for hidden in inputs]).transpose(0, 1).reshape(rows, -1)
-            values = values.to(acc)
+            values = torch.stack([torch.stack([hidden[:rows] for hidden in held]) for held in inputs])  # (F, L, r, H)
+            values = values.transpose(1, 2)
+        values = values.reshape(total, -1).to(acc)
         payload = [forward, token.to(acc), token_id, top1, values]
-    data = torch.cat([p.reshape(rows, -1) for p in payload], dim=1)
+    data = torch.cat([p.reshape(total, -1) for p in payload], dim=1)
     start = flat[ring.pos_col].to(torch.int64)
-    where = (start + torch.arange(rows, device=device)) % ring.capacity
+    where = (start + torch.arange(total, device=device)) % ring.capacity
     ring.view(flat).index_copy_(0, where, data)
-    flat[ring.pos_col].add_(rows)
+    flat[ring.pos_col].add_(total)
 
 
 def _rows(tensor: torch.Tensor, width: int) -> torch.Tensor:

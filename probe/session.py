@@ -44,11 +44,15 @@ from moescope.probe.gate import GatePolicy, TrustGate
 from moescope.probe.health import HealthSampler
 from moescope.probe.layout import build_layout
 from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
-from moescope.probe.reduction import ForwardRefs, reduce_forward
+from moescope.probe.reduction import ForwardRefs, count_forward, deferral_key, reduce_deferred, reduce_forward
 from moescope.probe.timing import ComputeTimer
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
+# Tokens (per group of like layers) of the forwards whose reduction may wait for one stacked pass:
+# decode steps of batches up to this size, times the window. Their router logits and choices are
+# held until then (4096 tokens x 48 layers x 128 experts: 100 MB of float32 logits at most).
+DEFERRED_TOKENS = 4096
 
 
 def shared_run_id() -> str:
@@ -219,6 +223,12 @@ class ProbeSession:
             if self.health is not None:
                 self.health.bind(layout.health_rows())
             self._refs = ForwardRefs(len(layers))
+            self._deferred: list[ForwardRefs] = []  # forwards counted but not yet reduced (inference)
+            self._deferred_key: tuple | None = None
+            self._deferred_tokens = 0
+            # CPU only: on a CUDA device a deferred reduction could land inside a CUDA-graph capture
+            # (replayed with every replay), and its kernels are cheap to launch anyway
+            self._may_defer = all(buffer.device.type == "cpu" for buffer in self.buffers)
             self._window_kind: str | None = None  # prefill or decode: the kind of the open window's forwards
             self._pool = PinnedPool()
             self.timer = ComputeTimer(layers, [layout.devices[layer.index] for layer in layers],
@@ -295,7 +305,7 @@ class ProbeSession:
                 base = self.buffers[0].flat[TOTAL_FORWARDS].to(torch.int64) * SAMPLE_MIX + self.sample_seed
                 refs.sample_base = (base + torch.arange(size, device=base.device) * SAMPLE_STRIDE)
             if self.health is not None:
-                self.health.begin_forward()
+                self.health.begin_forward(capturing=_capturing())
             self._recording = True
         except Exception:
             self._hook_failed()
@@ -339,11 +349,34 @@ class ProbeSession:
 
     def _reduce_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Device side of a forward (probe/reduction.py), once per forward of the root. Traceable:
-        under torch.compile it is a graph of its own, with no break."""
+        under torch.compile it is a graph of its own, with no break.
+
+        In eager inference on a CPU (no autograd, no compile) the forward is only counted and its
+        references kept: forwards of one shape are reduced together, in one stacked pass,
+        when the window closes or DEFERRED_TOKENS tokens are waiting. Decode steps are small,
+        and the ops of a reduction cost the same for one step as for thirty."""
         if not self._recording or self._reduced:
             return
         self._reduced = True
-        reduce_forward(self.buffers, self._position, self._refs)
+        refs = self._refs
+        if self._may_defer and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            key = deferral_key(self.buffers, self._position, refs)
+            tokens = max((entry[0] for entry in key[2:]), default=0) if key is not None else DEFERRED_TOKENS + 1
+            if self._deferred and (key != self._deferred_key or self._deferred_tokens + tokens > DEFERRED_TOKENS):
+                self._reduce_deferred()
+            if tokens <= DEFERRED_TOKENS:
+                count_forward(self.buffers)
+                self._deferred.append(refs.snapshot())
+                self._deferred_key = key
+                self._deferred_tokens += tokens
+                return
+        self._reduce_deferred()
+        reduce_forward(self.buffers, self._position, refs)
+
+    def _reduce_deferred(self) -> None:
+        if self._deferred:
+            forwards, self._deferred, self._deferred_key, self._deferred_tokens = self._deferred, [], None, 0
+            reduce_deferred(self.buffers, self._position, forwards)
 
     def _on_forward_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._recording:
@@ -400,6 +433,7 @@ class ProbeSession:
         worker) does none of this and writes nothing."""
         self._forked = False
         with self._lock:
+            self._deferred, self._deferred_key, self._deferred_tokens = [], None, 0  # the parent's
             if self._forwards_in_window:
                 for buffer in self.buffers:
                     buffer.snapshot(whole_rings=self.graphed)
@@ -431,6 +465,7 @@ class ProbeSession:
         """Snapshot the device accumulators and hand the window to the writer. Model thread:
         launches only (a gather, one non-blocking copy per device, an event)."""
         with self._lock:
+            self._reduce_deferred()
             if not self._forwards_in_window and not (force and self.graphed):
                 self._window_open(time.monotonic())
                 return
@@ -530,7 +565,8 @@ class ProbeSession:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # nothing captures before CUDA is initialised; is_initialized() is a flag read, is_available() is not
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _tokens(shape: tuple) -> int:

@@ -543,3 +543,38 @@ def test_a_window_of_two_forwards_is_the_sum_of_its_forwards(family):
             np.testing.assert_array_equal(ls.coselection, sum(p.coselection for p in parts))
         np.testing.assert_array_equal(ls.routes.expert_ids, np.concatenate([p.routes.expert_ids for p in parts]))
         np.testing.assert_array_equal(ls.routes.step, np.repeat([0, 1], [len(p.routes.expert_ids) for p in parts]))
+        for name in ("gate_weights", "kept", "token_ids", "sequence", "position", "token"):
+            if getattr(ls.routes, name) is None:
+                assert all(getattr(p.routes, name) is None for p in parts), name
+                continue
+            np.testing.assert_array_equal(getattr(ls.routes, name),
+                                          np.concatenate([getattr(p.routes, name) for p in parts]), err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "switch_transformers", "nllb_moe", "qwen3_moe"])
+def test_deferred_and_immediate_reductions_record_the_same(family):
+    """Inference forwards on a CPU are reduced together when their window closes (one stacked
+    pass); forwards with autograd on are reduced one by one as they end. The same three forwards
+    through each give the same records: aggregates, capacity use and every route row."""
+    model = _model(family)
+    inputs = [_inputs(family, seed) for seed in (1, 2, 3)]
+    records = {}
+    for grad in (False, True):
+        memory = InMemoryExporter()
+        with probe.attach(model, [memory], routes=True, window=3, window_s=None), torch.set_grad_enabled(grad):
+            for batch in inputs:
+                model(**batch)
+        [records[grad]] = memory.records
+    deferred, immediate = records[False], records[True]
+    assert deferred.forwards == immediate.forwards == 3
+    for a, b in zip(deferred.layers, immediate.layers):
+        assert a.tokens == b.tokens
+        for name in ("expert_load", "gate_weight_sum", "router_prob_sum", "router_topk_load"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12, err_msg=name)
+        for name in ("router_entropy_mean", "top1_margin_mean", "router_z_sum", "dropped_tokens", "capacity_use"):
+            if getattr(b, name) is None:
+                assert getattr(a, name) is None, name
+                continue
+            assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-12, abs=1e-15), name
+        for name in ("expert_ids", "gate_weights", "kept", "step", "token", "sequence", "position"):
+            np.testing.assert_array_equal(getattr(a.routes, name), getattr(b.routes, name), err_msg=name)
