@@ -225,7 +225,8 @@ def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[File
     rows = merged.num_rows
     keys = [k.strip() for k in SORT_KEYS[table].split(",")] if table in SORT_KEYS else []
     if keys and rows:
-        order = pc.sort_indices(merged.select(keys), sort_keys=[(k, "ascending") for k in keys]).to_numpy()  # nulls last
+        # nulls last (pyarrow's default)
+        order = pc.sort_indices(merged.select(keys), sort_keys=[(k, "ascending") for k in keys]).to_numpy()
     else:
         order = np.arange(rows)
     per_row = max(1, merged.nbytes // max(1, rows))
