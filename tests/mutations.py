@@ -133,10 +133,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the experts of unwatched layers count as used by every token (the bug: 0.377 became 0.688)"),
     Mutation(
         "sampled-token-index-off-by-one", "probe/reduction.py",
-        "else refs.sample_base[:rows] % tokens",
-        "else (refs.sample_base[:rows] + 1) % tokens",
+        "token = torch.stack([refs.sample_base[:rows] for refs in forwards]) % tokens",
+        "token = (torch.stack([refs.sample_base[:rows] for refs in forwards]) + 1) % tokens",
         ("tests/probe/test_exactness.py", "-k", "sampled"),
         "sampled router logits/inputs name a token other than the one whose values they hold"),
+    Mutation(
+        "deferred-forward-numbers", "probe/reduction.py",
+        "number = flat[TOTAL_FORWARDS] - count if counted else flat[TOTAL_FORWARDS]",
+        "number = flat[TOTAL_FORWARDS] - count + 1 if counted else flat[TOTAL_FORWARDS]",
+        ("tests/probe/test_exactness.py", "-k", "deferred or window_of_two"),
+        "route rows of forwards reduced together at a window's close carry the next forward's number (issue 26)"),
+    Mutation(
+        "health-every-layer-visits", "probe/health.py",
+        "while spent < self.budget and len(self.visiting) < count:",
+        "while len(self.visiting) < count:",
+        ("tests/probe/test_health.py",),
+        "every layer runs its experts at each sampled forward: the budget is not kept (issue 26)"),
     Mutation(
         "router-inputs-scaled", "probe/session.py",
         "hidden = args[0].reshape(-1, args[0].shape[-1])",
@@ -220,8 +232,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "per-expert gradient norms are reported squared (issue 15)"),
     Mutation(
         "z-loss-not-squared", "probe/accumulate.py",
-        'block[:, cols["router_z_sum"]] = log_z.square().sum(dim=1).to(acc)',
-        'block[:, cols["router_z_sum"]] = log_z.sum(dim=1).to(acc)',
+        'block[:, cols["router_z_sum"]] = token_sum(log_z.square())',
+        'block[:, cols["router_z_sum"]] = token_sum(log_z)',
         ("tests/probe/test_exactness.py", "-k", "z_loss"),
         "the router z-loss sums logsumexp instead of its square (issue 15)"),
 )
