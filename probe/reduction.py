@@ -8,6 +8,11 @@ same stacked tensors, and counts the forward on the device. Everything is torch 
 device, with no host sync and no data-dependent shape: it traces into a `torch.compile` graph and
 replays under CUDA graphs.
 
+In eager inference on a CPU the session defers this: `count_forward` counts the forward as it
+ends, and `reduce_deferred` reduces the window's forwards (all of one `deferral_key`: the same
+token counts, capacities and kept inputs) together when the window closes, stacked by layer and
+then by forward, with the same figures and ring rows as one `reduce_forward` each.
+
 Sharp edge: a group some of whose layers did not run in a forward (or whose reader failed) is
 reduced layer by layer and writes no ring rows, since a ring row holds every layer of its group.
 """
