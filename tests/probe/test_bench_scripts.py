@@ -1,0 +1,40 @@
+"""The probe's benchmark scripts run as the README says, at small sizes, and what they count holds:
+no tensor op per MoE layer in decode inference, and a corrupted expert gated within the policy's
+windows. Oracles: the op counter's own aten calls (a TorchDispatchMode), and the trust gate's
+weight read back from the session."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_decode_inference_adds_no_op_per_moe_layer():
+    out = _run("bench/overhead.py", "--preset", "decode", "--ops", "--layers", "2", "--hidden", "32",
+               "--intermediate", "64", "--experts", "4")
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^(aggregates|routes to Parquet)\s+(-?[\d.]+)\s+(-?[\d.]+)$", out, re.M)}
+    assert set(rows) == {"aggregates", "routes to Parquet"}, out
+    for name, (per_layer, constant) in rows.items():
+        assert abs(per_layer) < 0.01, (name, out)  # a window's forwards are reduced together
+        assert 0 < constant < 10, (name, out)  # the forward count, and a reduction per window of 32
+
+
+def test_detection_gates_a_corrupted_expert_within_the_policys_windows():
+    out = _run("bench/detection.py", "--setups", "fault test", "--trials", "2", "--limit", "64")
+    found = re.findall(r"fault test\s+(nan|scale)\s+window\s+1\s+forwards to the gate: median ([\d.]+), max (\d+)", out)
+    assert {fault for fault, _, _ in found} == {"nan", "scale"}, out
+    for _, median, worst in found:
+        # gate_after=2 health windows of 4 forwards (HealthConfig.window_steps) plus the window the
+        # fault began in, and one more window: sampled every forward, the 2 layers take turns
+        assert float(median) <= int(worst) <= 3 * 4 + 4, out
