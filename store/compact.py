@@ -36,7 +36,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,11 +149,6 @@ def _merge_duckdb(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, 
     order = f" ORDER BY {SORT_KEYS[table]}" if table in SORT_KEYS else ""
     reader = con.sql(f"SELECT {columns} FROM sources{order}").to_arrow_reader(min(row_group_rows, 64 * 1024))
     schema = pa.schema(fields)
-    name = compacted_name()
-    relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
-    path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)
-    pending: list[pa.RecordBatch] = []
-    rows = size = 0
 
     def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
         # DuckDB's Arrow types differ in names only (list items, time zone spelling): write the schema's own.
@@ -161,21 +156,37 @@ def _merge_duckdb(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, 
                   for f in fields]
         return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
+    def write_groups(writer: pq.ParquetWriter) -> None:
+        pending: list[pa.RecordBatch] = []
+        rows = size = 0
+        for batch in reader:
+            batch = conform(batch)
+            pending.append(batch)
+            rows, size = rows + batch.num_rows, size + batch.nbytes
+            while rows >= row_group_rows or (rows and size >= COMPACT_ROW_GROUP_BYTES):
+                held = pa.Table.from_batches(pending, schema)
+                take = min(rows, row_group_rows)
+                writer.write_table(held.slice(0, take), row_group_size=take)
+                rest = held.slice(take)
+                pending, rows, size = rest.to_batches(), rest.num_rows, rest.nbytes
+        if rows:
+            writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=rows)
+
+    return _write_merged(catalog, table, run_id, schema, write_groups)
+
+
+def _write_merged(catalog: Catalog, table: str, run_id: str, schema: pa.Schema,
+                  write_groups: Callable[[pq.ParquetWriter], None]) -> delta.PartFile:
+    """A fresh compacted file in the run's folder, its row groups written by `write_groups`, with the
+    store's Parquet options (page checksums), synced to disk on a local store; not yet committed."""
+    location = catalog.location
+    name = compacted_name()
+    relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
+    path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)
     with catalog.filesystem.open_output_stream(path) as stream:
         writer = pq.ParquetWriter(stream, schema, **parquet_options(schema.names))
         try:
-            for batch in reader:
-                batch = conform(batch)
-                pending.append(batch)
-                rows, size = rows + batch.num_rows, size + batch.nbytes
-                while rows >= row_group_rows or (rows and size >= COMPACT_ROW_GROUP_BYTES):
-                    held = pa.Table.from_batches(pending, schema)
-                    take = min(rows, row_group_rows)
-                    writer.write_table(held.slice(0, take), row_group_size=take)
-                    rest = held.slice(take)
-                    pending, rows, size = rest.to_batches(), rest.num_rows, rest.nbytes
-            if rows:
-                writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=rows)
+            write_groups(writer)
         finally:
             writer.close()
         written = stream.tell()
@@ -231,33 +242,20 @@ def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[File
         order = np.arange(rows)
     per_row = max(1, merged.nbytes // max(1, rows))
     step = max(1, min(row_group_rows, COMPACT_ROW_GROUP_BYTES // per_row))
-    name = compacted_name()
-    relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
-    path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)
-    with catalog.filesystem.open_output_stream(path) as stream:
-        writer = pq.ParquetWriter(stream, schema, **parquet_options(schema.names))
-        try:
-            for start in range(0, rows, step):
-                take = order[start:start + step]
-                breaks = np.flatnonzero(np.diff(take) != 1) + 1
-                if (len(breaks) + 1) * 64 <= len(take):  # runs of 64 rows or more on average: slices
-                    starts = np.concatenate([[0], breaks])
-                    ends = np.concatenate([breaks, [len(take)]])
-                    piece = pa.concat_tables([merged.slice(int(take[a]), int(b - a)) for a, b in zip(starts, ends)])
-                else:
-                    piece = merged.take(pa.array(take))
-                writer.write_table(piece, row_group_size=len(take))
-        finally:
-            writer.close()
-        written = stream.tell()
-        footer = writer.writer.metadata
-    if location.is_local:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return delta.PartFile(relative, written, footer.num_rows, run_id, delta.file_stats(footer))
+
+    def write_groups(writer: pq.ParquetWriter) -> None:
+        for start in range(0, rows, step):
+            take = order[start:start + step]
+            breaks = np.flatnonzero(np.diff(take) != 1) + 1
+            if (len(breaks) + 1) * 64 <= len(take):  # runs of 64 rows or more on average: slices
+                starts = np.concatenate([[0], breaks])
+                ends = np.concatenate([breaks, [len(take)]])
+                piece = pa.concat_tables([merged.slice(int(take[a]), int(b - a)) for a, b in zip(starts, ends)])
+            else:
+                piece = merged.take(pa.array(take))
+            writer.write_table(piece, row_group_size=len(take))
+
+    return _write_merged(catalog, table, run_id, schema, write_groups)
 
 
 def _delete(catalog: Catalog, table: str, parts: Sequence[delta.PartFile]) -> None:
