@@ -256,6 +256,11 @@ class HealthSampler:
         self._rows: dict[int, tuple[torch.Tensor, Any]] = {}
         self.fingerprints = {layer.index: _Fingerprint(layer, seed + layer.index) for layer in self.layers}
 
+    def own_share(self, layer: MoELayer) -> int:
+        """Experts `layer` runs when every layer samples at once (under capture and compile)."""
+        share = self.experts_per_forward
+        return layer.num_experts if share is None or dispatch_style(layer) == "dense" else min(share, layer.num_experts)
+
     def experts_per_visit(self, layer: MoELayer) -> int:
         """Experts a visit of `layer` runs while the layers take turns: all of a dense-style layer's."""
         count = layer.num_experts
@@ -283,9 +288,7 @@ class HealthSampler:
         count = len(self.layers)
         self.weights_now = self._samples % self.weight_every == 0
         if capturing:
-            share = self.experts_per_forward
-            self.visiting = {layer.index: layer.num_experts if share is None or dispatch_style(layer) == "dense"
-                             else min(share, layer.num_experts) for layer in self.layers}
+            self.visiting = {layer.index: self.own_share(layer) for layer in self.layers}
             self.weights_due = {layer.index for layer in self.layers} if self.weights_now else set()
         else:
             spent = 0
@@ -303,9 +306,7 @@ class HealthSampler:
         return [layer.router.register_forward_hook(self._hook(layer, active)) for layer in self.layers]
 
     def _hook(self, layer: MoELayer, active: Callable[[], bool]) -> Callable:
-        share = self.experts_per_forward
-        every_layer = layer.num_experts if share is None or dispatch_style(layer) == "dense" \
-            else min(share, layer.num_experts)
+        every_layer = self.own_share(layer)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self.now or not active() or not args or not isinstance(args[0], torch.Tensor):

@@ -69,11 +69,12 @@ def reduce_forward(buffers: list[DeviceBuffer], position: dict[int, int], refs: 
                 _reduce_partial(flat, group, position, refs)
                 continue
             _reduce_group(flat, group, buffer.rings, [refs], present, slice(0, len(present)))
-        flat[: WINDOW_FORWARDS + 1].add_(1)
+    count_forward(buffers)
 
 
 def count_forward(buffers: list[DeviceBuffer]) -> None:
-    """Count a forward whose reduction is deferred (`deferral_key`, `reduce_deferred`)."""
+    """Count a forward on the device: after its reduction, or ahead of it when that is deferred
+    (`deferral_key`, `reduce_deferred`)."""
     for buffer in buffers:
         buffer.flat[: WINDOW_FORWARDS + 1].add_(1)
 
