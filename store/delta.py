@@ -573,7 +573,7 @@ def _stats_of(actions: pa.Table) -> list[str | None]:
 
 def commit(loc: StoreLocation | str | os.PathLike, table: str, adds: Iterable[PartFile] = (),
            removes: Iterable[PartFile | str] = (), *, data_change: bool = True,
-           app: tuple[str, int] | None = None) -> int:
+           app: tuple[str, int] | None = None, app_unseen: bool = False) -> int:
     """Add `adds` and remove `removes` (files of the table, or their paths) in one atomic Delta
     commit; returns the version it created. Creates the table first if it is missing.
 
@@ -581,7 +581,10 @@ def commit(loc: StoreLocation | str | os.PathLike, table: str, adds: Iterable[Pa
     `app=(app_id, seq)`: the commit carries the app transaction, and is not made when the table
     already holds `seq` or a later one for `app_id` (a retry of a commit that landed): then the
     version that holds it is returned. seq must rise with each commit of one app_id to one table.
-    Conflicts are retried by delta-rs, then by this function with jittered backoff. Raises
+    `app_unseen=True` says no commit can hold `app` yet (a writer's own app_id, with a seq it has
+    not tried before): the first try then does not look for it, which costs a read of every log
+    entry since the last checkpoint (on object storage a GET each, up to 49 per commit); a retry
+    still looks. Conflicts are retried by delta-rs, then by this function with jittered backoff. Raises
     CommitError (a StoreError) when every retry failed, ValueError for an empty commit."""
     loc = open_location(loc)
     check_name("table", table)
@@ -589,13 +592,14 @@ def commit(loc: StoreLocation | str | os.PathLike, table: str, adds: Iterable[Pa
     if not add_list and not remove_list:
         raise ValueError("a commit needs at least one file to add or remove")
     if _routed():
-        return _call("commit", loc, table, add_list, remove_list, data_change=data_change, app=app)
-    return _guarded(lambda: _commit(loc, table, add_list, remove_list, data_change, app), loc, "commit", table,
-                    add_list, remove_list, data_change=data_change, app=app)
+        return _call("commit", loc, table, add_list, remove_list, data_change=data_change, app=app,
+                     app_unseen=app_unseen)
+    return _guarded(lambda: _commit(loc, table, add_list, remove_list, data_change, app, app_unseen), loc, "commit",
+                    table, add_list, remove_list, data_change=data_change, app=app, app_unseen=app_unseen)
 
 
 def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: Sequence[PartFile | str],
-            data_change: bool, app: tuple[str, int] | None) -> int:
+            data_change: bool, app: tuple[str, int] | None, app_unseen: bool = False) -> int:
     deltalake = _deltalake()
     from deltalake.transaction import AddAction, CommitProperties, RemoveAction, Transaction
 
@@ -623,7 +627,8 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
                 delta_table = cached.dt
                 delta_table.update_incremental()
                 base = delta_table.version()
-                if app is not None and (delta_table.transaction_version(app[0]) or -1) >= app[1]:
+                if (app is not None and (attempt or not app_unseen)
+                        and (delta_table.transaction_version(app[0]) or -1) >= app[1]):
                     return _version_of(loc, table, delta_table, base, app)  # committed by an earlier try
                 if removes:
                     _check_live(loc, table, delta_table, removes)
@@ -800,6 +805,8 @@ def _guarded(call: Any, loc: StoreLocation, op: str, *args: Any, **kwargs: Any) 
             raise
         log.info("moescope: delta-rs's runtime came through a fork; this process now commits through a helper")
         _ROUTE = True
+        if "app_unseen" in kwargs:  # whatever the runtime did before it panicked, look before committing again
+            kwargs = {**kwargs, "app_unseen": False}
         return _call(op, loc, *args, **kwargs)
 
 
@@ -884,6 +891,8 @@ def _call(op: str, *args: Any, **kwargs: Any) -> Any:
             if _HELPER is None:
                 _HELPER = _Helper()
             helper = _HELPER
+        if attempt and "app_unseen" in kwargs:  # the helper that died may have made the commit: look for it
+            kwargs = {**kwargs, "app_unseen": False}
         try:
             return helper.call(op, args, kwargs)
         except (EOFError, OSError) as e:

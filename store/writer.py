@@ -328,7 +328,8 @@ class RunWriter:
             name = part_name(self.rank, next(_SEQUENCE), self.host)
             part = delta.write_part(self.location, table, self.run_id, data, name)
             self._seq[table] += 1
-            delta.commit(self.location, table, [part], app=(self.app_id, self._seq[table]))
+            # app_unseen: app_id is this writer's alone and the seq is new, so a first try cannot find it committed
+            delta.commit(self.location, table, [part], app=(self.app_id, self._seq[table]), app_unseen=True)
         return self.location.join(table, part.path) if self.location.is_local else \
             f"{self.location.table_uri(table)}/{part.path}"
 

@@ -277,9 +277,11 @@ def test_processes_racing_to_create_a_table_make_one_creation(store_location):
 
 # -- object storage: faults and refusals ---------------------------------------------------------------
 
-def test_an_ambiguous_commit_is_not_committed_twice(s3_store):
+@pytest.mark.parametrize("app_unseen", [False, True], ids=["looked-for", "unseen"])
+def test_an_ambiguous_commit_is_not_committed_twice(s3_store, app_unseen):
     """The commit's PUT reaches the server but the client is told 503: the retry finds the writer's
-    app transaction in the log and does not add the file a second time."""
+    app transaction in the log and does not add the file a second time; also when the first try
+    did not look for it (app_unseen: a writer's own app id)."""
     from tests.s3faults import FaultProxy
 
     loc = s3_store
@@ -291,12 +293,32 @@ def test_an_ambiguous_commit_is_not_committed_twice(s3_store):
         second = delta.write_part(through, "steps", "r", steps_rows("r", 10, 10), "part-1.parquet")
         proxy.set_faults(slowdown_every=1, methods=("PUT",), path_contains="_delta_log/", after_forward=True,
                          budget=1)
-        version = delta.commit(through, "steps", [second], app=("writer", 2))
+        version = delta.commit(through, "steps", [second], app=("writer", 2), app_unseen=app_unseen)
         assert proxy.counts()["faults"] == {"slowdown": 1}  # the commit's answer really was lost once
     assert version == 2
     log_keys = [k for k in s3_store_keys(loc) if "/steps/_delta_log/" in k and k.endswith(".json")]
     assert len(log_keys) == 3  # versions 0, 1, 2: the retried commit made no version 3
     assert sorted(snapshot_rows(loc, "steps").column("step").to_pylist()) == list(range(20))
+
+
+def test_a_writers_commit_reads_no_more_of_the_log_as_it_grows(s3_store):
+    """A commit of a writer's own app id (app_unseen) does not read the log entries since the last
+    checkpoint to look for it: through S3, that was a GET per entry, up to 49 per commit. Counted
+    at the server's door (a proxy), on a table of 20 versions without a checkpoint."""
+    from tests.s3faults import FaultProxy
+
+    loc = s3_store
+    with FaultProxy(loc.storage_options["AWS_ENDPOINT_URL"]) as proxy:
+        through = StoreLocation(loc.url, {**loc.storage_options, "AWS_ENDPOINT_URL": proxy.url})
+        for seq in range(1, 20):  # the writer's table is open (its state read) from the first commit on
+            part = delta.write_part(through, "steps", "r", steps_rows("r", seq * 10, 10), f"part-{seq}.parquet")
+            delta.commit(through, "steps", [part], app=("writer", seq), app_unseen=True)
+        part = delta.write_part(through, "steps", "r", steps_rows("r", 200, 10), "part-20.parquet")
+        proxy.reset_counts()
+        assert delta.commit(through, "steps", [part], app=("writer", 20), app_unseen=True) == 20
+        log_reads = [path for method, path, _ in proxy.log() if method == "GET" and path.endswith(".json")]
+    assert len(log_reads) <= 6, log_reads  # the new entry and the table's state, not the 19 before it
+    assert sorted(snapshot_rows(loc, "steps").column("step").to_pylist()) == list(range(10, 210))
 
 
 def s3_store_keys(loc: StoreLocation) -> list[str]:
