@@ -72,6 +72,10 @@ class Columns:
         return name in self.names
 
 
+# The table each kind of ring's rows land in.
+RING_TABLES = {"routes": "routes", "logits": "router_logits", "inputs": "router_inputs"}
+
+
 @dataclass
 class Ring:
     """A ring of per-token rows in a device buffer; `pos_col` counts rows written this window."""

@@ -9,9 +9,11 @@ device, with no host sync and no data-dependent shape: it traces into a `torch.c
 replays under CUDA graphs.
 
 In eager inference on a CPU the session defers this: `count_forward` counts the forward as it
-ends, and `reduce_deferred` reduces the window's forwards (all of one `deferral_key`: the same
-token counts, capacities and kept inputs) together when the window closes, stacked by layer and
-then by forward, with the same figures and ring rows as one `reduce_forward` each.
+ends, and the window's forwards (all of one `deferral_key`: the same token counts, capacities and
+kept inputs) are reduced together, stacked by layer and then by forward, with the same figures and
+ring rows as one `reduce_forward` each: `reduce_into_snapshot` on the writer's thread, into the
+window's snapshot, or `reduce_deferred` into the live buffers when a forward that cannot wait
+follows them in the window.
 
 Sharp edge: a group some of whose layers did not run in a forward (or whose reader failed) is
 reduced layer by layer and writes no ring rows, since a ring row holds every layer of its group.
@@ -19,6 +21,7 @@ reduced layer by layer and writes no ring rows, since a ring row holds every lay
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import torch
@@ -86,21 +89,26 @@ def deferral_key(buffers: list[DeviceBuffer], position: dict[int, int], refs: Fo
     key: list = [refs.shape, refs.decoder_shape]
     for buffer in buffers:
         for group in buffer.groups:
-            choices = []
-            for layer in group.layers:
-                at = position[layer.index]
-                choice = refs.choice[at]
-                if choice is None or refs.logits[at] is None:
-                    return None
-                choices.append(choice)
-            tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}
+            places = [position[index] for index in group.positions]
+            choices = [refs.choice[at] for at in places]
+            if any(c is None for c in choices) or any(refs.logits[at] is None for at in places):
+                return None
+            shapes = {c.ids.shape for c in choices}  # type: ignore[union-attr]
+            if len(shapes) == 1:  # every layer read alike: the usual case, one shape to look at
+                shape = shapes.pop()
+                tokens = {math.prod(shape[:-1]) if shape else 0}
+            else:
+                tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices}  # type: ignore[union-attr]
             if len(tokens) != 1:
                 return None
             count = tokens.pop()
             main = refs.decoder_ids if group.decoder else refs.main_ids
-            caps = {_capacity(layer, c, refs) for layer, c in zip(group.layers, choices)}
-            key.append((count, tuple(caps), main is not None and main.numel() == count,
-                        all(refs.inputs[position[layer.index]] is not None for layer in group.layers)))
+            if group.capacity or any(c.capacity is not None for c in choices):  # type: ignore[union-attr]
+                caps = tuple({_capacity(layer, c, refs) for layer, c in zip(group.layers, choices)})  # type: ignore[arg-type]
+            else:
+                caps = (None,)
+            key.append((count, caps, main is not None and main.numel() == count,
+                        all(refs.inputs[at] is not None for at in places)))
     return tuple(key)
 
 
@@ -115,6 +123,22 @@ def reduce_deferred(buffers: list[DeviceBuffer], position: dict[int, int], forwa
         for group in buffer.groups:
             present = [position[layer.index] for layer in group.layers]
             _reduce_group(buffer.flat, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True)
+
+
+@torch.no_grad()
+def reduce_into_snapshot(data: torch.Tensor, buffer: DeviceBuffer, layout: list[tuple[int, int]],
+                         position: dict[int, int], forwards: list[ForwardRefs]) -> None:
+    """`reduce_deferred` for one buffer, into a window's snapshot of it (`data`, `layout`: what
+    `DeviceBuffer.snapshot` returned) instead of the live buffer, so that it can run on the
+    writer's thread. The forwards must be the last the window counted (none reduced after them);
+    the snapshot then holds their figures and ring rows as if they had been reduced before it was
+    taken (a ring row past those the snapshot holds is left out, as the snapshot would have)."""
+    if not forwards:
+        return
+    for group in buffer.groups:
+        present = [position[layer.index] for layer in group.layers]
+        _reduce_group(data, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True,
+                      snapshot_layout=layout)
 
 
 def _reduce_partial(flat: torch.Tensor, group: LayerGroup, position: dict[int, int], refs: ForwardRefs) -> None:
@@ -136,10 +160,12 @@ def _stack(per_forward: list[list[torch.Tensor]]) -> torch.Tensor:
 
 
 def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tuple[()], forwards: list[ForwardRefs],
-                  present: list[int], rows: slice, counted: bool = False) -> None:
+                  present: list[int], rows: slice, counted: bool = False,
+                  snapshot_layout: list[tuple[int, int]] | None = None) -> None:
     """Reduce the layers at `present` (places in each forward's refs) into the group's `rows`, and
     write their rows into those of `rings` that belong to the group. More than one forward: all
-    of one `deferral_key`, already counted (`counted`)."""
+    of one `deferral_key`, already counted (`counted`). `snapshot_layout`: `flat` is a window's snapshot,
+    holding each ring's first rows (rows, offset), as `DeviceBuffer.snapshot` lays them out."""
     # `present`: the places where the hooks kept both the logits and a choice
     choices = [cast("list[Choice]", [refs.choice[p] for p in present]) for refs in forwards]
     tokens = {c.ids.numel() // max(c.ids.shape[-1], 1) for c in choices[0]}
@@ -161,9 +187,10 @@ def _reduce_group(flat: torch.Tensor, group: LayerGroup, rings: list[Ring] | tup
     ids_s, weights_s, kept_s, logits_s = stacked
     group.reduce(flat, logits_s, ids_s, weights_s, kept_s,
                  caps[0] if all(c is not None for c in caps) else None, rows, forwards=len(forwards))
-    for ring in rings:
+    for i, ring in enumerate(rings):
         if ring.group is group:
-            _write_ring(flat, ring, stacked, present, forwards, counted)
+            _write_ring(flat, ring, stacked, present, forwards, counted,
+                        None if snapshot_layout is None else snapshot_layout[i])
 
 
 def _capacity(layer: MoELayer, choice: Choice, refs: ForwardRefs) -> int | None:
@@ -177,12 +204,13 @@ def _capacity(layer: MoELayer, choice: Choice, refs: ForwardRefs) -> int | None:
 
 
 def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[int], forwards: list[ForwardRefs],
-                counted: bool) -> None:
+                counted: bool, snapshot_rows: tuple[int, int] | None = None) -> None:
     """Write these forwards' rows of `ring` (every token, or the sampled ones) at the ring's
     position, which the device keeps in its own counter. No row of router inputs where a layer's
     were not kept (its router was called without its input as a positional tensor, or its hook
     failed): a ring row holds every layer of the group. `counted`: the device's forward counter
-    already counts these forwards (a deferred reduction); otherwise it is the first one's number."""
+    already counts these forwards (a deferred reduction); otherwise it is the first one's number.
+    `snapshot_rows`: `flat` is a window's snapshot holding the ring's first `rows` rows at `offset`."""
     count = len(forwards)
     if ring.kind == "inputs":
         inputs = [[hidden for hidden in (refs.inputs[p] for p in present) if hidden is not None] for refs in forwards]
@@ -232,7 +260,13 @@ def _write_ring(flat: torch.Tensor, ring: Ring, stacked: tuple, present: list[in
     data = torch.cat([p.reshape(total, -1) for p in payload], dim=1)
     start = flat[ring.pos_col].to(torch.int64)
     where = (start + torch.arange(total, device=device)) % ring.capacity
-    ring.view(flat).index_copy_(0, where, data)
+    if snapshot_rows is None:
+        ring.view(flat).index_copy_(0, where, data)
+    else:  # host code on a snapshot: a data-dependent selection is fine here
+        rows_held, offset = snapshot_rows
+        keep = where < rows_held
+        flat[offset: offset + rows_held * ring.columns.width].view(rows_held, ring.columns.width).index_copy_(
+            0, where[keep], data[keep])
     flat[ring.pos_col].add_(total)
 
 

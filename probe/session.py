@@ -37,7 +37,7 @@ from moescope.pipeline import (
     WritesRows,
     new_run_id,
 )
-from moescope.probe.accumulate import SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
+from moescope.probe.accumulate import RING_TABLES, SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
 from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
 from moescope.probe.exporting import AttachListener, ProbeStats, ProbeStatsReader
 from moescope.probe.gate import GatePolicy, TrustGate
@@ -400,6 +400,10 @@ class ProbeSession:
             for buffer in self.buffers:
                 for ring in buffer.rings:
                     ring.host_rows += ring.rows(expected)
+                    # a forward with more rows than its ring holds writes the first `capacity`: count the rest
+                    over = ring.rows(_tokens(refs.decoder_shape if ring.group.decoder else refs.shape)) - ring.capacity
+                    if over > 0:
+                        self._count_ring_drop(RING_TABLES[ring.kind], over * len(ring.group.layers))
             self._last_shape = refs.shape
             if self.kv_cache:
                 self._last_kv = kv_cache_layers(output)
@@ -465,10 +469,13 @@ class ProbeSession:
         """Snapshot the device accumulators and hand the window to the writer. Model thread:
         launches only (a gather, one non-blocking copy per device, an event)."""
         with self._lock:
-            self._reduce_deferred()
+            # the last forwards, not yet reduced, are reduced into the snapshot on the writer's thread
+            deferred, self._deferred, self._deferred_key, self._deferred_tokens = self._deferred, [], None, 0
             if not self._forwards_in_window and not (force and self.graphed):
+                reduce_deferred(self.buffers, self._position, deferred)  # none, unless the host lost count
                 self._window_open(time.monotonic())
                 return
+            deferred_bytes = _refs_bytes(deferred[0]) * len(deferred) if deferred else 0
             snapshots = []
             for buffer in self.buffers:
                 data, layout = buffer.snapshot(whole_rings=self.graphed)
@@ -478,8 +485,9 @@ class ProbeSession:
                     event = torch.cuda.Event()
                     event.record()
                     snapshots.append(Snapshot(buffer, host, layout, event, self._pool))
-                else:
-                    snapshots.append(Snapshot(buffer, data, layout))
+                else:  # CPU: a fresh tensor, the writer may reduce into it (only CPU buffers defer)
+                    snapshots.append(Snapshot(buffer, data, layout, deferred=deferred, position=self._position,
+                                              deferred_bytes=deferred_bytes))
             tags: dict[str, str] = {}
             for layer_tags in self._tags:
                 tags.update(layer_tags)
@@ -567,6 +575,13 @@ class ProbeSession:
 def _capturing() -> bool:
     # nothing captures before CUDA is initialised; is_initialized() is a flag read, is_available() is not
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _refs_bytes(refs: ForwardRefs) -> int:
+    """Bytes of the tensors a deferred forward holds (router logits, choices, router inputs)."""
+    held = [t for t in refs.logits if t is not None] + [t for t in refs.inputs if t is not None]
+    held += [t for c in refs.choice if c is not None for t in (c.ids, c.weights, c.kept) if t is not None]
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def _tokens(shape: tuple) -> int:

@@ -4,8 +4,9 @@ A window is a run of forwards whose device accumulators were snapshotted togethe
 probe/accumulate.py). Closing one on the model thread only launches device work: one gather, one
 asynchronous copy into a pinned buffer from a reusable pool, a CUDA event. The `PendingWindow` it
 leaves is handed to the writer's queue; there, `materialize()` waits for the copy (the writer
-thread blocks, never the model) and builds the `StepRecord`: unpacking, per-layer figures, routes
-and samples.
+thread blocks, never the model), reduces the forwards the model thread left unreduced (CPU
+inference: probe/reduction.py) into the snapshot, and builds the `StepRecord`: unpacking,
+per-layer figures, routes and samples.
 
 A window's figures weight every token equally: loads, drops and co-selection are sums; router
 entropy, margin and the active-parameter figures are token-weighted means (sums over the window
@@ -24,8 +25,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from moescope.probe.accumulate import TOTAL_FORWARDS, WINDOW_FORWARDS, DeviceBuffer, LayerGroup, Ring, entropy_quantile
+from moescope.probe.accumulate import (
+    RING_TABLES,
+    TOTAL_FORWARDS,
+    WINDOW_FORWARDS,
+    DeviceBuffer,
+    LayerGroup,
+    Ring,
+    entropy_quantile,
+)
 from moescope.probe.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
+from moescope.probe.reduction import ForwardRefs, reduce_into_snapshot
 from moescope.probe.timing import LayerTime, WindowTimes, expert_times
 
 
@@ -72,13 +82,20 @@ class HostContext:
 
 @dataclass
 class Snapshot:
-    """One device's part of a window: a host buffer (once `event` completes) and its layout."""
+    """One device's part of a window: a host buffer (once `event` completes) and its layout.
+
+    deferred: the window's last forwards, counted but not yet reduced (CPU inference,
+    probe/reduction.py), by the places of `position`; `materialize` reduces them into `host`.
+    """
 
     buffer: DeviceBuffer
     host: torch.Tensor
     layout: list[tuple[int, int]]
     event: Any = None
     pool: PinnedPool | None = None
+    deferred: list[ForwardRefs] = field(default_factory=list)
+    position: dict[int, int] = field(default_factory=dict)
+    deferred_bytes: int = 0
 
 
 class PendingWindow:
@@ -92,14 +109,14 @@ class PendingWindow:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.host.numel() * s.host.element_size() for s in self.snapshots)
+        return sum(s.host.numel() * s.host.element_size() + s.deferred_bytes for s in self.snapshots)
 
     def rows(self) -> dict[str, int]:
         """An upper bound of the rows this window adds to each table (for drop accounting)."""
         rows = {"steps": 1, "layer_steps": sum(len(g.layers) for s in self.snapshots for g in s.buffer.groups)}
         for snap in self.snapshots:
             for ring, (count, _) in zip(snap.buffer.rings, snap.layout):
-                table = {"routes": "routes", "logits": "router_logits", "inputs": "router_inputs"}[ring.kind]
+                table = RING_TABLES[ring.kind]
                 rows[table] = rows.get(table, 0) + count * (len(ring.group.layers))
         if self.context.kv_cache:
             rows["kv_cache"] = len(self.context.kv_cache)
@@ -109,6 +126,9 @@ class PendingWindow:
         for snap in self.snapshots:
             if snap.event is not None:
                 snap.event.synchronize()
+            if snap.deferred:  # the reduction the model thread left: here, off its interpreter
+                forwards, snap.deferred = snap.deferred, []
+                reduce_into_snapshot(snap.host, snap.buffer, snap.layout, snap.position, forwards)
         try:
             return self._build()
         finally:
@@ -131,7 +151,7 @@ class PendingWindow:
                 written = int(round(host[ring.pos_col]))
                 data = host[offset: offset + count * ring.columns.width].reshape(count, ring.columns.width)
                 if written > ring.capacity and self.on_dropped is not None:
-                    table = {"routes": "routes", "logits": "router_logits", "inputs": "router_inputs"}[ring.kind]
+                    table = RING_TABLES[ring.kind]
                     self.on_dropped(table, (written - ring.capacity) * len(ring.group.layers))
                 data = data[: min(written, count)]
                 order = np.lexsort((data[:, 1], data[:, 0])) if len(data) else np.arange(0)

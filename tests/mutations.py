@@ -144,6 +144,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/probe/test_exactness.py", "-k", "deferred or window_of_two"),
         "route rows of forwards reduced together at a window's close carry the next forward's number (issue 26)"),
     Mutation(
+        "snapshot-ring-rows-unsaved", "probe/reduction.py",
+        "        keep = where < rows_held\n",
+        "        keep = where < rows_held - 1\n",
+        ("tests/probe/test_exactness.py", "-k", "deferred or either_thread"),
+        "the writer's reduction into a window's snapshot leaves its last route row unwritten (issue 26)"),
+    Mutation(
+        "ring-overflow-uncounted", "probe/session.py",
+        "                    if over > 0:\n",
+        "                    if over > ring.capacity:\n",
+        ("tests/probe/test_exactness.py", "-k", "either_thread"),
+        "a forward with more tokens than its routes ring loses rows without counting them"),
+    Mutation(
         "health-every-layer-visits", "probe/health.py",
         "while spent < self.budget and len(self.visiting) < count:",
         "while len(self.visiting) < count:",

@@ -27,7 +27,9 @@ def test_decode_inference_adds_no_op_per_moe_layer():
     assert set(rows) == {"aggregates", "routes to Parquet"}, out
     for name, (per_layer, constant) in rows.items():
         assert abs(per_layer) < 0.01, (name, out)  # a window's forwards are reduced together
-        assert 0 < constant < 10, (name, out)  # the forward count, and a reduction per window of 32
+        # the forward count only: a window's reduction runs on the writer's thread, which the
+        # counter (a dispatch mode, per thread) does not see
+        assert 0 < constant < 4, (name, out)
 
 
 def test_detection_gates_a_corrupted_expert_within_the_policys_windows():

@@ -578,3 +578,48 @@ def test_deferred_and_immediate_reductions_record_the_same(family):
             assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-12, abs=1e-15), name
         for name in ("expert_ids", "gate_weights", "kept", "step", "token", "sequence", "position"):
             np.testing.assert_array_equal(getattr(a.routes, name), getattr(b.routes, name), err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "nllb_moe"])
+@pytest.mark.parametrize("ring_tokens", [80, 16])
+def test_forwards_reduced_on_either_thread_record_as_reduced_one_by_one(family, ring_tokens):
+    """A window whose forwards change batch size is reduced in two parts: the forwards before the
+    change on the model thread, the last ones into the window's snapshot on the writer's thread.
+    With a sample of router logits, and a routes ring that holds the window (80 rows) or not even
+    one forward (16: a forward writes its first 16 rows, the rest counted as dropped, and gets a
+    window of its own), the records and the drop counts equal those of forwards reduced one by one
+    as they end (autograd on)."""
+    model = _model(family)
+    g = torch.Generator().manual_seed(5)
+    inputs = []
+    for batch in (3, 3, 2, 2):
+        ids = torch.randint(0, 128, (batch, SEQ), generator=g)
+        inputs.append(dict(input_ids=ids, decoder_input_ids=ids.flip(1)) if family in ENCODER_DECODER
+                      else dict(input_ids=ids))
+    records, drops = {}, {}
+    for grad in (False, True):
+        memory = InMemoryExporter()
+        session = probe.attach(model, [memory], routes=True, router_logits=5, window=4, window_s=None,
+                               ring_tokens=ring_tokens)
+        with session, torch.set_grad_enabled(grad):
+            for batch in inputs:
+                model(**batch)
+        records[grad] = memory.records
+        drops[grad] = dict(session.processor.dropped_rows)
+    # a forward of more tokens than the ring writes its first ring_tokens rows; the rest are counted
+    lost = sum(max(batch * SEQ - ring_tokens, 0) for batch in (3, 3, 2, 2)) * len(session.layers)
+    assert drops[False] == drops[True] == ({("routes", "ring_full"): lost} if lost else {}), drops
+    assert [r.forwards for r in records[False]] == [r.forwards for r in records[True]] == (
+        [4] if ring_tokens == 80 else [1, 1, 1, 1])
+    for deferred, immediate in zip(records[False], records[True]):
+        for a, b in zip(deferred.layers, immediate.layers):
+            assert a.tokens == b.tokens
+            for name in ("expert_load", "gate_weight_sum", "router_prob_sum", "router_topk_load"):
+                np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-12, err_msg=name)
+            assert a.router_entropy_mean == pytest.approx(b.router_entropy_mean, rel=1e-12)
+            assert a.capacity_use == b.capacity_use
+            for name in ("expert_ids", "gate_weights", "kept", "step", "token", "sequence", "position"):
+                np.testing.assert_array_equal(getattr(a.routes, name), getattr(b.routes, name), err_msg=name)
+            for name in ("token", "step", "values", "top1_expert"):
+                np.testing.assert_array_equal(getattr(a.router_logits, name), getattr(b.router_logits, name),
+                                              err_msg=name)
