@@ -9,6 +9,7 @@ Rows are counted from the raw Parquet files of each table's Delta snapshot (test
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -549,7 +550,7 @@ def test_route_files_carry_the_encodings_the_layout_names_and_page_checksums(tmp
     exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9)
     exporter.export([make_record("r", step, rng, tokens=64) for step in range(4)])
     exporter.shutdown()
-    [part] = delta.snapshot(str(tmp_path), "routes").files
+    [part] = delta.snapshot(str(tmp_path), "routes", with_stats=True).files
     path = tmp_path / "routes" / part.path
     group = pq.ParquetFile(path).metadata.row_group(0)
     encodings = {group.column(i).path_in_schema: set(group.column(i).encodings) for i in range(group.num_columns)}
@@ -557,6 +558,12 @@ def test_route_files_carry_the_encodings_the_layout_names_and_page_checksums(tmp
     assert "BYTE_STREAM_SPLIT" in encodings["gate_weights.list.element"]
     assert "DELTA_BINARY_PACKED" in encodings["token_id"] and "DELTA_BINARY_PACKED" in encodings["token"]
     assert "RLE_DICTIONARY" in encodings["layer"]
+    # min/max on the top-level columns (Delta's stats and DuckDB's pruning read them), none on nested leaves
+    with_stats = {group.column(i).path_in_schema for i in range(group.num_columns) if group.column(i).is_stats_set}
+    assert with_stats == {"step", "layer", "token", "sequence", "position", "token_id", "rank"}
+    stats = json.loads(part.stats)
+    assert (stats["minValues"]["step"], stats["maxValues"]["step"]) == (0, 3)
+    assert (stats["minValues"]["token"], stats["maxValues"]["token"]) == (0, 63)
     assert pq.read_table(path, page_checksum_verification=True).num_rows == 4 * 3 * 64
     token_ids = group.column(5)
     assert token_ids.path_in_schema == "token_id"
