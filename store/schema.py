@@ -325,15 +325,19 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
     sizes = [len(r.expert_ids) for r in routes]
     counts = np.array(sizes, dtype=np.int64)
     total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    token = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-    if any(r.token is not None for r in routes):  # a window's pieces span several forwards
-        token = np.concatenate([r.token if r.token is not None else np.arange(n)
-                                for r, n in zip(routes, sizes)]).astype(np.int32, copy=False)
-    widths = np.repeat(np.array([r.expert_ids.shape[1] for r in routes], dtype=np.int32), counts)
-    offsets = np.zeros(total + 1, dtype=np.int32)
-    np.cumsum(widths, out=offsets[1:])
-    offsets = pa.array(offsets)
+    # a piece's rows are numbered from 0 unless it says otherwise (a window's pieces span several forwards)
+    numbers = np.arange(max(sizes), dtype=np.int32)
+    token = np.concatenate([numbers[:n] if r.token is None else r.token
+                            for r, n in zip(routes, sizes)]).astype(np.int32, copy=False)
+    widths = {r.expert_ids.shape[1] for r in routes}
+    if len(widths) == 1:  # every piece has the same k: the offsets are a range
+        width = widths.pop()
+        offsets = pa.array(np.arange(0, (total + 1) * width, width, dtype=np.int32))
+    else:
+        ends = np.zeros(total + 1, dtype=np.int32)
+        np.cumsum(np.repeat(np.array([r.expert_ids.shape[1] for r in routes], dtype=np.int32), counts),
+                  out=ends[1:])
+        offsets = pa.array(ends)
 
     def slots(name: str, dtype, type_: pa.DataType) -> pa.Array:
         """A (tokens, k) field of every piece as a list column; null rows where a piece lacks it."""
@@ -358,7 +362,9 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
     tags = pa.array([list(t) for t in tag_sets], type=TAGS).take(pa.array(tag_index))
     return pa.Table.from_arrays([
         pa.repeat(pa.scalar(run_id, pa.string()), total),
-        pa.array(np.concatenate([r.step if r.step is not None else np.full(n, p.step)
+        pa.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)
+                 if all(r.step is None for r in routes) else
+                 np.concatenate([r.step if r.step is not None else np.full(n, p.step)
                                  for p, r, n in zip(pieces, routes, sizes)]).astype(np.int64, copy=False)),
         pa.array(np.repeat(np.array([p.layer for p in pieces], dtype=np.int32), counts)),
         pa.array(token),
