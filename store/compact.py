@@ -37,6 +37,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,9 @@ COMMIT_ATTEMPTS = 5
 # A merge whose sources take at most this much memory decoded (their footers say) is read and sorted
 # in memory by pyarrow, each source read once; a larger one goes through DuckDB, which can spill.
 IN_MEMORY_MERGE_BYTES = 2 * 1024**3
+# Threads that read a merge's sources at once: reading (decoding, checking each page) is most of a
+# merge's time, and on object storage each source is a request to wait for.
+READ_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 @dataclass
@@ -223,8 +227,10 @@ def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[File
     fields = [f for f in SCHEMAS[table] if f.name != delta.PARTITION_COLUMN]
     schema = pa.schema(fields)
     tables = []
-    for info in group:
-        data, problem = read_checked(info.path, filesystem)
+    # the sources are read (decoded, their checksums checked) on several threads: pyarrow lets go of the GIL
+    with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(group)))) as pool:
+        read = list(pool.map(lambda info: read_checked(info.path, filesystem), group))
+    for info, (data, problem) in zip(group, read):
         if data is None:
             raise _BadSource(info, f"damaged data: {problem}" if problem else "")  # "": gone, not bad
         # the schema's own types (names of list items, time zone spelling), nulls for a column a file lacks
@@ -232,7 +238,7 @@ def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[File
             [data.column(f.name).cast(f.type) if f.name in data.column_names else pa.nulls(data.num_rows, f.type)
              for f in fields], schema=schema))
     merged = pa.concat_tables(tables)
-    del tables
+    del tables, read
     rows = merged.num_rows
     keys = [k.strip() for k in SORT_KEYS[table].split(",")] if table in SORT_KEYS else []
     if keys and rows:
