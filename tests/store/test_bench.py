@@ -30,7 +30,7 @@ def test_bench_smoke_local_and_s3_side_by_side(tmp_path):
     for f in stores.values():
         assert f["rows"] == 73 * 4 * 1024
         assert f["writer_rows_per_s"] > 0 and 0 < f["bytes_per_route_row"] < 64
-        assert f["files_before"] == 2 and f["files_after"] == 1 and f["compact_s"] > 0
+        assert f["files_before"] == 2 and f["files_after"] == 1 and f["compact_s"] > 0 and f["compact_cpu_s"] > 0
         assert all(len(times) == 1 and times[0] > 0 for times in f["queries_ms"].values())
     # the local store holds every route row once, counted from the raw Parquet files of its snapshot
     snap = delta.snapshot(str(root), "routes")
