@@ -207,9 +207,9 @@ class _Fingerprint:
 class HealthSampler:
     """Samples expert outputs and re-checks weight fingerprints, at every `sample_every`-th forward.
 
-    `install(active)` hooks the routers; `active()` says whether the current forward is recorded.
-    At a sampling forward the visited layers add their measurements into their rows of the probe's
-    device buffer (`bind`); a window's record carries their sums. `sample(layer, hidden)` returns
+    The probe's router hooks call each layer's `visitor` at the forwards they record. At a sampling
+    forward the visited layers add their measurements into their rows of the probe's device buffer
+    (`bind`); a window's record carries their sums. `sample(layer, hidden)` returns
     one layer's measurements as named device tensors.
 
     The budget of a sampled forward is `experts_per_forward` experts per watched layer (None: every
@@ -302,14 +302,16 @@ class HealthSampler:
                                 if (self._samples - i * self.weight_every // count) % self.weight_every == 0}
         self._samples += 1
 
-    def install(self, active: Callable[[], bool]) -> list[torch.utils.hooks.RemovableHandle]:
-        return [layer.router.register_forward_hook(self._hook(layer, active)) for layer in self.layers]
-
-    def _hook(self, layer: MoELayer, active: Callable[[], bool]) -> Callable:
+    def visitor(self, layer: MoELayer) -> Callable[[tuple], None] | None:
+        """What the probe's router hook of `layer` calls, with the router's arguments, at a forward
+        it records and this sampler samples (`now`); None for a layer it does not watch. One hook per
+        router does both: a second Python hook costs its dispatch at every forward, sampled or not."""
+        if all(moe is not layer for moe in self.layers):
+            return None
         every_layer = self.own_share(layer)
 
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not self.now or not active() or not args or not isinstance(args[0], torch.Tensor):
+        def visit(args: tuple) -> None:
+            if not args or not isinstance(args[0], torch.Tensor):
                 return
             if torch.compiler.is_compiling():  # no host rotation inside a graph: every layer, its share
                 experts, weights = every_layer, self.weights_now
@@ -324,7 +326,7 @@ class HealthSampler:
                     self.on_error()
                 else:
                     raise
-        return hook
+        return visit
 
     @torch.no_grad()
     def accumulate(self, layer: MoELayer, measured: dict[str, torch.Tensor]) -> None:

@@ -261,8 +261,6 @@ class ProbeSession:
                     self._experts_hook(layer), with_kwargs=True))
         if self.gate is not None:  # prepended to the routers: the recorder above sees the gated routing
             self._handles.extend(self.gate.install())
-        if self.health is not None:
-            self._handles.extend(self.health.install(lambda: self._recording))
         if self.timer is not None:
             self._handles.extend(self.timer.install(_capturing))
 
@@ -313,6 +311,8 @@ class ProbeSession:
     def _router_hook(self, layer: MoELayer) -> Callable:
         position = self._position[layer.index]
         refs = self._refs
+        health = self.health
+        visit = health.visitor(layer) if health is not None else None  # the same hook samples health
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self._recording:
@@ -330,6 +330,8 @@ class ProbeSession:
                     refs.choice[position] = layer.read_router_choice(output, logits)
             except Exception:
                 self._hook_failed()
+            if visit is not None and health.now:  # type: ignore[union-attr]
+                visit(args)  # counts its own failures
         return hook
 
     def _experts_hook(self, layer: MoELayer) -> Callable:
