@@ -215,7 +215,8 @@ class _BadSource(Exception):
 def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
                      row_group_rows: int) -> delta.PartFile:
     """`_merge` for a group that fits in memory: each source read once, checked as it is read
-    (`store.quarantine.read_checked`; raises _BadSource for a bad one, before anything is written),
+    (`store.quarantine.read_checked`, on up to READ_THREADS threads; raises _BadSource for a bad
+    one, before anything is written),
     the rows sorted by the table's keys with pyarrow (a stable sort) and written in row groups of
     `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES.
 
