@@ -1,5 +1,5 @@
 """Device accumulators: one vectorised reduction over all MoE layers at once, per forward (or per
-window of forwards, in CPU inference: probe/reduction.py).
+window of forwards, in eager CPU runs: probe/reduction.py).
 
 This module draws the buffers and reduces one group of layers; probe/layout.py decides at attach
 which layers form a group and which rings exist, and probe/reduction.py runs each forward's

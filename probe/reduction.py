@@ -8,8 +8,8 @@ same stacked tensors, and counts the forward on the device. Everything is torch 
 device, with no host sync and no data-dependent shape: it traces into a `torch.compile` graph and
 replays under CUDA graphs.
 
-In eager inference on a CPU the session defers this: `count_forward` counts the forward as it
-ends, and the window's forwards (all of one `deferral_key`: the same token counts, capacities and
+In eager runs on a CPU (inference and training) the session defers this: `count_forward` counts
+the forward as it ends, and the window's forwards (all of one `deferral_key`: the same token counts, capacities and
 kept inputs) are reduced together, stacked by layer and then by forward, with the same figures and
 ring rows as one `reduce_forward` each: `reduce_into_snapshot` on the writer's thread, into the
 window's snapshot, or `reduce_deferred` into the live buffers when a forward that cannot wait

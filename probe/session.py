@@ -223,7 +223,7 @@ class ProbeSession:
             if self.health is not None:
                 self.health.bind(layout.health_rows())
             self._refs = ForwardRefs(len(layers))
-            self._deferred: list[ForwardRefs] = []  # forwards counted but not yet reduced (inference)
+            self._deferred: list[ForwardRefs] = []  # forwards counted but not yet reduced (eager CPU runs)
             self._deferred_key: tuple | None = None
             self._deferred_tokens = 0
             # CPU only: on a CUDA device a deferred reduction could land inside a CUDA-graph capture
@@ -353,15 +353,18 @@ class ProbeSession:
         """Device side of a forward (probe/reduction.py), once per forward of the root. Traceable:
         under torch.compile it is a graph of its own, with no break.
 
-        In eager inference on a CPU (no autograd, no compile) the forward is only counted and its
-        references kept: forwards of one shape are reduced together, in one stacked pass,
-        when the window closes or DEFERRED_TOKENS tokens are waiting. Decode steps are small,
-        and the ops of a reduction cost the same for one step as for thirty."""
+        In eager runs on a CPU (inference and training; not under compile) the forward is only
+        counted and its references kept: forwards of one shape are reduced together, in one
+        stacked pass, when the window closes (on the writer's thread, into the window's snapshot)
+        or when DEFERRED_TOKENS tokens are waiting. Decode steps are small, and the ops of a
+        reduction cost the same for one step as for thirty. The references are the tensors the
+        model passed (no copies): a model that changes its router logits or choices in place after
+        the router and experts have run would be recorded with the changed values."""
         if not self._recording or self._reduced:
             return
         self._reduced = True
         refs = self._refs
-        if self._may_defer and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        if self._may_defer and not torch.compiler.is_compiling():
             key = deferral_key(self.buffers, self._position, refs)
             tokens = max((entry[0] for entry in key[2:]), default=0) if key is not None else DEFERRED_TOKENS + 1
             if self._deferred and (key != self._deferred_key or self._deferred_tokens + tokens > DEFERRED_TOKENS):

@@ -5,7 +5,7 @@ probe/accumulate.py). Closing one on the model thread only launches device work:
 asynchronous copy into a pinned buffer from a reusable pool, a CUDA event. The `PendingWindow` it
 leaves is handed to the writer's queue; there, `materialize()` waits for the copy (the writer
 thread blocks, never the model), reduces the forwards the model thread left unreduced (CPU
-inference: probe/reduction.py) into the snapshot, and builds the `StepRecord`: unpacking,
+runs: probe/reduction.py) into the snapshot, and builds the `StepRecord`: unpacking,
 per-layer figures, routes and samples.
 
 A window's figures weight every token equally: loads, drops and co-selection are sums; router
@@ -84,7 +84,7 @@ class HostContext:
 class Snapshot:
     """One device's part of a window: a host buffer (once `event` completes) and its layout.
 
-    deferred: the window's last forwards, counted but not yet reduced (CPU inference,
+    deferred: the window's last forwards, counted but not yet reduced (eager CPU runs,
     probe/reduction.py), by the places of `position`; `materialize` reduces them into `host`.
     """
 

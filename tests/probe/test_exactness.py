@@ -553,19 +553,28 @@ def test_a_window_of_two_forwards_is_the_sum_of_its_forwards(family):
 
 @pytest.mark.parametrize("family", ["mixtral", "switch_transformers", "nllb_moe", "qwen3_moe"])
 def test_deferred_and_immediate_reductions_record_the_same(family):
-    """Inference forwards on a CPU are reduced together when their window closes (one stacked
-    pass); forwards with autograd on are reduced one by one as they end. The same three forwards
-    through each give the same records: aggregates, capacity use and every route row."""
+    """Forwards on a CPU, in inference and in training, are reduced together when their window
+    closes (one stacked pass, on the writer's thread); on CUDA and under torch.compile they are
+    reduced one by one as they end. The same three forwards through each give the same records:
+    aggregates, capacity use and every route row."""
     model = _model(family)
     inputs = [_inputs(family, seed) for seed in (1, 2, 3)]
     records = {}
-    for grad in (False, True):
+    for grad, immediate in ((False, False), (True, False), (False, True)):
         memory = InMemoryExporter()
-        with probe.attach(model, [memory], routes=True, window=3, window_s=None), torch.set_grad_enabled(grad):
+        session = probe.attach(model, [memory], routes=True, window=3, window_s=None)
+        session._may_defer = not immediate  # the path of CUDA and torch.compile, on a CPU
+        with session, torch.set_grad_enabled(grad):
             for batch in inputs:
                 model(**batch)
-        [records[grad]] = memory.records
-    deferred, immediate = records[False], records[True]
+        [records[grad, immediate]] = memory.records
+    # training (autograd on) defers as inference does
+    for deferred in (records[False, False], records[True, False]):
+        _same_window(deferred, records[False, True])
+
+
+def _same_window(deferred, immediate):
+    """Two records of the same forwards, reduced by different paths, hold the same figures."""
     assert deferred.forwards == immediate.forwards == 3
     for a, b in zip(deferred.layers, immediate.layers):
         assert a.tokens == b.tokens
@@ -588,7 +597,7 @@ def test_forwards_reduced_on_either_thread_record_as_reduced_one_by_one(family, 
     With a sample of router logits, and a routes ring that holds the window (80 rows) or not even
     one forward (16: a forward writes its first 16 rows, the rest counted as dropped, and gets a
     window of its own), the records and the drop counts equal those of forwards reduced one by one
-    as they end (autograd on)."""
+    as they end (the path of CUDA and torch.compile)."""
     model = _model(family)
     g = torch.Generator().manual_seed(5)
     inputs = []
@@ -597,15 +606,16 @@ def test_forwards_reduced_on_either_thread_record_as_reduced_one_by_one(family, 
         inputs.append(dict(input_ids=ids, decoder_input_ids=ids.flip(1)) if family in ENCODER_DECODER
                       else dict(input_ids=ids))
     records, drops = {}, {}
-    for grad in (False, True):
+    for immediate in (False, True):
         memory = InMemoryExporter()
         session = probe.attach(model, [memory], routes=True, router_logits=5, window=4, window_s=None,
                                ring_tokens=ring_tokens)
-        with session, torch.set_grad_enabled(grad):
+        session._may_defer = not immediate  # the path of CUDA and torch.compile, on a CPU
+        with session, torch.no_grad():
             for batch in inputs:
                 model(**batch)
-        records[grad] = memory.records
-        drops[grad] = dict(session.processor.dropped_rows)
+        records[immediate] = memory.records
+        drops[immediate] = dict(session.processor.dropped_rows)
     # a forward of more tokens than the ring writes its first ring_tokens rows; the rest are counted
     lost = sum(max(batch * SEQ - ring_tokens, 0) for batch in (3, 3, 2, 2)) * len(session.layers)
     assert drops[False] == drops[True] == ({("routes", "ring_full"): lost} if lost else {}), drops
