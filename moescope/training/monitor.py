@@ -590,7 +590,11 @@ class TrainingMonitor:
 
 def _skip_forwards(session: ProbeSession, forwards: int) -> None:
     """Number the session's next forward `forwards` later: the host's count and each device
-    buffer's own counter (the routes' and records' forward numbers come from it) move together."""
+    buffer's own counter (the routes' and records' forward numbers come from it) move together.
+    A window holding forwards is closed first: a deferred reduction numbers its forwards back from
+    the counter, so the jump must come after them."""
+    if session.forwards_in_window:
+        session.end_window()
     session.step += forwards
     for buffer in session.buffers:
         buffer.flat[TOTAL_FORWARDS] += forwards

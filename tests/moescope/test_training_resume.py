@@ -293,3 +293,25 @@ def test_frozen_experts_have_no_gradient_norm(tmp_path):
     stored = rows(tmp_path, "train_steps")
     assert len(stored) == 4
     assert all((r["expert_grad_norm"] is None) == (r["layer"] == 1) for r in stored)
+
+
+def test_forwards_run_before_a_resume_keep_their_numbers():
+    """A resume numbers the next forward later (`_skip_forwards`); forwards already run in the open
+    window keep the numbers they ran under, even when their reduction was deferred to the window's
+    close (as it is on a CPU): their window closes before the jump. Oracle: the forward numbers
+    the host counted, against the routes' step column of each record."""
+    from moescope import probe
+    from moescope.pipeline import InMemoryExporter
+    from moescope.training.monitor import _skip_forwards
+
+    model = tiny_mixtral(0)
+    memory = InMemoryExporter()
+    ids = batches(1)[0]
+    with probe.attach(model, [memory], routes=True, window=10, window_s=None) as session, torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids)
+        _skip_forwards(session, 5)
+        model(input_ids=ids)
+    steps = [sorted(set(record.layers[0].routes.step.tolist())) for record in memory.records]
+    assert steps == [[0, 1], [7]], steps
+    assert [(r.step, r.step_end) for r in memory.records] == [(0, 1), (7, 7)]
