@@ -117,12 +117,8 @@ def reduce_deferred(buffers: list[DeviceBuffer], position: dict[int, int], forwa
     """Add forwards already counted on the device (`count_forward`, oldest first, all of one
     `deferral_key`) to the accumulators and rings in one stacked pass per group: the same sums as
     one `reduce_forward` each, with the ops of one."""
-    if not forwards:
-        return
     for buffer in buffers:
-        for group in buffer.groups:
-            present = [position[layer.index] for layer in group.layers]
-            _reduce_group(buffer.flat, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True)
+        _reduce_counted(buffer.flat, buffer, position, forwards)
 
 
 @torch.no_grad()
@@ -133,12 +129,19 @@ def reduce_into_snapshot(data: torch.Tensor, buffer: DeviceBuffer, layout: list[
     writer's thread. The forwards must be the last the window counted (none reduced after them);
     the snapshot then holds their figures and ring rows as if they had been reduced before it was
     taken (a ring row past those the snapshot holds is left out, as the snapshot would have)."""
+    _reduce_counted(data, buffer, position, forwards, layout)
+
+
+def _reduce_counted(flat: torch.Tensor, buffer: DeviceBuffer, position: dict[int, int], forwards: list[ForwardRefs],
+                    snapshot_layout: list[tuple[int, int]] | None = None) -> None:
+    """Every group of `buffer`, for forwards already counted, into `flat`: the buffer's own, or a
+    window's snapshot of it (`snapshot_layout`)."""
     if not forwards:
         return
     for group in buffer.groups:
         present = [position[layer.index] for layer in group.layers]
-        _reduce_group(data, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True,
-                      snapshot_layout=layout)
+        _reduce_group(flat, group, buffer.rings, forwards, present, slice(0, len(present)), counted=True,
+                      snapshot_layout=snapshot_layout)
 
 
 def _reduce_partial(flat: torch.Tensor, group: LayerGroup, position: dict[int, int], refs: ForwardRefs) -> None:
