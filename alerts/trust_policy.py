@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,7 +107,9 @@ class TrustPolicy(Exporter, GatePolicy):
 
     def __init__(self, config: TrustPolicyConfig | None = None, health: HealthConfig | None = None,
                  sink: TransitionSink | None = None, max_buffer_rows: int = 4096, max_age_s: float = 5.0,
-                 accept_requests: bool = False, request_poll_s: float = 2.0):
+                 accept_requests: bool = False, request_poll_s: float = 2.0, keep_rows: int = 65536):
+        """keep_rows: the latest health rows kept in memory for in-process readers (`health_rows`);
+        every row goes to the store's `expert_health` table, so a long run's memory stays bounded."""
         self.config = config or TrustPolicyConfig()
         self.scorer = HealthScorer(health)
         self.sink = sink
@@ -120,7 +123,7 @@ class TrustPolicy(Exporter, GatePolicy):
         self.num_experts: dict[int, int] = {}
         self.pinned: set[tuple[int, int]] = set()
         self.judgements: dict[tuple[int, int], _Judgement] = {}
-        self.health_rows: list[ExpertHealth] = []  # every row scored, kept for in-process readers
+        self.health_rows: deque[ExpertHealth] = deque(maxlen=keep_rows)  # the latest rows scored
         self.events: list[GateChange] = []
         self.alerts: list[AlertTransition] = []
         self._episodes: dict[tuple[int, int], dt.datetime] = {}

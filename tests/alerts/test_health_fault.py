@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import moescope
+from moescope.alerts.health import HealthConfig
 from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox
 from moescope.alerts.trust_policy import TrustPolicy
@@ -195,3 +196,18 @@ def test_a_long_healthy_run_gates_nothing_and_alerts_nothing(family, tmp_path, r
     assert session.gate.changes == [] and policy.alerts == []
     assert min(r.score for r in policy.health_rows) >= 40
     assert outbox.flush(5.0) and bodies == []
+
+
+def test_the_policy_keeps_only_the_latest_health_rows_in_memory(tmp_path):
+    model = tiny_model("mixtral")
+    policy = TrustPolicy(keep_rows=3 * model.config.num_local_experts)  # three windows' rows of one layer
+    with moescope.attach(model, store=tmp_path / "store", trust_gate="auto", trust_policy=policy, window=1,
+                         health_options=dict(sample_every=1)) as session, torch.no_grad():
+        for _ in range(10 * HealthConfig().window_steps):  # 10 health windows
+            model(torch.randint(0, 128, (2, 8)))
+        session.flush()
+    layers = [layer.index for layer in session.layers]
+    assert len(policy.health_rows) == 3 * model.config.num_local_experts
+    # the last rows scored: the final window's rows of every layer, the last layer first to go
+    kept = {(r.window, r.layer) for r in policy.health_rows}
+    assert max(w for w, _ in kept) == 9 and all((9, layer) in kept for layer in layers)
