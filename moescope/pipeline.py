@@ -302,6 +302,7 @@ class BatchProcessor:
                 continue
             batch: list[Any] = []
             held = 0  # queue bytes of the batch, given back once it is exported
+            taken = 1  # items taken off the queue, marked done once their batch is exported
             stop = False
             while item is not None:
                 if isinstance(item, threading.Event):
@@ -323,10 +324,13 @@ class BatchProcessor:
                     break
                 try:
                     item = self._queue.get_nowait()
+                    taken += 1
                 except queue.Empty:
                     item = None
             self._export(batch)
             self._release(held)
+            for _ in range(taken):
+                self._queue.task_done()
             if stop:
                 self._flush_exporters()
                 return
@@ -359,6 +363,15 @@ class BatchProcessor:
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout_s)
+
+    def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
+        """Wait until every record handed over so far is built and exported, without flushing the
+        exporters (`force_flush` does both); False on timeout (None: none)."""
+        if self._closed or self._worker is None:
+            return True
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain the queue, flush and join; safe to call twice."""

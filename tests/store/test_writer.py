@@ -262,6 +262,23 @@ def test_a_record_larger_than_the_byte_bound_still_passes_an_empty_queue():
     assert disk.records == [record] and not processor.dropped_records
 
 
+def test_wait_idle_returns_once_every_record_handed_over_is_exported_without_a_flush():
+    records = _large_records(4)
+    disk = GatedDisk()
+    flushes: list[float] = []
+    disk.force_flush = lambda timeout_s=30.0: flushes.append(timeout_s) or True
+    processor = BatchProcessor([disk], max_batch=1, flush_interval_s=60)
+    for record in records:
+        processor.emit(record)
+    assert disk.exporting.wait(5)
+    assert not processor.wait_idle(timeout_s=0.2), "a batch is still held by the stalled disk"
+    disk.gate.set()
+    assert processor.wait_idle(timeout_s=30)
+    assert [r.step for r in disk.records] == [0, 1, 2, 3] and not flushes  # exported, not flushed
+    processor.shutdown()
+    assert processor.wait_idle(timeout_s=0.1)  # closed: nothing is pending
+
+
 def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
     records = _large_records(6)
     route_bytes = _nbytes([ls.routes for ls in records[0].layers])
