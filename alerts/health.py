@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,65 +77,98 @@ class HealthConfig:
             raise ValueError(f"unknown health components {sorted(unknown)}; known: {', '.join(COMPONENTS)}")
 
 
-def band_score(ratio: float, band: float) -> float:
+# The component functions take a float or an array of the experts' values (and return the same):
+# the scorer judges a layer's experts all at once. NaN in `combine`'s components is "not measured".
+
+def _out(value: np.ndarray) -> float | np.ndarray:
+    return float(value) if value.ndim == 0 else value
+
+
+def band_score(ratio: float | np.ndarray, band: float) -> float | np.ndarray:
     """100 when 1/band <= ratio <= band, else 100 * band / max(ratio, 1/ratio); 0 for 0, inf, NaN."""
-    if not math.isfinite(ratio) or ratio <= 0:
-        return 0.0
-    return 100.0 * min(1.0, band / max(ratio, 1.0 / ratio))
+    r = np.asarray(ratio, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        score = 100.0 * np.minimum(1.0, band / np.maximum(r, 1.0 / r))
+    return _out(np.where(np.isfinite(r) & (r > 0), score, 0.0))
 
 
-def load_component(share_ratio: float, baseline_ratio: float | None, config: HealthConfig) -> float:
-    """share_ratio: load * E / total; baseline_ratio: the expert's own baseline share ratio."""
-    peers = band_score(share_ratio, config.load_band)
-    if baseline_ratio is None or baseline_ratio <= 0:
-        return peers
-    return max(peers, band_score(share_ratio / baseline_ratio, config.load_baseline_band))
+def load_component(share_ratio: float | np.ndarray, baseline_ratio: float | np.ndarray | None,
+                   config: HealthConfig) -> float | np.ndarray:
+    """share_ratio: load * E / total; baseline_ratio: the expert's own baseline share ratio
+    (None, NaN or <= 0: none yet)."""
+    share = np.asarray(share_ratio, dtype=np.float64)
+    peers = np.asarray(band_score(share, config.load_band))
+    if baseline_ratio is None:
+        return _out(peers)
+    base = np.asarray(baseline_ratio, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = np.asarray(band_score(share / base, config.load_baseline_band))
+    return _out(np.where(np.isfinite(base) & (base > 0), np.maximum(peers, own), peers))
 
 
-def confidence_component(gate_mean: float, peer_median: float, config: HealthConfig) -> float:
-    if not math.isfinite(gate_mean) or not math.isfinite(peer_median) or peer_median <= 0:
-        return 0.0 if not math.isfinite(gate_mean) else 100.0
-    return 100.0 * min(1.0, (gate_mean / peer_median) / config.confidence_floor)
+def confidence_component(gate_mean: float | np.ndarray, peer_median: float,
+                         config: HealthConfig) -> float | np.ndarray:
+    gate = np.asarray(gate_mean, dtype=np.float64)
+    if not math.isfinite(peer_median) or peer_median <= 0:
+        return _out(np.where(np.isfinite(gate), 100.0, 0.0))
+    with np.errstate(invalid="ignore"):
+        score = 100.0 * np.minimum(1.0, (gate / peer_median) / config.confidence_floor)
+    return _out(np.where(np.isfinite(gate), score, 0.0))
 
 
-def output_component(norm_mean: float, nonfinite: int, peer_median: float, baseline: float | None,
-                     config: HealthConfig) -> float:
-    if nonfinite > 0 or not math.isfinite(norm_mean):
-        return 0.0
-    if peer_median <= 0 and norm_mean <= 0:
-        return 100.0  # every expert outputs zeros (e.g. zero-initialised): nothing stands out
-    peers = band_score(norm_mean / peer_median, config.output_band) if peer_median > 0 else 0.0
-    if baseline is None or baseline <= 0:
-        return peers
-    return max(peers, band_score(norm_mean / baseline, config.output_baseline_band))
+def output_component(norm_mean: float | np.ndarray, nonfinite: int | np.ndarray, peer_median: float,
+                     baseline: float | np.ndarray | None, config: HealthConfig) -> float | np.ndarray:
+    """baseline: the expert's own baseline norm (None, NaN or <= 0: none yet)."""
+    norm = np.asarray(norm_mean, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        peers = (np.asarray(band_score(norm / peer_median, config.output_band)) if peer_median > 0
+                 else np.zeros_like(norm))
+        if baseline is not None:
+            base = np.asarray(baseline, dtype=np.float64)
+            own = np.asarray(band_score(norm / base, config.output_baseline_band))
+            peers = np.where(np.isfinite(base) & (base > 0), np.maximum(peers, own), peers)
+    # every expert outputs zeros (e.g. zero-initialised): nothing stands out
+    score = np.where((peer_median <= 0) & (norm <= 0), 100.0, peers)
+    return _out(np.where((np.asarray(nonfinite) > 0) | ~np.isfinite(norm), 0.0, score))
 
 
-def weight_component(cosine: float, norm_ratio: float, config: HealthConfig) -> float:
-    if not (math.isfinite(cosine) and math.isfinite(norm_ratio)):
-        return 0.0
-    similar = min(1.0, max(0.0, (cosine - config.weight_cosine_floor) / (1.0 - config.weight_cosine_floor)))
-    if norm_ratio == 0:
-        return 0.0
-    return 100.0 * similar * band_score(norm_ratio, config.weight_norm_band) / 100.0
+def weight_component(cosine: float | np.ndarray, norm_ratio: float | np.ndarray,
+                     config: HealthConfig) -> float | np.ndarray:
+    c = np.asarray(cosine, dtype=np.float64)
+    r = np.asarray(norm_ratio, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        floor = config.weight_cosine_floor
+        similar = np.minimum(1.0, np.maximum(0.0, (c - floor) / (1.0 - floor)))
+        score = 100.0 * similar * np.asarray(band_score(r, config.weight_norm_band)) / 100.0
+    return _out(np.where(np.isfinite(c) & np.isfinite(r) & (r != 0), score, 0.0))
 
 
-def grad_component(grad_norm: float, peer_median: float, config: HealthConfig) -> float:
-    if not math.isfinite(grad_norm):
-        return 0.0
+def grad_component(grad_norm: float | np.ndarray, peer_median: float, config: HealthConfig) -> float | np.ndarray:
+    grad = np.asarray(grad_norm, dtype=np.float64)
     if peer_median <= 0:
-        return 100.0
-    return band_score(max(grad_norm, 1e-30) / peer_median, config.grad_band) if grad_norm > 0 else 100.0
+        return _out(np.where(np.isfinite(grad), 100.0, 0.0))
+    outlier = np.asarray(band_score(np.maximum(grad, 1e-30) / peer_median, config.grad_band))
+    return _out(np.where(~np.isfinite(grad), 0.0, np.where(grad > 0, outlier, 100.0)))
 
 
-def combine(components: dict[str, float | None], weights: dict[str, float]) -> float:
-    """Weighted geometric mean of the components present (None is left out); 100 when none is."""
-    present = {k: v for k, v in components.items() if v is not None and weights.get(k, 0) > 0}
-    if not present:
-        return 100.0
-    if any(v <= 0 for v in present.values()):
-        return 0.0
-    total = sum(weights[k] for k in present)
-    return 100.0 * math.exp(sum(weights[k] / total * math.log(v / 100.0) for k, v in present.items()))
+def combine(components: Mapping[str, float | np.ndarray | None], weights: dict[str, float]) -> float | np.ndarray:
+    """Weighted geometric mean of the components present (None or NaN is left out); 100 when none
+    is. Floats or arrays (one value per expert)."""
+    values = {k: np.asarray(np.nan if v is None else v, dtype=np.float64) for k, v in components.items()
+              if weights.get(k, 0) > 0}
+    shape = np.broadcast_shapes(*(v.shape for v in values.values())) if values else ()
+    total, logs = np.zeros(shape), np.zeros(shape)
+    present_any, zero = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
+    for k, v in values.items():  # in the components' order: the same sums as one expert at a time
+        present = ~np.isnan(v)
+        present_any |= present
+        zero |= present & (v <= 0)
+        total = total + np.where(present, weights[k], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for k, v in values.items():
+            logs = logs + np.where(~np.isnan(v) & ~zero, weights[k] / total * np.log(v / 100.0), 0.0)
+        score = 100.0 * np.exp(logs)
+    return _out(np.where(~present_any, 100.0, np.where(zero, 0.0, score)))
 
 
 @dataclass(frozen=True)
@@ -225,7 +259,7 @@ class HealthScorer:
         # each expert's outputs every few forwards and its weights every `weight_every`, and an
         # expert's own computation does not change between visits unless its weights do (which
         # the next visit sees), so a window without a visit reuses the last one.
-        self._last: dict[tuple[int, int, str], tuple[float, str]] = {}
+        self._last: dict[tuple[int, str], tuple[np.ndarray, list[str]]] = {}  # (layer, component) -> per expert
 
     def set_experts(self, layer: int, num_experts: int) -> None:
         """Routed experts with parameters (zero experts are not scored)."""
@@ -249,97 +283,115 @@ class HealthScorer:
         experts = len(w.load)
         seen = self._baseline_seen.setdefault(layer, np.zeros(experts, dtype=np.int64))
         peers = _Peers.of(w, self.config)
-        rows = []
-        for e in range(experts):
-            has_base = seen[e] >= self.config.baseline_windows
-            comps, reasons = self._components(layer, e, w, peers, has_base)
-            rows.append(self._row(run_id, index, layer, e, w, peers, comps, reasons))
-            self._learn(layer, e, w, peers, rows[-1].score)
+        comps, reasons = self._components(layer, w, peers, seen >= self.config.baseline_windows)
+        scores = np.asarray(combine(comps, self.config.weights))
+        rows = self._rows(run_id, index, layer, w, peers, comps, reasons, scores)
+        self._learn(layer, w, peers, scores)
         return rows
 
-    def _components(self, layer: int, e: int, w: _Window, peers: _Peers,
-                    has_base: bool) -> tuple[dict[str, float | None], list[str]]:
-        """One expert's components (None: not measured) and the reasons of those below 50, in order.
+    def _components(self, layer: int, w: _Window, peers: _Peers,
+                    has_base: np.ndarray) -> tuple[dict[str, np.ndarray], list[list[str]]]:
+        """Every expert's components (NaN: not measured) and the reasons of those below 50, in order.
 
         Output and weight are measured only when the sampler visited the expert; a window without a
         visit reuses the last measured value and reason ("last measured")."""
         cfg = self.config
-        base_share = self._baseline_share[layer] if layer in self._baseline_share else None
-        base_norm = self._baseline_norm[layer] if layer in self._baseline_norm else None
-        comps: dict[str, float | None] = dict.fromkeys(COMPONENTS)
-        why: dict[str, str] = {}
-        if peers.ungated[e] and peers.routed:
-            share = peers.shares[e]
-            base = base_share[e] if has_base and base_share is not None else None
-            load = comps["load"] = load_component(share, base, cfg)
-            if load < 50:
-                why["load"] = f"load {'dead' if share < 1 else 'hot'}: {share:.2f}x its fair share"
-            if peers.trusted[e]:
-                confidence = comps["confidence"] = confidence_component(peers.gate_mean[e], peers.gate_median, cfg)
-                if confidence < 50:
-                    why["confidence"] = (f"low gate weight when chosen: {peers.gate_mean[e]:.3f} vs median "
-                                         f"{peers.gate_median:.3f}")
-        if w.samples[e] > 0:
-            norm = peers.norm_mean[e] if peers.good[e] > 0 else float("nan")
-            baseline = base_norm[e] if has_base and base_norm is not None else None
-            output = comps["output"] = output_component(norm, int(w.nonfinite[e]), peers.norm_median, baseline, cfg)
-            if w.nonfinite[e] > 0:
-                why["output"] = f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled"
-            elif output < 50:
-                why["output"] = f"output norm outlier: {peers.norm_mean[e]:.3g} vs median {peers.norm_median:.3g}"
+        experts = len(w.load)
+        missing = np.full(experts, np.nan)
+        base_share = self._baseline_share.get(layer)
+        base_norm = self._baseline_norm.get(layer)
+        comps = dict.fromkeys(COMPONENTS, missing)
+        if peers.routed:
+            base = None if base_share is None else np.where(has_base, base_share, np.nan)
+            comps["load"] = np.where(peers.ungated, load_component(peers.shares, base, cfg), np.nan)
+            comps["confidence"] = np.where(peers.trusted, confidence_component(peers.gate_mean, peers.gate_median, cfg),
+                                           np.nan)
+        sampled = w.samples > 0
+        if sampled.any():
+            norm = np.where(peers.good > 0, peers.norm_mean, np.nan)
+            baseline = None if base_norm is None else np.where(has_base, base_norm, np.nan)
+            comps["output"] = np.where(sampled, output_component(norm, w.nonfinite, peers.norm_median, baseline, cfg),
+                                       np.nan)
         if w.cosine is not None and w.norm_ratio is not None:  # set together, by a weight check
-            weight = comps["weight"] = weight_component(w.cosine[e], w.norm_ratio[e], cfg)
-            if weight < 50:
-                why["weight"] = (f"weights drifted: cosine {w.cosine[e]:.3f}, "
-                                 f"norm x{w.norm_ratio[e]:.3g} since attach")
+            comps["weight"] = np.asarray(weight_component(w.cosine, w.norm_ratio, cfg))
         if w.grad is not None:
-            grad = comps["grad"] = grad_component(w.grad[e], peers.grad_median, cfg)
-            if not math.isfinite(w.grad[e]):
-                why["grad"] = f"non-finite gradient: norm {w.grad[e]}"
-            elif grad < 50:
-                why["grad"] = f"gradient norm outlier: {w.grad[e]:.3g} vs median {peers.grad_median:.3g}"
-        reasons = [why[name] for name in COMPONENTS if name in why]
+            comps["grad"] = np.asarray(grad_component(w.grad, peers.grad_median, cfg))
+        why: list[dict[str, str]] = [{} for _ in range(experts)]
+        with np.errstate(invalid="ignore"):
+            for e in np.flatnonzero(comps["load"] < 50):
+                share = peers.shares[e]
+                why[e]["load"] = f"load {'dead' if share < 1 else 'hot'}: {share:.2f}x its fair share"
+            for e in np.flatnonzero(comps["confidence"] < 50):
+                why[e]["confidence"] = (f"low gate weight when chosen: {peers.gate_mean[e]:.3f} vs median "
+                                        f"{peers.gate_median:.3f}")
+            for e in np.flatnonzero(sampled & ((w.nonfinite > 0) | (comps["output"] < 50))):
+                why[e]["output"] = (f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled"
+                                    if w.nonfinite[e] > 0 else
+                                    f"output norm outlier: {peers.norm_mean[e]:.3g} vs median {peers.norm_median:.3g}")
+            if w.cosine is not None and w.norm_ratio is not None:
+                for e in np.flatnonzero(comps["weight"] < 50):
+                    why[e]["weight"] = (f"weights drifted: cosine {w.cosine[e]:.3f}, "
+                                        f"norm x{w.norm_ratio[e]:.3g} since attach")
+            if w.grad is not None:
+                for e in np.flatnonzero(~np.isfinite(w.grad) | (comps["grad"] < 50)):
+                    why[e]["grad"] = (f"non-finite gradient: norm {w.grad[e]}" if not math.isfinite(w.grad[e]) else
+                                      f"gradient norm outlier: {w.grad[e]:.3g} vs median {peers.grad_median:.3g}")
+        reasons = [[reason[name] for name in COMPONENTS if name in reason] for reason in why]
         for name in ("output", "weight"):  # the sampled components carry over between visits
-            measured = comps[name]
-            if measured is not None:
-                self._last[(layer, e, name)] = (measured, why.get(name, ""))
-            elif (layer, e, name) in self._last:
-                last, reason = self._last[(layer, e, name)]
-                comps[name] = last
-                if reason and last < 50:
-                    reasons.append(f"{reason} (last measured)")
+            last, last_why = self._last.setdefault((layer, name), (np.full(experts, np.nan), [""] * experts))
+            measured = ~np.isnan(comps[name])
+            for e in np.flatnonzero(measured):
+                last_why[e] = why[e].get(name, "")
+            last[measured] = comps[name][measured]
+            carried = ~measured & ~np.isnan(last)
+            comps[name] = np.where(carried, last, comps[name])
+            for e in np.flatnonzero(carried & (last < 50)):
+                if last_why[e]:
+                    reasons[e].append(f"{last_why[e]} (last measured)")
         return comps, reasons
 
-    def _row(self, run_id: str, index: int, layer: int, e: int, w: _Window, peers: _Peers,
-             comps: dict[str, float | None], reasons: list[str]) -> ExpertHealth:
+    def _rows(self, run_id: str, index: int, layer: int, w: _Window, peers: _Peers, comps: dict[str, np.ndarray],
+              reasons: list[list[str]], scores: np.ndarray) -> list[ExpertHealth]:
         assert w.ts is not None  # a scored window holds a step
-        return ExpertHealth(
-            run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
-            expert=e, score=combine(comps, self.config.weights), load=comps["load"],
-            confidence=comps["confidence"], output=comps["output"], weight=comps["weight"], grad=comps["grad"],
-            load_share_ratio=float(peers.shares[e]) if peers.routed else None,
-            gate_weight_mean=None if np.isnan(peers.gate_mean[e]) else float(peers.gate_mean[e]),
-            output_norm_mean=None if np.isnan(peers.norm_mean[e]) else float(peers.norm_mean[e]),
-            output_nonfinite_fraction=float(w.nonfinite[e] / w.samples[e]) if w.samples[e] else None,
-            weight_cosine=None if w.cosine is None else float(w.cosine[e]),
-            weight_norm_ratio=None if w.norm_ratio is None else float(w.norm_ratio[e]),
-            grad_norm=None if w.grad is None else float(w.grad[e]), trust_weight=float(w.trust[e]),
-            reasons="; ".join(reasons))
 
-    def _learn(self, layer: int, e: int, w: _Window, peers: _Peers, score: float) -> None:
-        """Learn the expert's baselines from healthy, ungated windows only, so a fault is never learnt."""
+        def column(values: np.ndarray | None, present: np.ndarray | None = None) -> list[float | None]:
+            if values is None:
+                return [None] * len(w.load)
+            keep = ~np.isnan(values) if present is None else present
+            return [v if k else None for v, k in zip(values.astype(np.float64).tolist(), keep.tolist())]
+
+        c = {name: column(comps[name]) for name in COMPONENTS}
+        with np.errstate(divide="ignore", invalid="ignore"):
+            nonfinite_fraction = column(w.nonfinite / w.samples, w.samples > 0)
+        shares = column(peers.shares, np.full(len(w.load), peers.routed))
+        gate_mean, norm_mean = column(peers.gate_mean), column(peers.norm_mean)
+        cosine = column(w.cosine, None if w.cosine is None else np.ones(len(w.load), dtype=bool))
+        norm_ratio = column(w.norm_ratio, None if w.norm_ratio is None else np.ones(len(w.load), dtype=bool))
+        grad = column(w.grad, None if w.grad is None else np.ones(len(w.load), dtype=bool))
+        score, trust = scores.tolist(), w.trust.tolist()
+        return [ExpertHealth(
+            run_id=run_id, window=index, step_start=w.steps[0], step_end=w.step_end, ts=w.ts, layer=layer,
+            expert=e, score=score[e], load=c["load"][e], confidence=c["confidence"][e], output=c["output"][e],
+            weight=c["weight"][e], grad=c["grad"][e], load_share_ratio=shares[e], gate_weight_mean=gate_mean[e],
+            output_norm_mean=norm_mean[e], output_nonfinite_fraction=nonfinite_fraction[e],
+            weight_cosine=cosine[e], weight_norm_ratio=norm_ratio[e], grad_norm=grad[e], trust_weight=trust[e],
+            reasons="; ".join(reasons[e])) for e in range(len(w.load))]
+
+    def _learn(self, layer: int, w: _Window, peers: _Peers, scores: np.ndarray) -> None:
+        """Learn the experts' baselines from healthy, ungated windows only, so a fault is never learnt."""
         cfg = self.config
         experts = len(w.load)
         seen = self._baseline_seen[layer]
         base_share = self._baseline_share.setdefault(layer, np.zeros(experts))
         base_norm = self._baseline_norm.setdefault(layer, np.zeros(experts))
-        if score >= cfg.baseline_min_score and peers.ungated[e]:
-            d = cfg.baseline_decay if seen[e] else 0.0
+        healthy = (scores >= cfg.baseline_min_score) & peers.ungated
+        d = np.where(seen > 0, cfg.baseline_decay, 0.0)
+        with np.errstate(invalid="ignore", over="ignore"):
             if peers.routed:
-                base_share[e] = d * base_share[e] + (1 - d) * peers.shares[e]
-            if np.isfinite(peers.norm_mean[e]) and w.nonfinite[e] == 0:
-                base_norm[e] = d * base_norm[e] + (1 - d) * peers.norm_mean[e]
-            seen[e] += 1
+                base_share[:] = np.where(healthy, d * base_share + (1 - d) * peers.shares, base_share)
+            norm = healthy & np.isfinite(peers.norm_mean) & (w.nonfinite == 0)
+            base_norm[:] = np.where(norm, d * base_norm + (1 - d) * peers.norm_mean, base_norm)
+        seen += healthy
 
 
 @dataclass(frozen=True)
