@@ -1,17 +1,24 @@
 """What the probe costs the model on a CPU: bare forward vs probe variants, side by side in one run.
 
-Each variant runs on its own copy of the same model, attached once. A round times one step of
-every variant (one forward, or for --preset decode a block of one-token decode steps), in an
-order that rotates each round, so drift in the machine's speed (other processes, thermal) hits
-all of them alike. The figure is the median over rounds of the paired ratio variant / bare, with
-its interquartile range. A do-nothing hook on every router and experts module is the floor a
-hook-based probe can reach.
+Each variant runs on its own copy of the same model. A round times one block of every variant
+(4 forwards, or for --preset decode 4 x 16 one-token decode steps, back to back), in an order
+that rotates each round, so drift in the machine's speed (other processes, thermal) hits all of
+them alike. Three things keep the comparison fair:
+- the copies rotate among the variants in blocks of rounds, so that no variant keeps a copy whose
+  tensors happen to be placed better or worse than the others' (up to 2% apart);
+- a block ends when its writer's thread has built and exported what the block handed over, so
+  each variant pays for its own background work, not the next variant in the rotation;
+- a block lasts about 2.5 s, so that the probe's clocks (a window closes after 1 s, the store
+  writes files every 5 s) tick about as often per forward as in a run that never pauses.
+The figure is the median over rounds of the paired ratio variant / bare, with its interquartile
+range. A do-nothing hook on every router and experts module is the floor a hook-based probe can
+reach.
 
     python bench/overhead.py                  # prefill: hidden 512, 8 layers, 16 experts top-2, 4x256 tokens
     python bench/overhead.py --preset decode  # decode: hidden 64, 16 layers, batch 32, one token per step
     python bench/overhead.py --health         # also health sampling and the trust gate
     python bench/overhead.py --ops            # tensor ops the probe adds per forward: per MoE layer and constant
-    python bench/overhead.py --rounds 10      # quicker
+    python bench/overhead.py --rounds 7       # quicker
 
 On a GPU, bench/gpu.py measures the same variants at production shapes.
 """
@@ -42,9 +49,15 @@ VARIANTS: dict[str, dict] = {
     "aggregates": dict(routes=False),
     "routes to Parquet": dict(routes=True),
 }
+# steps: workload steps a variant runs back to back in a round (a block), so that the probe's clocks
+# (a window closes after `window_s` = 1 s, the store writes files every 5 s) see about as much of its
+# own work between ticks as in a run that never pauses: 4 prefill forwards take about 2.5 s, 4 x 16
+# decode steps about 2.4 s. rounds: the default.
 PRESETS = {
-    "prefill": dict(hidden=512, intermediate=1792, layers=8, experts=16, top_k=2, batch=4, seq=256, decode_steps=0),
-    "decode": dict(hidden=64, intermediate=128, layers=16, experts=16, top_k=2, batch=32, seq=16, decode_steps=16),
+    "prefill": dict(hidden=512, intermediate=1792, layers=8, experts=16, top_k=2, batch=4, seq=256, decode_steps=0,
+                    steps=4, rounds=14),
+    "decode": dict(hidden=64, intermediate=128, layers=16, experts=16, top_k=2, batch=32, seq=16, decode_steps=16,
+                   steps=4, rounds=14),
 }
 # issue 26's goals, ratios to bare; compute time's is to the aggregates alone (below)
 TARGETS = {
@@ -81,8 +94,8 @@ def noop_hooks(model: torch.nn.Module) -> list:
 
 
 class Workload:
-    """One timed step of a variant: a forward (prefill), or `decode_steps` one-token steps after a
-    prompt of `seq` tokens whose KV cache is cropped back after every block."""
+    """One step of a variant: a forward (prefill), or `decode_steps` one-token steps after a
+    prompt of `seq` tokens whose KV cache is cropped back after every step."""
 
     def __init__(self, args: argparse.Namespace, model: torch.nn.Module):
         self.model = model
@@ -104,47 +117,68 @@ class Workload:
             self.model(self.tokens, past_key_values=self.cache, use_cache=True)
         grown = self.cache.get_seq_length() - self.prefix
         if grown:
-            self.cache.crop(-grown)  # back to the prompt: every block decodes at the same KV length
+            self.cache.crop(-grown)  # back to the prompt: every step decodes at the same KV length
 
 
 def measure(args: argparse.Namespace, variants: dict[str, dict],
             attach: Callable[..., probe.ProbeSession] = moescope.attach) -> dict[str, list[float]]:
-    """Seconds per step of each variant. Every variant has its own copy of the same model,
-    attached once; a round runs one step of each, in an order that rotates every round, so
-    the machine's drift hits all variants alike and each round gives a paired sample."""
+    """Seconds per block of each variant: a round runs one block of each (`args.steps` workload
+    steps), in an order that rotates every round, so the machine's drift hits all variants alike
+    and each round gives a paired sample. Every variant runs on its own copy of the same model,
+    and the copies rotate among the variants every few rounds (a Latin square: part p of the run
+    puts variant i on copy i + p), so that by the end each variant has run on every copy alike:
+    copies of one model run up to 2% apart from where their tensors were placed, a bias no number
+    of rounds would average out. Between parts every probe is closed (its hooks removed) and
+    attached again to its next copy. A block includes waiting for the variant's writer's thread
+    to finish the records the block handed over (built and exported, not flushed): without it
+    that work would run during the next variant's block, always the same one in a rotating order."""
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = build_model(args)
     names = list(variants)
     # every variant, bare included, runs on a copy: the original model's tensors (allocated first)
     # are not placed like the copies', which showed as a bias of up to 10% in favour of the copies
-    models = {name: copy.deepcopy(model) for name in names}
+    copies = [copy.deepcopy(model) for _ in names]
     del model
+    workloads = [Workload(args, copy_) for copy_ in copies]
     times: dict[str, list[float]] = {name: [] for name in names}
     store = tempfile.mkdtemp(prefix="moescope-bench-")
-    sessions, handles = [], []
+    per_part = -(-args.rounds // len(names))  # the rounds, rounded up to whole parts
+    progress = tqdm(total=per_part * len(names), desc="rounds", unit="round")
+    round_ = 0
     try:
-        for name in names:
-            if name == NOOP_HOOKS:
-                handles += noop_hooks(models[name])
-            elif variants[name]:
-                sessions.append(attach(models[name], store=store, **variants[name]))
-        workloads = {name: Workload(args, models[name]) for name in names}
-        with torch.no_grad():
-            for _ in range(args.warmup):
+        for part in range(len(names)):
+            placed = {name: (i + part) % len(names) for i, name in enumerate(names)}
+            sessions: dict[str, probe.ProbeSession] = {}
+            handles: list[torch.utils.hooks.RemovableHandle] = []
+            try:
                 for name in names:
-                    workloads[name]()
-            for round_ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-                order = names[round_ % len(names):] + names[: round_ % len(names)]
-                for name in order:
-                    start = time.perf_counter()
-                    workloads[name]()
-                    times[name].append(time.perf_counter() - start)
+                    if name == NOOP_HOOKS:
+                        handles += noop_hooks(copies[placed[name]])
+                    elif variants[name]:
+                        sessions[name] = attach(copies[placed[name]], store=store, **variants[name])
+                with torch.no_grad():
+                    for _ in range(args.warmup):
+                        for name in names:
+                            workloads[placed[name]]()
+                    for _ in range(per_part):
+                        order = names[round_ % len(names):] + names[: round_ % len(names)]
+                        for name in order:
+                            start = time.perf_counter()
+                            for _ in range(args.steps):
+                                workloads[placed[name]]()
+                            if name in sessions:  # its writer's work is its own, not the next variant's
+                                sessions[name].processor.wait_idle()
+                            times[name].append(time.perf_counter() - start)
+                        round_ += 1
+                        progress.update()
+            finally:
+                for session in sessions.values():
+                    session.close()
+                for handle in handles:
+                    handle.remove()
     finally:
-        for session in sessions:
-            session.close()
-        for handle in handles:
-            handle.remove()
+        progress.close()
         shutil.rmtree(store, ignore_errors=True)
     return times
 
@@ -201,7 +235,7 @@ def op_report(args: argparse.Namespace, variants: dict[str, dict]) -> str:
 def report(times: dict[str, list[float]], targets: dict[str, float]) -> str:
     """Median time per variant, and the median over rounds of the paired ratio to bare."""
     bare = times["bare"]
-    lines = [f"{'variant':<22} {'median ms':>10} {'ratio':>7} {'IQR':>13} {'target':>7}  n"]
+    lines = [f"{'variant':<22} {'ms/block':>10} {'ratio':>7} {'IQR':>13} {'target':>7}  n"]
     for name, values in times.items():
         ratios = sorted(v / b for v, b in zip(values, bare))
         ratio = statistics.median(ratios)
@@ -220,7 +254,12 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill: one 4x256 forward per round; decode: 16 one-token steps per round, 16 layers")
     for name in ("hidden", "intermediate", "layers", "experts", "top-k", "batch", "seq", "decode-steps"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's value")
-    p.add_argument("--rounds", type=int, default=30, help="steps per variant (one per round)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed blocks per variant (one per round; default 14), rounded up to a multiple of the "
+                        "number of variants")
+    p.add_argument("--steps", type=int, default=None,
+                   help="workload steps per block (default 4: a forward each for prefill, 16 decode steps each "
+                        "for decode)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--health", action="store_true", help="also time health sampling and the trust gate (target 1.03)")
@@ -244,8 +283,9 @@ def main() -> None:
         print(op_report(args, variants))
         return
     work = (f"{args.decode_steps} one-token decode steps after a {args.seq}-token prompt" if args.decode_steps
-            else f"{args.batch}x{args.seq} tokens")
-    print(f"{args.preset}, Mixtral-shaped: {shape}, {work} per round, {args.threads} threads")
+            else f"a forward of {args.batch}x{args.seq} tokens")
+    print(f"{args.preset}, Mixtral-shaped: {shape}; a block per variant and round: {args.steps} x {work}; "
+          f"{args.threads} threads")
     before = os.getloadavg()[0]
     times = measure(args, variants)
     print()
