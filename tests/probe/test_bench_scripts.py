@@ -40,3 +40,45 @@ def test_detection_gates_a_corrupted_expert_within_the_policys_windows():
         # gate_after=2 health windows of 4 forwards (HealthConfig.window_steps) plus the window the
         # fault began in, and one more window: sampled every forward, the 2 layers take turns
         assert float(median) <= int(worst) <= 3 * 4 + 4, out
+
+
+def test_overhead_runs_every_variant_on_every_copy_and_waits_for_its_writer():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import overhead
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    import moescope
+
+    args = overhead.parser().parse_args(["--preset", "decode", "--layers", "2", "--hidden", "32", "--intermediate",
+                                         "64", "--experts", "4", "--decode-steps", "2", "--rounds", "1", "--steps",
+                                         "2", "--warmup", "0"])
+    for key, value in overhead.PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    variants = {**overhead.VARIANTS, **overhead.HEALTH_VARIANTS}
+    placed: dict[str, list[int]] = {}
+    waits: dict[str, int] = {}
+
+    def attach(model, **options):
+        name = next(n for n, o in variants.items() if o == {k: v for k, v in options.items() if k != "store"})
+        placed.setdefault(name, []).append(id(model))
+        session = moescope.attach(model, **options)
+        wait_idle = session.processor.wait_idle
+
+        def counted(*a, **k):
+            waits[name] = waits.get(name, 0) + 1
+            return wait_idle(*a, **k)
+        session.processor.wait_idle = counted
+        return session
+
+    times = overhead.measure(argparse.Namespace(**vars(args)), variants, attach=attach)
+    # one round asked for, rounded up to one per part of the Latin square: a part per variant
+    assert {n: len(t) for n, t in times.items()} == dict.fromkeys(variants, len(variants))
+    probed = [n for n, o in variants.items() if o]
+    copies = {c for ids in placed.values() for c in ids}
+    assert set(placed) == set(probed) and len(copies) == len(variants)
+    assert all(sorted(ids) == sorted(copies) for ids in placed.values()), "each variant ran on every copy once"
+    assert waits == dict.fromkeys(probed, len(variants)), "every timed block waited for its own writer"
