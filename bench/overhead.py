@@ -4,7 +4,7 @@ Each variant runs on its own copy of the same model. A round times one block of 
 (4 forwards, or for --preset decode 4 x 16 one-token decode steps, back to back), in an order
 that rotates each round, so drift in the machine's speed (other processes, thermal) hits all of
 them alike. Three things keep the comparison fair:
-- the copies rotate among the variants in blocks of rounds, so that no variant keeps a copy whose
+- the copies rotate among the variants every few rounds, so that no variant keeps a copy whose
   tensors happen to be placed better or worse than the others' (up to 2% apart);
 - a block ends when its writer's thread has built and exported what the block handed over, so
   each variant pays for its own background work, not the next variant in the rotation;
@@ -251,7 +251,8 @@ def report(times: dict[str, list[float]], targets: dict[str, float]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="prefill",
-                   help="prefill: one 4x256 forward per round; decode: 16 one-token steps per round, 16 layers")
+                   help="prefill: 4 forwards of 4x256 tokens per block; decode: 4 x 16 one-token steps per block, "
+                        "16 layers")
     for name in ("hidden", "intermediate", "layers", "experts", "top-k", "batch", "seq", "decode-steps"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's value")
     p.add_argument("--rounds", type=int, default=None,
@@ -269,11 +270,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
-    args = parser().parse_args()
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, each value not given taken from its preset."""
+    args = parser().parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    return args
+
+
+def main() -> None:
+    args = arguments()
     variants = {**VARIANTS, **(HEALTH_VARIANTS if args.health else {}),
                 **(COMPUTE_TIME_VARIANTS if args.compute_time else {})}
     shape = (f"hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "

@@ -209,8 +209,8 @@ class HealthSampler:
 
     The probe's router hooks call each layer's `visitor` at the forwards they record. At a sampling
     forward the visited layers add their measurements into their rows of the probe's device buffer
-    (`bind`); a window's record carries their sums. `sample(layer, hidden)` returns
-    one layer's measurements as named device tensors.
+    (`bind`); a window's record carries their sums. `sample(layer, hidden)` returns one layer's
+    measurements as named device tensors.
 
     The budget of a sampled forward is `experts_per_forward` experts per watched layer (None: every
     expert of every layer), spent in as few calls of the experts modules as it takes: the layers

@@ -48,16 +48,11 @@ def test_overhead_runs_every_variant_on_every_copy_and_waits_for_its_writer():
         import overhead
     finally:
         sys.path.pop(0)
-    import argparse
-
     import moescope
 
-    args = overhead.parser().parse_args(["--preset", "decode", "--layers", "2", "--hidden", "32", "--intermediate",
-                                         "64", "--experts", "4", "--decode-steps", "2", "--rounds", "1", "--steps",
-                                         "2", "--warmup", "0"])
-    for key, value in overhead.PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = overhead.arguments(["--preset", "decode", "--layers", "2", "--hidden", "32", "--intermediate", "64",
+                               "--experts", "4", "--decode-steps", "2", "--rounds", "1", "--steps", "2", "--warmup",
+                               "0"])
     variants = {**overhead.VARIANTS, **overhead.HEALTH_VARIANTS}
     placed: dict[str, list[int]] = {}
     waits: dict[str, int] = {}
@@ -74,7 +69,7 @@ def test_overhead_runs_every_variant_on_every_copy_and_waits_for_its_writer():
         session.processor.wait_idle = counted
         return session
 
-    times = overhead.measure(argparse.Namespace(**vars(args)), variants, attach=attach)
+    times = overhead.measure(args, variants, attach=attach)
     # one round asked for, rounded up to one per part of the Latin square: a part per variant
     assert {n: len(t) for n, t in times.items()} == dict.fromkeys(variants, len(variants))
     probed = [n for n, o in variants.items() if o]
