@@ -20,7 +20,7 @@ _EXPORTS = {
     "RulesError": "moescope.alerts.rules",
     "default_rules": "moescope.alerts.rules",
     "load_rules": "moescope.alerts.rules",
-    "PrometheusExporter": "moescope.alerts.prometheus",
+    "PrometheusExporter": "moescope.prometheus.exporter",
     "TrustPolicy": "moescope.alerts.trust_policy",
     "TrustPolicyConfig": "moescope.alerts.trust_policy",
     "CooldownConfig": "moescope.alerts.cooldown_policy",
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from moescope.alerts.cooldown_policy import CooldownConfig, CooldownPolicy
     from moescope.alerts.engine import AlertEngine, AlertTransition, EngineExporter
     from moescope.alerts.outbox import Outbox
-    from moescope.alerts.prometheus import PrometheusExporter
     from moescope.alerts.rules import RulePack, RulesError, default_rules, load_rules
     from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
+    from moescope.prometheus.exporter import PrometheusExporter
 
 
 def __getattr__(name: str) -> Any:

@@ -52,13 +52,13 @@ from moescope.alerts.engine import (
     fingerprint,
     hand_to_sinks,
 )
+from moescope.alerts.observations import observations_from_record
 from moescope.alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
 from moescope.alerts.storage import AlertTableWriter
-from moescope.alerts.window import observations_from_record
-from moescope.pipeline import Exporter
-from moescope.probe.cooldown import CooldownChange, RouterCooldown, RouterCooldownError
+from moescope.core.pipeline import Exporter
+from moescope.core.records import StepRecord
 from moescope.probe.optim import OptimizerLike, SchedulerLike
-from moescope.probe.records import StepRecord
+from moescope.probe.router_cooldown import CooldownChange, RouterCooldown, RouterCooldownError
 from moescope.probe.session import ProbeSession
 from moescope.store.location import StoreLocation
 from moescope.store.writer import RunWriter, run_writer

@@ -33,8 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from moescope.alerts.rules import Rule, RulePack
-from moescope.alerts.window import (
+from moescope.alerts.observations import (
     LayerHistory,
     LayerObservation,
     compute_signals,
@@ -42,9 +41,10 @@ from moescope.alerts.window import (
     observations_from_record,
     summed_load,
 )
-from moescope.pipeline import Exporter
-from moescope.probe.exporting import AttachListener
-from moescope.probe.records import RunInfo, StepRecord
+from moescope.alerts.rules import Rule, RulePack
+from moescope.core.exporters import AttachListener
+from moescope.core.pipeline import Exporter
+from moescope.core.records import RunInfo, StepRecord
 
 log = logging.getLogger(__name__)
 

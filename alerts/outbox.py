@@ -522,10 +522,10 @@ OUTBOX_FILE = os.path.join(".moescope", OUTBOX_NAME)  # a local store's outbox, 
 
 def outbox_path(store: str | os.PathLike | StoreLocation, state_dir: str | os.PathLike | None = None) -> str:
     """Where a store's alerts outbox lives by default: in the store's local state folder
-    (`moescope.store_arguments.state_dir`): `<root>/.moescope/alerts-outbox.sqlite` for a local
+    (`moescope.cli.arguments.state_dir`): `<root>/.moescope/alerts-outbox.sqlite` for a local
     store; `state_dir`, else `~/.cache/moescope/<hash of the URL>/`, for a store on object storage,
     which cannot hold a SQLite file."""
-    from moescope.store_arguments import state_dir as state_folder
+    from moescope.cli.arguments import state_dir as state_folder
 
     return os.path.join(state_folder(open_location(store), state_dir), OUTBOX_NAME)
 

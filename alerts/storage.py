@@ -37,8 +37,8 @@ import pandas as pd
 import pyarrow as pa
 
 from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, TransitionSink
+from moescope.alerts.observations import LayerObservation
 from moescope.alerts.rules import RulePack
-from moescope.alerts.window import LayerObservation
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store

@@ -47,12 +47,12 @@ from moescope.alerts.engine import (
     fingerprint,
     hand_to_sinks,
 )
-from moescope.alerts.health import ExpertHealth, HealthConfig, HealthScorer
+from moescope.alerts.health_score import ExpertHealth, HealthConfig, HealthScorer
 from moescope.alerts.storage import AlertTableWriter
-from moescope.pipeline import Exporter
-from moescope.probe.gate import GateChange, GatePolicy, TrustGate, TrustGateError
-from moescope.probe.records import StepRecord
+from moescope.core.pipeline import Exporter
+from moescope.core.records import StepRecord
 from moescope.probe.session import ProbeSession
+from moescope.probe.trust_gate import GateChange, GatePolicy, TrustGate, TrustGateError
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.store import Store

@@ -38,8 +38,11 @@ from tqdm import tqdm
 
 import moescope
 from moescope.alerts.trust_policy import TrustPolicy
-from moescope.probe.health import _expert_tensors
-from moescope.probe.zoo import tiny_model
+from moescope.probe.health_sampling import _expert_tensors
+
+# tests/support/zoo.py holds the small random-initialised models of every family (not shipped in the wheel)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.zoo import tiny_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (bench/overhead.py: the decode preset and its workload)

@@ -526,7 +526,7 @@ def _records(run_id: str, layers: int, tokens: int, experts: int, count: int, se
     """`count` distinct StepRecords with routes (top-2 of `experts`), made before the clock starts."""
     import numpy as np
 
-    from moescope.probe.records import LayerStep, Routes, StepRecord
+    from moescope.core.records import LayerStep, Routes, StepRecord
 
     rng = np.random.default_rng(seed)
     records = []
@@ -556,9 +556,9 @@ def writer_child(args: argparse.Namespace) -> int:
     """One writer: the probe's pipeline and ParquetExporter as `moescope.attach` makes them (default
     flush), fed synthetic records at `--rate` route rows/s (0: as fast as it takes them) for
     `--seconds` after the parent's "go"; prints its rows, commits and latencies as it exits."""
-    from moescope.pipeline import current_host
+    from moescope.core.pipeline import current_host
+    from moescope.core.records import LayerInfo, RunInfo
     from moescope.probe import Pipeline
-    from moescope.probe.records import LayerInfo, RunInfo
     from moescope.store import delta
     from moescope.store.writer import BatchProcessor, ParquetExporter
 

@@ -33,7 +33,7 @@ import numpy as np
 
 CHILD = """
 import json, sys, time
-from moescope.store.importers import import_files
+from moescope.ingest.importers import import_files
 kind, path, root, experts = sys.argv[1:5]
 start = time.perf_counter()
 summary = import_files(kind, [path], root, num_experts=int(experts))

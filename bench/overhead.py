@@ -30,6 +30,7 @@ import copy
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,7 +40,10 @@ from tqdm import tqdm
 
 import moescope
 from moescope import probe
-from moescope.probe.zoo import tiny_model
+
+# tests/support/zoo.py holds the small random-initialised models of every family (not shipped in the wheel)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.zoo import tiny_model  # noqa: E402
 
 NOOP_HOOKS = "do-nothing hooks"
 COMPUTE_TIME = "compute time"  # the aggregates, plus compute time per MoE layer

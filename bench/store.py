@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from moescope.core.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
 from moescope.store import Store, delta
 from moescope.store.compact import compact
 from moescope.store.location import StoreLocation, open_location, parse_storage_options

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from moescope.alerts.cache import POLICIES, cache_curves, expert_accesses, replay_routes
+from moescope.metrics.expert_cache import POLICIES, cache_curves, expert_accesses, replay_routes
 from moescope.store.queries import RoutePage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

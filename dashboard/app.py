@@ -1,6 +1,6 @@
 """moescope dashboard: the Streamlit entry file.
 
-Run through `moescope dashboard STORE` (see `dashboard/cli.py`), or by hand with
+Run through `moescope dashboard STORE` (see `moescope/cli/dashboard.py`), or by hand with
 `streamlit run dashboard/app.py -- STORE`. This file only draws the sidebar that every page
 shares (run picker, tag filter, live refresh) and hands over to the page chosen in the
 navigation; the pages live in `dashboard/views/` (not `pages/`: Streamlit would also

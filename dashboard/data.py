@@ -26,7 +26,7 @@ import pandas as pd
 import streamlit as st
 
 from moescope.alerts.outbox import outbox_path, read_deliveries
-from moescope.alerts.training import training_report as _training_report
+from moescope.analyses.training_report import training_report as _training_report
 from moescope.dashboard import settings
 from moescope.store.store import EmptyStoreError, Store, data_version
 
@@ -123,7 +123,7 @@ host_layer_totals = _cached(Store.host_layer_totals, tagged=True)
 
 def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
                   tag: tuple[str, str] | None = None) -> pd.DataFrame:
-    from moescope.alerts.cache import cache_report
+    from moescope.analyses.expert_cache import cache_report
 
     return cache_report(store, run_id, layer, tags={str(tag[0]): str(tag[1])} if tag else None,
                         max_tokens=max_tokens)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from moescope.alerts import signals
+from moescope.metrics import signals
 
 HEIGHT = 380
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
@@ -108,7 +108,7 @@ def active_by_position_figure(by_position: pd.DataFrame) -> go.Figure:
 def cache_hit_figure(report: pd.DataFrame, title: str = "") -> go.Figure:
     """Expert-cache hit rate (percent) against experts resident, a line per (layer, policy).
 
-    `report` is `moescope.whatif.cache_report`'s frame: layer, policy, capacity, hit_rate, ...
+    `report` is `moescope.cli.whatif.cache_report`'s frame: layer, policy, capacity, hit_rate, ...
     Each policy keeps one colour; layers differ by dash when several are drawn.
     """
     if report.empty:

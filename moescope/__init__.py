@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 # name -> the module that defines it
 _EXPORTS = {
-    "attach": "moescope.facade",
-    "jitter": "moescope.jitter_check",
+    "attach": "moescope.attachment",
+    "jitter": "moescope.analyses.jitter",
     "HealthSampling": "moescope.probe",
     "MoESpec": "moescope.probe",
     "NoMoELayersError": "moescope.probe",
@@ -33,8 +33,8 @@ __all__ = ["HealthSampling", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAt
            "Store", "StoreError", "attach", "jitter"]
 
 if TYPE_CHECKING:
-    from moescope.facade import attach
-    from moescope.jitter_check import jitter
+    from moescope.analyses.jitter import jitter
+    from moescope.attachment import attach
     from moescope.probe import (
         HealthSampling,
         MoESpec,

@@ -4,7 +4,7 @@ The probe is a pure producer: it hands records to exporters and imports nothing 
 alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one call.
 
     from moescope import probe
-    from moescope.pipeline import InMemoryExporter
+    from moescope.core.pipeline import InMemoryExporter
     memory = InMemoryExporter()
     with probe.attach(model, [memory], routes=True) as session:
         model(**batch)
@@ -12,6 +12,7 @@ alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one 
 
 from __future__ import annotations
 
+from moescope.core.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
 from moescope.probe.adapters import (
     CapacityDispatch,
     CapacityPerSequence,
@@ -21,7 +22,6 @@ from moescope.probe.adapters import (
     NoMoELayersError,
     find_moe_layers,
 )
-from moescope.probe.records import KVCacheLayer, LayerInfo, LayerStep, Routes, RunInfo, StepRecord, TokenSample
 from moescope.probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
 
 __all__ = [

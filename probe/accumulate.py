@@ -1,7 +1,7 @@
 """Device accumulators: one vectorised reduction over all MoE layers at once, per forward (or per
 window of forwards, in eager CPU runs: probe/reduction.py).
 
-This module draws the buffers and reduces one group of layers; probe/layout.py decides at attach
+This module draws the buffers and reduces one group of layers; probe/device_layout.py decides at attach
 which layers form a group and which rings exist, and probe/reduction.py runs each forward's
 reduction and ring writes over them.
 
@@ -245,7 +245,7 @@ def entropy_quantile(hist: np.ndarray, q: float, router_width: int) -> float:
 
 @dataclass
 class HealthRows:
-    """Per-layer health accumulators (see probe/health.py): sums, and the last weight check."""
+    """Per-layer health accumulators (see probe/health_sampling.py): sums, and the last weight check."""
 
     num_experts: dict[int, int]
     positions: list[int]

@@ -1,7 +1,7 @@
 """Capture what every router decided in one forward, token by token, on the host.
 
 The session (probe/session.py) reduces routing on the device and never syncs; this is the other
-tool, for checks that compare whole forwards offline (`moescope.jitter_check`, tests): it keeps,
+tool, for checks that compare whole forwards offline (`moescope.analyses.jitter`, tests): it keeps,
 per MoE layer, every token's router logits and the final choice (ids, weights, kept slots) that
 the layer's readers take from the model (probe/adapters.py), copied to the host as float32 and
 int64 arrays. The readers are the probe's own, so every family the probe reads is captured the

@@ -1,7 +1,7 @@
 """`attach`: hook a model's MoE layers and turn each forward pass into a `StepRecord`.
 
 The session owns the hooks, the windows and the lifecycle. Where the numbers live on the device
-is probe/layout.py's (made once at attach, drawn by probe/accumulate.py); what a forward adds to
+is probe/device_layout.py's (made once at attach, drawn by probe/accumulate.py); what a forward adds to
 them is probe/reduction.py's; what a closed window becomes is probe/window.py's.
 
 Hooks are global state on the modules they sit on: this session keeps every handle it adds and
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moescope.pipeline import (
+from moescope.core.exporters import AttachListener, ProbeStats, ProbeStatsReader
+from moescope.core.pipeline import (
     DEFAULT_MAX_QUEUE_BYTES,
     BatchProcessor,
     BindsProcessor,
@@ -37,15 +38,14 @@ from moescope.pipeline import (
     WritesRows,
     new_run_id,
 )
+from moescope.core.records import KVCacheLayer, LayerInfo, RunInfo
 from moescope.probe.accumulate import RING_TABLES, SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
 from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
-from moescope.probe.exporting import AttachListener, ProbeStats, ProbeStatsReader
-from moescope.probe.gate import GatePolicy, TrustGate
-from moescope.probe.health import HealthSampler
-from moescope.probe.layout import build_layout
-from moescope.probe.records import KVCacheLayer, LayerInfo, RunInfo
+from moescope.probe.device_layout import build_layout
+from moescope.probe.health_sampling import HealthSampler
 from moescope.probe.reduction import ForwardRefs, count_forward, deferral_key, reduce_deferred, reduce_forward
 from moescope.probe.timing import ComputeTimer
+from moescope.probe.trust_gate import GatePolicy, TrustGate
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class Recording:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The bounded queue between the model and the exporters (moescope/pipeline.py).
+    """The bounded queue between the model and the exporters (moescope/core/pipeline.py).
 
     policy: "block" (lossless, the model waits if the exporters cannot keep up) or "drop" (the
     model never waits; drops are counted). flush_interval_s: how often exporters flush.
@@ -131,7 +131,7 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class HealthSampling:
-    """Expert-health sampling (probe/health.py): see `HealthSampler` for each field."""
+    """Expert-health sampling (probe/health_sampling.py): see `HealthSampler` for each field."""
 
     tokens_per_expert: int = 4
     experts_per_forward: int | None = 1
@@ -204,7 +204,7 @@ class ProbeSession:
                                         flush_interval_s=pipeline.flush_interval_s,
                                         max_queue_bytes=pipeline.max_queue_bytes)
         try:
-            for exporter in exporters:  # what each asks for (probe/exporting.py)
+            for exporter in exporters:  # what each asks for (moescope/core/exporters.py)
                 if isinstance(exporter, BindsProcessor):
                     exporter.bind_processor(self.processor)
                 if isinstance(exporter, AttachListener):
@@ -667,7 +667,7 @@ def attach(model: nn.Module, exporters: Sequence[Exporter] = (), *, specs: Itera
     the store, the trust policy and alerts to a session made here.
 
     exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
-    `ParquetExporter`, the Prometheus exporter, `moescope.pipeline.InMemoryExporter`). recording /
+    `ParquetExporter`, the Prometheus exporter, `moescope.core.pipeline.InMemoryExporter`). recording /
     pipeline: a `Recording` and a `Pipeline`; their fields may also be given one by one as
     keyword options (`routes=True, window=1, policy="drop"`). specs: `MoESpec`s describing custom
     MoE modules. layers: only hook the MoE blocks with these names (a name, a list of names, or a

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moescope.core.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
 from moescope.probe.accumulate import (
     RING_TABLES,
     TOTAL_FORWARDS,
@@ -34,7 +35,6 @@ from moescope.probe.accumulate import (
     Ring,
     entropy_quantile,
 )
-from moescope.probe.records import KVCacheLayer, LayerStep, Routes, StepRecord, TokenSample
 from moescope.probe.reduction import ForwardRefs, reduce_into_snapshot
 from moescope.probe.timing import LayerTime, WindowTimes, expert_times
 
@@ -214,7 +214,7 @@ class PendingWindow:
 
 
 def health_fields(health: Any, host: np.ndarray, layer: int, num_experts: int) -> dict[str, Any]:
-    """`LayerStep` health keyword arguments from a layer's host row (see probe/health.py)."""
+    """`LayerStep` health keyword arguments from a layer's host row (see probe/health_sampling.py)."""
     cols = health.columns(num_experts)
     start = health.offset + health.positions.index(layer) * health.width
     row = host[start: start + health.width]

@@ -49,14 +49,14 @@ import pyarrow.parquet as pq
 
 from moescope.store import delta
 from moescope.store.catalog import REWRITE_APP, Catalog, FileInfo, app_version
-from moescope.store.layout import (
+from moescope.store.location import StoreLocation, open_location
+from moescope.store.naming import (
     COMPACT_FILE_ROWS,
     COMPACT_ROW_GROUP_BYTES,
     COMPACT_ROW_GROUP_ROWS,
     check_name,
     parquet_options,
 )
-from moescope.store.location import StoreLocation, open_location
 from moescope.store.quarantine import display, read_checked
 from moescope.store.schema import SCHEMAS, TABLES
 from moescope.store.store import connect

@@ -45,8 +45,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moescope.store.errors import StoreError
-from moescope.store.layout import WRITER_ROW_GROUP_ROWS, check_name, check_part_name, is_valid_name, parquet_options
 from moescope.store.location import StoreLocation, open_location
+from moescope.store.naming import WRITER_ROW_GROUP_ROWS, check_name, check_part_name, is_valid_name, parquet_options
 from moescope.store.schema import SCHEMAS
 
 __all__ = ["CommitConflictError", "CommitError", "LegacyStoreError", "PartFile", "Snapshot", "StoreAccessError",

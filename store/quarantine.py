@@ -30,8 +30,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moescope.store.layout import QUARANTINE_DIR
 from moescope.store.location import StoreLocation
+from moescope.store.naming import QUARANTINE_DIR
 
 log = logging.getLogger(__name__)
 REASON_SUFFIX = ".reason.json"

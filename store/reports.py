@@ -372,7 +372,7 @@ class ReportQueries:
             [run_id, int(layer), int(seed), size, run_id, int(layer), run_id, int(layer), int(context),
              int(context)])
 
-    # -- routing jitter (moescope.jitter_check) ---------------------------------------------------
+    # -- routing jitter (moescope.analyses.jitter) ---------------------------------------------------
 
     def jitter_layers(self, run_id: str) -> pd.DataFrame:
         """A jitter run's figures, one row per (condition, layer) in the order the conditions ran:

@@ -17,8 +17,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from moescope.pipeline import current_host
-from moescope.probe.records import RunInfo, StepRecord, TokenSample
+from moescope.core.pipeline import current_host
+from moescope.core.records import RunInfo, StepRecord, TokenSample
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")
@@ -31,7 +31,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         # what recorded the run: "probe", or the engine an importer read ("vllm", "sglang", ...);
         # null in stores written before the column existed, which only the probe wrote
         ("source", pa.string()),
-        # the host the run's process ran on (moescope.pipeline.current_host: MOESCOPE_HOST or the
+        # the host the run's process ran on (moescope.core.pipeline.current_host: MOESCOPE_HOST or the
         # hostname); null in stores written before the column existed
         ("host", pa.string()),
     ]),
@@ -100,7 +100,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("run_id", pa.string()), ("rank", pa.int32()), ("pid", pa.int64()), ("ended_at", TS),
         ("last_step", pa.int64()),
     ]),
-    # -- expert health and trust gate (alerts/health.py, alerts/trust_policy.py) --
+    # -- expert health and trust gate (alerts/health_score.py, alerts/trust_policy.py) --
     "expert_health": pa.schema([
         ("run_id", pa.string()), ("window", pa.int64()), ("step_start", pa.int64()), ("step_end", pa.int64()),
         ("ts", TS), ("layer", pa.int32()), ("expert", pa.int32()), ("score", pa.float64()),
@@ -144,7 +144,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("ts", TS), ("layer", pa.int32()), ("tokens", pa.int64()), ("lr", pa.float64()),
         ("router_lr", pa.float64()), ("expert_grad_norm", pa.list_(pa.float64())), ("rank", pa.int32()),
     ]),
-    # -- routing jitter (moescope.jitter_check): the same inputs run under another condition --
+    # -- routing jitter (moescope.analyses.jitter): the same inputs run under another condition --
     # One row per (condition, layer) of a jitter run. tokens: (token, layer) pairs compared with the
     # condition's `baseline` run; set_changed / top1_changed / kept_changed: how many changed their
     # chosen experts, their top-1 (the chosen expert of highest logit), the experts that processed
@@ -385,7 +385,7 @@ def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written
     """One writer's cumulative counts as `probe_stats` rows: per table a row of rows written (reason
     null), and a row per reason rows of it were dropped; records dropped per reason go on the
     `steps` rows (a record is one window, or one proxied response). Tables with neither are left out.
-    `host` is the writer's (None: this process's, `moescope.pipeline.current_host`)."""
+    `host` is the writer's (None: this process's, `moescope.core.pipeline.current_host`)."""
     host = host if host is not None else current_host()
     rows = []
     for table in SCHEMAS:

@@ -51,8 +51,8 @@ import pyarrow.parquet as pq
 from moescope.store import delta
 from moescope.store.catalog import count_lost
 from moescope.store.errors import EmptyStoreError, StoreError
-from moescope.store.layout import QUARANTINE_DIR, is_valid_name, parquet_options
 from moescope.store.location import StoreLocation, open_location
+from moescope.store.naming import QUARANTINE_DIR, is_valid_name, parquet_options
 from moescope.store.schema import SCHEMAS
 
 log = logging.getLogger(__name__)

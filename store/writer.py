@@ -1,6 +1,6 @@
 """The store's write path: one writer per (store, run, rank) in a process, fed by the write pipeline.
 
-    producer ──emit──► BatchProcessor (moescope/pipeline.py) ──export──► RunWriter ──► Delta commits
+    producer ──emit──► BatchProcessor (moescope/core/pipeline.py) ──export──► RunWriter ──► Delta commits
 
 `run_writer(store, run_id, rank)` hands out the process's one `RunWriter` of a run: every producer
 of the process that writes the run (the probe's `ParquetExporter`, the trust and cooldown policies,
@@ -58,8 +58,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moescope.core.exporters import AttachListener
+
 # The pipeline is the neutral module's; re-exported for store users.
-from moescope.pipeline import (  # noqa: F401
+from moescope.core.pipeline import (  # noqa: F401
     BatchProcessor,
     BindsProcessor,
     DropCounts,
@@ -71,12 +73,11 @@ from moescope.pipeline import (  # noqa: F401
     current_host,
     record_rows,
 )
-from moescope.probe.exporting import AttachListener
-from moescope.probe.records import RunInfo, StepRecord
+from moescope.core.records import RunInfo, StepRecord
 from moescope.store import delta
 from moescope.store.errors import StoreError
-from moescope.store.layout import check_name, check_rank, host_name_part, part_name
 from moescope.store.location import StoreLocation, open_location
+from moescope.store.naming import check_name, check_rank, host_name_part, part_name
 from moescope.store.schema import (
     SCHEMAS,
     RoutePiece,
@@ -455,7 +456,7 @@ class _WriterExporter(Exporter):
 
 def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder.
-    A `runs` row without a host gets this process's (`moescope.pipeline.current_host`)."""
+    A `runs` row without a host gets this process's (`moescope.core.pipeline.current_host`)."""
     check_name("table", table)  # before any row is converted or queued
     data = data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
     if table == "runs" and data.num_rows:

@@ -1,4 +1,4 @@
-"""moescope.lifecycle.GracefulStop: drain on the first signal within the grace period, exit at once on
+"""moescope.core.lifecycle.GracefulStop: drain on the first signal within the grace period, exit at once on
 the second; in a real process that gets real signals, and in-process for what needs no exit."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from moescope.lifecycle import DEFAULT_GRACE_S, GracefulStop, add_grace_period_argument, grace_period_s
+from moescope.core.lifecycle import DEFAULT_GRACE_S, GracefulStop, add_grace_period_argument, grace_period_s
 from tests.sigterm import started
 
 # A service loop: "ready" once the handlers are in, then it waits for the stop, "drains" for
 # DRAIN_S seconds (interruptible, as a real drain waiting on a thread or a socket is) and returns 0.
 SERVICE = textwrap.dedent("""
     import os, sys, threading, time
-    from moescope.lifecycle import GracefulStop
+    from moescope.core.lifecycle import GracefulStop
 
     drain_s, grace = float(sys.argv[1]), (float(sys.argv[2]) if len(sys.argv) > 2 else None)
     main = threading.main_thread()

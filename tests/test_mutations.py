@@ -21,9 +21,9 @@ def test_every_mutation_names_tests_that_exist():
 
 
 def test_a_moved_piece_is_reported(tmp_path):
-    moved = mutations.Mutation("moved", "probe/gate.py", "a piece that is not there", "x", ("tests",), "nothing")
+    moved = mutations.Mutation("moved", "probe/trust_gate.py", "a piece that is not there", "x", ("tests",), "nothing")
     (problem,) = mutations.check_pieces(mutations.REPO, [moved])
-    assert "found 0 times" in problem and "probe/gate.py" in problem
+    assert "found 0 times" in problem and "probe/trust_gate.py" in problem
 
 
 def test_skipped_guards_are_counted(tmp_path):

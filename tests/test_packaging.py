@@ -74,7 +74,7 @@ def test_only_the_moescope_namespace_imports_in_a_fresh_env(fresh_env, tmp_path)
                 pass
             else:
                 sys.exit(f"import {{name}} worked: moescope leaked a top-level package")
-        import moescope, moescope.store, moescope.alerts, moescope.probe, moescope.dashboard.cli
+        import moescope, moescope.store, moescope.alerts, moescope.probe, moescope.cli.dashboard
         assert moescope.__file__.startswith({str(os.path.dirname(os.path.dirname(python)))!r}), moescope.__file__
         assert sorted(moescope.__all__) == sorted(set(moescope.__all__))
         for name in moescope.__all__:
@@ -99,10 +99,12 @@ def test_a_script_beside_a_store_folder_attaches_and_writes(fresh_env, tmp_path)
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"OWNER = 'the user: {name}'\n")
     (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import sys
         import torch
         import store, alerts
         import moescope
-        from moescope.probe.zoo import tiny_model
+        sys.path.append(REPO_PATH)  # after moescope: the wheel's moescope, the repository's test models
+        from tests.support.zoo import tiny_model
 
         assert store.OWNER == "the user: store" and alerts.OWNER == "the user: alerts"
         model = tiny_model("mixtral")
@@ -110,7 +112,7 @@ def test_a_script_beside_a_store_folder_attaches_and_writes(fresh_env, tmp_path)
             model(input_ids=torch.randint(0, 128, (2, 8)))
             model(input_ids=torch.randint(0, 128, (2, 8)))
         print("recorded")
-    """))
+    """).replace("REPO_PATH", repr(REPO)))
     done = subprocess.run([python, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "recorded" in done.stdout

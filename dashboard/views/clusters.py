@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 from moescope.dashboard.embedding import cached_umap_2d, embedding_key
+from moescope.metrics import signals
 
 st.title("Semantic clusters")
 ctx = common.page_context()

@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
+from moescope.metrics import signals
 
 st.title("Compare")
 ctx = common.page_context()

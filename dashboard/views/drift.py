@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
+from moescope.metrics import signals
 
 st.title("Drift and alerts")
 ctx = common.page_context()
@@ -75,7 +75,8 @@ with common.guard():
         chosen = rules[rules.signal == measure]
         column.plotly_chart(fg.divergence_figure(divergence, measure, list(zip(chosen.alertname, chosen.threshold)),
                                                  span), key=f"dr_{measure}_chart")
-    st.caption("KL uses 0.5 pseudo-tokens of smoothing per expert, as the alert rules do (alerts/signals.py); "
+    st.caption("KL uses 0.5 pseudo-tokens of smoothing per expert, "
+               "as the alert rules do (moescope/metrics/signals.py); "
                "dashed lines are the thresholds of the rules that alerted on this run. A rule's window ends at "
                "each step; these windows are aligned to multiples of the window, so a value here can differ "
                "from the one an alert recorded at a step between two of them.")

@@ -11,9 +11,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
+from moescope.metrics import signals
 
 LAYER, EXPERT, STEPS = "hm_layer", "hm_expert", "hm_steps"  # page-only session keys
 

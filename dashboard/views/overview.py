@@ -7,9 +7,9 @@ import math
 import pandas as pd
 import streamlit as st
 
-from moescope.alerts import signals
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
+from moescope.metrics import signals
 
 POSITION_BUCKETS = 8  # position buckets of the by-position chart
 HOST_KEY = "ov_host"  # the host filter of the By host section

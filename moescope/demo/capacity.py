@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from moescope.alerts.signals import expert_capacity
+from moescope.metrics.signals import expert_capacity
 from moescope.probe.adapters import CapacityDispatch, CapacityPerSequence, FamilyModule
 
 TOKEN_DROP_POLICY = "position"  # Megatron-Core's name for "earlier positions win within a choice rank"

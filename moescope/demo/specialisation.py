@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moescope.alerts.signals import normalized_mutual_information
+from moescope.metrics.signals import normalized_mutual_information
 
 
 def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Sequence[int] | np.ndarray) -> float:

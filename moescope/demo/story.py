@@ -29,16 +29,16 @@ from moescope.alerts.engine import AlertEngine, EngineExporter
 from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox, OutboxWorker, outbox_path
 from moescope.alerts.rules import load_rules
-from moescope.alerts.signals import specialisation_by_layer
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
+from moescope.analyses.jitter import jitter_line
 from moescope.cli import program_name
+from moescope.cli.summary import format_summary
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
-from moescope.jitter_check import jitter_line
+from moescope.metrics.signals import specialisation_by_layer
 from moescope.probe.session import ProbeSession
 from moescope.store import Store
-from moescope.summary import format_summary
 
 if TYPE_CHECKING:
     from transformers import MixtralForCausalLM, PreTrainedTokenizerFast

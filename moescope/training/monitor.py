@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 import moescope
-from moescope.alerts import signals
-from moescope.lifecycle import GracefulStop
-from moescope.pipeline import Exporter
+from moescope.core.lifecycle import GracefulStop
+from moescope.core.pipeline import Exporter
+from moescope.core.records import StepRecord
+from moescope.metrics import signals
 from moescope.probe.accumulate import TOTAL_FORWARDS
-from moescope.probe.cooldown import COOLDOWN_STATE, take_saved
-from moescope.probe.health import ExpertGradients
+from moescope.probe.health_sampling import ExpertGradients
 from moescope.probe.optim import OptimizerLike, SchedulerLike, torch_optimizer, torch_scheduler
-from moescope.probe.records import StepRecord
+from moescope.probe.router_cooldown import COOLDOWN_STATE, take_saved
 from moescope.probe.session import ProbeSession, Recording
 from moescope.probe.window import PinnedPool
 from moescope.store.location import StoreLocation, open_location
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 FOREVER = 2**62  # a window that only the optimizer step closes
 ROWS_PER_WRITE = 64  # train_steps rows are written in parts of this many steps (and on every flush)
 # The monitor's counts saved with the optimizer's state_dict (a key of its first param group, as the
-# cooldown's state: see probe/cooldown.py), so a run resumed under its run id goes on counting.
+# cooldown's state: see probe/router_cooldown.py), so a run resumed under its run id goes on counting.
 TRAINING_STATE = "moescope_training"
 
 
@@ -274,7 +274,7 @@ class TrainingMonitor:
     last, and the forwards too, so the resumed process's `train_steps`, `layer_steps` and routes rows
     follow the first one's. A checkpoint of another run id (a fine-tune started from it), or one
     saved without the monitor, leaves the new run counting from 1. With `cooldown="auto"` the
-    cooldowns in force come back too (probe/cooldown.py). Sharp edges: steps redone after a crash
+    cooldowns in force come back too (probe/router_cooldown.py). Sharp edges: steps redone after a crash
     past the last checkpoint get the numbers they had (they are the same updates, done again); the
     dead-expert window starts empty; a checkpoint loaded into a plain optimizer and saved again
     keeps the old counts.
@@ -290,7 +290,7 @@ class TrainingMonitor:
     ends as it would have: the SIGTERM handler the job had installed before the monitor is called;
     without one the process exits 0. If closing takes longer than `grace_period_s` (default 10 s,
     or $MOESCOPE_GRACE_PERIOD_S) the process exits 1; a second SIGTERM exits at once (143). See
-    `moescope.lifecycle`. Sharp edges: the handler is installed only when the monitor is made on the
+    `moescope.core.lifecycle`. Sharp edges: the handler is installed only when the monitor is made on the
     main thread and SIGTERM is not ignored; a handler the job installs after the monitor replaces it
     (call `monitor.close()` from it); SIGINT (Ctrl-C) is left alone. False leaves SIGTERM to the job.
     """

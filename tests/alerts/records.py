@@ -6,7 +6,7 @@ import datetime as dt
 
 import numpy as np
 
-from moescope.probe.records import LayerStep, Routes, StepRecord
+from moescope.core.records import LayerStep, Routes, StepRecord
 
 T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 EXPERTS = 8

@@ -2,7 +2,7 @@
 
     python -m tests.alerts.sigterm_exporter_child STORE
 
-The composition `alerts/prometheus.py` documents: GracefulStop around the serving loop, the probe
+The composition `moescope/prometheus/exporter.py` documents: GracefulStop around the serving loop, the probe
 session inside it (its close drains the pipeline and writes the final probe_stats), then
 `exporter.close()`. Prints `serving PORT`, `forward N` after each recorded forward, and at the end
 whether its port refuses connections.
@@ -17,9 +17,9 @@ import time
 import torch
 
 import moescope
-from moescope.alerts.prometheus import PrometheusExporter
-from moescope.lifecycle import GracefulStop
-from moescope.probe.zoo import tiny_model
+from moescope.core.lifecycle import GracefulStop
+from moescope.prometheus.exporter import PrometheusExporter
+from tests.support.zoo import tiny_model
 
 store = sys.argv[1]
 torch.manual_seed(0)

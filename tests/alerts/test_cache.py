@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from moescope.alerts.cache import (
+from moescope.metrics.expert_cache import (
     MAX_EXPERTS,
     POLICIES,
     CacheCurve,
@@ -238,7 +238,7 @@ def test_one_pass_equals_the_replay_at_every_capacity(policy, seed):
 def test_standings_too_large_to_pack_go_through_the_stack_as_ranks(policy):
     """The stack packs standing x E + expert into one int64; standings too large for that are replaced
     by their ranks (the same order), and the depths stay the same."""
-    from moescope.alerts.cache import _flat, _priorities, _stack_depth_counts
+    from moescope.metrics.expert_cache import _flat, _priorities, _stack_depth_counts
 
     experts = 12
     accesses = expert_accesses(_stream(random.Random(5), 300, experts, 4), experts)

@@ -23,7 +23,7 @@ from moescope.alerts.cooldown_policy import ALERT_NAME, CooldownConfig, Cooldown
 from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox
 from moescope.alerts.rules import default_rules
-from moescope.probe.cooldown import RouterCooldownError
+from moescope.probe.router_cooldown import RouterCooldownError
 from moescope.store import delta
 from tests.alerts.records import layer_step, step_record
 

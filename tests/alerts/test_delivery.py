@@ -21,9 +21,9 @@ from moescope.alerts.notify import (
     validate_url,
     verify_signature,
 )
+from moescope.alerts.observations import observations_from_record
 from moescope.alerts.outbox import DEAD, DELIVERED, PENDING, Outbox
 from moescope.alerts.rules import parse_rules
-from moescope.alerts.window import observations_from_record
 from tests.alerts.conftest import Receiver, free_port
 from tests.alerts.records import BALANCED, SKEWED, layer_step, step_record
 

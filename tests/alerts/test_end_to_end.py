@@ -13,16 +13,16 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import moescope
-from moescope.alerts.cli import add_subcommands
 from moescope.alerts.notify import AlertmanagerNotifier, AlertmanagerWebhookNotifier, WebhookNotifier
 from moescope.alerts.outbox import Outbox
-from moescope.alerts.prometheus import PrometheusExporter
-from moescope.alerts.promrules import prometheus_rules_yaml
 from moescope.alerts.rules import default_rules
 from moescope.alerts.storage import StoreAlertRunner, read_alerts
 from moescope.cli import main as moescope_main
-from moescope.probe.zoo import tiny_model
+from moescope.cli.alerts import add_subcommands
+from moescope.prometheus.exporter import PrometheusExporter
+from moescope.prometheus.rules import prometheus_rules_yaml
 from tests.alerts.conftest import Receiver, http_get_json, start_alertmanager, start_prometheus, wait_until
+from tests.support.zoo import tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moescope.alerts import signals as sig
 from moescope.alerts.engine import AlertEngine, EngineExporter, fingerprint
+from moescope.alerts.observations import LayerObservation, compute_signals, observations_from_record
 from moescope.alerts.rules import parse_rules
-from moescope.alerts.window import LayerObservation, compute_signals, observations_from_record
+from moescope.metrics import signals as sig
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, drift_per_1000, layer_step, step_record
 
 PACK = """\
@@ -69,8 +69,8 @@ def test_step_counted_for_and_cooldown_ignore_the_clock(seconds_per_step):
 
 
 def test_a_step_count_is_refused_where_prometheus_needs_time():
-    from moescope.alerts.promrules import prometheus_rules
     from moescope.alerts.rules import RulesError
+    from moescope.prometheus.rules import prometheus_rules
 
     with pytest.raises(RulesError, match="counted in steps has no Prometheus equivalent"):
         prometheus_rules(parse_rules(PACK.replace("cooldown: 2s", "cooldown: 40 steps")))

@@ -13,11 +13,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
-from moescope.alerts.grafana import RATE, dashboard_json, panel_queries, provisioning
-from moescope.alerts.prometheus import PrometheusExporter
 from moescope.cli import main as cli_main
-from moescope.probe.zoo import tiny_model
+from moescope.prometheus.exporter import PrometheusExporter
+from moescope.prometheus.grafana import RATE, dashboard_json, panel_queries, provisioning
 from tests.alerts.conftest import http_get_json, start_prometheus, wait_until
+from tests.support.zoo import tiny_model
 
 pytest.importorskip("grafana_foundation_sdk", reason="moescope grafana needs grafana-foundation-sdk (Python 3.11+)")
 

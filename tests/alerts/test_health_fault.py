@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import moescope
-from moescope.alerts.health import HealthConfig
+from moescope.alerts.health_score import HealthConfig
 from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox
 from moescope.alerts.trust_policy import TrustPolicy
-from moescope.probe.health import _expert_tensors
-from moescope.probe.zoo import tiny_model
+from moescope.probe.health_sampling import _expert_tensors
 from moescope.store.store import Store
+from tests.support.zoo import tiny_model
 
 torch.set_num_threads(1)
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")

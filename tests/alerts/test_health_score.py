@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from moescope.alerts.health import (
+from moescope.alerts.health_score import (
     HealthConfig,
     HealthScorer,
     band_score,
@@ -19,7 +19,7 @@ from moescope.alerts.health import (
     output_component,
     weight_component,
 )
-from moescope.probe.records import LayerStep, StepRecord
+from moescope.core.records import LayerStep, StepRecord
 
 CFG = HealthConfig()
 

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moescope.alerts.cli import receivers_from_options
 from moescope.alerts.notify import NotifierError, SlackNotifier, WebhookNotifier, redact_url
 from moescope.alerts.outbox import DELIVERED, DROPPED, PENDING, Outbox
 from moescope.cli import main as moescope_main
+from moescope.cli.alerts import receivers_from_options
 from tests.alerts.conftest import Receiver, free_port
 from tests.alerts.test_delivery import Clock, transitions
 

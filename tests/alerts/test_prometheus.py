@@ -14,10 +14,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
-from moescope.alerts import signals as sig
-from moescope.alerts.prometheus import PrometheusExporter
-from moescope.alerts.promrules import prom_duration, prometheus_rules, prometheus_rules_yaml
 from moescope.alerts.rules import RulesError, default_rules, parse_rules
+from moescope.metrics import signals as sig
+from moescope.prometheus.exporter import PrometheusExporter
+from moescope.prometheus.rules import prom_duration, prometheus_rules, prometheus_rules_yaml
 from tests.alerts.conftest import promtool
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, layer_step, step_record
 
@@ -146,8 +146,8 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     import torch
 
     import moescope
-    from moescope.probe.zoo import tiny_model
     from moescope.store import InMemoryExporter
+    from tests.support.zoo import tiny_model
 
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry)
@@ -174,7 +174,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_close(tmp_path):
     import torch
 
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     exporter = PrometheusExporter(registry=CollectorRegistry())
     port = exporter.serve(port=0)
@@ -207,8 +207,8 @@ def test_steps_counter_counts_forwards_of_windowed_records():
     import torch
 
     from moescope import probe
-    from moescope.probe.zoo import tiny_model
     from moescope.store import InMemoryExporter
+    from tests.support.zoo import tiny_model
 
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry)

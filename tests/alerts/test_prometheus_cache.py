@@ -10,11 +10,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from moescope import probe
-from moescope.alerts.cache import POLICIES
-from moescope.alerts.prometheus import PrometheusExporter
-from moescope.pipeline import InMemoryExporter
-from moescope.probe.zoo import tiny_model
+from moescope.core.pipeline import InMemoryExporter
+from moescope.metrics.expert_cache import POLICIES
+from moescope.prometheus.exporter import PrometheusExporter
 from tests.alerts.test_cache import _brute_force_hits
+from tests.support.zoo import tiny_model
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed + 2 zero experts per layer
 WINDOW_STEPS = 3

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from moescope.alerts.prometheus import PrometheusExporter
-from moescope.alerts.promrules import prometheus_rules_yaml
 from moescope.alerts.rules import default_rules
-from moescope.probe.records import Routes
+from moescope.core.records import Routes
+from moescope.prometheus.exporter import PrometheusExporter
+from moescope.prometheus.rules import prometheus_rules_yaml
 from tests.alerts.conftest import http_get_json, start_prometheus, wait_until
 from tests.alerts.records import BALANCED, SKEWED, layer_step, routes_for, step_record
 

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from moescope.alerts.prometheus import PrometheusExporter
+from moescope.prometheus.exporter import PrometheusExporter
 from tests.alerts.records import SKEWED, layer_step, step_record
 from tests.sigterm import parquet_rows, started
 

@@ -11,7 +11,7 @@ import pytest
 from scipy import stats
 from scipy.spatial.distance import jensenshannon
 
-from moescope.alerts import signals as sig
+from moescope.metrics import signals as sig
 
 RNG = np.random.default_rng(1234)
 LOADS = [
@@ -213,7 +213,7 @@ def test_layer_and_run_figures_follow_the_rules():
 
 
 def test_compute_signals_leave_zero_experts_out_of_load_signals():
-    from moescope.alerts.window import LayerObservation, compute_signals
+    from moescope.alerts.observations import LayerObservation, compute_signals
 
     obs = [LayerObservation(run_id="r", layer=0, step=0, ts=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
                             tokens=10, expert_load=np.array([6, 4, 0, 2, 5, 3]), router_entropy_mean=1.2,

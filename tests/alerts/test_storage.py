@@ -11,7 +11,7 @@ from moescope.alerts.notify import WebhookNotifier
 from moescope.alerts.outbox import Outbox
 from moescope.alerts.rules import parse_rules
 from moescope.alerts.storage import StoreAlertRunner, read_alerts
-from moescope.probe.records import LayerInfo, RunInfo
+from moescope.core.records import LayerInfo, RunInfo
 from moescope.store.writer import ParquetExporter
 from tests.alerts.records import BALANCED, EXPERTS, SKEWED, T0, drift_per_1000, layer_step, routes_for, step_record
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import moescope
-from moescope.alerts.health import ExpertHealth
+from moescope.alerts.health_score import ExpertHealth
 from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
-from moescope.probe.gate import TrustGateError
-from moescope.probe.zoo import tiny_model
+from moescope.probe.trust_gate import TrustGateError
 from moescope.store.store import Store
+from tests.support.zoo import tiny_model
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import os
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 DOMAINS = {"code": (0, 48), "prose": (40, 96), "math": (88, 128)}
 STEPS_PER_RUN = 36

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from moescope.dashboard import cli
+from moescope.cli import dashboard as cli
 from tests.realparts import require_program
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from moescope.alerts.cache import POLICIES, cache_curves, cache_report, expert_accesses
+from moescope.analyses.expert_cache import cache_report
 from moescope.dashboard import figures as fg
+from moescope.metrics.expert_cache import POLICIES, cache_curves, expert_accesses
 from moescope.store.store import Store
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 

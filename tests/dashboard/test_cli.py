@@ -16,7 +16,8 @@ import urllib.request
 
 import pytest
 
-from moescope.dashboard import cli, settings
+from moescope.cli import dashboard as cli
+from moescope.dashboard import settings
 from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
 from moescope.store.location import StoreLocation
 from moescope.store.store import Store
@@ -174,7 +175,7 @@ def _is_zombie(pid: int) -> bool:
 # command does when its child will not stop.
 STUBBORN = """
 import sys
-from moescope.dashboard import cli
+from moescope.cli import dashboard as cli
 cli.command = lambda args: [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                             "print('server up', flush=True); time.sleep(600)"]
 sys.exit(cli.main(sys.argv[1:]))

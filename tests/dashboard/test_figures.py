@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from moescope.alerts import signals
 from moescope.dashboard import data
 from moescope.dashboard import figures as fg
+from moescope.metrics import signals
 from moescope.store.store import Store
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import moescope
-from moescope.probe.health import _expert_tensors
-from moescope.probe.zoo import tiny_model
+from moescope.probe.health_sampling import _expert_tensors
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
+from tests.support.zoo import tiny_model
 
 PAGE = "views/health.py"
 COMPONENTS = ("load", "confidence", "output", "weight", "grad")

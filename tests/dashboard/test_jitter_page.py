@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moescope
+from moescope.analyses.jitter import MARGIN_EDGES
 from moescope.dashboard import figures as fg
-from moescope.jitter_check import MARGIN_EDGES
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 from tests.moescope.test_jitter import near_tied_mixtral, token_lists
 from tests.store.test_delta import snapshot_rows

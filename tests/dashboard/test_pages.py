@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 import moescope
 from moescope.dashboard import settings
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 PAGES = {  # page -> plotly charts it draws on the recorded store
@@ -162,7 +162,7 @@ def test_gate_control_waits_for_the_runs_layers(monkeypatch, tmp_path):
     # picker was empty and a request raised TypeError from the page.
     import shutil
 
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     root = str(tmp_path / "store")
     moescope.attach(tiny_model("mixtral"), store=root, run_id="no-layers").close()
@@ -183,7 +183,7 @@ def test_missing_store_is_a_friendly_state(monkeypatch, tmp_path, page):
 
 def test_empty_store_and_empty_run(monkeypatch, tmp_path):
     import moescope
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -204,7 +204,7 @@ def test_empty_store_and_empty_run(monkeypatch, tmp_path):
 def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
     import torch
 
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     root = str(tmp_path / "live")
     model = tiny_model("mixtral")

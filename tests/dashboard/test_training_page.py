@@ -28,7 +28,7 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 import moescope
 import moescope.training as training
-from moescope.alerts.training import LAYER_COLUMNS, training_report
+from moescope.analyses.training_report import LAYER_COLUMNS, training_report
 from moescope.dashboard import figures as fg
 from moescope.store.store import Store
 from tests.dashboard.test_pages import app_for, assert_clean, open_page

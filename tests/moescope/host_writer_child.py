@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     store, run_id, steps, low, high = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
     options = json.loads(argv[5]) if len(argv) > 5 else None
     import moescope
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     model = tiny_model("mixtral", seed=0)  # the same weights in every process: one model, many hosts
     generator = torch.Generator().manual_seed(low * 1000 + high)

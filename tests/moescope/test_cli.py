@@ -77,8 +77,8 @@ def test_attach_to_a_file_is_refused_at_attach(tmp_path):
     import torch
 
     import moescope
-    from moescope.probe.zoo import tiny_model
     from moescope.store import StoreError
+    from tests.support.zoo import tiny_model
 
     path = tmp_path / "notes.txt"
     path.write_text("x")

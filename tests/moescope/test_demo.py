@@ -25,7 +25,7 @@ from sklearn.metrics import normalized_mutual_info_score
 
 from moescope.probe import find_moe_layers
 from moescope.probe.adapters import experts_arguments
-from moescope.probe.gate import TrustGate
+from moescope.probe.trust_gate import TrustGate
 from moescope.store import Store
 
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from moescope.alerts.signals import normalized_mutual_information
 from moescope.demo import data as demo_data
 from moescope.demo import specialisation
 from moescope.demo import train as train_demo
 from moescope.demo.capacity import CapacityMoeBlock, capacity_blocks
 from moescope.demo.data import DOMAINS, demo_model_path, domain_documents, domain_texts, domain_windows, load_demo_model
+from moescope.metrics.signals import normalized_mutual_information
 
 # The published shape, as the model card states it.
 CLAIMED_SHAPE = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 192, "num_local_experts": 8,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from moescope.jitter_check import BASELINE, MARGIN_EDGES, JitterError, jitter
-from moescope.probe.zoo import tiny_model
+from moescope.analyses.jitter import BASELINE, MARGIN_EDGES, JitterError, jitter
 from tests.store.test_delta import snapshot_rows
+from tests.support.zoo import tiny_model
 
 LENGTHS = (5, 9, 12, 7, 3, 16, 11, 14)
 
@@ -285,7 +285,7 @@ def test_padding_conditions_feed_the_model_what_they_say():
 def test_top1_is_the_chosen_expert_of_highest_logit_whatever_the_slot_order():
     """Families that take their top-k unsorted (DeepSeek-V3) list a token's experts in any order:
     swapped slots are neither a new set nor a new top-1; the top-1 follows the logits."""
-    from moescope.jitter_check import compare_layer
+    from moescope.analyses.jitter import compare_layer
     from moescope.probe.capture import LayerRouting
 
     logits = np.array([[0.1, 0.9, 0.5, 0.0], [0.1, 0.9, 0.5, 0.0]], dtype=np.float32)
@@ -302,7 +302,7 @@ def test_top1_is_the_chosen_expert_of_highest_logit_whatever_the_slot_order():
 
 
 def test_margin_bins_hold_their_lower_edge():
-    from moescope.jitter_check import margin_histogram
+    from moescope.analyses.jitter import margin_histogram
 
     counts = margin_histogram(np.array([0.0, 1e-4, 9.99e-5, 0.5, 3.0, np.inf]))
     want = [0] * len(MARGIN_EDGES)

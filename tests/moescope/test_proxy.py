@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from moescope.store.proxy import RoutingProxy, RoutingRecorder, parse_listen
+from moescope.ingest.proxy import RoutingProxy, RoutingRecorder, parse_listen
 from tests.store.importing import loop_loads, parquet_rows, stored_loads
 
 E, L, K = 8, 3, 2
@@ -411,7 +411,7 @@ def test_a_full_queue_drops_and_counts_without_waiting(tmp_path):
         real(captured)
 
     recorder._record = held
-    from moescope.store.proxy import Captured
+    from moescope.ingest.proxy import Captured
 
     body = json.dumps({"prompt_routed_experts": draw(9, 2).tolist(), "choices": []}).encode()
     recorder.submit(Captured(body, "application/json", {}))

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from moescope.store.proxy import Captured, ProxyLimits, RoutingProxy, RoutingRecorder
+from moescope.ingest.proxy import Captured, ProxyLimits, RoutingProxy, RoutingRecorder
 from tests.moescope import test_proxy
 from tests.moescope.test_proxy import (
     REPO,
@@ -278,7 +278,7 @@ def test_the_queue_is_bounded_in_bytes_behind_a_stalled_recorder(tmp_path):
     recorder._record = stalled
     body = json.dumps({"prompt_routed_experts": draw(9, 2).tolist(), "choices": [],
                        "pad": "x" * 300_000}).encode()
-    sizes = [len(body) + 1024] * 10  # a record's cost: its bytes and a fixed 1 KiB (moescope.pipeline)
+    sizes = [len(body) + 1024] * 10  # a record's cost: its bytes and a fixed 1 KiB (moescope.core.pipeline)
     peak = 0
     try:
         recorder.submit(Captured(body, "application/json", {}))

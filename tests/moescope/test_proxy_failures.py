@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from moescope.store.proxy import ProxyLimits, RoutingRecorder
+from moescope.ingest.proxy import ProxyLimits, RoutingRecorder
 from tests.moescope import test_proxy
 from tests.moescope.test_proxy import (
     REPO,
@@ -175,7 +175,7 @@ def test_the_command_exits_1_when_its_recorder_stops(tmp_path, engine):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = ("import sys\n"
-              "from moescope.store.proxy import RoutingRecorder\n"
+              "from moescope.ingest.proxy import RoutingRecorder\n"
               "from tests.moescope.test_proxy_failures import _end_the_worker\n"
               "RoutingRecorder._record = lambda self, captured: _end_the_worker(captured)\n"
               "from moescope.cli import main\n"
@@ -200,7 +200,7 @@ def test_the_command_exits_1_when_its_recorder_stops(tmp_path, engine):
 def test_a_recorder_counts_each_bad_body_once_in_a_batch(tmp_path):
     """A batch mixing good and bad bodies: each is counted once (once the whole batch went to
     export_failed as well, good ones included)."""
-    from moescope.store.proxy import Captured
+    from moescope.ingest.proxy import Captured
 
     recorder = RoutingRecorder(str(tmp_path / "store"), num_experts=E)
     for body in [good_body(1), ODD_BODIES[0], good_body(2), ODD_BODIES[1], good_body(3)]:

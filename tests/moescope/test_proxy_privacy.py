@@ -16,7 +16,7 @@ import socket
 
 import pytest
 
-from moescope.store.proxy import Captured, RoutingProxy, RoutingRecorder, parse_upstream
+from moescope.ingest.proxy import Captured, RoutingProxy, RoutingRecorder, parse_upstream
 from tests.moescope import test_proxy
 from tests.moescope.test_proxy import (
     E,

@@ -25,8 +25,8 @@ import torch
 
 import moescope
 from moescope.cli import build_parser, main
+from moescope.cli.arguments import state_dir, store_location
 from moescope.store.location import StoreLocation, open_location
-from moescope.store_arguments import state_dir, store_location
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_writer_child.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,8 +155,8 @@ def test_each_writer_recorded_its_host(fleet):
 
 
 def test_host_breakdown_matches_a_loop_over_the_raw_rows(fleet):
+    from moescope.cli.summary import host_rows
     from moescope.store import Store
-    from moescope.summary import host_rows
 
     location, _ = fleet
     expected = expected_hosts(location)
@@ -211,8 +211,8 @@ def test_summary_prints_the_per_host_table(fleet, capsys):
 
 
 def test_a_single_host_run_has_no_host_table(tmp_path):
-    from moescope.probe.zoo import tiny_model
-    from moescope.summary import format_summary
+    from moescope.cli.summary import format_summary
+    from tests.support.zoo import tiny_model
 
     model = tiny_model("mixtral")
     with moescope.attach(model, store=tmp_path / "one", run_id="solo") as session, torch.no_grad():
@@ -410,7 +410,7 @@ def test_dashboard_overview_breaks_the_run_down_by_host(fleet, monkeypatch):
 # -- the writers that take a store: attach, the training monitor, the importers, the proxy --------
 
 def test_attach_refuses_storage_options_without_a_store():
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     with pytest.raises(ValueError, match="without a store"):
         moescope.attach(tiny_model("mixtral"), storage_options={"region": "eu-west-1"})
@@ -418,7 +418,7 @@ def test_attach_refuses_storage_options_without_a_store():
 
 def test_training_monitor_writes_its_steps_to_the_bucket(s3_store):
     from moescope import training
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     model = tiny_model("mixtral")
     model.train()
@@ -439,7 +439,7 @@ def test_training_monitor_writes_its_steps_to_the_bucket(s3_store):
 
 
 def test_import_writes_a_run_into_the_bucket_and_refuses_its_id_twice(s3_store, tmp_path, capsys):
-    from moescope.pipeline import current_host
+    from moescope.core.pipeline import current_host
 
     experts = np.array([[[0, 1]], [[2, 3]], [[0, 2]]])  # 3 tokens, 1 layer, top-2
     source = tmp_path / "responses.jsonl"
@@ -458,8 +458,8 @@ def test_import_writes_a_run_into_the_bucket_and_refuses_its_id_twice(s3_store, 
 
 
 def test_the_proxy_records_into_the_bucket(s3_store):
-    from moescope.pipeline import current_host
-    from moescope.store.proxy import RoutingProxy
+    from moescope.core.pipeline import current_host
+    from moescope.ingest.proxy import RoutingProxy
     from tests.moescope.test_proxy import StandInEngine, post
 
     engine = StandInEngine()

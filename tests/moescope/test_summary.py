@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
+from moescope.cli.summary import format_summary, layer_rows
 from moescope.store import Store
-from moescope.summary import format_summary, layer_rows
+from tests.support.zoo import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_an_imported_run_says_not_recorded_where_the_dashboard_does(tmp_path):
     where the dashboard says "not recorded by this source": the same words in both."""
     import json
 
-    from moescope.store.importers import import_files
+    from moescope.ingest.importers import import_files
 
     rng = np.random.default_rng(0)
     body = {"id": "r0", "model": "test-moe", "prompt_token_ids": list(range(6)),

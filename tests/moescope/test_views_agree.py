@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry
 from streamlit.testing.v1 import AppTest
 
 import moescope
-from moescope.alerts.prometheus import PrometheusExporter
+from moescope.cli.summary import format_summary
 from moescope.dashboard import settings
-from moescope.probe.zoo import tiny_model
-from moescope.summary import format_summary
+from moescope.prometheus.exporter import PrometheusExporter
+from tests.support.zoo import tiny_model
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 PREFILL, DECODE = 24, 30

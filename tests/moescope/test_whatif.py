@@ -11,13 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moescope import probe, whatif
-from moescope.alerts.cache import POLICIES, cache_report
-from moescope.cli import main
-from moescope.probe.zoo import tiny_model
+from moescope import probe
+from moescope.analyses.expert_cache import cache_report
+from moescope.cli import main, whatif
+from moescope.metrics.expert_cache import POLICIES
 from moescope.store import Store
 from moescope.store.writer import ParquetExporter
 from tests.alerts.test_cache import _brute_force_hits
+from tests.support.zoo import tiny_model
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed experts and 2 zero experts per layer
 

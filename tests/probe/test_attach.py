@@ -10,8 +10,8 @@ from torch import nn
 
 import moescope
 from moescope import probe
-from moescope.probe.zoo import tiny_model
 from moescope.store import InMemoryExporter, Store
+from tests.support.zoo import tiny_model
 
 
 def _hook_counts(model: nn.Module) -> dict[str, int]:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moescope import probe
+from moescope.core.pipeline import InMemoryExporter
 from moescope.demo.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
-from moescope.pipeline import InMemoryExporter
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 BATCH, SEQ = 3, 24
 

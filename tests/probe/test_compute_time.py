@@ -13,9 +13,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import moescope
 import moescope.probe.timing
 from moescope import probe
-from moescope.pipeline import InMemoryExporter
+from moescope.core.pipeline import InMemoryExporter
 from moescope.probe.adapters import find_moe_layers
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 FORWARDS = 6
 
@@ -220,7 +220,7 @@ def test_cuda_event_times_are_read_after_the_window_copy():
 
 
 def test_prometheus_histogram_counts_each_forward_at_its_window_mean():
-    from moescope.alerts.prometheus import COMPUTE_BUCKETS, PrometheusExporter
+    from moescope.prometheus.exporter import COMPUTE_BUCKETS, PrometheusExporter
 
     prometheus, records = PrometheusExporter(), InMemoryExporter()
     model = tiny_model("qwen3_moe").eval()

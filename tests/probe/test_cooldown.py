@@ -15,8 +15,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from moescope import probe
-from moescope.pipeline import InMemoryExporter
-from moescope.probe.cooldown import RouterCooldown, RouterCooldownError
+from moescope.core.pipeline import InMemoryExporter
+from moescope.probe.router_cooldown import RouterCooldown, RouterCooldownError
 
 torch.set_num_threads(1)
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

@@ -11,8 +11,8 @@ import pyarrow.dataset as ds
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
 from moescope.store import InMemoryExporter
+from tests.support.zoo import tiny_model
 
 FORWARDS, BATCH, SEQ, LAYERS = 40, 2, 4, 2
 STUCK_S = 20.0

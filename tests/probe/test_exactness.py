@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from moescope import probe
-from moescope.alerts import signals
+from moescope.metrics import signals
 from moescope.probe.accumulate import ENTROPY_BINS
-from moescope.probe.zoo import FAMILIES, tiny_model
 from moescope.store import InMemoryExporter
+from tests.support.zoo import FAMILIES, tiny_model
 
 BATCH, SEQ = 3, 7
 ENCODER_DECODER = {"switch_transformers", "nllb_moe"}

@@ -15,16 +15,16 @@ import torch
 import moescope
 from moescope import probe
 from moescope.probe.adapters import experts_arguments
-from moescope.probe.gate import RULES, TrustGate, TrustGateError
-from moescope.probe.health import _expert_tensors
-from moescope.probe.zoo import FAMILIES, tiny_model
+from moescope.probe.health_sampling import _expert_tensors
+from moescope.probe.trust_gate import RULES, TrustGate, TrustGateError
 from moescope.store import InMemoryExporter
+from tests.support.zoo import FAMILIES, tiny_model
 
 torch.set_num_threads(1)
 BATCH, SEQ = 3, 7
 
 
-# Families the gate cannot mask cleanly, and what it does there instead (see probe/gate.py):
+# Families the gate cannot mask cleanly, and what it does there instead (see probe/trust_gate.py):
 UNGATEABLE = {"jetmoe", "nllb_moe"}  # no (states, ids, weights) experts module and no rule: set() refuses
 
 
@@ -333,7 +333,7 @@ FALLBACK = sorted(set(FAMILIES) - set(RULES) - UNGATEABLE)
 @pytest.mark.parametrize("weight", [0.0, 0.4])
 @pytest.mark.parametrize("family", FALLBACK)
 def test_families_without_a_rule_get_their_weights_scaled_not_rerouted(family, weight):
-    """The fallback (probe/gate.py): the ids the experts receive stay the router's; the gated expert's
+    """The fallback (probe/trust_gate.py): the ids the experts receive stay the router's; the gated expert's
     weight is multiplied by w, nothing renormalises; at 0 its slot points, at weight 0, at an expert
     the token already uses (else the first unmasked one)."""
     model = _model(family)

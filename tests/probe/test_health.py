@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moescope import probe
-from moescope.probe.health import HealthSampler, _expert_tensors, expert_outputs
-from moescope.probe.zoo import tiny_model
+from moescope.probe.health_sampling import HealthSampler, _expert_tensors, expert_outputs
 from moescope.store import InMemoryExporter
+from tests.support.zoo import tiny_model
 
 torch.set_num_threads(1)
 

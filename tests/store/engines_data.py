@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from moescope.core.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
 from moescope.store.writer import ParquetExporter
 
 RUN = "engines-5m"

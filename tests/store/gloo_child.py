@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import moescope
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 STEPS, BATCH, SEQ = 4, 2, 8
 

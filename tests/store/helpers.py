@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from moescope.probe.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
+from moescope.core.records import LayerInfo, LayerStep, Routes, RunInfo, StepRecord
 
 
 def run_info(run_id: str, layers: int = 3, experts: int = 6, top_k: int = 2, rank: int = 0,

@@ -8,7 +8,7 @@ import time
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
+from tests.support.zoo import tiny_model
 
 store, run_id, flush = sys.argv[1], sys.argv[2], float(sys.argv[3])
 torch.manual_seed(0)

@@ -128,7 +128,7 @@ def snapshot_files(location, table: str, run_id: str = RUN, version: int | None 
 def store_answers(location) -> Answers:
     """The answers as moescope gives them: Store's typed queries, aggregated by alerts.signals (as
     `moescope summary` and the dashboard show them)."""
-    from moescope.alerts import signals
+    from moescope.metrics import signals
     from moescope.store import Store
 
     with Store(location) as store:

@@ -388,7 +388,7 @@ def writer_main(args: argparse.Namespace) -> int:
     import torch
 
     import moescope
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model("mixtral", seed=0)  # one model on every rank

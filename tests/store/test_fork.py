@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
 from moescope.store import delta
 from tests.store.test_delta import snapshot_rows
+from tests.support.zoo import tiny_model
 
 BATCH, SEQ = 2, 6
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork is POSIX")

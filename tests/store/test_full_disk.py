@@ -102,8 +102,8 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
     import torch
     from prometheus_client import CollectorRegistry
 
-    from moescope.alerts.prometheus import PrometheusExporter
-    from moescope.probe.zoo import tiny_model
+    from moescope.prometheus.exporter import PrometheusExporter
+    from tests.support.zoo import tiny_model
 
     root = Path(small_disk.path) / "store"
     model = tiny_model("mixtral")

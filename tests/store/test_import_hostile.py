@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from moescope.cli import main
-from moescope.store.importers import SourceFormatError, import_files
+from moescope.ingest.importers import SourceFormatError, import_files
 from tests.store.importing import loop_loads, parquet_rows, store_files, stored_loads
 
 E = 8

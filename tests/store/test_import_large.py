@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from moescope.cli import main
-from moescope.store.importers import SourceFormatError, import_files, responses, rows, tables
+from moescope.ingest.importers import SourceFormatError, import_files, responses, rows, tables
 from tests.store.conftest import REPO
 from tests.store.importing import loop_coselection, loop_loads, parquet_rows, store_files, stored_loads
 
@@ -77,7 +77,7 @@ def test_an_id_in_a_later_piece_is_named_by_its_row_in_the_file(tmp_path, monkey
 # VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's at the fork (this test's arrays)
 CHILD = """
 import sys
-from moescope.store.importers import import_files, rows
+from moescope.ingest.importers import import_files, rows
 rows.ROUTE_ROWS_PER_PART = 65536  # parts of one chunk's routes
 import_files("vllm", [sys.argv[1]], sys.argv[2], num_experts=128)
 print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
@@ -167,7 +167,7 @@ def test_a_list_document_is_read_an_item_at_a_time(tmp_path):
 def test_a_list_document_stores_what_its_json_lines_store(tmp_path, monkeypatch, read_chars):
     """Items cut at any buffer boundary (7 characters, 64, a MiB) decode to the same responses: the
     stored routes equal those of the same responses as JSON Lines, row for row."""
-    from moescope.store.importers import vllm
+    from moescope.ingest.importers import vllm
 
     rng = np.random.default_rng(6)
     lines = str(tmp_path / "r.jsonl")
@@ -196,7 +196,7 @@ def test_a_list_document_stores_what_its_json_lines_store(tmp_path, monkeypatch,
     ("[" + "[" * 200_000 + "]" * 200_000 + "]", "nested too deeply"),
 ])
 def test_a_broken_list_document_is_one_line_naming_the_file(tmp_path, text, says):
-    from moescope.store.importers import SourceFormatError
+    from moescope.ingest.importers import SourceFormatError
 
     path = tmp_path / "broken.json"
     path.write_text(text)

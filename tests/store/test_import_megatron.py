@@ -15,8 +15,8 @@ import os
 import numpy as np
 import pytest
 
+from moescope.ingest.importers import SourceFormatError, import_files
 from moescope.store import Store
-from moescope.store.importers import SourceFormatError, import_files
 from tests.store.importing import (
     loop_coselection,
     loop_loads,

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from moescope.ingest.importers import SourceFormatError, import_files
 from moescope.store import Store
-from moescope.store.importers import SourceFormatError, import_files
 from tests.store.importing import loop_coselection, loop_loads, parquet_rows, store_files, stored_loads
 
 E, P, L, K = 6, 8, 4, 2  # logical experts, physical slots, layers (layer 0 dense), top-k

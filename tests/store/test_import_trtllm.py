@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from moescope.ingest.importers import SourceFormatError, import_files
 from moescope.store import Store
-from moescope.store.importers import SourceFormatError, import_files
 from tests.store.importing import loop_loads, parquet_rows, store_files, stored_loads
 
 E, K = 8, 2

@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from moescope.dashboard import settings
-from moescope.store.importers import import_files
+from moescope.ingest.importers import import_files
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 E, L, K = 6, 2, 2

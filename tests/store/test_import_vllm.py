@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import jensenshannon
 
-from moescope.alerts import signals
 from moescope.cli import main
+from moescope.ingest.importers import SourceFormatError, import_files
+from moescope.metrics import signals
 from moescope.store import Store
-from moescope.store.importers import SourceFormatError, import_files
 from tests.store.importing import (
     loop_coselection,
     loop_loads,

@@ -17,7 +17,7 @@ import pytest
 from moescope.store import Store
 from moescope.store.compact import compact
 from moescope.store.delta import legacy_tables, snapshot, write_part
-from moescope.store.layout import InvalidNameError
+from moescope.store.naming import InvalidNameError
 from moescope.store.writer import ParquetExporter, run_writer
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
@@ -52,7 +52,7 @@ def test_an_attach_refused_for_its_run_id_logs_no_second_failure(tmp_path, caplo
     # The session shuts its processor down, which flushes and shuts the exporter that never
     # attached: it has nothing to write (it used to log two tracebacks of AttributeError).
     import moescope
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     with pytest.raises(InvalidNameError, match="run_id"):
         moescope.attach(tiny_model("mixtral"), store=tmp_path / "store", run_id="a/b")

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.alerts import signals
+from moescope.metrics import signals
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store
 from tests.dashboard.recording import record_alerts, record_store

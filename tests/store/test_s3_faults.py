@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import moescope
-from moescope.probe.zoo import tiny_model
 from moescope.store.errors import StoreError
 from tests.s3faults import FaultProxy
+from tests.support.zoo import tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

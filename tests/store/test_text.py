@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moescope.store.importers.tables import check_tags, parse_tags
+from moescope.ingest.importers.tables import check_tags, parse_tags
 from moescope.store.text import control_characters, escape_control
 
 HOSTILE = ["\x1b[2J", "\x07", "\x00", "\x7f", "\x9b", "\u202e", "a\tb", "line\nbreak"]

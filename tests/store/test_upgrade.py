@@ -24,8 +24,8 @@ import pytest
 from moescope.store import LegacyStoreError, Store
 from moescope.store import upgrade as upgrading
 from moescope.store.compact import SORT_KEYS, compact, prune
-from moescope.store.layout import parquet_options
 from moescope.store.location import open_location
+from moescope.store.naming import parquet_options
 from moescope.store.schema import SCHEMAS, layers_table, probe_stats_table, run_table, step_tables
 from moescope.store.upgrade import upgrade
 from moescope.store.writer import ParquetExporter

@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.pipeline import current_host
+from moescope.core.pipeline import current_host
 from moescope.store import delta
 from moescope.store.errors import StoreError
-from moescope.store.layout import host_name_part
 from moescope.store.location import StoreLocation
+from moescope.store.naming import host_name_part
 from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
 from tests.store.helpers import make_record, run_info
 from tests.store.test_delta import latest_probe_stats, snapshot_files, snapshot_rows
@@ -494,7 +494,7 @@ def test_a_run_writer_is_one_per_store_url_run_and_rank(tmp_path, s3_store):
 
 def test_attach_to_a_missing_bucket_fails_at_once_naming_the_url_not_the_secret(s3_store):
     import moescope
-    from moescope.probe.zoo import tiny_model
+    from tests.support.zoo import tiny_model
 
     model = tiny_model("mixtral")
     missing = StoreLocation("s3://no-such-bucket/fleet", s3_store.storage_options)

@@ -1,0 +1,224 @@
+"""Windows of recent layer steps, and the rule signals computed over them.
+
+The rules engine (over the store or the live stream) and the Prometheus exporter both keep a
+bounded history of `LayerObservation`s per (run, layer) and call `compute_signals` on a slice
+of it, so the numbers an alert fires on are the numbers `/metrics` shows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from moescope.alerts.rules import SIGNALS, Window
+from moescope.core.records import LayerStep, StepRecord
+from moescope.metrics import signals as sig
+
+SWITCH_ENTROPY_TOKENS = 1024
+_WHATIF = {
+    "whatif_drop_rate_cf1": 1.0,
+    "whatif_drop_rate_cf1_25": 1.25,
+    "whatif_drop_rate_cf1_5": 1.5,
+    "whatif_drop_rate_cf2": 2.0,
+}
+
+
+@dataclass
+class LayerObservation:
+    """One layer over one recorded row (one forward, or a window of `forwards` forwards starting at
+    `step`), reduced to what the signals need."""
+
+    run_id: str
+    layer: int
+    step: int
+    ts: dt.datetime
+    tokens: int
+    expert_load: np.ndarray  # (experts,) int64
+    router_entropy_mean: float  # nats
+    dropped_tokens: int
+    capacity_use: float | None
+    active_param_fraction: float | None
+    expert_ids: np.ndarray | None = None  # (tokens, k) routes, where recorded
+    sequence: np.ndarray | None = None  # (tokens,) batch row
+    position: np.ndarray | None = None  # (tokens,)
+    forwards: int = 1
+    route_step: np.ndarray | None = None  # (tokens,) the forward of each route row, where a window spans several
+    kept: np.ndarray | None = None  # (tokens, k) False where a capacity limit dropped the slot, where recorded
+
+    @classmethod
+    def from_layer_step(cls, record: StepRecord, layer: LayerStep) -> LayerObservation:
+        routes = layer.routes
+        return cls(
+            run_id=record.run_id,
+            layer=layer.layer,
+            step=record.step,
+            ts=record.ts,
+            tokens=int(layer.tokens),
+            expert_load=np.asarray(layer.expert_load, dtype=np.int64),
+            router_entropy_mean=float(layer.router_entropy_mean),
+            dropped_tokens=int(layer.dropped_tokens),
+            capacity_use=None if layer.capacity_use is None else float(layer.capacity_use),
+            active_param_fraction=(
+                float(layer.active_params_per_token) / record.total_params if record.total_params else None
+            ),
+            expert_ids=None if routes is None else np.asarray(routes.expert_ids),
+            sequence=None if routes is None else np.asarray(routes.sequence),
+            position=None if routes is None else np.asarray(routes.position),
+            forwards=int(layer.forwards),
+            route_step=None if routes is None or routes.step is None else np.asarray(routes.step),
+            kept=None if routes is None else np.asarray(routes.kept),
+        )
+
+
+def observations_from_record(record: StepRecord) -> list[LayerObservation]:
+    return [LayerObservation.from_layer_step(record, layer) for layer in record.layers]
+
+
+class LayerHistory:
+    """The last `max_steps` observations of one (run, layer), oldest first.
+
+    A rule's window of n steps is the newest observations covering n forwards: n rows of a
+    per-forward store, fewer rows of a windowed one (a row is never split).
+    """
+
+    def __init__(self, max_steps: int):
+        self.items: deque[LayerObservation] = deque(maxlen=max(1, max_steps))
+
+    def append(self, obs: LayerObservation) -> None:
+        self.items.append(obs)
+
+    def window(self, window: Window) -> list[LayerObservation]:
+        """Return the observations a rule's window covers, ending at the latest one."""
+        items = list(self.items)
+        if not items:
+            return []
+        if window.steps is not None:
+            return last_forwards(items, window.steps)
+        start = items[-1].ts - dt.timedelta(seconds=window.seconds or 0)
+        return [o for o in items if o.ts > start]
+
+
+def last_forwards(items: Sequence[LayerObservation], steps: int) -> list[LayerObservation]:
+    """The newest observations that together cover at least `steps` forwards (all if fewer)."""
+    covered, start = 0, len(items)
+    while start > 0 and covered < steps:
+        start -= 1
+        covered += max(int(items[start].forwards), 1)
+    return list(items[start:])
+
+
+def _token_weighted(values: Iterable[tuple[float | None, int]]) -> float:
+    """Token-weighted mean of per-row means (rows with no value or no tokens are left out)."""
+    kept = [(v, t) for v, t in values if v is not None and not math.isnan(v) and t > 0]
+    total = sum(t for _, t in kept)
+    return float(sum(v * t for v, t in kept) / total) if total else float("nan")
+
+
+def summed_load(observations: Sequence[LayerObservation]) -> np.ndarray:
+    return np.sum([o.expert_load for o in observations], axis=0).astype(np.int64)
+
+
+def _nanmax(values: Iterable[float | None]) -> float:
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.max(kept)) if kept else float("nan")
+
+
+def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Return (top1, sequence key, position) over the window in recording order, or None."""
+    top1s, seqs, positions = [], [], []
+    for o in observations:
+        if o.expert_ids is None or not len(o.expert_ids):
+            continue
+        assert o.sequence is not None and o.position is not None  # routes carry both (from_layer_step, storage)
+        top1s.append(o.expert_ids[:, 0])
+        # a sequence is a batch row of one step: tokens of different steps are never adjacent
+        seqs.append((o.step if o.route_step is None else o.route_step.astype(np.int64)) * (1 << 20)
+                    + o.sequence.astype(np.int64))
+        positions.append(o.position.astype(np.int64))
+    if not top1s:
+        return None
+    return np.concatenate(top1s).astype(np.int64), np.concatenate(seqs), np.concatenate(positions)
+
+
+def compute_signals(
+    observations: Sequence[LayerObservation],
+    names: Iterable[str] | None = None,
+    baseline_load: np.ndarray | None = None,
+    num_experts: int | None = None,
+) -> dict[str, float]:
+    """Return {signal: value} over the observations (one layer, oldest first).
+
+    Values are NaN where the window lacks what a signal needs (no tokens, no routes, no
+    capacity, no baseline). `names` limits the work to the signals asked for. `num_experts` is the
+    layer's routed experts: load signals leave its zero experts out, router entropy is normalised
+    by the router's whole width (`alerts.signals`' zero-expert rule); None counts every entry.
+    """
+    wanted = set(SIGNALS if names is None else names)
+    unknown = wanted - set(SIGNALS)
+    if unknown:
+        raise ValueError(f"unknown signals: {', '.join(sorted(unknown))}")
+    out: dict[str, float] = {name: float("nan") for name in wanted}
+    if not observations:
+        return out
+    width = summed_load(observations).size  # the router's choices: routed + zero experts
+    load = sig.routed_load(summed_load(observations), num_experts)
+    if baseline_load is not None:
+        baseline_load = sig.routed_load(baseline_load, num_experts)
+    tokens = sum(o.tokens for o in observations)
+    has_load = load.sum() > 0
+    experts = load.size
+    if "window_tokens" in wanted:
+        out["window_tokens"] = float(tokens)
+    if has_load:
+        uniform = sig.uniform_load(experts)
+        table = {
+            "load_cv": lambda: sig.coefficient_of_variation(load),
+            "load_max_mean": lambda: sig.max_mean_ratio(load),
+            "load_balancedness": lambda: sig.balancedness(load),
+            "load_entropy": lambda: sig.load_entropy(load),
+            "kl_uniform": lambda: sig.kl_divergence(load, uniform),
+            "js_uniform": lambda: sig.js_divergence(load, uniform),
+            "dead_expert_fraction": lambda: sig.dead_expert_fraction(load),
+        }
+        if baseline_load is not None and np.size(baseline_load) == experts and np.sum(baseline_load) > 0:
+            table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
+            table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
+        for name, fn in table.items():
+            if name in wanted:
+                out[name] = fn()
+    if "router_entropy" in wanted:
+        out["router_entropy"] = _token_weighted(
+            (sig.normalized_entropy(o.router_entropy_mean, width), o.tokens) for o in observations)
+    if "dropped_token_rate" in wanted and tokens > 0:
+        out["dropped_token_rate"] = sig.dropped_token_rate(sum(o.dropped_tokens for o in observations), tokens)
+    if "capacity_use" in wanted:
+        out["capacity_use"] = _nanmax(o.capacity_use for o in observations)  # the fullest forward
+    if "active_param_fraction" in wanted:
+        out["active_param_fraction"] = _token_weighted((o.active_param_fraction, o.tokens) for o in observations)
+    route_names = {"routing_drift_rate", "switch_entropy"} | set(_WHATIF)
+    if wanted & route_names:
+        routes = _routes(observations)
+        if routes is not None:
+            top1, seq, pos = routes
+            if "routing_drift_rate" in wanted:
+                out["routing_drift_rate"] = sig.routing_drift_rate(top1, seq, pos)
+            if "switch_entropy" in wanted:
+                out["switch_entropy"] = sig.switch_entropy(top1, seq, pos, width, last_n=SWITCH_ENTROPY_TOKENS)
+            asked = [(name, cf) for name, cf in _WHATIF.items() if name in wanted]
+            if asked:
+                dropped = {cf: 0 for _, cf in asked}
+                routed = 0
+                for o in observations:
+                    if o.expert_ids is None or not len(o.expert_ids):
+                        continue
+                    routed += len(o.expert_ids)
+                    for cf, result in sig.whatif_capacity(o.expert_ids, width, tuple(dropped)).items():
+                        dropped[cf] += result.dropped_tokens
+                for name, cf in asked:
+                    out[name] = dropped[cf] / routed if routed else float("nan")
+    return out

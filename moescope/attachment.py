@@ -1,0 +1,81 @@
+"""`moescope.attach`: the one call that wires a probe session to a store, a trust policy and alerts.
+
+The composition root. The probe only produces records (`probe.attach(model, exporters)`); the
+store writes them (`store.ParquetExporter`); alerts judge them (`alerts.trust_policy.TrustPolicy`,
+`alerts.prometheus.PrometheusExporter`, `alerts.engine.EngineExporter`). This module is the one
+place that knows all three.
+
+    import moescope
+    with moescope.attach(model, store="runs/", routes=True) as session:
+        model(**batch)
+
+    # one bucket for a fleet (credentials from the environment: AWS_ACCESS_KEY_ID, a profile, a role)
+    moescope.attach(model, store="s3://moe-runs/fleet", storage_options={"region": "eu-west-1"})
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from moescope import probe
+from moescope.core.pipeline import Exporter
+from moescope.probe.session import Pipeline, ProbeSession
+from moescope.store.location import StoreLocation, open_location
+
+if TYPE_CHECKING:  # imported when a policy is bound: a session without one never loads alerts
+    from moescope.alerts.trust_policy import TrustPolicy
+
+TRUST_GATE_MODES = (None, "manual", "auto")
+
+
+def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = None, *,
+           storage_options: Mapping[str, Any] | None = None, exporters: Sequence[Exporter] = (),
+           trust_gate: str | None = None, trust_policy: TrustPolicy | None = None,
+           health: bool | probe.HealthSampling = False, **options: Any) -> ProbeSession:
+    """Attach the probe to `model` and send its records to a store and any other exporters.
+
+    store: where to write the tables (see the README for the tables): a local folder, or a URL
+    (`s3://bucket/prefix`, `gs://...`, `az://...`) that many processes and hosts may share.
+    storage_options: how to reach a URL store, without secrets (`endpoint`, `region`, `allow_http`,
+    ...; `store.location.parse_storage_options`); credentials come from the environment only.
+    exporters: more consumers of the records (the Prometheus exporter, an alerts engine, an
+    `InMemoryExporter`). health: sample expert outputs and weight fingerprints and score expert
+    health (docs/health.md). trust_gate: None (default: nothing in the model changes), "manual"
+    (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto" (health on,
+    and the policy gates unhealthy experts). trust_policy: an `alerts.trust_policy.TrustPolicy`
+    (thresholds, alert sink, `accept_requests`); a default one otherwise. Every other option is
+    the probe's (`probe.attach`: routes, router_logits, router_inputs, kv_cache, window, layers,
+    specs, tags, run_id, policy, recording=, pipeline=, ...).
+
+    Returns the probe session; `session.trust` is the bound policy (None without health or gate).
+    Raises ValueError for an unknown trust_gate mode, `store.location.LocationError` (a ValueError)
+    for a store URL or options that cannot be used, and what `probe.attach` raises.
+    """
+    if trust_gate not in TRUST_GATE_MODES:
+        raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
+    health = health or trust_gate == "auto"  # the auto policy judges by health scores
+    exporters = list(exporters)
+    location = None if store is None else open_location(store, storage_options)
+    if location is None and storage_options:
+        raise ValueError("storage_options without a store: give store= (a folder or a URL) too")
+    if location is not None:
+        from moescope.store.writer import ParquetExporter
+
+        pipeline = options.get("pipeline") or Pipeline()
+        flush_interval_s = options.get("flush_interval_s", pipeline.flush_interval_s)
+        exporters.append(ParquetExporter(location, max_age_s=flush_interval_s))
+    session = probe.attach(model, exporters, health=health, gate=trust_gate is not None, **options)
+    if health or trust_gate:
+        from moescope.alerts.trust_policy import bind_policy
+
+        try:
+            session.trust = policy = bind_policy(session, trust_policy, trust_gate, location)
+        except BaseException:
+            session.close()
+            raise
+        session.processor.exporters.append(policy)
+    return session

@@ -1,0 +1,86 @@
+"""`moescope`: the command line. Each command group is a module of this package with `add_subcommands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+
+# Packages that add subcommands through `add_subcommands(subparsers)`.
+SUBCOMMAND_MODULES = ("moescope.cli.demo", "moescope.cli.whatif", "moescope.cli.store", "moescope.cli.ingest",
+                      "moescope.cli.alerts", "moescope.cli.dashboard", "moescope.cli.grafana", "moescope.cli.jitter")
+
+DESCRIPTION = """\
+moescope watches how a Mixture-of-Experts model routes its tokens.
+
+  moescope demo                    record a demo run and print what it found
+  moescope summary runs/           per-layer load, entropy and drops of the latest run
+  moescope dashboard runs/         open the dashboard on 127.0.0.1
+  moescope alerts run runs/        watch a store with the default rules, notify webhooks
+  moescope whatif cache runs/      expert-cache hit rates (LRU, LFU, Belady) from recorded routes
+  moescope grafana > board.json    a Grafana dashboard over the Prometheus exporter's metrics
+
+A store is a folder or a URL a fleet shares: s3://BUCKET/PREFIX (AWS S3, or MinIO, Ceph, R2 through
+an endpoint), gs://BUCKET/PREFIX, az://CONTAINER/PREFIX. Credentials come from the environment
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance role); the rest is given with
+--storage-option KEY=VALUE:
+
+  moescope summary s3://moe-runs/fleet --storage-option endpoint=http://127.0.0.1:9000
+
+In Python, one call attaches the probe to any transformers MoE model:
+
+  import moescope
+  with moescope.attach(model, store="runs/", routes=True):
+      model(**batch)
+  moescope.attach(model, store="s3://moe-runs/fleet", storage_options={"region": "eu-west-1"})
+"""
+
+
+def program_name() -> str:
+    """How to call moescope so that a command printed for the user runs as printed: `moescope` where
+    the shell finds this installation's script, else the script's path (`.venv/bin/moescope` from
+    the project folder, when the virtual environment is not activated), else `python -m moescope.cli`."""
+    script = os.path.join(os.path.dirname(sys.executable), "moescope")
+    if not os.path.isfile(script):
+        return f"{sys.executable} -m moescope.cli"
+    found = shutil.which("moescope")
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "moescope"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else script
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moescope", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a user-facing error: say what went wrong, not a traceback
+        from moescope.probe import NoMoELayersError, ProbeAttachError
+        from moescope.store import StoreError
+
+        # OSError: a store that cannot be reached (a missing bucket, refused credentials), its URL named
+        if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, OSError, ValueError)):
+            print(f"moescope {args.command}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""`moescope compact`, `moescope prune`, `moescope query`, `moescope store upgrade`: the store's subcommands.
+
+`moescope/cli/__init__.py` (the lead's) calls `add_subcommands(subparsers)`; each subcommand sets
+`func(args) -> int` (the exit status) on its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+
+COMPACT_HELP = """\
+Merge a store's small Parquet files into large sorted ones.
+
+Every writer (process, rank) adds a file per table per flush, so a run of a few days leaves tens
+of thousands of small files and queries slow down. Compaction merges the small files of each run
+into files of up to 8 Mi rows sorted by (layer, step), each swap one Delta commit, and is safe to
+run while the model is still writing and the dashboard is reading: readers never see a row twice
+or miss one, and two compactions at once never both merge the same files. The merged-away files
+stay on the storage for --retention hours (readers holding an older version still read them),
+then this command (or prune) deletes them.
+
+What it costs: every small file is read once and the merged files written once; per table and
+run a handful of requests to the Delta log (a listing, a commit).
+
+example:  moescope compact runs/            (every run)
+          moescope compact runs/ --run 20250101T120000-ab12cd34
+"""
+
+PRUNE_HELP = """\
+Delete runs whose newest file was committed longer ago than a given age.
+
+A run still being written keeps committing files, so it is never pruned. Use --dry-run to see
+which runs would go. Pruning removes the runs' files from every table (one Delta commit per
+table): from then on no reader sees them. The files themselves are deleted by vacuum once they
+were removed more than --retention hours ago (default 1): a reader (the dashboard, a running
+query, a Spark job) holding a version from before the prune keeps reading them until then. A
+shorter retention frees the storage sooner but can pull files from under such a reader.
+
+What it costs: reading each table's Delta log (a listing and a few reads per table), one commit
+per table holding a pruned run, and a vacuum per table (a listing of the log; one delete request
+per file older than the retention). The storage shrinks only when a prune or compact runs after
+the retention has passed. Files in the quarantine folder are left for you to look at.
+
+example:  moescope prune runs/ --older-than 7d --dry-run
+          moescope prune runs/ --older-than 12h
+          moescope prune s3://moe-runs/fleet --older-than 30d --retention 24
+"""
+
+UPGRADE_HELP = """\
+Convert a store written by a release before Delta tables, in place.
+
+Earlier releases kept each table as folders of Parquet files with their own bookkeeping; this
+release reads and writes Delta Lake tables and refuses such a store until it is converted. The
+upgrade keeps exactly what the earlier readers read: each table's live files (a merged file's
+sources are left out and deleted, unfinished writes deleted) are rewritten as the files of a Delta
+table and committed; bad files go to _quarantine/ with their reason. The earlier _quarantine/
+moves, as it is, to _previous-release/quarantine/. Query answers stay the same.
+
+Stop every process that writes the store first. The upgrade reads and writes every file once; if
+it is interrupted, run it again: it finishes or restarts the table it was on.
+
+example:  moescope store upgrade runs/
+"""
+
+QUERY_HELP = """\
+Run SQL over a store and print the result as a table.
+
+Each table of the store is a view of the same name: runs, layers, steps, layer_steps, routes,
+router_logits, router_inputs, kv_cache, probe_stats (and alerts, when rules have fired). Use
+DuckDB SQL; lists (expert_load, expert_ids) can be unnested, maps read with tags['key'].
+
+example:  moescope query runs/ "SELECT run_id, count(*) AS steps FROM steps GROUP BY run_id"
+          moescope query runs/ "SELECT layer, unnest(expert_load) AS load FROM layer_steps LIMIT 8"
+"""
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register compact, prune, query and store (upgrade) on the moescope command's subparsers."""
+    raw = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser("compact", help="merge a store's small files (safe while writing)",
+                              description=COMPACT_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope compact STORE"))
+    add_store_arguments(p)
+    p.add_argument("--run", help="only this run id (default: every run)")
+    _add_retention(p)
+    p.set_defaults(func=_compact)
+
+    p = subparsers.add_parser("prune", help="delete runs older than an age",
+                              description=PRUNE_HELP, formatter_class=raw,
+                              epilog=store_epilog("moescope prune STORE --older-than 7d --dry-run"))
+    add_store_arguments(p)
+    p.add_argument("--older-than", required=True, help="age of a run's newest file: 90s, 30m, 12h, 7d, 2w")
+    p.add_argument("--dry-run", action="store_true", help="list the runs that would be deleted, delete nothing")
+    _add_retention(p)
+    p.set_defaults(func=_prune)
+
+    p = subparsers.add_parser("query", help="run SQL over a store and print a table",
+                              description=QUERY_HELP, formatter_class=raw,
+                              epilog=store_epilog('moescope query STORE "SELECT count(*) FROM steps"'))
+    add_store_arguments(p, followed_by_positionals=True)
+    p.add_argument("sql", help="the query (DuckDB SQL over the store's views)")
+    p.add_argument("--max-rows", type=int, default=100, help="rows to print at most (default 100)")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    p.set_defaults(func=_query)
+
+
+    p = subparsers.add_parser("store", help="maintenance of a store: upgrade one of an earlier release",
+                              description="Maintenance of a store.", formatter_class=raw)
+    actions = p.add_subparsers(dest="store_command", metavar="ACTION")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    u = actions.add_parser("upgrade", help="convert a store of an earlier release to Delta tables, in place",
+                           description=UPGRADE_HELP, formatter_class=raw)
+    u.add_argument("path", metavar="PATH", help="the store folder")
+    u.set_defaults(func=_upgrade)
+
+
+def _add_retention(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--retention", type=_hours, default=1.0, metavar="HOURS",
+                        help="hours a removed file stays on the storage before it is deleted, so readers holding an "
+                             "older version keep working (default 1)")
+
+
+def _hours(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hours, e.g. 1 or 0.5") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the retention cannot be negative ({text})")
+    return value
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from moescope.store.compact import compact
+    from moescope.store.errors import StoreError
+    from moescope.store.naming import InvalidNameError
+
+    try:
+        results = compact(store_location(args), run_id=args.run, retention_hours=args.retention)
+    except InvalidNameError as e:
+        print(f"moescope compact: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
+        print(f"moescope compact: {e}", file=sys.stderr)
+        return 1
+    merged = [r for r in results if r.merged_files]
+    for r in merged:
+        print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows)")
+    if not merged:
+        print(f"nothing to compact in {store_location(args).redacted}")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from moescope.store.compact import parse_age, prune
+    from moescope.store.errors import StoreError
+
+    try:
+        age = parse_age(args.older_than)
+    except ValueError as e:
+        print(f"moescope prune: {e}", file=sys.stderr)
+        return 2
+    try:
+        runs = prune(store_location(args), age, dry_run=args.dry_run, retention_hours=args.retention)
+    except StoreError as e:
+        print(f"moescope prune: {e}", file=sys.stderr)
+        return 1
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(runs)} run(s)" + "".join(f"\n  {r}" for r in runs))
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from moescope.store import Store, StoreError
+
+    try:
+        with Store(store_location(args)) as store:
+            frame = store.sql(args.sql)
+    except StoreError as e:  # a missing store (EmptyStoreError) too: every command exits 1 on one
+        print(f"moescope query: {e}", file=sys.stderr)
+        return 1
+    frame = _printable(frame)
+    if args.format == "csv":
+        frame.head(args.max_rows).to_csv(sys.stdout, index=False)
+    elif args.format == "json":
+        print(frame.head(args.max_rows).to_json(orient="records", date_format="iso"))
+    else:
+        if frame.empty:
+            print("(no rows)" if len(frame.columns) else "no data yet")
+        else:
+            with pd.option_context("display.max_columns", None, "display.width", 200):
+                print(frame.head(args.max_rows).to_string(index=False))
+        if len(frame) > args.max_rows:
+            print(f"... {len(frame) - args.max_rows} more rows (use --max-rows)")
+    return 0
+
+
+def _printable(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every string (in a cell, in a cell's lists and maps, and the column names)
+    through `escape_control`: a store written before control characters were refused at the door
+    (or by anything else) cannot clear the screen or rewrite a line of the terminal this prints to."""
+    from moescope.store.text import escape_control
+
+    def escape(value):
+        if isinstance(value, str):
+            return escape_control(value)
+        if isinstance(value, dict):
+            return {escape(k): escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [escape(v) for v in value]
+        if hasattr(value, "dtype") and pd.api.types.is_object_dtype(value.dtype):  # arrays of strings or maps
+            return [escape(v) for v in value]
+        return value
+
+    out = frame.copy()
+    out.columns = [escape_control(str(c)) for c in frame.columns]
+    for i, dtype in enumerate(frame.dtypes):
+        if pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype):
+            out.isetitem(i, frame.iloc[:, i].map(escape, na_action="ignore"))
+    return out
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from moescope.store.errors import EmptyStoreError, StoreError
+    from moescope.store.upgrade import upgrade
+
+    try:
+        report = upgrade(args.path)
+    except EmptyStoreError as e:
+        print(f"moescope store upgrade: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
+        print(f"moescope store upgrade: {e}", file=sys.stderr)
+        return 1
+    if not report.upgraded:
+        print(f"{args.path} holds no table of an earlier release: nothing to upgrade")
+        return 0
+    for t in report.tables:
+        extra = "".join([f", {t.replaced} merged-away file(s) deleted" if t.replaced else "",
+                         f", {len(t.bad)} bad file(s) moved to _quarantine" if t.bad else "",
+                         f", {t.in_flight} unfinished write(s) deleted" if t.in_flight else ""])
+        print(f"{t.table:<24} {t.files} file(s), {t.rows} rows -> Delta version {t.version}{extra}")
+    for path in report.moved_aside:
+        print(f"moved aside as it was: {path}")
+    return 0

@@ -1,0 +1,1 @@
+"""moescope's core: what every producer and consumer shares, importing none of them."""

@@ -1,0 +1,1 @@
+"""Pure metrics: functions of recorded expert loads and routes (numpy only)."""

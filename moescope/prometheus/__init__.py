@@ -1,0 +1,1 @@
+"""Live metrics: the Prometheus exporter, its alerting rules and the Grafana board."""
