@@ -218,6 +218,17 @@ class BatchProcessor:
             self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._worker.start()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` was called: records emitted now are counted as dropped ("closed")."""
+        return self._closed
+
+    @property
+    def worker_died(self) -> bool:
+        """Whether the worker thread ended before `shutdown`: nothing emitted will be exported."""
+        worker = self._worker
+        return not self._closed and worker is not None and not worker.is_alive()
+
     def emit(self, record: Any) -> None:
         """Hand a record over; never raises."""
         if self._closed:

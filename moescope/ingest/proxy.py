@@ -302,9 +302,7 @@ class RoutingRecorder:
     def failed(self) -> str | None:
         """Why the recorder can record nothing more (its worker thread ended before `shutdown`), or None."""
         if self._failure is None:
-            # BatchProcessor offers no liveness check of its own; its worker and closed flag are read here.
-            worker = self.processor._worker
-            if not self.processor._closed and worker is not None and not worker.is_alive():
+            if self.processor.worker_died:
                 self._failure = "the recorder's thread ended unexpectedly, so no response can be recorded"
         return self._failure
 
