@@ -3,8 +3,13 @@
 Signals (`alerts.signals`: one definition per derived number), a rules engine with per-alert state
 (`AlertEngine`, `load_rules`, `default_rules`), notifiers for plain JSON, Slack and Alertmanager
 delivered from a persistent outbox, the expert-health score and the policies that turn it (and the
-routing-collapse rule) into trust-gate weights and router cooldowns, and a Prometheus exporter
-with bounded label cardinality. The names below are imported on first use.
+routing-collapse rule) into trust-gate weights and router cooldowns. The names below are imported
+on first use.
+
+`PrometheusExporter` is an alias kept for code written before the exporter moved to its own room:
+import it from `moescope.prometheus.exporter`. The exporter sits above alerts (it reads alerts'
+observations), so the alias resolves only when asked for and is not typed here: nothing in alerts
+imports upwards.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ _EXPORTS = {
     "RulesError": "moescope.alerts.rules",
     "default_rules": "moescope.alerts.rules",
     "load_rules": "moescope.alerts.rules",
-    "PrometheusExporter": "moescope.prometheus.exporter",
+    "PrometheusExporter": "moescope.prometheus.exporter",  # the alias (above)
     "TrustPolicy": "moescope.alerts.trust_policy",
     "TrustPolicyConfig": "moescope.alerts.trust_policy",
     "CooldownConfig": "moescope.alerts.cooldown_policy",
@@ -38,7 +43,6 @@ if TYPE_CHECKING:
     from moescope.alerts.outbox import Outbox
     from moescope.alerts.rules import RulePack, RulesError, default_rules, load_rules
     from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
-    from moescope.prometheus.exporter import PrometheusExporter
 
 
 def __getattr__(name: str) -> Any:

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 from moescope.alerts.engine import AlertTransition, FlushableSink
 from moescope.alerts.notify import Notifier, NotifierError, redact_receiver_name, redact_url
-from moescope.store.location import StoreLocation, open_location
+from moescope.store.location import LOCAL_STATE, StoreLocation, open_location
+from moescope.store.location import state_dir as state_folder
 
 log = logging.getLogger(__name__)
 
@@ -517,16 +518,14 @@ class OutboxWorker:
 
 
 OUTBOX_NAME = "alerts-outbox.sqlite"  # in the store's local state folder
-OUTBOX_FILE = os.path.join(".moescope", OUTBOX_NAME)  # a local store's outbox, under its root
+OUTBOX_FILE = os.path.join(LOCAL_STATE, OUTBOX_NAME)  # a local store's outbox, under its root
 
 
 def outbox_path(store: str | os.PathLike | StoreLocation, state_dir: str | os.PathLike | None = None) -> str:
     """Where a store's alerts outbox lives by default: in the store's local state folder
-    (`moescope.cli.arguments.state_dir`): `<root>/.moescope/alerts-outbox.sqlite` for a local
+    (`moescope.store.location.state_dir`): `<root>/.moescope/alerts-outbox.sqlite` for a local
     store; `state_dir`, else `~/.cache/moescope/<hash of the URL>/`, for a store on object storage,
     which cannot hold a SQLite file."""
-    from moescope.cli.arguments import state_dir as state_folder
-
     return os.path.join(state_folder(open_location(store), state_dir), OUTBOX_NAME)
 
 

@@ -12,10 +12,15 @@ region, path-style addressing, allowing plain http for a local test server, retr
 that looks like a secret is refused there, with a message that names the environment variable to
 use instead. Messages name a location by `redacted` (userinfo and query stripped), never by what
 the user typed.
+
+State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
+store, under `<store>/.moescope/`; for a URL store it goes to a local folder, by default
+`~/.cache/moescope/<hash of the redacted URL>` (`state_dir`, `make_state_dir`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -23,9 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["SCHEMES", "LocationError", "StoreLocation", "open_location", "parse_storage_options"]
+__all__ = ["LOCAL_STATE", "SCHEMES", "LocationError", "StoreLocation", "cache_root", "make_state_dir", "open_location",
+           "parse_storage_options", "state_dir"]
 
 SCHEMES = ("s3", "gs", "az")
+LOCAL_STATE = ".moescope"  # a local store's own state folder, under its root
 
 # storage_options keys users give on the command line, in the spelling delta-rs (object_store)
 # takes; short names map to them. Retry keys must be lowercase for object_store to honour them.
@@ -188,3 +195,35 @@ def open_location(store: str | os.PathLike | StoreLocation,
                             "options with --storage-option KEY=VALUE")
     path = parts.path.rstrip("/")
     return StoreLocation(f"{scheme}://{parts.hostname}{path}", options)
+
+
+def cache_root() -> str:
+    """moescope's folder under the user's cache: `$XDG_CACHE_HOME/moescope`, else `~/.cache/moescope`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moescope")
+
+
+def state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
+    """The local folder for a store's state that cannot live on object storage (it is not created
+    here): `given` if set; `<root>/.moescope` for a local store (where it always was); for a URL
+    store `~/.cache/moescope/<hash>`, the hash of the redacted URL, so every command on one machine
+    that names the same store finds the same state, and the folder's name holds no part of the URL."""
+    if given:
+        return os.path.abspath(os.fspath(given))
+    if location.is_local:
+        return os.path.join(location.url, LOCAL_STATE)
+    digest = hashlib.sha256(location.redacted.encode()).hexdigest()[:16]
+    return os.path.join(cache_root(), digest)
+
+
+def make_state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
+    """`state_dir`, created; for a URL store it holds a `STORE` file naming the store (redacted), so
+    a person looking through ~/.cache/moescope can tell whose state it is. Raises OSError."""
+    path = state_dir(location, given)
+    os.makedirs(path, exist_ok=True)
+    if not location.is_local:
+        marker = os.path.join(path, "STORE")
+        if not os.path.exists(marker):
+            with open(marker, "w", encoding="utf-8") as fh:
+                fh.write(location.redacted + "\n")
+    return path

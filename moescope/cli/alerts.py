@@ -31,9 +31,10 @@ from moescope.alerts.outbox import (
     post,
 )
 from moescope.alerts.rules import RulesError, default_rules, load_rules
-from moescope.cli.arguments import add_store_arguments, make_state_dir, store_epilog, store_location
+from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.core.lifecycle import GracefulStop, add_grace_period_argument
 from moescope.prometheus.rules import prometheus_rules_yaml
+from moescope.store.location import make_state_dir
 
 _RUN_HELP = """\
 Evaluate alert rules over a moescope store, as new steps land, and notify receivers.

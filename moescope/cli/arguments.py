@@ -10,19 +10,17 @@ text that teaches the URL form.
 
 State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
 store, under `<store>/.moescope/`, as it always has; for a URL store it goes to a local folder,
-`--state-dir`, by default `~/.cache/moescope/<hash of the redacted URL>` (`state_dir`).
+`--state-dir`, by default `~/.cache/moescope/<hash of the redacted URL>` (`state_dir` and
+`make_state_dir`, which live with the store's location in `moescope.store.location`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 
 from moescope.store.location import StoreLocation, open_location
 
 STORE_HELP = "the store: a local folder, or a URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX)"
-LOCAL_STATE = ".moescope"  # a local store's own state folder, under its root
 
 
 def store_epilog(example: str) -> str:
@@ -105,35 +103,3 @@ def store_location(args: argparse.Namespace) -> StoreLocation:
     if getattr(args, "store", None) is None:
         raise ValueError("no store given: name it as STORE or --store STORE (a folder or a URL)")
     return open_location(args.store, getattr(args, "storage_option", None) or None)
-
-
-def cache_root() -> str:
-    """moescope's folder under the user's cache: `$XDG_CACHE_HOME/moescope`, else `~/.cache/moescope`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "moescope")
-
-
-def state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
-    """The local folder for a store's state that cannot live on object storage (it is not created
-    here): `given` if set; `<root>/.moescope` for a local store (where it always was); for a URL
-    store `~/.cache/moescope/<hash>`, the hash of the redacted URL, so every command on one machine
-    that names the same store finds the same state, and the folder's name holds no part of the URL."""
-    if given:
-        return os.path.abspath(os.fspath(given))
-    if location.is_local:
-        return os.path.join(location.url, LOCAL_STATE)
-    digest = hashlib.sha256(location.redacted.encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), digest)
-
-
-def make_state_dir(location: StoreLocation, given: str | os.PathLike | None = None) -> str:
-    """`state_dir`, created; for a URL store it holds a `STORE` file naming the store (redacted), so
-    a person looking through ~/.cache/moescope can tell whose state it is. Raises OSError."""
-    path = state_dir(location, given)
-    os.makedirs(path, exist_ok=True)
-    if not location.is_local:
-        marker = os.path.join(path, "STORE")
-        if not os.path.exists(marker):
-            with open(marker, "w", encoding="utf-8") as fh:
-                fh.write(location.redacted + "\n")
-    return path

@@ -25,8 +25,8 @@ import torch
 
 import moescope
 from moescope.cli import build_parser, main
-from moescope.cli.arguments import state_dir, store_location
-from moescope.store.location import StoreLocation, open_location
+from moescope.cli.arguments import store_location
+from moescope.store.location import StoreLocation, open_location, state_dir
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_writer_child.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -439,7 +439,7 @@ def test_training_monitor_writes_its_steps_to_the_bucket(s3_store):
 
 
 def test_import_writes_a_run_into_the_bucket_and_refuses_its_id_twice(s3_store, tmp_path, capsys):
-    from moescope.core.pipeline import current_host
+    from moescope.core.runs import current_host
 
     experts = np.array([[[0, 1]], [[2, 3]], [[0, 2]]])  # 3 tokens, 1 layer, top-2
     source = tmp_path / "responses.jsonl"
@@ -458,7 +458,7 @@ def test_import_writes_a_run_into_the_bucket_and_refuses_its_id_twice(s3_store, 
 
 
 def test_the_proxy_records_into_the_bucket(s3_store):
-    from moescope.core.pipeline import current_host
+    from moescope.core.runs import current_host
     from moescope.ingest.proxy import RoutingProxy
     from tests.moescope.test_proxy import StandInEngine, post
 
