@@ -46,7 +46,7 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
         "step": "counts forwards from 0",
     }),
     "layer_steps": ("forward × layer (or a window of forwards)", {
-        "expert_load": "tokens per expert (kept slots)",
+        "expert_load": "tokens per expert",
         "gate_weight_sum": "per expert",
         "router_prob_sum": "Σ softmax, per expert",
         "coselection": "flattened E×E co-selection counts",

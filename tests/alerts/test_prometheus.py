@@ -184,7 +184,7 @@ def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_clo
             with torch.no_grad():
                 model(torch.randint(0, 128, (2, 4)))
                 model(torch.randint(0, 128, (2, 4)))
-        after = scrape(port)  # the README's `with` block is over: the endpoint still answers
+        after = scrape(port)  # the attach example's `with` block is over: the endpoint still answers
         assert after['moe_layer_tokens_total{layer="0"}'] == 2 * 2 * 4  # two forwards of 2 x 4 tokens
         step_rows = sum(pq.read_metadata(f).num_rows for f in glob.glob(f"{tmp_path}/steps/**/*.parquet",
                                                                          recursive=True))

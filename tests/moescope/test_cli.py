@@ -103,7 +103,7 @@ def test_every_command_takes_the_store_as_store_too(tmp_path):
     sql = "SELECT count(*) AS n FROM routes"
     assert _moescope("query", "--store", root, sql).stdout == _moescope("query", root, sql).stdout
     assert _moescope("query", sql, "--store", root).stdout == _moescope("query", root, sql).stdout
-    # an option between the store and the query (how the README's S3 examples read) still parses
+    # an option between the store and the query (how the S3 examples in docs/fleet.md read) still parses
     csv = _moescope("query", root, "--format", "csv", "--storage-option", "", sql, check=False)
     assert csv.returncode == 1 and "option" in csv.stderr  # an empty --storage-option is refused, not the SQL
     assert _moescope("query", root, "--format", "csv", sql).stdout.split() == ["n", str(2 * 3 * 16)]

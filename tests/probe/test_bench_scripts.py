@@ -1,4 +1,4 @@
-"""The probe's benchmark scripts run as the README says, at small sizes, and what they count holds:
+"""The probe's benchmark scripts run as docs/benchmarks.md says, at small sizes, and what they count holds:
 no tensor op per MoE layer in decode inference, and a corrupted expert gated within the policy's
 windows. Oracles: the op counter's own aten calls (a TorchDispatchMode), and the trust gate's
 weight read back from the session."""

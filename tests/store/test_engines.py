@@ -9,7 +9,7 @@ writer twice: to a local folder and to moto's S3 server. Then:
 - PySpark in local mode reads the local store: the same kind of file list, `basePath` at the table
   root so `run_id` comes back from the partition folders.
 
-Each computes, in its own API, the definitions the Store documents (README "What the numbers mean",
+Each computes, in its own API, the definitions the Store documents (docs/measuring.md "What the numbers mean",
 `store/queries.py`, `store/reports.py`): per-layer expert load (kept slots per layer and expert, from
 `routes`), tokens and dropped tokens per layer (tokens whose every slot was dropped, from `routes`),
 token-weighted router entropy per layer and overall (from `layer_steps`), the token-weighted

@@ -505,7 +505,7 @@ if __name__ == "__main__":
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_fleet_benchmark_runs(kind, tmp_path, monkeypatch):
-    """bench/fleet.py end to end, small: its figures add up (the README quotes its full run)."""
+    """bench/fleet.py end to end, small: its figures add up (docs/benchmarks.md quotes its full run)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_fleet", os.path.join(REPO, "bench", "fleet.py"))

@@ -89,7 +89,7 @@ def test_reads_keep_working(root):
     assert "step" in store.sql("DESCRIBE steps").column_name.tolist()
     assert len(store.sql("SUMMARIZE steps")) > 0
     assert int(store.sql("WITH s AS (FROM steps) SELECT count(*) AS n FROM s").n[0]) == 5
-    # the store's own files are readable directly, as the README's DuckDB example does
+    # the store's own files are readable directly, as the DuckDB example in docs/attach.md does
     direct = store.sql(f"SELECT count(*) AS n FROM read_parquet('{root}/steps/**/*.parquet')")
     assert int(direct.n[0]) == 5
     assert store.arrow("SELECT step FROM steps WHERE step >= ? ORDER BY step", [3]).column("step").to_pylist() == [3, 4]

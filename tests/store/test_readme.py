@@ -1,6 +1,6 @@
-"""The README's plain-DuckDB recipe (a Delta snapshot's file list into `read_parquet`) reads every
-row once, also after a compaction whose replaced files are still on the disk; the bare glob it warns
-about does not."""
+"""The manual's plain-DuckDB recipe (docs/attach.md: a Delta snapshot's file list into `read_parquet`)
+reads every row once, also after a compaction whose replaced files are still on the disk; the bare glob
+it warns about does not."""
 
 from __future__ import annotations
 
@@ -16,15 +16,17 @@ from moescope.store.writer import ParquetExporter
 from tests.store.conftest import REPO
 from tests.store.helpers import make_record, run_info
 
+PAGE = os.path.join(REPO, "docs", "attach.md")  # the recipe's page; the README links to it
 
-def _readme_recipe() -> str:
-    with open(os.path.join(REPO, "README.md")) as f:
+
+def _recipe() -> str:
+    with open(PAGE) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
     [recipe] = [b for b in blocks if 'DeltaTable("runs/routes")' in b]
     return recipe
 
 
-def test_the_readme_recipe_reads_each_row_once(tmp_path, monkeypatch, capsys):
+def test_the_manuals_recipe_reads_each_row_once(tmp_path, monkeypatch, capsys):
     root = tmp_path / "runs"
     rng = np.random.default_rng(0)
     records = [make_record("r", step, rng) for step in range(6)]
@@ -47,8 +49,8 @@ def test_the_readme_recipe_reads_each_row_once(tmp_path, monkeypatch, capsys):
         return relation
 
     monkeypatch.setattr(duckdb, "sql", sql)
-    exec(compile(_readme_recipe(), "README.md", "exec"), {})
+    exec(compile(_recipe(), PAGE, "exec"), {})
     got = Counter({(layer, tuple(ids)): n for layer, ids, n in captured["rows"]})
     assert got == want
     bare = duckdb.connect().sql("select count(*) from read_parquet('runs/routes/**/*.parquet')").fetchall()[0][0]
-    assert bare > sum(want.values())  # what the README warns about: the replaced files are read too
+    assert bare > sum(want.values())  # what the page warns about: the replaced files are read too
