@@ -55,7 +55,7 @@ from moescope.alerts.engine import (
 from moescope.alerts.observations import observations_from_record
 from moescope.alerts.rules import Baseline, Condition, Rule, RulePack, default_rules, parse_duration
 from moescope.alerts.storage import AlertTableWriter
-from moescope.core.pipeline import Exporter
+from moescope.core.exporters import Exporter
 from moescope.core.records import StepRecord
 from moescope.probe.optim import OptimizerLike, SchedulerLike
 from moescope.probe.router_cooldown import CooldownChange, RouterCooldown, RouterCooldownError
@@ -157,7 +157,7 @@ def _number(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-class CooldownPolicy(Exporter):
+class CooldownPolicy(Exporter[StepRecord]):
     """Watches the RoutingCooldown rule and cools routers down; see the module docstring.
 
     Build it with `bind_cooldown`, which also builds the actuator and puts the policy into the
@@ -419,5 +419,5 @@ def bind_cooldown(session: ProbeSession, optimizer: OptimizerLike, scheduler: Sc
     except BaseException:
         actuator.close()
         raise
-    session.processor.exporters.append(policy)
+    session.add_exporter(policy)
     return policy

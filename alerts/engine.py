@@ -42,8 +42,7 @@ from moescope.alerts.observations import (
     summed_load,
 )
 from moescope.alerts.rules import Rule, RulePack
-from moescope.core.exporters import AttachListener
-from moescope.core.pipeline import Exporter
+from moescope.core.exporters import AttachListener, Exporter
 from moescope.core.records import RunInfo, StepRecord
 
 log = logging.getLogger(__name__)

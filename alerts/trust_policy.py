@@ -49,9 +49,9 @@ from moescope.alerts.engine import (
 )
 from moescope.alerts.health_score import ExpertHealth, HealthConfig, HealthScorer
 from moescope.alerts.storage import AlertTableWriter
-from moescope.core.pipeline import Exporter
+from moescope.core.exporters import Exporter
 from moescope.core.records import StepRecord
-from moescope.probe.session import ProbeSession
+from moescope.probe.session import TRUST_GATE_MODES, ProbeSession
 from moescope.probe.trust_gate import GateChange, GatePolicy, TrustGate, TrustGateError
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
@@ -59,8 +59,6 @@ from moescope.store.store import Store
 from moescope.store.writer import RunWriter, run_writer
 
 log = logging.getLogger(__name__)
-
-MODES = (None, "manual", "auto")
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ class _Judgement:
     since: dt.datetime | None = None
 
 
-class TrustPolicy(Exporter, GatePolicy):
+class TrustPolicy(Exporter[StepRecord], GatePolicy):
     """Scores, judges and (mode "auto") gates; see the module docstring.
 
     Build it with its configuration and a sink, pass it to `moescope.attach(..., trust_policy=)`
@@ -150,7 +148,7 @@ class TrustPolicy(Exporter, GatePolicy):
     def bind(self, session: ProbeSession, mode: str | None,
              store: str | os.PathLike | StoreLocation | None) -> TrustPolicy:
         """Attach to a probe session: its run, layers, gate (if any) and store folder."""
-        if mode not in MODES:
+        if mode not in TRUST_GATE_MODES:
             raise ValueError(f"trust_gate must be one of None, 'manual', 'auto', not {mode!r}")
         self.session = session
         self.mode = mode
@@ -470,5 +468,6 @@ class TrustPolicy(Exporter, GatePolicy):
 
 def bind_policy(session: ProbeSession, policy: TrustPolicy | None, mode: str | None,
                 store: str | os.PathLike | StoreLocation | None) -> TrustPolicy:
-    """The policy a probe session runs: the one given, or a default one, bound to the session."""
+    """The policy a probe session runs: the one given, or a default one, bound to the session's run,
+    gate and store; the caller hands it to the session (`ProbeSession.bind_trust_policy`)."""
     return (policy or TrustPolicy()).bind(session, mode, store)

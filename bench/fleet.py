@@ -556,8 +556,8 @@ def writer_child(args: argparse.Namespace) -> int:
     """One writer: the probe's pipeline and ParquetExporter as `moescope.attach` makes them (default
     flush), fed synthetic records at `--rate` route rows/s (0: as fast as it takes them) for
     `--seconds` after the parent's "go"; prints its rows, commits and latencies as it exits."""
-    from moescope.core.pipeline import current_host
     from moescope.core.records import LayerInfo, RunInfo
+    from moescope.core.runs import current_host
     from moescope.probe import Pipeline
     from moescope.store import delta
     from moescope.store.writer import BatchProcessor, ParquetExporter
@@ -595,7 +595,7 @@ def writer_child(args: argparse.Namespace) -> int:
                                flush_interval_s=defaults.flush_interval_s, max_queue_bytes=defaults.max_queue_bytes)
     exporter = ParquetExporter(args.store, run, max_age_s=defaults.flush_interval_s, processor=processor,
                                storage_options=args.storage_option or None)
-    processor.exporters.append(exporter)
+    processor.add_exporter(exporter)
     print("ready", flush=True)
     if not _go():
         processor.shutdown()

@@ -22,18 +22,17 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from moescope import probe
-from moescope.core.pipeline import Exporter
-from moescope.probe.session import Pipeline, ProbeSession
+from moescope.core.exporters import Exporter
+from moescope.core.records import StepRecord
+from moescope.probe.session import TRUST_GATE_MODES, Pipeline, ProbeSession
 from moescope.store.location import StoreLocation, open_location
 
 if TYPE_CHECKING:  # imported when a policy is bound: a session without one never loads alerts
     from moescope.alerts.trust_policy import TrustPolicy
 
-TRUST_GATE_MODES = (None, "manual", "auto")
-
 
 def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = None, *,
-           storage_options: Mapping[str, Any] | None = None, exporters: Sequence[Exporter] = (),
+           storage_options: Mapping[str, Any] | None = None, exporters: Sequence[Exporter[StepRecord]] = (),
            trust_gate: str | None = None, trust_policy: TrustPolicy | None = None,
            health: bool | probe.HealthSampling = False, **options: Any) -> ProbeSession:
     """Attach the probe to `model` and send its records to a store and any other exporters.
@@ -52,8 +51,9 @@ def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = N
     specs, tags, run_id, policy, recording=, pipeline=, ...).
 
     Returns the probe session; `session.trust` is the bound policy (None without health or gate).
-    Raises ValueError for an unknown trust_gate mode, `store.location.LocationError` (a ValueError)
-    for a store URL or options that cannot be used, and what `probe.attach` raises.
+    Raises ValueError for an unknown trust_gate mode (`probe.TRUST_GATE_MODES`),
+    `store.location.LocationError` (a ValueError) for a store URL or options that cannot be used,
+    and what `probe.attach` raises.
     """
     if trust_gate not in TRUST_GATE_MODES:
         raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")
@@ -73,9 +73,8 @@ def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = N
         from moescope.alerts.trust_policy import bind_policy
 
         try:
-            session.trust = policy = bind_policy(session, trust_policy, trust_gate, location)
+            session.bind_trust_policy(bind_policy(session, trust_policy, trust_gate, location))
         except BaseException:
             session.close()
             raise
-        session.processor.exporters.append(policy)
     return session

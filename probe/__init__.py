@@ -4,8 +4,8 @@ The probe is a pure producer: it hands records to exporters and imports nothing 
 alerts. `moescope.attach` wires it to a store, a trust policy and alerts in one call.
 
     from moescope import probe
-    from moescope.core.pipeline import InMemoryExporter
-    memory = InMemoryExporter()
+    from moescope.core.exporters import InMemoryExporter
+    memory = InMemoryExporter[probe.StepRecord]()
     with probe.attach(model, [memory], routes=True) as session:
         model(**batch)
 """
@@ -22,10 +22,20 @@ from moescope.probe.adapters import (
     NoMoELayersError,
     find_moe_layers,
 )
-from moescope.probe.session import HealthSampling, Pipeline, ProbeAttachError, ProbeSession, Recording, attach
+from moescope.probe.session import (
+    TRUST_GATE_MODES,
+    HealthSampling,
+    Pipeline,
+    ProbeAttachError,
+    ProbeSession,
+    Recording,
+    TrustPolicyExporter,
+    attach,
+)
 
 __all__ = [
-    "CapacityDispatch", "CapacityPerSequence", "Choice", "HealthSampling", "KVCacheLayer", "LayerInfo", "LayerStep",
-    "MoELayer", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording", "Routes",
-    "RunInfo", "StepRecord", "TokenSample", "attach", "find_moe_layers",
+    "TRUST_GATE_MODES", "CapacityDispatch", "CapacityPerSequence", "Choice", "HealthSampling", "KVCacheLayer",
+    "LayerInfo", "LayerStep", "MoELayer", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError",
+    "ProbeSession", "Recording", "Routes", "RunInfo", "StepRecord", "TokenSample", "TrustPolicyExporter", "attach",
+    "find_moe_layers",
 ]

@@ -21,24 +21,18 @@ import multiprocessing.util
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from moescope.core.exporters import AttachListener, ProbeStats, ProbeStatsReader
-from moescope.core.pipeline import (
-    DEFAULT_MAX_QUEUE_BYTES,
-    BatchProcessor,
-    BindsProcessor,
-    Exporter,
-    WritesRows,
-    new_run_id,
-)
-from moescope.core.records import KVCacheLayer, LayerInfo, RunInfo
+from moescope.core import forking
+from moescope.core.exporters import AttachListener, BindsProcessor, Exporter, ProbeStats, ProbeStatsReader, WritesRows
+from moescope.core.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
+from moescope.core.records import KVCacheLayer, LayerInfo, RunInfo, StepRecord
+from moescope.core.runs import new_run_id
 from moescope.probe.accumulate import RING_TABLES, SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
 from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
 from moescope.probe.device_layout import build_layout
@@ -49,6 +43,12 @@ from moescope.probe.trust_gate import GatePolicy, TrustGate
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
 
 log = logging.getLogger(__name__)
+
+# Who moves the trust gate's weights: None (no gate is installed), "manual" (an operator, through the
+# bound policy's `override`), "auto" (the bound policy, from expert-health scores, and an operator).
+# Here, beside the gate's session, so that `moescope.attach` checks a mode without loading alerts,
+# and `alerts.trust_policy` checks the same modes.
+TRUST_GATE_MODES: tuple[str | None, ...] = (None, "manual", "auto")
 # Tokens (per group of like layers) of the forwards whose reduction may wait for one stacked pass:
 # decode steps of batches up to this size, times the window. Their router logits and choices are
 # held until then (4096 tokens x 48 layers x 128 experts: 100 MB of float32 logits at most).
@@ -129,6 +129,12 @@ class Pipeline:
     flush_interval_s: float = 5.0
 
 
+class TrustPolicyExporter(GatePolicy, Exporter[StepRecord], Protocol):
+    """A trust policy a session runs (`alerts.trust_policy.TrustPolicy`): it drives the session's
+    gate and takes an operator's pins (`GatePolicy`), and judges the session's records as one of its
+    exporters. Bound with `ProbeSession.bind_trust_policy`."""
+
+
 @dataclass(frozen=True)
 class HealthSampling:
     """Expert-health sampling (probe/health_sampling.py): see `HealthSampler` for each field."""
@@ -152,10 +158,13 @@ class ProbeSession:
 
     The session produces records and hands them to its exporters; it knows nothing of where they
     go. `moescope.attach` wires the store, the trust policy and alerts to it (`session.trust` is
-    the policy it bound, or None).
+    the policy it bound, or None); `add_exporter` adds a consumer to a running session.
+
+    In a forked child the session resets itself through the at-fork registry
+    (`moescope.core.forking`); see `_start_in_child` for what the child records.
     """
 
-    def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Exporter] = (),
+    def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Exporter[StepRecord]] = (),
                  recording: Recording = Recording(), pipeline: Pipeline = Pipeline(),
                  health: HealthSampling | None = None, gate: bool = False, tags: dict | None = None,
                  run_id: str | None = None, all_layers: list[MoELayer] | None = None):
@@ -176,9 +185,9 @@ class ProbeSession:
         self.hook_errors = 0
         self.closed = False
         self._forked = False  # set in a forked child until its first forward (see _start_in_child)
-        _SESSIONS.add(self)
+        forking.join(self)
         self.graphed = False  # a forward was captured into a CUDA graph: replays run no host code
-        self.trust: GatePolicy | None = None  # the trust policy bound by moescope.attach, if any
+        self._trust: TrustPolicyExporter | None = None  # bind_trust_policy's
         self.timer: ComputeTimer | None = None
 
         rank, world_size = _distributed()
@@ -200,17 +209,12 @@ class ProbeSession:
                 layer=layer.index, module=layer.name, family=layer.family, num_experts=layer.num_experts,
                 top_k=layer.top_k, params_per_expert=layer.params_per_expert, zero_experts=layer.zero_experts,
                 expert_capacity=layer.expert_capacity) for layer in layers))
-        self.processor = BatchProcessor(list(exporters), max_queue=pipeline.max_queue, policy=pipeline.policy,
-                                        flush_interval_s=pipeline.flush_interval_s,
-                                        max_queue_bytes=pipeline.max_queue_bytes)
+        self.processor: BatchProcessor[StepRecord] = BatchProcessor(
+            list(exporters), max_queue=pipeline.max_queue, policy=pipeline.policy,
+            flush_interval_s=pipeline.flush_interval_s, max_queue_bytes=pipeline.max_queue_bytes)
         try:
-            for exporter in exporters:  # what each asks for (moescope/core/exporters.py)
-                if isinstance(exporter, BindsProcessor):
-                    exporter.bind_processor(self.processor)
-                if isinstance(exporter, AttachListener):
-                    exporter.on_attach(self.run)
-                if isinstance(exporter, ProbeStatsReader):
-                    exporter.bind_probe_stats(self.probe_stats)
+            for exporter in exporters:
+                self._introduce(exporter)
             self.health = HealthSampler(layers, on_error=self._hook_failed, **vars(health)) if health else None
             self.gate = TrustGate(layers, on_error=self._hook_failed) if gate else None
             layout = build_layout(
@@ -240,6 +244,15 @@ class ProbeSession:
             self._remove_hooks()
             self.processor.shutdown()  # the writer thread started above must not outlive a failed attach
             raise
+
+    def _introduce(self, exporter: Exporter[StepRecord]) -> None:
+        """Give an exporter what it asks for (moescope/core/exporters.py), before its first record."""
+        if isinstance(exporter, BindsProcessor):
+            exporter.bind_processor(self.processor)
+        if isinstance(exporter, AttachListener):
+            exporter.on_attach(self.run)
+        if isinstance(exporter, ProbeStatsReader):
+            exporter.bind_probe_stats(self.probe_stats)
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -433,6 +446,13 @@ class ProbeSession:
 
     # -- a forked child ------------------------------------------------------------------------
 
+    def reset_in_child(self) -> None:
+        """Mark an open session as forked (the at-fork registry calls this in a forked child; nothing
+        else should): its first forward in the child starts afresh (`_start_in_child`)."""
+        if not self.closed:
+            self._lock = threading.Lock()  # a thread of the parent's may have held it at the fork
+            self._forked = True
+
     def _start_in_child(self) -> None:
         """The first forward of a forked child (torch.multiprocessing with fork, os.fork) on the model
         this session watches: the window open at the fork is the parent's to record, so it is dropped
@@ -556,6 +576,51 @@ class ProbeSession:
             self._hook_failed()
         self.processor.shutdown()
 
+    def add_exporter(self, exporter: Exporter[StepRecord], *, first: bool = False) -> None:
+        """Send this session's records to one more exporter, from the next batch on; safe while the
+        model runs and the writer exports.
+
+        The exporter is given what it asks for first, as the exporters given at attach are: the
+        session's processor (`BindsProcessor`), the run (`AttachListener`), the probe's counts
+        (`ProbeStatsReader`). It is shut down when the session closes.
+
+        Args:
+            exporter: the consumer to add (e.g. the training monitor's, a cooldown policy).
+            first: put it before the other exporters, so that it sees each batch first (one that
+                fills in what later exporters read).
+
+        Raises:
+            ValueError: when the session is closed. What the exporter's `on_attach` raises (the
+                store's: a store that cannot be used); the exporter is not added then.
+        """
+        if self.closed:
+            raise ValueError("the probe session is closed; add exporters to an open session")
+        self._introduce(exporter)
+        self.processor.add_exporter(exporter, first=first)
+
+    @property
+    def trust(self) -> TrustPolicyExporter | None:
+        """The trust policy bound to this session (`bind_trust_policy`), or None."""
+        return self._trust
+
+    def bind_trust_policy(self, policy: TrustPolicyExporter) -> None:
+        """Run `policy` on this session: it becomes `session.trust` and judges every record from now
+        on, as the last of the exporters (after one that fills in what it reads, e.g. the training
+        monitor's gradient norms). `moescope.attach` calls this; the policy binds itself to the
+        session's gate and run first (`alerts.trust_policy.TrustPolicy.bind`).
+
+        Args:
+            policy: the trust policy; it is shut down when the session closes.
+
+        Raises:
+            ValueError: when the session is closed, or already runs a trust policy (one policy
+                drives a gate).
+        """
+        if self._trust is not None:
+            raise ValueError("this session already runs a trust policy; a gate is driven by one policy")
+        self.add_exporter(policy)
+        self._trust = policy
+
     def probe_stats(self) -> ProbeStats:
         """What the probe wrote (rows per table) and dropped (rows per table and reason), so far."""
         written: dict[str, int] = {}
@@ -643,20 +708,7 @@ def _is_compiled(model: nn.Module) -> bool:
         model, "_compiled_call_impl", None) is not None
 
 
-_SESSIONS: weakref.WeakSet[ProbeSession] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for session in list(_SESSIONS):
-        if not session.closed:
-            session._lock = threading.Lock()  # a thread of the parent's may have held it at the fork
-            session._forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def attach(model: nn.Module, exporters: Sequence[Exporter] = (), *, specs: Iterable[MoESpec] = (),
+def attach(model: nn.Module, exporters: Sequence[Exporter[StepRecord]] = (), *, specs: Iterable[MoESpec] = (),
            layers: str | Sequence[str] | Callable[[str], bool] | None = None, tags: dict | None = None,
            run_id: str | None = None, recording: Recording | None = None, pipeline: Pipeline | None = None,
            health: bool | HealthSampling = False, gate: bool = False, health_options: dict | None = None,
@@ -667,7 +719,7 @@ def attach(model: nn.Module, exporters: Sequence[Exporter] = (), *, specs: Itera
     the store, the trust policy and alerts to a session made here.
 
     exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
-    `ParquetExporter`, the Prometheus exporter, `moescope.core.pipeline.InMemoryExporter`). recording /
+    `ParquetExporter`, the Prometheus exporter, `moescope.core.exporters.InMemoryExporter`). recording /
     pipeline: a `Recording` and a `Pipeline`; their fields may also be given one by one as
     keyword options (`routes=True, window=1, policy="drop"`). specs: `MoESpec`s describing custom
     MoE modules. layers: only hook the MoE blocks with these names (a name, a list of names, or a

@@ -17,8 +17,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from moescope.core.pipeline import current_host
 from moescope.core.records import RunInfo, StepRecord, TokenSample
+from moescope.core.runs import current_host
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")
@@ -31,7 +31,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         # what recorded the run: "probe", or the engine an importer read ("vllm", "sglang", ...);
         # null in stores written before the column existed, which only the probe wrote
         ("source", pa.string()),
-        # the host the run's process ran on (moescope.core.pipeline.current_host: MOESCOPE_HOST or the
+        # the host the run's process ran on (moescope.core.runs.current_host: MOESCOPE_HOST or the
         # hostname); null in stores written before the column existed
         ("host", pa.string()),
     ]),
@@ -385,7 +385,7 @@ def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written
     """One writer's cumulative counts as `probe_stats` rows: per table a row of rows written (reason
     null), and a row per reason rows of it were dropped; records dropped per reason go on the
     `steps` rows (a record is one window, or one proxied response). Tables with neither are left out.
-    `host` is the writer's (None: this process's, `moescope.core.pipeline.current_host`)."""
+    `host` is the writer's (None: this process's, `moescope.core.runs.current_host`)."""
     host = host if host is not None else current_host()
     rows = []
     for table in SCHEMAS:

@@ -50,7 +50,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -58,22 +57,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moescope.core.exporters import AttachListener
-
-# The pipeline is the neutral module's; re-exported for store users.
-from moescope.core.pipeline import (  # noqa: F401
-    BatchProcessor,
+from moescope.core import forking
+from moescope.core.exporters import (
+    AttachListener,
     BindsProcessor,
     DropCounts,
     Exporter,
     ForkAware,
     InMemoryExporter,
     WritesRows,
-    array_bytes,
-    current_host,
-    record_rows,
 )
+from moescope.core.pipeline import BatchProcessor, array_bytes
 from moescope.core.records import RunInfo, StepRecord
+from moescope.core.runs import current_host
 from moescope.store import delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
@@ -88,6 +84,10 @@ from moescope.store.schema import (
     step_tables,
 )
 
+__all__ = [
+    "BatchProcessor", "InMemoryExporter", "ParquetExporter", "RunWriter", "TableRows", "open_writers", "run_writer",
+]
+
 log = logging.getLogger(__name__)
 
 # A table's rows are written once they hold this many bytes, even before `max_rows` or `max_age_s`.
@@ -99,7 +99,7 @@ _SEQUENCE = itertools.count(1)
 
 @dataclasses.dataclass
 class TableRows:
-    """Rows of one table on their way through a run writer's pipeline (a `pipeline.Record`)."""
+    """Rows of one table on their way through a run writer's pipeline (a `moescope.core.exporters.Record`)."""
 
     table: str
     data: pa.Table
@@ -144,23 +144,17 @@ _COUNTS: dict[tuple[str, str, int], _Counts] = {}
 _REGISTRY = threading.Lock()
 
 
-_LIVE: weakref.WeakSet[RunWriter] = weakref.WeakSet()  # every writer object of this process
-
-
-def _after_fork_in_child() -> None:
+def _reset_in_child() -> None:
     """A forked child starts with no writers: the parent's live on in the parent (their threads did not
     come through the fork), and the child's rows are counted under its own pid. A writer object the
-    child inherited (an exporter holds it) becomes the child's own: its own app transaction, its own
-    counts, so a commit of the child's is never taken for one of the parent's, nor counted twice."""
+    child inherited (an exporter holds it) resets itself (`RunWriter.reset_in_child`)."""
     global _REGISTRY
     _WRITERS.clear()
     _COUNTS.clear()
     _REGISTRY = threading.Lock()
-    for writer in list(_LIVE):
-        writer._become_the_childs()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.join_module(_reset_in_child)
 
 
 def run_writer(store: str | os.PathLike | StoreLocation, run_id: str, rank: int = 0,
@@ -227,11 +221,15 @@ class RunWriter:
         self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
         self._stats_written: tuple | None = None
         self._stats_tried = time.monotonic()
-        self._pipeline: BatchProcessor | None = None
+        self._pipeline: BatchProcessor[TableRows] | None = None
         self.closed = False
-        _LIVE.add(self)
+        forking.join(self)
 
-    def _become_the_childs(self) -> None:
+    def reset_in_child(self) -> None:
+        """Become the forked child's own writer (the at-fork registry calls this; nothing else should):
+        its own app transaction and counts, so a commit of the child's is never taken for one of the
+        parent's, nor counted twice. The producers it watches stay (each resets itself in the child)
+        and are counted afresh."""
         counts = _Counts()
         counts.sources = list(self._counts.sources)  # the same producers (reset in the child), counted afresh
         self._counts = counts
@@ -436,7 +434,7 @@ class RunWriter:
         self.release()
 
 
-class _WriterExporter(Exporter):
+class _WriterExporter(Exporter[TableRows]):
     """The exporter of a run writer's own pipeline: it writes the `TableRows` emitted to the writer."""
 
     def __init__(self, writer: RunWriter):
@@ -456,7 +454,7 @@ class _WriterExporter(Exporter):
 
 def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder.
-    A `runs` row without a host gets this process's (`moescope.core.pipeline.current_host`)."""
+    A `runs` row without a host gets this process's (`moescope.core.runs.current_host`)."""
     check_name("table", table)  # before any row is converted or queued
     data = data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
     if table == "runs" and data.num_rows:
@@ -469,7 +467,8 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     return data
 
 
-class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, DropCounts, ForkAware):
+class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRecord], WritesRows, DropCounts,
+                      ForkAware):
     """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
     table, through the run's writer, when a buffer is big or old.
 
@@ -489,8 +488,8 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
     """
 
     def __init__(self, store: str | os.PathLike | StoreLocation, run: RunInfo | None = None,
-                 max_rows: int = 256 * 1024, max_age_s: float = 5.0, processor: BatchProcessor | None = None,
-                 max_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+                 max_rows: int = 256 * 1024, max_age_s: float = 5.0,
+                 processor: BatchProcessor[StepRecord] | None = None, max_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
                  storage_options: Mapping[str, Any] | Sequence[str] | None = None):
         """store: a folder or a URL (`store.location.open_location`, with `storage_options`); run: the
         run to write, None to learn it from the probe at attach (`on_attach`). Raises LocationError
@@ -532,7 +531,7 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         self._write_run()
 
     def after_fork_in_child(self) -> None:
-        """A forked child that records (a `pipeline.ForkAware`): the rows buffered at the fork are the
+        """A forked child that records (a `moescope.core.exporters.ForkAware`): the rows buffered at the fork are the
         parent's to write, and so are the run's own rows; the child writes its forwards under its pid."""
         self._buffers.clear()
         self._route_pieces = []
@@ -543,14 +542,14 @@ class ParquetExporter(Exporter, AttachListener, BindsProcessor, WritesRows, Drop
         self._unwritten_run = []
         self.last_step = None
 
-    def bind_processor(self, processor: BatchProcessor) -> None:
+    def bind_processor(self, processor: BatchProcessor[StepRecord]) -> None:
         """The probe's processor, whose drop counters go into the run's `probe_stats`."""
         self.processor = processor
         if self.writer is not None:
             self.writer.watch(processor)
 
     def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
-        """What this exporter lost without a processor to count it (a `pipeline.DropCounts`)."""
+        """What this exporter lost without a processor to count it (a `moescope.core.exporters.DropCounts`)."""
         return dict(self.dropped_rows), {}
 
     def _write_run(self) -> None:

@@ -500,7 +500,7 @@ def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport,
     complete or not at all. Returns the run id; raises OSError when the store refused rows."""
     import pyarrow as pa
 
-    from moescope.core.pipeline import new_run_id
+    from moescope.core.runs import new_run_id
     from moescope.store.location import open_location
     from moescope.store.schema import SCHEMAS
     from moescope.store.writer import run_writer

@@ -15,6 +15,7 @@ logged and the others still run: the child must come up, whatever one component 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -51,7 +52,12 @@ def join(component: ForkSafe) -> None:
     with _LOCK:
         key = _NEXT
         _NEXT += 1
-        _OBJECTS[key] = weakref.ref(component, lambda _, key=key: _OBJECTS.pop(key, None))
+        _OBJECTS[key] = weakref.ref(component, functools.partial(_forget, key))
+
+
+def _forget(key: int, _collected: object) -> None:
+    """A joined object was collected: its entry goes (a weakref callback)."""
+    _OBJECTS.pop(key, None)
 
 
 def join_module(reset: Callable[[], None]) -> None:

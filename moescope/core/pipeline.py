@@ -5,116 +5,45 @@ under the `drop` policy, never waits: the probe session (its windows), the proxy
 responses), and, through a run's writer (`store.writer.RunWriter.emit`), the importers, the
 training monitor, the trust and cooldown policies, the alerts tables and dashboard gate requests.
 A worker thread builds deferred records (`Deferred`, e.g. the probe's window waiting for its device
-copies) and hands batches to exporters (`Exporter`: `export(records) -> bool`,
-`force_flush(timeout_s) -> bool`, `shutdown()`): the store's writers, the Prometheus exporter, an
-alerts engine, or the `InMemoryExporter` kept here for tests and in-process consumers. What else an
-exporter offers it declares as a protocol, checked with `isinstance`: `BindsProcessor` (it wants
-the processor feeding it), `WritesRows` (it says how many rows it wrote), `DropCounts`.
+copies) and hands batches to its exporters: the store's writers, the Prometheus exporter, an alerts
+engine, the trust and cooldown policies, or an `InMemoryExporter`. Every protocol of that seam
+(`Exporter[R]`, `Record`, `Deferred`, the capabilities an exporter declares) lives in
+`moescope.core.exporters`; this module keeps the processor and the record accounting (what a record
+costs in the queue, what dropping it loses).
 
-This module is a leaf (the standard library and numpy): probe, store and alerts all use it and it
-knows none of their types. A record says what queueing it costs and what dropping it loses through
-`Record` (its host bytes, its rows per table: the probe's `StepRecord` and its deferred window do).
-`new_run_id` is the one generator of run ids; `current_host` the one source of the host a row
-records (the probe's runs row, a writer's probe_stats, its part names, the importers').
+A neutral module (the standard library, numpy and the rest of core): probe, store and alerts all
+use it and it knows none of their types. A processor joins the at-fork registry
+(`moescope.core.forking`): a forked child starts with an empty queue of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
-import os
 import queue
-import socket
 import threading
-import uuid
-import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 
+from moescope.core import forking
+from moescope.core.exporters import Deferred, Exporter, ForkAware, Record
+
+__all__ = [
+    "DEFAULT_MAX_QUEUE_BYTES", "POLICIES", "BatchProcessor", "array_bytes", "record_bytes", "record_rows",
+]
+
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 POLICIES = ("block", "drop")
 # The queue between the model and the writer holds at most this many bytes of records (and at
 # most `max_queue` records): 256 MiB is a few seconds of per-token routes of a large model at
 # serving rates, or about 60 records of 4 Ki sampled router inputs of width 4096 in float32.
 DEFAULT_MAX_QUEUE_BYTES = 256 * 1024 * 1024
-
-
-def new_run_id(source: str | None = None) -> str:
-    """A fresh run id: UTC time to the second, the source where one is given (an importer's engine,
-    "proxy"), and a random suffix, e.g. `20250101T120000-ab12cd34` or `20250101T120000-vllm-ab12cd34`."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    return f"{stamp}-{source}-{uuid.uuid4().hex[:8]}" if source else f"{stamp}-{uuid.uuid4().hex[:8]}"
-
-
-def current_host() -> str:
-    """The host this process records in `runs` and `probe_stats`: MOESCOPE_HOST where set (a fleet
-    names its hosts itself, e.g. a pod name, or several writers of one machine stand for hosts in a
-    test), else the machine's hostname."""
-    return os.environ.get("MOESCOPE_HOST", "").strip() or socket.gethostname() or "unknown"
-
-
-@runtime_checkable
-class Record(Protocol):
-    """What the queue asks of a record that can answer: the host bytes it holds (what queueing it
-    costs, against `max_queue_bytes`) and the rows it adds to each table (what dropping it loses)."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def rows(self) -> Mapping[str, int]: ...
-
-
-@runtime_checkable
-class Deferred(Protocol):
-    """A record built on the worker thread, not the producer's (the probe's window: its device
-    copies are waited for there). `materialize()` returns what the exporters receive."""
-
-    def materialize(self) -> Any: ...
-
-
-class Exporter(Protocol):
-    """What consumes the pipeline's records, on its worker thread."""
-
-    def export(self, records: Sequence[Any]) -> bool: ...
-    def force_flush(self, timeout_s: float = 30.0) -> bool: ...
-    def shutdown(self) -> None: ...
-
-
-@runtime_checkable
-class BindsProcessor(Protocol):
-    """An exporter that wants the processor feeding it, to count what it loses in the processor's
-    drop counters (the store's `ParquetExporter`). A producer that owns the processor (the probe
-    session) hands it over before the first record."""
-
-    def bind_processor(self, processor: BatchProcessor) -> None: ...
-
-
-@runtime_checkable
-class WritesRows(Protocol):
-    """An exporter that writes rows says how many, per table (the store's `ParquetExporter`)."""
-
-    @property
-    def written_rows(self) -> Mapping[str, int]: ...
-
-
-@runtime_checkable
-class ForkAware(Protocol):
-    """An exporter that holds per-process state (buffers, a writer's identity) and must start afresh
-    in a forked child that records on its own; its processor calls this once, before the child's
-    first record reaches it."""
-
-    def after_fork_in_child(self) -> None: ...
-
-
-class DropCounts(Protocol):
-    """Anything that counts what it lost: a processor, or an exporter that writes without one."""
-
-    def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]: ...
 
 
 def record_rows(record: object) -> dict[str, int]:
@@ -149,28 +78,49 @@ def array_bytes(value: object) -> int:
     return 0
 
 
-class BatchProcessor:
-    """A bounded queue and one worker thread between a producer and its exporters.
 
-    The queue is bounded by records (`max_queue`) and by bytes (`max_queue_bytes`, counted with
-    `record_bytes`, and held until the record's batch is exported): a burst of large records
-    cannot hold more memory than that. A record larger than the whole byte bound is let into an
-    empty queue only. policy="block" is lossless: when the queue is full the producer waits.
-    policy="drop" never makes the producer wait: a record that does not fit is dropped and counted,
-    per table, with a reason ("queue_full" for the record bound, "queue_bytes_full" for bytes).
-    A record emitted after `shutdown` is counted as "closed"; one an exporter refused as
-    "export_failed:<exporter>". `drop_counts()` gives the counts (a `DropCounts`).
+class BatchProcessor(Generic[R]):
+    """A bounded queue and one worker thread between producers and their exporters.
+
+    Generic over the record type `R` its exporters consume (`Exporter[R]`); a producer emits an `R`
+    or a `Deferred[R]`, built on the worker thread. The queue is bounded by records (`max_queue`) and
+    by bytes (`max_queue_bytes`, counted with `record_bytes`, and held until the record's batch is
+    exported): a burst of large records cannot hold more memory than that. A record larger than the
+    whole byte bound is let into an empty queue only. policy="block" is lossless: when the queue is
+    full the producer waits. policy="drop" never makes the producer wait: a record that does not fit
+    is dropped and counted, per table, with a reason ("queue_full" for the record bound,
+    "queue_bytes_full" for bytes). A record emitted after `shutdown` is counted as "closed"; one an
+    exporter refused as "export_failed:<exporter>". `drop_counts()` gives the counts (a `DropCounts`).
+
+    Exporters may be added while the worker runs (`add_exporter`): the list is copied, changed and
+    swapped in whole, so the worker, which takes the list once per batch, never walks one being
+    changed. A batch under way goes to the exporters it started with.
     """
 
-    def __init__(self, exporters: Sequence[Exporter], max_queue: int = 256, policy: str = "block",
+    def __init__(self, exporters: Sequence[Exporter[R]], max_queue: int = 256, policy: str = "block",
                  flush_interval_s: float = 5.0, max_batch: int = 32,
                  max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, name: str = "moescope-writer"):
-        """name: the worker thread's name (what a thread dump shows)."""
+        """Start the worker thread.
+
+        Args:
+            exporters: what consumes the records, in order; more may be added with `add_exporter`.
+            max_queue: the most records queued at once.
+            policy: "block" (the producer waits for room) or "drop" (what does not fit is counted).
+            flush_interval_s: how often an idle worker flushes its exporters.
+            max_batch: the most records handed to the exporters in one `export`.
+            max_queue_bytes: the most host bytes of records queued at once.
+            name: the worker thread's name (what a thread dump shows).
+
+        Raises:
+            ValueError: for an unknown policy, or a byte bound under 1.
+        """
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if max_queue_bytes < 1:
             raise ValueError(f"max_queue_bytes must be at least 1, not {max_queue_bytes!r}")
-        self.exporters = list(exporters)
+        # A tuple, replaced whole by add_exporter: the worker reads it without a lock.
+        self._exporters: tuple[Exporter[R], ...] = tuple(exporters)
+        self._exporters_lock = threading.Lock()  # one change of the exporters (or the shutdown) at a time
         self.policy = policy
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
@@ -187,17 +137,42 @@ class BatchProcessor:
         self._start_lock = threading.Lock()
         self._worker: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
         self._worker.start()
-        _PROCESSORS.add(self)
+        forking.join(self)
 
-    def _reset_in_child(self) -> None:
-        """In a forked child: the parent's queue, locks and counts stay the parent's (its worker thread
-        did not come through the fork, and the records queued there are the parent's to write). The
-        child starts empty, with no worker until it emits: a child that never records (a DataLoader
-        worker) starts no thread and writes nothing."""
+    @property
+    def exporters(self) -> tuple[Exporter[R], ...]:
+        """The exporters, in the order they receive each batch (a snapshot: add with `add_exporter`)."""
+        return self._exporters
+
+    def add_exporter(self, exporter: Exporter[R], *, first: bool = False) -> None:
+        """Have `exporter` receive every batch exported from now on; safe while the worker runs.
+
+        Args:
+            exporter: the exporter to add; it is shut down with the processor.
+            first: put it before the others (it sees each batch first, e.g. to fill in what later
+                exporters read), instead of after them.
+
+        Raises:
+            ValueError: when the processor is shut down (the exporter would never be shut down).
+        """
+        with self._exporters_lock:
+            if self._closed:
+                raise ValueError("the pipeline is shut down; add exporters to an open one")
+            self._exporters = (exporter, *self._exporters) if first else (*self._exporters, exporter)
+
+    def reset_in_child(self) -> None:
+        """Start afresh in a forked child (the at-fork registry calls this; nothing else should).
+
+        The parent's queue, locks and counts stay the parent's (its worker thread did not come
+        through the fork, and the records queued there are the parent's to write). The child starts
+        empty, with no worker until it emits: a child that never records (a DataLoader worker)
+        starts no thread and writes nothing.
+        """
         self._queue = queue.Queue(maxsize=self._queue.maxsize)
         self._space = threading.Condition(threading.Lock())
         self.queued_bytes = 0
         self._lock = threading.Lock()
+        self._exporters_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self.dropped_records = Counter()
         self.dropped_rows = Counter()
@@ -208,7 +183,7 @@ class BatchProcessor:
         with self._start_lock:
             if self._worker is not None:
                 return
-            for exporter in self.exporters:
+            for exporter in self._exporters:
                 if isinstance(exporter, ForkAware):
                     try:
                         exporter.after_fork_in_child()
@@ -229,8 +204,8 @@ class BatchProcessor:
         worker = self._worker
         return not self._closed and worker is not None and not worker.is_alive()
 
-    def emit(self, record: Any) -> None:
-        """Hand a record over; never raises."""
+    def emit(self, record: R | Deferred[R]) -> None:
+        """Hand a record over (or a `Deferred` one, built on the worker); never raises."""
         if self._closed:
             self._count_drop(record, "closed")
             return
@@ -276,7 +251,7 @@ class BatchProcessor:
                 self.queued_bytes -= size
                 self._space.notify_all()
 
-    def _count_drop(self, record: Any, reason: str) -> None:
+    def _count_drop(self, record: object, reason: str) -> None:
         with self._lock:
             self.dropped_records[reason] += 1
             for table, rows in record_rows(record).items():
@@ -293,7 +268,7 @@ class BatchProcessor:
         with self._lock:
             return dict(self.dropped_rows), dict(self.dropped_records)
 
-    def _built(self, item: object) -> Any:
+    def _built(self, item: R | Deferred[R]) -> R | None:
         """A record, building a `Deferred` one on this (the worker's) thread; None if that failed."""
         if not isinstance(item, Deferred):
             return item
@@ -311,7 +286,7 @@ class BatchProcessor:
             except queue.Empty:
                 self._flush_exporters()
                 continue
-            batch: list[Any] = []
+            batch: list[R] = []
             held = 0  # queue bytes of the batch, given back once it is exported
             taken = 1  # items taken off the queue, marked done once their batch is exported
             stop = False
@@ -346,10 +321,10 @@ class BatchProcessor:
                 self._flush_exporters()
                 return
 
-    def _export(self, batch: list[Any]) -> None:
+    def _export(self, batch: list[R]) -> None:
         if not batch:
             return
-        for exporter in self.exporters:
+        for exporter in self._exporters:  # the tuple of now: an exporter added meanwhile gets the next batch
             try:
                 ok = exporter.export(batch)
             except Exception:
@@ -361,7 +336,7 @@ class BatchProcessor:
         self.exported_records += len(batch)
 
     def _flush_exporters(self) -> None:
-        for exporter in self.exporters:
+        for exporter in self._exporters:
             try:
                 exporter.force_flush()
             except Exception:
@@ -386,16 +361,17 @@ class BatchProcessor:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain the queue, flush and join; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._exporters_lock:  # no exporter is added after this: each one added is shut down below
+            if self._closed:
+                return
+            self._closed = True
         if self._worker is None:  # a forked child that recorded nothing: the exporters are the parent's
             return
         with self._space:
             self._space.notify_all()  # a model thread waiting for queue bytes gives up ("closed")
         self._queue.put(_STOP)
         self._worker.join(timeout_s)
-        for exporter in self.exporters:
+        for exporter in self._exporters:
             try:
                 exporter.shutdown()
             except Exception:
@@ -403,29 +379,3 @@ class BatchProcessor:
 
 
 _STOP = object()
-_PROCESSORS: weakref.WeakSet[BatchProcessor] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for processor in list(_PROCESSORS):
-        processor._reset_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class InMemoryExporter(Exporter):
-    """Keeps every exported record; for tests and in-process consumers."""
-
-    def __init__(self) -> None:
-        self.records: list[Any] = []
-
-    def export(self, records: Sequence[Any]) -> bool:
-        self.records.extend(records)
-        return True
-
-    def force_flush(self, timeout_s: float = 30.0) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        pass

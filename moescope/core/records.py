@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moescope.core.pipeline import array_bytes, current_host
+from moescope.core.pipeline import array_bytes
+from moescope.core.runs import current_host
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from moescope.alerts.observations import LayerHistory, LayerObservation, compute_signals, observations_from_record
-from moescope.core.exporters import AttachListener, ProbeStats, ProbeStatsReader
-from moescope.core.pipeline import Exporter
+from moescope.core.exporters import AttachListener, Exporter, ProbeStats, ProbeStatsReader
 from moescope.core.records import RunInfo, StepRecord
 from moescope.metrics.expert_cache import POLICIES, cache_hit_rate, expert_accesses
 

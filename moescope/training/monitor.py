@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import moescope
+from moescope.core.exporters import Exporter
 from moescope.core.lifecycle import GracefulStop
-from moescope.core.pipeline import Exporter
 from moescope.core.records import StepRecord
 from moescope.metrics import signals
 from moescope.probe.accumulate import TOTAL_FORWARDS
@@ -116,7 +116,7 @@ class _StepInfo:
     pool: PinnedPool | None = None  # where `grads` goes back to once read (CUDA), or None
 
 
-class TrainingExporter(Exporter):
+class TrainingExporter(Exporter[StepRecord]):
     """Turns each training window's record into a `TrainingStep` (writer thread): losses from the
     recorded router statistics, dead experts over the last steps, the step's learning rates and
     gradient norms; writes `train_steps` rows and logs the scalars."""
@@ -345,7 +345,7 @@ class TrainingMonitor:
             self.exporter = TrainingExporter(self.session, store, dead_window, sinks)
             # First in the pipeline: it puts the step's gradient norms into the record, where the
             # health score (the trust policy's exporter) reads them.
-            self.session.processor.exporters.insert(0, self.exporter)
+            self.session.add_exporter(self.exporter, first=True)
             self._resume(resumed)  # first: a cooldown resumed below is written with the counts continued
             if cooldown == "auto":
                 from moescope.alerts.cooldown_policy import bind_cooldown

@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from moescope import probe
-from moescope.core.pipeline import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from moescope.metrics.expert_cache import POLICIES
 from moescope.prometheus.exporter import PrometheusExporter
 from tests.alerts.test_cache import _brute_force_hits

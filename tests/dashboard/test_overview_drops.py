@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pyarrow.parquet as pq
 
-from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
+from moescope.core.pipeline import record_rows
+from moescope.store.writer import BatchProcessor, ParquetExporter
 from tests.dashboard.test_pages import app_for, assert_clean, open_page
 from tests.store.helpers import make_record, run_info
 
@@ -37,7 +38,7 @@ def test_overview_shows_rows_not_recorded(monkeypatch, tmp_path):
     stalled = StalledDisk()
     processor = BatchProcessor([stalled], max_queue=2, policy="drop", max_batch=1)
     exporter = ParquetExporter(root, run_info("lossy"), processor=processor, max_age_s=1e9)
-    processor.exporters.append(exporter)
+    processor.add_exporter(exporter)
     processor.emit(records[0])
     assert stalled.exporting.wait(10)
     for record in records[1:]:

@@ -301,7 +301,7 @@ def test_forwards_run_before_a_resume_keep_their_numbers():
     close (as it is on a CPU): their window closes before the jump. Oracle: the forward numbers
     the host counted, against the routes' step column of each record."""
     from moescope import probe
-    from moescope.core.pipeline import InMemoryExporter
+    from moescope.core.exporters import InMemoryExporter
     from moescope.training.monitor import _skip_forwards
 
     model = tiny_mixtral(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moescope import probe
-from moescope.core.pipeline import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from moescope.demo.capacity import CapacityInstallError, CapacityMoeBlock, capacity_blocks, install_capacity
 from tests.support.zoo import tiny_model
 

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import moescope
 import moescope.probe.timing
 from moescope import probe
-from moescope.core.pipeline import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from moescope.probe.adapters import find_moe_layers
 from tests.support.zoo import tiny_model
 

@@ -15,7 +15,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from moescope import probe
-from moescope.core.pipeline import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from moescope.probe.router_cooldown import RouterCooldown, RouterCooldownError
 
 torch.set_num_threads(1)

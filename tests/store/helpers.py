@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.rank)
     run = run_info(args.run, rank=args.rank)
     processor = BatchProcessor([], flush_interval_s=args.flush)
-    processor.exporters.append(ParquetExporter(args.store, run, max_age_s=args.flush, processor=processor))
+    processor.add_exporter(ParquetExporter(args.store, run, max_age_s=args.flush, processor=processor))
     for step in range(args.steps):
         processor.emit(make_record(args.run, step, rng))
         print(f"emitted {step} {time.monotonic():.6f}", flush=True)

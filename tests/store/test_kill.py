@@ -230,8 +230,8 @@ def writer_main(args: argparse.Namespace) -> int:
     _trace_delta()
     rng = np.random.default_rng(args.rank)
     processor = BatchProcessor([], flush_interval_s=FLUSH_S)
-    processor.exporters.append(ParquetExporter(args.store, run_info(RUN, rank=args.rank), max_age_s=FLUSH_S,
-                                               processor=processor, storage_options=args.option or None))
+    processor.add_exporter(ParquetExporter(args.store, run_info(RUN, rank=args.rank), max_age_s=FLUSH_S,
+                                           processor=processor, storage_options=args.option or None))
     step = 0
     while True:
         processor.emit(make_record(RUN, step, rng))

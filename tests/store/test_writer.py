@@ -18,12 +18,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.core.pipeline import current_host
+from moescope.core.pipeline import record_rows
+from moescope.core.runs import current_host
 from moescope.store import delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation
 from moescope.store.naming import host_name_part
-from moescope.store.writer import BatchProcessor, ParquetExporter, record_rows
+from moescope.store.writer import BatchProcessor, ParquetExporter
 from tests.store.helpers import make_record, run_info
 from tests.store.test_delta import latest_probe_stats, snapshot_files, snapshot_rows
 
@@ -50,7 +51,7 @@ def _emit(policy: str, root, n: int = 60):
     records = [make_record("r", step, rng) for step in range(n)]
     processor = BatchProcessor([], max_queue=2, policy=policy, flush_interval_s=0.2, max_batch=1)
     exporter = ParquetExporter(root, run_info("r"), max_age_s=0.2, processor=processor)
-    processor.exporters.append(SlowDisk(exporter, 0.01))
+    processor.add_exporter(SlowDisk(exporter, 0.01))
     started = time.perf_counter()
     for record in records:
         processor.emit(record)
@@ -94,7 +95,7 @@ def test_drop_policy_never_waits_and_counts_every_row(tmp_path):
 def test_drop_counts_are_durable_before_shutdown(tmp_path):
     processor = BatchProcessor([], max_queue=1, policy="drop", flush_interval_s=0.1, max_batch=1)
     exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=0.1, processor=processor)
-    processor.exporters.append(SlowDisk(exporter, 0.05))
+    processor.add_exporter(SlowDisk(exporter, 0.05))
     rng = np.random.default_rng(1)
     for step in range(20):
         processor.emit(make_record("r", step, rng))
@@ -221,7 +222,7 @@ def test_drop_policy_bounds_the_queue_by_bytes(tmp_path):
     for table in ("steps", "layer_steps", "routes"):
         assert processor.dropped_rows[(table, "queue_bytes_full")] == sum(record_rows(r)[table] for r in records[3:])
     disk.gate.set()
-    processor.exporters.append(exporter)
+    processor.add_exporter(exporter)
     processor.shutdown()
     assert [r.step for r in disk.records] == [0, 1, 2]
     stats = latest_probe_stats(tmp_path, "r")

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moescope.core.pipeline import new_run_id
+from moescope.core.runs import new_run_id
 from moescope.ingest.importers.fields import DEFAULT_LIMIT, MAX_EXPERTS, ExpertLimit, check_expert_ids
 from moescope.ingest.importers.rows import (  # noqa: F401 - the proxy builds its rows here too
     COSELECTION_MAX_EXPERTS,
