@@ -18,6 +18,8 @@ import torch
 
 import moescope
 from moescope.store import delta
+from moescope.store.delta import helper as delta_helper
+from moescope.store.delta import tables as delta_tables
 from tests.store.test_delta import snapshot_rows
 from tests.support.zoo import tiny_model
 
@@ -40,7 +42,7 @@ def _moe_layers(model: torch.nn.Module) -> int:
 def _child(store, result_path: str, forwards: int, seed: int) -> None:
     """A forked child: its own model and attach, `forwards` forwards, closed; what it saw goes to
     `result_path` as JSON. Never raises (exit status says whether it finished)."""
-    result: dict = {"pid": os.getpid(), "routed": delta._routed()}
+    result: dict = {"pid": os.getpid(), "routed": delta_helper.routed()}
     # what a forked worker of torch does first (DataLoader's do it): the parent's OpenMP threads did
     # not come through the fork, and torch's next parallel region would wait for them forever
     torch.set_num_threads(1)
@@ -49,7 +51,7 @@ def _child(store, result_path: str, forwards: int, seed: int) -> None:
         with moescope.attach(model, store=store, routes=True, window=1) as session:
             _forwards(model, forwards, seed)
             result["run_id"] = session.run.run_id
-        result["helper"] = delta._HELPER is not None  # the child's commits went through its helper
+        result["helper"] = delta_helper._HELPER is not None  # the child's commits went through its helper
         result["ok"] = True
     except BaseException as e:  # a PanicException is a BaseException: report it, whatever it is
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -87,7 +89,7 @@ def test_children_forked_after_the_parent_wrote_record_every_row(store_location,
         _forwards(model, 3, seed=0)
         assert parent.flush(30)
         before = snapshot_rows(store, "steps").num_rows
-        assert before == 3 and delta._USED  # the parent's delta-rs runtime is up: children inherit it
+        assert before == 3 and delta_tables.runtime_used()  # the parent's delta-rs runtime is up: children inherit it
 
         children = {seed: (str(tmp_path / f"child-{seed}.json"), 2 + seed) for seed in (1, 2)}
         if how == "os.fork":
@@ -144,13 +146,13 @@ def test_a_child_that_did_not_know_its_runtime_was_inherited_switches_to_the_hel
     if pid == 0:
         status = 1
         try:
-            delta._ROUTE = False  # as if the fork handler had not seen the parent's use
+            delta_helper._ROUTE = False  # as if the fork handler had not seen the parent's use
             result: dict = {}
             try:
                 part = delta.write_part(tmp_path, "steps", "r", steps_rows("r", 4, 4), "part-child.parquet")
                 result["version"] = delta.commit(tmp_path, "steps", [part])
                 result["snapshot"] = delta.snapshot(tmp_path, "steps", version=1).version
-                result["routed"] = delta._routed()
+                result["routed"] = delta_helper.routed()
             except BaseException as e:
                 result["error"] = f"{type(e).__name__}: {e}"
             with open(result_path, "w") as f:

@@ -1,0 +1,107 @@
+"""Reading a table through its log: which files are live at a version (`snapshot`: the log says,
+never a folder listing, so a file nobody committed is invisible), whether the table exists, and
+which app transaction it holds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from moescope.store.delta.errors import message
+from moescope.store.delta.helper import call_helper, guarded, routed
+from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, Snapshot
+from moescope.store.delta.stats import stats_of
+from moescope.store.delta.tables import open_table, use_runtime
+from moescope.store.errors import StoreError
+from moescope.store.location import StoreLocation, open_location
+from moescope.store.naming import check_name
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+__all__ = ["snapshot", "table_exists", "transaction_version"]
+
+
+def table_exists(loc: StoreLocation | str | os.PathLike, table: str) -> bool:
+    """Whether `table` has a Delta log at `loc`. Raises StoreError when the storage cannot be read
+    (a missing bucket, wrong credentials)."""
+    loc = open_location(loc)
+    check_name("table", table)
+    if routed():
+        return call_helper("table_exists", loc, table)
+    return guarded(lambda: open_table(loc, table, create=False) is not None, loc, "table_exists", table)
+
+
+def transaction_version(loc: StoreLocation | str | os.PathLike, table: str, app_id: str) -> int | None:
+    """The latest version of app transaction `app_id` the table holds now (None: none, or no table).
+    Read before a snapshot, it is at most what that snapshot holds. Raises StoreError when the
+    storage cannot be read."""
+    loc = open_location(loc)
+    check_name("table", table)
+    if routed():
+        return call_helper("transaction_version", loc, table, app_id)
+    return guarded(lambda: _transaction_version(loc, table, app_id), loc, "transaction_version", table, app_id)
+
+
+def _transaction_version(loc: StoreLocation, table: str, app_id: str) -> int | None:
+    cached = open_table(loc, table, create=False)
+    if cached is None:
+        return None
+    with cached.lock:
+        cached.dt.update_incremental()
+        found = cached.dt.transaction_version(app_id)
+    return None if found is None else int(found)
+
+
+def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | None = None, *,
+             with_stats: bool = False) -> Snapshot | None:
+    """The live data files of `table` at `version` (None: the latest), or None when there is no
+    table yet. `with_stats` also fills each file's stats (rebuilt from the log; slower on large
+    tables). Raises StoreError when the storage cannot be read or the version does not exist."""
+    loc = open_location(loc)
+    check_name("table", table)
+    if routed():
+        return call_helper("snapshot", loc, table, version, with_stats=with_stats)
+    return guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table, version,
+                   with_stats=with_stats)
+
+
+def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: bool) -> Snapshot | None:
+    cached = open_table(loc, table, create=False)
+    if cached is None:
+        return None
+    with cached.lock:
+        if version is None:
+            cached.dt.update_incremental()
+            delta_table = cached.dt
+        else:
+            use_runtime()
+            from deltalake import DeltaTable
+
+            try:
+                delta_table = DeltaTable(loc.table_uri(table), version=version,
+                                         storage_options=dict(loc.storage_options) or None)
+            except Exception as e:
+                raise StoreError(message(f"cannot read version {version} of {loc.redacted}/{table}", e)) from e
+        return Snapshot(delta_table.version(), _files(delta_table, with_stats))
+
+
+def _files(delta_table: DeltaTable, with_stats: bool) -> list[PartFile]:
+    actions = pa.table(delta_table.get_add_actions(flatten=True))
+    if not actions.num_rows:
+        return []
+    paths = actions.column("path").to_pylist()
+    sizes = actions.column("size_bytes").to_pylist()
+    rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else [None] * len(paths)
+    partition = f"partition.{PARTITION_COLUMN}"
+    runs = actions.column(partition).to_pylist() if partition in actions.column_names else [None] * len(paths)
+    times = (actions.column("modification_time").to_pylist() if "modification_time" in actions.column_names
+             else [None] * len(paths))
+    stats: list[str | None] = [None] * len(paths)
+    if with_stats:
+        stats = stats_of(actions)
+    return [PartFile(p, int(s), int(r) if r is not None else -1, run, st, None if t is None else int(t))
+            for p, s, r, run, st, t in zip(paths, sizes, rows, runs, stats, times)]
