@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status. A command returns its own status or raises: a
+    StoreError, OSError or ValueError (and the probe's attach errors) is printed on one line,
+    `moescope COMMAND: message` (a nested command may name itself with a `command_name` default),
+    and the status is 1; anything else is a bug and keeps its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # OSError: a store that cannot be reached (a missing bucket, refused credentials), its URL named
         if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, OSError, ValueError)):
-            print(f"moescope {args.command}: {e}", file=sys.stderr)
+            command = getattr(args, "command_name", None) or f"moescope {args.command}"
+            print(f"{command}: {e}", file=sys.stderr)
             return 1
         raise
 

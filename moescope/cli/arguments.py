@@ -8,6 +8,10 @@ URLs as positionals, so only `--store`), and `--storage-option`; `store_location
 them into the one `StoreLocation` the command passes on, and `store_epilog(example)` is the help
 text that teaches the URL form.
 
+The validators every command's options share are here too (`type=` for argparse: a bad value is a
+usage error, exit status 2, before anything is opened): `positive_int`, `positive_number`,
+`retention_hours`, `age_seconds` and `run_id`.
+
 State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
 store, under `<store>/.moescope/`, as it always has; for a URL store it goes to a local folder,
 `--state-dir`, by default `~/.cache/moescope/<hash of the redacted URL>` (`state_dir` and
@@ -103,3 +107,56 @@ def store_location(args: argparse.Namespace) -> StoreLocation:
     if getattr(args, "store", None) is None:
         raise ValueError("no store given: name it as STORE or --store STORE (a folder or a URL)")
     return open_location(args.store, getattr(args, "storage_option", None) or None)
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (`--max-queue`, `--max-connections`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive whole number")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0 (timeouts in seconds, sizes in MiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number, e.g. 10 or 0.5") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, e.g. 10 or 0.5")
+    return value
+
+
+def retention_hours(text: str) -> float:
+    """`--retention`: hours a removed file stays on the storage; 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hours, e.g. 1 or 0.5") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the retention cannot be negative ({text})")
+    return value
+
+
+def age_seconds(text: str) -> float:
+    """`--older-than`: an age such as 90s, 30m, 12h, 7d or 2w, in seconds (`store.compact.parse_age`)."""
+    from moescope.store.compact import parse_age
+
+    try:
+        return parse_age(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def run_id(text: str) -> str:
+    """A run id that can be part of a store path (`store.naming.NAME_FORM`)."""
+    from moescope.store.naming import InvalidNameError, check_name
+
+    try:
+        return check_name("run_id", text)
+    except InvalidNameError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

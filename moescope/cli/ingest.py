@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+from moescope.cli.arguments import add_store_arguments, positive_int, positive_number, store_epilog, store_location
 from moescope.core.lifecycle import add_grace_period_argument
 
 IMPORT_HELP = """\
@@ -119,49 +119,29 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, help="SGLang: experts per token in meta_info.routed_experts")
     p.add_argument("--run-id", help="id of the new run (default: time, source and a random suffix)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V", help="tag the run and its steps (repeatable)")
-    p.add_argument("--max-queue", type=_positive_int, default=1024,
+    p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="responses waiting to be recorded before new ones are dropped and counted (default 1024)")
-    p.add_argument("--max-queue-mb", type=_positive_number, default=256, metavar="MIB",
+    p.add_argument("--max-queue-mb", type=positive_number, default=256, metavar="MIB",
                    help="MiB of response bodies waiting to be recorded before new ones are dropped and counted; as "
                         "much again may be held by responses being captured (default 256)")
     p.add_argument("--record-token-ids", action="store_true",
                    help="store each token's id in routes.token_id (off by default: with a tokenizer they give the "
                         "prompts back, which is personal data for a proxy in front of users)")
-    p.add_argument("--max-connections", type=_positive_int, default=256,
+    p.add_argument("--max-connections", type=positive_int, default=256,
                    help="client connections at most; when all are taken the one idle longest is closed, and with "
                         "none idle new clients wait for one to be free (default 256)")
-    p.add_argument("--idle-timeout", type=_positive_number, default=60.0, metavar="SECONDS",
+    p.add_argument("--idle-timeout", type=positive_number, default=60.0, metavar="SECONDS",
                    help="close a connection that waits this long for a request (default 60)")
-    p.add_argument("--header-timeout", type=_positive_number, default=10.0, metavar="SECONDS",
+    p.add_argument("--header-timeout", type=positive_number, default=10.0, metavar="SECONDS",
                    help="a request's line and headers must arrive within this, all together (default 10)")
-    p.add_argument("--read-timeout", type=_positive_number, default=60.0, metavar="SECONDS",
+    p.add_argument("--read-timeout", type=positive_number, default=60.0, metavar="SECONDS",
                    help="longest wait for a client to send the next piece of a body or take the next piece of a "
                         "response (default 60)")
-    p.add_argument("--upstream-timeout", type=_positive_number, default=600.0, metavar="SECONDS",
+    p.add_argument("--upstream-timeout", type=positive_number, default=600.0, metavar="SECONDS",
                    help="longest wait for the engine to connect or send the next bytes; a non-streamed generation "
                         "sends nothing until it is done (default 600)")
     add_grace_period_argument(p, "stop accepting, answer the requests in flight and record what was captured")
     p.set_defaults(func=_proxy)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive whole number")
-    return value
-
-
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number, e.g. 10 or 0.5") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, e.g. 10 or 0.5")
-    return value
 
 
 def _import(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """`moescope compact`, `moescope prune`, `moescope query`, `moescope store upgrade`: the store's subcommands.
 
-`moescope/cli/__init__.py` (the lead's) calls `add_subcommands(subparsers)`; each subcommand sets
-`func(args) -> int` (the exit status) on its parser.
+`moescope/cli/__init__.py` calls `add_subcommands(subparsers)`; each subcommand sets `func(args) -> int`
+(the exit status) on its parser. A store that cannot be read or written raises: `main` prints the
+message on one line and exits 1; a bad option value is argparse's usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ import sys
 
 import pandas as pd
 
-from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+from moescope.cli.arguments import (
+    add_store_arguments,
+    age_seconds,
+    retention_hours,
+    run_id,
+    store_epilog,
+    store_location,
+)
 
 COMPACT_HELP = """\
 Merge a store's small Parquet files into large sorted ones.
@@ -86,7 +94,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                               description=COMPACT_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope compact STORE"))
     add_store_arguments(p)
-    p.add_argument("--run", help="only this run id (default: every run)")
+    p.add_argument("--run", type=run_id, help="only this run id (default: every run)")
     _add_retention(p)
     p.set_defaults(func=_compact)
 
@@ -94,7 +102,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                               description=PRUNE_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope prune STORE --older-than 7d --dry-run"))
     add_store_arguments(p)
-    p.add_argument("--older-than", required=True, help="age of a run's newest file: 90s, 30m, 12h, 7d, 2w")
+    p.add_argument("--older-than", type=age_seconds, required=True,
+                   help="age of a run's newest file: 90s, 30m, 12h, 7d, 2w")
     p.add_argument("--dry-run", action="store_true", help="list the runs that would be deleted, delete nothing")
     _add_retention(p)
     p.set_defaults(func=_prune)
@@ -116,38 +125,19 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     u = actions.add_parser("upgrade", help="convert a store of an earlier release to Delta tables, in place",
                            description=UPGRADE_HELP, formatter_class=raw)
     u.add_argument("path", metavar="PATH", help="the store folder")
-    u.set_defaults(func=_upgrade)
+    u.set_defaults(func=_upgrade, command_name=u.prog)  # messages say `moescope store upgrade: ...`
 
 
 def _add_retention(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--retention", type=_hours, default=1.0, metavar="HOURS",
+    parser.add_argument("--retention", type=retention_hours, default=1.0, metavar="HOURS",
                         help="hours a removed file stays on the storage before it is deleted, so readers holding an "
                              "older version keep working (default 1)")
 
 
-def _hours(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hours, e.g. 1 or 0.5") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"the retention cannot be negative ({text})")
-    return value
-
-
 def _compact(args: argparse.Namespace) -> int:
     from moescope.store.compact import compact
-    from moescope.store.errors import StoreError
-    from moescope.store.naming import InvalidNameError
 
-    try:
-        results = compact(store_location(args), run_id=args.run, retention_hours=args.retention)
-    except InvalidNameError as e:
-        print(f"moescope compact: {e}", file=sys.stderr)
-        return 2
-    except StoreError as e:
-        print(f"moescope compact: {e}", file=sys.stderr)
-        return 1
+    results = compact(store_location(args), run_id=args.run, retention_hours=args.retention)
     merged = [r for r in results if r.merged_files]
     for r in merged:
         print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows)")
@@ -157,33 +147,19 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from moescope.store.compact import parse_age, prune
-    from moescope.store.errors import StoreError
+    from moescope.store.compact import prune
 
-    try:
-        age = parse_age(args.older_than)
-    except ValueError as e:
-        print(f"moescope prune: {e}", file=sys.stderr)
-        return 2
-    try:
-        runs = prune(store_location(args), age, dry_run=args.dry_run, retention_hours=args.retention)
-    except StoreError as e:
-        print(f"moescope prune: {e}", file=sys.stderr)
-        return 1
+    runs = prune(store_location(args), args.older_than, dry_run=args.dry_run, retention_hours=args.retention)
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(runs)} run(s)" + "".join(f"\n  {r}" for r in runs))
     return 0
 
 
 def _query(args: argparse.Namespace) -> int:
-    from moescope.store import Store, StoreError
+    from moescope.store import Store
 
-    try:
-        with Store(store_location(args)) as store:
-            frame = store.sql(args.sql)
-    except StoreError as e:  # a missing store (EmptyStoreError) too: every command exits 1 on one
-        print(f"moescope query: {e}", file=sys.stderr)
-        return 1
+    with Store(store_location(args)) as store:  # a missing store (EmptyStoreError) too: exit 1, as every command
+        frame = store.sql(args.sql)
     frame = _printable(frame)
     if args.format == "csv":
         frame.head(args.max_rows).to_csv(sys.stdout, index=False)
@@ -226,17 +202,14 @@ def _printable(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from moescope.store.errors import EmptyStoreError, StoreError
+    from moescope.store.errors import EmptyStoreError
     from moescope.store.upgrade import upgrade
 
     try:
         report = upgrade(args.path)
-    except EmptyStoreError as e:
-        print(f"moescope store upgrade: {e}", file=sys.stderr)
+    except EmptyStoreError as e:  # no store at PATH: the command was given the wrong folder
+        print(f"{args.command_name}: {e}", file=sys.stderr)
         return 2
-    except StoreError as e:
-        print(f"moescope store upgrade: {e}", file=sys.stderr)
-        return 1
     if not report.upgraded:
         print(f"{args.path} holds no table of an earlier release: nothing to upgrade")
         return 0
