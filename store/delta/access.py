@@ -23,8 +23,13 @@ def check_store(loc: StoreLocation | str | os.PathLike) -> None:
     """Check once per process, cheaply, that the store can be used: on object storage one listing
     under the root (the bucket exists, the credentials are accepted, the endpoint answers); on a local
     folder, that it holds no table of the previous release. A writer calls this when it opens, so a
-    wrong URL or credentials fail at attach, not at the first flush. Raises StoreAccessError or
-    LegacyStoreError (StoreErrors) saying what to do."""
+    wrong URL or credentials fail at attach, not at the first flush.
+
+    Raises:
+        StoreAccessError: the store is a file, its bucket is missing, the credentials were refused,
+            or it cannot be reached; the message says what to check.
+        LegacyStoreError: a local store of the previous release; the message names the upgrade.
+    """
     loc = open_location(loc)
     key = (loc.url, tuple(sorted(loc.storage_options.items())))
     if key in _CHECKED:
@@ -48,8 +53,12 @@ def legacy_tables(loc: StoreLocation | str | os.PathLike) -> list[str]:
     """Tables of a local store that the previous release wrote: a table folder holding run folders
     (`run_id=...`) but no `_delta_log`. A writer creates a table's log before its first file, so a
     Delta store never looks like this. A folder whose name is not a valid table name (`bad table`)
-    is not a table, as the previous release's readers skipped it too. [] for object storage (the
-    previous release never wrote there)."""
+    is not a table, as the previous release's readers skipped it too.
+
+    Returns:
+        Their names, sorted; [] for object storage (the previous release never wrote there) and for
+        a folder that does not exist.
+    """
     loc = open_location(loc)
     if not loc.is_local:
         return []

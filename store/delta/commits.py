@@ -46,7 +46,12 @@ MAX_COMMIT_RETRIES = 1000
 def create_table(loc: StoreLocation | str | os.PathLike, table: str) -> None:
     """Make sure `table` exists (created empty if missing; safe when many processes do it at once).
     A writer does this before it writes the table's first file, so a table folder always has its
-    log before its data. Raises StoreError when the storage refuses."""
+    log before its data.
+
+    Raises:
+        StoreError: the storage refused, or `table` is not a table of the store.
+        InvalidNameError: a table name that cannot be part of a path.
+    """
     loc = open_location(loc)
     check_name("table", table)
     if routed():
@@ -58,18 +63,32 @@ def create_table(loc: StoreLocation | str | os.PathLike, table: str) -> None:
 def commit(loc: StoreLocation | str | os.PathLike, table: str, adds: Iterable[PartFile] = (),
            removes: Iterable[PartFile | str] = (), *, data_change: bool = True,
            app: tuple[str, int] | None = None, app_unseen: bool = False) -> int:
-    """Add `adds` and remove `removes` (files of the table, or their paths) in one atomic Delta
-    commit; returns the version it created. Creates the table first if it is missing.
+    """Add `adds` and remove `removes` in one atomic Delta commit, creating the table first if it is
+    missing. Conflicts are retried by delta-rs, then by this function with jittered backoff.
 
-    `data_change=False` marks a rewrite of the same rows (compaction), which streaming readers skip.
-    `app=(app_id, seq)`: the commit carries the app transaction, and is not made when the table
-    already holds `seq` or a later one for `app_id` (a retry of a commit that landed): then the
-    version that holds it is returned. seq must rise with each commit of one app_id to one table.
-    `app_unseen=True` says no commit can hold `app` yet (a writer's own app_id, with a seq it has
-    not tried before): the first try then does not look for it, which costs a read of every log
-    entry since the last checkpoint (on object storage a GET each, up to 49 per commit); a retry
-    still looks. Conflicts are retried by delta-rs, then by this function with jittered backoff. Raises
-    CommitError (a StoreError) when every retry failed, ValueError for an empty commit."""
+    Args:
+        loc: the store.
+        table: the table.
+        adds: files written by `write_part` to add.
+        removes: files of the table (or their paths) to remove; each must still be live.
+        data_change: False marks a rewrite of the same rows (compaction), which streaming readers skip.
+        app: (app_id, seq): the commit carries the app transaction, and is not made when the table
+            already holds `seq` or a later one for `app_id` (a retry of a commit that landed). seq
+            must rise with each commit of one app_id to one table.
+        app_unseen: no commit can hold `app` yet (a writer's own app_id, with a seq it has not tried
+            before): the first try then does not look for it, which saves a read of every log entry
+            since the last checkpoint (on object storage a GET each, up to 49 per commit); a retry
+            still looks.
+
+    Returns:
+        The version the commit created, or, when `app` was already in, the version that holds it.
+
+    Raises:
+        CommitError: (a StoreError) every retry failed.
+        CommitConflictError: (a CommitError) a file to remove is no longer in the table; nothing
+            was committed.
+        ValueError: an empty commit, or a removed path outside a run's folder.
+    """
     loc = open_location(loc)
     check_name("table", table)
     add_list, remove_list = list(adds), list(removes)

@@ -60,15 +60,32 @@ class Snapshot:
 def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, data: pa.Table, name: str, *,
                row_group_size: int = WRITER_ROW_GROUP_ROWS,
                metadata: Mapping[bytes | str, bytes | str] | None = None) -> PartFile:
-    """Write `data` (rows of `table`, run `run_id`) as the file `run_id=<run_id>/<name>` of the table,
-    uncommitted: no reader sees it before `commit` adds it. Returns its PartFile (stats from the footer).
+    """Write `data` as the file `run_id=<run_id>/<name>` of the table, uncommitted: no reader sees it
+    before `commit` adds it.
 
     The rows take the table's schema (`store.schema.SCHEMAS`; missing columns are null, `run_id` is
     left out of the file); every page carries a CRC checksum. A local file is fsynced before this
-    returns. Raises InvalidNameError (a ValueError) for a table, run id or name that cannot be part
-    of a path, KeyError for an unknown table, ValueError for a column the table does not have, and
-    OSError when the storage refuses the write (a partial object is never visible on object storage;
-    a partial local file is an orphan that `vacuum` removes)."""
+    returns; an upload cut short (a reset, a 503) is made again under the same name.
+
+    Args:
+        loc: the store.
+        table: the table the rows belong to.
+        run_id: their run (the file's partition).
+        data: the rows.
+        name: the file's name within the run's folder (`part-...parquet`).
+        row_group_size: rows per row group.
+        metadata: key-value metadata added to the file's footer.
+
+    Returns:
+        The file's PartFile, its stats read from the footer.
+
+    Raises:
+        InvalidNameError: (a ValueError) a table, run id or name that cannot be part of a path.
+        KeyError: an unknown table.
+        ValueError: a column the table does not have.
+        OSError: the storage refused the write (a partial object is never visible on object
+            storage; a partial local file is an orphan that `vacuum` removes).
+    """
     loc = open_location(loc)
     check_name("table", table)
     check_name("run_id", run_id)

@@ -23,8 +23,15 @@ def vacuum(loc: StoreLocation | str | os.PathLike, table: str, retention_hours: 
     """Delete the table's files that no version younger than `retention_hours` needs: files removed
     from it (compacted away, pruned) longer ago than that, and, with a retention of at least
     `ORPHAN_MIN_HOURS`, files no commit added (a crashed writer's orphans) older than that. delta-rs
-    counts whole hours: the retention is rounded up. Returns the deleted files' paths; [] when there
-    is no table. Raises StoreError when the storage refuses."""
+    counts whole hours: the retention is rounded up.
+
+    Returns:
+        The deleted files' paths; [] when there is no table.
+
+    Raises:
+        ValueError: a negative retention.
+        StoreError: the storage refused.
+    """
     loc = open_location(loc)
     check_name("table", table)
     if retention_hours < 0:
@@ -32,7 +39,6 @@ def vacuum(loc: StoreLocation | str | os.PathLike, table: str, retention_hours: 
     if routed():
         return call_helper("vacuum", loc, table, retention_hours)
     return guarded(lambda: _vacuum(loc, table, retention_hours), loc, "vacuum", table, retention_hours)
-
 
 
 def _vacuum(loc: StoreLocation, table: str, retention_hours: float) -> list[str]:

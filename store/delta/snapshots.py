@@ -26,8 +26,11 @@ __all__ = ["snapshot", "table_exists", "transaction_version"]
 
 
 def table_exists(loc: StoreLocation | str | os.PathLike, table: str) -> bool:
-    """Whether `table` has a Delta log at `loc`. Raises StoreError when the storage cannot be read
-    (a missing bucket, wrong credentials)."""
+    """Whether `table` has a Delta log at `loc`.
+
+    Raises:
+        StoreError: the storage cannot be read (a missing bucket, wrong credentials).
+    """
     loc = open_location(loc)
     check_name("table", table)
     if routed():
@@ -36,9 +39,15 @@ def table_exists(loc: StoreLocation | str | os.PathLike, table: str) -> bool:
 
 
 def transaction_version(loc: StoreLocation | str | os.PathLike, table: str, app_id: str) -> int | None:
-    """The latest version of app transaction `app_id` the table holds now (None: none, or no table).
-    Read before a snapshot, it is at most what that snapshot holds. Raises StoreError when the
-    storage cannot be read."""
+    """The latest version of app transaction `app_id` the table holds now. Read before a snapshot, it
+    is at most what that snapshot holds.
+
+    Returns:
+        The version (a writer's seq), or None when the table holds none or there is no table.
+
+    Raises:
+        StoreError: the storage cannot be read.
+    """
     loc = open_location(loc)
     check_name("table", table)
     if routed():
@@ -58,9 +67,20 @@ def _transaction_version(loc: StoreLocation, table: str, app_id: str) -> int | N
 
 def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | None = None, *,
              with_stats: bool = False) -> Snapshot | None:
-    """The live data files of `table` at `version` (None: the latest), or None when there is no
-    table yet. `with_stats` also fills each file's stats (rebuilt from the log; slower on large
-    tables). Raises StoreError when the storage cannot be read or the version does not exist."""
+    """The live data files of `table` at a version, as the log says.
+
+    Args:
+        loc: the store.
+        table: the table.
+        version: the version to read; None: the latest.
+        with_stats: also fill each file's stats (rebuilt from the log; slower on large tables).
+
+    Returns:
+        The Snapshot, or None when there is no table yet.
+
+    Raises:
+        StoreError: the storage cannot be read, or the version does not exist.
+    """
     loc = open_location(loc)
     check_name("table", table)
     if routed():

@@ -22,8 +22,13 @@ _STATS_TYPES = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_strin
 
 
 def file_stats(footer: pq.FileMetaData) -> str:
-    """The Delta stats of a Parquet file from its footer: numRecords, and per top-level primitive
-    column its nullCount and (ints, strings, timestamps, dates) minValues / maxValues."""
+    """The Delta stats of a Parquet file from its footer.
+
+    Returns:
+        JSON: numRecords, and per top-level primitive column its nullCount and (ints, strings,
+        timestamps, dates) minValues / maxValues. A column whose statistics are missing in a row
+        group is left out; one whose values lack bounds has no min/max.
+    """
     schema = footer.schema.to_arrow_schema()
     index: dict[str, int] = {}
     if footer.num_row_groups:
