@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import streamlit as st
 
+from moescope.alerts.health_score import COMPONENTS
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
 
-# The score's components, on its 0-100 scale (alerts' health score); the other numeric columns of
-# `expert_health` (store/schema.py) are the raw measurements behind them and go in the table only.
-COMPONENTS = ("load", "confidence", "output", "weight", "grad")
+# COMPONENTS: the score's components, on its 0-100 scale, as the health score defines them; the other
+# numeric columns of `expert_health` (store/schema.py) are the raw measurements behind them and go in
+# the table only.
 MEASURED = ("load_share_ratio", "gate_weight_mean", "output_norm_mean", "output_nonfinite_fraction",
             "weight_cosine", "weight_norm_ratio", "grad_norm", "trust_weight", "reasons")
 
