@@ -220,6 +220,21 @@ def _best_first(token: np.ndarray, column: np.ndarray, width: int, priority: np.
     return order[order >= 0]
 
 
+def _stack_codes(expert: np.ndarray, priority: np.ndarray, order: np.ndarray,
+                 num_experts: int) -> tuple[array, array]:
+    """The accesses' experts and stack codes (standing x E + expert), in replay `order`, as arrays of
+    int64 (8 bytes an access instead of a Python int each)."""
+    if int(np.abs(priority).max()) >= (1 << 62) // num_experts:
+        # the codes could overflow int64 (they stay within +-2**62 + E); the ranks of the standings keep
+        # their order, all the stack needs
+        ranks = np.empty_like(priority)
+        ranks[np.argsort(priority)] = np.arange(len(priority))
+        priority = ranks
+    experts = array("q", expert[order].tobytes())
+    codes = array("q", (priority[order] * num_experts + expert[order]).tobytes())
+    return experts, codes
+
+
 def _stack_depth_counts(token: np.ndarray, column: np.ndarray, expert: np.ndarray, priority: np.ndarray,
                         width: int, num_experts: int, deepest: int) -> np.ndarray:
     """How many accesses found their expert at each stack depth below `deepest`, in one pass.
@@ -241,15 +256,7 @@ def _stack_depth_counts(token: np.ndarray, column: np.ndarray, expert: np.ndarra
     """
     order = _best_first(token, column, width, priority)
     bounds = np.r_[0, np.flatnonzero(np.diff(token)) + 1, len(token)].tolist()
-    if int(np.abs(priority).max()) >= (1 << 62) // num_experts:
-        # the codes could overflow int64 (they stay within +-2**62 + E); the ranks of the standings keep
-        # their order, all the stack needs
-        ranks = np.empty_like(priority)
-        ranks[np.argsort(priority)] = np.arange(len(priority))
-        priority = ranks
-    # arrays, not lists: 8 bytes an access instead of a Python int each
-    experts = array("q", expert[order].tobytes())
-    codes = array("q", (priority[order] * num_experts + expert[order]).tobytes())
+    experts, codes = _stack_codes(expert, priority, order, num_experts)
     hole = -(1 << 63)  # below every code
     depths = array("q")  # every access's depth before its token, -1 for none
     depth_of = [-1] * num_experts  # each expert's place in the stack; -1: not in it
