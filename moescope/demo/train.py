@@ -22,7 +22,7 @@ import math
 import os
 import pathlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -380,15 +380,10 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
 
     Returns the training summary that is also written to ``out/training_summary.json``: the
     recipe, seed, wall time, final training and held-out losses per domain, and the
-    specialisation figures (NMI per layer, trained and random weights).
+    specialisation figures (NMI per layer, trained and random weights). Raises ValueError for a
+    recipe whose `rows_per_domain` does not fill a batch.
     """
-    from tqdm.auto import tqdm
-
-    if recipe.rows_per_domain is not None and (len(recipe.rows_per_domain) != len(DOMAINS)
-                                               or sum(recipe.rows_per_domain) != recipe.batch_size
-                                               or min(recipe.rows_per_domain) < 0):
-        raise ValueError(f"rows_per_domain must give a row count for each of {DOMAINS} summing to the batch size "
-                         f"{recipe.batch_size}, got {recipe.rows_per_domain}")
+    _check_recipe(recipe)
     torch.set_num_threads(threads)
     # The tokenizers library has its own thread pool; keep it within the same share of the CPU.
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
@@ -403,13 +398,77 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
     streams = token_streams(tokenizer, documents)
     _check_streams(streams, recipe.sequence_length)
     model = build_model(recipe, tokenizer, seed)
-    model.train()
+    losses = _train_steps(model, streams, recipe, seed)
+    train_seconds = time.perf_counter() - started
+    train_cpu_seconds = time.process_time() - cpu_started
 
+    summary = {
+        "command": command,
+        "seed": seed,
+        "threads": threads,
+        "recipe": asdict(recipe),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(train_seconds, 1),
+        "train_cpu_seconds": round(train_cpu_seconds, 1),
+        "train_loss_ema": {d: round(v, 4) for d, v in losses.measured_domains().items()},
+        "router_aux_loss_ema": round(losses.measured_aux(), 4),
+        **evaluate_demo_model(model, tokenizer, recipe.eval_texts_per_domain, random_seed=seed, recipe=recipe),
+        "python": ".".join(map(str, __import__("sys").version_info[:3])),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
+    _save(out, model, tokenizer, summary)
+    _print_results(out, train_seconds, summary)
+    return summary
+
+
+def _check_recipe(recipe: DemoRecipe) -> None:
+    """Raises ValueError unless `rows_per_domain` (when given) fills each batch with every domain's rows."""
+    if recipe.rows_per_domain is not None and (len(recipe.rows_per_domain) != len(DOMAINS)
+                                               or sum(recipe.rows_per_domain) != recipe.batch_size
+                                               or min(recipe.rows_per_domain) < 0):
+        raise ValueError(f"rows_per_domain must give a row count for each of {DOMAINS} summing to the batch size "
+                         f"{recipe.batch_size}, got {recipe.rows_per_domain}")
+
+
+@dataclass
+class _LossAverages:
+    """Exponential moving averages of the training loss per domain and of the load-balancing loss,
+    for the progress bar and the card (None until a step has measured one)."""
+
+    domains: dict[str, float | None] = field(default_factory=lambda: {domain: None for domain in DOMAINS})
+    aux: float | None = None
+
+    def update(self, per_row: torch.Tensor, domain_of_row: torch.Tensor, aux_loss: torch.Tensor) -> None:
+        for domain_index, domain in enumerate(DOMAINS):
+            rows = domain_of_row == domain_index
+            if rows.any():
+                value = float(per_row[rows].mean())
+                previous = self.domains[domain]
+                self.domains[domain] = value if previous is None else 0.95 * previous + 0.05 * value
+        aux = float(aux_loss)
+        self.aux = aux if self.aux is None else 0.95 * self.aux + 0.05 * aux
+
+    def measured_domains(self) -> dict[str, float]:
+        """Every domain's average; every step ran (--steps >= 1) and showed every domain's loss."""
+        measured = {d: v for d, v in self.domains.items() if v is not None}
+        assert len(measured) == len(self.domains)
+        return measured
+
+    def measured_aux(self) -> float:
+        assert self.aux is not None  # every step ran (--steps >= 1)
+        return self.aux
+
+
+def _train_steps(model, streams: dict, recipe: DemoRecipe, seed: int) -> _LossAverages:
+    """Run the recipe's optimizer steps on batches drawn with a generator seeded with `seed`, showing
+    the losses on a progress bar (a line every 100 steps); returns their moving averages."""
+    from tqdm.auto import tqdm
+
+    model.train()
     optimizer = build_optimizer(model, recipe)
     generator = torch.Generator().manual_seed(seed)
-    # Exponential moving averages of the training loss per domain, for the progress bar and the card.
-    domain_loss_ema: dict[str, float | None] = {domain: None for domain in DOMAINS}
-    aux_loss_ema: float | None = None
+    losses = _LossAverages()
     progress = tqdm(range(recipe.steps), desc="train-demo", unit="step")
     for step in progress:
         input_ids, domain_of_row = sample_batch(streams, step, recipe.batch_size, recipe.sequence_length, generator,
@@ -424,49 +483,28 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-        per_row = per_row.detach()
-        for domain_index, domain in enumerate(DOMAINS):
-            rows = domain_of_row == domain_index
-            if rows.any():
-                value = float(per_row[rows].mean())
-                previous = domain_loss_ema[domain]
-                domain_loss_ema[domain] = value if previous is None else 0.95 * previous + 0.05 * value
-        aux = float(outputs.aux_loss.detach())
-        aux_loss_ema = aux if aux_loss_ema is None else 0.95 * aux_loss_ema + 0.05 * aux
-        progress.set_postfix(loss=f"{float(loss.detach()):.3f}", **{d: f"{v:.2f}" for d, v in domain_loss_ema.items()},
-                             aux=f"{aux_loss_ema:.3f}")
+        losses.update(per_row.detach(), domain_of_row, outputs.aux_loss.detach())
+        progress.set_postfix(loss=f"{float(loss.detach()):.3f}", **{d: f"{v:.2f}" for d, v in losses.domains.items()},
+                             aux=f"{losses.aux:.3f}")
         if (step + 1) % 100 == 0 or step + 1 == recipe.steps:
-            losses = " ".join(f"{d}={v:.3f}" for d, v in domain_loss_ema.items())
-            progress.write(f"step {step + 1}/{recipe.steps} loss={float(loss.detach()):.3f} {losses} "
-                           f"aux={aux_loss_ema:.3f}")
+            shown = " ".join(f"{d}={v:.3f}" for d, v in losses.domains.items())
+            progress.write(f"step {step + 1}/{recipe.steps} loss={float(loss.detach()):.3f} {shown} "
+                           f"aux={losses.aux:.3f}")
     progress.close()
-    train_seconds = time.perf_counter() - started
-    train_cpu_seconds = time.process_time() - cpu_started
-    # every step ran (--steps >= 1) and showed every domain's loss on the progress bar
-    measured_loss_ema = {d: v for d, v in domain_loss_ema.items() if v is not None}
-    assert aux_loss_ema is not None and len(measured_loss_ema) == len(domain_loss_ema)
+    return losses
 
-    summary = {
-        "command": command,
-        "seed": seed,
-        "threads": threads,
-        "recipe": asdict(recipe),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(train_seconds, 1),
-        "train_cpu_seconds": round(train_cpu_seconds, 1),
-        "train_loss_ema": {d: round(v, 4) for d, v in measured_loss_ema.items()},
-        "router_aux_loss_ema": round(aux_loss_ema, 4),
-        **evaluate_demo_model(model, tokenizer, recipe.eval_texts_per_domain, random_seed=seed, recipe=recipe),
-        "python": ".".join(map(str, __import__("sys").version_info[:3])),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-    }
 
+def _save(out: pathlib.Path, model, tokenizer, summary: dict) -> None:
+    """The checkpoint, its tokenizer, the training summary and the model card, in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "README.md").write_text(model_card(summary))
+
+
+def _print_results(out: pathlib.Path, train_seconds: float, summary: dict) -> None:
+    """Where the model went, its held-out losses, specialisation and active fraction, in three lines."""
     print(f"saved to {out} after {train_seconds:.0f} s; held-out loss "
           + " ".join(f"{d}={v:.3f}" for d, v in summary["held_out_loss"].items()))
     figures = summary["specialisation"]
@@ -475,21 +513,17 @@ def train_demo_model(out: pathlib.Path, recipe: DemoRecipe = FULL_RECIPE, seed: 
     active = summary["active_fraction"]
     print("active fraction by domain: " + " ".join(f"{d}={v:.2%}" for d, v in active["by_domain"].items())
           + " | by position bucket: " + " ".join(f"{v:.2%}" for v in active["by_position"]))
-    return summary
 
 
 def model_card(summary: dict) -> str:
     """The demo model's README: data, size, seed, command, time, losses and specialisation."""
+    return (_card_model_section(summary) + _card_data_section(summary) + _card_training_section(summary)
+            + _card_specialisation_section(summary) + active_fraction_section(summary))
+
+
+def _card_model_section(summary: dict) -> str:
+    """The card's title, what the model is for, and its "Model" section: size, capacity, tokenizer."""
     recipe = summary["recipe"]
-    router_scale = recipe["router_lr_scale"]
-    spec = summary["specialisation"]
-    held_out_tokens = ", ".join(f"{n:,} {d}" for d, n in spec["tokens_per_domain"].items())
-    layer_rows = "\n".join(
-        f"| {layer} | {trained:.3f} | {random:.3f} | "
-        + ", ".join(f"{d} → {e} ({share:.0%})" for d, (e, share) in spec["favourite_experts"][layer].items()) + " |"
-        for layer, (trained, random) in enumerate(zip(spec["trained_nmi"], spec["random_nmi"])))
-    loss_rows = "\n".join(f"| {d} | {summary['train_loss_ema'][d]:.3f} | {summary['held_out_loss'][d]:.3f} |"
-                          for d in summary["held_out_loss"])
     return f"""# moescope demo model
 
 A small `MixtralForCausalLM` trained from scratch so the moescope demo can show real, specialised
@@ -521,7 +555,13 @@ top-{recipe['num_experts_per_tok']} routing, {recipe['num_attention_heads']} att
   {recipe['tokenizer_chars_per_domain']:,} characters of each domain's training split{_digits_note(recipe)};
   `<|endoftext|>` is bos, eos and pad. Saved as a `PreTrainedTokenizerFast`.
 
-## Data
+"""
+
+
+def _card_data_section(summary: dict) -> str:
+    """The card's "Data" section: the three domains, their held-out split and the batch mix."""
+    recipe = summary["recipe"]
+    return f"""## Data
 
 Three domains, all from Python {summary['python']} itself (see `moescope/demo/data.py`); every
 fifth file, topic or operand pair is held out and never trained on:
@@ -532,7 +572,17 @@ fifth file, topic or operand pair is held out and never trained on:
 
 Each training row is {recipe['sequence_length']} tokens of one domain; {_batch_mix(recipe)}
 
-## Training
+"""
+
+
+def _card_training_section(summary: dict) -> str:
+    """The card's "Training" section: the command, seed, schedule, time and the losses per domain."""
+    recipe = summary["recipe"]
+    router_scale = recipe["router_lr_scale"]
+    spec = summary["specialisation"]
+    loss_rows = "\n".join(f"| {d} | {summary['train_loss_ema'][d]:.3f} | {summary['held_out_loss'][d]:.3f} |"
+                          for d in summary["held_out_loss"])
+    return f"""## Training
 
 ```
 {summary['command']}
@@ -556,7 +606,19 @@ included. Final load-balancing loss (moving average): {summary['router_aux_loss_
 Losses are next-token cross-entropy in nats; held-out figures are on {spec['texts_per_domain']} held-out
 texts per domain (`domain_texts(domain, {spec['texts_per_domain']}, seed=0)`).
 
-## Top-1 specialisation
+"""
+
+
+def _card_specialisation_section(summary: dict) -> str:
+    """The card's "Top-1 specialisation" section: NMI per layer, trained and random, and each domain's
+    favourite expert; and how it differs from the demo's kept-slot figure."""
+    spec = summary["specialisation"]
+    held_out_tokens = ", ".join(f"{n:,} {d}" for d, n in spec["tokens_per_domain"].items())
+    layer_rows = "\n".join(
+        f"| {layer} | {trained:.3f} | {random:.3f} | "
+        + ", ".join(f"{d} → {e} ({share:.0%})" for d, (e, share) in spec["favourite_experts"][layer].items()) + " |"
+        for layer, (trained, random) in enumerate(zip(spec["trained_nmi"], spec["random_nmi"])))
+    return f"""## Top-1 specialisation
 
 Normalised mutual information between a token's domain and the expert its router ranks first
 (before the capacity drops anything), per layer, on the same held-out texts ({held_out_tokens}
@@ -580,7 +642,7 @@ than the top-1 figures above: second choices are less tied to a domain than firs
 capacity caps the slots an expert keeps per sequence (see Model), so a domain's favourite expert
 keeps only part of its first choices. Both use `alerts.signals.normalized_mutual_information`;
 they count different things.
-{active_fraction_section(summary)}"""
+"""
 
 
 def _batch_mix(recipe: dict) -> str:
