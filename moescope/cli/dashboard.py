@@ -1,7 +1,7 @@
 """`moescope dashboard STORE`: start the Streamlit dashboard over a store.
 
 `add_subcommands(subparsers)` registers the subcommand on moescope's command line; `python -m
-dashboard.cli STORE` runs it alone. The app runs as a `streamlit run` subprocess (headless, no
+moescope.cli.dashboard STORE` runs it alone. The app runs as a `streamlit run` subprocess (headless, no
 usage statistics, bound to --host) and gets the store and flags through environment variables
 (see `dashboard.settings`). SIGTERM, SIGHUP or Ctrl-C sent to this process stop that child, and the
 command exits 0 only once the child is gone (`moescope.core.lifecycle`: a second signal, or a child that
@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 
+from moescope import dashboard as dashboard_package
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.core.lifecycle import GracefulStop, add_grace_period_argument
 from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
 from moescope.store.location import parse_storage_options
 
-APP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app.py")
+# the app Streamlit runs by path: the dashboard package's entry file (dashboard/app.py), not a file beside this one
+APP = os.path.join(os.path.dirname(os.path.abspath(dashboard_package.__file__)), "app.py")
 # Ctrl-C also reaches the child from the terminal itself; the SIGTERM this command sends it then is harmless
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
