@@ -1,0 +1,249 @@
+"""The real dashboard server in headless Chromium (Debian's /usr/bin/chromium, driven by Playwright).
+
+Opens every page, waits for Streamlit to finish the run and for the Plotly charts, asserts that
+no exception box is shown, that the browser asked nothing of any host but the dashboard's own
+(the tab icon ships with the package: offline, a fetch elsewhere fails and logs an error), that
+the console logged no error, and that every chart's title fits its chart and overlaps no other
+text of it; saves a screenshot of each page (to $MOESCOPE_SCREENSHOTS, else
+tests/dashboard/screenshots/, which git ignores). Then walks the newcomer's path: Overview ->
+"Which tokens go there?" -> click a cell of the layer x expert heatmap -> the tokens of that cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from argparse import Namespace
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from sklearn.metrics import normalized_mutual_info_score
+
+from moescope.cli import dashboard as cli
+from tests.support.realparts import require_program
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+PAGES = [("", "Overview", 5), ("heatmaps", "Heatmaps", 3), ("cache", "Expert cache", 1),
+         ("clusters", "Semantic clusters", 3), ("drift", "Drift and alerts", 3), ("health", "Expert health", 0),
+         ("training", "Training", 0), ("compare", "Compare", 3), ("jitter", "Routing jitter", 0)]
+SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_dashboard(root, log_dir) -> Iterator[str]:
+    """`moescope dashboard ROOT` on a free 127.0.0.1 port, its URL once it answers its health
+    check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
+    port = free_port()
+    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
+                     refresh_s=5.0, storage_option=[], state_dir=None)
+    log_path = os.path.join(log_dir, "streamlit.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log,
+                                   stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    pytest.fail(f"the dashboard did not come up: {f.read()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(recorded, tmp_path_factory):
+    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
+    with running_dashboard(recorded["root"], tmp_path_factory.mktemp("server")) as url:
+        yield url
+
+
+class Traffic:
+    """What the page asked for and what its console said, since the last `clear()`."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.console_errors: list[tuple[str, str]] = []  # (message, URL it is about)
+
+    def clear(self) -> None:
+        self.urls.clear()
+        self.console_errors.clear()
+
+    def outside(self, server: str) -> list[str]:
+        """The URLs asked of anything but `server` (data: and blob: URLs stay in the page)."""
+        own = urlsplit(server).netloc
+        return [u for u in self.urls if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).netloc != own]
+
+
+@pytest.fixture(scope="module")
+def traffic() -> Traffic:
+    return Traffic()
+
+
+@pytest.fixture(scope="module")
+def page(server, traffic, tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")  # a fresh profile: no state from other runs
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1500, "height": 2400})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("request", lambda request: traffic.urls.append(request.url))
+            page.on("console", lambda message: message.type == "error" and traffic.console_errors.append(
+                (message.text, message.location.get("url", ""))))
+            page.on("pageerror", lambda error: traffic.console_errors.append((f"uncaught: {error}", "")))
+            yield page
+        finally:
+            context.close()
+
+
+def assert_only_local_and_quiet(server: str, traffic: Traffic, path: str = "") -> None:
+    """Nothing was asked of another host, and the console logged no error, but one: opened at a page's
+    own URL, Streamlit's frontend looks for the server under that path first (`PAGE/_stcore/health`
+    and `/host-config`, a 404 each) before the root, which answers (streamlit/streamlit#7074)."""
+    assert traffic.outside(server) == [], "the page asked a host other than the dashboard's own"
+    probes = {f"{server}/{path}/_stcore/health", f"{server}/{path}/_stcore/host-config"} if path else set()
+    errors = [(text, url) for text, url in traffic.console_errors
+              if not (url in probes and "status of 404" in text)]
+    assert errors == []
+
+
+# Every text box of each chart: its title and subtitle (.gtitle, .gtitle-subtitle) and its
+# annotations (subplot titles among them), as client rectangles, beside the chart's own rectangle.
+CHART_TEXTS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => {
+    const svg = gd.querySelector('.main-svg').getBoundingClientRect();
+    const box = el => { const r = el.getBoundingClientRect();
+                        return {text: el.textContent, left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+    return {key: (gd.closest('[class*="st-key-"]') || {className: ''}).className.match(/st-key-(\\S+)/)?.[1] || '',
+            chart: {left: svg.left, right: svg.right, top: svg.top, bottom: svg.bottom},
+            titles: [...gd.querySelectorAll('.infolayer text.gtitle, .infolayer text.gtitle-subtitle')].map(box),
+            annotations: [...gd.querySelectorAll('.infolayer g.annotation text.annotation-text')].map(box)}; })"""
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    return a["left"] < b["right"] and b["left"] < a["right"] and a["top"] < b["bottom"] and b["top"] < a["bottom"]
+
+
+def assert_chart_texts_fit(charts: list[dict]) -> None:
+    """Each chart's titles lie inside it (an SVG cuts what passes its edge) and no two of its text
+    boxes (titles, subtitles, annotations) overlap."""
+    for chart in charts:
+        texts = [t for t in chart["titles"] + chart["annotations"] if t["text"].strip()]
+        for title in chart["titles"]:
+            if title["text"].strip():
+                assert chart["chart"]["left"] <= title["left"] and title["right"] <= chart["chart"]["right"], (
+                    chart["key"], title)
+        for i, a in enumerate(texts):
+            for b in texts[i + 1:]:
+                assert not overlaps(a, b), (chart["key"], a["text"], b["text"])
+
+
+def slot_nmi_of_layer(root: str, run_id: str, layer: int) -> float:
+    """NMI(expert; domain) over the kept slots of one layer, by scikit-learn over the raw routes rows."""
+    files = sorted(glob.glob(os.path.join(root, "routes", f"run_id={run_id}", "part-*.parquet")))
+    routes = pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
+    routes = routes[routes.layer == layer]
+    pairs = [(dict(tags)["domain"], int(expert)) for tags, ids, kept in zip(routes.tags, routes.expert_ids, routes.kept)
+             for expert, k in zip(ids, kept) if k]
+    return normalized_mutual_info_score(*zip(*pairs))
+
+
+def settle(page, charts: int, timeout_ms: int = 240_000) -> None:
+    """Wait until Streamlit's script run is over and at least `charts` Plotly charts are drawn."""
+    page.wait_for_function(
+        "() => { const app = document.querySelector('[data-testid=stApp]');"
+        " return app && app.getAttribute('data-test-script-state') === 'notRunning'; }", timeout=timeout_ms)
+    page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= {charts}",
+                           timeout=timeout_ms)
+    page.wait_for_timeout(800)  # let Plotly finish laying out before the screenshot
+
+
+@pytest.mark.parametrize("path,title,charts", PAGES, ids=[p[1] for p in PAGES])
+def test_page_in_a_real_browser(server, page, traffic, recorded, path, title, charts):
+    traffic.clear()
+    page.goto(f"{server}/{path}")
+    settle(page, charts)
+    page.wait_for_selector(f"h1:has-text('{title}')")
+    os.makedirs(SCREENSHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SCREENSHOTS, f"{path or 'overview'}.png"), full_page=True)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert_only_local_and_quiet(server, traffic, path)
+    texts = page.evaluate(CHART_TEXTS)
+    assert_chart_texts_fit(texts)
+    assert page.locator(".js-plotly-plot").count() >= charts
+    drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')].filter(
+        gd => gd.data && gd.data.length > 0 && gd.querySelector('.main-svg .trace, .main-svg .hm')).length""")
+    assert drawn >= charts  # charts that hold data and drew a trace (lines, bars, points, heatmap cells)
+    if path == "health":
+        assert page.get_by_text("no expert-health score recorded", exact=False).count() == 1
+    if path == "training":  # the recorded runs are inference runs: the page says how to record a training one
+        assert page.get_by_text("not recorded with moescope.training", exact=False).count() == 1
+    if path == "jitter":  # the probe's runs hold no jitter measurement: the page says how to take one
+        assert page.get_by_text("No routing jitter measured in this run", exact=False).count() == 1
+    if path == "clusters":  # the layer's value is drawn whole, inside the chart (assert_chart_texts_fit)
+        spec = next(chart for chart in texts if chart["key"] == "cl_spec_chart")
+        shown = " ".join(t["text"] for t in spec["titles"])
+        layer = int(re.search(r"Layer (\d+):", shown).group(1))
+        nmi = slot_nmi_of_layer(recorded["root"], recorded["runs"][-1], layer)  # the newest run is shown
+        assert f"kept-slot specialisation NMI(expert; domain) = {nmi:.3f}" in shown
+    if path == "compare":  # six panels, their titles apart (assert_chart_texts_fit)
+        scalars = next(chart for chart in texts if chart["key"] == "cp_scalars_chart")
+        assert len(scalars["annotations"]) == 6
+
+
+def test_three_clicks_from_overview_to_a_hot_experts_tokens(server, page, traffic):
+    traffic.clear()
+    page.goto(server)
+    settle(page, 5)
+    page.get_by_text("Which tokens go there?").click()  # click 1
+    settle(page, 3)
+    page.wait_for_selector("h1:has-text('Heatmaps')")
+    heading = page.locator("h3:has-text('Tokens routed to expert')")
+    assert heading.count() == 1
+    # Click 2: the cell (layer 1, expert 5) of the layer x expert heatmap, found through Plotly's axes.
+    x, y = page.evaluate("""() => {
+        const gd = document.querySelectorAll('.js-plotly-plot')[0];
+        const xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis, box = gd.getBoundingClientRect();
+        return [box.left + xa._offset + xa.l2p(xa.d2c('5')), box.top + ya._offset + ya.l2p(ya.d2c('1'))]; }""")
+    page.mouse.move(x, y)
+    page.mouse.click(x, y)
+    page.wait_for_selector("h3:has-text('Tokens routed to expert 5 of layer 1')", timeout=60_000)
+    settle(page, 3)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert page.locator('[data-testid="stDataFrame"]').count() >= 1
+    assert_only_local_and_quiet(server, traffic)
+    page.screenshot(path=os.path.join(SCREENSHOTS, "heatmaps-clicked.png"), full_page=True)

@@ -1,0 +1,98 @@
+"""Every rule of the default pack, as `moescope alerts prometheus-rules` writes it, fires in a real
+Prometheus on the layer built to trip it, and on no other.
+
+The exporter is fed hand-built records: one MoE layer per situation, each designed (numbers in the
+comments) to cross exactly the thresholds named in EXPECTED. Prometheus scrapes the exporter and
+evaluates the generated rules (with `for: 0`, so that it fires at its first evaluation); the
+firing (alert, layer) pairs it reports must be EXPECTED exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from moescope.alerts.rules import default_rules
+from moescope.core.records import Routes
+from moescope.prometheus.exporter import PrometheusExporter
+from moescope.prometheus.rules import prometheus_rules_yaml
+from tests.support.alert_records import BALANCED, SKEWED, layer_step, routes_for, step_record
+from tests.support.fixtures.servers import http_get_json, start_prometheus, wait_until
+
+pytestmark = pytest.mark.integration
+
+STEPS, WINDOW, BASELINE = 6, 4, 2  # the exporter's window: the last 4 steps; baseline: the first 2
+BIASED = [31, 31, 31, 31, 1, 1, 1, 1]  # KL(load || uniform) = 0.54 > 0.5; max/mean = 1.94 < 2
+DRIFTED = [24, 24, 24, 24, 8, 8, 8, 8]  # KL against the balanced baseline = 0.13 > 0.1; vs uniform 0.13 < 0.5
+DEAD = [18, 18, 18, 18, 18, 18, 20, 0]  # one expert of 8 never chosen; max/mean 1.25, KL 0.13
+
+
+def _no_locality() -> Routes:
+    """Balanced routes whose top-1 expert changes at every adjacent pair: 1000 changes per 1000 pairs."""
+    top1 = np.arange(128) % 8
+    return Routes(expert_ids=np.stack([top1, (top1 + 1) % 8], axis=1).astype(np.int32),
+                  gate_weights=np.full((128, 2), 0.5, dtype=np.float32), kept=np.ones((128, 2), dtype=bool),
+                  token_ids=None, sequence=(np.arange(128) // 16).astype(np.int32),
+                  position=(np.arange(128) % 16).astype(np.int32))
+
+
+def _layers(step: int) -> list:
+    healthy = dict(entropy=1.5, capacity_use=0.5)  # entropy / ln 8 = 0.72; half the capacity used
+    return [
+        layer_step(0, BALANCED, **healthy),  # nothing
+        layer_step(1, BIASED, **healthy),
+        layer_step(2, BALANCED if step < BASELINE else DRIFTED, **healthy),
+        layer_step(3, DEAD, **healthy),
+        layer_step(4, BALANCED, entropy=0.3, capacity_use=0.97),  # 0.3 / ln 8 = 0.14 < 0.25, and 0.97 > 0.95
+        layer_step(5, BALANCED, entropy=0.3, capacity_use=0.5),  # collapsed entropy alone: no cooldown
+        layer_step(6, BALANCED, entropy=1.5, capacity_use=0.97),  # full experts alone: no cooldown
+        layer_step(7, BALANCED, dropped=2, **healthy),  # 2 of 128 tokens dropped: 1.6% > 1%
+        dataclasses.replace(layer_step(8, BALANCED, **healthy), routes=_no_locality()),  # 1000 > 900
+        dataclasses.replace(layer_step(9, BALANCED, **healthy), routes=routes_for(np.array(BALANCED), sticky=True)),
+        layer_step(10, SKEWED, **healthy),  # max/mean 4.5 > 2, and KL vs uniform 0.54 > 0.5
+    ]
+
+
+EXPECTED = {
+    ("ExpertLoadSkew", "10"),
+    ("LoadBiasedAgainstUniform", "1"), ("LoadBiasedAgainstUniform", "10"),
+    ("RoutingDriftFromBaseline", "2"),
+    ("DeadExpert", "3"),
+    ("RoutingCooldown", "4"),
+    ("DroppedTokens", "7"),
+    ("RoutingDriftRate", "8"),
+}
+
+
+def test_every_default_rule_fires_in_prometheus_on_its_layer_only(tmp_path):
+    pack = default_rules()
+    assert {name for name, _ in EXPECTED} == {rule.name for rule in pack.rules}  # all seven, each exercised
+    immediate = dataclasses.replace(pack, rules=tuple(dataclasses.replace(r, for_s=0.0) for r in pack.rules))
+    exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=WINDOW, baseline_steps=BASELINE)
+    exporter.export([step_record(step, _layers(step), run_id="designed") for step in range(STEPS)])
+    port = exporter.serve(port=0)
+    rules_file = tmp_path / "moescope.rules.yml"
+    rules_file.write_text(prometheus_rules_yaml(immediate))
+    prom = None
+    try:
+        prom, prom_url = start_prometheus(tmp_path, f"127.0.0.1:{port}", rules_file)
+
+        def firing() -> set[tuple[str, str]]:
+            alerts = http_get_json(prom_url + "/api/v1/alerts")["data"]["alerts"]
+            return {(a["labels"]["alertname"], a["labels"]["layer"]) for a in alerts if a["state"] == "firing"}
+
+        wait_until(lambda: EXPECTED <= firing(), 40, what=f"Prometheus to fire {sorted(EXPECTED)}\n" + prom.log())
+        # one more evaluation: nothing else fires on the layers built not to trip a rule
+        rounds = http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["lastEvaluation"]
+        wait_until(lambda: http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["lastEvaluation"] != rounds,
+                   10, what="another rule evaluation")
+        assert firing() == EXPECTED
+        health = http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["rules"]
+        assert {r["name"]: r["health"] for r in health} == {r.name: "ok" for r in pack.rules}
+    finally:
+        if prom is not None:
+            prom.stop()
+        exporter.close()

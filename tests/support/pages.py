@@ -1,0 +1,31 @@
+"""Running the dashboard's pages in Streamlit's AppTest, and what every page must show."""
+
+from __future__ import annotations
+
+import os
+
+from streamlit.testing.v1 import AppTest
+
+from moescope.dashboard import settings
+from tests.support.paths import REPO
+
+APP = os.path.join(REPO, "dashboard", "app.py")
+
+
+def app_for(monkeypatch, store: str, allow_writes: bool = False) -> AppTest:
+    monkeypatch.setenv(settings.ENV_STORE, store)
+    monkeypatch.setenv(settings.ENV_ALLOW_WRITES, "1" if allow_writes else "0")
+    monkeypatch.delenv(settings.ENV_TOKENIZER, raising=False)
+    return AppTest.from_file(APP, default_timeout=240)
+
+
+def open_page(at: AppTest, page: str) -> AppTest:
+    at.run()
+    if page != "views/overview.py":
+        at.switch_page(page).run()
+    return at
+
+
+def assert_clean(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]

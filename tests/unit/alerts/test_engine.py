@@ -1,0 +1,171 @@
+"""The engine's state machine: for, cooldown, no flapping, fingerprints, baselines, live exporter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moescope.alerts.engine import AlertEngine, EngineExporter, fingerprint
+from moescope.alerts.observations import LayerObservation, compute_signals, observations_from_record
+from moescope.alerts.rules import parse_rules
+from moescope.metrics import signals as sig
+from tests.support.alert_records import BALANCED, EXPERTS, SKEWED, drift_per_1000, layer_step, step_record
+
+PACK = """\
+version: 1
+baseline: {first_steps: 3}
+rules:
+  - name: Skew
+    expr: load_max_mean > 2.0
+    window: 2
+    for: 3s
+    cooldown: 2s
+    labels: {team: infra}
+"""
+
+
+def run_steps(engine, loads_by_step, run_id="run-a"):
+    out = []
+    for step, load in enumerate(loads_by_step):
+        rec = step_record(step, [layer_step(0, load), layer_step(1, BALANCED)], run_id=run_id)
+        out.extend(engine.ingest(observations_from_record(rec)))
+    return out
+
+
+def test_pending_firing_resolved_with_for_and_cooldown():
+    engine = AlertEngine(parse_rules(PACK))
+    loads = [BALANCED] * 5 + [SKEWED] * 8 + [BALANCED] * 8
+    got = [(t.step, t.previous_state, t.state) for t in run_steps(engine, loads)]
+    # step 5: window [4,5] sums to max/mean 88/32 = 2.75 -> pending; fires 3 s later at step 8;
+    # step 13's window still holds step 12 (true); false from 14, resolved 2 s later at 15
+    assert got == [(5, "inactive", "pending"), (8, "pending", "firing"), (15, "firing", "resolved")]
+    transitions = run_steps(AlertEngine(parse_rules(PACK)), loads)
+    firing = transitions[1]
+    assert firing.labels == {"alertname": "Skew", "severity": "warning", "run_id": "run-a", "layer": "0",
+                             "team": "infra"}
+    assert firing.fingerprint == fingerprint(firing.labels)
+    assert firing.values["load_max_mean"] == pytest.approx(72 / 16)
+    assert firing.notifies and not transitions[0].notifies
+    assert transitions[2].ends_at == transitions[2].at and transitions[2].starts_at == firing.starts_at
+    assert transitions[1].idempotency_key() != transitions[2].idempotency_key()
+
+
+@pytest.mark.parametrize("seconds_per_step", [0.01, 1.0, 60.0])
+def test_step_counted_for_and_cooldown_ignore_the_clock(seconds_per_step):
+    """`for: 3 steps` / `cooldown: 2 steps`: the same transitions at the same steps whether a step
+    took 10 ms or a minute (a duration-counted rule moves with the clock; this one must not)."""
+    pack = parse_rules(PACK.replace("for: 3s", "for: 3 steps").replace("cooldown: 2s", "cooldown: 2 steps"))
+    rule = pack.rules[0]
+    assert (rule.for_steps, rule.cooldown_steps) == (3, 2)
+    loads = [BALANCED] * 5 + [SKEWED] * 8 + [BALANCED] * 8
+    engine = AlertEngine(pack)
+    got = []
+    for step, load in enumerate(loads):
+        rec = step_record(step, [layer_step(0, load), layer_step(1, BALANCED)], seconds_per_step=seconds_per_step)
+        got.extend((t.step, t.state) for t in engine.ingest(observations_from_record(rec)))
+    # the window [4,5] is skewed first at step 5 (pending), still true 3 steps later (8: firing);
+    # its last true step is 13 (window [12,13]), false from 14, 2 steps later (15) resolved
+    assert got == [(5, "pending"), (8, "firing"), (15, "resolved")]
+
+
+def test_a_step_count_is_refused_where_prometheus_needs_time():
+    from moescope.alerts.rules import RulesError
+    from moescope.prometheus.rules import prometheus_rules
+
+    with pytest.raises(RulesError, match="counted in steps has no Prometheus equivalent"):
+        prometheus_rules(parse_rules(PACK.replace("cooldown: 2s", "cooldown: 40 steps")))
+    with pytest.raises(RulesError, match="200 steps"):
+        parse_rules(PACK.replace("cooldown: 2s", "cooldown: 2 fortnights"))
+
+
+def test_no_flapping_inside_cooldown_and_pending_that_clears():
+    engine = AlertEngine(parse_rules(PACK.replace("window: 2", "window: 1")))
+    # skewed long enough to fire, then alternating every step: never false for 2 s -> no resolve
+    loads = [SKEWED] * 5 + [BALANCED, SKEWED] * 6
+    got = [(t.step, t.state) for t in run_steps(engine, loads)]
+    assert got == [(0, "pending"), (3, "firing")]
+    engine = AlertEngine(parse_rules(PACK.replace("window: 2", "window: 1")))
+    got = [(t.step, t.state) for t in run_steps(engine, [SKEWED, SKEWED, BALANCED, BALANCED])]
+    assert got == [(0, "pending"), (2, "inactive")]
+
+
+def test_replay_gives_identical_transitions_and_runs_are_separate():
+    loads = [BALANCED] * 3 + [SKEWED] * 6
+    a = run_steps(AlertEngine(parse_rules(PACK)), loads)
+    b = run_steps(AlertEngine(parse_rules(PACK)), loads)
+    assert [t.idempotency_key() for t in a] == [t.idempotency_key() for t in b]
+    engine = AlertEngine(parse_rules(PACK))
+    x = run_steps(engine, loads, run_id="x")
+    y = run_steps(engine, loads, run_id="y")
+    assert {t.fingerprint for t in x}.isdisjoint({t.fingerprint for t in y})
+
+
+def test_baseline_is_pinned_first_steps_or_loaded_run():
+    pack = parse_rules(PACK.replace("load_max_mean > 2.0", "kl_baseline > 0.1"))
+    engine = AlertEngine(pack)
+    run_steps(engine, [BALANCED] * 3 + [SKEWED] * 2)
+    expected_baseline = np.array(BALANCED) * 3
+    assert np.array_equal(engine.baseline("run-a", 0), expected_baseline)
+    vals = engine.signals(pack.rules[0], "run-a", 0)
+    assert vals["kl_baseline"] == pytest.approx(sig.kl_divergence(np.array(SKEWED) * 2, expected_baseline))
+    seen = []
+    def loader(run_id, layer, steps):
+        seen.append((run_id, layer, steps))
+        return np.array(SKEWED)
+
+    pack2 = parse_rules(PACK.replace("{first_steps: 3}", "{run_id: golden, first_steps: 5}"))
+    engine2 = AlertEngine(pack2, baseline_loader=loader)
+    run_steps(engine2, [SKEWED] * 2)
+    assert engine2.baseline("run-a", 0).tolist() == SKEWED and ("golden", 0, 5) in seen
+
+
+def test_compute_signals_over_a_window_with_routes():
+    recs = [step_record(s, [layer_step(0, SKEWED, dropped=2, capacity_use=0.9, routes=True)]) for s in range(3)]
+    obs = [o for r in recs for o in observations_from_record(r)]
+    vals = compute_signals(obs)
+    load = np.array(SKEWED) * 3
+    assert vals["load_max_mean"] == pytest.approx(sig.max_mean_ratio(load))
+    assert vals["kl_uniform"] == pytest.approx(sig.kl_divergence(load, np.ones(EXPERTS)))
+    assert vals["dropped_token_rate"] == pytest.approx(6 / 384)
+    assert vals["window_tokens"] == 384
+    assert vals["capacity_use"] == pytest.approx(0.9)
+    assert vals["dead_expert_fraction"] == 0.0
+    assert np.isnan(vals["kl_baseline"])  # no baseline given
+    assert vals["router_entropy"] == pytest.approx(1.5 / np.log(EXPERTS))
+    # what-if: 128 tokens, k=2, 8 experts -> capacity 32 at cf 1.0; computed per step, summed
+    per_step = sig.whatif_capacity(recs[0].layers[0].routes.expert_ids, EXPERTS)
+    assert vals["whatif_drop_rate_cf1"] == pytest.approx(per_step[1.0].dropped_tokens / 128)
+    assert vals["routing_drift_rate"] == pytest.approx(drift_per_1000([r.layers[0].routes for r in recs]))
+    assert isinstance(obs[0], LayerObservation) and obs[0].active_param_fraction == pytest.approx(2000 / 100_000)
+
+
+class ListSink:
+    def __init__(self):
+        self.got = []
+
+    def handle(self, transitions):
+        self.got.extend(transitions)
+
+
+class BrokenSink:
+    def handle(self, transitions):
+        raise RuntimeError("receiver exploded")
+
+
+def test_engine_exporter_on_the_live_stream_survives_a_broken_sink():
+    sink = ListSink()
+    exporter = EngineExporter(AlertEngine(parse_rules(PACK)), [BrokenSink(), sink])
+    records = [step_record(s, [layer_step(0, SKEWED)]) for s in range(5)]
+    assert exporter.export(records[:2]) is False  # pending found, broken sink counted
+    exporter.export(records[2:])
+    assert [t.state for t in sink.got] == ["pending", "firing"]
+    assert exporter.sink_errors == 2 and exporter.force_flush(1.0)
+    exporter.shutdown()  # the session closed: the run ended, its firing alert resolves, sinks hear it
+    exporter.shutdown()
+    assert exporter.export(records) is False
+    assert [(t.state, t.previous_state, t.step, t.reason) for t in sink.got[2:]] == [
+        ("resolved", "firing", 4, "run ended")]
+    ended = sink.got[2]
+    assert ended.ends_at == ended.at == records[4].ts and ended.starts_at == sink.got[1].starts_at
+    assert ended.annotations["resolved_reason"] == "run ended" and ended.fingerprint == sink.got[1].fingerprint
+    assert exporter.sink_errors == 3  # the broken sink failed on the resolve too; the good one got it
