@@ -16,7 +16,7 @@ Setups:
   one token per forward on a KV cache), the default sampling (`probe.HealthSampling()`), window 32;
 - demo: the committed demo model (4 layers, 8 experts) with the demo's settings (window 8,
   `sample_every=1`), batches of 2 x 16 tokens;
-- fault test: a random-initialised Mixtral from `tiny_model` with tests/alerts/test_health_fault.py's
+- fault test: a random-initialised Mixtral from `tiny_model` with tests/integration/alerts/test_health_fault.py's
   settings (window 1, `sample_every=1`), batches of 2 x 16 tokens.
 
     python bench/detection.py                 # 4 experts per setup and fault

@@ -40,7 +40,7 @@ Requests are counted where they arrive. With no --store, this script runs moto's
 child process with two ports onto one bucket: the writers use one, the compactor and the reader the
 other, and each request is counted by kind (a GET listing a prefix is a LIST, billed like a PUT),
 table part (log or data) and status. With --store s3://... over plain http (MinIO) and
---count-requests, tests/s3faults.py's proxy counts the writers' requests by HTTP method only
+--count-requests, tests/support/s3faults.py's proxy counts the writers' requests by HTTP method only
 (LISTs inside GET) and adds its own latency to every request. In a store you give, the runs
 written (fleet-<phase>-<time>-<id>) are left there: `moescope prune` removes them.
 """
@@ -380,7 +380,7 @@ def store_setup(args: argparse.Namespace):
         yield Setup(url, options, options, None, location.redacted)
         return
     sys.path.insert(0, REPO)  # tests/ holds the proxy
-    from tests.s3faults import FaultProxy
+    from tests.support.s3faults import FaultProxy
 
     with FaultProxy(endpoint, lifetime_s=24 * 3600) as proxy:
         yield Setup(url, options, {**options, "AWS_ENDPOINT_URL": proxy.url}, ProxyCounts(proxy),
@@ -388,7 +388,7 @@ def store_setup(args: argparse.Namespace):
 
 
 class ProxyCounts:
-    """The writers' requests as tests/s3faults.py's proxy counts them: by HTTP method (LISTs are
+    """The writers' requests as tests/support/s3faults.py's proxy counts them: by HTTP method (LISTs are
     GETs there), and 412 answers (conflicts) over all methods."""
 
     def __init__(self, proxy: Any):

@@ -7,7 +7,7 @@
     python bench/store.py --rows 2000000 --s3  # a quick look
 
 Each store (`--store`, repeatable: a folder, an object-storage URL, or `s3` for a moto server this
-script starts in its own process from tests/s3server.py and stops at the end) gets the same run:
+script starts in its own process from tests/support/s3server.py and stops at the end) gets the same run:
 
 1. writer: synthetic but complete `StepRecord`s (routes, loads that are the bincount of the routes),
    generated off the clock, written through the real exporter (`ParquetExporter`: Arrow, Parquet with
@@ -305,10 +305,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _s3_server(cleanup: ExitStack) -> Any:
-    """tests/s3server.py's moto server in its own process, stopped when `cleanup` closes."""
+    """tests/support/s3server.py's moto server in its own process, stopped when `cleanup` closes."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    from tests.s3server import S3Server
+    from tests.support.s3server import S3Server
 
     server = S3Server(auth=False)  # signatures not checked: moto's Python would be the bottleneck twice over
     cleanup.callback(server.stop)

@@ -10,7 +10,7 @@ reading the store is not. Each policy runs alone, `--repeat` times; the median i
 the process CPU time beside it, since wall time on a shared machine moves with its load.
 
 The replay the module had before the one pass (one simulation per capacity, kept as the oracle in
-tests/alerts/test_cache.py) is timed on the first `--old-tokens` tokens, beside the one pass on
+tests/unit/metrics/test_expert_cache.py) is timed on the first `--old-tokens` tokens, beside the one pass on
 the same tokens, and both must give the same hits.
 
     python bench/whatif.py                      # 1 M rows, 3 runs each, old replay on 10 000 tokens
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.old_tokens > 0:
         if REPO not in sys.path:
             sys.path.insert(0, REPO)
-        from tests.alerts.test_cache import _replay_hits
+        from tests.support.cache_oracle import replay_hits
 
         accesses = expert_accesses(ids[:args.old_tokens], args.experts)
         rows = accesses.tolist()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nold replay (one simulation per capacity) beside the one pass, first {args.old_tokens:,} tokens:")
         print(f"{'policy':<8} {'old s':>8} {'new s':>8} {'x faster':>9}")
         for policy in POLICIES:
-            old_wall, _, old_hits = timed(lambda: [_replay_hits(rows, c, policy) for c in capacities], 1)
+            old_wall, _, old_hits = timed(lambda: [replay_hits(rows, c, policy) for c in capacities], 1)
             new_wall, _, new = timed(lambda: cache_curves(accesses, args.experts, [policy]), args.repeat)
             if new[policy].hits.tolist() != old_hits:
                 print(f"{policy}: the one pass and the old replay disagree", file=sys.stderr)

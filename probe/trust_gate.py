@@ -98,7 +98,7 @@ def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
 # -- the family rules: router output in, gated router output out -------------------------------
 # Each rule gets (router, router args, router output, state) and returns the new output, built
 # exactly as the family's router builds it; with every weight at 1 it reproduces the router's
-# own output bit for bit (tests/probe/test_gate.py checks each family).
+# own output bit for bit (tests/unit/probe/test_trust_gate.py checks each family).
 
 def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, sort: bool = True) -> Callable:
     """softmax over all experts, top-k, optional renormalisation of the top-k, optional scale."""

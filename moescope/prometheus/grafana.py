@@ -5,7 +5,7 @@
 
 The panels are declared once in `PANELS` (title, unit, PromQL with its legend) and built into the
 dashboard with Grafana's own SDK (`grafana-foundation-sdk`, a dependency on Python 3.11+). Every query names
-only metrics and labels the exporter serves; tests/alerts/test_grafana.py runs each one against a
+only metrics and labels the exporter serves; tests/integration/prometheus/test_grafana.py runs each one against a
 real Prometheus scraping a probed run. Some panels need the run to record more than the default:
 compute time (`compute_time=True` at attach), the cache hit rate (`PrometheusExporter(cache_capacity=C)`
 and `routes=True`), the routing drift rate (`routes=True`) and drift from the baseline (the

@@ -13,7 +13,7 @@ from moescope import probe
 from moescope.core.exporters import InMemoryExporter
 from moescope.metrics.expert_cache import POLICIES
 from moescope.prometheus.exporter import PrometheusExporter
-from tests.support.cache_oracle import _brute_force_hits
+from tests.support.cache_oracle import brute_force_hits
 from tests.support.zoo import tiny_model
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed + 2 zero experts per layer
@@ -50,7 +50,7 @@ def test_gauge_replays_the_window_of_routes():
         assert accesses < 2 * len(tokens)  # some slots went to zero experts
         for policy in POLICIES:
             got = registry.get_sample_value("moe_layer_expert_cache_hit_ratio", {"layer": str(layer), "policy": policy})
-            assert got == pytest.approx(_brute_force_hits(tokens, 3, policy) / accesses, abs=1e-12), (layer, policy)
+            assert got == pytest.approx(brute_force_hits(tokens, 3, policy) / accesses, abs=1e-12), (layer, policy)
     port = exporter.serve(port=0)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

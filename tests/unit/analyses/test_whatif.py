@@ -17,7 +17,7 @@ from moescope.cli import main, whatif
 from moescope.metrics.expert_cache import POLICIES
 from moescope.store import Store
 from moescope.store.writer import ParquetExporter
-from tests.support.cache_oracle import _brute_force_hits
+from tests.support.cache_oracle import brute_force_hits
 from tests.support.zoo import tiny_model
 
 ROUTED_EXPERTS = 8  # the zoo's LongCat: 8 routed experts and 2 zero experts per layer
@@ -74,7 +74,7 @@ def test_report_equals_a_brute_force_replay_of_the_raw_rows(recorded, domain):
         for policy in POLICIES:
             curve = report[(report.layer == layer) & (report.policy == policy)].sort_values("capacity")
             assert curve.capacity.tolist() == list(range(1, ROUTED_EXPERTS + 1))
-            want = [_brute_force_hits(accesses, c, policy) for c in range(1, ROUTED_EXPERTS + 1)]
+            want = [brute_force_hits(accesses, c, policy) for c in range(1, ROUTED_EXPERTS + 1)]
             assert curve.hits.tolist() == want, (layer, policy)
             total = sum(len(a) for a in accesses)
             assert (curve.accesses == total).all() and (curve.tokens == sum(bool(a) for a in accesses)).all()
@@ -91,7 +91,7 @@ def test_max_tokens_replays_the_first_tokens_only(recorded):
             cache_report(store, run_id, layer=7)
     accesses = _raw_accesses(root, run_id, 1, None)[:30]
     assert report.truncated.all()
-    assert report.hits.tolist() == [_brute_force_hits(accesses, c, "lru") for c in range(1, ROUTED_EXPERTS + 1)]
+    assert report.hits.tolist() == [brute_force_hits(accesses, c, "lru") for c in range(1, ROUTED_EXPERTS + 1)]
 
 
 def test_cli_prints_the_curves(recorded, capsys, tmp_path):
@@ -155,12 +155,12 @@ def test_capacity_replays_the_sizes_asked_for(recorded, capsys):
     assert [int(row[0]) for row in printed] == [2, 5, 8, 12]  # 12 > E: all 8 routed experts resident
     for row in printed:
         capacity = min(int(row[0]), ROUTED_EXPERTS)
-        want = [f"{100 * _brute_force_hits(accesses, capacity, p) / total:.1f}%" for p in POLICIES]
+        want = [f"{100 * brute_force_hits(accesses, capacity, p) / total:.1f}%" for p in POLICIES]
         assert row[1:] == want, row
     with Store(root) as store:
         report = cache_report(store, run_id, layer=0, capacities=[3], policies=["belady"])
     assert report.capacity.tolist() == [3]
-    assert report.hits.tolist() == [_brute_force_hits(_raw_accesses(root, run_id, 0, None), 3, "belady")]
+    assert report.hits.tolist() == [brute_force_hits(_raw_accesses(root, run_id, 0, None), 3, "belady")]
 
 
 @pytest.mark.parametrize("given", ["0", "4,x", "2.5", ""])

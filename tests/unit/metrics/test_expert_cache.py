@@ -20,7 +20,7 @@ from moescope.metrics.expert_cache import (
     cache_hits,
     expert_accesses,
 )
-from tests.support.cache_oracle import _brute_force_hits
+from tests.support.cache_oracle import brute_force_hits, replay_hits
 
 # Silberschatz's reference string (Operating System Concepts, ch. 9): with 3 frames, OPT takes 9
 # page faults, LRU 12. Every page here is one expert, one token each (k = 1).
@@ -29,45 +29,6 @@ TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
 
 
 
-def _replay_hits(rows: list[list[int]], capacity: int, policy: str) -> int:
-    """The module's definition simulated directly, one capacity at a time (the module's own replay
-    before the one-pass stack): resident set, recency, counts and next uses kept as the stream goes."""
-    rows = [list(dict.fromkeys(e for e in row if e >= 0)) for row in rows]
-    rows = [row for row in rows if row]
-    upcoming: dict[int, float] = {}
-    next_uses: list[list[float]] = [[] for _ in rows]
-    for t in range(len(rows) - 1, -1, -1):
-        next_uses[t] = [upcoming.get(e, float("inf")) for e in rows[t]]
-        for e in rows[t]:
-            upcoming[e] = t
-    resident: set[int] = set()
-    recency: dict[int, tuple[int, int]] = {}  # expert -> (token, -slot) of its last access
-    count: dict[int, int] = {}
-    next_use: dict[int, float] = {}
-    if policy == "lru":
-        def order(e: int) -> tuple:
-            return recency[e]
-    elif policy == "lfu":
-        def order(e: int) -> tuple:
-            return count[e], recency[e]
-    else:
-        def order(e: int) -> tuple:
-            return -next_use[e], recency[e]
-    hits = 0
-    for t, row in enumerate(rows):
-        for slot, e in enumerate(row):
-            hits += e in resident
-            recency[e] = (t, -slot)
-            count[e] = count.get(e, 0) + 1
-            next_use[e] = next_uses[t][slot]
-        resident.update(row)
-        excess = len(resident) - capacity
-        if excess > 0:
-            victims = sorted((e for e in resident if e not in row), key=order)[:excess]
-            if len(victims) < excess:  # the token alone uses more than the cache holds
-                victims += sorted(row, key=order)[:excess - len(victims)]
-            resident.difference_update(victims)
-    return hits
 
 
 def _optimum_hits(rows: list[list[int]], capacity: int) -> int:
@@ -137,8 +98,8 @@ def test_every_capacity_equals_the_brute_force_replay(policy):
         rows = _random_rows(rng, rng.randint(1, 45), experts, k, skew=rng.choice([0.0, 1.0, 4.0]))
         curve = cache_curves(expert_accesses(np.array(rows), experts), experts, [policy])[policy]
         assert curve.accesses == len(rows) * k and curve.tokens == len(rows)
-        want = [_brute_force_hits(rows, c, policy) for c in range(1, experts + 1)]
-        assert [_replay_hits(rows, c, policy) for c in range(1, experts + 1)] == want, (case, rows)
+        want = [brute_force_hits(rows, c, policy) for c in range(1, experts + 1)]
+        assert [replay_hits(rows, c, policy) for c in range(1, experts + 1)] == want, (case, rows)
         assert curve.hits.tolist() == want, (case, rows)
         for c in range(1, experts + 1):
             assert cache_hits(expert_accesses(np.array(rows), experts), c, policy) == (want[c - 1], len(rows) * k)
@@ -188,7 +149,7 @@ def test_one_pass_equals_the_replay_at_every_capacity(policy, seed):
         ids = _stream(rng, rng.randint(0, 90), experts, k)
         accesses = expert_accesses(ids, experts)
         rows = accesses.tolist()
-        want = [_replay_hits(rows, c, policy) for c in range(1, experts + 1)]
+        want = [replay_hits(rows, c, policy) for c in range(1, experts + 1)]
         curve = cache_curves(accesses, experts, [policy])[policy]
         assert curve.capacities.tolist() == list(range(1, experts + 1))
         assert curve.hits.tolist() == want, (case, ids.tolist())
@@ -201,7 +162,7 @@ def test_one_pass_equals_the_replay_at_every_capacity(policy, seed):
     ids = _stream(rng, 600, 24, 6)
     accesses = expert_accesses(ids, 24)
     curve = cache_curves(accesses, 24, [policy])[policy]
-    assert curve.hits.tolist() == [_replay_hits(accesses.tolist(), c, policy) for c in range(1, 25)]
+    assert curve.hits.tolist() == [replay_hits(accesses.tolist(), c, policy) for c in range(1, 25)]
 
 
 @pytest.mark.parametrize("policy", ["lfu", "belady"])
@@ -220,7 +181,7 @@ def test_standings_too_large_to_pack_go_through_the_stack_as_ranks(policy):
     assert int(np.abs(huge).max()) < 1 << 63 and int(np.abs(huge).max()) * experts >= 1 << 63
     assert _stack_depth_counts(token, column, expert, huge, width, experts, experts).tolist() == want.tolist()
     rows = accesses.tolist()
-    assert np.cumsum(want).tolist() == [_replay_hits(rows, c, policy) for c in range(1, experts + 1)]
+    assert np.cumsum(want).tolist() == [replay_hits(rows, c, policy) for c in range(1, experts + 1)]
 
 
 def test_capacities_choose_the_points_of_the_curve():
@@ -228,7 +189,7 @@ def test_capacities_choose_the_points_of_the_curve():
     curves = cache_curves(accesses, 8, capacities=[3, 20, 1, 3])
     for policy, curve in curves.items():
         assert curve.capacities.tolist() == [1, 3, 20]  # sorted, once each; 20 holds all 8
-        assert curve.hits.tolist() == [_replay_hits([[e] for e in TEXTBOOK], c, policy) for c in (1, 3, 8)]
+        assert curve.hits.tolist() == [replay_hits([[e] for e in TEXTBOOK], c, policy) for c in (1, 3, 8)]
     assert curves["belady"].hits[1] == 20 - 9 and curves["lru"].hits[1] == 20 - 12
     assert cache_hits(accesses, 50, "lfu") == (20 - 6, 20)  # above E: everything resident, first uses miss
     with pytest.raises(ValueError, match="at least 1"):
