@@ -236,11 +236,40 @@ def tiny_config(family: str, **overrides: Any):
     return config
 
 
-def tiny_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A random-initialised model of `family`, in eval mode, on the CPU, seeded for repeatability."""
+def tiny_model(family: str, seed: int = 0, correction_bias: float | None = None, **overrides: Any) -> torch.nn.Module:
+    """A random-initialised model of `family`, in eval mode, on the CPU, seeded for repeatability.
+
+    correction_bias: for families with an `e_score_correction_bias` (DeepSeek-V3 style), fill it with
+    a shuffled ramp over [-correction_bias, correction_bias], so the experts chosen are not a top-k of
+    the scores; the probe must record what the experts really got. Other overrides are the config's.
+    """
     import transformers
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, FAMILIES[family][1])(config)
+    if correction_bias is not None:
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                ramp = torch.linspace(-correction_bias, correction_bias, buffer.numel())
+                buffer.copy_(ramp[torch.randperm(buffer.numel())])
     return model.eval()
+
+
+# A small Mixtral as the training tests take it: 4 experts, top-2, in train mode.
+TRAINING_MIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+
+
+def training_mixtral(seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """`TRAINING_MIXTRAL`, random-initialised from `seed`, in train mode; with a dtype (float64 for
+    exact optimizer arithmetic), cast to it and run with the eager experts (the grouped-mm kernels
+    take no float64)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**TRAINING_MIXTRAL)).train()
+    if dtype is not None:
+        model = model.to(dtype)
+        model.set_experts_implementation("eager")
+    return model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,21 +20,8 @@ from tests.support.alert_records import BALANCED, SKEWED, write_steps
 RULES = "rules:\n  - {name: Skew, expr: load_max_mean > 2.0, window: 1, for: 0, cooldown: 0}\n"
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs mounted for the test and unmounted after it."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs to fill a disk needs root; run the tests as root (CI does) to cover this")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (a container without CAP_SYS_ADMIN?): {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+# A 4 MiB disk, with tmpfs's own inode count: these tests fill its bytes (`fill` below), not its names.
+pytestmark = pytest.mark.small_disk(size="4m", inodes=None)
 
 
 def fill(folder) -> str:
@@ -57,11 +44,11 @@ def fill(folder) -> str:
 
 def test_alerts_run_starts_on_a_full_disk_delivers_and_says_what_it_could_not_persist(
         small_disk, tmp_path, receiver, capsys):
-    store = small_disk / "store"
+    store = Path(small_disk.path) / "store"
     write_steps(str(store), [SKEWED] * 2, close=False)  # a run still being recorded
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
-    filler = fill(small_disk)
+    filler = fill(small_disk.path)
 
     code = moescope_main(["alerts", "run", str(store), "--rules", str(rules), "--once",
                           "--webhook", receiver.url + "/hook", "--flush-timeout", "5"])
@@ -88,15 +75,15 @@ def test_alerts_run_starts_on_a_full_disk_delivers_and_says_what_it_could_not_pe
 
 
 def test_the_disk_filling_while_running_loses_no_transition_and_no_delivery(small_disk, receiver):
-    store = str(small_disk / "store")
+    store = os.path.join(small_disk.path, "store")
     write_steps(store, [BALANCED] * 2, close=False)
-    outbox_path = str(small_disk / "outbox.sqlite")
+    outbox_path = os.path.join(small_disk.path, "outbox.sqlite")
     outbox = Outbox(outbox_path, [WebhookNotifier(receiver.url + "/hook", name="hook")], persist_retry_s=0)
     runner = StoreAlertRunner(store, parse_rules(RULES), sinks=[outbox])
     try:
         assert runner.poll_once() == [] and outbox.persistent
         write_steps(store, [SKEWED, SKEWED, BALANCED], start=2, close=False)
-        filler = fill(small_disk)
+        filler = fill(small_disk.path)
 
         # a notification too big for the room left: the outbox cannot write it, and goes on in memory
         assert outbox.enqueue("hook", "big", b'{"pad": "' + b"x" * 300_000 + b'"}') is True

@@ -16,7 +16,6 @@ import os
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
 
 from moescope import probe
 from moescope.alerts.cooldown_policy import ALERT_NAME, CooldownConfig, CooldownPolicy, bind_cooldown
@@ -26,19 +25,13 @@ from moescope.alerts.rules import default_rules
 from moescope.probe.router_cooldown import RouterCooldownError
 from moescope.store import delta
 from tests.support.alert_records import layer_step, step_record
+from tests.support.zoo import training_mixtral
 
 torch.set_num_threads(1)
 EXPERTS = 4
 LN_E = math.log(EXPERTS)
 BASE_LR = 0.2
 FAST = dict(for_duration="0s", window=1, period_steps=3, min_gap_steps=2, max_share=0.5)
-
-
-def _model() -> MixtralForCausalLM:
-    torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        num_local_experts=EXPERTS, num_experts_per_tok=2, vocab_size=64)).train()
 
 
 def _lr(step: int) -> float:
@@ -49,7 +42,7 @@ class Run:
     """A probe session, an optimizer with a scheduler, and the bound policy."""
 
     def __init__(self, tmp_path, config: CooldownConfig | None = None, sink=None):
-        self.model = _model()
+        self.model = training_mixtral()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=BASE_LR)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 0.5 ** s)
         self.session = probe.attach(self.model, [], recording=probe.Recording(window=1))
@@ -272,7 +265,7 @@ def test_bad_config_values_say_what_is_allowed(kwargs, message):
 
 
 def test_binding_errors_are_clear(tmp_path):
-    model = _model()
+    model = training_mixtral()
     layers = probe.find_moe_layers(model)
     routers = {id(p) for layer in layers for p in layer.router.parameters()}
     subset = torch.optim.SGD([p for p in model.parameters() if id(p) not in routers], lr=0.1)

@@ -20,6 +20,10 @@ from moescope.probe.accumulate import ENTROPY_BINS
 from moescope.store import InMemoryExporter
 from tests.support.zoo import FAMILIES, tiny_model
 
+# DeepSeek-V3 routes by scores plus a correction bias: a non-zero one makes the final choice differ from a
+# top-k of the scores, and the probe must record what the experts really got.
+CORRECTION_BIAS = {"deepseek_v3": 0.5}
+
 BATCH, SEQ = 3, 7
 ENCODER_DECODER = {"switch_transformers", "nllb_moe"}
 
@@ -32,15 +36,6 @@ def _inputs(family: str, seed: int = 1) -> dict:
     return dict(input_ids=ids)
 
 
-def _model(family: str):
-    model = tiny_model(family)
-    if family == "deepseek_v3":
-        # A non-zero correction bias makes the final choice differ from a top-k of the logits:
-        # the probe must record what the experts really got, not what the logits suggest.
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.linspace(-0.5, 0.5, buffer.numel())[torch.randperm(buffer.numel())])
-    return model
 
 
 class _Oracle:
@@ -155,7 +150,7 @@ def _experts_params(family: str, layer) -> int:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def recorded(request):
     family = request.param
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     memory = InMemoryExporter()
     session = probe.attach(model, exporters=[memory], routes=True, router_logits=True, router_inputs=True)
     oracle = _Oracle(session.layers)
@@ -207,7 +202,7 @@ SAMPLED = ("mixtral", "deepseek_v3", "switch_transformers", "llama4", "jetmoe", 
 def test_sampled_logits_and_inputs_are_the_model_tensors_at_the_recorded_token(family):
     """router_logits=n / router_inputs=n keep n tokens per layer and forward, chosen on the device by
     a hash: whichever they are, each kept row must be the model's own tensor at the token it names."""
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     memory = InMemoryExporter()
     session = probe.attach(model, exporters=[memory], routes=True, router_logits=5, router_inputs=3, window=2,
                            window_s=None)
@@ -418,7 +413,7 @@ def test_route_rows_map_to_batch_rows(recorded):
 
 
 def test_deepseek_v3_records_the_biased_choice_not_the_logit_topk():
-    model = _model("deepseek_v3")
+    model = tiny_model("deepseek_v3", correction_bias=CORRECTION_BIAS.get("deepseek_v3"))
     memory = InMemoryExporter()
     with probe.attach(model, exporters=[memory], routes=True):
         with torch.no_grad():
@@ -513,7 +508,7 @@ def test_longcat_zero_experts_take_load_but_no_parameters():
 def test_a_window_of_two_forwards_is_the_sum_of_its_forwards(family):
     """Windowed records carry exactly the per-forward figures (checked above against the model)
     summed, or token-weighted where they are means, for every family."""
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     inputs = [_inputs(family, seed=1), _inputs(family, seed=2)]
     per_forward, windowed = InMemoryExporter(), InMemoryExporter()
     for exporter, window in ((per_forward, 1), (windowed, 2)):
@@ -557,7 +552,7 @@ def test_deferred_and_immediate_reductions_record_the_same(family):
     closes (one stacked pass, on the writer's thread); on CUDA and under torch.compile they are
     reduced one by one as they end. The same three forwards through each give the same records:
     aggregates, capacity use and every route row."""
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     inputs = [_inputs(family, seed) for seed in (1, 2, 3)]
     records = {}
     for grad, immediate in ((False, False), (True, False), (False, True)):
@@ -598,7 +593,7 @@ def test_forwards_reduced_on_either_thread_record_as_reduced_one_by_one(family, 
     one forward (16: a forward writes its first 16 rows, the rest counted as dropped, and gets a
     window of its own), the records and the drop counts equal those of forwards reduced one by one
     as they end (the path of CUDA and torch.compile)."""
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     g = torch.Generator().manual_seed(5)
     inputs = []
     for batch in (3, 3, 2, 2):

@@ -21,10 +21,6 @@ from tests.support.zoo import tiny_model
 BLOCKS = [f"model.layers.{i}.mlp" for i in range(3)]  # the model's MoE blocks, in module order
 
 
-def _model():
-    return tiny_model("mixtral", num_hidden_layers=3)
-
-
 def _batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return [torch.randint(0, 128, (2, 6), generator=g), torch.randint(0, 128, (3, 4), generator=g)]
@@ -80,7 +76,7 @@ def _record(model, layers, tmp_path=None):
     (lambda name: name.endswith((".0.mlp", ".2.mlp")), ["model.layers.0.mlp", "model.layers.2.mlp"]),
 ], ids=["string", "list", "predicate"])
 def test_watched_blocks_keep_their_index_and_the_fraction_is_counted_by_hand(layers, watched, tmp_path):
-    model = _model()
+    model = tiny_model("mixtral", num_hidden_layers=3)
     session, records, seen = _record(model, layers, tmp_path)
     indices = [BLOCKS.index(name) for name in watched]
     assert [layer.name for layer in session.layers] == watched
@@ -97,7 +93,7 @@ def test_watched_blocks_keep_their_index_and_the_fraction_is_counted_by_hand(lay
         assert record.active_param_fraction == pytest.approx(active / total, rel=1e-12)
     # Mixtral drops nothing and always uses k experts: the estimate for unwatched layers is then
     # exact, so watching some layers gives the fraction that watching all of them gives.
-    full_session, full_records, _ = _record(_model(), None)
+    full_session, full_records, _ = _record(tiny_model("mixtral", num_hidden_layers=3), None)
     assert [r.active_param_fraction for r in records] == pytest.approx(
         [r.active_param_fraction for r in full_records], rel=1e-12)
     assert 0 < records[0].active_param_fraction < 1
@@ -110,7 +106,7 @@ def test_watched_blocks_keep_their_index_and_the_fraction_is_counted_by_hand(lay
 
 
 def test_a_predicate_is_asked_about_every_block_and_its_answer_is_obeyed():
-    model = _model()
+    model = tiny_model("mixtral", num_hidden_layers=3)
     asked = []
 
     def only_the_middle(name: str) -> bool:
@@ -127,7 +123,7 @@ def test_a_predicate_is_asked_about_every_block_and_its_answer_is_obeyed():
 
 
 def test_a_predicate_matching_nothing_is_refused_with_the_names():
-    model = _model()
+    model = tiny_model("mixtral", num_hidden_layers=3)
     with pytest.raises(probe.NoMoELayersError, match="matches none.*model.layers.0.mlp, model.layers.1.mlp"):
         probe.attach(model, layers=lambda name: False)
     with pytest.raises(TypeError, match="module name, a list of names or a predicate"):

@@ -12,22 +12,13 @@ import copy
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
 
 from moescope import probe
 from moescope.core.exporters import InMemoryExporter
 from moescope.probe.router_cooldown import RouterCooldown, RouterCooldownError
+from tests.support.zoo import training_mixtral
 
 torch.set_num_threads(1)
-CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
-
-
-def _model(seed: int = 0, dtype=torch.float64) -> MixtralForCausalLM:
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**CONFIG)).to(dtype).train()
-    model.set_experts_implementation("eager")  # the grouped-mm kernels take no float64
-    return model
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -61,7 +52,7 @@ def _warmup_decay(step: int) -> float:  # transformers' get_linear_schedule_with
 # -- the split --------------------------------------------------------------------------------------
 
 def test_split_keeps_every_state_tensor_and_the_parent_hyperparameters():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.AdamW(_hf_groups(model), lr=3e-3, betas=(0.8, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_decay)
     for step in range(2):
@@ -92,7 +83,7 @@ def test_split_keeps_every_state_tensor_and_the_parent_hyperparameters():
 
 
 def test_a_router_outside_the_optimizer_is_a_clear_error():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     layers = probe.find_moe_layers(model)
     routers = set().union(*_router_ids(layers).values())
     subset = torch.optim.SGD([p for p in model.parameters() if id(p) not in routers], lr=0.1)
@@ -107,7 +98,7 @@ def test_a_router_outside_the_optimizer_is_a_clear_error():
 
 
 def test_one_split_per_optimizer():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layers = probe.find_moe_layers(model)
     first = RouterCooldown(layers, optimizer)
@@ -122,7 +113,7 @@ def test_one_split_per_optimizer():
 
 
 def test_a_group_of_routers_is_kept_and_named_parameters_follow_their_params():
-    model, twin = _model(), _model()
+    model, twin = training_mixtral(dtype=torch.float64), training_mixtral(dtype=torch.float64)
     layers = probe.find_moe_layers(model)
     routers = set().union(*_router_ids(layers).values())
 
@@ -164,7 +155,7 @@ def test_split_groups_keep_following_the_schedule_and_the_factor_never_compounds
                 torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)], milestones=[3])
         return optimizer, scheduler
 
-    model, twin = _model(), _model()
+    model, twin = training_mixtral(dtype=torch.float64), training_mixtral(dtype=torch.float64)
     optimizer, scheduler = build(model)
     twin_optimizer, twin_scheduler = build(twin)
     _train_step(model, optimizer, scheduler)  # a schedule already under way when the cooldown attaches
@@ -190,9 +181,10 @@ def test_split_groups_keep_following_the_schedule_and_the_factor_never_compounds
 
 
 def test_a_scheduler_that_does_not_match_the_optimizer_is_refused():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(_model().parameters(), lr=0.1), step_size=1)
+    another = torch.optim.SGD(training_mixtral(dtype=torch.float64).parameters(), lr=0.1)
+    other = torch.optim.lr_scheduler.StepLR(another, step_size=1)
     with pytest.raises(RouterCooldownError, match="drives another optimizer"):
         RouterCooldown(probe.find_moe_layers(model), optimizer, other)
 
@@ -200,7 +192,7 @@ def test_a_scheduler_that_does_not_match_the_optimizer_is_refused():
 # -- the learning rate -----------------------------------------------------------------------------
 
 def test_sgd_router_update_is_exactly_factor_times_lr_times_gradient():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     layers = probe.find_moe_layers(model)
@@ -225,7 +217,7 @@ def test_sgd_router_update_is_exactly_factor_times_lr_times_gradient():
 
 
 def test_adamw_router_update_is_factor_times_the_twins_and_the_rest_identical():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_decay)
     layers = probe.find_moe_layers(model)
@@ -238,7 +230,7 @@ def test_adamw_router_update_is_factor_times_the_twins_and_the_rest_identical():
             cooldown.start(1, factor=0.1, epsilon=0.0, steps=3)
         # the twin: built the usual way, loaded from the cooled model and optimizer (its checkpoint
         # comes out in the unsplit layout, so it loads as is); a deep copy, as state_dict() shares tensors
-        twin = _model()
+        twin = training_mixtral(dtype=torch.float64)
         twin.load_state_dict(model.state_dict())
         twin_optimizer = torch.optim.AdamW(_hf_groups(twin), lr=1e-2)
         twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
@@ -265,7 +257,7 @@ def test_adamw_router_update_is_factor_times_the_twins_and_the_rest_identical():
 
 
 def test_state_dict_round_trips_between_split_and_unsplit_optimizers():
-    model, twin = _model(), _model()
+    model, twin = training_mixtral(dtype=torch.float64), training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.AdamW(_hf_groups(model), lr=1e-2)
     for step in range(2):
         _train_step(model, optimizer, seed=step)
@@ -299,7 +291,7 @@ def _sequential(optimizer):
 def test_a_checkpoint_saved_before_any_split_loads_into_a_split_optimizer_and_scheduler(tmp_path):
     """Files written by torch.save and read with weights_only=True; the oracle is the plain run that
     wrote the checkpoint going on without a cooldown: same parameters, same rates in every group."""
-    plain = _model()
+    plain = training_mixtral(dtype=torch.float64)
     plain_optimizer = torch.optim.SGD(_hf_groups(plain), lr=0.2)
     plain_scheduler = _sequential(plain_optimizer)
     for step in range(3):
@@ -311,7 +303,7 @@ def test_a_checkpoint_saved_before_any_split_loads_into_a_split_optimizer_and_sc
         expected.append([g["lr"] for g in plain_optimizer.param_groups])
         _train_step(plain, plain_optimizer, plain_scheduler, seed=step)
 
-    model = _model(seed=1)
+    model = training_mixtral(seed=1, dtype=torch.float64)
     optimizer = torch.optim.SGD(_hf_groups(model), lr=0.2)
     scheduler = _sequential(optimizer)
     cooldown = RouterCooldown(probe.find_moe_layers(model), optimizer, scheduler)
@@ -331,7 +323,7 @@ def test_a_checkpoint_saved_before_any_split_loads_into_a_split_optimizer_and_sc
 
 
 def test_the_cooldowns_in_force_are_saved_with_the_optimizer_and_restored_before_the_attach(tmp_path):
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cooldown = RouterCooldown(probe.find_moe_layers(model), optimizer)
     for step in range(2):
@@ -341,7 +333,7 @@ def test_the_cooldowns_in_force_are_saved_with_the_optimizer_and_restored_before
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "checkpoint.pt")
     cooldown.close()
 
-    twin = _model(seed=1)
+    twin = training_mixtral(seed=1, dtype=torch.float64)
     twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     twin.load_state_dict(checkpoint["model"])
@@ -388,7 +380,7 @@ def _capture(layer):
 
 
 def test_jitter_only_while_cooling_in_training_mode_and_within_epsilon():
-    model = _model(dtype=torch.float32)
+    model = training_mixtral(dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layers = probe.find_moe_layers(model)
     cooldown = RouterCooldown(layers, optimizer, seed=3)
@@ -429,7 +421,7 @@ def test_jitter_only_while_cooling_in_training_mode_and_within_epsilon():
 
 
 def test_layers_that_do_not_cool_get_no_jitter_and_the_probe_sees_the_cooled_logits():
-    model = _model(dtype=torch.float32)
+    model = training_mixtral(dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     memory = InMemoryExporter()
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -450,7 +442,7 @@ def test_layers_that_do_not_cool_get_no_jitter_and_the_probe_sees_the_cooled_log
 # -- failure, closing, bad input -------------------------------------------------------------------
 
 def test_hooks_never_raise_into_training_and_close_restores():
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layers = probe.find_moe_layers(model)
     cooldown = RouterCooldown(layers, optimizer)
@@ -484,7 +476,7 @@ def test_hooks_never_raise_into_training_and_close_restores():
     (dict(steps=2.5), "steps counts optimizer steps"),
 ])
 def test_bad_start_arguments_say_what_is_allowed(kwargs, message):
-    model = _model()
+    model = training_mixtral(dtype=torch.float64)
     cooldown = RouterCooldown(probe.find_moe_layers(model), torch.optim.SGD(model.parameters(), lr=0.1))
     args = dict(layer=0) | kwargs
     with pytest.raises(RouterCooldownError, match=message):

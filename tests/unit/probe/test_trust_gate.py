@@ -20,6 +20,10 @@ from moescope.probe.trust_gate import RULES, TrustGate, TrustGateError
 from moescope.store import InMemoryExporter
 from tests.support.zoo import FAMILIES, tiny_model
 
+# DeepSeek-V3 routes by scores plus a correction bias: a non-zero one makes the final choice differ from a
+# top-k of the scores, and the probe must record what the experts really got.
+CORRECTION_BIAS = {"deepseek_v3": 0.2}
+
 torch.set_num_threads(1)
 BATCH, SEQ = 3, 7
 
@@ -36,13 +40,6 @@ def _inputs(family: str, seed: int = 1) -> dict:
     return dict(input_ids=ids)
 
 
-def _model(family: str, seed: int = 0):
-    model = tiny_model(family, seed=seed)
-    if family == "deepseek_v3":  # a non-zero correction bias, so the choice is not a top-k of the scores
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.linspace(-0.2, 0.2, buffer.numel())[torch.randperm(buffer.numel())])
-    return model
 
 
 def _logits(output) -> torch.Tensor:
@@ -65,7 +62,7 @@ def _poison(layer, expert: int, value: float = float("nan")) -> None:
 
 @pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f in RULES))
 def test_rule_rebuilds_the_router_output_at_weight_one(family):
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     layers = probe.find_moe_layers(model)
     gate = TrustGate(layers)
     seen = {}
@@ -87,7 +84,7 @@ def test_rule_rebuilds_the_router_output_at_weight_one(family):
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - UNGATEABLE))
 def test_untouched_gate_changes_no_bit(family):
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     inputs = _inputs(family)
     expert = _busiest_expert(model, family)
     with torch.no_grad():
@@ -106,7 +103,7 @@ def test_untouched_gate_changes_no_bit(family):
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - UNGATEABLE))
 def test_masked_expert_contributes_nothing(family):
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     inputs = _inputs(family)
     expert = _busiest_expert(model, family)
     layer = probe.find_moe_layers(model)[0]
@@ -141,7 +138,8 @@ def test_masked_expert_contributes_nothing(family):
 
 @pytest.mark.parametrize("family", sorted(UNGATEABLE))
 def test_families_the_gate_cannot_reach_say_so(family):
-    with moescope.attach(_model(family), trust_gate="manual") as session:
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
+    with moescope.attach(model, trust_gate="manual") as session:
         assert session.gate.mechanism(0) is None
         with pytest.raises(TrustGateError, match="cannot be gated"):
             session.trust.override(0, 0, 0.0, "test")
@@ -297,7 +295,7 @@ def test_every_family_with_a_rule_is_checked_against_the_brute_force_loop():
 @pytest.mark.parametrize("case", RULE_CASES, ids=_case_id)
 def test_rerouting_matches_a_brute_force_loop(case, weight):
     family, overrides = case
-    model = tiny_model(family, **overrides) if overrides else _model(family)
+    model = tiny_model(family, **overrides or {"correction_bias": CORRECTION_BIAS.get(family)})
     layer = probe.find_moe_layers(model)[0]
     raw_logits = _raw_logits(model, family, layer)
     expert = int(torch.topk(raw_logits, 1, dim=-1).indices.flatten().mode().values)  # often the first choice
@@ -336,7 +334,7 @@ def test_families_without_a_rule_get_their_weights_scaled_not_rerouted(family, w
     """The fallback (probe/trust_gate.py): the ids the experts receive stay the router's; the gated expert's
     weight is multiplied by w, nothing renormalises; at 0 its slot points, at weight 0, at an expert
     the token already uses (else the first unmasked one)."""
-    model = _model(family)
+    model = tiny_model(family, correction_bias=CORRECTION_BIAS.get(family))
     layer = probe.find_moe_layers(model)[0]
     gate = TrustGate([layer])
     assert gate.mechanism(0) == "remove"
@@ -364,7 +362,7 @@ def test_families_without_a_rule_get_their_weights_scaled_not_rerouted(family, w
 
 
 def test_gate_api_checks_its_input():
-    model = _model("mixtral")
+    model = tiny_model("mixtral", correction_bias=CORRECTION_BIAS.get("mixtral"))
     layers = probe.find_moe_layers(model)
     gate = TrustGate(layers)
     changes = []
