@@ -23,7 +23,8 @@ import pytest
 
 from moescope.ingest.proxy import RoutingProxy, RoutingRecorder, parse_listen
 from tests.support.importing import loop_loads, parquet_rows, stored_loads
-from tests.support.proxy import REPO, E, K, L, StandInEngine, draw, post, rows_of, stop_command
+from tests.support.paths import REPO
+from tests.support.proxy import E, K, L, StandInEngine, draw, post, rows_of, stop_command
 
 
 def test_a_response_passes_unchanged_and_its_routing_is_recorded_with_header_tags(tmp_path, engine, proxy_for):

@@ -25,8 +25,8 @@ import pytest
 
 from moescope.ingest.proxy import Captured, ProxyLimits, RoutingProxy, RoutingRecorder
 from tests.support.importing import parquet_rows
+from tests.support.paths import REPO
 from tests.support.proxy import (
-    REPO,
     E,
     draw,
     json_answer,

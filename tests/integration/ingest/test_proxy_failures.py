@@ -21,8 +21,8 @@ import pytest
 
 from moescope.ingest.proxy import ProxyLimits, RoutingRecorder
 from tests.support.importing import loop_loads, parquet_rows, stored_loads
+from tests.support.paths import REPO
 from tests.support.proxy import (
-    REPO,
     E,
     RawUpstream,
     draw,

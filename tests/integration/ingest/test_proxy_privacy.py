@@ -18,8 +18,8 @@ import pytest
 
 from moescope.ingest.proxy import Captured, RoutingProxy, RoutingRecorder, parse_upstream
 from tests.support.importing import parquet_rows
+from tests.support.paths import REPO
 from tests.support.proxy import (
-    REPO,
     E,
     draw,
     generated_token_ids,
