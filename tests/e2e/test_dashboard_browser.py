@@ -11,75 +11,17 @@ tests/dashboard/screenshots/, which git ignores). Then walks the newcomer's path
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import re
-import socket
-import subprocess
-import time
-import urllib.request
-from argparse import Namespace
-from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from moescope.cli import dashboard as cli
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, Traffic, running_dashboard, settle
 from tests.support.realparts import require_program
-
-pytestmark = pytest.mark.integration
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-PAGES = [("", "Overview", 5), ("heatmaps", "Heatmaps", 3), ("cache", "Expert cache", 1),
-         ("clusters", "Semantic clusters", 3), ("drift", "Drift and alerts", 3), ("health", "Expert health", 0),
-         ("training", "Training", 0), ("compare", "Compare", 3), ("jitter", "Routing jitter", 0)]
-SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_dashboard(root, log_dir) -> Iterator[str]:
-    """`moescope dashboard ROOT` on a free 127.0.0.1 port, its URL once it answers its health
-    check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
-    port = free_port()
-    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
-                     refresh_s=5.0, storage_option=[], state_dir=None)
-    log_path = os.path.join(log_dir, "streamlit.log")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log,
-                                   stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                with open(log_path) as f:
-                    pytest.fail(f"the dashboard did not come up: {f.read()[-2000:]}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -87,23 +29,6 @@ def server(recorded, tmp_path_factory):
     require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
     with running_dashboard(recorded["root"], tmp_path_factory.mktemp("server")) as url:
         yield url
-
-
-class Traffic:
-    """What the page asked for and what its console said, since the last `clear()`."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self.console_errors: list[tuple[str, str]] = []  # (message, URL it is about)
-
-    def clear(self) -> None:
-        self.urls.clear()
-        self.console_errors.clear()
-
-    def outside(self, server: str) -> list[str]:
-        """The URLs asked of anything but `server` (data: and blob: URLs stay in the page)."""
-        own = urlsplit(server).netloc
-        return [u for u in self.urls if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).netloc != own]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +54,25 @@ def page(server, traffic, tmp_path_factory):
             yield page
         finally:
             context.close()
+
+pytestmark = pytest.mark.integration
+
+PAGES = [("", "Overview", 5), ("heatmaps", "Heatmaps", 3), ("cache", "Expert cache", 1),
+         ("clusters", "Semantic clusters", 3), ("drift", "Drift and alerts", 3), ("health", "Expert health", 0),
+         ("training", "Training", 0), ("compare", "Compare", 3), ("jitter", "Routing jitter", 0)]
+SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
+
+
+
+
+
+
+
+
+
+
+
+
 
 
 def assert_only_local_and_quiet(server: str, traffic: Traffic, path: str = "") -> None:
@@ -182,14 +126,6 @@ def slot_nmi_of_layer(root: str, run_id: str, layer: int) -> float:
     return normalized_mutual_info_score(*zip(*pairs))
 
 
-def settle(page, charts: int, timeout_ms: int = 240_000) -> None:
-    """Wait until Streamlit's script run is over and at least `charts` Plotly charts are drawn."""
-    page.wait_for_function(
-        "() => { const app = document.querySelector('[data-testid=stApp]');"
-        " return app && app.getAttribute('data-test-script-state') === 'notRunning'; }", timeout=timeout_ms)
-    page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= {charts}",
-                           timeout=timeout_ms)
-    page.wait_for_timeout(800)  # let Plotly finish laying out before the screenshot
 
 
 @pytest.mark.parametrize("path,title,charts", PAGES, ids=[p[1] for p in PAGES])

@@ -32,7 +32,7 @@ from moescope.analyses.training_report import LAYER_COLUMNS, training_report
 from moescope.dashboard import figures as fg
 from moescope.store.store import Store
 from tests.support.pages import app_for, assert_clean, open_page
-from tests.unit.training.test_training import EXPERTS, TOP_K, VOCAB, tiny_mixtral
+from tests.support.training import EXPERTS, TOP_K, VOCAB, tiny_mixtral
 
 PAGE = "views/training.py"
 TRAIN_RUN, PLAIN_RUN = "train-run", "plain-run"
@@ -270,7 +270,7 @@ def test_figures_say_why_they_are_empty_and_skip_cooldowns_that_cooled_nothing()
 def test_training_page_in_a_real_browser(trained, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    from tests.e2e.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard, settle
+    from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard, settle
     from tests.support.realparts import require_program
 
     require_program(CHROMIUM, package="chromium")

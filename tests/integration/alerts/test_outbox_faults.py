@@ -16,7 +16,7 @@ from moescope.alerts.notify import NotifierError, SlackNotifier, WebhookNotifier
 from moescope.alerts.outbox import DELIVERED, DROPPED, PENDING, Outbox
 from moescope.cli import main as moescope_main
 from moescope.cli.alerts import receivers_from_options
-from tests.integration.alerts.test_delivery import Clock, transitions
+from tests.support.alert_delivery import Clock, transitions
 from tests.support.fixtures.servers import Receiver, free_port
 
 

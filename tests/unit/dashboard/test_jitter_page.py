@@ -13,8 +13,8 @@ import moescope
 from moescope.analyses.jitter import MARGIN_EDGES
 from moescope.dashboard import figures as fg
 from tests.support.deltafiles import snapshot_rows
+from tests.support.jitter import near_tied_mixtral, token_lists
 from tests.support.pages import app_for, assert_clean, open_page
-from tests.unit.analyses.test_jitter import near_tied_mixtral, token_lists
 
 PAGE = "views/jitter.py"
 

@@ -9,35 +9,13 @@ import os
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
 
 import moescope.training as training
-
-EXPERTS, TOP_K, VOCAB = 4, 2, 64
-
-
-def tiny_mixtral(seed: int = 0) -> MixtralForCausalLM:
-    torch.manual_seed(seed)
-    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                           vocab_size=VOCAB, output_router_logits=True, router_aux_loss_coef=0.02)
-    return MixtralForCausalLM(config)
-
-
-def batches(n: int, batch: int = 2, seq: int = 12, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
-
-
-def rows(root, table: str):
-    files = sorted(glob.glob(os.path.join(root, table, "*", "*.parquet")))
-    assert files, f"no {table} files under {root}"
-    return [r for f in files for r in pq.ParquetFile(f).read().to_pylist()]
+from tests.support.training import EXPERTS, TOP_K, batches, rows, tiny_mixtral
 
 
 def run_loop(model, optimizer, data, accumulate: int = 1, scheduler=None, **options):

@@ -16,7 +16,7 @@ import torch
 
 import moescope.training as training
 from moescope.alerts.cooldown_policy import CooldownConfig
-from tests.unit.training.test_training import EXPERTS, batches, rows, tiny_mixtral
+from tests.support.training import EXPERTS, batches, rows, tiny_mixtral
 
 STEPS, SAVED_AT = 10, 5
 # Normalised router entropy is never below 0: the policy never cools a router by itself here.

@@ -1,0 +1,96 @@
+"""Chromium driven by Playwright against a dashboard started as a user starts it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from argparse import Namespace
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+from moescope.cli import dashboard as cli
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_dashboard(root, log_dir) -> Iterator[str]:
+    """`moescope dashboard ROOT` on a free 127.0.0.1 port, its URL once it answers its health
+    check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
+    port = free_port()
+    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
+                     refresh_s=5.0, storage_option=[], state_dir=None)
+    log_path = os.path.join(log_dir, "streamlit.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cli.command(args), env=cli.environment(args), stdout=log,
+                                   stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                with open(log_path) as f:
+                    pytest.fail(f"the dashboard did not come up: {f.read()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+
+
+class Traffic:
+    """What the page asked for and what its console said, since the last `clear()`."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.console_errors: list[tuple[str, str]] = []  # (message, URL it is about)
+
+    def clear(self) -> None:
+        self.urls.clear()
+        self.console_errors.clear()
+
+    def outside(self, server: str) -> list[str]:
+        """The URLs asked of anything but `server` (data: and blob: URLs stay in the page)."""
+        own = urlsplit(server).netloc
+        return [u for u in self.urls if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).netloc != own]
+
+
+
+
+
+
+def settle(page, charts: int, timeout_ms: int = 240_000) -> None:
+    """Wait until Streamlit's script run is over and at least `charts` Plotly charts are drawn."""
+    page.wait_for_function(
+        "() => { const app = document.querySelector('[data-testid=stApp]');"
+        " return app && app.getAttribute('data-test-script-state') === 'notRunning'; }", timeout=timeout_ms)
+    page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= {charts}",
+                           timeout=timeout_ms)
+    page.wait_for_timeout(800)  # let Plotly finish laying out before the screenshot

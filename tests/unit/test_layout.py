@@ -1,0 +1,111 @@
+"""The layout holds: what users import still resolves, every package is in the wheel's list, and the
+tests keep to their tiers (no test module imports another; helpers live in tests/support)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+
+import pytest
+
+from tests.support.paths import REPO
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PUBLIC_PACKAGES = ("moescope", "moescope.probe", "moescope.store", "moescope.alerts", "moescope.training",
+                   "moescope.analyses", "moescope.dashboard")
+# package-dir of pyproject: the repository's folders that install under the moescope namespace
+FOLDERS = {"moescope": "moescope", "moescope.probe": "probe", "moescope.store": "store",
+           "moescope.alerts": "alerts", "moescope.dashboard": "dashboard"}
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_every_name_a_package_exports_resolves(package):
+    module = importlib.import_module(package)
+    for name in getattr(module, "__all__", ()):
+        if getattr(module, name, None) is None:  # a submodule listed in __all__ (`from package import *` loads it)
+            importlib.import_module(f"{package}.{name}")
+
+
+def test_what_users_were_told_to_import_is_the_same_object_as_its_home():
+    import moescope
+    import moescope.alerts
+    import moescope.probe
+    import moescope.store
+    from moescope.alerts.engine import AlertEngine
+    from moescope.attachment import attach
+    from moescope.core.exporters import InMemoryExporter
+    from moescope.probe.session import attach as probe_attach
+    from moescope.prometheus.exporter import PrometheusExporter
+    from moescope.store.store import Store
+
+    assert moescope.attach is attach
+    assert moescope.Store is moescope.store.Store is Store
+    assert moescope.probe.attach is probe_attach
+    assert moescope.store.InMemoryExporter is InMemoryExporter
+    assert moescope.alerts.AlertEngine is AlertEngine
+    assert moescope.alerts.PrometheusExporter is PrometheusExporter  # the lazy alias of an old home
+
+
+def test_the_command_line_offers_every_command_group():
+    from moescope.cli import build_parser
+
+    parser = build_parser()
+    commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert {"demo", "summary", "train-demo", "query", "compact", "prune", "store", "import", "proxy", "alerts",
+            "dashboard", "grafana", "jitter", "whatif"} <= commands
+
+
+def _python_packages() -> set[str]:
+    """Every folder with an __init__.py under the namespace's folders, as its installed package name."""
+    found = set()
+    for package, folder in FOLDERS.items():
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            if "__init__.py" in files:
+                relative = os.path.relpath(root, os.path.join(REPO, folder))
+                found.add(package if relative == "." else f"{package}.{relative.replace(os.sep, '.')}")
+    return found
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject lists the packages by hand (the folders map into one namespace): a package missing
+    there installs from an editable checkout and is absent from the wheel."""
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        listed = set(tomllib.load(fh)["tool"]["setuptools"]["packages"])
+    assert _python_packages() == listed
+
+
+def _test_modules() -> list[str]:
+    out = []
+    for root, dirs, files in os.walk(os.path.join(REPO, "tests")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return out
+
+
+def test_every_test_lives_in_a_tier_and_no_module_imports_a_test_module():
+    tiers = {"unit", "integration", "e2e"}
+    problems = []
+    for path in _test_modules():
+        relative = os.path.relpath(path, os.path.join(REPO, "tests")).split(os.sep)
+        name = relative[-1]
+        if name.startswith("test_") and relative[0] not in tiers:
+            problems.append(f"{'/'.join(relative)} is outside tests/unit, tests/integration and tests/e2e")
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "tests" and (len(parts) > 1 and parts[1] in tiers or "conftest" in parts):
+                    problems.append(f"{'/'.join(relative)} imports {module}: shared helpers belong in tests/support")
+    assert not problems, "\n".join(problems)
