@@ -37,23 +37,40 @@ def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = N
            health: bool | probe.HealthSampling = False, **options: Any) -> ProbeSession:
     """Attach the probe to `model` and send its records to a store and any other exporters.
 
-    store: where to write the tables (see the README for the tables): a local folder, or a URL
-    (`s3://bucket/prefix`, `gs://...`, `az://...`) that many processes and hosts may share.
-    storage_options: how to reach a URL store, without secrets (`endpoint`, `region`, `allow_http`,
-    ...; `store.location.parse_storage_options`); credentials come from the environment only.
-    exporters: more consumers of the records (the Prometheus exporter, an alerts engine, an
-    `InMemoryExporter`). health: sample expert outputs and weight fingerprints and score expert
-    health (docs/health.md). trust_gate: None (default: nothing in the model changes), "manual"
-    (a `TrustGate` at `session.gate`, changed by `session.trust.override`) or "auto" (health on,
-    and the policy gates unhealthy experts). trust_policy: an `alerts.trust_policy.TrustPolicy`
-    (thresholds, alert sink, `accept_requests`); a default one otherwise. Every other option is
-    the probe's (`probe.attach`: routes, router_logits, router_inputs, kv_cache, window, layers,
-    specs, tags, run_id, policy, recording=, pipeline=, ...).
+    The composition root: the session comes from `probe.attach`, the store's `ParquetExporter` is
+    added when `store` is given, and a trust policy is bound when `health` or `trust_gate` asks for one.
 
-    Returns the probe session; `session.trust` is the bound policy (None without health or gate).
-    Raises ValueError for an unknown trust_gate mode (`probe.TRUST_GATE_MODES`),
-    `store.location.LocationError` (a ValueError) for a store URL or options that cannot be used,
-    and what `probe.attach` raises.
+    Args:
+        model: the torch model to hook; every MoE layer the probe recognises is watched.
+        store: where to write the tables (Reference, "Tables and columns"): a local folder, or a
+            URL (`s3://bucket/prefix`, `gs://...`, `az://...`) that many processes and hosts may share.
+            Default None: no store, the records go to `exporters` only.
+        storage_options: how to reach a URL store, without secrets (`endpoint`, `region`, `allow_http`,
+            ...; `store.location.parse_storage_options`); credentials come from the environment only.
+            Needs `store`.
+        exporters: more consumers of the records (the Prometheus exporter, an alerts engine, an
+            `InMemoryExporter`).
+        trust_gate: None (default: nothing in the model changes), "manual" (a `TrustGate` at
+            `session.gate`, changed by `session.trust.override`) or "auto" (health on, and the policy
+            gates unhealthy experts).
+        trust_policy: an `alerts.trust_policy.TrustPolicy` (thresholds, alert sink, `accept_requests`);
+            by default a default one. Used only when `health` or `trust_gate` is on.
+        health: sample expert outputs and weight fingerprints and score expert health (True, or a
+            `probe.HealthSampling`; docs/health.md). Default False; `trust_gate="auto"` turns it on.
+        **options: the probe's (`probe.attach`: routes, router_logits, router_inputs, kv_cache, window,
+            layers, specs, tags, run_id, policy, recording=, pipeline=, ...). The store's buffers are
+            flushed every `flush_interval_s` (the pipeline's, default 5 s).
+
+    Returns:
+        The probe session (a context manager); `session.trust` is the bound policy (None without
+        health or gate).
+
+    Raises:
+        ValueError: for an unknown trust_gate mode (`probe.TRUST_GATE_MODES`), or `storage_options`
+            without a `store`.
+        store.location.LocationError: (a ValueError) for a store URL or options that cannot be used.
+        NoMoELayersError: for a model with no MoE layer; `probe.attach`'s other exceptions
+            (ProbeAttachError, TypeError) pass through too.
     """
     if trust_gate not in TRUST_GATE_MODES:
         raise ValueError(f"trust_gate must be None, 'manual' or 'auto', not {trust_gate!r}")

@@ -85,16 +85,31 @@ def _sample_size(option: bool | int) -> int:
 class Recording:
     """What a session records beyond the per-layer aggregates, and how forwards become records.
 
-    window / window_s: a record covers up to `window` forwards or `window_s` seconds, whichever
-    ends first (None: no time limit), all of one kind (prefill or decode steps); `window=1` records
-    every forward. routes: per-token expert
-    ids and gate weights, kept in a device ring of `ring_tokens` tokens per group of like layers.
-    router_logits / router_inputs: True for every token, n for a sample of n tokens per layer and
-    forward (chosen on the device from `sample_seed` and the forward counter). kv_cache: KV-cache
-    bytes per attention layer. coselection: E x E co-selection counts (None: on when k > 1 and
-    E <= 64). compute_time: time spent in each MoE block and per expert (probe/timing.py: CUDA
-    events read on the writer's thread, wall time on CPU); opt-in because its hooks are host code,
-    a graph break at each block under torch.compile, and record nothing under CUDA-graph replay.
+    Its fields may also be given one by one as keyword options of `probe.attach` or `moescope.attach`
+    (`routes=True, window=1`).
+
+    Args:
+        routes: record per-token expert ids and gate weights (the `routes` table), kept in a device
+            ring of `ring_tokens` tokens per group of like layers. Default False.
+        router_logits: False (default), True for every token, or n for a sample of n tokens per layer
+            and forward (chosen on the device from `sample_seed` and the forward counter).
+        router_inputs: the router's input hidden states, sampled as `router_logits` is.
+        kv_cache: record the KV-cache bytes per attention layer. Default False.
+        coselection: record E x E co-selection counts; None (default) turns them on when k > 1 and
+            E <= 64.
+        compute_time: record the time spent in each MoE block and per expert (probe/timing.py: CUDA
+            events read on the writer's thread, wall time on CPU). Opt-in (default False) because its
+            hooks are host code, a graph break at each block under torch.compile, and record nothing
+            under CUDA-graph replay.
+        window: a record covers up to `window` forwards (default 32), all of one kind (prefill or
+            decode steps); `window=1` records every forward.
+        window_s: a record also ends after `window_s` seconds (default 1.0), whichever of the two
+            comes first; None: no time limit.
+        ring_tokens: tokens of the routes ring per group of like layers (default 16384).
+        sample_seed: seed of the on-device token sampling for `router_logits` and `router_inputs`.
+
+    Raises:
+        ValueError: for `window` or `ring_tokens` below 1.
     """
 
     routes: bool = False
@@ -119,8 +134,15 @@ class Recording:
 class Pipeline:
     """The bounded queue between the model and the exporters (moescope/core/pipeline.py).
 
-    policy: "block" (lossless, the model waits if the exporters cannot keep up) or "drop" (the
-    model never waits; drops are counted). flush_interval_s: how often exporters flush.
+    Its fields may also be given one by one as keyword options of `probe.attach` (`policy="drop"`).
+
+    Args:
+        policy: "block" (default: lossless, the model waits if the exporters cannot keep up) or "drop"
+            (the model never waits; drops are counted).
+        max_queue: the most records waiting for the exporters (default 256).
+        max_queue_bytes: the most host bytes of records waiting (default 256 MiB).
+        flush_interval_s: how often exporters flush, in seconds (default 5.0); `moescope.attach` also
+            gives it to the store's writer as the age at which its buffers are written.
     """
 
     policy: str = "block"
@@ -130,14 +152,25 @@ class Pipeline:
 
 
 class TrustPolicyExporter(GatePolicy, Exporter[StepRecord], Protocol):
-    """A trust policy a session runs (`alerts.trust_policy.TrustPolicy`): it drives the session's
-    gate and takes an operator's pins (`GatePolicy`), and judges the session's records as one of its
-    exporters. Bound with `ProbeSession.bind_trust_policy`."""
+    """A trust policy a session runs (`alerts.trust_policy.TrustPolicy`).
+
+    It drives the session's gate and takes an operator's pins (`GatePolicy`), and judges the
+    session's records as one of its exporters. Bound with `ProbeSession.bind_trust_policy`.
+    """
 
 
 @dataclass(frozen=True)
 class HealthSampling:
-    """Expert-health sampling (probe/health_sampling.py): see `HealthSampler` for each field."""
+    """Expert-health sampling (probe/health_sampling.py; `HealthSampler` does the sampling).
+
+    Args:
+        tokens_per_expert: tokens run through each sampled expert (default 4).
+        experts_per_forward: experts sampled per watched layer at a sampled forward (default 1; None:
+            every expert of every layer).
+        weight_every: sampled forwards between two weight-fingerprint checks of a layer (default 32).
+        sample_every: forwards between two health samples (default 4).
+        seed: seed of the on-device token and expert choices.
+    """
 
     tokens_per_expert: int = 4
     experts_per_forward: int | None = 1
@@ -149,6 +182,7 @@ class HealthSampling:
 class ProbeSession:
     """A probe attached to one model. Use as a context manager, or call `close()`.
 
+    Made by `probe.attach` (or `moescope.attach`), which finds the layers and checks the options.
     Per forward the hooks keep references to each MoE layer's router logits and final choice; at
     the end of the forward one stacked reduction per group of like layers adds them to device
     accumulators (probe/reduction.py). Every `window` forwards, or `window_s` seconds, or when a
@@ -162,6 +196,23 @@ class ProbeSession:
 
     In a forked child the session resets itself through the at-fork registry
     (`moescope.core.forking`); see `_start_in_child` for what the child records.
+
+    Args:
+        model: the model whose forwards are recorded.
+        layers: the MoE layers to hook (`find_moe_layers`).
+        exporters: consumers of the records; each is shut down when the session closes.
+        recording: what is recorded and how forwards become records.
+        pipeline: the bounded queue between the model and the exporters.
+        health: expert-health sampling, or None (default) for none.
+        gate: install the `TrustGate` (`session.gate`). Default False.
+        tags: key=value tags on every record (values are kept as strings).
+        run_id: the run's id; by default `$MOESCOPE_RUN_ID`, else a new one (rank 0's under
+            torch.distributed, a collective call: every rank must attach).
+        all_layers: every MoE layer of the model when `layers` is a selection of them: the
+            active-parameter figures count the unwatched ones' experts as k experts per token.
+
+    Raises:
+        ValueError: for a pipeline policy other than "block" or "drop", or bad sampling options.
     """
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Exporter[StepRecord]] = (),
@@ -434,8 +485,11 @@ class ProbeSession:
             self._reset_forward()
 
     def count_hook_error(self) -> None:
-        """Count a failure of a hook that works for this session but is not its own (an actuator's,
-        e.g. the routing cooldown's): one `hook_errors` count, one log line for the first."""
+        """Count a failure of a hook that works for this session but is not its own.
+
+        For an actuator's hooks, e.g. the routing cooldown's: one `hook_errors` count, one log line for
+        the first.
+        """
         self._hook_failed()
 
     def _hook_failed(self) -> None:
@@ -447,8 +501,10 @@ class ProbeSession:
     # -- a forked child ------------------------------------------------------------------------
 
     def reset_in_child(self) -> None:
-        """Mark an open session as forked (the at-fork registry calls this in a forked child; nothing
-        else should): its first forward in the child starts afresh (`_start_in_child`)."""
+        """Mark an open session as forked; the at-fork registry calls this in a forked child.
+
+        Nothing else should call it: its first forward in the child starts afresh (`_start_in_child`).
+        """
         if not self.closed:
             self._lock = threading.Lock()  # a thread of the parent's may have held it at the fork
             self._forked = True
@@ -535,8 +591,16 @@ class ProbeSession:
 
     @contextlib.contextmanager
     def tag(self, **tags: Any) -> Iterator[None]:
-        """Tags (key=value) that land on every record made inside the block; blocks nest. Entering
-        and leaving a block closes the current window, so a window never mixes tags."""
+        """Tag every record made inside the block (key=value); blocks nest.
+
+        Entering and leaving a block closes the current window, so a window never mixes tags.
+
+        Args:
+            **tags: the tags; values are kept as strings. An inner block's tags are added to the outer's.
+
+        Yields:
+            Nothing; the tags hold until the block ends.
+        """
         self._close_window()
         self._tags.append({str(k): str(v) for k, v in tags.items()})
         try:
@@ -547,25 +611,42 @@ class ProbeSession:
 
     @property
     def forwards_in_window(self) -> int:
-        """Forwards recorded since the current window opened (host count)."""
+        """Forwards recorded since the current window opened (a host count)."""
         return self._forwards_in_window
 
     def end_window(self) -> bool:
-        """Close the current window now, without waiting for the writer (the training monitor ends
-        one per optimizer step). Returns whether it held a forward (an empty one is not recorded)."""
+        """Close the current window now, without waiting for the writer.
+
+        The training monitor ends one per optimizer step.
+
+        Returns:
+            Whether the window held a forward (an empty one is not recorded).
+        """
         held = self._forwards_in_window > 0
         self._close_window()
         return held
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Close the current window and write everything recorded so far; False if the writer did
-        not finish in time. After CUDA-graph replays this reads the device counters out (without
-        a sync on the model's stream: the copy is queued behind the replays)."""
+        """Close the current window and write everything recorded so far.
+
+        After CUDA-graph replays this reads the device counters out (without a sync on the model's
+        stream: the copy is queued behind the replays).
+
+        Args:
+            timeout_s: how long to wait for the writer, in seconds (default 30).
+
+        Returns:
+            False if the writer did not finish in time, else True.
+        """
         self._close_window(force=True)
         return self.processor.force_flush(timeout_s)
 
     def close(self) -> None:
-        """Remove exactly the hooks this session added, close the window, flush the writer; safe twice."""
+        """Remove exactly the hooks this session added, close the window, flush the writer; safe twice.
+
+        The exporters (and a bound trust policy) are shut down; a failure while closing the window is
+        counted in `hook_errors`, not raised.
+        """
         if self.closed:
             return
         self.closed = True
@@ -622,7 +703,12 @@ class ProbeSession:
         self._trust = policy
 
     def probe_stats(self) -> ProbeStats:
-        """What the probe wrote (rows per table) and dropped (rows per table and reason), so far."""
+        """What the probe wrote and dropped, so far.
+
+        Returns:
+            (rows written per table, by the exporters that write rows, e.g. the store's; rows dropped
+            per (table, reason)).
+        """
         written: dict[str, int] = {}
         for exporter in self.processor.exporters:  # exporters that write rows say how many (the store's)
             if not isinstance(exporter, WritesRows):
@@ -633,12 +719,15 @@ class ProbeSession:
 
     @property
     def dropped_records(self) -> int:
+        """Records the pipeline dropped so far, over every reason."""
         return sum(self.processor.dropped_records.values())
 
     def __enter__(self) -> ProbeSession:
+        """Return the session itself; leaving the block calls `close()`."""
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Close the session (`close()`), whatever ended the block; exceptions pass through."""
         self.close()
 
 
@@ -718,24 +807,42 @@ def attach(model: nn.Module, exporters: Sequence[Exporter[StepRecord]] = (), *, 
     The low-level API: the probe only produces records. `moescope.attach(model, store=...)` wires
     the store, the trust policy and alerts to a session made here.
 
-    exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
-    `ParquetExporter`, the Prometheus exporter, `moescope.core.exporters.InMemoryExporter`). recording /
-    pipeline: a `Recording` and a `Pipeline`; their fields may also be given one by one as
-    keyword options (`routes=True, window=1, policy="drop"`). specs: `MoESpec`s describing custom
-    MoE modules. layers: only hook the MoE blocks with these names (a name, a list of names, or a
-    predicate on the name); each keeps its index among all the model's MoE layers, and the
-    active-parameter figures count the unwatched layers' experts as k experts per token (an
-    estimate: their routing is not seen). health: sample expert outputs and weight fingerprints
-    (True, or a `HealthSampling`; docs/health.md). gate: install the `TrustGate` (session.gate);
-    with every weight at 1 it changes no bit of the output.
-
     Attach first, then compile (`torch.compile(model)`): the probe's device work traces into the
     graphs without a break. Under CUDA-graph replay the device accumulators keep counting;
-    `session.flush()` reads them out.
+    `session.flush()` reads them out. Hooks are state on the model's modules: `session.close()`
+    removes exactly the ones this session added.
 
-    Returns the session (a context manager). Raises NoMoELayersError for a model with no MoE layer
-    (or none matching `layers`), ProbeAttachError for a model compiled before attaching, and
-    TypeError for an unknown option.
+    Args:
+        model: the torch model to hook.
+        exporters: consumers of the records (`export`, `force_flush`, `shutdown`; e.g. the store's
+            `ParquetExporter`, the Prometheus exporter, `moescope.core.exporters.InMemoryExporter`).
+        specs: `MoESpec`s describing custom MoE modules; they take precedence over what the model
+            declares.
+        layers: only hook the MoE blocks with these names (a name, a list of names, or a predicate on
+            the name); each keeps its index among all the model's MoE layers, and the
+            active-parameter figures count the unwatched layers' experts as k experts per token (an
+            estimate: their routing is not seen). Default None: every MoE layer.
+        tags: key=value tags on every record of the session (`session.tag` adds more for a block).
+        run_id: the run's id; by default `$MOESCOPE_RUN_ID`, else a new one (rank 0's under
+            torch.distributed, a collective call: every rank must attach).
+        recording: a `Recording` (what is recorded, the window); default `Recording()`.
+        pipeline: a `Pipeline` (the queue to the exporters); default `Pipeline()`.
+        health: sample expert outputs and weight fingerprints (True, or a `HealthSampling`;
+            docs/health.md). Default False.
+        gate: install the `TrustGate` (`session.gate`); with every weight at 1 it changes no bit of
+            the output. Default False.
+        health_options: a `HealthSampling`'s fields as a dict; when given, it replaces `health`.
+        **options: the fields of `Recording` and `Pipeline`, one by one (`routes=True, window=1,
+            policy="drop"`); they win over `recording` and `pipeline`.
+
+    Returns:
+        The session (a context manager).
+
+    Raises:
+        NoMoELayersError: for a model with no MoE layer (or none matching `layers`).
+        ProbeAttachError: for a model compiled (`torch.compile`) before attaching.
+        TypeError: for an unknown option, or `layers` of another type.
+        ValueError: for a `Recording`, `Pipeline` or `HealthSampling` value out of range.
     """
     if _is_compiled(model):
         raise ProbeAttachError(
