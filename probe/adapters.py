@@ -29,16 +29,34 @@ from torch import nn
 
 
 class NoMoELayersError(ValueError):
-    """The model has no MoE layer that the probe recognises."""
+    """The model has no MoE layer that the probe recognises (a ValueError).
+
+    Raised by `find_moe_layers` and `probe.attach`; the message names the routers the model declares
+    and says to pass a `MoESpec` for a custom MoE module.
+    """
 
 
 class ProbeAttachError(RuntimeError):
-    """The probe cannot attach to this model as it is; the message says what to do."""
+    """The probe cannot attach to this model as it is (a RuntimeError); the message says what to do.
+
+    E.g. a model compiled with `torch.compile` before attaching, or router inputs asked for where
+    the router's input width cannot be told.
+    """
 
 
 @dataclass
 class Choice:
-    """The experts each token really went to: ids and weights (tokens, k), and which slots were kept."""
+    """The experts each token really went to: ids and weights (tokens, k), and which slots were kept.
+
+    What a `MoESpec`'s `choice` or `router_choice` reader returns.
+
+    Args:
+        ids: (tokens, k) expert ids, in the model's order.
+        weights: (tokens, k) gate weights.
+        kept: (tokens, k) bool, false where a slot was dropped at capacity; None (default) means every
+            slot was processed.
+        capacity: slots per expert in this forward, where the router sizes it per batch; else None.
+    """
 
     ids: torch.Tensor
     weights: torch.Tensor
@@ -48,7 +66,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class CapacityDispatch:
-    """What one forward of a `CapacityPerSequence` block dispatched."""
+    """What one forward of a `CapacityPerSequence` block dispatched.
+
+    Args:
+        kept: (tokens, k) bool, false where a slot was dropped; rows batch-major as the experts see them.
+        capacity: slots per expert per sequence.
+        groups: sequences (batch rows) in the forward.
+    """
 
     kept: torch.Tensor  # (tokens, k) bool, rows batch-major as the experts see them
     capacity: int  # slots per expert per sequence
@@ -57,14 +81,21 @@ class CapacityDispatch:
 
 @runtime_checkable
 class CapacityPerSequence(Protocol):
-    """An MoE block whose experts take at most `capacity(seq_len)` (token, slot) assignments per
-    sequence and drop the rest, earlier positions first within a choice rank (GShard; Megatron-Core's
+    """An MoE block whose experts take at most `capacity(seq_len)` (token, slot) assignments per sequence.
+
+    It drops the rest, earlier positions first within a choice rank (GShard; Megatron-Core's
     `moe_token_drop_policy="position"`). The probe reads such a block through these members only;
     `moescope.demo.capacity.CapacityMoeBlock` implements it.
 
     The block passes its router's top-k ids and weights to its experts module, with the weights of
     dropped slots zeroed, and keeps the forward's decision in `dispatch` (overwritten by every
     forward; None before the first).
+
+    Attributes:
+        token_drop_policy: "position".
+        capacity_factor: the capacity factor the block sizes its capacity with.
+        max_sequence_length: the longest sequence it is configured for (None: unknown).
+        dispatch: the last forward's `CapacityDispatch`, or None before the first.
     """
 
     token_drop_policy: str  # "position"
@@ -73,7 +104,14 @@ class CapacityPerSequence(Protocol):
     dispatch: CapacityDispatch | None
 
     def capacity(self, seq_len: int) -> int:
-        """Slots per expert for one sequence of `seq_len` tokens."""
+        """Slots per expert for one sequence.
+
+        Args:
+            seq_len: the sequence's length, in tokens.
+
+        Returns:
+            The most (token, slot) assignments each expert takes from that sequence.
+        """
         ...
 
 
@@ -91,11 +129,25 @@ ChoiceReader = Callable[[tuple, dict, "torch.Tensor | None"], Choice]
 class MoESpec:
     """How to read a custom MoE module.
 
-    router / experts: attribute names (relative to the MoE block) of the router and experts
-    modules; `match` says which modules are MoE blocks (a class, a predicate or a name suffix).
-    `logits` turns the router's output into (tokens, num_experts) logits; `choice` turns the
-    experts module's (args, kwargs, logits) into a `Choice`, or `router_choice` turns the router's
-    output and logits into one when the experts never see ids.
+    Pass specs to `probe.attach(specs=...)` (or `moescope.attach`, `find_moe_layers`); they take
+    precedence over what the model declares.
+
+    Args:
+        match: which modules are MoE blocks: a class, a predicate `(name, module) -> bool`, or a name
+            (the qualified name, its last part, or the module's class name).
+        num_experts: routed experts per block.
+        top_k: experts chosen per token.
+        router: attribute name (relative to the MoE block) of the router module.
+        experts: attribute name of the experts module; None where the block has none.
+        logits: turns the router's output into (tokens, num_experts) logits; None (default): the
+            output is the logits (reshaped to two dimensions).
+        choice: turns the experts module's (args, kwargs, logits) into a `Choice`; None (default):
+            ids and weights are read from the experts call's arguments, unless `router_choice` is given.
+        router_choice: turns the router's output and logits into a `Choice`, when the experts never
+            see ids.
+        expert_capacity: slots per expert, for a block with a fixed capacity; None: no capacity.
+        zero_experts: identity ("zero") experts that the router may choose but that hold no parameters.
+        family: the family name recorded for the layers (`layers.family`).
     """
 
     match: type | Callable[[str, nn.Module], bool] | str
@@ -111,6 +163,15 @@ class MoESpec:
     family: str = "custom"
 
     def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module at `name` is an MoE block this spec describes.
+
+        Args:
+            name: the module's qualified name in the model.
+            module: the module.
+
+        Returns:
+            True when `match` (a class, a name or a predicate) accepts the module.
+        """
         if isinstance(self.match, type):
             return isinstance(module, self.match)
         if isinstance(self.match, str):
@@ -120,6 +181,31 @@ class MoESpec:
 
 @dataclass
 class MoELayer:
+    """An MoE layer as the probe reads it: its modules, its shape and how to read its routing.
+
+    Made by `find_moe_layers`; the probe hooks `router` (and `experts`) through the readers.
+
+    Attributes:
+        index: 0-based index of the MoE layer in module order.
+        name: the MoE block's qualified name in the model.
+        family: the model family (the config's `model_type`, the model's class name, or a spec's).
+        block: the MoE block.
+        router: the router module.
+        experts: the experts module, or None.
+        num_experts: routed experts with parameters.
+        top_k: experts chosen per token.
+        read_logits: router output -> (tokens, E) logits.
+        read_choice: experts call (args, kwargs, logits) -> `Choice`, or None.
+        read_router_choice: router output and logits -> `Choice`, or None.
+        expert_capacity: slots per expert where the router has a capacity, else None.
+        zero_experts: identity ("zero") experts the router may choose, holding no parameters.
+        params_per_expert: parameters of one routed expert.
+        unused_params: parameters in the experts module that no token can use (rows of fused weights
+            kept for zero experts).
+        expert_modules: where the experts' parameters live, when not in `experts`.
+        routing: how the router hands its choice to the experts.
+        extra: family-specific settings.
+    """
     index: int
     name: str
     family: str
@@ -319,8 +405,20 @@ def find_moe_layers(model: nn.Module, specs: Iterable[MoESpec] = (),
                     select: Callable[[str], bool] | None = None) -> list[MoELayer]:
     """Every MoE layer of `model`, in module order.
 
-    `specs` describe custom MoE modules and take precedence over what the model declares.
-    `select` filters by the block's qualified name. Raises NoMoELayersError when none is found.
+    Modules are walked once (`named_modules()`); a module is an MoE block when a spec matches it or
+    it is a router the model declares.
+
+    Args:
+        model: the torch model.
+        specs: `MoESpec`s describing custom MoE modules; they take precedence over what the model
+            declares.
+        select: keep only the blocks whose qualified name it accepts; None (default): every block.
+
+    Returns:
+        The layers, indexed 0.. in module order (after `select`).
+
+    Raises:
+        NoMoELayersError: when none is found.
     """
     specs = list(specs)
     config = _config_of(model)
