@@ -38,11 +38,22 @@ REASON_SUFFIX = ".reason.json"
 
 
 class BadFileWarning(UserWarning):
-    """A Parquet file in the store was unreadable and has been copied to quarantine (or is skipped)."""
+    """A Parquet file in the store was unreadable and has been copied to quarantine (or is skipped).
+
+    A UserWarning, issued by `Store` when it meets the file; `Store.quarantined()` lists such files.
+    """
 
 
 @dataclass(frozen=True)
 class QuarantinedFile:
+    """A file copied aside as unreadable (`Store.quarantined()`).
+
+    Attributes:
+        path: where the copy is, under `<store>/_quarantine` (a local path, or a URL).
+        original_path: where the file was in its table (a local path, or a URL).
+        reason: why it was taken out.
+        moved_at: when, as an ISO time in UTC.
+    """
     path: str  # where the copy is, under <store>/_quarantine (a local path, or a URL)
     original_path: str  # where the file was in its table (a local path, or a URL)
     reason: str

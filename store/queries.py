@@ -25,7 +25,15 @@ from moescope.store.errors import EmptyStoreError, UnknownRunError
 
 @dataclass(frozen=True)
 class Selection:
-    """A slice of a store to compare: a run, optionally narrowed to tag values and a step window."""
+    """A slice of a store to compare: a run, optionally narrowed to tag values and a step window.
+
+    Args:
+        run_id: the run.
+        tags: keep only the steps carrying every one of these key=value tags (default: no filter).
+        step_from: first forward kept (inclusive); None: from the start.
+        step_to: first forward left out: the window is half-open, `step_from <= step < step_to`;
+            None: to the end.
+    """
 
     run_id: str
     tags: dict[str, str] = field(default_factory=dict)

@@ -156,17 +156,33 @@ def _remote_version(location: StoreLocation, table: str) -> int | None:
 
 
 class Store(StoreQueries, ReportQueries):
-    """A read-only view of a store: a local folder, or a URL (s3://, gs://, az://) with its
-    `storage_options` (endpoint, region, ...; credentials come from the environment chain). Call
-    `refresh()` to see what was committed since opening.
+    """A read-only view of a store: a local folder, or a URL (s3://, gs://, az://).
 
-    Raises EmptyStoreError when a local folder does not exist ("no data yet"), LegacyStoreError
-    (a StoreError) for a store written by a release before Delta tables (`moescope store upgrade
-    PATH` converts it), StoreAccessError (a StoreError) when a bucket is missing or the credentials
-    are refused. Every file is checked when first seen (footer and page checksums; `verify=False`:
-    footer only); a bad file is copied to `<store>/_quarantine`, removed from its table and its rows
-    counted as lost, with a `BadFileWarning` (see `quarantined()`), or skipped where the store cannot
-    take that. The DuckDB connection reads only the store and runs only SELECTs.
+    Call `refresh()` to see what was committed since opening. Every file is checked when first seen
+    (footer and page checksums; `verify=False`: footer only); a bad file is copied to
+    `<store>/_quarantine`, removed from its table and its rows counted as lost, with a
+    `BadFileWarning` (see `quarantined()`), or skipped where the store cannot take that. The DuckDB
+    connection reads only the store and runs only SELECTs. The typed queries (runs, layer steps,
+    reports) are methods too (`StoreQueries`, `ReportQueries`). Use as a context manager, or call
+    `close()`.
+
+    Args:
+        store: a local folder, a URL (`s3://bucket/prefix`, `gs://...`, `az://...`), or a
+            `StoreLocation`.
+        storage_options: how to reach a URL store (endpoint, region, ...), as a dict or `key=value`
+            strings; credentials come from the environment chain, never from here.
+        quarantine_bad: copy a bad file to `<store>/_quarantine` and take it out of its table (default
+            True); False skips it without moving anything.
+        verify: check page checksums as well as footers when a file is first seen (default True).
+
+    Raises:
+        EmptyStoreError: when a local folder does not exist ("no data yet").
+        StoreError: when a local path is a file, not a folder, or the store cannot be read.
+        LegacyStoreError: (a StoreError) for a store written by a release before Delta tables
+            (`moescope store upgrade PATH` converts it).
+        StoreAccessError: (a StoreError) when a bucket is missing or the credentials are refused.
+        store.location.LocationError: (a ValueError) for a URL or storage options that cannot be used
+            (an unknown scheme, storage options on a local folder, a secret among them).
     """
 
     def __init__(self, store: str | os.PathLike | StoreLocation,
@@ -197,12 +213,21 @@ class Store(StoreQueries, ReportQueries):
     # -- views ---------------------------------------------------------------------------------
 
     def tables(self) -> list[str]:
-        """The store's tables: those of the schema (`store.schema.SCHEMAS`)."""
+        """The store's tables: those of the schema (`store.schema.SCHEMAS`), whether or not they hold rows.
+
+        Returns:
+            The table names, in the schema's order.
+        """
         return list(SCHEMAS)
 
     def refresh(self) -> None:
-        """Pin the latest version of every table and re-create the views over its files (the one
-        place views are made). Raises StoreError when the store cannot be read."""
+        """Pin the latest version of every table and re-create the views over its files.
+
+        The one place views are made; a table without files gets an empty view of its schema.
+
+        Raises:
+            StoreError: when the store cannot be read.
+        """
         snapshot = self.catalog.snapshot(tuple(self.tables()))
         self.versions = {table: files.version for table, files in snapshot.items()}
         self.files = {table: files.files for table, files in snapshot.items()}
@@ -301,16 +326,40 @@ class Store(StoreQueries, ReportQueries):
         return None
 
     def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:
-        """Run a read-only query over the views with `?` parameters; returns a DataFrame.
+        """Run a read-only query over the views with `?` parameters.
 
-        Raises QueryError when the SQL is wrong or would write (see `check_read_only`), or reads
-        outside the store; StoreError when the store cannot be read.
+        A query that trips on a damaged file has the file quarantined and is run again.
+
+        Args:
+            query: DuckDB SQL over the table views (one view per table of `tables()`); a SELECT only.
+            params: the values of the query's `?` placeholders, in order; a value from a user always goes
+                here, never into the SQL text.
+
+        Returns:
+            The result as a pandas DataFrame.
+
+        Raises:
+            QueryError: when the SQL is wrong or would write (see `check_read_only`), or reads outside
+                the store.
+            StoreError: when the store cannot be read.
         """
         self._check(query)
         return self._run(lambda con: con.execute(query, list(params or [])).df())
 
     def arrow(self, query: str, params: Sequence | None = None) -> pa.Table:
-        """As `sql`, returning an Arrow table."""
+        """Run a read-only query as `sql` does, returning an Arrow table.
+
+        Args:
+            query: DuckDB SQL over the table views; a SELECT only.
+            params: the values of the query's `?` placeholders, in order.
+
+        Returns:
+            The result as a `pyarrow.Table`.
+
+        Raises:
+            QueryError: when the SQL is wrong or would write, or reads outside the store.
+            StoreError: when the store cannot be read.
+        """
         self._check(query)
         return self._run(lambda con: con.sql(query, params=list(params or [])).to_arrow_table())
 
@@ -323,16 +372,23 @@ class Store(StoreQueries, ReportQueries):
     # -- housekeeping --------------------------------------------------------------------------
 
     def quarantined(self) -> list[QuarantinedFile]:
-        """Files copied aside as unreadable (by this or any other reader), with the reason."""
+        """Files copied aside as unreadable (by this or any other reader), with the reason.
+
+        Returns:
+            One `QuarantinedFile` per file copied aside.
+        """
         return quarantined(self.location, self.catalog.filesystem)
 
     def close(self) -> None:
+        """Close the DuckDB connection; queries fail after this."""
         self.con.close()
 
     def __enter__(self) -> Store:
+        """Return the store itself; leaving the block calls `close()`."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the store (`close()`); exceptions pass through."""
         self.close()
 
 

@@ -469,10 +469,10 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
 
 class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRecord], WritesRows, DropCounts,
                       ForkAware):
-    """The probe pipeline's exporter: buffers a probe's records per table and writes a part per
-    table, through the run's writer, when a buffer is big or old.
+    """The probe pipeline's exporter: buffers a probe's records per table and writes them to a store.
 
-    One instance writes one run from one process; part names carry rank, host, pid, the process's
+    A part per table is written, through the run's writer, when a buffer is big or old. One
+    instance writes one run from one process; part names carry rank, host, pid, the process's
     sequence and the clock, and each part is added by its own Delta commit, so processes, ranks and
     hosts write one store side by side without locks. Rows are lost to a crash only from the
     buffers, which hold at most `max_age_s` seconds (the flush interval) of data, `max_rows` rows or
@@ -483,17 +483,33 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
     are counted with reason `write_failed` in the processor's `dropped_rows` (so
     `session.probe_stats()` and Prometheus see them; in this exporter's own `dropped_rows` when it
     has no processor), and the run's writer puts them into `probe_stats` at the first flush the
-    store takes. The run's `runs` and `layers` rows are kept and
-    retried until they are written (counted as lost only if the exporter shuts down first).
+    store takes. The run's `runs` and `layers` rows are kept and retried until they are written
+    (counted as lost only if the exporter shuts down first).
     """
 
     def __init__(self, store: str | os.PathLike | StoreLocation, run: RunInfo | None = None,
                  max_rows: int = 256 * 1024, max_age_s: float = 5.0,
                  processor: BatchProcessor[StepRecord] | None = None, max_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
                  storage_options: Mapping[str, Any] | Sequence[str] | None = None):
-        """store: a folder or a URL (`store.location.open_location`, with `storage_options`); run: the
-        run to write, None to learn it from the probe at attach (`on_attach`). Raises LocationError
-        for a store that cannot be used as given."""
+        """Open the store for writing; nothing is written before a run is known.
+
+        Args:
+            store: a folder or a URL (`store.location.open_location`, with `storage_options`).
+            run: the run to write; None (default) to learn it from the probe at attach (`on_attach`).
+            max_rows: rows per table at which a buffer is written (default 262144).
+            max_age_s: seconds after a buffer's first row at which it is written (default 5.0, the
+                pipeline's flush interval).
+            processor: the probe's processor, whose drop counters go into `probe_stats`; None (default):
+                the probe binds it (`bind_processor`).
+            max_bytes: bytes per table at which a buffer is written (default 64 MiB).
+            storage_options: how to reach a URL store (a dict or `key=value` strings; no secrets).
+
+        Raises:
+            store.location.LocationError: for a store that cannot be used as given.
+            InvalidNameError: with `run`, for a run id that cannot be a folder name.
+            StoreAccessError: with `run`, for a store that cannot be reached.
+            LegacyStoreError: with `run`, for a store written before Delta tables.
+        """
         self.location = open_location(store, storage_options)
         self.root = self.location.url
         self.run: RunInfo | None = None
@@ -519,9 +535,16 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
             self.on_attach(run)
 
     def on_attach(self, run: RunInfo) -> None:
-        """Start writing `run`: its `runs` and `layers` rows first. The probe calls this at attach;
-        a run id that cannot be a folder name is refused here (`InvalidNameError`), and so is a store
-        that cannot be used (`StoreAccessError`, `LegacyStoreError`: see `run_writer`)."""
+        """Start writing `run`: its `runs` and `layers` rows first. The probe calls this at attach.
+
+        Args:
+            run: the run the probe attached as; the same run again is a no-op.
+
+        Raises:
+            InvalidNameError: for a run id or rank that cannot be part of a path.
+            StoreAccessError: for a store that cannot be reached (see `run_writer`).
+            LegacyStoreError: for a store written before Delta tables.
+        """
         if self.run is run:
             return
         self.writer = run_writer(self.location, run.run_id, run.rank)
@@ -531,8 +554,11 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         self._write_run()
 
     def after_fork_in_child(self) -> None:
-        """A forked child that records (a `moescope.core.exporters.ForkAware`): the rows buffered at the fork are the
-        parent's to write, and so are the run's own rows; the child writes its forwards under its pid."""
+        """Start afresh in a forked child that records (a `moescope.core.exporters.ForkAware`).
+
+        The rows buffered at the fork are the parent's to write, and so are the run's own rows; the
+        child writes its forwards under its pid.
+        """
         self._buffers.clear()
         self._route_pieces = []
         self._rows.clear()
@@ -543,13 +569,21 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         self.last_step = None
 
     def bind_processor(self, processor: BatchProcessor[StepRecord]) -> None:
-        """The probe's processor, whose drop counters go into the run's `probe_stats`."""
+        """Take the probe's processor, whose drop counters go into the run's `probe_stats`.
+
+        Args:
+            processor: the session's `BatchProcessor`.
+        """
         self.processor = processor
         if self.writer is not None:
             self.writer.watch(processor)
 
     def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
-        """What this exporter lost without a processor to count it (a `moescope.core.exporters.DropCounts`)."""
+        """What this exporter lost without a processor to count it (a `moescope.core.exporters.DropCounts`).
+
+        Returns:
+            (rows dropped per (table, reason), records dropped per reason: always empty here).
+        """
         return dict(self.dropped_rows), {}
 
     def _write_run(self) -> None:
@@ -581,10 +615,19 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
 
     @property
     def files(self) -> list[str]:
-        """Paths of the parts the run's writer wrote."""
+        """Paths of the parts the run's writer wrote (empty before `on_attach`)."""
         return self.writer.files if self.writer is not None else []
 
     def export(self, records: Sequence[StepRecord]) -> bool:
+        """Buffer `records` per table and write each buffer that is big or old.
+
+        Args:
+            records: a batch from the pipeline.
+
+        Returns:
+            False once the exporter is shut down (the records are refused), else True. A failed write is
+            counted (`write_failed`), not returned.
+        """
         if self._closed:
             return False
         now = time.monotonic()
@@ -630,6 +673,14 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
             self._write(table, pa.concat_tables(parts))
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write every buffer now, retry the run's own rows, and write the changed counts to `probe_stats`.
+
+        Args:
+            timeout_s: accepted for the exporter interface; the writes are not cut short.
+
+        Returns:
+            True (failed writes are counted as dropped rows, not returned).
+        """
         if self.writer is None:  # never attached (the attach failed): nothing to write
             return True
         for table in list(self._first_at):
@@ -640,11 +691,19 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         return True
 
     def write_probe_stats(self) -> bool:
-        """Write the run's counts into `probe_stats` now (see `RunWriter.write_probe_stats`)."""
+        """Write the run's counts into `probe_stats` now (see `RunWriter.write_probe_stats`).
+
+        Returns:
+            False when the store refused the row: a later snapshot carries the same counts (they are
+            cumulative; nothing is counted as lost).
+        """
         return self._attached()[1].write_probe_stats()
 
     def shutdown(self) -> None:
-        """Write what is buffered, the run's `run_ends` row and its counts, and release the writer."""
+        """Write what is buffered, the run's `run_ends` row and its counts, and release the writer.
+
+        Safe to call twice; records exported afterwards are refused. The run's own rows get a last try.
+        """
         if self._closed:
             return
         self._closed = True

@@ -140,12 +140,26 @@ class InMemoryExporter(Exporter[R]):
         self.records: list[R] = []
 
     def export(self, records: Sequence[R]) -> bool:
-        """Keep `records`. Returns True (it never refuses)."""
+        """Keep `records`.
+
+        Args:
+            records: a batch, appended in order to `records`.
+
+        Returns:
+            True (it never refuses).
+        """
         self.records.extend(records)
         return True
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Nothing is buffered. Returns True."""
+        """Nothing is buffered.
+
+        Args:
+            timeout_s: unused.
+
+        Returns:
+            True.
+        """
         return True
 
     def shutdown(self) -> None:

@@ -205,7 +205,15 @@ class BatchProcessor(Generic[R]):
         return not self._closed and worker is not None and not worker.is_alive()
 
     def emit(self, record: R | Deferred[R]) -> None:
-        """Hand a record over (or a `Deferred` one, built on the worker); never raises."""
+        """Hand a record over (or a `Deferred` one, built on the worker); never raises.
+
+        With policy "block" the caller waits for room; with "drop" a record that does not fit is counted
+        ("queue_full", "queue_bytes_full"). After `shutdown` it is counted as "closed", and a failure
+        here as "error".
+
+        Args:
+            record: the record, or a `Deferred` that builds it on the worker thread.
+        """
         if self._closed:
             self._count_drop(record, "closed")
             return
@@ -258,13 +266,25 @@ class BatchProcessor(Generic[R]):
                 self.dropped_rows[(table, reason)] += rows
 
     def count_dropped_rows(self, table: str, reason: str, rows: int) -> None:
-        """Rows lost outside the queue: before they became a record (e.g. a full device ring), or
-        after, by an exporter (e.g. a write that failed: `ParquetExporter`)."""
+        """Count rows lost outside the queue.
+
+        Before they became a record (e.g. a full device ring), or after, by an exporter (e.g. a write
+        that failed: `ParquetExporter`).
+
+        Args:
+            table: the table the rows were for.
+            reason: why they were lost (e.g. "ring_full", "write_failed").
+            rows: how many.
+        """
         with self._lock:
             self.dropped_rows[(table, reason)] += rows
 
     def drop_counts(self) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
-        """A consistent copy of (rows dropped per (table, reason), records dropped per reason)."""
+        """A consistent copy of the drop counts.
+
+        Returns:
+            (rows dropped per (table, reason), records dropped per reason).
+        """
         with self._lock:
             return dict(self.dropped_rows), dict(self.dropped_records)
 
@@ -343,7 +363,14 @@ class BatchProcessor(Generic[R]):
                 log.exception("flush of %s failed", type(exporter).__name__)
 
     def force_flush(self, timeout_s: float | None = 30.0) -> bool:
-        """Export everything queued so far and flush the exporters; False on timeout (None: none)."""
+        """Export everything queued so far and flush the exporters.
+
+        Args:
+            timeout_s: how long to wait, in seconds (default 30); None waits as long as it takes.
+
+        Returns:
+            False on timeout, else True (also when the processor is shut down).
+        """
         if self._closed or self._worker is None:  # closed, or a forked child that recorded nothing
             return True
         done = threading.Event()
@@ -351,8 +378,16 @@ class BatchProcessor(Generic[R]):
         return done.wait(timeout_s)
 
     def wait_idle(self, timeout_s: float | None = 30.0) -> bool:
-        """Wait until every record handed over so far is built and exported, without flushing the
-        exporters (`force_flush` does both); False on timeout (None: none)."""
+        """Wait until every record handed over so far is built and exported, without flushing the exporters.
+
+        `force_flush` does both.
+
+        Args:
+            timeout_s: how long to wait, in seconds (default 30); None waits as long as it takes.
+
+        Returns:
+            False on timeout, else True.
+        """
         if self._closed or self._worker is None:
             return True
         done = self._queue.all_tasks_done
@@ -360,7 +395,14 @@ class BatchProcessor(Generic[R]):
             return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Drain the queue, flush and join; safe to call twice."""
+        """Drain the queue, flush and join the worker, then shut every exporter down; safe to call twice.
+
+        A producer waiting for room gives up (its record is counted as "closed"); an exporter that fails
+        to shut down is logged, not raised.
+
+        Args:
+            timeout_s: how long to wait for the worker to drain, in seconds (default 30).
+        """
         with self._exporters_lock:  # no exporter is added after this: each one added is shut down below
             if self._closed:
                 return

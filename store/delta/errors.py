@@ -13,7 +13,10 @@ __all__ = ["CommitConflictError", "CommitError", "LegacyStoreError", "StoreAcces
 
 
 class CommitError(StoreError):
-    """A commit to a table failed after every retry; the message names the table (redacted) and why."""
+    """A commit to a table failed after every retry (a StoreError).
+
+    The message names the table (redacted) and why.
+    """
 
 
 class CommitConflictError(CommitError):
@@ -23,13 +26,17 @@ class CommitConflictError(CommitError):
 
 
 class StoreAccessError(StoreError):
-    """The store's bucket does not exist, the credentials were refused, or it cannot be reached; the
-    message names the location (redacted, never a secret) and what to check."""
+    """The store's bucket does not exist, the credentials were refused, or it cannot be reached.
+
+    A StoreError; the message names the location (redacted, never a secret) and what to check.
+    """
 
 
 class LegacyStoreError(StoreError):
-    """The store was written by a release before Delta tables (Parquet folders without a log); the
-    message names `moescope store upgrade PATH`."""
+    """The store was written by a release before Delta tables (Parquet folders without a log).
+
+    A StoreError; the message names `moescope store upgrade PATH`, which converts it.
+    """
 
 
 
