@@ -29,14 +29,30 @@ def cache_report(store, run_id: str | None = None, layer: int | None = None, tag
                  capacities: Iterable[int] | None = None, max_experts: int | None = None):
     """Hit rates of every MoE layer of a run (or one layer) at each capacity, as a long DataFrame.
 
-    Columns: layer, policy, capacity (experts resident per layer: `capacities`, by default every
-    one from 1 to the layer's routed experts E), hit_rate (hits / accesses), hits, accesses, tokens
-    (replayed tokens with an access), truncated (more routes were recorded than `max_tokens`).
-    Layers without routes have no rows, so a run that recorded none gives an empty frame. `run_id`
-    defaults to the latest run; `tags` keeps the steps carrying every given tag (that traffic alone
-    goes through the cache). Raises ValueError for a run the store does not hold, a layer the run
-    does not have, a layer with more routed experts than `max_experts` (default MAX_EXPERTS), an
-    unknown policy or a capacity below 1; EmptyStoreError for a store without runs.
+    The run's recorded routes are replayed through a cache of resident experts per layer, under
+    each policy. Layers without routes have no rows, so a run that recorded none gives an empty frame.
+
+    Args:
+        store: an open `Store`.
+        run_id: the run; None (default): the latest run.
+        layer: only this MoE layer; None: every layer.
+        tags: keep the steps carrying every given tag (that traffic alone goes through the cache).
+        policies: eviction policies, of "lru", "lfu" and "belady" (default: all three).
+        max_tokens: the most routed tokens replayed per layer (default 200000); None: all.
+        capacities: experts resident per layer to evaluate; None (default): every one from 1 to the
+            layer's routed experts E.
+        max_experts: refuse a layer with more routed experts than this (default MAX_EXPERTS, 4096:
+            the work grows with tokens x experts).
+
+    Returns:
+        A DataFrame with columns layer, policy, capacity (experts resident per layer), hit_rate
+        (hits / accesses), hits, accesses, tokens (replayed tokens with an access), truncated (more
+        routes were recorded than `max_tokens`).
+
+    Raises:
+        ValueError: for a run the store does not hold, a layer the run does not have, a layer with
+            more routed experts than `max_experts`, an unknown policy or a capacity below 1.
+        EmptyStoreError: for a store without runs.
     """
     import pandas as pd
 

@@ -408,15 +408,47 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
            max_listed: int = 1000, specs: Sequence[MoESpec] = (),
            store: str | os.PathLike | StoreLocation | None = None,
            run_id: str | None = None, tags: dict[str, str] | None = None, progress: bool = False) -> JitterReport:
-    """Run `inputs` under each condition of `conditions` (CONDITION_KINDS: repeat, batched,
-    left_padding, batch_size, dtype, attention) and compare every token's routing in every MoE layer
-    with the baseline (see the module docstring). Inputs are texts (with `tokenizer`) or token-id
-    sequences. With `store`, the results are written there as run `run_id` (a new id by default).
+    """Run `inputs` under each condition and compare every token's routing in every MoE layer with the baseline.
 
-    Returns a JitterReport. Raises JitterError for inputs or options it cannot use (the message says
-    what to do), probe.NoMoELayersError for a model without MoE layers, OSError when the store
-    refused the rows. A condition the model or device cannot run (a dtype without kernels, an
-    attention implementation not installed) is skipped and named in `report.skipped`.
+    The baseline runs each input alone, in the model's dtype and attention; each condition varies
+    one thing a server varies (see the module docstring). The model runs in eval mode and is left in
+    the mode it came in; the dtype conditions cast it in place and back (bit for bit; half as much
+    memory again in the meantime). A condition the model or device cannot run (a dtype without
+    kernels, an attention implementation not installed) is skipped and named in `report.skipped`.
+
+    Args:
+        model: a decoder-only MoE model (an encoder-decoder is refused).
+        inputs: texts (with `tokenizer`), token-id sequences, or a tensor of ids (one row per input).
+        tokenizer: turns texts into ids, as a server tokenizes them (special tokens included).
+        conditions: which of CONDITION_KINDS to run: "repeat" (alone again), "batched" (batched
+            `batch_size` at a time, right-padded), "left_padding" (the same batches left-padded,
+            compared with right-padded), "batch_size" (batched `other_batch_size` at a time), "dtype"
+            (the model cast to each of `dtypes`), "attention" (transformers' other attention
+            implementation, eager or sdpa). Default: all.
+        batch_size: inputs per batch of the batched conditions (capped at the number of inputs).
+        other_batch_size: the other batch size of the "batch_size" condition (capped likewise; not
+            run when it equals `batch_size`).
+        dtypes: torch dtype names of the "dtype" condition.
+        max_tokens: cut each input to this many tokens; None: no cut.
+        max_listed: the most flipped tokens kept per condition and layer (`jitter_tokens` rows).
+        specs: `MoESpec`s for custom MoE modules.
+        store: with a store (a folder or a URL), the results are written there as a run (`jitter`,
+            `jitter_tokens`, `layers` and a `runs` row with source "jitter"); None: not written.
+        run_id: the run id in the store (None: a new id).
+        tags: key=value tags of the stored run.
+        progress: show a progress bar over the forwards.
+
+    Returns:
+        A JitterReport: per condition and layer the tokens compared and how many changed their expert
+        set, their top-1 and their kept experts; the flipped tokens; the skipped conditions; and
+        `run_id` when stored.
+
+    Raises:
+        JitterError: for inputs or options it cannot use (no inputs, texts without a tokenizer, an
+            empty input, an unknown condition or dtype, a batch size below 1, an encoder-decoder
+            model); the message says what to do.
+        probe.NoMoELayersError: for a model without MoE layers.
+        OSError: when the store refused the rows.
     """
     from tqdm.auto import tqdm
 

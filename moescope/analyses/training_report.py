@@ -30,22 +30,27 @@ COOLDOWN_COLUMNS = ["rank", "layer", "start_step", "end_step", "ended", "lr_befo
 class TrainingReport:
     """A training run's figures read back from a store (`training_report`).
 
-    layers: per optimizer step and MoE layer, columns optimizer_step, step, step_end (the forwards
-    of the update), ts (UTC), layer, tokens (routed by the layer, all ranks), lr, router_lr (the lr
-    the router was updated with, a cooldown's factor included), aux_loss (the layer's own
-    load-balancing loss), z_loss (router z-loss), router_entropy (token-weighted mean per-token
-    entropy / ln of the router's width, in [0, 1]), dead_expert_fraction (routed experts with no
-    kept slot over the last `dead_window` optimizer steps), expert_grad_norm (np.ndarray per routed
-    expert, or None), num_experts (routed). steps: per optimizer step, all layers pooled as
-    transformers pools them (the model's own `aux_loss`): optimizer_step, step, step_end, ts,
-    layer_tokens (tokens summed over layers, the pooled losses' denominator), lr, aux_loss, z_loss.
-    events: `Store.routing_cooldown_events` rows. cooldowns: one row per cooldown, paired from the
-    events per (rank, layer): start_step, end_step (optimizer steps done at its start and end: it
-    cooled the updates start_step+1..end_step; the last step shown while it is still on, `ended`
-    False), lr_before, lr_cooled (the router's lr before and during), lr_factor, epsilon, reason
-    (why it started), end_reason, source. optimizer_steps: how many the run recorded;
-    first_optimizer_step: the first in `layers` and `steps` (later than the run's first when
-    `last_steps` cut the report).
+    Attributes:
+        layers: per optimizer step and MoE layer, columns optimizer_step, step, step_end (the
+            forwards of the update), ts (UTC), layer, tokens (routed by the layer, all ranks), lr,
+            router_lr (the lr the router was updated with, a cooldown's factor included), aux_loss (the
+            layer's own load-balancing loss), z_loss (router z-loss), router_entropy (token-weighted
+            mean per-token entropy / ln of the router's width, in [0, 1]), dead_expert_fraction (routed
+            experts with no kept slot over the last `dead_window` optimizer steps), expert_grad_norm
+            (np.ndarray per routed expert, or None), num_experts (routed).
+        steps: per optimizer step, all layers pooled as transformers pools them (the model's own
+            `aux_loss`): optimizer_step, step, step_end, ts, layer_tokens (tokens summed over layers,
+            the pooled losses' denominator), lr, aux_loss, z_loss.
+        events: `Store.routing_cooldown_events` rows.
+        cooldowns: one row per cooldown, paired from the events per (rank, layer): rank, layer,
+            start_step, end_step (optimizer steps done at its start and end: it cooled the updates
+            start_step+1..end_step; the last step shown while it is still on, `ended` False), ended,
+            lr_before, lr_cooled (the router's lr before and during), lr_factor, epsilon, reason (why it
+            started), end_reason, source.
+        dead_window: the optimizer steps the dead-expert fraction looks back over.
+        optimizer_steps: how many the run recorded (0: not a training run).
+        first_optimizer_step: the first in `layers` and `steps` (later than the run's first when
+            `last_steps` cut the report).
     """
 
     layers: pd.DataFrame
@@ -99,9 +104,19 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
     optimizer steps in (k - dead_window, k]; router_entropy = `normalized_entropy`. A figure whose
     inputs were not recorded (stores before the aux-loss columns) is NaN.
 
-    last_steps: only the latest this many optimizer steps (None: all); the dead-expert window still
-    reaches back before the first one shown. A run without training steps gives a report with
-    `recorded` False and empty frames. Raises ValueError for dead_window or last_steps below 1.
+    Args:
+        store: an open `Store`.
+        run_id: the run.
+        dead_window: optimizer steps over which an expert with no kept slot counts as dead.
+        last_steps: only the latest this many optimizer steps (None: all); the dead-expert window
+            still reaches back before the first one shown.
+
+    Returns:
+        A `TrainingReport`; for a run without training steps, one with `recorded` False and empty
+        frames.
+
+    Raises:
+        ValueError: for dead_window or last_steps below 1.
     """
     if int(dead_window) < 1:
         raise ValueError(f"dead_window counts optimizer steps and must be at least 1, not {dead_window}")
