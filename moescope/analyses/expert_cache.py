@@ -33,7 +33,7 @@ def cache_report(store, run_id: str | None = None, layer: int | None = None, tag
     each policy. Layers without routes have no rows, so a run that recorded none gives an empty frame.
 
     Args:
-        store: an open `Store`.
+        store (Store): an open `Store`.
         run_id: the run; None (default): the latest run.
         layer: only this MoE layer; None: every layer.
         tags: keep the steps carrying every given tag (that traffic alone goes through the cache).
@@ -45,9 +45,9 @@ def cache_report(store, run_id: str | None = None, layer: int | None = None, tag
             the work grows with tokens x experts).
 
     Returns:
-        A DataFrame with columns layer, policy, capacity (experts resident per layer), hit_rate
-        (hits / accesses), hits, accesses, tokens (replayed tokens with an access), truncated (more
-        routes were recorded than `max_tokens`).
+        (pandas.DataFrame): one row per layer, policy and capacity, with columns layer, policy,
+            capacity (experts resident per layer), hit_rate (hits / accesses), hits, accesses, tokens
+            (replayed tokens with an access), truncated (more routes were recorded than `max_tokens`).
 
     Raises:
         ValueError: for a run the store does not hold, a layer the run does not have, a layer with
