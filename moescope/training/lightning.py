@@ -44,15 +44,24 @@ def _watched_module(pl_module: pl.LightningModule) -> nn.Module:
 
 
 class MoescopeLightningCallback(pl.Callback):
-    """Attaches at `on_fit_start` to the LightningModule's MoE model, its first optimizer and LR
-    scheduler, and closes at `on_fit_end`.
+    """A Lightning callback that watches the routing while the Trainer fits.
 
-    module: the module the training step calls (an attribute name, or a function of the
-    LightningModule); by default the LightningModule if it defines `forward`, else its one child
-    holding MoE layers. tensorboard / wandb: "auto" (default) logs the scalars through the
-    Trainer's `TensorBoardLogger` / `WandbLogger` where it has one. Every other option is
-    `moescope.training.TrainingMonitor`'s, `storage_options=` among them for a URL store
-    (`store="s3://bucket/prefix"`). The monitor is at `callback.monitor` while fitting.
+    Attaches at `on_fit_start` to the LightningModule's MoE model, its first optimizer and LR
+    scheduler, and closes at `on_fit_end` (or on an exception). Gradients are measured from
+    `on_before_optimizer_step` (`measure_gradients="manual"`), as Lightning runs forward and backward
+    inside `optimizer.step`. The monitor is at `callback.monitor` while fitting.
+
+    Args:
+        store: where the records go: a folder or a URL (`store="s3://bucket/prefix"`, with
+            `storage_options=` among the options); None: no store.
+        module: the module the training step calls (an attribute name, or a function of the
+            LightningModule); None (default): the LightningModule if it defines `forward`, else its
+            one child holding MoE layers.
+        tensorboard: "auto" (default) logs the scalars through the Trainer's `TensorBoardLogger`
+            where it has one; or what `TrainingMonitor` takes.
+        wandb: "auto" (default) logs through the Trainer's `WandbLogger` where it has one; or what
+            `TrainingMonitor` takes.
+        **options: `moescope.training.TrainingMonitor`'s, `storage_options=` among them.
     """
 
     def __init__(self, store: str | os.PathLike | StoreLocation | None = None, *,
@@ -79,6 +88,16 @@ class MoescopeLightningCallback(pl.Callback):
         return (found_tb if tensorboard == "auto" else tensorboard), (found_wandb if wandb == "auto" else wandb)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the `TrainingMonitor` on the watched module and the Trainer's first optimizer (once).
+
+        Args:
+            trainer: the Lightning Trainer.
+            pl_module: the LightningModule.
+
+        Raises:
+            ValueError: when the Trainer has no optimizer, or no module can be chosen (no `forward` and
+                not exactly one child with MoE layers: pass `module=`).
+        """
         if self.monitor is not None:
             return
         if self.module is None:
@@ -97,12 +116,32 @@ class MoescopeLightningCallback(pl.Callback):
                                        **self.options)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Take the step's per-expert gradient norms and learning rates (`TrainingMonitor.measure_gradients`).
+
+        Args:
+            trainer: the Lightning Trainer.
+            pl_module: the LightningModule.
+            optimizer: the optimizer about to step.
+        """
         if self.monitor is not None:
             self.monitor.measure_gradients()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close the monitor: remove its hooks and write everything.
+
+        Args:
+            trainer: the Lightning Trainer.
+            pl_module: the LightningModule.
+        """
         if self.monitor is not None:
             self.monitor.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Close the monitor as `on_fit_end` does, so what was recorded before the exception is written.
+
+        Args:
+            trainer: the Lightning Trainer.
+            pl_module: the LightningModule.
+            exception: what ended the fit.
+        """
         self.on_fit_end(trainer, pl_module)

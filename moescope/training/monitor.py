@@ -52,7 +52,20 @@ TRAINING_STATE = "moescope_training"
 
 @dataclass
 class TrainingLayer:
-    """One MoE layer over one optimizer step."""
+    """One MoE layer over one optimizer step.
+
+    Attributes:
+        layer: 0-based index of the MoE layer in module order.
+        tokens: tokens the layer routed over the step's forwards.
+        aux_loss: the layer's own load-balancing loss.
+        z_loss: the layer's router z-loss.
+        dead_expert_fraction: routed experts with no token over the last `dead_window` optimizer steps.
+        router_entropy: token-weighted mean router entropy, normalised to [0, 1] (H / ln E).
+        load_max_mean: the busiest routed expert's load over the mean (1.0 is perfect balance; MaxVio + 1).
+        router_lr: the learning rate the router's parameters were updated with, or None.
+        expert_grad_norm: (E,) per-expert gradient norms; None when the experts had no gradient; NaN
+            where it was NaN.
+    """
 
     layer: int
     tokens: int
@@ -65,6 +78,13 @@ class TrainingLayer:
     expert_grad_norm: np.ndarray | None  # (E,), None when the experts had no gradient; NaN where it was NaN
 
     def scalars(self) -> dict[str, float]:
+        """The layer's scalars, by metric name.
+
+        Returns:
+            {name: value} for aux_loss, z_loss, dead_expert_fraction, router_entropy, load_max_mean, and
+            router_lr and expert_grad_norm_max / expert_grad_norm_min where known (the max is NaN when any
+            expert's norm is NaN).
+        """
         out = {"aux_loss": self.aux_loss, "z_loss": self.z_loss, "dead_expert_fraction": self.dead_expert_fraction,
                "router_entropy": self.router_entropy, "load_max_mean": self.load_max_mean}
         if self.router_lr is not None:
@@ -77,7 +97,19 @@ class TrainingLayer:
 
 @dataclass
 class TrainingStep:
-    """One optimizer step: its forwards (`step`..`step_end`), and per-layer figures."""
+    """One optimizer step: its forwards (`step`..`step_end`), and per-layer figures.
+
+    Attributes:
+        optimizer_step: 1-based: the number of updates made so far.
+        step: the step's first forward.
+        step_end: its last forward.
+        ts: when its record's window closed (UTC).
+        tokens: tokens in the step's forwards' main input.
+        lr: the first parameter group's learning rate, or None.
+        aux_loss: all layers pooled, as the model's own aux_loss.
+        z_loss: all layers pooled.
+        layers: one `TrainingLayer` per MoE layer.
+    """
 
     optimizer_step: int  # 1-based: the number of updates made so far
     step: int
@@ -91,8 +123,13 @@ class TrainingStep:
 
     def scalars(self) -> dict[str, float]:
         """The TensorBoard / W&B scalars: `moe/<metric>/layer_<i>` and `moe/<metric>/all_layers`.
+
         A figure that could not be computed (NaN) is left out, except the gradient norms: a NaN
-        gradient is what they measured, and is logged as NaN."""
+        gradient is what they measured, and is logged as NaN.
+
+        Returns:
+            {scalar name: value}, with `moe/lr` where the learning rate is known.
+        """
         out = {"moe/aux_loss/all_layers": self.aux_loss, "moe/z_loss/all_layers": self.z_loss}
         if self.lr is not None:
             out["moe/lr"] = self.lr
@@ -117,9 +154,19 @@ class _StepInfo:
 
 
 class TrainingExporter(Exporter[StepRecord]):
-    """Turns each training window's record into a `TrainingStep` (writer thread): losses from the
-    recorded router statistics, dead experts over the last steps, the step's learning rates and
-    gradient norms; writes `train_steps` rows and logs the scalars."""
+    """Turns each training window's record into a `TrainingStep`, on the writer's thread.
+
+    Losses from the recorded router statistics, dead experts over the last steps, the step's
+    learning rates and gradient norms; writes `train_steps` rows and logs the scalars. The
+    `TrainingMonitor` makes one and adds it to its session; it is not meant to be built by hand.
+
+    Args:
+        session: the probe session whose records it reads.
+        store: where the `train_steps` rows go (None: nowhere).
+        dead_window: optimizer steps over which an expert with no token counts as dead.
+        sinks: where the scalars are logged (TensorBoard, W&B).
+        keep_steps: training steps kept in `steps` (default 1024).
+    """
 
     def __init__(self, session: ProbeSession, store: str | os.PathLike | StoreLocation | None, dead_window: int,
                  sinks: Sequence[ScalarSink] = (), keep_steps: int = 1024):
@@ -141,10 +188,24 @@ class TrainingExporter(Exporter[StepRecord]):
             self.tables = run_writer(store, self.run_id, self.rank)
 
     def expect(self, step_end: int, info: _StepInfo) -> None:
+        """Hand over what the training thread knows of a step (learning rates, gradients) for its record.
+
+        Args:
+            step_end: the last forward of the step: the record it belongs to.
+            info: what was taken at the update.
+        """
         with self._lock:
             self._pending[step_end] = info
 
     def export(self, records: Sequence[StepRecord]) -> bool:
+        """Score each training record (eval-phase records are skipped), log its scalars, buffer its rows.
+
+        Args:
+            records: a batch from the pipeline.
+
+        Returns:
+            True.
+        """
         for record in records:
             if record.tags.get("phase") == "eval":
                 continue
@@ -230,6 +291,14 @@ class TrainingExporter(Exporter[StepRecord]):
                 log.exception("moescope: could not write %d train_steps rows", len(rows))
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write the buffered `train_steps` rows and flush the sinks (a sink that fails is logged).
+
+        Args:
+            timeout_s: how long to wait for the run's writer, in seconds (default 30).
+
+        Returns:
+            False if the writer did not finish in time, else True.
+        """
         self._write()
         for sink in self.sinks:
             try:
@@ -239,6 +308,7 @@ class TrainingExporter(Exporter[StepRecord]):
         return self.tables.flush(timeout_s) if self.tables is not None else True
 
     def shutdown(self) -> None:
+        """Flush, close the sinks and give the run's writer back."""
         self.force_flush()
         for sink in self.sinks:
             try:
@@ -252,20 +322,6 @@ class TrainingExporter(Exporter[StepRecord]):
 
 class TrainingMonitor:
     """The probe attached for a training run, one record per optimizer step. See the module doc.
-
-    model / optimizer: what trains (the torch optimizer under any wrapper). store: where the
-    records and `train_steps` go, a folder or a URL (`s3://bucket/prefix`, ...), and
-    storage_options how to reach a URL (`moescope.attach`'s; credentials come from the
-    environment). tensorboard: a `SummaryWriter` or a folder for one; wandb: a
-    W&B run, or True for `wandb.run`. dead_window: optimizer steps over which an expert with no
-    token counts as dead. grad_norms: measure per-expert gradient norms at each update.
-    measure_gradients: "step" (just before the optimizer's update; right for loops and `Trainer`)
-    or "manual" (call `measure_gradients()` yourself after backward; Lightning's callback does, as
-    Lightning runs forward and backward inside `optimizer.step`). cooldown: None, or "auto" for
-    the routing cooldown (docs/cooldown.md) with `cooldown_config` and alerts to `cooldown_sink`;
-    scheduler: the LR scheduler, which the cooldown's parameter-group split keeps in step. Every
-    other option is `moescope.attach`'s (routes, health, tags, run_id, recording, ...), except the
-    window: a training record always covers one optimizer step.
 
     Resuming: `optimizer.state_dict()` carries the monitor's counts (run id, optimizer steps,
     forwards; the `moescope_training` key of the first param group, plain values that
@@ -283,16 +339,46 @@ class TrainingMonitor:
     weights' gradients), None where the experts had none (frozen); they go into the step's record,
     so the health score (`health=True`) judges each update's own gradients.
 
-    stop_on_sigterm (default True): when the job gets SIGTERM (a scheduler's preemption, `kill`,
-    Kubernetes), the monitor closes first: at once if the training thread is between a forward and
-    an optimizer step, else as soon as the forward or the optimizer step under way ends, so every
-    optimizer step taken before the signal is written, with the final `probe_stats`. Then the job
-    ends as it would have: the SIGTERM handler the job had installed before the monitor is called;
-    without one the process exits 0. If closing takes longer than `grace_period_s` (default 10 s,
-    or $MOESCOPE_GRACE_PERIOD_S) the process exits 1; a second SIGTERM exits at once (143). See
-    `moescope.core.lifecycle`. Sharp edges: the handler is installed only when the monitor is made on the
-    main thread and SIGTERM is not ignored; a handler the job installs after the monitor replaces it
-    (call `monitor.close()` from it); SIGINT (Ctrl-C) is left alone. False leaves SIGTERM to the job.
+    SIGTERM (`stop_on_sigterm`, default True): when the job gets SIGTERM (a scheduler's preemption,
+    `kill`, Kubernetes), the monitor closes first: at once if the training thread is between a
+    forward and an optimizer step, else as soon as the forward or the optimizer step under way ends,
+    so every optimizer step taken before the signal is written, with the final `probe_stats`. Then
+    the job ends as it would have: the SIGTERM handler the job had installed before the monitor is
+    called; without one the process exits 0. If closing takes longer than `grace_period_s` the
+    process exits 1; a second SIGTERM exits at once (143). See `moescope.core.lifecycle`. Sharp
+    edges: the handler is installed only when the monitor is made on the main thread and SIGTERM is
+    not ignored; a handler the job installs after the monitor replaces it (call `monitor.close()`
+    from it); SIGINT (Ctrl-C) is left alone.
+
+    Args:
+        model: the model that trains.
+        optimizer: its optimizer (the torch optimizer under any wrapper).
+        store: where the records and `train_steps` go, a folder or a URL (`s3://bucket/prefix`, ...);
+            None: no store.
+        storage_options: how to reach a URL store (`moescope.attach`'s; credentials come from the
+            environment). Needs `store`.
+        scheduler: the LR scheduler, which the cooldown's parameter-group split keeps in step.
+        tensorboard: a `SummaryWriter`, or a folder for one; None: no TensorBoard scalars.
+        wandb: a W&B run, or True for `wandb.run`; None: no W&B scalars.
+        dead_window: optimizer steps over which an expert with no token counts as dead.
+        grad_norms: measure per-expert gradient norms at each update.
+        measure_gradients: "step" (just before the optimizer's update; right for loops and
+            `Trainer`) or "manual" (call `measure_gradients()` yourself after backward; Lightning's
+            callback does, as Lightning runs forward and backward inside `optimizer.step`).
+        cooldown: None (off), or "auto" for the routing cooldown (docs/cooldown.md).
+        cooldown_config: the cooldown's `CooldownConfig` (None: the defaults).
+        cooldown_sink: where the cooldown's alert transitions go (a `TransitionSink`, e.g. an `Outbox`).
+        stop_on_sigterm: close the monitor when the job gets SIGTERM (above); False leaves SIGTERM to
+            the job.
+        grace_period_s: the most seconds closing may take after SIGTERM before the process exits 1;
+            None: `$MOESCOPE_GRACE_PERIOD_S`, else 10. A value that is not a positive number is refused.
+        **options: `moescope.attach`'s (routes, health, tags, run_id, recording, ...), except the
+            window: a training record always covers one optimizer step.
+
+    Raises:
+        ValueError: for a `measure_gradients` or `cooldown` mode it does not know, `dead_window`
+            below 1, `window` or `window_s` among the options, or `storage_options` without a store;
+            and what `moescope.attach` raises.
     """
 
     def __init__(self, model: nn.Module, optimizer: OptimizerLike, *,
@@ -393,8 +479,10 @@ class TrainingMonitor:
         return self._groups[1]
 
     def measure_gradients(self) -> None:
-        """Take this step's per-expert gradient norms and learning rates now (after backward, before
-        the update). Called by the optimizer pre-hook unless measure_gradients="manual"."""
+        """Take this step's per-expert gradient norms and learning rates now (after backward, before the update).
+
+        Called by the optimizer pre-hook unless measure_gradients="manual".
+        """
         try:
             groups = self.optimizer.param_groups
             lr = float(groups[0]["lr"]) if groups else None
@@ -444,8 +532,11 @@ class TrainingMonitor:
     # -- resuming (the counts saved with the optimizer) --------------------------------------------
 
     def training_state(self) -> dict[str, Any]:
-        """What a checkpoint of the optimizer keeps of this monitor: the run id, the optimizer steps
-        and the forwards counted."""
+        """What a checkpoint of the optimizer keeps of this monitor.
+
+        Returns:
+            The run id, the optimizer steps and the forwards counted (plain values).
+        """
         return {"run_id": self.session.run.run_id, "optimizer_step": int(self.optimizer_step),
                 "forward_step": int(self.session.step)}
 
@@ -551,11 +642,23 @@ class TrainingMonitor:
 
     @property
     def steps(self) -> list[TrainingStep]:
-        """The last 1024 training steps scored (call `flush()` first to include the latest); the
-        store keeps them all."""
+        """The last 1024 training steps scored; the store keeps them all.
+
+        Call `flush()` first to include the latest.
+        """
         return list(self.exporter.steps)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
+        """Close the current window and write everything recorded so far (`ProbeSession.flush`).
+
+        A SIGTERM that arrives meanwhile waits for the flush, then closes the monitor.
+
+        Args:
+            timeout_s: how long to wait for the writer, in seconds (default 30).
+
+        Returns:
+            False if the writer did not finish in time, else True.
+        """
         self._busy += 1  # a SIGTERM meanwhile waits for the flush, then closes
         try:
             return self.session.flush(timeout_s)
@@ -582,9 +685,11 @@ class TrainingMonitor:
         self._at_safe_point()
 
     def __enter__(self) -> TrainingMonitor:
+        """Return the monitor itself; leaving the block calls `close()`."""
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Close the monitor (`close()`); exceptions pass through."""
         self.close()
 
 
@@ -619,7 +724,21 @@ def _save_counts(monitor: TrainingMonitor) -> Any:
 
 def watch(model: nn.Module, optimizer: OptimizerLike, store: str | os.PathLike | StoreLocation | None = None,
           **options: Any) -> TrainingMonitor:
-    """Watch a plain training loop: a `TrainingMonitor` (see there for the options)."""
+    """Watch a plain training loop: a `TrainingMonitor` on `model` and `optimizer`.
+
+    Args:
+        model: the model that trains.
+        optimizer: its optimizer (the torch optimizer under any wrapper).
+        store: where the records and `train_steps` go, a folder or a URL; None: no store.
+        **options: `TrainingMonitor`'s (tensorboard, wandb, dead_window, cooldown, ...) and
+            `moescope.attach`'s.
+
+    Returns:
+        The monitor; call `close()` when training ends (or use it as a context manager).
+
+    Raises:
+        ValueError: for options the monitor refuses (see `TrainingMonitor`).
+    """
     return TrainingMonitor(model, optimizer, store=store, **options)
 
 

@@ -18,7 +18,12 @@ class ScalarSink(Protocol):
 
 
 class TensorBoardSink(ScalarSink):
-    """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder)."""
+    """Scalars into a `torch.utils.tensorboard.SummaryWriter` (given, or opened on a folder).
+
+    Args:
+        writer: a `SummaryWriter`, or a folder to open one on (closed with the sink; a given writer
+            is only flushed).
+    """
 
     def __init__(self, writer: Any):
         if isinstance(writer, (str, os.PathLike)):
@@ -31,31 +36,51 @@ class TensorBoardSink(ScalarSink):
         self.writer = writer
 
     def log(self, scalars: dict[str, float], step: int) -> None:
+        """Log one optimizer step's scalars.
+
+        Args:
+            scalars: {name: value} (`TrainingStep.scalars`).
+            step: the optimizer step, as the x axis.
+        """
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, global_step=step)
 
     def flush(self) -> None:
+        """Flush the writer."""
         self.writer.flush()
 
     def close(self) -> None:
+        """Flush the writer, and close it when the sink opened it."""
         self.writer.flush()
         if self._owned:
             self.writer.close()
 
 
 class WandbSink(ScalarSink):
-    """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric."""
+    """Scalars into a W&B run (`wandb.run`, or one given), with the optimizer step as a metric.
+
+    Args:
+        run: the W&B run.
+    """
 
     def __init__(self, run: Any):
         self.run = run
 
     def log(self, scalars: dict[str, float], step: int) -> None:
+        """Log one optimizer step's scalars, with the step as `moe/optimizer_step`.
+
+        Args:
+            scalars: {name: value} (`TrainingStep.scalars`).
+            step: the optimizer step.
+        """
         self.run.log({**scalars, "moe/optimizer_step": step})
 
     def flush(self) -> None:
+        """Nothing to do: the run is the caller's."""
         pass
 
     def close(self) -> None:
+        """Nothing to do: the run is the caller's."""
         pass
 
 

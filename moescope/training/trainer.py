@@ -21,11 +21,17 @@ class MoescopeCallback(TrainerCallback):
     """A `transformers.TrainerCallback` that watches the routing for the training run.
 
     Attaches at `on_train_begin` (to the Trainer's model, optimizer and scheduler) and closes at
-    `on_train_end`. tensorboard / wandb: "auto" (default) logs the scalars where the Trainer's
-    `report_to` does: TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`,
-    W&B into the run the Trainer's W&B callback opened. Every other option is `TrainingMonitor`'s,
-    `storage_options=` among them for a URL store (`store="s3://bucket/prefix"`).
-    The monitor is at `callback.monitor` while training runs.
+    `on_train_end`. The monitor is at `callback.monitor` while training runs.
+
+    Args:
+        store: where the records go: a folder or a URL (`store="s3://bucket/prefix"`, with
+            `storage_options=` among the options); None: no store.
+        tensorboard: "auto" (default) logs the scalars where the Trainer's `report_to` does:
+            TensorBoard into `$TENSORBOARD_LOGGING_DIR` or `<output_dir>/runs/moescope`; or what
+            `TrainingMonitor` takes (a `SummaryWriter`, a folder, None).
+        wandb: "auto" (default) logs into the run the Trainer's W&B callback opened, where
+            `report_to` has W&B; or what `TrainingMonitor` takes.
+        **options: `TrainingMonitor`'s, `storage_options=` among them.
     """
 
     def __init__(self, store: str | os.PathLike | StoreLocation | None = None, *, tensorboard: Any = "auto",
@@ -54,6 +60,20 @@ class MoescopeCallback(TrainerCallback):
         return tensorboard, wandb
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        """Start the `TrainingMonitor` on the Trainer's model, optimizer and scheduler (once).
+
+        Args:
+            args (TrainingArguments): the Trainer's arguments (`report_to`, `output_dir`).
+            state (TrainerState): the Trainer's state.
+            control (TrainerControl): the Trainer's control flags.
+            model (torch.nn.Module): the model that trains.
+            optimizer (torch.optim.Optimizer): its optimizer.
+            lr_scheduler (Any): its LR scheduler.
+            **kwargs (Any): the rest of what the Trainer passes.
+
+        Raises:
+            ValueError: for options the monitor refuses.
+        """
         if self.monitor is not None:
             return
         tensorboard, wandb = self._loggers(args)
@@ -61,6 +81,14 @@ class MoescopeCallback(TrainerCallback):
                                        tensorboard=tensorboard, wandb=wandb, **self.options)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Close the monitor: remove its hooks and write everything.
+
+        Args:
+            args (TrainingArguments): the Trainer's arguments.
+            state (TrainerState): the Trainer's state.
+            control (TrainerControl): the Trainer's control flags.
+            **kwargs (Any): the rest of what the Trainer passes.
+        """
         if self.monitor is not None:
             self.monitor.close()
 
