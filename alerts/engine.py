@@ -60,7 +60,30 @@ def fingerprint(labels: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class AlertTransition:
-    """One change of one alert's state, as written to the `alerts` table and notified."""
+    """One change of one alert's state, as written to the `alerts` table and notified.
+
+    Attributes:
+        fingerprint: the alert's identity (a hash of its label set).
+        alertname: the rule's name.
+        state: the new state (inactive, pending, firing, resolved).
+        previous_state: the state before.
+        at: event time of the step that caused the change.
+        step: that step.
+        run_id: the run.
+        layer: the MoE layer.
+        severity: the rule's severity.
+        expr: the rule's expression.
+        labels: the full label set: alertname, severity, run_id, layer + the rule's.
+        annotations: the rule's annotations.
+        values: the signals of the rule's expression at `at` (None: undefined, NaN).
+        starts_at: when this episode began (pending or firing since).
+        ends_at: set on resolved, else None.
+        source: what raised it: "rules", "health" (ExpertUnhealthy), "trust_gate" (TrustGateChanged).
+        expert: the expert, for alerts about one expert; else None.
+        reason: why the state changed when it was not the rule's verdict ("run ended"); else None.
+        window_steps: the rule's window, in steps (None: a time window, or no rule).
+        baseline_steps: the rule's baseline: its first steps.
+    """
 
     fingerprint: str
     alertname: str
@@ -89,7 +112,11 @@ class AlertTransition:
         return self.state in (FIRING, RESOLVED)
 
     def idempotency_key(self) -> str:
-        """Return the key that makes a notification unique: fingerprint, episode, status."""
+        """The key that makes a notification unique: fingerprint, episode, status.
+
+        Returns:
+            `"<fingerprint>:<starts_at, ISO>:<state>"`.
+        """
         return f"{self.fingerprint}:{self.starts_at.isoformat()}:{self.state}"
 
 
@@ -135,7 +162,13 @@ class _RunState:
 
 
 class AlertEngine:
-    """Evaluates a rule pack over per-layer windows and keeps every alert's state."""
+    """Evaluates a rule pack over per-layer windows and keeps every alert's state.
+
+    Args:
+        pack: the rules (`load_rules`, `default_rules`).
+        baseline_loader: loads the baseline load of another run, when the pack's baseline names
+            one: `(run_id, layer, first_steps) -> load or None`. None: such a baseline stays unknown.
+    """
 
     def __init__(self, pack: RulePack, baseline_loader: BaselineLoader | None = None):
         self.pack = pack
@@ -153,7 +186,11 @@ class AlertEngine:
     # -- input ------------------------------------------------------------------------------
 
     def observe(self, obs: LayerObservation) -> None:
-        """Add one layer step to its run's window; call `evaluate` once a step is complete."""
+        """Add one layer step to its run's window; call `evaluate` once a step is complete.
+
+        Args:
+            obs: one layer's observation at one step (of one run).
+        """
         run = self._runs.setdefault(obs.run_id, _RunState())
         history = run.history.get(obs.layer)
         if history is None:
@@ -165,7 +202,21 @@ class AlertEngine:
             run.baseline_forwards[obs.layer] += max(int(obs.forwards), 1)
 
     def baseline(self, run_id: str, layer: int) -> np.ndarray | None:
-        """Return the baseline load for a layer, or None while it is not yet known."""
+        """The baseline load for a layer.
+
+        The pack's other run's (through `baseline_loader`), or the sum of this run's first rows covering
+        the baseline's `first_steps` forwards.
+
+        Args:
+            run_id: the run.
+            layer: the MoE layer.
+
+        Returns:
+            The load per expert, or None while it is not yet known.
+
+        Raises:
+            KeyError: for a run not observed (with a baseline from the run itself).
+        """
         spec = self.pack.baseline
         if spec.run_id is not None:
             if layer not in self._external_baselines:
@@ -180,12 +231,31 @@ class AlertEngine:
     # -- evaluation -------------------------------------------------------------------------
 
     def signals(self, rule: Rule, run_id: str, layer: int) -> dict[str, float]:
-        """Return the values of the rule's signals over its window for one layer."""
+        """The values of the rule's signals over its window for one layer.
+
+        Args:
+            rule: a rule of the pack.
+            run_id: an observed run.
+            layer: an observed layer of that run.
+
+        Returns:
+            {signal: value}.
+
+        Raises:
+            KeyError: for a run or layer not observed.
+        """
         window = self._runs[run_id].history[layer].window(rule.window)
         return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer))
 
     def evaluate(self, run_id: str) -> list[AlertTransition]:
-        """Evaluate every rule on every layer of the run at its latest step; return the changes."""
+        """Evaluate every rule on every layer of the run at its latest step.
+
+        Args:
+            run_id: the run; one not observed gives no changes.
+
+        Returns:
+            The state changes, in rule then layer order.
+        """
         run = self._runs.get(run_id)
         if run is None:
             return []
@@ -268,10 +338,18 @@ class AlertEngine:
                reason: str = "run ended") -> list[AlertTransition]:
         """End a run: resolve its firing alerts and drop its pending ones, with `reason`.
 
-        A finished run produces no more data, so an event-time cooldown would keep its alerts
-        firing for ever; this is the resolve Alertmanager gets as `endsAt`. `at` and `step` default
-        to the run's latest observation. Returns the transitions (none for an unknown run). The run's
-        windows are kept: a run resumed later (a restarted writer) goes on from them.
+        A finished run produces no more data, so an event-time cooldown would keep its alerts firing
+        for ever; this is the resolve Alertmanager gets as `endsAt`. The run's windows are kept: a run
+        resumed later (a restarted writer) goes on from them.
+
+        Args:
+            run_id: the run.
+            at: event time of the resolve; None: the run's latest observation's.
+            step: step of the resolve; None: the run's latest observation's.
+            reason: why, recorded on each transition.
+
+        Returns:
+            The transitions (none for an unknown run).
         """
         run = self._runs.get(run_id)
         latest = [h.items[-1] for h in (run.history.values() if run else ()) if h.items]
@@ -294,7 +372,14 @@ class AlertEngine:
         return out
 
     def ingest(self, observations: Iterable[LayerObservation]) -> list[AlertTransition]:
-        """Observe layer steps in (run, step) order, evaluating after each complete step."""
+        """Observe layer steps in (run, step) order, evaluating after each complete step.
+
+        Args:
+            observations: layer steps of one or more runs, in any order (they are sorted).
+
+        Returns:
+            Every state change, in order.
+        """
         ordered = sorted(observations, key=lambda o: (o.run_id, o.step, o.layer))
         out: list[AlertTransition] = []
         for i, obs in enumerate(ordered):
@@ -306,14 +391,35 @@ class AlertEngine:
         return out
 
     def run_ids(self) -> list[str]:
-        """Runs with observations."""
+        """The runs with observations.
+
+        Returns:
+            Their ids, in the order first seen.
+        """
         return list(self._runs)
 
     def states(self) -> dict[str, str]:
-        """Return {fingerprint: state} of every alert seen so far."""
+        """The state of every alert seen so far.
+
+        Returns:
+            {fingerprint: state}.
+        """
         return {fp: st.state for fp, st in self._alerts.items()}
 
     def window_load(self, run_id: str, layer: int, steps: int) -> np.ndarray:
+        """A layer's expert load summed over its last forwards.
+
+        Args:
+            run_id: an observed run.
+            layer: an observed layer of that run.
+            steps: how many of the latest forwards to sum.
+
+        Returns:
+            The load per expert.
+
+        Raises:
+            KeyError: for a run or layer not observed.
+        """
         return summed_load(last_forwards(list(self._runs[run_id].history[layer].items), steps))
 
 
@@ -339,8 +445,13 @@ class EngineExporter(Exporter, AttachListener):
     """Runs the engine inside the probe's pipeline: an exporter fed the live StepRecords.
 
     Each exported batch is observed and evaluated; transitions go to every sink (the outbox
-    dispatcher, the alerts-table writer). A sink that raises is counted, never propagated: the
-    probe's worker thread must keep going.
+    dispatcher, the alerts-table writer). A sink that raises is counted (`sink_errors`), never
+    propagated: the probe's worker thread must keep going. The last 1000 transitions are kept in
+    `transitions`.
+
+    Args:
+        engine: the engine to run.
+        sinks: where transitions go (`TransitionSink`s: `handle(transitions)`).
     """
 
     def __init__(self, engine: AlertEngine, sinks: Sequence[TransitionSink]):
@@ -351,11 +462,24 @@ class EngineExporter(Exporter, AttachListener):
         self._closed = False
 
     def on_attach(self, run: RunInfo) -> None:
-        """Called by the probe at attach: the layers' routed experts (zero experts are left out of
-        load signals, see `alerts.signals`)."""
+        """Take the layers' routed experts from the run; the probe calls this at attach.
+
+        Zero experts are left out of load signals (see `alerts.signals`).
+
+        Args:
+            run: the run the probe attached as.
+        """
         self.engine.routed_experts.update({info.layer: info.num_experts for info in run.layers})
 
     def export(self, records: Sequence[StepRecord]) -> bool:
+        """Observe and evaluate a batch of records, and hand the transitions to the sinks.
+
+        Args:
+            records: a batch from the pipeline.
+
+        Returns:
+            False once shut down, or when a sink failed (counted); else True.
+        """
         if self._closed:
             return False
         found: list[AlertTransition] = []
@@ -374,6 +498,14 @@ class EngineExporter(Exporter, AttachListener):
         return not failed
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Flush the sinks that can be flushed (the outbox).
+
+        Args:
+            timeout_s: how long each sink may take, in seconds (default 30).
+
+        Returns:
+            True when every such sink flushed.
+        """
         ok = True
         for sink in self.sinks:
             if isinstance(sink, FlushableSink):
@@ -381,8 +513,11 @@ class EngineExporter(Exporter, AttachListener):
         return ok
 
     def shutdown(self) -> None:
-        """The probe's session closed: its runs have ended, so their open alerts resolve ("run
-        ended") and the sinks get the resolves, before this exporter takes no more records."""
+        """The probe's session closed: resolve its runs' open alerts ("run ended") and hand those on.
+
+        Its runs have ended, so the sinks get the resolves before this exporter takes no more
+        records; safe twice.
+        """
         if self._closed:
             return
         self._closed = True
