@@ -192,8 +192,24 @@ def _transaction(db: sqlite3.Connection):
 class Outbox(FlushableSink):
     """Deliveries kept in a SQLite file at `path`; safe to share between threads of one process.
 
-    Raises NotifierError when two notifiers share a name. Never raises because the file cannot
-    be created or written: see `persistent` and `unsaved_reason`.
+    Each notification is a row per receiver, keyed by the transition's idempotency key, retried
+    with exponential backoff until delivered, refused for good, or too old. It never raises because
+    the file cannot be created or written: the deliveries then live in memory (`persistent` False,
+    `unsaved_reason` says why) and saving is tried again every `persist_retry_s`.
+
+    Args:
+        path: the SQLite file.
+        notifiers: the receivers (plain JSON, Slack, Alertmanager); each name once.
+        timeout_s: the most seconds one delivery attempt may take (default 5).
+        base_backoff_s: delay before the first retry, doubled at each further one (default 1 s).
+        max_backoff_s: the longest delay between retries (default 30 s).
+        max_age_s: a delivery older than this is given up (dead) at its next failure (default 7 days).
+        batch_size: the most deliveries tried per receiver per round (default 100).
+        clock: the time source, in Unix seconds (tests pass their own).
+        persist_retry_s: how often a move back to the file is tried while in memory (default 30 s).
+
+    Raises:
+        NotifierError: when two notifiers share a name.
     """
 
     def __init__(
@@ -323,11 +339,22 @@ class Outbox(FlushableSink):
     # -- producing ---------------------------------------------------------------------------
 
     def enqueue(self, receiver: str, idempotency_key: str, body: bytes) -> bool:
-        """Store one delivery; return False if this receiver already has this key (a repeat).
+        """Store one delivery.
 
-        A new delivery joins its receiver's schedule: while the receiver is in backoff, it waits
-        with the others, so the receiver gets its notifications in order. Raises KeyError for a
-        receiver that is not configured.
+        A new delivery joins its receiver's schedule: while the receiver is in backoff, it waits with
+        the others, so the receiver gets its notifications in order.
+
+        Args:
+            receiver: a configured notifier's name.
+            idempotency_key: what makes the delivery unique for this receiver.
+            body: the rendered notification.
+
+        Returns:
+            False if this receiver already has this key (a repeat), else True.
+
+        Raises:
+            KeyError: for a receiver that is not configured.
+            RuntimeError: once the outbox is closed.
         """
         if receiver not in self.notifiers:
             raise KeyError(f"no notifier named {receiver!r}; configured: {', '.join(self.notifiers) or 'none'}")
@@ -346,7 +373,11 @@ class Outbox(FlushableSink):
             return bool(self._write(insert))
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
-        """Enqueue each firing/resolved transition for every notifier (a TransitionSink)."""
+        """Enqueue each firing/resolved transition for every notifier (a TransitionSink).
+
+        Args:
+            transitions: alert transitions; those that do not notify (pending, inactive) are skipped.
+        """
         for t in transitions:
             if not t.notifies:
                 continue
@@ -356,13 +387,26 @@ class Outbox(FlushableSink):
     # -- delivering --------------------------------------------------------------------------
 
     def backoff_s(self, attempts: int) -> float:
-        """Delay before retry number `attempts` (1-based), jittered by up to +10%."""
+        """Delay before a retry: `base_backoff_s` doubled per attempt, at most `max_backoff_s`, jittered by up to +10%.
+
+        Args:
+            attempts: the retry's number (1-based).
+
+        Returns:
+            Seconds.
+        """
         delay = min(self.max_backoff_s, self.base_backoff_s * 2 ** (attempts - 1))
         return delay * (1 + 0.1 * random.random())
 
     def deliver_due(self) -> DeliveryReport:
-        """Try what is due now, receiver by receiver (up to `batch_size` each, oldest first); return
-        what happened. A receiver that fails is tried once per round; the others go on."""
+        """Try what is due now, receiver by receiver (up to `batch_size` each, oldest first).
+
+        A receiver that fails is tried once per round (its later deliveries wait for its backoff); the
+        others go on.
+
+        Returns:
+            A DeliveryReport: delivered, retrying and dead (given up) counts of this round.
+        """
         if not self.persistent and time.monotonic() - self._last_persist_try >= self.persist_retry_s:
             with self._lock:
                 self._try_persist()
@@ -419,12 +463,20 @@ class Outbox(FlushableSink):
     # -- reading and housekeeping ------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:
-        """Return {state: deliveries} over the whole outbox."""
+        """The deliveries over the whole outbox, per state.
+
+        Returns:
+            {state: deliveries}: pending, delivered, dead, dropped.
+        """
         with self._lock:
             return dict(self._connection().execute("SELECT state, count(*) FROM deliveries GROUP BY state").fetchall())
 
     def pending(self) -> int:
-        """Return how many deliveries to the configured receivers are still to be made."""
+        """How many deliveries to the configured receivers are still to be made.
+
+        Returns:
+            Pending deliveries (0 without notifiers).
+        """
         if not self.notifiers:
             return 0
         with self._lock:
@@ -434,6 +486,11 @@ class Outbox(FlushableSink):
                 (PENDING, *self.notifiers)).fetchone()[0]
 
     def deliveries(self) -> list[dict]:
+        """Every delivery, oldest first.
+
+        Returns:
+            One dict per delivery: receiver, idempotency_key, state, attempts, last_error.
+        """
         with self._lock:
             cur = self._connection().execute(
                 "SELECT receiver, idempotency_key, state, attempts, last_error FROM deliveries ORDER BY id"
@@ -442,8 +499,12 @@ class Outbox(FlushableSink):
             return [dict(zip(names, row)) for row in cur.fetchall()]
 
     def receivers(self) -> list[dict]:
-        """Return one summary per receiver name in the outbox: receiver, configured (in this
-        Outbox), pending, delivered, dead, dropped, oldest_pending_at (Unix s) and last_error."""
+        """One summary per receiver name in the outbox.
+
+        Returns:
+            Dicts with receiver, configured (in this Outbox), pending, delivered, dead, dropped,
+            oldest_pending_at (Unix s) and last_error.
+        """
         with self._lock:
             rows = self._connection().execute(
                 "SELECT receiver, sum(state = ?), sum(state = ?), sum(state = ?), sum(state = ?),"
@@ -457,16 +518,30 @@ class Outbox(FlushableSink):
         return [dict(zip(keys, row), configured=row[0] in self.notifiers) for row in rows]
 
     def drop(self, receiver: str) -> int:
-        """Mark every undelivered (pending or dead) delivery to `receiver` as dropped; return how
-        many. Dropped rows keep their keys, so the same alerts are not enqueued again."""
+        """Mark every undelivered (pending or dead) delivery to `receiver` as dropped.
+
+        Dropped rows keep their keys, so the same alerts are not enqueued again.
+
+        Args:
+            receiver: the receiver's name (configured or not).
+
+        Returns:
+            How many deliveries were dropped.
+        """
         with self._lock:
             return self._write(lambda db: db.execute(
                 "UPDATE deliveries SET state = ? WHERE receiver = ? AND state IN (?, ?)",
                 (DROPPED, receiver, PENDING, DEAD)).rowcount)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Deliver until nothing is due for the configured receivers or `timeout_s` passes; True
-        when nothing is left pending for them."""
+        """Deliver until nothing is due for the configured receivers or `timeout_s` passes.
+
+        Args:
+            timeout_s: the most seconds to keep trying (default 10).
+
+        Returns:
+            True when nothing is left pending for them.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.deliver_due()
@@ -476,7 +551,10 @@ class Outbox(FlushableSink):
         return not self.pending()
 
     def close(self) -> None:
-        """Save to the file if the outbox had moved to memory (see `unsaved`), and close; safe twice."""
+        """Save to the file if the outbox had moved to memory, and close; safe twice.
+
+        What could not be saved is logged and counted in `unsaved` ({state: rows}).
+        """
         with self._lock:
             if self._db is None:
                 return

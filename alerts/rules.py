@@ -97,10 +97,15 @@ _RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels",
 
 
 class RulesError(ValueError):
-    """A rules file that cannot be used; the message names file, line and field.
+    """A rules file that cannot be used (a ValueError); the message names file, line and field.
 
     `errors` lists every problem found in the file (each a RulesError of one line, in line
     order); the message is those lines joined.
+
+    Args:
+        message: what is wrong, with file, line and field.
+        errors: every problem found; None: this error alone.
+        line: the line of the file it is about, or None.
     """
 
     def __init__(self, message: str, errors: list[RulesError] | None = None, line: int | None = None):
@@ -173,11 +178,23 @@ class Baseline:
 
 @dataclass(frozen=True)
 class RulePack:
+    """A parsed rule pack: its rules, the baseline they compare with, and where it came from.
+
+    Attributes:
+        rules: the rules, in file order.
+        baseline: what load the baseline signals compare with (a run's first steps).
+        source: the file it was read from.
+    """
     rules: tuple[Rule, ...]
     baseline: Baseline
     source: str
 
     def max_window_steps(self) -> int:
+        """The longest window in steps among the rules (0 when every window is a time window).
+
+        Returns:
+            Steps.
+        """
         return max((r.window.steps or 0 for r in self.rules), default=0)
 
 
@@ -512,7 +529,19 @@ def parse_rules(text: str, source: str = "<rules>", fmt: str = "yaml") -> RulePa
 
 
 def load_rules(path: str | os.PathLike) -> RulePack:
-    """Return the rule pack in the file at `path`; raise RulesError (or FileNotFoundError)."""
+    """Read the rule pack in a YAML or TOML file.
+
+    Args:
+        path: the file; it must end in .yaml, .yml or .toml.
+
+    Returns:
+        The rule pack.
+
+    Raises:
+        RulesError: for a file that cannot be used (every problem listed in `errors`), a file name
+            of another extension, or a file that does not exist.
+        OSError: when the file exists but cannot be read.
+    """
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
     fmt = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(ext)
@@ -531,5 +560,9 @@ def default_rules_text() -> str:
 
 
 def default_rules() -> RulePack:
-    """Return the default rule pack shipped in alerts/default_rules.yaml."""
+    """The default rule pack shipped in alerts/default_rules.yaml.
+
+    Returns:
+        The rule pack.
+    """
     return parse_rules(default_rules_text(), source="alerts/default_rules.yaml")
