@@ -75,17 +75,26 @@ SEVERITY = "warning"  # the training's hyperparameters were changed by automatio
 class CooldownConfig:
     """What the cooldown policy watches and does; every field is checked at construction.
 
-    rule: the rule to act on (None: the default pack's RoutingCooldown; or a `Rule` from your own
-    pack, `alerts.rules.load_rules(path)`). thresholds: new thresholds for the rule's signals, its
-    operators kept, e.g. {"router_entropy": 0.3}. window: the rule's window in forwards (default
-    pack: 32). for_duration: how long the condition must hold before the layer cools, in event time
-    ("0s", "30s", 90; default pack: "2m"); a `for` of minutes suits training steps of seconds, a CPU
-    run of sub-second steps wants "0s" or a few seconds.
-    factor: the router lr's multiplier while cooling, in (0, 1]. epsilon: the router input jitter's
-    half-width, in [0, 1) (Switch Transformer's 1e-2). period_steps: a cooldown's length, in
-    optimizer steps. max_share: the largest share of the MoE layers cooling at once, in (0, 1]
-    (at least one layer may cool whatever the share). min_gap_steps: optimizer steps from the end of
-    a layer's cooldown before it may cool again.
+    Args:
+        rule: the rule to act on: None (default) for the default pack's RoutingCooldown, or a `Rule`
+            from your own pack (`alerts.rules.load_rules(path)`).
+        thresholds: new thresholds for the rule's signals, its operators kept, e.g.
+            {"router_entropy": 0.3}; None: the rule's own.
+        window: the rule's window in forwards (None: the rule's; default pack: 32).
+        for_duration: how long the condition must hold before the layer cools, in event time ("0s",
+            "30s", 90; None: the rule's; default pack: "2m"). A `for` of minutes suits training steps
+            of seconds; a CPU run of sub-second steps wants "0s" or a few seconds.
+        factor: the router lr's multiplier while cooling, in (0, 1] (0.1 cools it ten times).
+        epsilon: the router input jitter's half-width, in [0, 1) (Switch Transformer's 1e-2; 0 turns
+            the jitter off).
+        period_steps: a cooldown's length, in optimizer steps (at least 1).
+        max_share: the largest share of the MoE layers cooling at once, in (0, 1] (at least one layer
+            may cool whatever the share).
+        min_gap_steps: optimizer steps from the end of a layer's cooldown before it may cool again.
+
+    Raises:
+        ValueError: for a field out of its range, a duration that cannot be read, a `rule` that is
+            not a `Rule`, or a threshold for a signal the rule does not have (or not a finite number).
     """
 
     rule: Rule | None = None
@@ -136,8 +145,13 @@ class CooldownConfig:
                 raise ValueError(f"CooldownConfig.thresholds[{signal!r}] must be a finite number, not {value!r}")
 
     def resolved_rule(self) -> Rule:
-        """The rule the policy evaluates: the chosen rule with the overrides applied, resolving as
-        soon as its condition is false (cooldown 0)."""
+        """The rule the policy evaluates: the chosen rule with the overrides applied.
+
+        It resolves as soon as its condition is false (cooldown 0).
+
+        Returns:
+            The resolved `Rule`.
+        """
         rule = self.rule or _default_rule()
         thresholds = dict(self.thresholds or {})
         conditions = tuple(Condition(c.signal, c.op, float(thresholds.get(c.signal, c.threshold)))
@@ -162,6 +176,11 @@ class CooldownPolicy(Exporter[StepRecord]):
 
     Build it with `bind_cooldown`, which also builds the actuator and puts the policy into the
     session's pipeline. `rows` keeps every event row written, `alerts` every transition made.
+
+    Args:
+        config: what it watches and does; None: `CooldownConfig()`.
+        sink: where its alert transitions go (e.g. an `alerts.outbox.Outbox`); None: only the
+            store's `alerts` table.
     """
 
     def __init__(self, config: CooldownConfig | None = None, sink: TransitionSink | None = None):
@@ -192,7 +211,19 @@ class CooldownPolicy(Exporter[StepRecord]):
 
     def bind(self, session: ProbeSession, actuator: RouterCooldown,
              store: str | os.PathLike | StoreLocation | None = None) -> CooldownPolicy:
-        """Attach to a probe session's run and store folder, and to the actuator's changes."""
+        """Attach to a probe session's run and store folder, and to the actuator's changes.
+
+        Changes the actuator made before the policy bound (a cooldown resumed from a checkpoint) are
+        taken in too.
+
+        Args:
+            session: the probe session.
+            actuator: the `RouterCooldown` that changes the routers' learning rates and jitter.
+            store: where the event rows and alerts go; None: nowhere.
+
+        Returns:
+            The policy itself.
+        """
         self.session = session
         self.actuator = actuator
         self.run_id = session.run.run_id
@@ -216,6 +247,14 @@ class CooldownPolicy(Exporter[StepRecord]):
     # -- the exporter interface ----------------------------------------------------------------
 
     def export(self, records: Sequence[StepRecord]) -> bool:
+        """Evaluate the rule on each record, start the cooldowns it calls for, write the changes' rows.
+
+        Args:
+            records: a batch from the pipeline.
+
+        Returns:
+            True (records after `shutdown` are ignored).
+        """
         with self._lock:
             if self._closed:
                 return True
@@ -234,7 +273,14 @@ class CooldownPolicy(Exporter[StepRecord]):
         return True
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Write the queued changes' rows and alerts, and everything handed to the run's writer."""
+        """Write the queued changes' rows and alerts, and everything handed to the run's writer.
+
+        Args:
+            timeout_s: how long each writer may take, in seconds (default 30).
+
+        Returns:
+            False if a writer did not finish in time, else True (also without a store).
+        """
         with self._lock:
             self._drain()
         if self.tables is None or self.alert_table is None:  # no store: both None
@@ -261,7 +307,14 @@ class CooldownPolicy(Exporter[StepRecord]):
                     self.tables.release()
 
     def finish(self, reason: str = "run ended") -> list[AlertTransition]:
-        """End every cooldown in force with `reason` and resolve its alert; returns the transitions."""
+        """End every cooldown in force with `reason` and resolve its alert.
+
+        Args:
+            reason: why, recorded on the events and transitions.
+
+        Returns:
+            The transitions made.
+        """
         with self._lock:
             if self.actuator is not None:
                 for layer in sorted(self.actuator.cooling()):
@@ -273,7 +326,14 @@ class CooldownPolicy(Exporter[StepRecord]):
     # -- deciding ------------------------------------------------------------------------------
 
     def signals(self, layer: int) -> dict[str, float]:
-        """The rule's signals over its window at the latest record of `layer` (empty before any)."""
+        """The rule's signals over its window at the latest record of `layer`.
+
+        Args:
+            layer: the MoE layer.
+
+        Returns:
+            {signal: value}; empty before any record of the layer.
+        """
         try:
             return self.engine.signals(self.rule, self.run_id, layer)
         except KeyError:

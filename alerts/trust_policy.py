@@ -63,6 +63,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrustPolicyConfig:
+    """How the trust policy judges and gates experts; every field is checked at construction.
+
+    See `alerts.trust_policy`'s module docstring for the judgement (hysteresis between the two
+    thresholds, guard rails).
+
+    Args:
+        bad_below: a window scoring below this (0 to 100) counts as bad.
+        good_above: a window scoring at least this counts as good.
+        gate_after: consecutive bad windows before the expert is judged unhealthy (the alert fires;
+            in "auto" mode it is gated).
+        lift_after: consecutive good windows before the alert resolves and the weight goes back to 1.
+        gated_weight: the trust weight of a gated expert, in [0, 1) (0: masked).
+        max_gated_share: the largest share of a layer's experts the policy gates.
+        min_active: the fewest experts of a layer left ungated; None: the layer's k.
+        gate_on: health components whose failure lets the policy gate, of load, confidence, output,
+            weight, grad. Load and confidence describe what the router does with the expert (a
+            traffic shift moves them too); output, weight and gradient describe the expert's own
+            computation. An expert that is only unusual in routing is alerted, not gated.
+
+    Raises:
+        ValueError: unless 0 <= bad_below <= good_above <= 100, for gate_after or lift_after below 1,
+            gated_weight outside [0, 1), or gate_on empty or naming an unknown component.
+    """
     bad_below: float = 40.0
     good_above: float = 70.0
     gate_after: int = 2
@@ -106,8 +129,21 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
     def __init__(self, config: TrustPolicyConfig | None = None, health: HealthConfig | None = None,
                  sink: TransitionSink | None = None, max_buffer_rows: int = 4096, max_age_s: float = 5.0,
                  accept_requests: bool = False, request_poll_s: float = 2.0, keep_rows: int = 65536):
-        """keep_rows: the latest health rows kept in memory for in-process readers (`health_rows`);
-        every row goes to the store's `expert_health` table, so a long run's memory stays bounded."""
+        """Make a policy; it does nothing until a session binds it (`bind`).
+
+        Args:
+            config: the judgement's thresholds and guard rails; None: `TrustPolicyConfig()`.
+            health: the health score's configuration; None: the defaults.
+            sink: where ExpertUnhealthy and TrustGateChanged transitions go (e.g. an
+                `alerts.outbox.Outbox`); None: only the store's `alerts` table.
+            max_buffer_rows: health rows buffered before they are handed to the writer (default 4096).
+            max_age_s: seconds after the first buffered row at which they are handed over (default 5).
+            accept_requests: apply the dashboard's trust-gate requests from the store
+                (`apply_requests`). Default False.
+            request_poll_s: seconds between two reads of the requests (default 2).
+            keep_rows: the latest health rows kept in memory for in-process readers (`health_rows`);
+                every row goes to the store's `expert_health` table, so a long run's memory stays bounded.
+        """
         self.config = config or TrustPolicyConfig()
         self.scorer = HealthScorer(health)
         self.sink = sink
@@ -147,7 +183,19 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
 
     def bind(self, session: ProbeSession, mode: str | None,
              store: str | os.PathLike | StoreLocation | None) -> TrustPolicy:
-        """Attach to a probe session: its run, layers, gate (if any) and store folder."""
+        """Attach to a probe session: its run, layers, gate (if any) and store folder.
+
+        Args:
+            session: the probe session.
+            mode: the trust gate's mode (`probe.TRUST_GATE_MODES`: None, "manual", "auto").
+            store: where the health rows, gate events and alerts go; None: nowhere.
+
+        Returns:
+            The policy itself.
+
+        Raises:
+            ValueError: for an unknown mode.
+        """
         if mode not in TRUST_GATE_MODES:
             raise ValueError(f"trust_gate must be one of None, 'manual', 'auto', not {mode!r}")
         self.session = session
@@ -171,6 +219,14 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
     # -- the exporter interface ----------------------------------------------------------------
 
     def export(self, records: Sequence[StepRecord]) -> bool:
+        """Score each record, judge the closed windows, poll requests when due, hand buffered rows on.
+
+        Args:
+            records: a batch from the pipeline.
+
+        Returns:
+            True.
+        """
         for record in records:
             self.last_step, self.last_ts = record.step, record.ts
             rows = self.scorer.observe(record)
@@ -182,15 +238,24 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
         return True
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Write the buffered health rows, and everything handed to the run's writer so far."""
+        """Write the buffered health rows, and everything handed to the run's writer so far.
+
+        Args:
+            timeout_s: how long each writer may take, in seconds (default 30).
+
+        Returns:
+            False if a writer did not finish in time, else True (also without a store).
+        """
         self._write_health()
         if self.tables is None or self.alert_table is None:  # no store: both None
             return True
         return self.alert_table.flush(timeout_s) and self.tables.flush(timeout_s)
 
     def shutdown(self) -> None:
-        """The session closed: resolve what is still open ("run ended"), write what is buffered,
-        give the run's writer back; safe to call twice."""
+        """The session closed: resolve what is still open ("run ended"), write what is buffered.
+
+        Then give the run's writer back. Safe to call twice.
+        """
         self.finish()
         self._write_health()
         if self.gate is not None and self._on_change in self.gate.listeners:
@@ -207,7 +272,12 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
     # -- judging -------------------------------------------------------------------------------
 
     def judge(self, rows: list[ExpertHealth], step: int) -> None:
-        """Record and judge the scored rows of closed windows (gating in "auto" mode)."""
+        """Record and judge the scored rows of closed windows (gating in "auto" mode).
+
+        Args:
+            rows: health scores of (layer, expert) for closed windows.
+            step: the step they were scored at.
+        """
         cfg = self.config
         with self._lock:
             self.health_rows.extend(rows)
@@ -292,8 +362,18 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
     def override(self, layer: int, expert: int, weight: float, reason: str) -> GateChange | None:
         """Pin an expert's trust weight; the policy leaves it alone until `release`.
 
-        Raises TrustGateError (from the gate) for a bad layer, expert or weight, and RuntimeError
-        when no gate is installed (attach with trust_gate="manual" or "auto").
+        Args:
+            layer: the MoE layer.
+            expert: the expert.
+            weight: its trust weight, in [0, 1].
+            reason: why, recorded on the gate event.
+
+        Returns:
+            The change, or None when the weight was already so.
+
+        Raises:
+            TrustGateError: (from the gate) for a bad layer, expert or weight.
+            RuntimeError: when no gate is installed (attach with trust_gate="manual" or "auto").
         """
         gate = self._require_gate()
         with self._lock:
@@ -302,7 +382,20 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
         return change
 
     def release(self, layer: int, expert: int, reason: str = "override released") -> GateChange | None:
-        """Un-pin an expert and put its weight back to 1; the policy judges it again from here."""
+        """Un-pin an expert and put its weight back to 1; the policy judges it again from here.
+
+        Args:
+            layer: the MoE layer.
+            expert: the expert.
+            reason: why, recorded on the gate event.
+
+        Returns:
+            The change, or None when the weight was already 1.
+
+        Raises:
+            TrustGateError: (from the gate) for a bad layer or expert.
+            RuntimeError: when no gate is installed.
+        """
         gate = self._require_gate()
         with self._lock:
             self.pinned.discard((int(layer), int(expert)))
@@ -312,10 +405,12 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
     def apply_requests(self) -> dict[str, str]:
         """Apply the store's new `trust_gate_requests` rows for this run, each request_id once.
 
-        Returns {request_id: outcome} of the requests handled in this call. A request the gate
-        refuses (bad expert, guard rail) is recorded with the error and not retried; when the store
-        cannot be read, the poll is skipped with a warning and the next one reads again. The rows
-        come from the store's query (`Store.gate_requests`), which leaves out damaged files.
+        A request the gate refuses (bad expert, guard rail) is recorded with the error and not retried;
+        when the store cannot be read, the poll is skipped with a warning and the next one reads again.
+        The rows come from the store's query (`Store.gate_requests`), which leaves out damaged files.
+
+        Returns:
+            {request_id: outcome} of the requests handled in this call (empty without a store or gate).
         """
         self._polled_at = time.monotonic()
         if self.root is None or self.gate is None:
@@ -404,8 +499,16 @@ class TrustPolicy(Exporter[StepRecord], GatePolicy):
             starts_at=starts, ends_at=row.ts if state == RESOLVED else None, source="health", expert=row.expert))
 
     def finish(self, reason: str = "run ended") -> list[AlertTransition]:
-        """Resolve every ExpertUnhealthy and TrustGateChanged alert still firing, with `reason`, at
-        the last recorded step: a run that ended judges and gates nothing any more. Returns them."""
+        """Resolve every ExpertUnhealthy and TrustGateChanged alert still firing, at the last recorded step.
+
+        A run that ended judges and gates nothing any more.
+
+        Args:
+            reason: why, recorded on each transition.
+
+        Returns:
+            The transitions made.
+        """
         ended: list[AlertTransition] = []
         at = self.last_ts or dt.datetime.now(dt.timezone.utc)
         with self._lock:
