@@ -503,7 +503,7 @@ class Outbox(FlushableSink):
 
         Returns:
             Dicts with receiver, configured (in this Outbox), pending, delivered, dead, dropped,
-            oldest_pending_at (Unix s) and last_error.
+                oldest_pending_at (Unix s) and last_error.
         """
         with self._lock:
             rows = self._connection().execute(

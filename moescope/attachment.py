@@ -63,7 +63,7 @@ def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = N
 
     Returns:
         The probe session (a context manager); `session.trust` is the bound policy (None without
-        health or gate).
+            health or gate).
 
     Raises:
         ValueError: for an unknown trust_gate mode (`probe.TRUST_GATE_MODES`), or `storage_options`

@@ -707,7 +707,7 @@ class ProbeSession:
 
         Returns:
             (rows written per table, by the exporters that write rows, e.g. the store's; rows dropped
-            per (table, reason)).
+                per (table, reason)).
         """
         written: dict[str, int] = {}
         for exporter in self.processor.exporters:  # exporters that write rows say how many (the store's)

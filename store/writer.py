@@ -626,7 +626,7 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
 
         Returns:
             False once the exporter is shut down (the records are refused), else True. A failed write is
-            counted (`write_failed`), not returned.
+                counted (`write_failed`), not returned.
         """
         if self._closed:
             return False
@@ -695,7 +695,7 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
 
         Returns:
             False when the store refused the row: a later snapshot carries the same counts (they are
-            cumulative; nothing is counted as lost).
+                cumulative; nothing is counted as lost).
         """
         return self._attached()[1].write_probe_stats()
 

@@ -440,8 +440,8 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
 
     Returns:
         A JitterReport: per condition and layer the tokens compared and how many changed their expert
-        set, their top-1 and their kept experts; the flipped tokens; the skipped conditions; and
-        `run_id` when stored.
+            set, their top-1 and their kept experts; the flipped tokens; the skipped conditions; and
+            `run_id` when stored.
 
     Raises:
         JitterError: for inputs or options it cannot use (no inputs, texts without a tokenizer, an

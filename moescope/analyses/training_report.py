@@ -113,7 +113,7 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
 
     Returns:
         A `TrainingReport`; for a run without training steps, one with `recorded` False and empty
-        frames.
+            frames.
 
     Raises:
         ValueError: for dead_window or last_steps below 1.

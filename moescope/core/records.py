@@ -263,7 +263,7 @@ class StepRecord:
 
         Returns:
             {table: rows} for `steps`, `layer_steps`, and `routes`, `router_logits`, `router_inputs`,
-            `kv_cache` where the record holds them.
+                `kv_cache` where the record holds them.
         """
         rows = {"steps": 1, "layer_steps": len(self.layers)}
         for layer in self.layers:

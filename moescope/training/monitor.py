@@ -82,8 +82,8 @@ class TrainingLayer:
 
         Returns:
             {name: value} for aux_loss, z_loss, dead_expert_fraction, router_entropy, load_max_mean, and
-            router_lr and expert_grad_norm_max / expert_grad_norm_min where known (the max is NaN when any
-            expert's norm is NaN).
+                router_lr and expert_grad_norm_max / expert_grad_norm_min where known (the max is NaN when any
+                expert's norm is NaN).
         """
         out = {"aux_loss": self.aux_loss, "z_loss": self.z_loss, "dead_expert_fraction": self.dead_expert_fraction,
                "router_entropy": self.router_entropy, "load_max_mean": self.load_max_mean}
