@@ -9,6 +9,7 @@ jittered backoff, at most `APP_RETRIES` more times and for at most `APP_RETRY_DE
 from __future__ import annotations
 
 import random
+import re
 import time
 
 __all__ = ["APP_RETRIES", "APP_RETRY_DEADLINE_S", "BACKOFF_S", "backoff", "transient"]
@@ -27,16 +28,20 @@ def backoff(attempt: int) -> None:
     time.sleep(random.uniform(0, min(high, low * 2 ** attempt)))  # full jitter: writers spread out
 
 
-_TRANSIENT = ("503", "500 ", "502", "504", "slowdown", "slow down", "reset", "timed out", "timeout", "connection",
-              "sending request", "broken pipe", "temporar", "internalerror", "service unavailable", "eof")
-_PERMANENT = ("403", "forbidden", "access denied", "accessdenied", "signature", "invalidaccesskey", "nosuchbucket",
+_TRANSIENT = ("slowdown", "slow down", "reset", "timed out", "timeout", "connection", "sending request", "broken pipe",
+              "temporar", "internalerror", "service unavailable", "eof")
+_PERMANENT = ("forbidden", "access denied", "accessdenied", "signature", "invalidaccesskey", "nosuchbucket",
               "no_such_bucket", "lacked the necessary privileges", "404 not found")
+# HTTP statuses are whole numbers in the text: the message also carries the request's URL, whose port or
+# random prefix may hold "403" or "503" (port 40359 once made a connection reset look like a refusal).
+_TRANSIENT_STATUS = re.compile(r"(?<![\w.:/-])(500|502|503|504)(?![\w.:/-])")
+_PERMANENT_STATUS = re.compile(r"(?<![\w.:/-])403(?![\w.:/-])")
 
 
 def transient(error: BaseException) -> bool:
     """Whether an object-storage error may pass if tried again (a reset, a 5xx, SlowDown, a timeout),
     as opposed to an answer that will not change (refused credentials, a missing bucket)."""
     text = str(error).lower()
-    if any(word in text for word in _PERMANENT):
+    if _PERMANENT_STATUS.search(text) or any(word in text for word in _PERMANENT):
         return False
-    return any(word in text for word in _TRANSIENT)
+    return bool(_TRANSIENT_STATUS.search(text)) or any(word in text for word in _TRANSIENT)
