@@ -104,3 +104,13 @@ def latest_probe_stats(store, run_id: str) -> list[dict]:
         key = (r["host"], r["rank"], r["pid"])
         latest[key] = max(latest.get(key, r["ts"]), r["ts"])
     return [r for r in rows if r["ts"] == latest[(r["host"], r["rank"], r["pid"])]]
+
+
+
+TS0 = dt.datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=dt.timezone.utc)
+
+
+def steps_rows(run_id: str, first: int, n: int, rank: int = 0) -> pa.Table:
+    return pa.Table.from_pylist([dict(run_id=run_id, step=step, ts=TS0 + dt.timedelta(seconds=step), tokens=step * 2,
+                                      rank=rank, tags=[("k", "v")]) for step in range(first, first + n)],
+                                schema=SCHEMAS["steps"])

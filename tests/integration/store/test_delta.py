@@ -6,7 +6,6 @@ Delta log lists (listed by delta-rs, read with pyarrow), never from moescope's r
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import multiprocessing
 import os
@@ -21,10 +20,7 @@ from moescope.store import delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation
 from moescope.store.schema import SCHEMAS
-from tests.support.deltafiles import snapshot_files, snapshot_rows
-
-TS0 = dt.datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=dt.timezone.utc)
-
+from tests.support.deltafiles import snapshot_files, snapshot_rows, steps_rows
 
 # -- the independent reader ------------------------------------------------------------------------
 
@@ -34,10 +30,6 @@ TS0 = dt.datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=dt.timezone.utc)
 
 
 
-def steps_rows(run_id: str, first: int, n: int, rank: int = 0) -> pa.Table:
-    return pa.Table.from_pylist([dict(run_id=run_id, step=step, ts=TS0 + dt.timedelta(seconds=step), tokens=step * 2,
-                                      rank=rank, tags=[("k", "v")]) for step in range(first, first + n)],
-                                schema=SCHEMAS["steps"])
 
 
 # -- writing and committing --------------------------------------------------------------------------
@@ -191,6 +183,26 @@ def test_an_empty_commit_and_an_unknown_table_are_refused(tmp_path):
 WORKERS, COMMITS, ROWS = 4, 6, 50
 
 
+def _returning(results, target, args) -> None:
+    results.put(target(*args))
+
+
+def _in_processes(target, calls: list[tuple]) -> list:
+    """`target(*args)` for each args, each in a spawned process of its own (a pool may hand two calls
+    to one worker when another is slow to start, and then fewer processes race), their results."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_returning, args=(results, target, args)) for args in calls]
+    for process in processes:
+        process.start()
+    try:
+        return [results.get(timeout=600) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(60)
+        assert [p.exitcode for p in processes] == [0] * len(processes)
+
+
 def _append_worker(url: str, options: dict, worker: int) -> int:
     loc = StoreLocation(url, options)
     for commit in range(COMMITS):
@@ -205,10 +217,7 @@ def _append_worker(url: str, options: dict, worker: int) -> int:
 def test_concurrent_appends_from_four_processes_commit_every_row_once(store_location):
     """4 spawned processes race to create the table and append to it: every row committed once."""
     loc = store_location
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(WORKERS) as pool:
-        pids = pool.starmap(_append_worker, [(loc.url, dict(loc.storage_options), w) for w in range(WORKERS)],
-                            chunksize=1)
+    pids = _in_processes(_append_worker, [(loc.url, dict(loc.storage_options), w) for w in range(WORKERS)])
     assert len(set(pids)) == WORKERS
     steps = snapshot_rows(loc, "steps").column("step").to_pylist()
     assert len(steps) == WORKERS * COMMITS * ROWS  # rows committed == rows written
@@ -234,10 +243,8 @@ def test_processes_racing_to_create_a_table_make_one_creation(store_location):
     object storage delta-rs retried a lost creation as version 1 (a second metaData), seen as an
     extra version in a loaded CI run; a lost creation now opens the winner's table."""
     loc = store_location
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(6) as pool:
-        start = time.time() + 6  # after every worker has imported moescope
-        pids = pool.starmap(_create_at, [(loc.url, dict(loc.storage_options), start)] * 6, chunksize=1)
+    start = time.time() + 6  # after every process has imported moescope
+    pids = _in_processes(_create_at, [(loc.url, dict(loc.storage_options), start)] * 6)
     assert len(set(pids)) == 6
     assert {table: delta.snapshot(loc, table).version for table in RACED_TABLES} == dict.fromkeys(RACED_TABLES, 0)
 
