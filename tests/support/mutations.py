@@ -36,7 +36,9 @@ import sys
 import tempfile
 import time
 
-from tests.support.paths import REPO
+# The repository root, as tests/support/paths.py has it; not imported from there: this file runs as a script
+# (`python tests/support/mutations.py`), where the `tests` package is not on sys.path.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SUBPACKAGES = ("probe", "store", "alerts", "dashboard")  # folders that install as moescope.<name>
 
@@ -249,6 +251,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         'block[:, cols["router_z_sum"]] = token_sum(log_z)',
         ("tests/unit/probe/test_exactness.py", "-k", "z_loss"),
         "the router z-loss sums logsumexp instead of its square (issue 15)"),
+    Mutation(
+        "commit-retry-skips-app-lookup", "store/delta/commits.py",
+        "if (app is not None and (attempt or not app_unseen)",
+        "if (app is not None and (not app_unseen)",
+        ("tests/integration/store/test_commit_retry.py", "-k", "when_landed_could_not_look"),
+        "a retry of a writer's own commit (app_unseen) does not look for its app transaction before committing "
+        "again: a commit that landed while `_landed` could not see it is appended twice (issue 42, check a)"),
+    Mutation(
+        "commit-landed-unchecked", "store/delta/commits.py",
+        "            if app is not None and _landed(loc, table, app):\n",
+        "            if False:\n",
+        ("tests/integration/store/test_commit_retry.py", "-k", "landed_before_a_failure"),
+        "a failed try does not ask whether its commit landed: a landed commit followed by a local store's error "
+        "(not retried) raises CommitError (issue 42, check b)"),
 )
 
 
