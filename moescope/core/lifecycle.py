@@ -32,7 +32,9 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+
+# What signal.signal returns and takes: a function, SIG_DFL / SIG_IGN, or None (a handler installed from C).
+SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 __all__ = ["DEFAULT_GRACE_S", "GracefulStop", "add_grace_period_argument", "grace_period_s"]
 
@@ -106,10 +108,10 @@ class GracefulStop:
     grace period ran out, or a second signal).
     """
 
-    def __init__(self, on_stop: Callable[[], Any] | None = None, grace_s: float | None = None,
+    def __init__(self, on_stop: Callable[[], object] | None = None, grace_s: float | None = None,
                  what: str = "moescope", signals: tuple[int, ...] = STOP_SIGNALS,
-                 on_exit: Callable[[int], Any] | None = None,
-                 on_signal: Callable[[int, FrameType | None], Any] | None = None):
+                 on_exit: Callable[[int], object] | None = None,
+                 on_signal: Callable[[int, FrameType | None], object] | None = None):
         self.on_stop = on_stop
         self.grace_s = grace_period_s(grace_s)
         self.what = what
@@ -119,7 +121,7 @@ class GracefulStop:
         self.requested = threading.Event()
         self.signum: int | None = None  # the first signal received
         self.installed = False
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, SignalHandler] = {}
         self._requested_at: float | None = None
         self._watchdog: threading.Timer | None = None
         self._lock = threading.Lock()
@@ -135,7 +137,7 @@ class GracefulStop:
         self.installed = bool(self._previous)
         return self
 
-    def previous_handler(self, signum: int) -> Any:
+    def previous_handler(self, signum: int) -> SignalHandler:
         """The handler `install()` replaced for `signum` (SIG_DFL, a function, or None when it was
         installed from C and cannot be called from Python); SIG_DFL when this one did not install."""
         return self._previous.get(signum, signal.SIG_DFL)
