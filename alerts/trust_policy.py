@@ -51,7 +51,8 @@ from moescope.alerts.health_score import ExpertHealth, HealthConfig, HealthScore
 from moescope.alerts.storage import AlertTableWriter
 from moescope.core.exporters import Exporter
 from moescope.core.records import StepRecord
-from moescope.probe.session import TRUST_GATE_MODES, ProbeSession
+from moescope.probe.options import TRUST_GATE_MODES
+from moescope.probe.session import ProbeSession
 from moescope.probe.trust_gate import GateChange, GatePolicy, TrustGate, TrustGateError
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location

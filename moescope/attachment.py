@@ -24,7 +24,8 @@ from torch import nn
 from moescope import probe
 from moescope.core.exporters import Exporter
 from moescope.core.records import StepRecord
-from moescope.probe.session import TRUST_GATE_MODES, Pipeline, ProbeSession
+from moescope.probe.options import TRUST_GATE_MODES, Pipeline
+from moescope.probe.session import ProbeSession
 from moescope.store.location import StoreLocation, open_location
 
 if TYPE_CHECKING:  # imported when a policy is bound: a session without one never loads alerts

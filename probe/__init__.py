@@ -22,16 +22,8 @@ from moescope.probe.adapters import (
     NoMoELayersError,
     find_moe_layers,
 )
-from moescope.probe.session import (
-    TRUST_GATE_MODES,
-    HealthSampling,
-    Pipeline,
-    ProbeAttachError,
-    ProbeSession,
-    Recording,
-    TrustPolicyExporter,
-    attach,
-)
+from moescope.probe.options import TRUST_GATE_MODES, HealthSampling, Pipeline, Recording
+from moescope.probe.session import ProbeAttachError, ProbeSession, TrustPolicyExporter, attach
 
 __all__ = [
     "TRUST_GATE_MODES", "CapacityDispatch", "CapacityPerSequence", "Choice", "HealthSampling", "KVCacheLayer",

@@ -22,7 +22,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,13 +29,15 @@ from torch import nn
 
 from moescope.core import forking
 from moescope.core.exporters import AttachListener, BindsProcessor, Exporter, ProbeStats, ProbeStatsReader, WritesRows
-from moescope.core.pipeline import DEFAULT_MAX_QUEUE_BYTES, BatchProcessor
-from moescope.core.records import KVCacheLayer, LayerInfo, RunInfo, StepRecord
+from moescope.core.pipeline import BatchProcessor
+from moescope.core.records import LayerInfo, RunInfo, StepRecord
 from moescope.core.runs import new_run_id
 from moescope.probe.accumulate import RING_TABLES, SAMPLE_MIX, SAMPLE_STRIDE, TOTAL_FORWARDS
 from moescope.probe.adapters import MoELayer, MoESpec, NoMoELayersError, ProbeAttachError, find_moe_layers
 from moescope.probe.device_layout import build_layout
+from moescope.probe.forwards import forward_kind, kv_cache_layers, main_input
 from moescope.probe.health_sampling import HealthSampler
+from moescope.probe.options import HealthSampling, Pipeline, Recording
 from moescope.probe.reduction import ForwardRefs, count_forward, deferral_key, reduce_deferred, reduce_forward
 from moescope.probe.timing import ComputeTimer
 from moescope.probe.trust_gate import GatePolicy, TrustGate
@@ -44,11 +45,6 @@ from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapsh
 
 log = logging.getLogger(__name__)
 
-# Who moves the trust gate's weights: None (no gate is installed), "manual" (an operator, through the
-# bound policy's `override`), "auto" (the bound policy, from expert-health scores, and an operator).
-# Here, beside the gate's session, so that `moescope.attach` checks a mode without loading alerts,
-# and `alerts.trust_policy` checks the same modes.
-TRUST_GATE_MODES: tuple[str | None, ...] = (None, "manual", "auto")
 # Tokens (per group of like layers) of the forwards whose reduction may wait for one stacked pass:
 # decode steps of batches up to this size, times the window. Their router logits and choices are
 # held until then (4096 tokens x 48 layers x 128 experts: 100 MB of float32 logits at most).
@@ -81,102 +77,12 @@ def _sample_size(option: bool | int) -> int:
     return max(int(option or 0), 0)
 
 
-@dataclass(frozen=True)
-class Recording:
-    """What a session records beyond the per-layer aggregates, and how forwards become records.
-
-    Its fields may also be given one by one as keyword options of `probe.attach` or `moescope.attach`
-    (`routes=True, window=1`).
-
-    Args:
-        routes: record per-token expert ids and gate weights (the `routes` table), kept in a device
-            ring of `ring_tokens` tokens per group of like layers. Default False.
-        router_logits: False (default), True for every token, or n for a sample of n tokens per layer
-            and forward (chosen on the device from `sample_seed` and the forward counter).
-        router_inputs: the router's input hidden states, sampled as `router_logits` is.
-        kv_cache: record the KV-cache bytes per attention layer. Default False.
-        coselection: record E x E co-selection counts; None (default) turns them on when k > 1 and
-            E <= 64.
-        compute_time: record the time spent in each MoE block and per expert (probe/timing.py: CUDA
-            events read on the writer's thread, wall time on CPU). Opt-in (default False) because its
-            hooks are host code, a graph break at each block under torch.compile, and record nothing
-            under CUDA-graph replay.
-        window: a record covers up to `window` forwards (default 32), all of one kind (prefill or
-            decode steps); `window=1` records every forward.
-        window_s: a record also ends after `window_s` seconds (default 1.0), whichever of the two
-            comes first; None: no time limit.
-        ring_tokens: tokens of the routes ring per group of like layers (default 16384).
-        sample_seed: seed of the on-device token sampling for `router_logits` and `router_inputs`.
-
-    Raises:
-        ValueError: for `window` or `ring_tokens` below 1.
-    """
-
-    routes: bool = False
-    router_logits: bool | int = False
-    router_inputs: bool | int = False
-    kv_cache: bool = False
-    coselection: bool | None = None
-    compute_time: bool = False
-    window: int = 32
-    window_s: float | None = 1.0
-    ring_tokens: int = 16384
-    sample_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError("window counts forwards per record and must be at least 1 (1: a record per forward)")
-        if self.ring_tokens < 1:
-            raise ValueError("ring_tokens must be at least 1")
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """The bounded queue between the model and the exporters (moescope/core/pipeline.py).
-
-    Its fields may also be given one by one as keyword options of `probe.attach` (`policy="drop"`).
-
-    Args:
-        policy: "block" (default: lossless, the model waits if the exporters cannot keep up) or "drop"
-            (the model never waits; drops are counted).
-        max_queue: the most records waiting for the exporters (default 256).
-        max_queue_bytes: the most host bytes of records waiting (default 256 MiB).
-        flush_interval_s: how often exporters flush, in seconds (default 5.0); `moescope.attach` also
-            gives it to the store's writer as the age at which its buffers are written.
-    """
-
-    policy: str = "block"
-    max_queue: int = 256
-    max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES
-    flush_interval_s: float = 5.0
-
-
 class TrustPolicyExporter(GatePolicy, Exporter[StepRecord], Protocol):
     """A trust policy a session runs (`alerts.trust_policy.TrustPolicy`).
 
     It drives the session's gate and takes an operator's pins (`GatePolicy`), and judges the
     session's records as one of its exporters. Bound with `ProbeSession.bind_trust_policy`.
     """
-
-
-@dataclass(frozen=True)
-class HealthSampling:
-    """Expert-health sampling (probe/health_sampling.py; `HealthSampler` does the sampling).
-
-    Args:
-        tokens_per_expert: tokens run through each sampled expert (default 4).
-        experts_per_forward: experts sampled per watched layer at a sampled forward (default 1; None:
-            every expert of every layer).
-        weight_every: sampled forwards between two weight-fingerprint checks of a layer (default 32).
-        sample_every: forwards between two health samples (default 4).
-        seed: seed of the on-device token and expert choices.
-    """
-
-    tokens_per_expert: int = 4
-    experts_per_forward: int | None = 1
-    weight_every: int = 32
-    sample_every: int = 4
-    seed: int = 0
 
 
 class ProbeSession:
@@ -350,8 +256,8 @@ class ProbeSession:
             inputs = dict(kwargs)
             if args and "input_ids" not in inputs and isinstance(args[0], torch.Tensor):
                 inputs["input_ids"] = args[0]
-            refs.main_ids, refs.shape = _main_input(inputs, decoder=False)
-            refs.decoder_ids, refs.decoder_shape = _main_input(inputs, decoder=True)
+            refs.main_ids, refs.shape = main_input(inputs, decoder=False)
+            refs.decoder_ids, refs.decoder_shape = main_input(inputs, decoder=True)
             self._started = time.perf_counter()
             expected = max(_tokens(refs.shape), _tokens(refs.decoder_shape))
             kind = forward_kind(refs.shape, refs.decoder_shape)
@@ -745,49 +651,6 @@ def _refs_bytes(refs: ForwardRefs) -> int:
 
 def _tokens(shape: tuple) -> int:
     return shape[0] * shape[1] if shape else 0
-
-
-def forward_kind(shape: tuple, decoder_shape: tuple) -> str | None:
-    """"decode" when the forward feeds one token per sequence (a generation step over a KV cache),
-    "prefill" when more, None when the shape is unknown. A window never mixes the two: its row's
-    seq_len and per-token figures describe one kind of forward. An encoder-decoder's kind is its
-    decoder's (the encoder runs on the first forward only)."""
-    main = decoder_shape or shape
-    if not main:
-        return None
-    return "decode" if main[1] == 1 else "prefill"
-
-
-def _main_input(inputs: dict[str, Any], decoder: bool) -> tuple[torch.Tensor | None, tuple]:
-    """The forward's token ids (when given as ids) and its (batch, sequence) shape."""
-    names = ("decoder_input_ids", "decoder_inputs_embeds") if decoder else ("input_ids", "inputs_embeds")
-    for name in names:
-        value = inputs.get(name)
-        if isinstance(value, torch.Tensor):
-            ids = value if name.endswith("input_ids") else None
-            return ids, tuple(value.shape[:2]) if value.dim() >= 2 else (1, value.shape[0])
-    return None, ()
-
-
-def kv_cache_layers(output: Any) -> list[KVCacheLayer] | None:
-    """Bytes held by the KV cache per attention layer, from the cache the forward returned.
-
-    Reads only tensor shapes and dtypes on the host: no device transfer.
-    """
-    cache = getattr(output, "past_key_values", None)
-    if cache is None and isinstance(output, dict):
-        cache = output.get("past_key_values")
-    layers = getattr(cache, "layers", None)
-    if not layers:
-        return None
-    result = []
-    for index, cache_layer in enumerate(layers):
-        tensors = [v for v in vars(cache_layer).values() if isinstance(v, torch.Tensor)]
-        keys = getattr(cache_layer, "keys", None)
-        seq_len = int(keys.shape[-2]) if isinstance(keys, torch.Tensor) and keys.dim() >= 2 else 0
-        result.append(KVCacheLayer(layer=index, bytes=sum(t.numel() * t.element_size() for t in tensors),
-                                   seq_len=seq_len))
-    return result
 
 
 def _is_compiled(model: nn.Module) -> bool:

@@ -30,8 +30,9 @@ from moescope.metrics import signals
 from moescope.probe.accumulate import TOTAL_FORWARDS
 from moescope.probe.health_sampling import ExpertGradients
 from moescope.probe.optim import OptimizerLike, SchedulerLike, torch_optimizer, torch_scheduler
+from moescope.probe.options import Recording
 from moescope.probe.router_cooldown import COOLDOWN_STATE, take_saved
-from moescope.probe.session import ProbeSession, Recording
+from moescope.probe.session import ProbeSession
 from moescope.probe.window import PinnedPool
 from moescope.store.location import StoreLocation, open_location
 from moescope.training.sinks import ScalarSink, sinks_for
