@@ -39,7 +39,8 @@ step and layer); losses and dead experts derive from `layer_steps`, which carrie
 
 from __future__ import annotations
 
-from moescope.training.monitor import TrainingExporter, TrainingLayer, TrainingMonitor, TrainingStep, watch
+from moescope.training.monitor import TrainingMonitor, watch
+from moescope.training.records import TrainingExporter, TrainingLayer, TrainingStep
 from moescope.training.sinks import TensorBoardSink, WandbSink
 from moescope.training.trainer import MoescopeCallback
 

@@ -226,7 +226,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/unit/support/test_realparts.py",),
         "CI=true skips a test whose Prometheus, Alertmanager or Chromium is missing"),
     Mutation(
-        "aux-loss-kept-load", "moescope/training/monitor.py",
+        "aux-loss-kept-load", "moescope/training/records.py",
         "aux = signals.load_balancing_loss(ls.router_topk_load, ls.router_prob_sum, ls.tokens)",
         "aux = signals.load_balancing_loss(ls.expert_load[: ls.router_prob_sum.size], ls.router_prob_sum, "
         "ls.tokens)",
