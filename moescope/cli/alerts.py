@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from moescope.alerts.delivery import OutboxWorker, post
 from moescope.alerts.engine import FIRING, AlertTransition
 from moescope.alerts.notify import KINDS, NotifierError
 from moescope.alerts.outbox import (
@@ -25,10 +26,8 @@ from moescope.alerts.outbox import (
     OUTBOX_NAME,
     PENDING,
     Outbox,
-    OutboxWorker,
     notifiers_by_name,
     outbox_path,
-    post,
 )
 from moescope.alerts.rules import RulesError, default_rules, load_rules
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location

@@ -25,9 +25,10 @@ import torch
 from tqdm import tqdm
 
 import moescope
+from moescope.alerts.delivery import OutboxWorker
 from moescope.alerts.engine import AlertEngine, EngineExporter
 from moescope.alerts.notify import WebhookNotifier
-from moescope.alerts.outbox import Outbox, OutboxWorker, outbox_path
+from moescope.alerts.outbox import Outbox, outbox_path
 from moescope.alerts.rules import load_rules
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
