@@ -5,6 +5,7 @@ KV cache holds per attention layer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,10 +40,7 @@ def kv_cache_layers(output: Any) -> list[KVCacheLayer] | None:
 
     Reads only tensor shapes and dtypes on the host: no device transfer.
     """
-    cache = getattr(output, "past_key_values", None)
-    if cache is None and isinstance(output, dict):
-        cache = output.get("past_key_values")
-    layers = getattr(cache, "layers", None)
+    layers = getattr(returned_cache(output), "layers", None)
     if not layers:
         return None
     result = []
@@ -53,3 +51,17 @@ def kv_cache_layers(output: Any) -> list[KVCacheLayer] | None:
         result.append(KVCacheLayer(layer=index, bytes=sum(t.numel() * t.element_size() for t in tensors),
                                    seq_len=seq_len))
     return result
+
+
+CACHE_NAMES = ("cache", "past_key_values")  # transformers' current name first, then the one before it
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned (None when it returned none): `cache` where transformers names
+    it so, `past_key_values` where an older release does. A model output is read by its own keys,
+    so transformers' deprecated `past_key_values` alias, which logs a deprecation warning in the
+    user's output, is never touched."""
+    if isinstance(output, Mapping):  # a ModelOutput is an OrderedDict of its non-None fields
+        keys = output.keys()
+        return next((output[name] for name in CACHE_NAMES if name in keys), None)
+    return next((value for name in CACHE_NAMES if (value := getattr(output, name, None)) is not None), None)
