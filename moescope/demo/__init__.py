@@ -2,8 +2,8 @@
 
 - `story`: the scripted run (healthy traffic, a traffic shift, a corrupted expert) and its figures.
 - `model/`: the committed checkpoint (a 2.8M-parameter Mixtral), `data`: its corpus and loader.
-- `train`: the seeded recipe that trained it (`moescope train-demo`), `specialisation`: how
-  much its experts specialise by domain.
+- `train`: the seeded recipe that trained it (`moescope train-demo`), `model_card`: the card it
+  writes beside the checkpoint, `specialisation`: how much its experts specialise by domain.
 - `capacity`: the GShard / Switch / Megatron expert capacity the demo model runs with.
 - `receiver`: a webhook receiver that checks signatures, for the demo and for your own tests.
 """

@@ -348,7 +348,7 @@ def test_the_committed_model_card_is_what_train_demo_writes():
     import os
 
     from moescope.demo.data import demo_model_path
-    from moescope.demo.train import model_card
+    from moescope.demo.model_card import model_card
 
     folder = demo_model_path()
     with open(os.path.join(folder, "training_summary.json"), encoding="utf-8") as fh:
