@@ -131,6 +131,19 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
     first, last = span["first_optimizer_step"], span["last_optimizer_step"]
     shown = first if last_steps is None else max(first, last - int(last_steps) + 1)
     rows = store.training_steps(run_id, first_optimizer_step=shown - dead_window + 1, last_optimizer_step=last)
+    layer_frame = pd.DataFrame(_layer_rows(rows, dead_window), columns=LAYER_COLUMNS)
+    step_frame = pd.DataFrame(_step_rows(rows), columns=STEP_COLUMNS)
+    events = store.routing_cooldown_events(run_id)
+    return TrainingReport(
+        layers=layer_frame[layer_frame.optimizer_step >= shown].sort_values(
+            ["optimizer_step", "layer"], ignore_index=True),
+        steps=step_frame[step_frame.optimizer_step >= shown].reset_index(drop=True),
+        events=events, cooldowns=_cooldown_spans(events, last), dead_window=dead_window,
+        optimizer_steps=span["optimizer_steps"], first_optimizer_step=shown)
+
+
+def _layer_rows(rows: pd.DataFrame, dead_window: int) -> list[dict]:
+    """One `TrainingReport.layers` row per optimizer step and MoE layer of `Store.training_steps` rows."""
     layers = []
     for layer, group in rows.groupby("layer", sort=True):
         group = group.sort_values("optimizer_step")
@@ -157,6 +170,11 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
                                 else signals.normalized_entropy(row.router_entropy_mean, choices)),
                 dead_expert_fraction=signals.dead_expert_fraction(recent), expert_grad_norm=row.expert_grad_norm,
                 num_experts=experts))
+    return layers
+
+
+def _step_rows(rows: pd.DataFrame) -> list[dict]:
+    """One `TrainingReport.steps` row per optimizer step, the layers pooled, of `Store.training_steps` rows."""
     steps = []
     for optimizer_step, group in rows.groupby("optimizer_step", sort=True):
         topk, prob = _vector_sum(list(group.router_topk_load)), _vector_sum(list(group.router_prob_sum))
@@ -168,12 +186,4 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
                       if topk is not None and prob is not None else math.nan),
             z_loss=(math.nan if group.router_z_sum.isna().any()
                     else signals.router_z_loss(float(group.router_z_sum.sum()), tokens))))
-    layer_frame = pd.DataFrame(layers, columns=LAYER_COLUMNS)
-    step_frame = pd.DataFrame(steps, columns=STEP_COLUMNS)
-    events = store.routing_cooldown_events(run_id)
-    return TrainingReport(
-        layers=layer_frame[layer_frame.optimizer_step >= shown].sort_values(
-            ["optimizer_step", "layer"], ignore_index=True),
-        steps=step_frame[step_frame.optimizer_step >= shown].reset_index(drop=True),
-        events=events, cooldowns=_cooldown_spans(events, last), dead_window=dead_window,
-        optimizer_steps=span["optimizer_steps"], first_optimizer_step=shown)
+    return steps
