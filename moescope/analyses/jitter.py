@@ -407,7 +407,8 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
            other_batch_size: int = 3, dtypes: Sequence[str] = DEFAULT_DTYPES, max_tokens: int | None = None,
            max_listed: int = 1000, specs: Sequence[MoESpec] = (),
            store: str | os.PathLike | StoreLocation | None = None,
-           run_id: str | None = None, tags: dict[str, str] | None = None, progress: bool = False) -> JitterReport:
+           run_id: str | None = None, tags: dict[str, str] | None = None, progress: bool = False,
+           new_run: bool = True) -> JitterReport:
     """Run `inputs` under each condition and compare every token's routing in every MoE layer with the baseline.
 
     The baseline runs each input alone, in the model's dtype and attention; each condition varies
@@ -437,6 +438,10 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
         run_id: the run id in the store (None: a new id).
         tags: key=value tags of the stored run.
         progress: show a progress bar over the forwards.
+        new_run: False: `run_id` is a run the store already holds (the probe's run of the same
+            model, say) and only the `jitter` and `jitter_tokens` rows are added to it; its own
+            `runs` and `layers` rows stay as they are, and the dashboard's Routing jitter page shows
+            the check on that run.
 
     Returns:
         A JitterReport: per condition and layer the tokens compared and how many changed their expert
@@ -446,7 +451,7 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     Raises:
         JitterError: for inputs or options it cannot use (no inputs, texts without a tokenizer, an
             empty input, an unknown condition or dtype, a batch size below 1, an encoder-decoder
-            model); the message says what to do.
+            model, `new_run=False` without a store and a run id); the message says what to do.
         probe.NoMoELayersError: for a model without MoE layers.
         OSError: when the store refused the rows.
     """
@@ -456,6 +461,8 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     if getattr(config, "is_encoder_decoder", False):
         raise JitterError(f"{type(model).__name__} is an encoder-decoder model; the jitter check runs decoder-only "
                           "models (one router row per input token)")
+    if not new_run and (store is None or run_id is None):
+        raise JitterError("new_run=False adds the check to a run the store holds: give store= and that run's run_id=")
     ids = token_inputs(inputs, tokenizer, max_tokens)
     layers = find_moe_layers(model, specs)
     attn = getattr(config, "_attn_implementation", None)
@@ -505,7 +512,7 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     report = JitterReport(frame, pd.DataFrame(token_rows, columns=list(TOKEN_COLUMNS)), skipped,
                           model_class=type(model).__name__)
     if store is not None:
-        report.run_id = write_report(store, report, model, layers, run_id, tags)
+        report.run_id = write_report(store, report, model, layers, run_id, tags, new_run=new_run)
     return report
 
 
@@ -526,10 +533,13 @@ def jitter_line(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]
 # -- the store ---------------------------------------------------------------------------------
 
 def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport, model: nn.Module,
-                 layers: Sequence[MoELayer], run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+                 layers: Sequence[MoELayer], run_id: str | None = None, tags: dict[str, str] | None = None,
+                 *, new_run: bool = True) -> str:
     """Write `report` as run `run_id` (a new id when None): its `jitter` and `jitter_tokens` rows,
     then its `layers` rows and its `runs` row (source "jitter") last, so that the run appears
-    complete or not at all. Returns the run id; raises OSError when the store refused rows."""
+    complete or not at all; with `new_run=False`, only the `jitter` and `jitter_tokens` rows, into
+    the existing run `run_id`. Returns the run id; raises OSError when the store refused rows and
+    JitterError for `new_run=False` without a run id."""
     import pyarrow as pa
 
     from moescope.core.runs import new_run_id
@@ -540,6 +550,8 @@ def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport,
     location = open_location(store)
     if location.is_local and os.path.isfile(location.url):
         raise JitterError(f"the store {location.url!r} is a file: give a folder (it is created if missing)")
+    if not new_run and run_id is None:
+        raise JitterError("new_run=False adds the check to a run the store holds: give that run's run_id")
     run_id = run_id or new_run_id()
     now = dt.datetime.now(dt.timezone.utc)
     jitter_rows = [dict(row, run_id=run_id, ts=now, margin_kind=MARGIN_KIND, margin_edges=list(MARGIN_EDGES),
@@ -556,8 +568,8 @@ def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport,
                    routed_expert_params=sum(layer.params_per_expert * layer.num_experts for layer in layers),
                    tags=list((tags or {}).items()), rank=0, world_size=1, source="jitter")
     with run_writer(location, run_id) as writer:
-        for table, rows in (("jitter", jitter_rows), ("jitter_tokens", token_rows), ("layers", layer_rows),
-                            ("runs", [run_row])):
+        run_rows = (("layers", layer_rows), ("runs", [run_row])) if new_run else ()
+        for table, rows in (("jitter", jitter_rows), ("jitter_tokens", token_rows), *run_rows):
             if rows and not writer.write(table, pa.Table.from_pylist(rows, schema=SCHEMAS[table])):
                 raise OSError(f"the store {location.redacted!r} did not take the {table} rows "
                               f"({writer.last_error or 'see the log'})")
