@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from moescope.alerts.outbox import Outbox, outbox_path
 from moescope.alerts.rules import load_rules
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
-from moescope.analyses.jitter import jitter_line
+from moescope.analyses.jitter import jitter
 from moescope.cli import program_name
 from moescope.cli.summary import format_summary
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
@@ -117,7 +118,18 @@ class Traffic:
 
 
 def _say(text: str = "") -> None:
-    tqdm.write(text)
+    """Print a line of the story above the progress bars, from any thread (the webhook receiver
+    prints from its own), flushed at once: stdout into a pipe is block-buffered and the bars' stderr
+    is not, so an unflushed line would come out later, inside a bar."""
+    with tqdm.external_write_mode():
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
+def _progress(iterable=None, **options: Any) -> tqdm:
+    """A progress bar while stderr is a terminal, none in a log (a pipe, a file): there each redraw is
+    one more piece of one endless line, and the webhook's lines would land inside it."""
+    return tqdm(iterable, leave=False, disable=None, **options)
 
 
 def _alert_line(document: dict) -> None:
@@ -134,7 +146,7 @@ def _alert_line(document: dict) -> None:
 def _run_until(condition: Callable[[], bool], step: Callable[[], None], limit: int, desc: str,
                settle: Callable[[], None]) -> int:
     """Run forwards until `condition` holds (checked after the writer caught up); returns forwards run."""
-    bar = tqdm(total=limit, desc=desc, unit="fwd", leave=False)
+    bar = _progress(total=limit, desc=desc, unit="fwd")
     try:
         for n in range(1, limit + 1):
             step()
@@ -228,9 +240,9 @@ class Story:
 
     def healthy(self) -> dict:
         _say("\n1. Healthy traffic: code, prose and arithmetic in turn, batches of 1-8, forward and generate")
-        for i in tqdm(range(self.phases.baseline), desc="baseline", unit="fwd", leave=False):
+        for i in _progress(range(self.phases.baseline), desc="baseline", unit="fwd"):
             self.forward(DOMAINS[i % len(DOMAINS)], "baseline")
-        for _ in tqdm(range(self.phases.generate), desc="generate", unit="call", leave=False):
+        for _ in _progress(range(self.phases.generate), desc="generate", unit="call"):
             with self.session.tag(domain="mixed", phase="generate"), torch.no_grad():
                 self.model.generate(**self.traffic.prompts(), max_new_tokens=12, do_sample=False,
                                     pad_token_id=self.tokenizer.pad_token_id)
@@ -241,7 +253,7 @@ class Story:
 
     def shift(self) -> dict:
         _say("\n2. Traffic shift: only arithmetic from now on; the routing moves away from the baseline")
-        for _ in tqdm(range(self.phases.shift), desc="shift", unit="fwd", leave=False):
+        for _ in _progress(range(self.phases.shift), desc="shift", unit="fwd"):
             self.forward("math", "shift")
         self.settle()
         fired = "RoutingDriftFromBaseline" in self.alerting.receiver.names("firing")
@@ -317,11 +329,13 @@ def run(args: argparse.Namespace) -> int:
         alerting.stop()
     figures.update(headline_figures(store_root, session.run.run_id))
     # Routing jitter, once the probe is detached (its forwards are not the story's): the same held-out
-    # texts alone, batched, repeated and in bfloat16. Printed only: a jitter run in this store would
-    # become its latest run, the one the dashboard opens (`moescope jitter demo --store ...` keeps one).
+    # texts alone, batched, repeated and in bfloat16. Stored in the demo's own run, which the dashboard
+    # opens, so its Routing jitter page shows this check (a run of its own would have become the
+    # store's latest run, and the dashboard would open that instead of the story).
     texts = [story.traffic.texts[d][i][:400] for d in DOMAINS for i in range(2)]
-    figures["jitter"] = jitter_line(model, texts, tokenizer=tokenizer, conditions=("repeat", "batched", "dtype"),
-                                    dtypes=("bfloat16",), max_tokens=128)
+    figures["jitter"] = jitter(model, texts, tokenizer=tokenizer, conditions=("repeat", "batched", "dtype"),
+                               dtypes=("bfloat16",), max_tokens=128, store=store_root, run_id=session.run.run_id,
+                               new_run=False).line()
     figures["alerts_received"] = [f"{d['status']}:{d['alert']['name']}" for d in alerting.receiver.received]
     figures["alerts_delivered"] = [{"status": d["status"], "name": d["alert"]["name"], "step": d["alert"]["step"],
                                     "fingerprint": d["alert"]["fingerprint"]} for d in alerting.receiver.received]
@@ -350,7 +364,8 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
          + ", ".join(f"{v:.3f}" for v in figures["specialisation_by_layer"]))
     _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
     _say(f"  {figures['jitter']}")
-    _say(f"    (measure it on your model: {program_name()} jitter MODEL_FOLDER --store runs/jitter)")
+    _say(f"    (the dashboard's Routing jitter page shows it for this run; measure it on your model: "
+         f"{program_name()} jitter MODEL_FOLDER --store runs/jitter)")
     _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")
