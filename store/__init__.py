@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moescope.store.delta import CommitError, LegacyStoreError, StoreAccessError
 from moescope.store.errors import EmptyStoreError, QueryError, StoreError, UnknownRunError
+from moescope.store.naming import InvalidNameWarning
 from moescope.store.quarantine import BadFileWarning, QuarantinedFile
 from moescope.store.queries import Selection
 from moescope.store.schema import SCHEMAS, TABLES
@@ -18,6 +19,7 @@ __all__ = [
            "CommitError",
            "EmptyStoreError",
            "InMemoryExporter",
+           "InvalidNameWarning",
            "LegacyStoreError",
            "ParquetExporter",
            "QuarantinedFile",

@@ -7,6 +7,12 @@ that fails is quarantined (`Catalog.reject`): copied to `<store>/_quarantine/`, 
 lost in `probe_stats` (reason `quarantined`), and removed from its table by a Delta commit, so no
 reader reads it again; this reader leaves it out of the snapshot it is building.
 
+A file the log names with a run id or path that fails the store's naming rule is left out of the
+table's snapshot (`store.delta.snapshot`), and so is a file whose own `run_id` column disagrees
+with its run (checked here, from the footer's columns): neither is read, quarantined or rewritten.
+A reader counts its rows once in `probe_stats` (reason `invalid_name`, under the run
+`INVALID_NAMES_RUN`, since the file's own run id cannot be trusted) and goes on with the rest.
+
 A snapshot's files stay in place until `vacuum` deletes them, and vacuum keeps every file a
 version younger than its retention still needs: a reader's pinned snapshot never loses a file
 under it while the reader refreshes within the retention (one hour by default, `moescope prune`).
@@ -23,17 +29,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moescope.store import delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation
+from moescope.store.naming import shown_name
 from moescope.store.quarantine import BadFileWarning, copy_to_quarantine, deep_check, display
 from moescope.store.schema import SCHEMAS, TABLES, table_from_columns
 
 log = logging.getLogger(__name__)
 
 QUARANTINED = "quarantined"  # the probe_stats reason of rows in a quarantined file
+INVALID_NAME = "invalid_name"  # the probe_stats reason of rows in a file left out for its names
+# The run whose probe_stats count files left out for their names: their own run id is not one to write under.
+INVALID_NAMES_RUN = "moescope-invalid-names"
 # Every table commit that removes files (compaction, prune, quarantine) carries this app
 # transaction, its version one more than the one read before the snapshot the removes came from:
 # of two such commits made from the same state only the first is made (`store.delta.commit`
@@ -89,6 +100,10 @@ class Catalog:
         self._bad: dict[tuple, str] = {}  # files found bad that are still in their table -> why
         self._missing: set[tuple] = set()
         self.quarantined_now: list[str] = []
+        # files left out for their names, per (table, path): the log's (store.delta.snapshot) and
+        # those whose own run_id column disagrees with their run (`check`)
+        self.skipped: dict[tuple[str, str], delta.SkippedFile] = {}
+        self._counted: set[tuple[str, str]] = set()
 
     def full_path(self, table: str, part: delta.PartFile) -> str:
         """Where a table's file is, as `self.filesystem` (and, for a local store, DuckDB) reads it."""
@@ -132,6 +147,14 @@ class Catalog:
         except Exception as e:  # a truncated or foreign file: pyarrow raises several types
             self.reject(table, part, f"unreadable footer: {type(e).__name__}: {e}", key)
             return None
+        if delta.PARTITION_COLUMN in meta.schema.to_arrow_schema().names:
+            problem = _run_column_problem(path, None if self.location.is_local else self.filesystem, part.run_id)
+            if problem is not None:  # not bad data: a name that cannot be trusted, so never quarantined or rewritten
+                skipped = delta.SkippedFile(part.path, part.run_id, part.rows, problem)
+                self.skipped[(table, part.path)] = skipped
+                self._bad[key] = problem
+                delta.warn_skipped(self.location, table, [skipped])
+                return None
         if part.rows >= 0 and meta.num_rows != part.rows:
             self.reject(table, part, f"its footer holds {meta.num_rows} rows, the table's log says {part.rows}", key)
             return None
@@ -189,9 +212,30 @@ class Catalog:
             if snap is None:
                 result[table] = TableFiles(None, [])
                 continue
+            self.skipped.update({(table, file.path): file for file in snap.skipped})
             result[table] = TableFiles(snap.version, [info for part in snap.files
                                                       if (info := self.check(table, part)) is not None])
+        if self._count_skipped() and "probe_stats" in result:  # this reader sees its own count
+            result.update(self.snapshot(("probe_stats",)))
         return result
+
+    def _count_skipped(self) -> bool:
+        """Count the rows of each file left out for its names in `probe_stats`, once per reader and
+        once in the store (`count_skipped` is idempotent); True when a count was written now. A store
+        that refuses the write (read-only) gets a log line: the warning has named the file already."""
+        if not self.quarantine_bad:
+            return False
+        wrote = False
+        for key, file in list(self.skipped.items()):
+            if key in self._counted:
+                continue
+            self._counted.add(key)
+            try:
+                wrote |= count_skipped(self.location, key[0], file)
+            except (StoreError, OSError) as e:
+                log.warning("moescope store: cannot count the rows of %s/%s left out for its names: %s",
+                            self.location.redacted, key[0], e)
+        return wrote
 
 
 def app_version(location: StoreLocation, table: str, app_id: str) -> int:
@@ -231,21 +275,70 @@ def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, a
                      f"commits that remove files kept coming first")
 
 
+def _run_column_problem(path: str, filesystem: Any, run_id: str) -> str | None:
+    """Why a file's own `run_id` column cannot be read as its run's, or None when every value is
+    `run_id`. A file of this store holds none (the run is its folder); one that does came from
+    another writer, and a value that differs from its run would be read, or compacted, as another run."""
+    try:
+        if filesystem is None:
+            column = pq.read_table(path, columns=[delta.PARTITION_COLUMN]).column(0)
+        else:
+            with filesystem.open_input_file(path) as source:
+                column = pq.read_table(source, columns=[delta.PARTITION_COLUMN]).column(0)
+    except Exception as e:  # pyarrow raises several types; the deep check names damage
+        return f"its own run_id column cannot be read ({type(e).__name__})"
+    if not len(column):
+        return None
+    distinct = pc.unique(column.cast(pa.string())).to_pylist()
+    if distinct != [run_id]:
+        shown = ", ".join(shown_name(v, 60) for v in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
+        return f"its own run_id column holds {shown}, not its run {run_id!r}"
+    return None
+
+
+def skipped_writer_id(table: str, file: delta.SkippedFile) -> int:
+    """The `pid` of the probe_stats row that counts a skipped file's rows: a hash of the file and its
+    run id as the log has them, so every reader writes the same counter (and the same file)."""
+    return int.from_bytes(hashlib.sha256(repr((table, file.path, file.run_id)).encode()).digest()[:7], "big")
+
+
+def count_skipped(location: StoreLocation, table: str, file: delta.SkippedFile) -> bool:
+    """Count a skipped file's rows (as its log says) as dropped in `probe_stats`: reason
+    `invalid_name`, table_name its table, under the run INVALID_NAMES_RUN, on no writer's account
+    (rank -1, pid `skipped_writer_id`). Its commit carries an app transaction named after the file, so
+    the count is made once in the store however many readers meet it (and stays made when compaction
+    merges the counter away); False when it was made already.
+    Raises StoreError or OSError when the store refuses the write."""
+    pid = skipped_writer_id(table, file)
+    app = f"moescope-invalid-name-{pid:016x}"  # an app transaction outlives the counter's file (compaction)
+    if delta.table_exists(location, "probe_stats") and delta.transaction_version(location, "probe_stats", app):
+        return False
+    name = f"part-invalid-name-{pid:016x}.parquet"
+    _write_count(location, table, INVALID_NAMES_RUN, max(file.rows, 0), INVALID_NAME, pid, name, app=(app, 1))
+    return True
+
+
 def count_lost(location: StoreLocation, table: str, part: delta.PartFile) -> None:
     """Write the `probe_stats` rows that count a quarantined file's rows as lost: table_name the
     file's table, reason `quarantined`, dropped_rows its rows (as the table's log says), on no
     writer's account (rank -1, no host, pid `quarantine_writer_id`)."""
     now = dt.datetime.now(dt.timezone.utc)
     pid = quarantine_writer_id(table, part.path)
-    rows = max(part.rows, 0)
+    name = f"part-quarantine-{pid:016x}-{now.strftime('%Y%m%dT%H%M%S%f')}.parquet"
+    _write_count(location, table, part.run_id, max(part.rows, 0), QUARANTINED, pid, name, now)
+
+
+def _write_count(location: StoreLocation, table: str, run_id: str, rows: int, reason: str, pid: int, name: str,
+                 now: dt.datetime | None = None, app: tuple[str, int] | None = None) -> None:
+    """One probe_stats row, committed: `rows` of `table` dropped for `reason`, by no writer (rank -1, `pid`)."""
+    now = now if now is not None else dt.datetime.now(dt.timezone.utc)
     schema = SCHEMAS["probe_stats"]
     values: dict[str, object] = {
-        "run_id": part.run_id, "ts": now, "table_name": table, "written_rows": 0, "dropped_rows": rows,
-        "dropped_records": 0, "reason": QUARANTINED, "rank": -1, "pid": pid,
+        "run_id": run_id, "ts": now, "table_name": table, "written_rows": 0, "dropped_rows": rows,
+        "dropped_records": 0, "reason": reason, "rank": -1, "pid": pid,
     }
-    columns = {name: pa.array([value], schema.field(name).type) for name, value in values.items()
-               if name in schema.names}
+    columns = {column: pa.array([value], schema.field(column).type) for column, value in values.items()
+               if column in schema.names}
     data = table_from_columns("probe_stats", columns, 1)
-    name = f"part-quarantine-{pid:016x}-{now.strftime('%Y%m%dT%H%M%S%f')}.parquet"
-    added = delta.write_part(location, "probe_stats", part.run_id, data, name)
-    delta.commit(location, "probe_stats", adds=[added])
+    added = delta.write_part(location, "probe_stats", run_id, data, name)
+    delta.commit(location, "probe_stats", adds=[added], app=app)

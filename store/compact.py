@@ -184,6 +184,7 @@ def _write_merged(catalog: Catalog, table: str, run_id: str, schema: pa.Schema,
     """A fresh compacted file in the run's folder, its row groups written by `write_groups`, with the
     store's Parquet options (page checksums), synced to disk on a local store; not yet committed."""
     location = catalog.location
+    check_name("run_id", run_id)  # snapshots leave out files with such run ids; this is the last guard before a path
     name = compacted_name()
     relative = f"{delta.PARTITION_COLUMN}={run_id}/{name}"
     path = location.join(table, f"{delta.PARTITION_COLUMN}={run_id}", name)

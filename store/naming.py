@@ -71,8 +71,10 @@ def parquet_options(columns: Sequence[str]) -> dict:
 
 
 # Names that become parts of a path: a table, a run id. A run id can come from a data file (the
-# alerts runner reads it from `layer_steps`), so it is never trusted: no separator, no `..`, no
-# leading dot (hidden files), no `=` (hive partitioning), nothing a shell must quote.
+# alerts runner reads it from `layer_steps`) or a table's log (another hand may have written it), so
+# it is never trusted: no separator, no `..`, no leading dot (hidden files), no `=` (hive
+# partitioning), nothing a shell must quote. Names read from a store meet the same rule where a
+# snapshot is read (`stored_name_problem`, in `store.delta.snapshot`).
 NAME_FORM = "1 to 128 characters of A-Za-z0-9 . _ -, not starting with a dot"
 _NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
 # A table is a folder beside the store's own (`_quarantine`, `_locks`, `_trash`), which start with `_`.
@@ -83,6 +85,11 @@ _PART = re.compile(r"part-[A-Za-z0-9_-][A-Za-z0-9._-]{0,200}\.parquet")
 
 class InvalidNameError(ValueError):
     """A run id, table, rank or file name that cannot be used in a store path; says the allowed form."""
+
+
+class InvalidNameWarning(UserWarning):
+    """A file a store's log names was left out: a name in it (a run id, its path) fails the rule of
+    `check_name`, so no command reads, moves or rewrites it (`store.delta.snapshot`)."""
 
 
 def is_valid_name(value: object, kind: str = "run_id") -> bool:
@@ -112,6 +119,36 @@ def check_part_name(name: object) -> str:
         raise InvalidNameError(f"file name {name!r} is not a part of the store: use part-<letters, digits, "
                                f". _ ->.parquet, with no folder")
     return name
+
+
+def stored_name_problem(run_id: object, path: object) -> str | None:
+    """Why a data file a table's log names may not be used, or None when it may: the rule for names
+    read from a store (the log's partition value `run_id` and its `path`, relative to the table) is
+    the rule for names a user gives. The run id must be a valid run id (`check_name`), and the path
+    exactly `run_id=<that run id>/<a part name>` (`check_part_name`): a store written by another
+    hand may hold `..`, a separator, an absolute path or a NUL in either, and no path is built from
+    such a value."""
+    if run_id is None or run_id == "":
+        return "it has no run id (its partition value is empty or null)"
+    if not is_valid_name(run_id):
+        return f"its run id {shown_name(run_id)} cannot be used in a store path ({NAME_FORM})"
+    if not isinstance(path, str) or "/" not in path:
+        return f"its path {shown_name(path)} is not run_id=<run id>/<file>"
+    folder, name = path.split("/", 1)
+    if folder != f"run_id={run_id}":
+        return f"its path {shown_name(path)} is not in the folder of its run id {run_id!r}"
+    if _PART.fullmatch(name) is None:
+        return f"its path {shown_name(path)} does not end in a part file's name (part-<letters, digits, . _ ->.parquet)"
+    return None
+
+
+def shown_name(value: object, limit: int = 120) -> str:
+    """`value` as a message shows a name read from a store: repr (a NUL or a newline stays visible),
+    cut at `limit` characters with its length said."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
 def part_name(rank: int, seq: int, host: str) -> str:

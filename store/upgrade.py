@@ -179,6 +179,13 @@ def _upgrade_table(location: StoreLocation, table: str, lost: list[tuple[str, de
             result.files, result.rows, result.version = len(created), sum(p.rows for p in snap.files), snap.version
             return result
         live = {p.path for p in snap.files} if snap is not None else set()
+        if live:  # a Delta table with files was never this plan's: the plan is not ours, the table is left as it is
+            log.warning("moescope store upgrade: %s names files table %s does not hold, and the table is a Delta "
+                        "table already: the plan was not written by an upgrade of this store; removed it, nothing "
+                        "else touched", plan_path, table)
+            os.remove(plan_path)
+            result.files, result.version = len(live), snap.version if snap is not None else None
+            return result
         _delete(root, table, [p for p in plan["create"] if p not in live])  # not committed: start again
         os.remove(plan_path)
     old = _old_files(root, table)
@@ -263,7 +270,8 @@ def _in_flight(root: str, table: str) -> list[str]:
     folder = os.path.join(root, table)
     found = []
     for entry in sorted(os.listdir(folder)):
-        if entry.startswith("run_id=") and os.path.isdir(os.path.join(folder, entry)):
+        if (entry.startswith("run_id=") and is_valid_name(entry[len("run_id="):])
+                and os.path.isdir(os.path.join(folder, entry))):
             found += [f"{entry}/{name}" for name in sorted(os.listdir(os.path.join(folder, entry)))
                       if name.startswith(TMP_PREFIX)]
     return found
@@ -342,8 +350,22 @@ def _quarantine(root: str, table: str, old: _OldFile, reason: str) -> str:
 
 def _delete(root: str, table: str, relatives: list[str]) -> None:
     for relative in relatives:
+        if not _is_run_file(relative):  # a plan is read back from the store: never a path out of a run's folder
+            log.warning("moescope store upgrade: not deleting %r of table %s: not run_id=<run id>/<file>",
+                        relative[:200] if isinstance(relative, str) else relative, table)
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(root, table, *relative.split("/")))
+
+
+def _is_run_file(relative: object) -> bool:
+    """Whether `relative` (from a plan in `_upgrade/`) is `run_id=<valid run id>/<a file's name>`, the
+    only paths a plan names: a file in a run's folder, never a folder above it."""
+    if not isinstance(relative, str) or relative.count("/") != 1:
+        return False
+    folder, name = relative.split("/")
+    return (folder.startswith("run_id=") and is_valid_name(folder[len("run_id="):]) and "\\" not in name
+            and "\0" not in name and name.startswith(("part-", TMP_PREFIX)) and name not in ("", ".", ".."))
 
 
 def _write_json(path: str, value: object) -> None:

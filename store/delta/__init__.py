@@ -11,10 +11,10 @@ between the two steps leaves an orphan for `vacuum`, never a torn or duplicated 
 of a process that used delta-rs makes its delta calls through a helper process (`helper`).
 One module per idea:
 
-    parts        the data files: write_part (pyarrow only), PartFile, Snapshot
+    parts        the data files: write_part (pyarrow only), PartFile, Snapshot, SkippedFile
     stats        a data file's Delta stats, from its footer or from the log
     commits      writing the log: create_table, commit (retries, app transactions)
-    snapshots    reading the log: snapshot, table_exists, transaction_version
+    snapshots    reading the log (names from it checked): snapshot, table_exists, transaction_version
     retention    vacuum: removed files and orphans past their retention
     access       is the store usable: reachable, and not a previous release's (legacy_tables)
     tables       this process's open DeltaTables, and whether it started delta-rs's runtime
@@ -41,6 +41,7 @@ from moescope.store.delta.errors import LegacyStoreError as LegacyStoreError
 from moescope.store.delta.errors import StoreAccessError as StoreAccessError
 from moescope.store.delta.parts import PARTITION_COLUMN as PARTITION_COLUMN
 from moescope.store.delta.parts import PartFile as PartFile
+from moescope.store.delta.parts import SkippedFile as SkippedFile
 from moescope.store.delta.parts import Snapshot as Snapshot
 from moescope.store.delta.parts import write_part as write_part
 from moescope.store.delta.retention import ORPHAN_MIN_HOURS as ORPHAN_MIN_HOURS
@@ -51,10 +52,12 @@ from moescope.store.delta.retries import BACKOFF_S as BACKOFF_S
 from moescope.store.delta.snapshots import snapshot as snapshot
 from moescope.store.delta.snapshots import table_exists as table_exists
 from moescope.store.delta.snapshots import transaction_version as transaction_version
+from moescope.store.delta.snapshots import warn_skipped as warn_skipped
 from moescope.store.delta.stats import file_stats as file_stats
 from moescope.store.delta.tables import TABLE_CONFIGURATION as TABLE_CONFIGURATION
 
 __all__ = ["APP_RETRIES", "APP_RETRY_DEADLINE_S", "BACKOFF_S", "MAX_COMMIT_RETRIES", "ORPHAN_MIN_HOURS",
            "PARTITION_COLUMN", "TABLE_CONFIGURATION", "CommitConflictError", "CommitError", "LegacyStoreError",
-           "PartFile", "Snapshot", "StoreAccessError", "check_store", "commit", "create_table", "file_stats",
-           "legacy_tables", "snapshot", "table_exists", "transaction_version", "vacuum", "write_part"]
+           "PartFile", "SkippedFile", "Snapshot", "StoreAccessError", "check_store", "commit", "create_table",
+           "file_stats", "legacy_tables", "snapshot", "table_exists", "transaction_version", "vacuum", "warn_skipped",
+           "write_part"]

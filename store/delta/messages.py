@@ -12,7 +12,7 @@ import struct
 from typing import Any
 
 from moescope.store.delta.errors import CommitConflictError, CommitError, LegacyStoreError, StoreAccessError
-from moescope.store.delta.parts import PartFile, Snapshot
+from moescope.store.delta.parts import PartFile, SkippedFile, Snapshot
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation
 
@@ -48,7 +48,7 @@ def _read_exactly(connection: socket.socket, size: int) -> bytes:
 
 def encode(value: Any) -> Any:
     """A call's argument or result as JSON: scalars and lists as they are; a StoreLocation, a
-    PartFile, a Snapshot and a tuple as an object tagged with its kind ("$")."""
+    PartFile, a SkippedFile, a Snapshot and a tuple as an object tagged with its kind ("$")."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, StoreLocation):
@@ -56,7 +56,10 @@ def encode(value: Any) -> Any:
     if isinstance(value, PartFile):
         return {"$": "part", **dataclasses.asdict(value)}
     if isinstance(value, Snapshot):
-        return {"$": "snapshot", "version": value.version, "files": [encode(f) for f in value.files]}
+        return {"$": "snapshot", "version": value.version, "files": [encode(f) for f in value.files],
+                "skipped": [encode(f) for f in value.skipped]}
+    if isinstance(value, SkippedFile):
+        return {"$": "skipped", **dataclasses.asdict(value)}
     if isinstance(value, tuple):
         return {"$": "tuple", "items": [encode(v) for v in value]}
     if isinstance(value, list):
@@ -76,7 +79,10 @@ def decode(value: Any) -> Any:
     if kind == "part":
         return PartFile(**{f.name: value[f.name] for f in dataclasses.fields(PartFile)})
     if kind == "snapshot":
-        return Snapshot(int(value["version"]), [decode(f) for f in value["files"]])
+        return Snapshot(int(value["version"]), [decode(f) for f in value["files"]],
+                        [decode(f) for f in value.get("skipped", [])])
+    if kind == "skipped":
+        return SkippedFile(**{f.name: value[f.name] for f in dataclasses.fields(SkippedFile)})
     if kind == "tuple":
         return tuple(decode(v) for v in value["items"])
     raise ValueError(f"the delta helper got a message it cannot read: {str(value)[:200]}")

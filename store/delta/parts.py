@@ -26,7 +26,7 @@ from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import WRITER_ROW_GROUP_ROWS, check_name, check_part_name, parquet_options
 from moescope.store.schema import SCHEMAS
 
-__all__ = ["PARTITION_COLUMN", "PartFile", "Snapshot", "run_of", "write_part"]
+__all__ = ["PARTITION_COLUMN", "PartFile", "SkippedFile", "Snapshot", "run_of", "write_part"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,26 @@ class PartFile:
 
 
 @dataclasses.dataclass(frozen=True)
+class SkippedFile:
+    """A file a table's log names that no command reads, moves or rewrites: its run id (the log's
+    partition value, or a value of the file's own `run_id` column) or its path cannot be part of a
+    store path (`store.naming`), so no path is ever built from them. `path` and `run_id` are the
+    log's values as they are (`run_id` None: no partition value); `reason` says which failed."""
+
+    path: str
+    run_id: str | None
+    rows: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """One version of a table and its live data files."""
+    """One version of a table: its live data files, and the files its log names that are left out
+    because a name in them fails the store's rule (`skipped`; see `store.delta.snapshot`)."""
 
     version: int
     files: list[PartFile]
+    skipped: list[SkippedFile] = dataclasses.field(default_factory=list)
 
 
 def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, data: pa.Table, name: str, *,

@@ -1,28 +1,46 @@
 """Reading a table through its log: which files are live at a version (`snapshot`: the log says,
 never a folder listing, so a file nobody committed is invisible), whether the table exists, and
 which app transaction it holds.
+
+`snapshot` is also where names enter from a store: every file the log names is checked here
+(`store.naming.stored_name_problem`: its partition value is a valid run id, its path
+`run_id=<that run id>/<part name>`) before any command builds a path from it. A file that fails is
+left out of `Snapshot.files` (so compaction, prune, quarantine, readers never read, move or rewrite
+it), listed in `Snapshot.skipped`, and named once per process in an `InvalidNameWarning`; the rest
+of the table reads as before. Someone who may write one store's log cannot make moescope write
+outside it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import warnings
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from moescope.store.delta.errors import message
 from moescope.store.delta.helper import call_helper, guarded, routed
-from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, Snapshot
+from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, SkippedFile, Snapshot
 from moescope.store.delta.stats import stats_of
 from moescope.store.delta.tables import open_table, use_runtime
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
-from moescope.store.naming import check_name
+from moescope.store.naming import InvalidNameWarning, check_name, shown_name, stored_name_problem
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["snapshot", "table_exists", "transaction_version"]
+__all__ = ["snapshot", "table_exists", "transaction_version", "warn_skipped"]
+
+log = logging.getLogger(__name__)
+
+# Skipped files this process has warned of, (store, table, path, run id): each is named once, not at
+# every snapshot (a compaction reads several). Bounded by the files of the logs this process reads.
+_WARNED: set[tuple[str, str, str, object]] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 def table_exists(loc: StoreLocation | str | os.PathLike, table: str) -> bool:
@@ -84,9 +102,30 @@ def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | 
     loc = open_location(loc)
     check_name("table", table)
     if routed():
-        return call_helper("snapshot", loc, table, version, with_stats=with_stats)
-    return guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table, version,
-                   with_stats=with_stats)
+        snap = call_helper("snapshot", loc, table, version, with_stats=with_stats)
+    else:
+        snap = guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table, version,
+                       with_stats=with_stats)
+    if snap is not None and snap.skipped:
+        warn_skipped(loc, table, snap.skipped)
+    return snap
+
+
+def warn_skipped(loc: StoreLocation, table: str, skipped: list[SkippedFile]) -> None:
+    """Name each skipped file once per process: its table, the offending value and the file, in an
+    `InvalidNameWarning` (logged too)."""
+    for file in skipped:
+        key = (loc.url, table, file.path, file.run_id)
+        with _WARNED_LOCK:
+            if key in _WARNED:
+                continue
+            _WARNED.add(key)
+        rows = f"Its {file.rows} rows are" if file.rows >= 0 else "Its rows are"
+        text = (f"moescope store: table {table!r} of {loc.redacted}: left out the file {shown_name(file.path)}: "
+                f"{file.reason}. {rows} not read, and moescope never moves, rewrites or deletes it (another hand "
+                f"wrote that log entry, or damaged it: remove it with a Delta tool if it is not yours)")
+        log.warning(text)
+        warnings.warn(text, InvalidNameWarning, stacklevel=3)
 
 
 def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: bool) -> Snapshot | None:
@@ -106,13 +145,15 @@ def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: b
                                          storage_options=dict(loc.storage_options) or None)
             except Exception as e:
                 raise StoreError(message(f"cannot read version {version} of {loc.redacted}/{table}", e)) from e
-        return Snapshot(delta_table.version(), _files(delta_table, with_stats))
+        files, skipped = _files(delta_table, with_stats)
+        return Snapshot(delta_table.version(), files, skipped)
 
 
-def _files(delta_table: DeltaTable, with_stats: bool) -> list[PartFile]:
+def _files(delta_table: DeltaTable, with_stats: bool) -> tuple[list[PartFile], list[SkippedFile]]:
+    """The log's live files whose names pass `stored_name_problem`, and those that do not."""
     actions = pa.table(delta_table.get_add_actions(flatten=True))
     if not actions.num_rows:
-        return []
+        return [], []
     paths = actions.column("path").to_pylist()
     sizes = actions.column("size_bytes").to_pylist()
     rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else [None] * len(paths)
@@ -123,5 +164,11 @@ def _files(delta_table: DeltaTable, with_stats: bool) -> list[PartFile]:
     stats: list[str | None] = [None] * len(paths)
     if with_stats:
         stats = stats_of(actions)
-    return [PartFile(p, int(s), int(r) if r is not None else -1, run, st, None if t is None else int(t))
-            for p, s, r, run, st, t in zip(paths, sizes, rows, runs, stats, times)]
+    files, skipped = [], []
+    for p, s, r, run, st, t in zip(paths, sizes, rows, runs, stats, times):
+        problem = stored_name_problem(run, p)
+        if problem is not None:
+            skipped.append(SkippedFile(p, run, int(r) if r is not None else -1, problem))
+            continue
+        files.append(PartFile(p, int(s), int(r) if r is not None else -1, run, st, None if t is None else int(t)))
+    return files, skipped
