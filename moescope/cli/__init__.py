@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import shutil
+import signal
 import sys
 
 # Packages that add subcommands through `add_subcommands(subparsers)`.
@@ -65,7 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status. A command returns its own status or raises: a
     StoreError, OSError or ValueError (and the probe's attach errors) is printed on one line,
     `moescope COMMAND: message` (a nested command may name itself with a `command_name` default),
-    and the status is 1; anything else is a bug and keeps its traceback."""
+    and the status is 1; anything else is a bug and keeps its traceback.
+
+    A reader of stdout that goes away (`moescope query ... | head`) ends the command quietly with
+    status 141 (128 + SIGPIPE), what a shell reports for `git log | head` or `grep ... | head`."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # the last buffered lines meet a closed pipe here, not at interpreter exit
+    except BrokenPipeError:  # only stdout's: _run reports any other as an error
+        return _stdout_closed_status()
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -79,12 +94,43 @@ def main(argv: list[str] | None = None) -> int:
         from moescope.probe import NoMoELayersError, ProbeAttachError
         from moescope.store import StoreError
 
+        if isinstance(e, BrokenPipeError) and closed_pipe(sys.stdout):
+            raise  # not an error: the reader had what it wanted
         # OSError: a store that cannot be reached (a missing bucket, refused credentials), its URL named
         if isinstance(e, (StoreError, NoMoELayersError, ProbeAttachError, OSError, ValueError)):
             command = getattr(args, "command_name", None) or f"moescope {args.command}"
             print(f"{command}: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def closed_pipe(stream) -> bool:
+    """Whether `stream` is a pipe whose reading end is closed. A BrokenPipeError alone does not say
+    which pipe broke: a socket to the store or a webhook raises it too, and that one is an error to
+    report."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no descriptor, a closed stream
+        return False
+
+
+def _stdout_closed_status() -> int:
+    """The status of a command whose stdout reader went away, with stdout pointed at the null device.
+
+    git, grep and cat die of SIGPIPE there, which a shell reports as 141. Python ignores SIGPIPE (so
+    that a socket's reset is an exception, not death) and raises BrokenPipeError instead; the command
+    returns the same status rather than killing itself, so `finally` blocks and atexit handlers (a
+    store's last flush) still run. Whatever is still buffered for stdout goes to the null device:
+    flushed at exit into the closed pipe, it would print "Exception ignored ... BrokenPipeError"."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return 128 + getattr(signal, "SIGPIPE", 13)
 
 
 if __name__ == "__main__":
