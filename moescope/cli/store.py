@@ -11,6 +11,7 @@ import argparse
 import sys
 
 import pandas as pd
+import pyarrow as pa
 
 from moescope.cli.arguments import (
     add_store_arguments,
@@ -159,8 +160,8 @@ def _query(args: argparse.Namespace) -> int:
     from moescope.store import Store
 
     with Store(store_location(args)) as store:  # a missing store (EmptyStoreError) too: exit 1, as every command
-        frame = store.sql(args.sql)
-    frame = _printable(frame)
+        result = store.arrow(args.sql)
+    frame = _printable(_displayed(result))
     if args.format == "csv":
         frame.head(args.max_rows).to_csv(sys.stdout, index=False)
     elif args.format == "json":
@@ -174,6 +175,48 @@ def _query(args: argparse.Namespace) -> int:
         if len(frame) > args.max_rows:
             print(f"... {len(frame) - args.max_rows} more rows (use --max-rows)")
     return 0
+
+
+def _displayed(result: pa.Table) -> pd.DataFrame:
+    """The query's result as a frame that prints each value as its SQL type has it: an integer as an
+    integer. DuckDB sums integers into HUGEINT (a DECIMAL(38,0) in Arrow), which pandas would turn
+    into float64 (175616.0), and integer columns holding NULLs would become floats too. Here every
+    integer column, a decimal of scale 0 included, is a nullable integer column (Python ints past
+    int64); other decimals are floats, maps dicts, and a repeated column name gets a suffix (a, a_1),
+    as in DuckDB's own frames. The values are the query's: only their display changes."""
+    columns, wide = [], []
+    for i, column in enumerate(result.columns):
+        if pa.types.is_decimal(column.type) and column.type.scale == 0:
+            try:
+                column = column.cast(pa.int64())  # a safe cast: it raises rather than wraps
+            except pa.ArrowInvalid:
+                wide.append(i)
+        elif pa.types.is_decimal(column.type):
+            column = column.cast(pa.float64())
+        columns.append(column)
+    frame = pa.Table.from_arrays(columns, names=_unique(result.column_names)).to_pandas(
+        types_mapper=_NULLABLE.get, maps_as_pydicts="strict")
+    for i in wide:  # past int64: Python ints, every digit (a Decimal would be a string in JSON)
+        frame.isetitem(i, frame.iloc[:, i].map(int, na_action="ignore"))
+    return frame
+
+
+def _unique(names: list[str]) -> list[str]:
+    used: set[str] = set()
+    unique = []
+    for name in names:
+        candidate, n = name, 0
+        while candidate in used:
+            n += 1
+            candidate = f"{name}_{n}"
+        used.add(candidate)
+        unique.append(candidate)
+    return unique
+
+
+_NULLABLE = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
+             pa.int64(): pd.Int64Dtype(), pa.uint8(): pd.UInt8Dtype(), pa.uint16(): pd.UInt16Dtype(),
+             pa.uint32(): pd.UInt32Dtype(), pa.uint64(): pd.UInt64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 
 def _printable(frame: pd.DataFrame) -> pd.DataFrame:
