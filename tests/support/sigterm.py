@@ -3,6 +3,11 @@
 `started(argv)` runs a process from the repository root, reads its stdout and stderr lines on
 threads (so a chatty process never blocks on a full pipe), and kills it at the end whatever the
 test did. `parquet_rows` counts a table's rows from the raw Parquet files, not through moescope.
+
+Every test that signals a child starts it with `preexec_fn=default_signals`: a child inherits an
+ignored signal (`nohup pytest` ignores SIGHUP, a shell's background job SIGINT), and a service that
+finds a signal ignored rightly leaves it so (GracefulStop does), so without it those tests fail
+whenever the suite itself runs under nohup.
 """
 
 from __future__ import annotations
@@ -24,6 +29,16 @@ from tests.support.paths import REPO
 # `moescope ...` as a user runs it
 MOESCOPE = [sys.executable, "-m", "moescope.cli"]
 
+# The signals the tests send a child to stop it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+
+
+def default_signals() -> None:
+    """For `subprocess.Popen(..., preexec_fn=default_signals)`: the child starts with the default
+    disposition of STOP_SIGNALS, whichever of them the test run ignores."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
 
 class Child:
     """A process whose output lines are collected as they come."""
@@ -31,7 +46,7 @@ class Child:
     def __init__(self, argv: list[str], env: dict[str, str] | None = None):
         self.argv = argv
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=None if env is None else {**os.environ, **env})
+                                     env=None if env is None else {**os.environ, **env}, preexec_fn=default_signals)
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)

@@ -22,7 +22,7 @@ from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, w
 from moescope.store.location import StoreLocation
 from moescope.store.store import Store
 from tests.support.paths import REPO
-from tests.support.sigterm import started
+from tests.support.sigterm import default_signals, started
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -140,7 +140,7 @@ def test_a_killed_dashboard_stops_its_streamlit_server(tmp_path, signum):
         port = s.getsockname()[1]
     root = REPO
     proc = subprocess.Popen([sys.executable, "-m", "moescope.cli", "dashboard", str(tmp_path), "--port", str(port)],
-                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=default_signals)
     children: list[int] = []
     try:
         deadline = time.monotonic() + 60

@@ -25,6 +25,7 @@ from moescope.ingest.proxy import RoutingProxy, RoutingRecorder, parse_listen
 from tests.support.importing import loop_loads, parquet_rows, stored_loads
 from tests.support.paths import REPO
 from tests.support.proxy import E, K, L, StandInEngine, draw, post, rows_of, stop_command
+from tests.support.sigterm import default_signals
 
 
 def test_a_response_passes_unchanged_and_its_routing_is_recorded_with_header_tags(tmp_path, engine, proxy_for):
@@ -192,7 +193,8 @@ def start_command(root: str, engine: StandInEngine, *options: str) -> tuple[subp
     process = subprocess.Popen([sys.executable, "-m", "moescope.cli", "proxy", "--upstream",
                                 f"http://127.0.0.1:{engine.port}", "--store", root, "--num-experts", str(E),
                                 "--listen", f"127.0.0.1:{port}", "--run-id", "live", *options],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_signals)
     assert "recording run live" in process.stdout.readline()
     return process, port
 

@@ -32,6 +32,7 @@ from tests.support.proxy import (
     json_answer,
     post,
 )
+from tests.support.sigterm import default_signals
 
 
 def closed_by_peer_within(sock: socket.socket, seconds: float) -> float | None:
@@ -135,6 +136,7 @@ def test_idle_sockets_cannot_lock_clients_out_under_a_descriptor_limit(tmp_path,
         port = s.getsockname()[1]
 
     def limit_descriptors() -> None:
+        default_signals()
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 
     process = subprocess.Popen([sys.executable, "-m", "moescope.cli", "proxy", "--upstream",

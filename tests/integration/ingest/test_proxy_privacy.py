@@ -27,6 +27,7 @@ from tests.support.proxy import (
     prompt_token_ids,
     stop_command,
 )
+from tests.support.sigterm import default_signals
 
 # What a terminal acts on: C0 but newline, DEL, C1, bidirectional overrides and isolates.
 TERMINAL_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -102,7 +103,8 @@ def _start_with_credentials(root: str, engine_port: int):
     process = subprocess.Popen([sys.executable, "-m", "moescope.cli", "proxy", "--upstream",
                                 f"http://admin:hunter2@127.0.0.1:{engine_port}", "--store", root, "--num-experts",
                                 str(E), "--listen", f"127.0.0.1:{port}", "--run-id", "live"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_signals)
     first = process.stdout.readline()
     assert "recording run live" in first, first
     return process, port, first
