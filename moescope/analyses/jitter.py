@@ -455,8 +455,6 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
         probe.NoMoELayersError: for a model without MoE layers.
         OSError: when the store refused the rows.
     """
-    from tqdm.auto import tqdm
-
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise JitterError(f"{type(model).__name__} is an encoder-decoder model; the jitter check runs decoder-only "
@@ -470,6 +468,20 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model_dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
     pad_id = _pad_id(model, tokenizer)
+    runs, skipped = _run_conditions(model, layers, ids, plan, pad_id, device, progress)
+    report = _compare_conditions(model, layers, ids, plan, runs, skipped, max_listed, model_dtype, attn)
+    if store is not None:
+        report.run_id = write_report(store, report, model, layers, run_id, tags, new_run=new_run)
+    return report
+
+
+def _run_conditions(model: nn.Module, layers: Sequence[MoELayer], ids: list[list[int]], plan: Sequence[Condition],
+                    pad_id: int, device: torch.device, progress: bool
+                    ) -> tuple[dict[str, list[list[LayerRouting]]], dict[str, str]]:
+    """Run the baseline, then each planned condition, capturing every layer's routing, the model in eval
+    mode meanwhile. Returns the runs by condition name, and the conditions skipped with the reason."""
+    from tqdm.auto import tqdm
+
     baseline = Condition(BASELINE, "", "each input alone")
     forwards = sum(math.ceil(len(ids) / c.batch_size) for c in [baseline, *plan])
     runs: dict[str, list[list[LayerRouting]]] = {}
@@ -495,6 +507,14 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     finally:
         model.train(was_training)
         bar.close()
+    return runs, skipped
+
+
+def _compare_conditions(model: nn.Module, layers: Sequence[MoELayer], ids: list[list[int]],
+                        plan: Sequence[Condition], runs: dict[str, list[list[LayerRouting]]],
+                        skipped: dict[str, str], max_listed: int, model_dtype: str, attn: str | None
+                        ) -> JitterReport:
+    """Compare each condition that ran with its baseline, layer by layer, into a `JitterReport`."""
     layer_rows: list[dict[str, Any]] = []
     token_rows: list[dict[str, Any]] = []
     for order, condition in enumerate(plan):
@@ -509,11 +529,8 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     frame = pd.DataFrame(layer_rows, columns=list(LAYER_COLUMNS))
     for name in ("set_changed", "top1_changed", "kept_changed"):
         frame[f"{name}_fraction"] = frame[name] / frame.tokens.where(frame.tokens > 0)
-    report = JitterReport(frame, pd.DataFrame(token_rows, columns=list(TOKEN_COLUMNS)), skipped,
-                          model_class=type(model).__name__)
-    if store is not None:
-        report.run_id = write_report(store, report, model, layers, run_id, tags, new_run=new_run)
-    return report
+    return JitterReport(frame, pd.DataFrame(token_rows, columns=list(TOKEN_COLUMNS)), skipped,
+                        model_class=type(model).__name__)
 
 
 LAYER_COLUMNS = ("condition", "condition_order", "baseline", "description", "layer", "tokens", "set_changed",
