@@ -189,6 +189,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/store/test_compact.py",),
         "compaction publishes a merged file whose rows do not add up"),
     Mutation(
+        "snapshot-trusts-log-names", "store/delta/snapshots.py",
+        "problem = stored_name_problem(run, p)",
+        "problem = None",
+        ("tests/integration/store/test_hostile_log.py", "-k", "test_compact_with_a_hostile_run and local"),
+        "a snapshot keeps files whose run id from the log cannot be part of a path: `compact` merges the run "
+        "`crafted/../../../..` and fails (or writes outside the store) instead of leaving it out (issue 41)"),
+    Mutation(
         "drift-windows-empty", "store/queries.py",
         "windows = self.load_windows(run_id, window_steps, layer, step_from, step_to)\n        if windows.empty:",
         "windows = self.load_windows(run_id, window_steps, layer, step_from, step_to).head(0)\n"
