@@ -24,8 +24,19 @@ from moescope.store.store import StoreError
 ICON = Path(__file__).parent / "icon.png"
 st.set_page_config(page_title="moescope", page_icon=str(ICON), layout="wide")
 
+
+def _home() -> None:
+    st.switch_page(OVERVIEW)
+
+
+# Streamlit serves its default page at "/" whatever url_path it is given, so with Overview as the
+# default "/overview" was "Page not found". The default is a hidden page that opens Overview at its own
+# URL instead, before anything is drawn: every page has the address its name says.
+OVERVIEW = st.Page("views/overview.py", title="Overview", url_path="overview")
+HOME = st.Page(_home, title="moescope", url_path="home", default=True, visibility="hidden")
 PAGES = [
-    st.Page("views/overview.py", title="Overview", url_path="overview", default=True),
+    HOME,
+    OVERVIEW,
     st.Page("views/heatmaps.py", title="Heatmaps", url_path="heatmaps"),
     st.Page("views/cache.py", title="Expert cache", url_path="cache"),
     st.Page("views/clusters.py", title="Semantic clusters", url_path="clusters"),
@@ -36,6 +47,8 @@ PAGES = [
     st.Page("views/jitter.py", title="Routing jitter", url_path="jitter"),
 ]
 navigation = st.navigation(PAGES)
+if navigation is HOME:
+    st.switch_page(OVERVIEW)
 
 
 @st.fragment(run_every=conf.refresh_s if (conf := common.current_settings()) else None)

@@ -106,7 +106,7 @@ layers = _cached(Store.layers)
 run_info = _cached(Store.run_info)
 step_totals = _cached(Store.step_totals, tagged=True)
 active_fraction_buckets = _cached(Store.active_fraction_buckets, tagged=True)
-active_fraction_by_tag = _cached(Store.active_fraction_by_tag)
+active_fraction_by_tag = _cached(Store.active_fraction_by_tag, tagged=True)
 active_fraction_by_position = _cached(Store.active_fraction_by_position, tagged=True)
 layer_totals = _cached(Store.layer_totals, tagged=True)
 layer_buckets = _cached(Store.layer_buckets, tagged=True)
@@ -179,12 +179,27 @@ def token_texts(token_ids: pd.Series, tokenizer_path: str | None) -> list[str]:
     return out
 
 
+# Whitespace drawn as signs: a token that is a space or a newline would show as a blank cell.
+_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
+_LINE_BREAKS = str.maketrans({"\n": "↵", "\t": "⇥", "\r": "␍"})
+# Around the centre token of a context: marks no source code or prose uses (brackets are code's).
+CENTRE_MARKS = ("«", "»")
+
+
+def visible_token(text: str) -> str:
+    """A token's text with its spaces, newlines and tabs as visible signs (␣ ↵ ⇥)."""
+    return text.translate(_WHITESPACE)
+
+
 def context_text(ids: Any, positions: Any, centre: int, tokenizer_path: str | None) -> str:
-    """The neighbouring tokens of a sequence as one line, the centre token in [brackets]."""
+    """The neighbouring tokens of a sequence as one line, the centre token between « » with its
+    whitespace visible (`visible_token`); line breaks and tabs elsewhere as ↵ and ⇥."""
     if ids is None or isinstance(ids, float) or len(ids) == 0:  # NaN/None: no routes recorded
         return ""
     texts = token_texts(pd.Series(list(ids)), tokenizer_path)
-    parts = [f"[{t}]" if int(p) == int(centre) else t for t, p in zip(texts, positions)]
+    left, right = CENTRE_MARKS
+    parts = [f"{left}{visible_token(t)}{right}" if int(p) == int(centre) else t.translate(_LINE_BREAKS)
+             for t, p in zip(texts, positions)]
     # Decoded tokens carry their own spaces; ids need one between them.
     return ("" if tokenizer(tokenizer_path) is not None else " ").join(parts)
 

@@ -33,6 +33,15 @@ def _layout(fig: go.Figure, title: str, **kwargs) -> go.Figure:
     return fig
 
 
+def _legend_above(fig: go.Figure) -> go.Figure:
+    """The legend in a row between the title and the plot: a legend at the right takes half the width
+    of a chart in a third of the page."""
+    # The title pinned to the top: a legend wrapped onto a second row grows up towards it.
+    fig.update_layout(legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom"},
+                      title={"y": 1.0, "yref": "container", "yanchor": "top", "pad": {"t": 12}}, margin_t=100)
+    return fig
+
+
 def empty_figure(message: str) -> go.Figure:
     """A blank figure that says why there is nothing to draw."""
     fig = go.Figure()
@@ -144,8 +153,8 @@ def layer_spread_figure(layers: Sequence[signals.LayerFigures]) -> go.Figure:
                hovertemplate="layer %{x}: max/mean %{y:.3f}<extra></extra>"),
     ])
     fig.update_xaxes(title="MoE layer", type="category")
-    fig.update_yaxes(title="load spread (CV 0, max/mean 1 = perfectly even)", rangemode="tozero")
-    return _layout(fig, "Load spread per layer", barmode="group")
+    fig.update_yaxes(title="load spread (CV 0, max/mean 1 = even)", rangemode="tozero")
+    return _legend_above(_layout(fig, "Load spread per layer", barmode="group"))
 
 
 def host_load_figure(per_host: dict[str, Sequence[signals.LayerFigures]]) -> go.Figure:
@@ -163,18 +172,35 @@ def host_load_figure(per_host: dict[str, Sequence[signals.LayerFigures]]) -> go.
 
 
 def entropy_figure(entropy: pd.DataFrame) -> go.Figure:
-    """Mean per-token router entropy (nats, token-weighted in each bucket) per layer over the step
-    buckets of `Store.layer_buckets`."""
+    """Mean per-token router entropy (nats, token-weighted in each bucket) over the step buckets of
+    `Store.layer_buckets`: a small panel per layer, one above the other on a shared step axis (one
+    line per layer in one panel was a tangle), each panel's y axis its own; past
+    `ENTROPY_PANELS` layers, a layer x step heatmap."""
     if entropy.empty:
         return empty_figure("no layer steps recorded")
-    fig = go.Figure([
-        go.Scatter(x=rows.step_start, y=rows.router_entropy, mode="lines", name=f"layer {layer}",
-                   line={"color": PALETTE[i % len(PALETTE)]},
-                   hovertemplate=f"layer {layer}, step %{{x}}: %{{y:.4f}} nats<extra></extra>")
-        for i, (layer, rows) in enumerate(entropy.groupby("layer"))])
-    fig.update_xaxes(title="step")
-    fig.update_yaxes(title="router entropy (nats)")
-    return _layout(fig, "Router entropy")
+    from plotly.subplots import make_subplots
+
+    groups = list(entropy.groupby("layer"))
+    if len(groups) > ENTROPY_PANELS:
+        grid = entropy.pivot_table(index="layer", columns="step_start", values="router_entropy", aggfunc="mean")
+        fig = go.Figure(go.Heatmap(
+            z=grid.to_numpy(), x=grid.columns.to_numpy(), y=[str(v) for v in grid.index], colorscale="Viridis",
+            colorbar={"title": "nats"}, hovertemplate="layer %{y}, step %{x}: %{z:.4f} nats<extra></extra>"))
+        fig.update_xaxes(title="step")
+        fig.update_yaxes(title="MoE layer", type="category", autorange="reversed")
+        return _layout(fig, "Router entropy (nats)")
+    fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, vertical_spacing=0.04)
+    for i, (layer, rows) in enumerate(groups):
+        fig.add_trace(go.Scatter(x=rows.step_start, y=rows.router_entropy, mode="lines", name=f"layer {layer}",
+                                 line={"color": PALETTE[i % len(PALETTE)], "width": 1.2}, showlegend=False,
+                                 hovertemplate=f"layer {layer}, step %{{x}}: %{{y:.4f}} nats<extra></extra>"),
+                      row=i + 1, col=1)
+        fig.update_yaxes(title={"text": f"layer {layer}", "font": {"size": 11}}, nticks=3, row=i + 1, col=1)
+    fig.update_xaxes(title="step", row=len(groups), col=1)
+    return _layout(fig, "Router entropy (nats), per layer", height=max(HEIGHT, 60 + 80 * len(groups)))
+
+
+ENTROPY_PANELS = 8  # layers drawn as panels of the router-entropy figure; more: one heatmap
 
 
 def dropped_figure(entropy: pd.DataFrame) -> go.Figure:
@@ -188,7 +214,7 @@ def dropped_figure(entropy: pd.DataFrame) -> go.Figure:
         for i, (layer, rows) in enumerate(entropy.groupby("layer"))])
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="dropped tokens", rangemode="tozero")
-    return _layout(fig, "Dropped tokens", barmode="stack")
+    return _legend_above(_layout(fig, "Dropped tokens", barmode="stack", legend_traceorder="normal"))
 
 
 # -- heatmaps --------------------------------------------------------------------------------
@@ -354,7 +380,10 @@ def divergence_figure(divergence: pd.DataFrame, measure: str, thresholds: Sequen
                       annotation_text=f"{rule} > {value:g}", annotation_position="top left")
     fig.update_xaxes(title="last step of window", **({"range": [steps[0] - 0.5, steps[1] + 0.5]} if steps else {}))
     fig.update_yaxes(title=f"{measure.upper()} vs baseline (nats)", rangemode="tozero")
-    return _layout(fig, f"{name} of each window's load against the baseline")
+    # A short title and a subtitle: the one long title was cut at the edge of a half-width column.
+    fig = _layout(fig, name)
+    fig.update_layout(title_subtitle_text="each window's load against the baseline", margin_t=70)
+    return fig
 
 
 def alert_label(alerts: pd.DataFrame) -> pd.Series:
@@ -393,16 +422,42 @@ def alert_timeline(alerts: pd.DataFrame, steps: tuple[int, int] | None = None) -
 def health_trend(health: pd.DataFrame, columns: Sequence[str], layer: int, expert: int,
                  steps: tuple[int, int] | None = None) -> go.Figure:
     """Score and its components over the run for one expert, at the last step of each window
-    (`expert_health` rows); the x axis spans `steps` (the run's first and last step) when given."""
-    rows = health[(health.layer == layer) & (health.expert == expert)]
+    (`expert_health` rows of the run: every expert's, the layer's decide what a window measured);
+    the x axis spans `steps` (the run's first and last step) when given.
+
+    A component not measured in a window is a gap in its line. So is the score of a window where the
+    layer measured none of one of the components it measures elsewhere in the run (too few tokens
+    reached the layer to judge load and confidence, say): that score is made of fewer parts, and
+    drawn beside the others a dead expert's 0 and its 100 from weights alone read as flapping."""
+    rows = health[(health.layer == layer) & (health.expert == expert)].sort_values("step_end")
     if rows.empty:
         return empty_figure(f"no health score for layer {layer}, expert {expert}")
-    fig = go.Figure([go.Scatter(x=rows["step_end"], y=rows[c], mode="lines+markers", name=c,
-                                line={"color": PALETTE[i % len(PALETTE)], "width": 3 if c == "score" else 1.5})
-                     for i, c in enumerate(columns)])
+    components = [c for c in columns if c != "score"]
+    whole_layer = health[health.layer == layer]
+    measured = whole_layer.groupby("step_end")[components].agg(lambda v: v.notna().any())
+    measured = measured[[c for c in components if measured[c].any()]]
+    partial = ~measured.all(axis=1).reindex(rows.step_end).fillna(False).to_numpy(dtype=bool)
+    missing = [", ".join(c for c in measured.columns if not measured.loc[end, c]) if end in measured.index else ""
+               for end in rows.step_end]
+    fig = go.Figure()
+    for i, c in enumerate(columns):
+        y = rows[c].to_numpy(dtype=np.float64)
+        if c == "score":
+            y = np.where(partial, np.nan, y)
+        fig.add_trace(go.Scatter(x=rows["step_end"], y=y, mode="lines+markers", name=c, connectgaps=False,
+                                 line={"color": PALETTE[i % len(PALETTE)], "width": 3 if c == "score" else 1.5},
+                                 hovertemplate=f"{c}, window ending step %{{x}}: %{{y:.1f}}<extra></extra>"))
+    if partial.any():
+        # Where the score is left out, say why on hover (at the bottom edge, out of the lines' way).
+        fig.add_trace(go.Scatter(
+            x=rows.step_end[partial], y=np.full(int(partial.sum()), -1.0), mode="markers", name="score left out",
+            marker={"symbol": "line-ns-open", "size": 8, "color": "#888888"},
+            customdata=[m for m, p in zip(missing, partial) if p],
+            hovertemplate="window ending step %{x}: no score drawn, the layer measured no %{customdata} "
+                          "here<extra></extra>"))
     fig.update_xaxes(title="last step of the health window",
                      **({"range": [steps[0] - 0.5, steps[1] + 0.5]} if steps else {}))
-    fig.update_yaxes(title="0-100 (100 = healthy)", range=[-2, 102])
+    fig.update_yaxes(title="0-100 (100 = healthy)", range=[-4, 102])
     return _layout(fig, f"Layer {layer}, expert {expert}: health score and components")
 
 

@@ -155,15 +155,17 @@ class ReportQueries:
                   FROM steps WHERE run_id = ?)
             GROUP BY ALL ORDER BY key, value LIMIT ?""", [run_id, int(limit)])
 
-    def active_fraction_by_tag(self, run_id: str, key: str, limit: int = 100) -> pd.DataFrame:
-        """Per value of tag `key` (steps without it left out): value, steps, tokens, active_fraction
-        (token-weighted), active_min and active_max (over rows)."""
+    def active_fraction_by_tag(self, run_id: str, key: str, limit: int = 100,
+                               tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Per value of tag `key` (steps without it left out; with `tags`, only the steps carrying all of
+        them): value, steps, tokens, active_fraction (token-weighted), active_min and active_max (over rows)."""
+        clause, params = where(run_id, tags=tags)
         return self.sql(f"""
             SELECT map_extract_value(tags, ?) AS value, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens,
                    {token_weighted("active_param_fraction")} AS active_fraction,
                    min(active_param_fraction) AS active_min, max(active_param_fraction) AS active_max
-            FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL
-            GROUP BY value ORDER BY value LIMIT ?""", [str(key), run_id, str(key), int(limit)])
+            FROM steps WHERE run_id = ? AND map_extract_value(tags, ?) IS NOT NULL AND {clause}
+            GROUP BY value ORDER BY value LIMIT ?""", [str(key), run_id, str(key), *params, int(limit)])
 
     def active_fraction_buckets(self, run_id: str, tags: dict[str, str] | None = None,
                                 max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:

@@ -39,8 +39,10 @@ with common.guard():
     table = table[[p for p in ("lru", "lfu", "belady") if p in table.columns]]
     st.dataframe(table.rename_axis("experts resident").add_suffix(" %"), key="cache_table")
     st.caption(
-        f"{int(first.tokens):,} tokens, {int(first.accesses):,} expert accesses"
-        + (f" (the first {limit:,} recorded tokens only)" if first.truncated else "") + ". "
+        (f"Replayed the first {limit:,} tokens recorded (of more); {int(first.tokens):,} of them reached a routed "
+         "expert (the others were dropped at capacity or went to zero experts)" if first.truncated else
+         f"{int(first.tokens):,} tokens reached a routed expert")
+        + f", {int(first.accesses):,} expert accesses. "
         "A hit is an access (a token's kept slot on a routed expert; zero experts and drops are none) whose "
         "expert was resident before the token; a token's experts are needed at once, so a cache smaller than "
         "k holds only part of them. The cache starts empty (first uses miss) and each rank has its own. "

@@ -29,13 +29,13 @@ with common.guard():
     mode = st.radio("Compare", ["two runs", "two tag values"], horizontal=True, key="cp_mode",
                     index=0 if len(runs) >= 2 else 1)
     sides: dict[str, tuple[str, object]] = {}
-    a, b = st.columns(2)
     if mode == "two runs":
         ids = list(runs.run_id)
         if len(ids) < 2:
             st.info("The store holds one run: record another (e.g. a new router version), or compare two "
                     "tag values of this run.")
             st.stop()
+        a, b = st.columns(2)
         first = a.selectbox("Run A", ids, index=0, key="cp_run_a", format_func=lambda r: common.run_label(runs, r))
         second = b.selectbox("Run B", ids, index=1, key="cp_run_b", format_func=lambda r: common.run_label(runs, r))
         sides = {f"A: {first[-8:]}": (first, None), f"B: {second[-8:]}": (second, None)}
@@ -48,6 +48,7 @@ with common.guard():
             st.stop()
         key = st.selectbox("Tag", keys, key="cp_tag")
         values = sorted(tags[tags.key == key].value)
+        a, b = st.columns(2)  # below the tag they are values of
         first = a.selectbox("Value A", values, index=0, key="cp_value_a")
         second = b.selectbox("Value B", values, index=1, key="cp_value_b")
         sides = {f"A: {key}={first}": (ctx.run_id, (key, first)),

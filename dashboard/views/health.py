@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from moescope.alerts.health_score import COMPONENTS
+from moescope.alerts.health_score import COMPONENTS, HealthConfig
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 from moescope.dashboard.gate_requests import REQUESTS_TABLE, GateRequestError, write_request
@@ -48,6 +48,18 @@ with common.guard():
         assert expert is not None  # an expert with scores (an index is given)
         st.plotly_chart(fg.health_trend(health, ["score", *components], layer, expert, span),
                         key="he_trend_chart")
+        weights = HealthConfig().weights
+        st.caption(
+            "What the score is made of: the weighted geometric mean of the components measured in the window, "
+            "each 0-100 (default weights: " + ", ".join(f"{c} {weights[c]:g}" for c in COMPONENTS)
+            + "; grad only in training), the weights re-scaled over the components present, so one component at "
+            "0 takes the score to 0. Load: the expert's share of the layer's assignments against its peers and "
+            "its own baseline; confidence: its mean gate weight when chosen; output: its outputs' norm (0 for a "
+            "NaN or inf); weight: its weights against the fingerprint taken at attach. Load and confidence need "
+            "enough tokens in the layer's window: in a window where the layer did not measure a component it "
+            "measures elsewhere in the run, the score is left out (a gap) rather than drawn from fewer parts. Under "
+            "the trust gate (weight below 1) an expert is judged by its outputs and weights alone. See "
+            "docs/health.md.")
 
     st.subheader("Trust gate")
     events = data.table_rows(ctx.root, ctx.version, "trust_gate_events", ctx.run_id, "step")

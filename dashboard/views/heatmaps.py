@@ -100,14 +100,18 @@ with common.guard():
     else:
         texts = data.token_texts(tokens.token_id, ctx.settings.tokenizer)
         table = pd.DataFrame({
-            "token": texts,
+            "token": [data.visible_token(t) for t in texts],
             "context": [data.context_text(i, p, c, ctx.settings.tokenizer) for i, p, c in
                         zip(tokens.context_ids, tokens.context_positions, tokens.position)],
             "token id": tokens.token_id, "step": tokens.step, "sequence": tokens.sequence,
             "position": tokens.position, "slot": tokens.slot, "gate weight": tokens.gate_weight,
             "kept": tokens.kept, "tags": [common.tags_text(t) for t in tokens.tags],
         })
-        st.dataframe(table, hide_index=True, key="hm_tokens_table")
+        st.dataframe(table, hide_index=True, key="hm_tokens_table", column_config={
+            "token": st.column_config.TextColumn(help="The token's text; ␣ is a space, ↵ a line break, ⇥ a tab."),
+            "context": st.column_config.TextColumn(help="Its neighbours in the input, the token itself between « »."),
+            "gate weight": st.column_config.NumberColumn(format="%.4f"),
+        })
         if tokens.gate_weight.isna().all() and tokens.kept.isna().all():
             st.caption(common.not_recorded("Gate weights and capacity drops (kept)", ctx) + ".")
         st.caption(f"{len(table)} tokens shown (at most {limit}); slot 0 is the expert's first choice."

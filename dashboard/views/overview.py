@@ -23,8 +23,17 @@ with common.guard():
     common.filter_caption(ctx)
     totals = data.step_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     if not totals.get("steps"):
-        st.info("This run has no step recorded yet (or none with the chosen tag). Forward passes "
-                "appear here once the probe has flushed them.")
+        if common.run_source(ctx) == "jitter":  # `moescope jitter` records its comparisons, not traffic
+            st.info("This run is a routing-jitter measurement (`moescope jitter`): it compared the router's "
+                    "choices under repeats, batch sizes and dtypes, and recorded no forward pass of traffic "
+                    "for this page. Its results are on the Routing jitter page.")
+            st.page_link("views/jitter.py", label="Open Routing jitter →")
+        elif ctx.tag:
+            st.info(f"No step of this run is tagged {ctx.tag[0]}={ctx.tag[1]}: choose another value in the "
+                    "sidebar, or all steps.")
+        else:
+            st.info("This run has no step recorded yet. Forward passes appear here once the probe has "
+                    "flushed them.")
         st.stop()
     layer_totals = data.layer_totals(ctx.root, ctx.version, ctx.run_id, ctx.tag)
     layers = signals.layer_figures_of(layer_totals.itertuples())
@@ -109,7 +118,7 @@ with common.guard():
         if keys:
             default = "domain" if "domain" in keys else keys[0]
             key = st.selectbox("Swing by tag", keys, index=keys.index(default), key="ov_tag_key")
-            by_tag = data.active_fraction_by_tag(ctx.root, ctx.version, ctx.run_id, key)
+            by_tag = data.active_fraction_by_tag(ctx.root, ctx.version, ctx.run_id, key, 100, ctx.tag)
             st.plotly_chart(fg.active_by_tag_figure(by_tag, key), key="ov_tag_chart")
         else:
             st.info("No step carries a tag: tag traffic with `session.tag(domain=...)` to compare.")
