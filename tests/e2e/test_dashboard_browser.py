@@ -21,6 +21,7 @@ import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
 from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, Traffic, running_dashboard, settle
+from tests.support.deltafiles import snapshot_rows
 from tests.support.realparts import require_program
 
 
@@ -183,3 +184,99 @@ def test_three_clicks_from_overview_to_a_hot_experts_tokens(server, page, traffi
     assert page.locator('[data-testid="stDataFrame"]').count() >= 1
     assert_only_local_and_quiet(server, traffic)
     page.screenshot(path=os.path.join(SCREENSHOTS, "heatmaps-clicked.png"), full_page=True)
+
+
+# -- issue 33: what the pages show -------------------------------------------------------------
+
+def choose(page, label: str, option: str, where: str = "") -> None:
+    """Pick `option` in the selectbox labelled `label` (in `where`, a CSS scope), then wait for the re-run."""
+    page.locator(f'{where} [data-testid="stSelectbox"]').filter(has_text=label).first.click()
+    page.get_by_role("option", name=option, exact=True).click()
+    page.wait_for_timeout(500)
+    settle(page, 0)
+
+
+def chart(page, key: str) -> dict:
+    """The drawn chart of `key`: its traces' names and x values, its axes, its plot area and legend boxes."""
+    return page.evaluate("""key => { const gd = document.querySelector(`.st-key-${key} .js-plotly-plot`);
+        const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+                            return {left: r.left, right: r.right, top: r.top, bottom: r.bottom}; };
+        const size = gd._fullLayout._size;
+        return {traces: gd._fullData.map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])})),
+                yaxes: Object.keys(gd._fullLayout).filter(k => /^yaxis\\d*$/.test(k)).length,
+                plot_width: size.w, width: gd._fullLayout.width,
+                title: box(gd.querySelector('.infolayer text.gtitle')), legend: box(gd.querySelector('.legend'))}; }""",
+                         key)
+
+
+def test_the_swing_by_tag_keeps_to_the_sidebar_filter(server, page, recorded):
+    """Issue 33, part 3: with domain=code chosen in the sidebar, the swing by domain shows only the
+    domains of the steps tagged domain=code (from the raw steps rows), not every domain of the run."""
+    page.goto(f"{server}/overview")
+    settle(page, 5)
+    assert set(chart(page, "ov_tag_chart")["traces"][0]["x"]) == {"code", "math", "prose"}
+    choose(page, "Filter by tag", "domain", '[data-testid="stSidebar"]')
+    page.get_by_text("Only steps tagged domain=code").wait_for()
+    settle(page, 5)
+    steps = snapshot_rows(recorded["root"], "steps").to_pandas()
+    steps = steps[steps.run_id == recorded["runs"][-1]]  # the newest run is shown
+    expected = {dict(t)["domain"] for t in steps.tags if dict(t).get("domain") == "code"}
+    assert set(chart(page, "ov_tag_chart")["traces"][0]["x"]) == expected == {"code"}
+
+
+@pytest.mark.parametrize("path,title,charts", [("overview", "Overview", 5)] + PAGES[1:], ids=[p[1] for p in PAGES])
+def test_each_page_has_the_address_its_name_says(server, page, path, title, charts):
+    """Issue 33, part 10: /overview opened "Page not found" (Streamlit serves its default page at "/"
+    only); every page opens at its own address, with no such modal, and "/" opens Overview at /overview."""
+    page.goto(f"{server}/{path}")
+    settle(page, charts)
+    page.wait_for_selector(f"h1:has-text('{title}')")
+    assert page.get_by_text("Page not found").count() == 0
+    assert page.url == f"{server}/{path}"
+    if path == "overview":
+        page.goto(server)
+        settle(page, charts)
+        page.wait_for_url(f"{server}/overview")
+        assert page.get_by_text("Page not found").count() == 0
+
+
+def test_the_drift_titles_fit_a_laptop_screen(server, page):
+    """Issue 33, part 7: the Jensen-Shannon chart's title ran past its half-width column on a 1280 px screen."""
+    page.set_viewport_size({"width": 1280, "height": 2000})
+    try:
+        page.goto(f"{server}/drift")
+        settle(page, 3)
+        texts = page.evaluate(CHART_TEXTS)
+        assert {t["key"] for t in texts} >= {"dr_kl_chart", "dr_js_chart"}
+        assert_chart_texts_fit(texts)
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 2400})
+
+
+def test_the_overviews_small_charts_keep_their_width_and_one_panel_per_layer(server, page, recorded):
+    """Issue 33, part 7: a legend at the right took half of each small chart; the router entropy's
+    lines of every layer tangled in one panel: it has a panel per layer (the raw `layers` rows)."""
+    page.goto(f"{server}/overview")
+    settle(page, 5)
+    for key in ("ov_spread_chart", "ov_entropy_chart", "ov_dropped_chart"):
+        drawn = chart(page, key)
+        assert drawn["plot_width"] > 0.7 * drawn["width"], (key, drawn["plot_width"], drawn["width"])
+        if drawn["legend"] is not None:  # a legend above the plot stays clear of the title
+            assert not overlaps(drawn["legend"], drawn["title"]), key
+    layers = snapshot_rows(recorded["root"], "layers").to_pandas()
+    layers = set(layers[layers.run_id == recorded["runs"][-1]].layer)
+    entropy = chart(page, "ov_entropy_chart")
+    assert entropy["yaxes"] == len(layers) == len(entropy["traces"]) > 1
+    assert [t["name"] for t in entropy["traces"]] == [f"layer {v}" for v in sorted(layers)]
+
+
+def test_compare_asks_for_the_tag_before_its_values(server, page):
+    """Issue 33, part 12: in "two tag values" mode the Value A / Value B pickers stood above the Tag picker."""
+    page.goto(f"{server}/compare")
+    settle(page, 3)
+    page.get_by_text("two tag values").click()
+    page.wait_for_timeout(500)
+    settle(page, 3)
+    boxes = page.locator('[data-testid="stMain"] [data-testid="stSelectbox"]')
+    top = {label: boxes.filter(has_text=label).first.bounding_box()["y"] for label in ("Tag", "Value A", "Value B")}
+    assert top["Tag"] < top["Value A"] and top["Tag"] < top["Value B"], top

@@ -30,11 +30,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_dashboard(root, log_dir) -> Iterator[str]:
-    """`moescope dashboard ROOT` on a free 127.0.0.1 port, its URL once it answers its health
-    check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
+def running_dashboard(root, log_dir, tokenizer: str | None = None) -> Iterator[str]:
+    """`moescope dashboard ROOT [--tokenizer PATH]` on a free 127.0.0.1 port, its URL once it answers
+    its health check; stopped on leaving. Fails the test (with the server's log) if it never comes up."""
     port = free_port()
-    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=None,
+    args = Namespace(store=str(root), host="127.0.0.1", port=port, allow_writes=False, tokenizer=tokenizer,
                      refresh_s=5.0, storage_option=[], state_dir=None)
     log_path = os.path.join(log_dir, "streamlit.log")
     with open(log_path, "w") as log:

@@ -233,3 +233,67 @@ def test_host_load_figure_draws_a_bar_per_host_of_each_layers_max_over_mean():
         want = loads[trace.name]
         assert list(trace.x) == [str(layer) for layer in want]
         assert list(trace.y) == pytest.approx([max(v) / np.mean(v) for v in want.values()])
+
+
+# -- issue 33, part 7 ---------------------------------------------------------------------------
+
+def health_rows(rows: list[tuple]) -> pd.DataFrame:
+    """expert_health rows (step_end, expert, score, load, weight) of layer 0."""
+    frame = pd.DataFrame(rows, columns=["step_end", "expert", "score", "load", "weight"])
+    return frame.assign(layer=0, confidence=np.nan, output=np.nan, grad=np.nan)
+
+
+def test_health_trend_leaves_out_the_score_of_a_window_whose_layer_measured_no_load():
+    """A dead expert: load 0 -> score 0, then a window too small for the layer to judge load, where the
+    weights alone made it 100: drawn, that read as flapping. The score there is a gap; the load too."""
+    nan = np.nan
+    health = health_rows([(3, 0, 0.0, 0.0, 100.0), (3, 1, 100.0, 100.0, 100.0),
+                          (7, 0, 100.0, nan, 100.0), (7, 1, 100.0, nan, 100.0),  # the layer measured no load
+                          (11, 0, 0.0, 0.0, 100.0), (11, 1, 90.0, 80.0, 100.0),
+                          (15, 0, 100.0, nan, 100.0), (15, 1, 100.0, 100.0, 100.0)])  # expert 0 gated, say
+    fig = fg.health_trend(health, ["score", "load", "weight"], 0, 0)
+    score, load, weight = (next(t for t in fig.data if t.name == n) for n in ("score", "load", "weight"))
+    assert list(score.x) == [3, 7, 11, 15]
+    np.testing.assert_array_equal(score.y, [0.0, nan, 0.0, 100.0])  # 15: the layer measured load (expert 1)
+    np.testing.assert_array_equal(load.y, [0.0, nan, 0.0, nan])
+    np.testing.assert_array_equal(weight.y, [100.0] * 4)
+    [left_out] = [t for t in fig.data if t.name == "score left out"]
+    assert list(left_out.x) == [7] and list(left_out.customdata) == ["load"]
+
+
+def test_divergence_titles_are_short_with_a_subtitle():
+    frame = pd.DataFrame({"layer": [0, 0], "step_end": [3, 7], "kl": [0.1, 0.2], "js": [0.01, 0.02]})
+    for measure, name in (("kl", "KL divergence"), ("js", "Jensen-Shannon divergence")):
+        fig = fg.divergence_figure(frame, measure)
+        assert fig.layout.title.text == name
+        assert fig.layout.title.subtitle.text == "each window's load against the baseline"
+
+
+def test_router_entropy_draws_a_panel_per_layer_and_a_heatmap_past_the_panels():
+    steps = np.arange(0, 40, 4)
+    frame = pd.DataFrame([{"layer": layer, "step_start": s, "router_entropy": 0.1 * layer + s / 1000}
+                          for layer in range(3) for s in steps])
+    fig = fg.entropy_figure(frame)
+    assert [t.name for t in fig.data] == ["layer 0", "layer 1", "layer 2"]
+    assert [t.yaxis for t in fig.data] == ["y", "y2", "y3"]  # one panel each
+    for layer, trace in enumerate(fig.data):
+        np.testing.assert_allclose(trace.y, 0.1 * layer + steps / 1000)
+    many = pd.DataFrame([{"layer": layer, "step_start": s, "router_entropy": float(layer)}
+                         for layer in range(fg.ENTROPY_PANELS + 1) for s in steps])
+    [heat] = fg.entropy_figure(many).data
+    assert heat.type == "heatmap" and np.asarray(heat.z).shape == (fg.ENTROPY_PANELS + 1, len(steps))
+    np.testing.assert_array_equal(np.asarray(heat.z)[:, 0], np.arange(fg.ENTROPY_PANELS + 1))
+
+
+def test_the_overviews_small_charts_put_their_legend_above_the_plot(store, recorded):
+    run_id = recorded["runs"][1]
+    layers = signals.layer_figures_of(store.layer_totals(run_id).itertuples())
+    for fig in (fg.dropped_figure(store.layer_buckets(run_id)), fg.layer_spread_figure(layers)):
+        assert fig.layout.legend.orientation == "h" and fig.layout.legend.y == 1.0
+
+
+def test_tokens_show_their_whitespace_and_the_centre_token_sits_between_guillemets():
+    assert data.visible_token(" the") == "␣the"
+    assert data.visible_token("\n\t") == "↵⇥"
+    # without a tokenizer, ids: "#id" joined by spaces; the centre one marked, never with code's brackets
+    assert data.context_text([5, 6, 7], [0, 1, 2], 1, None) == "#5 «#6» #7"

@@ -83,8 +83,8 @@ def test_page_shows_the_run_and_its_flipped_tokens_in_context(monkeypatch, jitte
     np.testing.assert_array_equal(listed.position, expected.position)
     inputs = token_lists()
     for context, row in zip(listed["in context"], expected.itertuples()):
-        assert f"[#{inputs[row.sequence][row.position]}]" in context  # the token itself, in brackets
-        assert context.split() == [f"[#{t}]" if p == row.position else f"#{t}" for p, t in
+        assert f"«#{inputs[row.sequence][row.position]}»" in context  # the token itself, between « »
+        assert context.split() == [f"«#{t}»" if p == row.position else f"#{t}" for p, t in
                                    enumerate(inputs[row.sequence]) if row.context_start <= p <= row.position + 4]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -105,7 +106,7 @@ def test_heatmaps_list_the_tokens_of_the_hottest_expert_then_of_any_cell(monkeyp
     assert sorted(zip(shown.step, shown.sequence, shown.position)) == sorted(
         zip(expected.step, expected.sequence, expected.position))
     assert set(shown.token) == {f"#{i}" for i in expected.token_id}  # no tokenizer: ids
-    assert all(f"[#{t}]" in c for t, c in zip(shown["token id"], shown.context))
+    assert all(f"«#{t}»" in c for t, c in zip(shown["token id"], shown.context))
     assert all("domain=" in t for t in shown.tags)
 
 
@@ -212,3 +213,11 @@ def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
         assert {m.label: m.value for m in at.metric}["Tokens"] == f"{7 * 16:,}"
     finally:
         session.close()
+
+
+def test_the_token_tables_gate_weight_has_four_decimals(monkeypatch, recorded):
+    """Issue 33, part 7: the gate weight was drawn with every digit of its float, clipped to ".0000000009"."""
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/heatmaps.py")
+    assert_clean(at)
+    config = json.loads(at.dataframe[0].proto.columns)
+    assert config["gate weight"]["type_config"]["format"] == "%.4f"
