@@ -1,4 +1,9 @@
-"""`moescope`: the command line. Each command group is a module of this package with `add_subcommands`."""
+"""`moescope`: the command line. Each command group is a module of this package with `add_subcommands`.
+
+`COMMANDS` names every command, the module that adds it and its line in `moescope --help`. A run of
+the command line loads the module of the command it runs and no other, so `moescope --help`,
+`summary`, `query`, `compact` and every command that needs no model start without importing torch.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,41 @@ import select
 import shutil
 import signal
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-# Packages that add subcommands through `add_subcommands(subparsers)`.
-SUBCOMMAND_MODULES = ("moescope.cli.demo", "moescope.cli.whatif", "moescope.cli.store", "moescope.cli.ingest",
-                      "moescope.cli.alerts", "moescope.cli.dashboard", "moescope.cli.grafana", "moescope.cli.jitter")
+
+@dataclass(frozen=True)
+class Command:
+    """A command: the module whose `add_subcommands(subparsers)` adds it, and its one line of help."""
+
+    module: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command("moescope.cli.demo", "record a demo run on a small MoE model and print what moescope saw"),
+    "summary": Command("moescope.cli.summary", "per-layer load spread, entropy, drops and active fraction of a run"),
+    "train-demo": Command("moescope.cli.demo", "retrain the shipped demo model from its seed (minutes on 2 CPU cores)"),
+    "whatif": Command("moescope.cli.whatif", "replay recorded routes under another serving setup"),
+    "compact": Command("moescope.cli.store", "merge a store's small files (safe while writing)"),
+    "prune": Command("moescope.cli.store", "delete runs older than an age"),
+    "query": Command("moescope.cli.store", "run SQL over a store and print a table"),
+    "store": Command("moescope.cli.store", "maintenance of a store: upgrade one of an earlier release"),
+    "import": Command("moescope.cli.ingest", "bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store"),
+    "proxy": Command("moescope.cli.ingest", "record routed experts in front of a vLLM or SGLang server"),
+    "alerts": Command("moescope.cli.alerts", "judge recorded routing and notify receivers"),
+    "dashboard": Command("moescope.cli.dashboard", "open a store in the browser (Streamlit dashboard)"),
+    "grafana": Command("moescope.cli.grafana",
+                       "print a Grafana dashboard (JSON) over the Prometheus exporter's metrics"),
+    "jitter": Command("moescope.cli.jitter",
+                      "does the same input go to the same experts when batched, padded, cast or repeated?"),
+}
+
+
+def command_help(name: str) -> str:
+    """The one line `moescope --help` shows for command `name` (its module's parser uses the same)."""
+    return COMMANDS[name].help
 
 DESCRIPTION = """\
 moescope watches how a Mixture-of-Experts model routes its tokens.
@@ -54,13 +90,34 @@ def program_name() -> str:
     return relative if not relative.startswith("..") else script
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser.
+
+    Args:
+        commands: the commands to parse in full, their modules loaded; None: every command (the
+            manual's reference and the tests walk it). Every other command is listed in `--help`
+            with its line from `COMMANDS` and nothing more.
+
+    Returns:
+        The parser; a parsed command in full sets `func`, the function that runs it.
+    """
     parser = argparse.ArgumentParser(prog="moescope", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).add_subcommands(subparsers)
+    wanted = list(COMMANDS) if commands is None else [name for name in commands if name in COMMANDS]
+    for module in dict.fromkeys(COMMANDS[name].module for name in wanted):
+        importlib.import_module(module).add_subcommands(subparsers)
+    for name, command in COMMANDS.items():
+        if name not in subparsers.choices:
+            subparsers.add_parser(name, help=command.help)
+    # the order of `moescope --help` is the table's, whichever modules were loaded
+    subparsers._choices_actions.sort(key=lambda action: list(COMMANDS).index(action.dest))
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The command an argument list runs: its first word that is not an option."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(argv)
+    parser = build_parser([command] if command else [])
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -30,6 +30,7 @@ from moescope.alerts.outbox import (
     outbox_path,
 )
 from moescope.alerts.rules import RulesError, default_rules, load_rules
+from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.core.lifecycle import GracefulStop, add_grace_period_argument
 from moescope.prometheus.rules import prometheus_rules_yaml
@@ -327,7 +328,7 @@ def cmd_outbox_drop(args: argparse.Namespace) -> int:
 def add_subcommands(subparsers) -> None:
     """Register `alerts run|test-webhook|prometheus-rules|check|outbox` on a `moescope` subparsers object."""
     fmt = argparse.RawDescriptionHelpFormatter
-    alerts = subparsers.add_parser("alerts", help="judge recorded routing and notify receivers",
+    alerts = subparsers.add_parser("alerts", help=command_help("alerts"),
                                    description="Alert rules over moescope stores.", formatter_class=fmt)
     sub = alerts.add_subparsers(dest="alerts_command", required=True, metavar="COMMAND")
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from moescope import dashboard as dashboard_package
+from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.core.lifecycle import GracefulStop, add_grace_period_argument
 from moescope.dashboard.settings import DEFAULT_REFRESH_S, Settings
@@ -73,7 +74,7 @@ def add_subcommands(subparsers) -> None:
     """Register `dashboard STORE [--storage-option K=V] [--state-dir DIR] [--host] [--port] [--allow-writes]
     [--tokenizer PATH]`."""
     build_parser(subparsers.add_parser(
-        "dashboard", help="open a store in the browser (Streamlit dashboard)", description=DESCRIPTION,
+        "dashboard", help=command_help("dashboard"), description=DESCRIPTION,
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from moescope.cli import command_help
 from moescope.prometheus.grafana import dashboard_json, provisioning
 
 
@@ -22,7 +23,7 @@ def _grafana(args: argparse.Namespace) -> int:
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "grafana", help="print a Grafana dashboard (JSON) over the Prometheus exporter's metrics",
+        "grafana", help=command_help("grafana"),
         description="Print the moescope Grafana dashboard as JSON (moescope grafana > dashboard.json), or "
                     "write it with Grafana provisioning files (--provision DIR).")
     parser.add_argument("--provision", metavar="DIR", default=None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, positive_int, positive_number, store_epilog, store_location
 from moescope.core.lifecycle import add_grace_period_argument
 
@@ -85,7 +86,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     from moescope.ingest.importers import KINDS, MAX_EXPERTS
 
     raw = argparse.RawDescriptionHelpFormatter
-    p = subparsers.add_parser("import", help="bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store",
+    p = subparsers.add_parser("import", help=command_help("import"),
                               description=IMPORT_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope import vllm responses.jsonl --store STORE"))
     p.add_argument("kind", choices=KINDS, help="which engine wrote the files")
@@ -106,7 +107,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="SGLang stat dumps: the buffer was unbounded (size -1), so a full buffer is still in order")
     p.set_defaults(func=_import)
 
-    p = subparsers.add_parser("proxy", help="record routed experts in front of a vLLM or SGLang server",
+    p = subparsers.add_parser("proxy", help=command_help("proxy"),
                               description=PROXY_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope proxy --upstream http://127.0.0.1:8000 --num-experts 64 "
                                                   "--store STORE"))

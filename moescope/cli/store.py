@@ -13,6 +13,7 @@ import sys
 import pandas as pd
 import pyarrow as pa
 
+from moescope.cli import command_help
 from moescope.cli.arguments import (
     add_store_arguments,
     age_seconds,
@@ -91,7 +92,7 @@ example:  moescope query runs/ "SELECT run_id, count(*) AS steps FROM steps GROU
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register compact, prune, query and store (upgrade) on the moescope command's subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
-    p = subparsers.add_parser("compact", help="merge a store's small files (safe while writing)",
+    p = subparsers.add_parser("compact", help=command_help("compact"),
                               description=COMPACT_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope compact STORE"))
     add_store_arguments(p)
@@ -99,7 +100,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     _add_retention(p)
     p.set_defaults(func=_compact)
 
-    p = subparsers.add_parser("prune", help="delete runs older than an age",
+    p = subparsers.add_parser("prune", help=command_help("prune"),
                               description=PRUNE_HELP, formatter_class=raw,
                               epilog=store_epilog("moescope prune STORE --older-than 7d --dry-run"))
     add_store_arguments(p)
@@ -109,7 +110,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     _add_retention(p)
     p.set_defaults(func=_prune)
 
-    p = subparsers.add_parser("query", help="run SQL over a store and print a table",
+    p = subparsers.add_parser("query", help=command_help("query"),
                               description=QUERY_HELP, formatter_class=raw,
                               epilog=store_epilog('moescope query STORE "SELECT count(*) FROM steps"'))
     add_store_arguments(p, followed_by_positionals=True)
@@ -119,7 +120,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_query)
 
 
-    p = subparsers.add_parser("store", help="maintenance of a store: upgrade one of an earlier release",
+    p = subparsers.add_parser("store", help=command_help("store"),
                               description="Maintenance of a store.", formatter_class=raw)
     actions = p.add_subparsers(dest="store_command", metavar="ACTION")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -6,6 +6,7 @@ dashboard shows under the same label.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import shlex
@@ -13,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from moescope.cli import program_name
+from moescope.cli import command_help, program_name
+from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.metrics import signals
 from moescope.store import Store
 from moescope.store.location import StoreLocation, open_location
@@ -150,3 +152,22 @@ def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
         "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
     ]
     return "\n".join(lines)
+
+
+def _summary_command(args: argparse.Namespace) -> int:
+    print(format_summary(store_location(args), args.run))
+    return 0
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "summary", help=command_help("summary"),
+        description="Print a per-layer summary of one run in a store (the latest unless --run is "
+                    "given); a run recorded by several hosts also gets a per-host table.\n\nexample:\n"
+                    "  moescope summary runs/demo",
+        epilog=store_epilog("moescope summary STORE"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_arguments(p, what="the store given to moescope.attach(store=...): a folder or a URL "
+                                "(s3://BUCKET/PREFIX, gs://..., az://...)")
+    p.add_argument("--run", help="run id (default: the most recently started run)")
+    p.set_defaults(func=_summary_command)
+

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from moescope.analyses.expert_cache import cache_report
+from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 from moescope.metrics.expert_cache import DEFAULT_MAX_TOKENS, MAX_EXPERTS, POLICIES
 
@@ -115,7 +116,7 @@ def write_plot(report: pd.DataFrame, path: str | os.PathLike, title: str = "") -
 
 def add_subcommands(subparsers) -> None:
     """`moescope whatif cache STORE [--run ID] [--layer L] [--tag k=v] [--capacity C[,C...]] [--plot FILE]`."""
-    whatif = subparsers.add_parser("whatif", help="replay recorded routes under another serving setup")
+    whatif = subparsers.add_parser("whatif", help=command_help("whatif"))
     kinds = whatif.add_subparsers(dest="whatif", metavar="WHAT")
     p = kinds.add_parser(
         "cache", help="expert-cache hit rate (LRU, LFU, Belady) for every number of resident experts",
