@@ -72,15 +72,19 @@ class ReportQueries:
     def step_totals(self, run_id: str, tags: dict[str, str] | None = None) -> dict[str, Any]:
         """Totals over a run's recorded rows (a row is a forward or a window of forwards).
 
-        Keys: steps (forwards), tokens, first_step, last_step (step numbers), active_fraction
+        Keys: steps (forwards per rank: `STEPS`), forwards (forward passes summed over the ranks, a
+        windowed row counting its forwards), ranks (distinct ranks), tokens (summed over the ranks),
+        first_step, last_step (step numbers), active_fraction
         (token-weighted share of all parameters used per token), active_min, active_p5,
         active_p50, active_p95, active_max (over rows), active_params (token-weighted parameters
         per token), seconds_per_token (forward wall time / tokens), seconds_per_token_p50 (over
-        rows), total_params, first_ts, last_ts (UTC). steps and tokens are 0 for no row.
+        rows), total_params, first_ts, last_ts (UTC). steps, forwards, ranks and tokens are 0 for no row.
+        `metrics.signals.run_counts` makes the headline of forwards and tokens from them.
         """
         clause, params = where(run_id, tags=tags)
         frame = self.sql(f"""
-            SELECT coalesce({STEPS}, 0) AS steps, coalesce(sum(tokens), 0)::BIGINT AS tokens,
+            SELECT coalesce({STEPS}, 0) AS steps, coalesce(sum(coalesce(forwards, 1)), 0)::BIGINT AS forwards,
+                   count(DISTINCT rank)::BIGINT AS ranks, coalesce(sum(tokens), 0)::BIGINT AS tokens,
                    min(step) AS first_step, max(coalesce(step_end, step)) AS last_step,
                    {token_weighted("active_param_fraction")} AS active_fraction,
                    min(active_param_fraction) AS active_min,

@@ -50,8 +50,12 @@ with common.guard():
     lost = stats[stats.reason.notna() & (stats.dropped_rows > 0)]
 
     cols = st.columns(4) + st.columns(4)
-    cols[0].metric("Tokens", f"{int(totals['tokens']):,}")
-    cols[1].metric("Steps", f"{int(totals['steps']):,}", help="Forward passes recorded.")
+    counts = signals.run_counts(totals)  # forwards and tokens in one unit: over all ranks
+    cols[0].metric("Tokens", f"{counts.tokens:,}", help="Tokens the forwards routed, summed over the ranks.")
+    cols[1].metric("Forwards", f"{counts.forwards:,}", help="Forward passes recorded, summed over the ranks.")
+    if counts.ranks > 1:
+        cols[0].caption(counts.over_ranks)
+        cols[1].caption(f"{counts.over_ranks} ({counts.forwards_per_rank:,.0f} per rank)")
     cols[2].metric("Active parameters / token", f"{totals['active_fraction']:.2%}" if has_active else "—",
                    help="Parameters each token really used (shared + the experts it was routed to), "
                         "token-weighted over the run, as a share of all parameters.")

@@ -103,7 +103,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str) -> str:
     active = float(steps["active_params"]) if steps["steps"] and steps["active_params"] is not None else math.nan
     layers = signals.layer_figures_of(store.layer_totals(run_id).itertuples())
     run = signals.run_figures(layers)
-    counts = f"{int(steps['steps']):,} forwards, {int(steps['tokens']):,} tokens"
+    counts = signals.run_counts(steps).headline()
     lines = [
         f"run {run_id}: {info['model_class']}, " + (f"{total:,} parameters" if total else
                                                    f"parameter counts {not_recorded}"),

@@ -43,6 +43,7 @@ specialisation per layer and divergence per window, so that every view reads the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -515,6 +516,47 @@ def run_figures(layers: list[LayerFigures]) -> RunFigures:
     return RunFigures(layer_tokens=total, load_cv=token_weighted_mean([f.spread.cv for f in layers], tokens),
                       entropy=entropy, dropped_tokens=dropped,
                       dropped_token_rate=dropped / dropping if dropping else float("nan"), hottest=hottest)
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    """A run's headline counts, both in one unit: summed over every rank that recorded the run.
+
+    `forwards` counts forward passes (a windowed row counts the forwards it holds) and `tokens` the
+    tokens those forwards routed, each over all `ranks`; `forwards_per_rank` is the per-rank figure
+    (what a step count of a data-parallel job reads as), never shown beside a summed token count
+    without its words."""
+
+    forwards: int
+    tokens: int
+    ranks: int
+
+    @property
+    def forwards_per_rank(self) -> float:
+        return self.forwards / self.ranks if self.ranks else 0.0
+
+    @property
+    def over_ranks(self) -> str:
+        """The words that say the unit: '' for one rank, 'over 2 ranks' for more."""
+        return f"over {self.ranks:,} ranks" if self.ranks > 1 else ""
+
+    def headline(self) -> str:
+        """'80 forwards and 10,240 tokens over 2 ranks (40 forwards per rank)'; for one rank
+        '40 forwards, 5,120 tokens'."""
+        if self.ranks <= 1:
+            return f"{self.forwards:,} forwards, {self.tokens:,} tokens"
+        text = f"{self.forwards:,} forwards and {self.tokens:,} tokens"
+        return f"{text} {self.over_ranks} ({self.forwards_per_rank:,.0f} forwards per rank)"
+
+
+def run_counts(totals: Mapping[str, object]) -> RunCounts:
+    """The headline counts of a `store.Store.step_totals` answer (its `forwards`, `tokens` and
+    `ranks`, all summed over ranks): what `moescope summary` and the dashboard's Overview show."""
+    def count(key: str) -> int:
+        value = totals.get(key)
+        return int(value) if _recorded(value) else 0  # type: ignore[arg-type]
+
+    return RunCounts(forwards=count("forwards"), tokens=count("tokens"), ranks=count("ranks"))
 
 
 def _present(value: object) -> bool:

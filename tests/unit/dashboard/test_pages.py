@@ -48,7 +48,7 @@ def test_overview_headline_numbers(monkeypatch, recorded):
     at = open_page(app_for(monkeypatch, recorded["root"]), "views/overview.py")
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Tokens"] == f"{steps.tokens.sum():,}"
-    assert metrics["Steps"] == str(len(steps))
+    assert metrics["Forwards"] == str(len(steps))
     active = (steps.active_param_fraction * steps.tokens).sum() / steps.tokens.sum()
     assert metrics["Active parameters / token"] == f"{active:.2%}"
     assert any(f"used {active:.2%} of its parameters per token" in m.value for m in at.markdown)
@@ -205,11 +205,11 @@ def test_live_store_shows_new_steps_on_the_next_run(monkeypatch, tmp_path):
         forwards(3)
         at = open_page(app_for(monkeypatch, root), "views/overview.py")
         assert_clean(at)
-        assert {m.label: m.value for m in at.metric}["Steps"] == "3"
+        assert {m.label: m.value for m in at.metric}["Forwards"] == "3"
         forwards(4)  # the run goes on while the dashboard is open
         at.run()
         assert_clean(at)
-        assert {m.label: m.value for m in at.metric}["Steps"] == "7"
+        assert {m.label: m.value for m in at.metric}["Forwards"] == "7"
         assert {m.label: m.value for m in at.metric}["Tokens"] == f"{7 * 16:,}"
     finally:
         session.close()

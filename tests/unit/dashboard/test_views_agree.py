@@ -188,7 +188,7 @@ def test_overview_equals_the_raw_rows_and_the_summary(monkeypatch, runs, truth, 
     assert not at.exception and not at.error
     metrics = {m.label: m for m in at.metric}
     assert metrics["Tokens"].value == f"{want['step_tokens']:,}"
-    assert metrics["Steps"].value == str(want["steps"]) == str(1 + DECODE)
+    assert metrics["Forwards"].value == str(want["steps"]) == str(1 + DECODE)
     assert metrics["Load spread (CV)"].value == f"{want['cv']:.3f}"
     assert metrics["Router entropy"].value == f"{want['entropy']:.3f} nats"
     captions = [c.value for c in at.caption]  # a tile's second figure is a caption under it, not a delta chip
