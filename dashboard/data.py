@@ -26,6 +26,7 @@ import pandas as pd
 import streamlit as st
 
 from moescope.alerts.outbox import outbox_path, read_deliveries
+from moescope.analyses.tokens import context_parts, token_text
 from moescope.analyses.training_report import training_report as _training_report
 from moescope.dashboard import settings
 from moescope.store.store import EmptyStoreError, Store, data_version
@@ -166,7 +167,8 @@ def tokenizer(path: str | None):
 
 
 def token_texts(token_ids: pd.Series, tokenizer_path: str | None) -> list[str]:
-    """Each id as its token's text where a tokenizer is known, as '#id' otherwise."""
+    """Each id as its token's text where a tokenizer is known (a token that is part of a character
+    as its bytes, `\\xe2\\x80`: `analyses.tokens.token_text`), as '#id' otherwise."""
     tok = tokenizer(tokenizer_path)
     out = []
     for value in token_ids:
@@ -175,7 +177,7 @@ def token_texts(token_ids: pd.Series, tokenizer_path: str | None) -> list[str]:
         elif tok is None:
             out.append(f"#{int(value)}")
         else:
-            out.append(tok.decode([int(value)]))
+            out.append(token_text(tok, int(value)))
     return out
 
 
@@ -193,15 +195,22 @@ def visible_token(text: str) -> str:
 
 def context_text(ids: Any, positions: Any, centre: int, tokenizer_path: str | None) -> str:
     """The neighbouring tokens of a sequence as one line, the centre token between « » with its
-    whitespace visible (`visible_token`); line breaks and tabs elsewhere as ↵ and ⇥."""
+    whitespace visible (`visible_token`); line breaks and tabs elsewhere as ↵ and ⇥. A character
+    cut across tokens is shown whole, inside the marks where the centre token is part of it
+    (`analyses.tokens.context_parts`)."""
     if ids is None or isinstance(ids, float) or len(ids) == 0:  # NaN/None: no routes recorded
         return ""
-    texts = token_texts(pd.Series(list(ids)), tokenizer_path)
     left, right = CENTRE_MARKS
-    parts = [f"{left}{visible_token(t)}{right}" if int(p) == int(centre) else t.translate(_LINE_BREAKS)
+    tok = tokenizer(tokenizer_path)
+    positions = [int(p) for p in positions]
+    if tok is not None and int(centre) in positions:
+        before, token, after = context_parts(tok, [int(i) for i in ids], positions.index(int(centre)))
+        return f"{before.translate(_LINE_BREAKS)}{left}{visible_token(token)}{right}{after.translate(_LINE_BREAKS)}"
+    texts = token_texts(pd.Series(list(ids)), tokenizer_path)
+    parts = [f"{left}{visible_token(t)}{right}" if p == int(centre) else t.translate(_LINE_BREAKS)
              for t, p in zip(texts, positions)]
     # Decoded tokens carry their own spaces; ids need one between them.
-    return ("" if tokenizer(tokenizer_path) is not None else " ").join(parts)
+    return ("" if tok is not None else " ").join(parts)
 
 
 @st.cache_data(ttl=10, max_entries=32, show_spinner=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from moescope.analyses.jitter import expert_change
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 from moescope.store.store import Store
@@ -90,8 +91,8 @@ with common.guard():
         "layer": tokens.layer, "input": tokens.sequence, "position": tokens.position, "token": texts,
         "in context": contexts, "top-k margin": tokens.topk_margin, "set changed": tokens.set_changed,
         "top-1 changed": tokens.top1_changed,
-        "experts before → after": [f"{sorted(a)} → {sorted(b)}" for a, b in zip(tokens.baseline_ids,
-                                                                                  tokens.condition_ids)]}),
+        "experts before → after": [expert_change(a, b, "→") for a, b in zip(tokens.baseline_ids,
+                                                                             tokens.condition_ids)]}),
         hide_index=True, key="jit_tokens")
     st.caption(f"Narrowest margin first: {len(tokens)} of the {listed:,} tokens the check listed for this choice "
                "(it keeps a bounded number per condition and layer). The token is in [brackets]"

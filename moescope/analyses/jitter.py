@@ -296,6 +296,15 @@ def margin_histogram(values: np.ndarray) -> np.ndarray:
     return np.bincount(np.clip(bins, 0, None), minlength=len(MARGIN_EDGES))[:len(MARGIN_EDGES)].astype(np.int64)
 
 
+def expert_change(before: Sequence[int], after: Sequence[int], arrow: str = "->") -> str:
+    """A listed token's expert sets as `[2, 4] -> [4, 6]`, each sorted, as plain integers (the
+    stored lists come back as numpy integers, whose repr is `np.int32(2)`)."""
+    def ids(values: Sequence[int]) -> str:
+        return "[" + ", ".join(str(int(v)) for v in sorted(values)) + "]"
+
+    return f"{ids(before)} {arrow} {ids(after)}"
+
+
 def compare_layer(base: LayerRouting, other: LayerRouting, top_k: int) -> dict[str, Any]:
     """The figures of one layer: counts, largest gate-weight change, margins and which tokens changed."""
     slots = base.logits.shape[1]

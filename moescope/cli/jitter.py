@@ -21,8 +21,10 @@ from moescope.analyses.jitter import (
     MARGIN_EDGES,
     JitterError,
     JitterReport,
+    expert_change,
     jitter,
 )
+from moescope.analyses.tokens import context_parts
 from moescope.cli.arguments import add_store_arguments, store_location
 
 DEMO = "demo"
@@ -238,8 +240,8 @@ def format_report(report: JitterReport, tokenizer: Any = None, inputs: int | Non
         lines += ["", f"flipped tokens, narrowest margin first ({min(show, len(flipped))} of {len(flipped)} listed):"]
         for row in flipped.head(show).itertuples():
             lines.append(f"  {row.condition:<20} layer {row.layer}  input {row.sequence} token {row.position}  "
-                         f"margin {row.topk_margin:.3g}  experts {sorted(row.baseline_ids)} -> "
-                         f"{sorted(row.condition_ids)}  {context(row, tokenizer)}")
+                         f"margin {row.topk_margin:.3g}  experts {expert_change(row.baseline_ids, row.condition_ids)}  "
+                         f"{context(row, tokenizer)}")
     elif not frame.empty:
         lines += ["", "no token changed its expert set under any condition"]
     for name, reason in report.skipped.items():
@@ -248,11 +250,12 @@ def format_report(report: JitterReport, tokenizer: Any = None, inputs: int | Non
 
 
 def context(row: Any, tokenizer: Any) -> str:
-    """The tokens around a listed token, the token itself in [brackets]: decoded with `tokenizer`,
+    """The tokens around a listed token, the token itself in [brackets]: decoded with `tokenizer`
+    (a character cut across tokens whole, never a replacement character: `analyses.tokens.context_parts`),
     as ids without one."""
     ids = list(row.context_ids)
     at = int(row.position) - int(row.context_start)
     if tokenizer is None:
         return " ".join(f"[{t}]" if i == at else str(t) for i, t in enumerate(ids))
-    before, token, after = (tokenizer.decode(ids[:at]), tokenizer.decode([ids[at]]), tokenizer.decode(ids[at + 1:]))
+    before, token, after = context_parts(tokenizer, ids, at)
     return repr(f"{before}[{token}]{after}")[1:-1]
