@@ -4,8 +4,12 @@ Both are Delta commits on the store's tables; neither stops writers, and no read
 twice or misses one (a reader reads one version of each table; see `store.store`).
 
 `compact` merges, per table and run, the small files of the table's latest version into files of
-up to COMPACT_FILE_ROWS rows sorted by (layer, step, ...), written by pyarrow with page checksums
-like every file of the store. A merge whose rows fit in IN_MEMORY_MERGE_BYTES (routes: 8 Mi rows
+up to a target size (`target_size`, DEFAULT_TARGET_SIZE bytes as the log counts them, and at most
+COMPACT_FILE_ROWS rows) sorted by (layer, step, ...), written by pyarrow with page checksums like
+every file of the store. It plans from the log alone (`_groups`: a file at or above either target is
+left alone, the others are packed in commit order into groups up to the targets, and a group of one
+file is no merge): only the files of a planned group are read, so a run with nothing to merge reads no
+data file at all. A merge whose rows fit in IN_MEMORY_MERGE_BYTES (routes: 8 Mi rows
 take about 0.8 GB) reads each source once, checking it as it reads (footer, page checksums, rows
 per column), and sorts in pyarrow; a larger one (wide rows) is sorted by DuckDB within its memory
 limit, spilling if it must, after each source is checked. A bad source is quarantined, never
@@ -31,6 +35,7 @@ each table until it refreshes, and that version's files stay on the storage for 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -84,6 +89,41 @@ IN_MEMORY_MERGE_BYTES = 2 * 1024**3
 READ_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+# A file at or above this size (bytes, as the table's log records it) is left alone; smaller ones are
+# packed into files up to it. 128 MiB: large enough that a query opens few files, small enough that
+# one merge fits in IN_MEMORY_MERGE_BYTES decoded for the store's usual compression ratios.
+DEFAULT_TARGET_SIZE = 128 * 1024**2
+
+
+@dataclass
+class CompactIO:
+    """What a compaction asked of the storage for data files (the Delta log's reads and its commit are
+    delta-rs' own and not counted here; `bench/store.py --s3` counts every request at the server).
+
+    On object storage a footer read is a ranged GET (or two), a file read through is one or more
+    ranged GETs, and a merged file is one PUT (a multipart upload when large)."""
+
+    footer_reads: int = 0  # data files whose footer was read (the sources of planned groups)
+    files_read: int = 0  # data files read through (the merge's sources)
+    bytes_read: int = 0  # their sizes
+    files_written: int = 0  # merged files written (kept or, after a lost race, deleted)
+    bytes_written: int = 0
+
+    def __add__(self, other: CompactIO) -> CompactIO:
+        return CompactIO(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __str__(self) -> str:
+        return (f"read {self.footer_reads} footers and {self.files_read} files ({_size(self.bytes_read)}), "
+                f"wrote {self.files_written} files ({_size(self.bytes_written)})")
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them: '812 B', '4.0 KiB', '12.3 MiB'."""
+    if n < 1024:
+        return f"{n:,} B"
+    return f"{n / 1024:,.1f} KiB" if n < 1024**2 else f"{n / 1024**2:,.1f} MiB"
+
+
 @dataclass
 class CompactResult:
     table: str
@@ -93,22 +133,38 @@ class CompactResult:
     rows: int = 0
     version: int | None = None  # the table version the merge was committed as
     skipped: str | None = None  # why nothing was done
+    left_alone: int = 0  # files of the run at or above the target, not read
+    io: CompactIO = field(default_factory=CompactIO)  # what the data files cost, retries included
 
 
 def compacted_name() -> str:
     return f"{COMPACTED_PREFIX}{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet"
 
 
-def _groups(small: list[FileInfo], target_rows: int) -> list[list[FileInfo]]:
-    groups: list[list[FileInfo]] = [[]]
-    rows = 0
-    for info in small:
-        if groups[-1] and rows + info.rows > target_rows:
+def _at_target(part: delta.PartFile, target_size: int, target_rows: int) -> bool:
+    """A file as large as a merge would make it: left alone, never read."""
+    return part.size >= target_size or part.rows >= target_rows
+
+
+def _groups(parts: list[delta.PartFile], target_size: int, target_rows: int) -> list[list[delta.PartFile]]:
+    """The merges to make of a run's files below the targets, from the log alone: packed in commit
+    order (next fit: neighbours in the log hold neighbouring steps, so the sort has long runs to
+    slice) into groups of at most `target_size` bytes and `target_rows` rows; a group of one file
+    is no merge and is left out."""
+    groups: list[list[delta.PartFile]] = [[]]
+    size = rows = 0
+    for part in parts:
+        part_rows = max(part.rows, 0)  # -1: not in the log; its footer says (and is checked) before merging
+        if groups[-1] and (size + part.size > target_size or rows + part_rows > target_rows):
             groups.append([])
-            rows = 0
-        groups[-1].append(info)
-        rows += info.rows
+            size = rows = 0
+        groups[-1].append(part)
+        size, rows = size + part.size, rows + part_rows
     return [g for g in groups if len(g) >= 2]
+
+
+def _fits_in_memory(group: list[FileInfo]) -> bool:
+    return all(i.decoded_bytes >= 0 for i in group) and sum(i.decoded_bytes for i in group) <= IN_MEMORY_MERGE_BYTES
 
 
 def _merge(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
@@ -119,8 +175,8 @@ def _merge(con: duckdb.DuckDBPyConnection, catalog: Catalog, table: str, run_id:
 
     A group whose rows fit in IN_MEMORY_MERGE_BYTES is merged by `_merge_in_memory` (each source
     read once, checked as it is read); a larger one by `_merge_duckdb`, each source checked through
-    first."""
-    if all(i.decoded_bytes >= 0 for i in group) and sum(i.decoded_bytes for i in group) <= IN_MEMORY_MERGE_BYTES:
+    first (each source read twice)."""
+    if _fits_in_memory(group):
         return _merge_in_memory(catalog, table, run_id, group, row_group_rows)
     for info in group:
         if catalog.check(table, info.part) is None:  # checked through; a bad one is quarantined (or skipped)
@@ -275,15 +331,22 @@ def _delete(catalog: Catalog, table: str, parts: Sequence[delta.PartFile]) -> No
 
 def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catalog | None = None,
                 target_rows: int = COMPACT_FILE_ROWS, row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
-                memory_limit: str = "4GB", attempts: int = COMMIT_ATTEMPTS) -> CompactResult:
-    """Merge the small files of one table of one run; see the module docstring.
+                memory_limit: str = "4GB", attempts: int = COMMIT_ATTEMPTS,
+                target_size: int = DEFAULT_TARGET_SIZE) -> CompactResult:
+    """Merge the files of one table of one run below `target_size` bytes (and `target_rows` rows)
+    into files up to those targets; see the module docstring. Files at or above a target are left
+    alone, and a run with no two files to merge reads no data file.
 
-    Returns what was done. Raises OSError or StoreError when the storage refuses the merged file
+    Returns what was done, with the data files read and written (`CompactResult.io`). Raises
+    ValueError for a target below 1; raises OSError or StoreError when the storage refuses the merged file
     or the commit (nothing is changed then: the merged files are deleted), and RuntimeError when
     the merged rows do not add up (nothing is committed).
     """
+    if target_size < 1 or target_rows < 1:
+        raise ValueError(f"the target size and rows must be at least 1, not {target_size} bytes, {target_rows} rows")
     catalog = catalog if catalog is not None else Catalog(location)
     result = CompactResult(table, run_id)
+    io = result.io
     app = REWRITE_APP.format(table=table)
     tries = restarts = 0
     while tries < attempts:
@@ -292,11 +355,19 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
         if snap is None:
             result.skipped = "no such table"
             return result
-        small = [p for p in snap.files if p.run_id == run_id and p.rows < target_rows // 2]
-        # footers now (bad ones: quarantined); pages as each group is merged (`_merge_in_memory` reads
-        # them through once, checked; a group for DuckDB is checked through first)
-        checked = [info for p in small if (info := catalog.check(table, p, verify=False)) is not None]
-        groups = _groups(checked, target_rows)
+        files = [p for p in snap.files if p.run_id == run_id]
+        small = [p for p in files if not _at_target(p, target_size, target_rows)]
+        result.left_alone = len(files) - len(small)
+        planned = _groups(small, target_size, target_rows)  # from the log: no data file read yet
+        # footers of the planned groups' files now (bad ones: quarantined), then the groups again
+        # without those; pages as each group is merged (`_merge_in_memory` reads them through once,
+        # checked; a group for DuckDB is checked through first)
+        candidates = [p for group in planned for p in group]
+        io.footer_reads += len(candidates)
+        checked = {info.part.path: info for p in candidates
+                   if (info := catalog.check(table, p, verify=False)) is not None}
+        groups = [[checked[p.path] for p in group]
+                  for group in _groups([p for p in candidates if p.path in checked], target_size, target_rows)]
         if not groups:
             result.skipped = "nothing to merge"
             return result
@@ -304,7 +375,11 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
         merged: list[tuple[list[FileInfo], delta.PartFile]] = []
         try:
             for group in groups:
+                reads = 1 if _fits_in_memory(group) else 2  # the DuckDB path checks each source through first
+                io.files_read += reads * len(group)
+                io.bytes_read += reads * sum(max(i.part.size, 0) for i in group)
                 part = _merge(con, catalog, table, run_id, group, row_group_rows)
+                io.files_written, io.bytes_written = io.files_written + 1, io.bytes_written + part.size
                 merged.append((group, part))
                 expected = sum(i.rows for i in group)
                 if part.rows != expected:
@@ -349,14 +424,23 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
 def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None, tables: tuple[str, ...] | None = None,
             target_rows: int = COMPACT_FILE_ROWS, row_group_rows: int = COMPACT_ROW_GROUP_ROWS,
             retention_hours: float | None = DEFAULT_RETENTION_HOURS,
-            storage_options: Mapping[str, Any] | Sequence[str] | None = None) -> list[CompactResult]:
+            storage_options: Mapping[str, Any] | Sequence[str] | None = None,
+            target_size: int = DEFAULT_TARGET_SIZE) -> list[CompactResult]:
     """Compact every table of one run (or of every run), then vacuum the tables it changed:
     removed files older than `retention_hours` are deleted (None: no vacuum).
 
-    Returns one CompactResult per (table, run) looked at. Raises InvalidNameError for a run id
+    Args:
+        target_size: bytes (as the log records a file's size) a merged file grows to; a file at or
+            above it is left alone and never read.
+        target_rows: rows a merged file holds at most; a file with as many is left alone too.
+
+    Returns one CompactResult per (table, run) looked at, each with the data files it read and
+    wrote (`io`). Raises ValueError for a target below 1, InvalidNameError for a run id
     not of `store.layout.NAME_FORM`, LegacyStoreError for a store of the previous release,
     StoreError when the storage cannot be read or written.
     """
+    if target_size < 1 or target_rows < 1:
+        raise ValueError(f"the target size and rows must be at least 1, not {target_size} bytes, {target_rows} rows")
     location = open_location(store, storage_options)
     if run_id is not None:
         check_name("run_id", run_id)
@@ -368,8 +452,18 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
         if snap is None:
             continue
         runs = [run_id] if run_id else sorted({p.run_id for p in snap.files})
-        table_results = [compact_run(location, table, run, catalog, target_rows, row_group_rows) for run in runs
-                         if any(p.run_id == run for p in snap.files)]
+        table_results = []
+        for run in runs:
+            files = [p for p in snap.files if p.run_id == run]
+            small = [p for p in files if not _at_target(p, target_size, target_rows)]
+            if not files:
+                continue
+            if not _groups(small, target_size, target_rows):  # decided from this snapshot: nothing read again
+                table_results.append(CompactResult(table, run, skipped="nothing to merge",
+                                                   left_alone=len(files) - len(small)))
+                continue
+            table_results.append(compact_run(location, table, run, catalog, target_rows, row_group_rows,
+                                             target_size=target_size))
         results += table_results
         if retention_hours is not None and any(r.merged_files for r in table_results):
             delta.vacuum(location, table, retention_hours)
@@ -385,6 +479,19 @@ def parse_age(text: str) -> float:
     if not match:
         raise ValueError(f"cannot read the age {text!r}: write a number and a unit, e.g. 90s, 30m, 12h, 7d, 2w")
     return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1024**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """'128MiB', '64M' (MiB), '1GB', '500000' (bytes) as bytes; raises ValueError with the accepted forms."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS or float(match.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise ValueError(f"cannot read the size {text!r}: write bytes, or a number and a unit, e.g. 128MiB, 64M, 1GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def run_last_commits(location: StoreLocation) -> dict[str, float]:

@@ -97,6 +97,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                               epilog=store_epilog("moescope compact STORE"))
     add_store_arguments(p)
     p.add_argument("--run", type=run_id, help="only this run id (default: every run)")
+    p.add_argument("--target-size", type=_size, default=None, metavar="SIZE",
+                   help="size a merged file grows to; files at or above it are left alone and not read "
+                        "(default 128MiB; e.g. 64MiB, 1GB)")
     _add_retention(p)
     p.set_defaults(func=_compact)
 
@@ -136,15 +139,31 @@ def _add_retention(parser: argparse.ArgumentParser) -> None:
                              "older version keep working (default 1)")
 
 
-def _compact(args: argparse.Namespace) -> int:
-    from moescope.store.compact import compact
+def _size(text: str) -> int:
+    """`--target-size`: bytes, or a number and a unit (`store.compact.parse_size`)."""
+    from moescope.store.compact import parse_size
 
-    results = compact(store_location(args), run_id=args.run, retention_hours=args.retention)
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from moescope.store.compact import DEFAULT_TARGET_SIZE, CompactIO, compact
+
+    results = compact(store_location(args), run_id=args.run, retention_hours=args.retention,
+                      target_size=args.target_size or DEFAULT_TARGET_SIZE)
     merged = [r for r in results if r.merged_files]
     for r in merged:
-        print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows)")
+        print(f"{r.table:<14} run {r.run_id}: {r.merged_files} files -> {len(r.written_files)} ({r.rows} rows; "
+              f"{r.io})")
     if not merged:
         print(f"nothing to compact in {store_location(args).redacted}")
+    total = sum((r.io for r in results), CompactIO())
+    left_alone = sum(r.left_alone for r in results)
+    print(f"data files: {total}; {left_alone} at or above the target size left alone "
+          "(the Delta log's own reads and commits not counted)")
     return 0
 
 

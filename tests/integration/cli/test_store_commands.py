@@ -82,3 +82,19 @@ def test_a_store_of_the_previous_release_is_refused_until_upgraded(tmp_path):
     out = _cli("query", str(tmp_path), "SELECT run_id, step FROM steps")
     assert out.returncode == 0 and "r" in out.stdout and "1" in out.stdout
     assert "nothing to upgrade" in _cli("store", "upgrade", str(tmp_path)).stdout
+
+
+def test_compact_takes_a_target_size_and_says_what_it_read_and_wrote(tmp_path):
+    """Issue 34, part 3: `--target-size`; the data files read and written are printed, and a second
+    run with nothing to merge says it read none."""
+    _write(tmp_path, "r")
+    small = parts(tmp_path, "routes")
+    out = _cli("compact", str(tmp_path), "--target-size", "64MiB")
+    assert out.returncode == 0, out.stderr
+    routes = [line for line in out.stdout.splitlines() if line.startswith("routes ")]
+    assert routes and f"read {len(small)} footers and {len(small)} files" in routes[0], out.stdout
+    again = _cli("compact", str(tmp_path), "--target-size", "64MiB")
+    assert "nothing to compact" in again.stdout
+    assert "data files: read 0 footers and 0 files (0 B), wrote 0 files (0 B)" in again.stdout, again.stdout
+    bad = _cli("compact", str(tmp_path), "--target-size", "big")
+    assert bad.returncode == 2 and "128MiB" in bad.stderr
