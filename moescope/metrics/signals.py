@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -553,8 +553,8 @@ def run_counts(totals: Mapping[str, object]) -> RunCounts:
     """The headline counts of a `store.Store.step_totals` answer (its `forwards`, `tokens` and
     `ranks`, all summed over ranks): what `moescope summary` and the dashboard's Overview show."""
     def count(key: str) -> int:
-        value = totals.get(key)
-        return int(value) if _recorded(value) else 0  # type: ignore[arg-type]
+        value: Any = totals.get(key)
+        return int(value) if _recorded(value) else 0
 
     return RunCounts(forwards=count("forwards"), tokens=count("tokens"), ranks=count("ranks"))
 
