@@ -25,6 +25,7 @@ from moescope.analyses.jitter import (
     jitter,
 )
 from moescope.analyses.tokens import context_parts
+from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_location
 
 DEMO = "demo"
@@ -56,7 +57,7 @@ wide margin means the condition changed the hidden states themselves.
 
 def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser(
-        "jitter", help="does the same input go to the same experts when batched, padded, cast or repeated?",
+        "jitter", help=command_help("jitter"),
         description="Run the same inputs again under conditions a server varies (alone or batched, left or "
                     "right padding, another batch size, bf16/fp16, another attention implementation, plain "
                     "repeats) and report per MoE layer the share of (token, layer) pairs whose expert set and "
