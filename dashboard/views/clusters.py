@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import html
 
 import numpy as np
@@ -10,7 +11,7 @@ import streamlit as st
 
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
-from moescope.dashboard.embedding import cached_umap_2d, embedding_key
+from moescope.dashboard.embedding import Job, embedding_jobs, embedding_key
 from moescope.metrics import signals
 
 st.title("Semantic clusters")
@@ -19,16 +20,47 @@ if ctx is None:
     st.stop()
 
 
-@st.cache_data(max_entries=16, show_spinner="Embedding router inputs with UMAP (once per run, layer and sample)…")
-def embedding(root: str, run_id: str, layer: int, size: int, data_version: str) -> pd.DataFrame:
-    """2-D UMAP coordinates (x, y) of the sample, plus the sample's columns except `hidden`."""
+WAIT_S = 2.0  # an embedding read from disk, or a quick fit, is drawn in the same run
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def sampled_points(root: str, run_id: str, layer: int, size: int, data_version: str) -> tuple[pd.DataFrame, np.ndarray]:
+    """The sample's columns except `hidden`, and its `hidden` vectors as one (n, width) array."""
     sample = data.router_input_sample(root, run_id, layer, size, data_version)
-    points = sample.drop(columns=["hidden"])
-    if len(sample) < 4:
+    hidden = (np.stack([np.asarray(h, dtype=np.float32) for h in sample.hidden]) if len(sample)
+              else np.zeros((0, 0), dtype=np.float32))
+    return sample.drop(columns=["hidden"]), hidden
+
+
+def embedded_points(points: pd.DataFrame, hidden: np.ndarray, layer: int) -> pd.DataFrame | None:
+    """`points` with the UMAP coordinates (x, y) of `hidden`, NaN for fewer than 4 points; None while
+    the embedding is computed (the page then says what it computes and re-runs once it is there)."""
+    if len(points) < 4:
         return points.assign(x=np.nan, y=np.nan)
-    hidden = np.stack([np.asarray(h, dtype=np.float32) for h in sample.hidden])
-    xy = cached_umap_2d(hidden, embedding_key(hidden))
+    job = embedding_jobs().submit(hidden, embedding_key(hidden))
+    try:
+        xy = job.future.result(timeout=WAIT_S)
+    except concurrent.futures.TimeoutError:
+        # Not `with st.status(...)`: leaving the block would mark it complete while the fit runs on.
+        status = st.status(f"Computing the UMAP embedding of {len(points):,} router inputs of layer {layer}…",
+                           state="running", expanded=True)
+        status.write("Once per run, layer and sample: the points are kept on disk and drawn at once next time. "
+                     "The first embedding after a dashboard starts also loads UMAP, and the first on this machine "
+                     "compiles it (numba): up to a minute on two busy cores. The rest of the page is below.")
+        _await_embedding(job)
+        return None
+    except Exception as e:  # the worker died (out of memory, say) or UMAP refused the sample: asked again next run
+        st.error(f"The UMAP embedding of layer {layer} failed: {type(e).__name__}: {e}. Reload the page to try "
+                 "again; the rest of the page is below.")
+        return None
     return points.assign(x=xy[:, 0], y=xy[:, 1])
+
+
+@st.fragment(run_every=1.0)
+def _await_embedding(job: Job) -> None:
+    if job.future.done():
+        st.rerun(scope="app")
+    st.caption(f"{job.elapsed_s:.0f} s so far")
 
 
 with common.guard():
@@ -42,8 +74,12 @@ with common.guard():
     size = mid.select_slider("Sampled tokens", [250, 500, 1000, 2000, 5000], value=1000, key="cl_size")
     colour = right.selectbox("Colour by", ["top-1 expert", *keys], key="cl_colour")
 
-    points = embedding(ctx.root, ctx.run_id, layer, size, ctx.version)
-    if points.empty and common.run_source(ctx) != "probe":
+    points, hidden = sampled_points(ctx.root, ctx.run_id, layer, size, ctx.version)
+    if not points.empty:
+        points = embedded_points(points, hidden, layer)
+    if points is None:
+        pass  # the embedding is under way or failed: its box says so
+    elif points.empty and common.run_source(ctx) != "probe":
         st.info(common.not_recorded("Router inputs", ctx) + ": the engine hands out only the experts it chose.")
     elif points.empty:
         st.info("No router inputs recorded for this layer. Attach the probe with `router_inputs=N` to "

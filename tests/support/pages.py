@@ -7,6 +7,7 @@ import os
 from streamlit.testing.v1 import AppTest
 
 from moescope.dashboard import settings
+from moescope.dashboard.embedding import embedding_jobs
 from tests.support.paths import REPO
 
 APP = os.path.join(REPO, "dashboard", "app.py")
@@ -20,9 +21,15 @@ def app_for(monkeypatch, store: str, allow_writes: bool = False) -> AppTest:
 
 
 def open_page(at: AppTest, page: str) -> AppTest:
+    """`page` run in `at`, with any UMAP embedding it asked for drawn: the Semantic clusters page fits
+    off its run and draws the points on the run after (in a browser, its fragment asks for that run)."""
     at.run()
     if page != "views/overview.py":
         at.switch_page(page).run()
+    jobs = embedding_jobs()
+    if jobs.pending():
+        assert jobs.wait(timeout=600), "the UMAP embedding did not finish in 10 minutes"
+        at.run()
     return at
 
 
