@@ -8,13 +8,14 @@ while the embedding is computed in a process of its own, says so in a status box
 computes, and draws the scatter when it is there; the test then asks for it and for its reuse from
 disk by a second server.
 
-Calibrated on the 2-core CPU machine this project's figures come from (2026-12-05, load average
-about 2): first renders 0.5-4.5 s, the clusters page 4-5 s (its first run waits up to 2 s for the
-embedding before handing it to the status box), the scatter 25 s after a first visit with an empty
-numba cache. Before the fix the clusters page took 26 s there, and 121 s at load average 12. The
-10 s bound is the issue's goal, with no slack added: the slowest page measured under half of it idle.
-On a 2-core machine under heavy load from other work the pages slow together (Overview took 6.7 s at
-load average 12); the scatter's own wait is given minutes, since it is what the load stretches most.
+Calibrated on the 2-core CPU machine this project's figures come from (2026-12-05, load average 2 to
+4 from other work; `python bench/dashboard.py --first-render runs/demo --cold-numba`, docs/benchmarks.md):
+first renders 0.5-4.3 s, the server's first page (Overview) slowest, the clusters page about 3 s (its
+run waits up to 2 s for the embedding before handing it to the status box), its scatter 32 s after the
+first visit with an empty numba cache. Before the fix the clusters page took 26 s there, and 121 s at
+load average 12. The 10 s bound is the issue's goal, with no slack added: the slowest page measured
+under half of it. On a 2-core machine under heavy load from other work every page slows (Overview took
+6.7 s at load average 12); the scatter's own wait is given minutes, since it is what load stretches most.
 """
 
 from __future__ import annotations
