@@ -260,6 +260,55 @@ class ReportQueries:
             ORDER BY s.layer LIMIT 4096""", [*params, *params, run_id])
         return _vectors(frame, "expert_load")
 
+    def rank_loads(self, run_id: str, layer: Sequence[int], expert: Sequence[int], rank: Sequence[int],
+                   share: Sequence[float], window_steps: int | None = None, tags: dict[str, str] | None = None,
+                   top_experts: int = 8) -> pd.DataFrame:
+        """Per (MoE layer, step window, rank) the slots a placement puts on that rank.
+
+        The placement comes as parallel lists, one entry per (layer, logical expert, rank) that
+        serves it: `share` is the part of the expert's load the rank serves
+        (`metrics.signals.replica_shares`: its slots of the expert over all of the expert's slots).
+        Windows are `window_steps` steps wide, aligned to multiples (None: the run is one window).
+
+        Columns: layer, window_start, window_end (exclusive; both NULL for the whole run), steps,
+        tokens (tokens the layer routed in the window, all ranks), layer_slots (kept top-k
+        assignments to the routed experts the placement maps), rank, slots (the rank's share of
+        them: fractional where a redundant expert's load is split), experts and expert_slots (the
+        rank's `top_experts` largest contributors, largest first, and their slots). A rank that
+        serves nothing in a window has no row; experts the placement does not map (zero experts)
+        count in no rank. Ordered by layer, window_start, rank. Raises ValueError for window_steps < 1.
+        """
+        if window_steps is not None and window_steps < 1:
+            raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+        clause, params = where(run_id, tags=tags)
+        w = 0 if window_steps is None else int(window_steps)
+        bucket = "NULL::BIGINT" if w == 0 else "step // ?"
+        bucket_params = [] if w == 0 else [w]
+        return self.sql(f"""
+            WITH m AS (SELECT unnest(?::INTEGER[]) AS layer, unnest(?::INTEGER[]) AS expert,
+                              unnest(?::INTEGER[]) AS rank, unnest(?::DOUBLE[]) AS share),
+                 p AS (SELECT layer, {bucket} AS w, expert, sum(load) AS load
+                       FROM ({_unnest_load(clause, "step,")}) GROUP BY ALL),
+                 s AS (SELECT layer, {bucket} AS w, {STEPS} AS steps, sum(tokens)::BIGINT AS tokens
+                       FROM layer_steps WHERE {clause} GROUP BY ALL),
+                 mapped AS (SELECT layer, w, sum(load)::BIGINT AS layer_slots
+                            FROM p SEMI JOIN (SELECT DISTINCT layer, expert FROM m) USING (layer, expert)
+                            GROUP BY ALL),
+                 e AS (SELECT p.layer, p.w, m.rank, p.expert, p.load * m.share AS slots
+                       FROM p JOIN m USING (layer, expert)),
+                 r AS (SELECT layer, w, rank, sum(slots) AS slots,
+                              list(expert ORDER BY slots DESC, expert)[1:?] AS experts,
+                              list(slots ORDER BY slots DESC, expert)[1:?] AS expert_slots
+                       FROM e GROUP BY ALL)
+            SELECT r.layer, s.w * ? AS window_start, (s.w + 1) * ? AS window_end, s.steps, s.tokens,
+                   coalesce(mapped.layer_slots, 0)::BIGINT AS layer_slots, r.rank, r.slots, r.experts, r.expert_slots
+            FROM r JOIN s ON s.layer = r.layer AND s.w IS NOT DISTINCT FROM r.w
+                 LEFT JOIN mapped ON mapped.layer = r.layer AND mapped.w IS NOT DISTINCT FROM r.w
+            ORDER BY r.layer, window_start NULLS FIRST, r.rank LIMIT ?""",
+            [[int(v) for v in layer], [int(v) for v in expert], [int(v) for v in rank], [float(v) for v in share],
+             *bucket_params, *params, *bucket_params, *params, int(top_experts), int(top_experts), w or None,
+             w or None, MAX_TABLE_ROWS * 64])
+
     def layer_buckets(self, run_id: str, tags: dict[str, str] | None = None,
                       max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
         """Per layer and step bucket (at most `max_buckets` per layer): layer, step_start, step_end

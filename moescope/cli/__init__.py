@@ -41,6 +41,8 @@ COMMANDS: dict[str, Command] = {
     "dashboard": Command("moescope.cli.dashboard", "open a store in the browser (Streamlit dashboard)"),
     "grafana": Command("moescope.cli.grafana",
                        "print a Grafana dashboard (JSON) over the Prometheus exporter's metrics"),
+    "placement": Command("moescope.cli.placement",
+                         "load per expert-parallel rank under a placement: balancedness, hottest rank and experts"),
     "jitter": Command("moescope.cli.jitter",
                       "does the same input go to the same experts when batched, padded, cast or repeated?"),
 }

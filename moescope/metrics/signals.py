@@ -150,6 +150,47 @@ def balancedness(load: np.ndarray) -> float:
     return float(arr.mean() / peak) if peak > 0 else float("nan")
 
 
+def imbalance(load: np.ndarray) -> float:
+    """Return (max - mean) / mean of `load`: 0 when even, (n - 1) when one of n entries holds it all.
+
+    TensorRT-LLM's name and definition for the imbalance of per-rank (or per-expert) loads; the
+    same loads' `balancedness` (mean / max, vLLM's and SGLang's) is 1 / (1 + imbalance). NaN when
+    the load is all zero.
+    """
+    arr = _as_load(load)
+    mean = arr.mean()
+    return float((arr.max() - mean) / mean) if mean > 0 else float("nan")
+
+
+def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: int, ranks: int) -> np.ndarray:
+    """Return the share of each logical expert's load that each rank serves: an (E, R) float array.
+
+    A placement's physical slots each hold one logical expert on one rank (`slot_rank[s]`,
+    `slot_expert[s]`); a logical expert with several slots (redundant copies) has its load split
+    evenly over its slots, so a rank serves (its slots of e) / (all slots of e) of expert e's load.
+    Every row sums to 1: a token's slot is counted once, on whichever rank serves it, never twice.
+    Raises ValueError for a logical expert with no slot, or an expert or rank outside 0..E-1 / 0..R-1.
+    """
+    slot_rank = np.asarray(slot_rank, dtype=np.int64)
+    slot_expert = np.asarray(slot_expert, dtype=np.int64)
+    if slot_rank.shape != slot_expert.shape or slot_rank.ndim != 1:
+        raise ValueError("slot_rank and slot_expert must be 1-d arrays of the same length (one entry per slot)")
+    outside = slot_expert[(slot_expert < 0) | (slot_expert >= num_experts)]
+    if outside.size:
+        raise ValueError(f"a slot holds expert {int(outside[0])}, outside 0..{num_experts - 1}")
+    outside = slot_rank[(slot_rank < 0) | (slot_rank >= ranks)]
+    if outside.size:
+        raise ValueError(f"a slot is on rank {int(outside[0])}, outside 0..{ranks - 1}")
+    counts = np.zeros((num_experts, ranks), dtype=np.float64)
+    np.add.at(counts, (slot_expert, slot_rank), 1.0)
+    replicas = counts.sum(axis=1, keepdims=True)
+    if (replicas == 0).any():
+        missing = np.flatnonzero(replicas[:, 0] == 0)
+        raise ValueError(f"expert(s) {', '.join(map(str, missing[:8].tolist()))} have no slot: every logical "
+                         "expert needs at least one")
+    return counts / replicas
+
+
 def normalized_entropy(entropy_nats: float, num_choices: int) -> float:
     """Return an entropy in nats divided by ln(num_choices), i.e. in [0, 1].
 

@@ -223,3 +223,20 @@ def test_compute_signals_leave_zero_experts_out_of_load_signals():
     assert values["load_cv"] == pytest.approx(spread.cv)
     assert values["dead_expert_fraction"] == pytest.approx(0.25)
     assert values["router_entropy"] == pytest.approx(1.2 / math.log(6))  # the router's width: 4 + 2
+
+
+def test_imbalance_is_tensorrt_llms_max_minus_mean_over_mean():
+    load = np.array([3.0, 1.0, 0.0, 4.0])
+    assert sig.imbalance(load) == pytest.approx((4.0 - 2.0) / 2.0)
+    assert sig.balancedness(load) == pytest.approx(1 / (1 + sig.imbalance(load)))
+    assert math.isnan(sig.imbalance(np.zeros(3)))
+
+
+def test_replica_shares_split_a_redundant_expert_evenly():
+    # slots: rank 0 holds experts 0, 2; rank 1 holds 1, 2, 2 (two copies of 2 on rank 1)
+    shares = sig.replica_shares(np.array([0, 0, 1, 1, 1]), np.array([0, 2, 1, 2, 2]), 3, 2)
+    np.testing.assert_allclose(shares, [[1, 0], [0, 1], [1 / 3, 2 / 3]])
+    with pytest.raises(ValueError, match=r"expert\(s\) 1 have no slot"):
+        sig.replica_shares(np.array([0, 1]), np.array([0, 2]), 3, 2)
+    with pytest.raises(ValueError, match="rank 2, outside 0..1"):
+        sig.replica_shares(np.array([0, 2]), np.array([0, 1]), 2, 2)
