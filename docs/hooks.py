@@ -91,7 +91,12 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
 
 
 def on_config(config: Any) -> Any:
-    """Build the shadow tree griffe reads the moescope namespace from (see the module's docstring)."""
+    """Build the shadow tree griffe reads the moescope namespace from (see the module's docstring).
+
+    It is also built when mkdocs loads this module (the end of the file): mkdocstrings takes its
+    search paths at its own on_config, which may run before this one, and a path that does not exist
+    yet is dropped, so a first build from a clean clone found `moescope` in the editable install
+    without the four packages the namespace maps in."""
     build_shadow_tree()
     return config
 
@@ -267,3 +272,6 @@ def schema_comments(source: str) -> tuple[dict[str, str], dict[str, list[tuple[l
             line = (element.end_lineno or element.lineno) + 1
         column_comments[name] = [group for group in groups if group[0]]
     return table_comments, column_comments
+
+
+build_shadow_tree()  # before any plugin's on_config: see on_config
