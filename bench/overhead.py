@@ -42,7 +42,9 @@ import moescope
 from moescope import probe
 
 # tests/support/zoo.py holds the small random-initialised models of every family (not shipped in the wheel)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # run as a script; imported by a test, the repository is on the path already
+    sys.path.insert(0, _REPO)
 from tests.support.zoo import tiny_model  # noqa: E402
 
 NOOP_HOOKS = "do-nothing hooks"

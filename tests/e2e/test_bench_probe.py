@@ -43,11 +43,12 @@ def test_detection_gates_a_corrupted_expert_within_the_policys_windows():
 
 
 def test_overhead_runs_every_variant_on_every_copy_and_waits_for_its_writer():
+    saved = list(sys.path)
     sys.path.insert(0, os.path.join(REPO, "bench"))
     try:
         import overhead
     finally:
-        sys.path.pop(0)
+        sys.path[:] = saved  # as it was: a later spawned process inherits this process's path
     import moescope
 
     args = overhead.arguments(["--preset", "decode", "--layers", "2", "--hidden", "32", "--intermediate", "64",
