@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from moescope.dashboard import common, data
 from moescope.store.store import StoreError
@@ -47,7 +48,7 @@ PAGES = [
     st.Page("views/jitter.py", title="Routing jitter", url_path="jitter"),
 ]
 navigation = st.navigation(PAGES)
-if navigation is HOME:
+if navigation is HOME and get_script_run_ctx() is not None:  # not in a bare import of this file
     st.switch_page(OVERVIEW)
 
 

@@ -11,6 +11,7 @@ tests/support/proxy.py), defined once, registered here for every tier.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def _main_module_restored():
+    """Put `sys.modules["__main__"]` back after each test. Streamlit's AppTest runs a page as
+    `__main__`; left there, every process a later test spawns (multiprocessing, torch, Dask) runs the
+    dashboard's entry file first, as spawn re-runs the parent's main module, and dies."""
+    main = sys.modules.get("__main__")
+    yield
+    if sys.modules.get("__main__") is not main and main is not None:
+        sys.modules["__main__"] = main
