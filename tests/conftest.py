@@ -23,6 +23,7 @@ pytest_plugins = [
     "tests.support.fixtures.dashboard",
     "tests.support.fixtures.demo",
     "tests.support.proxy",
+    "tests.support.browser",
 ]
 
 TIERS = ("unit", "integration", "e2e")

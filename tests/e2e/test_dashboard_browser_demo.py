@@ -10,27 +10,13 @@ import os
 import pytest
 
 import moescope
-from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard, settle
+from tests.support.browser import running_dashboard, settle
 from tests.support.deltafiles import snapshot_rows
 from tests.support.jitter import near_tied_mixtral, token_lists
 from tests.support.paths import REPO
-from tests.support.realparts import require_program
 
 pytestmark = pytest.mark.integration
 TOKENIZER = os.path.join(REPO, "moescope", "demo", "model")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,25 +22,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard
+from tests.support.browser import running_dashboard
 from tests.support.first_render import SCATTER, app_pages, first_render
-from tests.support.realparts import require_program
 
 pytestmark = pytest.mark.integration
 GOAL_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def test_every_page_of_a_fresh_dashboard_renders_within_10_s(demo, browser, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from moescope.cli import dashboard as cli
+from tests.support.realparts import require_program
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -94,3 +95,17 @@ def settle(page, charts: int, timeout_ms: int = 240_000) -> None:
     page.wait_for_function(f"() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= {charts}",
                            timeout=timeout_ms)
     page.wait_for_timeout(800)  # let Plotly finish laying out before the screenshot
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for a test module's pages (a fixture: tests/conftest.py registers this module)."""
+    from playwright.sync_api import sync_playwright
+
+    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
