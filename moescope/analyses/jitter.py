@@ -8,7 +8,8 @@ baseline run:
 - ``alone``: each input in a batch of its own, in the model's dtype and attention: the reference;
 - ``repeat``: ``alone`` again (non-determinism: CPU threads, GPU kernels that reduce in any order);
 - ``batch=B``: inputs batched B at a time with others, right-padded (with an attention mask and
-  position ids counted from the mask, as `generate` passes them); compared with ``alone``;
+  position ids counted from the mask exactly as `generate` builds them: `generate_position_ids`,
+  every pad slot at position 0); compared with ``alone``;
 - ``batch=B,left_pad``: the same batches left-padded, compared with ``batch=B`` (the padding side
   alone differs);
 - ``batch=C``: another batch size, right-padded, compared with ``alone``;
@@ -220,9 +221,22 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def _forward(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence[int]], side: str,
-             pad_id: int, device: torch.device) -> list[list[LayerRouting]]:
-    """One forward of `batch` padded on `side`; per input, per layer, the routing of its real tokens."""
+def generate_position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a padded batch as transformers' `generate` builds them from its attention mask
+    (`GenerationMixin._prepare_position_ids_for_generation`, transformers 5.24): each real token
+    counts from its row's first real token, 0-based, and every pad slot gets position 0
+    (`(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)`). Pad tokens are routed too, so their
+    positions change how a batch's tokens group per expert: the jitter check's batches and the
+    mismatch check's reference batches are both fed by this one rule. Returns a long tensor of
+    `mask`'s shape."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def forward_routing(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence[int]], side: str,
+                    pad_id: int, device: torch.device) -> list[list[LayerRouting]]:
+    """One forward of `batch` padded on `side` (attention mask, `generate_position_ids`, no cache);
+    per input, per layer, the routing of its real tokens. Raises JitterError where a router does not
+    see one row per token (an encoder-decoder's)."""
     length = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), length), dtype=torch.long)
@@ -233,8 +247,8 @@ def _forward(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence
         mask[row, start:start + len(ids)] = 1
         starts.append(start)
     kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
-    if _accepts(model, "position_ids"):  # counted from the first real token, as generate() does
-        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(device)
+    if _accepts(model, "position_ids"):
+        kwargs["position_ids"] = generate_position_ids(mask).to(device)
     if _accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     model(**kwargs)
@@ -246,7 +260,7 @@ def _forward(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence
         for routing in layers:
             if routing.logits.shape[0] != len(batch) * length:
                 raise JitterError(f"a router saw {routing.logits.shape[0]} token rows in a forward of "
-                                  f"{len(batch)} x {length} tokens: the jitter check needs one router row per "
+                                  f"{len(batch)} x {length} tokens: the check needs one router row per "
                                   "token (decoder-only models)")
             per_layer.append(LayerRouting(routing.logits[rows], routing.ids[rows], routing.weights[rows],
                                           routing.kept[rows]))
@@ -259,8 +273,8 @@ def _run(model: nn.Module, capture: RoutingCapture, inputs: Sequence[Sequence[in
     routed: list[list[LayerRouting]] = []
     with _cast(model, condition.dtype), _attention(model, condition.attn_implementation):
         for first in range(0, len(inputs), condition.batch_size):
-            routed += _forward(model, capture, inputs[first:first + condition.batch_size], condition.padding_side,
-                               pad_id, device)
+            routed += forward_routing(model, capture, inputs[first:first + condition.batch_size],
+                                      condition.padding_side, pad_id, device)
             tick()
     return routed
 

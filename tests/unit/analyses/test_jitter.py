@@ -35,8 +35,9 @@ def oracle(model, inputs, batch_size: int = 1, side: str = "right") -> list[list
                 start = length - len(seq) if side == "left" else 0
                 ids[row, start:start + len(seq)] = torch.tensor(seq)
                 mask[row, start:start + len(seq)] = 1
-            result = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                           output_router_logits=True, use_cache=False)
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's rule, written out
+            result = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_router_logits=True,
+                           use_cache=False)
             for row, seq in enumerate(batch):
                 start = length - len(seq) if side == "left" else 0
                 per_layer = []
