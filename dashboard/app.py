@@ -40,6 +40,7 @@ PAGES = [
     OVERVIEW,
     st.Page("views/heatmaps.py", title="Heatmaps", url_path="heatmaps"),
     st.Page("views/cache.py", title="Expert cache", url_path="cache"),
+    st.Page("views/placement.py", title="Placement", url_path="placement"),
     st.Page("views/clusters.py", title="Semantic clusters", url_path="clusters"),
     st.Page("views/drift.py", title="Drift and alerts", url_path="drift"),
     st.Page("views/health.py", title="Expert health", url_path="health"),

@@ -309,6 +309,29 @@ class ReportQueries:
              *bucket_params, *params, *bucket_params, *params, int(top_experts), int(top_experts), w or None,
              w or None, MAX_TABLE_ROWS * 64])
 
+    def window_loads(self, run_id: str, window_steps: int, tags: dict[str, str] | None = None) -> pd.DataFrame:
+        """Per (MoE layer, window of `window_steps` steps aligned to multiples, expert) the kept slots the
+        expert took: columns layer, window_start, window_end (exclusive), expert, load; ordered by
+        layer, window_start, expert. Raises ValueError for window_steps < 1."""
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+        clause, params = where(run_id, tags=tags)
+        w = int(window_steps)
+        return self.sql(f"""
+            SELECT layer, (step // ?) * ? AS window_start, (step // ? + 1) * ? AS window_end, expert,
+                   sum(load)::BIGINT AS load
+            FROM ({_unnest_load(clause)}) GROUP BY ALL ORDER BY layer, window_start, expert LIMIT ?""",
+            [w, w, w, w, *params, MAX_TABLE_ROWS * 4096])
+
+    def placement_whatif(self, run_id: str) -> pd.DataFrame:
+        """The latest placement what-if written for the run (`moescope placement --whatif --save`):
+        the `placement_whatif` columns but run_id and rank, ordered by candidate, window_start, layer.
+        Empty for a run without one."""
+        return self.sql("""
+            SELECT * EXCLUDE (run_id, rank) FROM placement_whatif
+            WHERE run_id = ? AND ts = (SELECT max(ts) FROM placement_whatif WHERE run_id = ?)
+            ORDER BY candidate, window_start, layer LIMIT ?""", [run_id, run_id, MAX_TABLE_ROWS * 64])
+
     def layer_buckets(self, run_id: str, tags: dict[str, str] | None = None,
                       max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
         """Per layer and step bucket (at most `max_buckets` per layer): layer, step_start, step_end

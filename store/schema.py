@@ -173,6 +173,20 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("baseline_weights", pa.list_(pa.float32())), ("condition_weights", pa.list_(pa.float32())),
         ("context_ids", pa.list_(pa.int64())), ("context_start", pa.int32()), ("rank", pa.int32()),
     ]),
+    # -- placement what-if (moescope.analyses.placement.placement_whatif, `moescope placement --whatif --save`) --
+    # One row per (candidate placement, window, layer): the slots each rank would have served
+    # (rank_load, a redundant expert's split by `dispatch`), their balancedness (mean / max) and
+    # imbalance ((max - mean) / mean). candidate: "current" (the placement given), "default"
+    # (contiguous), "eplb", "load-aware", "eplb-every-N" (EPLB refitted every N windows on the window
+    # before); fit_start: the first step of the window its placement was fitted on (null: not
+    # fitted); ts: when the what-if was written (a run can hold several; readers take the latest).
+    "placement_whatif": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("candidate", pa.string()), ("window_start", pa.int64()),
+        ("window_end", pa.int64()), ("layer", pa.int32()), ("fit_start", pa.int64()), ("ranks", pa.int32()),
+        ("nodes", pa.int32()), ("groups", pa.int32()), ("redundant", pa.int32()), ("dispatch", pa.string()),
+        ("rank_load", pa.list_(pa.float64())), ("balancedness", pa.float64()), ("imbalance", pa.float64()),
+        ("rank", pa.int32()),
+    ]),
     # -- alert transitions, from every source (alerts/storage.py writes them) --
     # One row per change of one alert's state: the rules engine's (source "rules"), the expert-
     # health policy's ExpertUnhealthy ("health") and the trust gate's TrustGateChanged ("trust_gate",

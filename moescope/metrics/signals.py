@@ -162,15 +162,29 @@ def imbalance(load: np.ndarray) -> float:
     return float((arr.max() - mean) / mean) if mean > 0 else float("nan")
 
 
-def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: int, ranks: int) -> np.ndarray:
+REPLICA_SPLITS = ("even", "local")
+
+
+def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: int, ranks: int,
+                   split: str = "even") -> np.ndarray:
     """Return the share of each logical expert's load that each rank serves: an (E, R) float array.
 
     A placement's physical slots each hold one logical expert on one rank (`slot_rank[s]`,
     `slot_expert[s]`); a logical expert with several slots (redundant copies) has its load split
-    evenly over its slots, so a rank serves (its slots of e) / (all slots of e) of expert e's load.
+    over them by `split`:
+
+    - "even": evenly over its slots, so a rank serves (its slots of e) / (all slots of e) of expert
+      e's load (a uniform choice of copy per slot, or a round robin, in the long run);
+    - "local": a token is served on its own rank where that rank holds a copy, and by the copies in
+      equal parts where it does not, with tokens coming evenly from all R ranks: a rank with n_r of
+      the expert's n copies serves (1[n_r > 0] + (R - D) n_r / n) / R, D the ranks holding a copy.
+
     Every row sums to 1: a token's slot is counted once, on whichever rank serves it, never twice.
-    Raises ValueError for a logical expert with no slot, or an expert or rank outside 0..E-1 / 0..R-1.
+    Raises ValueError for a logical expert with no slot, an expert or rank outside 0..E-1 / 0..R-1,
+    or an unknown split.
     """
+    if split not in REPLICA_SPLITS:
+        raise ValueError(f"unknown split {split!r}: one of {', '.join(REPLICA_SPLITS)}")
     slot_rank = np.asarray(slot_rank, dtype=np.int64)
     slot_expert = np.asarray(slot_expert, dtype=np.int64)
     if slot_rank.shape != slot_expert.shape or slot_rank.ndim != 1:
@@ -188,7 +202,53 @@ def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: 
         missing = np.flatnonzero(replicas[:, 0] == 0)
         raise ValueError(f"expert(s) {', '.join(map(str, missing[:8].tolist()))} have no slot: every logical "
                          "expert needs at least one")
+    if split == "local":
+        holding = counts > 0
+        held = holding.sum(axis=1, keepdims=True)
+        return (holding + (ranks - held) * counts / replicas) / ranks
     return counts / replicas
+
+
+def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ranks: int,
+                         row_group: np.ndarray | None = None, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Return (tokens, slots), each a (groups, R) float array: per group of rows and rank, the distinct
+    tokens the rank serves and the slots it serves.
+
+    Each entry says that slot of token `row[i]` runs on `rank[i]` with probability `prob[i]` (1 where
+    the engine's choice of copy is known, the copy's share where it is drawn at random). A token
+    counts once on a rank however many of its slots land there: its expected count there is
+    1 - prod(1 - p) over its entries on that rank. `row_group` (indexed by row) puts each token in a
+    group 0..groups-1 (a window); None: one group. Entries with p = 0 count nowhere.
+    """
+    row = np.asarray(row, dtype=np.int64)
+    rank = np.asarray(rank, dtype=np.int64)
+    prob = np.asarray(prob, dtype=np.float64)
+    tokens = np.zeros((groups, ranks))
+    slots = np.zeros((groups, ranks))
+    if row.size == 0:
+        return tokens, slots
+    entry_group = np.zeros(row.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[row]
+    np.add.at(slots, (entry_group, rank), prob)
+    keys, inverse = np.unique(row * ranks + rank, return_inverse=True)
+    certain = np.bincount(inverse, weights=(prob >= 1.0).astype(np.float64), minlength=keys.size) > 0
+    missed = np.bincount(inverse, weights=np.log1p(-np.minimum(prob, 1.0 - 1e-12)), minlength=keys.size)
+    token = np.where(certain, 1.0, -np.expm1(missed))
+    key_row, key_rank = keys // ranks, keys % ranks
+    key_group = np.zeros(keys.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[key_row]
+    np.add.at(tokens, (key_group, key_rank), token)
+    return tokens, slots
+
+
+def balancedness_over_layers(rank_loads: np.ndarray) -> float:
+    """Return sum over layers of the mean rank load / sum over layers of the busiest rank's load.
+
+    `rank_loads` is [layers, ranks]. Every layer waits for its busiest rank, so this is the share of
+    an expert-parallel forward's MoE time that does useful work (vLLM's balancedness of the whole
+    forward, layers weighted by their load); 1 is even. NaN when nothing was served.
+    """
+    arr = np.asarray(rank_loads, dtype=np.float64)
+    peak = arr.max(axis=1).sum() if arr.size else 0.0
+    return float(arr.mean(axis=1).sum() / peak) if peak > 0 else float("nan")
 
 
 def normalized_entropy(entropy_nats: float, num_choices: int) -> float:

@@ -1,0 +1,61 @@
+"""The Placement page on the store the probe recorded on a real tiny Mixtral: its heatmap holds the
+per-rank slots a plain loop over the raw `layer_steps` rows gives under the default layout, its lines
+the balancedness of each candidate, and a what-if written to the store is the one it shows."""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from moescope.cli import main
+from tests.support.pages import app_for, assert_clean, open_page
+
+
+def _array(value) -> np.ndarray:
+    """A trace's array as Plotly's JSON holds it: a list, or {"dtype", "bdata" (base64), "shape"}."""
+    if isinstance(value, dict):
+        shape = tuple(int(v) for v in str(value.get("shape", "-1")).split(","))
+        return np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"]).reshape(shape)
+    return np.asarray(value)
+
+
+def _layer_steps(root: str, run_id: str) -> pd.DataFrame:
+    files = glob.glob(os.path.join(root, "layer_steps", f"run_id={run_id}", "part-*.parquet"))
+    return pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
+
+
+def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
+    run_id = recorded["runs"][-1]
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
+    assert_clean(at)
+    assert at.title[0].value == "Placement"
+    at.number_input(key="pl_ranks").set_value(2).run()
+    assert_clean(at)
+    charts = at.get("plotly_chart")
+    assert len(charts) == 3
+    heatmap = json.loads(charts[0].proto.spec)["data"][0]
+    rows = _layer_steps(recorded["root"], run_id)
+    for column, layer in enumerate(heatmap["x"]):
+        load = np.sum([np.asarray(v) for v in rows[rows.layer == int(layer)].expert_load], axis=0)
+        experts = len(load)  # the tiny Mixtral has no zero experts
+        half = (experts + 1) // 2
+        ranks = np.array([load[:half].sum(), load[half:].sum()], dtype=float)
+        np.testing.assert_allclose(_array(heatmap["z"])[:, column], ranks / ranks.mean())
+
+
+def test_placement_page_shows_a_stored_whatif(monkeypatch, recorded, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "store")
+    shutil.copytree(recorded["root"], root)
+    run_id = recorded["runs"][-1]
+    assert main(["placement", root, "--run", run_id, "--ranks", "2", "--whatif", "--window", "2", "--save"]) == 0
+    at = open_page(app_for(monkeypatch, root), "views/placement.py")
+    assert_clean(at)
+    assert any("stored by `moescope placement --whatif --save` (2 ranks" in c.value for c in at.caption)
