@@ -161,6 +161,13 @@ class _RunState:
     baseline_forwards: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
+class RankPlacement(Protocol):
+    """What the engine needs of a placement of experts on ranks (`analyses.placement.Placement` is one):
+    the (experts, ranks) share of each expert's load each rank serves; ValueError where it does not fit."""
+
+    def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
+
+
 class AlertEngine:
     """Evaluates a rule pack over per-layer windows and keeps every alert's state.
 
@@ -168,10 +175,15 @@ class AlertEngine:
         pack: the rules (`load_rules`, `default_rules`).
         baseline_loader: loads the baseline load of another run, when the pack's baseline names
             one: `(run_id, layer, first_steps) -> load or None`. None: such a baseline stays unknown.
+        placement: experts on expert-parallel ranks for the rank signals (`RankImbalance`), e.g.
+            `moescope.analyses.placement.Placement`; None: those signals are no data.
     """
 
-    def __init__(self, pack: RulePack, baseline_loader: BaselineLoader | None = None):
+    def __init__(self, pack: RulePack, baseline_loader: BaselineLoader | None = None,
+                 placement: RankPlacement | None = None):
         self.pack = pack
+        self.placement = placement
+        self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}
         self.baseline_loader = baseline_loader
         steps = max(pack.max_window_steps(), 1)
         if any(r.window.seconds for r in pack.rules):
@@ -245,7 +257,24 @@ class AlertEngine:
             KeyError: for a run or layer not observed.
         """
         window = self._runs[run_id].history[layer].window(rule.window)
-        return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer))
+        return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer),
+                               self.rank_shares(layer, window))
+
+    def rank_shares(self, layer: int, window: list[LayerObservation]) -> np.ndarray | None:
+        """The (routed experts, ranks) shares of `placement` for a layer (None: no placement, or one that
+        does not fit the layer: the rank signals are then no data)."""
+        if self.placement is None or not window:
+            return None
+        experts = self.routed_experts.get(layer) or int(np.size(window[-1].expert_load))
+        key = (layer, experts)
+        if key not in self._rank_shares:
+            try:
+                self._rank_shares[key] = np.asarray(self.placement.shares(layer, experts), dtype=np.float64)
+            except ValueError as e:
+                log.warning("no rank signals for layer %d: the placement does not fit its %d experts (%s)",
+                            layer, experts, e)
+                self._rank_shares[key] = None
+        return self._rank_shares[key]
 
     def evaluate(self, run_id: str) -> list[AlertTransition]:
         """Evaluate every rule on every layer of the run at its latest step.

@@ -150,6 +150,7 @@ def compute_signals(
     names: Iterable[str] | None = None,
     baseline_load: np.ndarray | None = None,
     num_experts: int | None = None,
+    rank_shares: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Return {signal: value} over the observations (one layer, oldest first).
 
@@ -157,6 +158,8 @@ def compute_signals(
     capacity, no baseline). `names` limits the work to the signals asked for. `num_experts` is the
     layer's routed experts: load signals leave its zero experts out, router entropy is normalised
     by the router's whole width (`alerts.signals`' zero-expert rule); None counts every entry.
+    `rank_shares` ((routed experts, ranks), `signals.replica_shares`) places the experts on
+    expert-parallel ranks for the rank signals; None: they are no data.
     """
     wanted = set(SIGNALS if names is None else names)
     unknown = wanted - set(SIGNALS)
@@ -188,6 +191,10 @@ def compute_signals(
         if baseline_load is not None and np.size(baseline_load) == experts and np.sum(baseline_load) > 0:
             table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
             table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
+        if rank_shares is not None and np.shape(rank_shares)[0] == experts:
+            rank_load = load @ np.asarray(rank_shares, dtype=np.float64)  # slots per rank
+            table["rank_balancedness"] = lambda: sig.balancedness(rank_load)
+            table["rank_imbalance"] = lambda: sig.imbalance(rank_load)
         for name, fn in table.items():
             if name in wanted:
                 out[name] = fn()

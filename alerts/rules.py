@@ -71,6 +71,10 @@ SIGNALS: dict[str, str] = {
     "whatif_drop_rate_cf1_25": "same at capacity factor 1.25",
     "whatif_drop_rate_cf1_5": "same at capacity factor 1.5",
     "whatif_drop_rate_cf2": "same at capacity factor 2.0",
+    "rank_balancedness": "mean/max slots per expert-parallel rank over the window (needs a placement: --ranks R "
+                         "or --placement FILE)",
+    "rank_imbalance": "(max - mean)/mean slots per expert-parallel rank over the window (TensorRT-LLM's "
+                      "imbalance; needs a placement)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {

@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, TransitionSink
+from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, RankPlacement, TransitionSink
 from moescope.alerts.observations import LayerObservation
 from moescope.alerts.rules import RulePack
 from moescope.store.location import StoreLocation, open_location
@@ -183,14 +183,16 @@ class StoreAlertRunner:
     """Evaluates a rule pack over a store as new data lands."""
 
     def __init__(self, root: str | os.PathLike | StoreLocation, pack: RulePack, sinks: Sequence[TransitionSink] = (),
-                 run_ids: Sequence[str] | None = None, write_alerts: bool = True):
-        """`root`: the store, a folder or a URL (a `StoreLocation` carries its storage options).
+                 run_ids: Sequence[str] | None = None, write_alerts: bool = True,
+                 placement: RankPlacement | None = None):
+        """`root`: the store, a folder or a URL (a `StoreLocation` carries its storage options);
+        `placement`: experts on ranks for the rank signals (`AlertEngine`).
         Raises StoreError (EmptyStoreError: no store there yet) as `Store` does."""
         self.location = open_location(root)
         self.store = Store(self.location)
         self.pack = pack
         self.run_ids = list(run_ids) if run_ids else None
-        self.engine = AlertEngine(pack, baseline_loader=self._load_baseline)
+        self.engine = AlertEngine(pack, baseline_loader=self._load_baseline, placement=placement)
         self.sinks = list(sinks)
         self.writer = AlertTableWriter(self.location) if write_alerts else None
         self._needs_routes = any(set(r.signals) & _ROUTE_SIGNALS for r in pack.rules)

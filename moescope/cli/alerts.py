@@ -111,6 +111,15 @@ def _outbox_path(args: argparse.Namespace) -> str:
     return args.outbox or outbox_path(store_location(args), args.state_dir)
 
 
+def _placement(args: argparse.Namespace):
+    """The placement for the rank signals (RankImbalance): --placement FILE or --ranks R; None without."""
+    if args.placement is None and args.ranks is None:
+        return None
+    from moescope.cli.placement import load_placement
+
+    return load_placement(args.placement, args.ranks)
+
+
 def _load_pack(path: str | None):
     return load_rules(path) if path else default_rules()
 
@@ -123,7 +132,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         pack = _load_pack(args.rules)
         notifiers = _receivers(args)
         notifiers_by_name(notifiers)
-    except (RulesError, NotifierError) as exc:
+        placement = _placement(args)
+    except (RulesError, NotifierError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     location = store_location(args)
@@ -135,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             make_state_dir(location, args.state_dir)
     outbox = Outbox(outbox_path, notifiers)
     try:
-        runner = StoreAlertRunner(location, pack, sinks=[outbox], run_ids=args.run or None)
+        runner = StoreAlertRunner(location, pack, sinks=[outbox], run_ids=args.run or None, placement=placement)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         outbox.close()
@@ -339,6 +349,10 @@ def add_subcommands(subparsers) -> None:
                                   "az://...)", state_dir=True)
     run.add_argument("--rules", metavar="FILE", help="rules file (.yaml/.toml); default: the built-in pack")
     run.add_argument("--run", action="append", default=[], metavar="RUN_ID", help="only these runs (repeatable)")
+    run.add_argument("--ranks", type=int, metavar="R", help="expert-parallel ranks of the default layout, for "
+                     "RankImbalance (or the ranks of an engine's map given with --placement)")
+    run.add_argument("--placement", metavar="FILE", help="placement file for RankImbalance (docs/placement.md); "
+                     "without it or --ranks, the rank signals are no data")
     run.add_argument("--interval", type=float, default=5.0, help="seconds between polls of the store (default 5)")
     run.add_argument("--once", action="store_true", help="evaluate what is there, deliver, and exit")
     run.add_argument("--webhook", action="append", default=[], metavar="[NAME=]URL",
