@@ -80,9 +80,11 @@ class RoutePage:
     token: np.ndarray  # (rows,) int32, row in its forward's flattened batch
     expert_ids: np.ndarray
     kept: np.ndarray
+    sequence: np.ndarray | None = None  # (rows,) int32 batch row, read with `weights=True`
+    gate_weights: np.ndarray | None = None  # (rows, k) float32, 0 on padding, read with `weights=True`
 
 
-def _padded(column: pa.ChunkedArray | pa.Array, fill: int | bool, dtype: type) -> np.ndarray:
+def _padded(column: pa.ChunkedArray | pa.Array, fill: float, dtype: type) -> np.ndarray:
     """A list column as a (rows, longest list) array, `fill` where a list is shorter or null."""
     lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     lengths = lists.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -98,13 +100,21 @@ def _padded(column: pa.ChunkedArray | pa.Array, fill: int | bool, dtype: type) -
 
 def _route_page(table: pa.Table) -> RoutePage:
     ids = _padded(table.column("expert_ids"), -1, np.int64)
+    extra = {}
+    if "gate_weights" in table.column_names:
+        weights = _padded(table.column("gate_weights"), 0.0, np.float32)
+        padded = np.zeros(ids.shape, dtype=np.float32)
+        width = min(weights.shape[1], ids.shape[1])
+        padded[:, :width] = weights[:, :width]
+        extra = dict(sequence=table.column("sequence").to_numpy(zero_copy_only=False).astype(np.int32),
+                     gate_weights=padded)
     kept = _padded(table.column("kept"), True, bool)
     if kept.shape[1] < ids.shape[1]:  # a source that recorded no drops: every slot it names ran
         kept = np.hstack([kept, np.ones((len(kept), ids.shape[1] - kept.shape[1]), dtype=bool)])
     return RoutePage(step=table.column("step").to_numpy().astype(np.int64),
                      rank=table.column("rank").to_numpy().astype(np.int32),
                      token=table.column("token").to_numpy().astype(np.int32),
-                     expert_ids=ids, kept=kept[:, :ids.shape[1]] & (ids >= 0))
+                     expert_ids=ids, kept=kept[:, :ids.shape[1]] & (ids >= 0), **extra)
 
 
 def _unnest_load(clause: str, extra: str = "") -> str:
@@ -341,8 +351,12 @@ class StoreQueries:
         return frame
 
     def routes_in_order(self, run_id: str, layer: int, step_from: int | None = None, step_to: int | None = None,
-                        tags: dict[str, str] | None = None, page_rows: int = 65_536) -> Iterator[RoutePage]:
+                        tags: dict[str, str] | None = None, page_rows: int = 65_536,
+                        weights: bool = False) -> Iterator[RoutePage]:
         """One layer's routes rows in recording order (step, rank, token), a page at a time.
+
+        `weights=True` also reads each row's sequence and gate weights (`RoutePage.sequence`,
+        `RoutePage.gate_weights`; null sequences read as 0).
 
         Pages hold whole steps, about `page_rows` rows each (more when one step holds more), so a
         long run streams in bounded memory; each page is one query over the steps it covers.
@@ -352,6 +366,7 @@ class StoreQueries:
         if page_rows < 1:
             raise ValueError(f"page_rows must be at least 1, not {page_rows}")
         clause, params = where(run_id, layer, step_from, step_to, tags)
+        extra = ", coalesce(sequence, 0) AS sequence, gate_weights" if weights else ""
         counts = self.sql(f"SELECT step, count(*)::BIGINT AS n FROM routes WHERE {clause} GROUP BY step "
                           "ORDER BY step", params)
         steps, sizes = counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64)
@@ -363,7 +378,7 @@ class StoreQueries:
                 rows += int(sizes[last])
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
             yield _route_page(self.arrow(f"""
-                SELECT step, rank, token, expert_ids, kept FROM routes WHERE {page_clause}
+                SELECT step, rank, token, expert_ids, kept{extra} FROM routes WHERE {page_clause}
                 ORDER BY step, rank, token""", page_params))
             first = last + 1
 

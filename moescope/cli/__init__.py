@@ -43,8 +43,12 @@ COMMANDS: dict[str, Command] = {
                        "print a Grafana dashboard (JSON) over the Prometheus exporter's metrics"),
     "placement": Command("moescope.cli.placement",
                          "load per expert-parallel rank under a placement: balancedness, hottest rank and experts"),
+    "traffic": Command("moescope.cli.traffic",
+                       "what a placement costs on the wire: remote ranks and nodes per token, links, bytes"),
     "jitter": Command("moescope.cli.jitter",
                       "does the same input go to the same experts when batched, padded, cast or repeated?"),
+    "mismatch": Command("moescope.cli.mismatch",
+                        "engine vs reference routing per token and layer (RL rollouts); export it for replay"),
 }
 
 

@@ -1,0 +1,240 @@
+"""What a placement costs on the wire, per layer, window and tag: `moescope traffic` and the placement page.
+
+For a run's recorded routes and a placement (`moescope.analyses.placement.Placement`) with ranks
+grouped into nodes, every token's dispatch fan-out is counted by `moescope.metrics.traffic` (the
+one definition): remote ranks and nodes per token against the floor a perfect placement could
+reach, the rank x rank matrix of tokens sent and its node x node sum, the busiest link, the
+intra-node share, bytes per forward, and, with `max_nodes`, what DeepSeek-V3's node-limited
+routing would change. `compare_placements` gives the same figures under other placements: the
+default layout, a co-selection placement (`coselection_placement`, from the counts the probe
+records) and any other `Placement` (the EPLB what-if).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from moescope.analyses.placement import Placement, PlacementError, contiguous_layout
+from moescope.metrics import traffic as wire
+from moescope.store import Store
+
+DEFAULT_RANKS_PER_NODE = 8
+# bytes per element of the hidden state by the model config's torch_dtype
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
+
+COLUMNS = [
+    "layer", "window_start", "window_end", "tokens", "forwards", "remote_ranks_mean", "floor_remote_ranks",
+    "remote_nodes_mean", "floor_remote_nodes", "remote_ranks_histogram", "remote_nodes_histogram",
+    "rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
+    "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
+    "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward",
+    "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_remote_nodes_mean",
+]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How tokens travel: the nodes ranks sit in, how tokens get home ranks, the hidden state's size.
+
+    Attributes:
+        rank_node: (R,) the node of each rank (`node_layout`).
+        home: "recorded", "sequence" or "token" (`moescope.metrics.traffic.home_ranks`).
+        hidden_size: the model's hidden size (None: no bytes are given).
+        dispatch_bytes: bytes per element sent at dispatch (2 for bf16; 1 for DeepEP's fp8 dispatch).
+        combine_bytes: bytes per element sent back at combine.
+        max_nodes: M of node-limited routing (None: not evaluated).
+    """
+
+    rank_node: np.ndarray
+    home: str = "sequence"
+    hidden_size: int | None = None
+    dispatch_bytes: float = 2.0
+    combine_bytes: float = 2.0
+    max_nodes: int | None = None
+
+
+def node_layout(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
+                nodes: list[int] | None = None) -> np.ndarray:
+    """(R,) the node of each rank: consecutive ranks fill nodes of `ranks_per_node` (the last one
+    may be smaller), or of the sizes `nodes` lists (uneven nodes). Raises PlacementError when the
+    sizes do not add up to the ranks."""
+    if nodes is not None:
+        if sum(nodes) != ranks:
+            raise PlacementError(f"--nodes {','.join(map(str, nodes))} holds {sum(nodes)} ranks, but the placement "
+                                 f"has {ranks}; list each node's ranks so they add up to {ranks}")
+        return wire.nodes_from_sizes(nodes)
+    if ranks_per_node < 1:
+        raise PlacementError(f"--ranks-per-node must be at least 1, not {ranks_per_node}")
+    full, rest = divmod(ranks, ranks_per_node)
+    return wire.nodes_from_sizes([ranks_per_node] * full + ([rest] if rest else []))
+
+
+def read_model_config(path: str) -> tuple[int, float]:
+    """(hidden_size, bytes per element) from a transformers `config.json` (its `hidden_size` and
+    `torch_dtype`, bf16 when absent). Raises PlacementError for a file without `hidden_size`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlacementError(f"{path}: cannot read a model config (a transformers config.json): {e}") from e
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    if not isinstance(hidden, int) or hidden < 1:
+        raise PlacementError(f"{path}: no hidden_size; give --hidden-size")
+    dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
+    return hidden, float(DTYPE_BYTES.get(dtype, 2))
+
+
+def wire_layout(placement: Placement, layer: int, num_experts: int, rank_node: np.ndarray) -> wire.WireLayout:
+    """One layer of `placement` as the arrays `moescope.metrics.traffic` counts with.
+    Raises PlacementError where the placement does not fit the layer or the nodes."""
+    per_rank = placement.rank_experts(layer, num_experts)
+    if len(rank_node) != placement.ranks:
+        raise PlacementError(f"the nodes hold {len(rank_node)} ranks, but {placement.source} has {placement.ranks}")
+    placement.shares(layer, num_experts)  # every expert has a slot, every slot a known expert
+    slot_rank = [r for r, experts in enumerate(per_rank) for _ in experts]
+    slot_expert = [e for experts in per_rank for e in experts]
+    return wire.WireLayout(np.array(slot_rank, dtype=np.int64), np.array(slot_expert, dtype=np.int64),
+                           rank_node, num_experts)
+
+
+def default_home(store: Store, run_id: str) -> str:
+    """"recorded" when the run's routes come from more than one rank, else "sequence"."""
+    ranks = store.sql("SELECT count(DISTINCT rank) AS n FROM routes WHERE run_id = ?", [run_id])
+    return "recorded" if len(ranks) and int(ranks.n.iloc[0]) > 1 else "sequence"
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """What `traffic_report` found.
+
+    `layers`: one row per (layer, window): layer, window_start, window_end (NaN for the whole run);
+    tokens (routed tokens), forwards (distinct steps); remote_ranks_mean / remote_nodes_mean (per
+    token: distinct remote GPUs / nodes its kept experts sit on, DeepEP's GPU and RDMA sends) and
+    floor_remote_ranks / floor_remote_nodes (the perfect placement's, `metrics.traffic.floor_remote`);
+    remote_ranks_histogram / remote_nodes_histogram (tokens per count, index = count);
+    rank_matrix (R x R tokens from home rank h that reach rank r; diagonal: served at home),
+    node_matrix (its node x node sum); gpu_sends, rdma_sends; intra_node_share (GPU sends within a
+    node / all); busiest_link (h, r) and its tokens, busiest_node_link likewise;
+    dispatch/combine bytes per forward over GPU sends and over RDMA (NaN without a hidden size);
+    with `max_nodes`: limited_changed_share (tokens whose routing would change),
+    limited_moved_weight (top-k gate weight moved per token, all tokens), limited_moved_weight_changed
+    (per changed token), limited_remote_nodes_mean (at most, under the limit); NaN otherwise.
+    """
+
+    layers: pd.DataFrame
+    ranks: int
+    nodes: int
+    source: str
+    home: str
+    replica_rule: str = wire.REPLICA_RULE
+
+
+def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire, window_steps: int | None = None,
+                   tags: dict[str, str] | None = None, layers: list[int] | None = None) -> TrafficReport:
+    """Per layer (and window of `window_steps` steps; None: the whole run) of the run's routes rows
+    carrying `tags`, what the placement costs on the wire (`TrafficReport`). Layers without routes
+    have no row. Raises PlacementError where the placement does not fit a layer, and ValueError for
+    a home rule the routes cannot follow."""
+    if window_steps is not None and window_steps < 1:
+        raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+    rows = []
+    info = store.layers(run_id)
+    for row in info.itertuples():
+        layer = int(row.layer)
+        if layers is not None and layer not in layers:
+            continue
+        layout = wire_layout(placement, layer, int(row.num_experts), setup.rank_node)
+        tallies: dict[int | None, wire.TrafficTally] = {}
+        for page in store.routes_in_order(run_id, layer, tags=tags, weights=True):
+            home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
+            fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
+            weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
+            limited = (wire.node_limited(layout, fan, home, weights, setup.max_nodes)
+                       if setup.max_nodes is not None else None)
+            if window_steps is None:
+                keys = np.zeros(len(home), dtype=np.int64)
+            else:
+                keys = page.step // window_steps
+            for key in np.unique(keys):
+                pick = keys == key
+                tally = tallies.setdefault(None if window_steps is None else int(key),
+                                           wire.TrafficTally.for_layout(layout))
+                tally.add(layout, home[pick], _select(fan, pick), page.step[pick],
+                          None if limited is None else wire.NodeLimited(limited.changed[pick],
+                                                                        limited.moved_weight[pick],
+                                                                        limited.remote_nodes[pick]))
+        width = window_steps or 0
+        for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
+            if setup.max_nodes is None:
+                for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
+                             "limited_remote_nodes_mean"):
+                    figures[name] = float("nan")
+            rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
+                             window_end=np.nan if key is None else (key + 1) * width, **figures))
+    return TrafficReport(pd.DataFrame(rows, columns=COLUMNS), placement.ranks, int(setup.rank_node.max()) + 1,
+                         placement.source, setup.home)
+
+
+def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:
+    return wire.TokenFanout(fan.dest[pick], fan.reached[pick], fan.remote_ranks[pick], fan.remote_nodes[pick],
+                            fan.experts[pick])
+
+
+def coselection_placement(store: Store, run_id: str, like: Placement, rank_node: np.ndarray,
+                          tags: dict[str, str] | None = None) -> Placement:
+    """A placement with `like`'s ranks and slots per rank (its contiguous layout's, one slot per
+    expert) that co-locates experts often chosen together, per layer, from the run's co-selection
+    counts (`store.coselection`) and loads (`moescope.metrics.traffic.coselection_layout`), fitted
+    on the same steps it is then measured on. A layer without co-selection counts keeps the
+    contiguous layout. Raises PlacementError where no layer has counts."""
+    layers: dict[int, tuple[tuple[int, ...], ...]] = {}
+    totals = store.layer_totals(run_id, tags=tags)
+    for row in store.layers(run_id).itertuples():
+        layer, experts = int(row.layer), int(row.num_experts)
+        counts = store.coselection(run_id, layer, tags=tags)
+        if counts.shape[0] < experts:
+            continue
+        counts = counts[:experts, :experts]
+        load = totals[totals.layer == layer]
+        load_vector = (np.asarray(load.expert_load.iloc[0][:experts], dtype=np.float64) if len(load)
+                       else np.diag(counts).astype(np.float64))
+        capacity = np.array([len(r) for r in contiguous_layout(experts, like.ranks)])
+        per_rank = wire.coselection_layout(counts, load_vector, capacity, rank_node)
+        layers[layer] = tuple(tuple(r) for r in per_rank)
+    if not layers:
+        raise PlacementError(f"run {run_id!r} recorded no co-selection counts (top-1 routers, or more experts "
+                             "than the probe counts pairs for); a co-selection placement needs them")
+    return Placement(ranks=like.ranks, layers=layers, source="co-selection placement")
+
+
+def compare_placements(store: Store, run_id: str, placements: Mapping[str, Placement], setup: Wire,
+                       tags: dict[str, str] | None = None) -> pd.DataFrame:
+    """The whole run's traffic under each named placement: one row per (placement, layer) with the
+    placement's name and `traffic_report`'s columns."""
+    frames = []
+    for name, placement in placements.items():
+        frame = traffic_report(store, run_id, placement, setup, None, tags).layers
+        frames.append(frame.assign(placement=name))
+    if not frames:
+        return pd.DataFrame(columns=["placement", *COLUMNS])
+    out = pd.concat(frames, ignore_index=True)
+    return out[["placement", *COLUMNS]]
+
+
+def bytes_text(value: float) -> str:
+    """Bytes in the largest unit that keeps a number >= 1 (B, KiB, MiB, GiB)."""
+    if not np.isfinite(value):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.1f} {unit}" if unit != "B" else f"{value:,.0f} B"
+        value /= 1024
+    return f"{value:,.1f} GiB"
+

@@ -1,0 +1,198 @@
+"""`moescope traffic STORE --ranks R | --placement FILE`: what a placement costs on the wire, per layer.
+
+The figures come from `moescope.analyses.traffic` (counted by `moescope.metrics.traffic`); this
+module reads the arguments, builds the placements to compare and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from moescope.cli import command_help
+from moescope.cli.arguments import add_store_arguments, positive_int, positive_number, store_epilog, store_location
+
+EXAMPLES = """\
+examples:
+  moescope traffic runs/ --ranks 16                        16 ranks in 2 nodes of 8, contiguous layout
+  moescope traffic runs/ --placement eplb.yaml --nodes 8,8,4 --config model/config.json
+  moescope traffic runs/ --ranks 32 --max-nodes 4          what DeepSeek-V3's 4-node limit would change
+  moescope traffic runs/ --ranks 16 --compare default,coselection --window 100 --tag phase=decode
+
+per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
+sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
+A token's home is the rank that recorded it (--home recorded, the default for a multi-rank run) or,
+for a run recorded in one process, its sequence's batch row modulo R (--home sequence, the default:
+data-parallel attention spreads sequences round-robin) or its row in the batch (--home token).
+The floor is the mean a perfect placement could reach for the same routing. With redundant experts,
+a token uses the copy on its home rank, else on its node (lowest rank), else copy (home mod copies).
+See docs/traffic.md.
+"""
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "traffic", help=command_help("traffic"),
+        description="Print, per MoE layer (and window), the dispatch traffic a placement of experts on ranks "
+                    "causes: remote ranks and nodes per token against the floor, the busiest link, the "
+                    "intra-node share, bytes per forward, the rank x rank and node x node matrices, and what "
+                    "other placements or node-limited routing would change.\n\n" + EXAMPLES,
+        epilog=store_epilog("moescope traffic STORE --ranks 16"), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_arguments(p, what="the store: a folder or a URL (s3://BUCKET/PREFIX, gs://..., az://...)")
+    p.add_argument("--run", help="run id (default: the most recently started run)")
+    p.add_argument("--ranks", type=positive_int, metavar="R",
+                   help="expert-parallel ranks: the contiguous layout, or the ranks of an SGLang dump's map")
+    p.add_argument("--placement", metavar="FILE",
+                   help="a placement file (JSON or YAML, see docs/placement.md) or an SGLang recorder dump (.pt)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=8, metavar="G",
+                   help="consecutive ranks per node (default 8; the last node may hold fewer)")
+    p.add_argument("--nodes", metavar="G0,G1,...", help="ranks of each node, for uneven nodes (e.g. 8,8,4)")
+    p.add_argument("--home", choices=("recorded", "sequence", "token"),
+                   help="how tokens get home ranks (default: recorded for a multi-rank run, else sequence)")
+    p.add_argument("--hidden-size", type=positive_int, metavar="H", help="the model's hidden size, for bytes")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="a transformers config.json: hidden_size and torch_dtype, for bytes")
+    p.add_argument("--dispatch-bytes", type=positive_number, metavar="B",
+                   help="bytes per element sent at dispatch (default: the config's dtype, else 2 for bf16; "
+                        "1 for DeepEP's fp8 dispatch)")
+    p.add_argument("--combine-bytes", type=positive_number, metavar="B",
+                   help="bytes per element sent back at combine (default as --dispatch-bytes)")
+    p.add_argument("--max-nodes", type=positive_int, metavar="M",
+                   help="also evaluate node-limited routing with at most M nodes per token (DeepSeek-V3: 4)")
+    p.add_argument("--compare", metavar="NAMES",
+                   help="also the whole run under other placements, comma-separated: default (the contiguous "
+                        "layout), coselection (experts often chosen together co-located), eplb (DeepSeek's EPLB "
+                        "fitted on the run, where moescope has it), or a placement FILE")
+    p.add_argument("--window", type=positive_int, metavar="N", help="a row per window of N steps (default: the run)")
+    p.add_argument("--tag", action="append", default=[], metavar="K=V",
+                   help="only the steps with this tag (repeatable: all must hold)")
+    p.add_argument("--matrix", action="store_true", help="print each row's rank x rank matrix")
+    p.set_defaults(func=_traffic_command)
+
+
+def _nodes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--nodes {text!r}: list the ranks of each node, like 8,8,4") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--nodes {text!r}: every node holds at least one rank")
+    return sizes
+
+
+def _number(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if math.isfinite(value) else "-"
+
+
+def format_report(report, run_id: str, matrix: bool = False) -> str:
+    """The report as text: per layer and window, fan-out against the floor, links, bytes, node limit."""
+    import pandas as pd
+
+    from moescope.analyses.traffic import bytes_text
+
+    lines = [f"run {run_id}: {report.ranks} ranks in {report.nodes} nodes ({report.source}); "
+             f"home ranks: {report.home}",
+             f"redundant experts: {report.replica_rule}"]
+    if report.layers.empty:
+        return "\n".join([*lines, "no routes recorded (under these tags): attach with routes=True"])
+    for row in report.layers.itertuples():
+        span = "" if pd.isna(row.window_start) else f", steps {int(row.window_start)}-{int(row.window_end) - 1}"
+        lines.append(f"\nlayer {row.layer}{span}: {row.tokens:,} tokens over {row.forwards:,} forwards")
+        lines.append(f"  remote ranks per token {_number(row.remote_ranks_mean)} "
+                     f"(floor {_number(row.floor_remote_ranks)})   "
+                     f"remote nodes per token {_number(row.remote_nodes_mean)} "
+                     f"(floor {_number(row.floor_remote_nodes)})")
+        hist = " ".join(f"{n}:{c:,}" for n, c in enumerate(row.remote_ranks_histogram) if c)
+        lines.append(f"  tokens by remote ranks  {hist}")
+        h, r = row.busiest_link
+        link = f"rank {h} -> {r} ({row.busiest_link_tokens:,} tokens)" if h >= 0 else "none"
+        lines.append(f"  GPU sends {row.gpu_sends:,}, RDMA sends {row.rdma_sends:,}, intra-node share "
+                     f"{_number(row.intra_node_share)}, busiest link {link}")
+        lines.append(f"  per forward: dispatch {bytes_text(row.dispatch_bytes_per_forward)}, combine "
+                     f"{bytes_text(row.combine_bytes_per_forward)} (over RDMA: "
+                     f"{bytes_text(row.rdma_dispatch_bytes_per_forward)} / "
+                     f"{bytes_text(row.rdma_combine_bytes_per_forward)})")
+        if math.isfinite(row.limited_changed_share):
+            lines.append(f"  node-limited routing: {_number(100 * row.limited_changed_share, 1)}% of tokens would "
+                         f"change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of their top-k "
+                         f"weight; remote nodes per token at most {_number(row.limited_remote_nodes_mean)}")
+        if matrix:
+            lines.append("  tokens from home rank (rows) to rank (columns):")
+            lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.rank_matrix]
+    return "\n".join(lines)
+
+
+def format_comparison(frame) -> str:
+    """Per layer, each placement's mean remote ranks and nodes per token and intra-node share."""
+    lines = ["\nunder other placements (whole run):",
+             f"  {'layer':>5}  {'placement':<28} {'remote ranks':>12} {'remote nodes':>12} {'intra-node':>10}"]
+    for row in frame.sort_values(["layer"], kind="stable").itertuples():
+        lines.append(f"  {row.layer:>5}  {row.placement:<28} {_number(row.remote_ranks_mean):>12} "
+                     f"{_number(row.remote_nodes_mean):>12} {_number(row.intra_node_share):>10}")
+    return "\n".join(lines)
+
+
+def _alternatives(names: str, store, run_id: str, placement, rank_node, tags) -> dict:
+    from moescope.analyses import traffic
+    from moescope.analyses.placement import Placement, PlacementError
+    from moescope.cli.placement import load_placement
+
+    out = {placement.source: placement}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name == "default":
+            out["default (contiguous)"] = Placement.contiguous(placement.ranks)
+        elif name == "coselection":
+            out["co-selection"] = traffic.coselection_placement(store, run_id, placement, rank_node, tags)
+        elif name == "eplb":
+            out["EPLB"] = _eplb(store, run_id, placement, rank_node, tags)
+        else:
+            other = load_placement(name, placement.ranks)
+            if other.ranks != placement.ranks:
+                raise PlacementError(f"{name} places experts on {other.ranks} ranks, not {placement.ranks}")
+            out[name] = other
+    return out
+
+
+def _eplb(store, run_id: str, placement, rank_node, tags):
+    from moescope.analyses.placement import PlacementError
+
+    try:
+        from moescope.analyses import eplb  # issue 35's what-if
+    except ImportError:
+        raise PlacementError("this moescope has no EPLB what-if (moescope.analyses.eplb); compare with default "
+                             "or coselection, or give the EPLB placement as a file") from None
+    fit = getattr(eplb, "eplb_placement", None)
+    if fit is None:
+        raise PlacementError("moescope.analyses.eplb offers no eplb_placement; give the EPLB placement as a file")
+    return fit(store, run_id, placement.ranks, nodes=int(rank_node.max()) + 1, tags=tags)
+
+
+def _traffic_command(args: argparse.Namespace) -> int:
+    from moescope.analyses import traffic
+    from moescope.cli.placement import load_placement
+    from moescope.ingest.importers.tables import parse_tags
+    from moescope.store import Store
+
+    tags = parse_tags(args.tag) or None
+    placement = load_placement(args.placement, args.ranks)
+    rank_node = traffic.node_layout(placement.ranks, args.ranks_per_node, _nodes(args.nodes))
+    hidden, element = args.hidden_size, 2.0
+    if args.config is not None:
+        config_hidden, element = traffic.read_model_config(args.config)
+        hidden = hidden or config_hidden
+    dispatch = args.dispatch_bytes or element
+    with Store(store_location(args)) as store:
+        run_id = store.check_run(args.run)
+        setup = traffic.Wire(rank_node, args.home or traffic.default_home(store, run_id), hidden, dispatch,
+                             args.combine_bytes or dispatch, args.max_nodes)
+        report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
+        comparison = None
+        if args.compare:
+            placements = _alternatives(args.compare, store, run_id, placement, rank_node, tags)
+            comparison = traffic.compare_placements(store, run_id, placements, setup, tags)
+    print(format_report(report, run_id, args.matrix))
+    if comparison is not None:
+        print(format_comparison(comparison))
+    return 0

@@ -1,0 +1,153 @@
+"""`moescope traffic`: per (layer, window, tag) traffic of a three-rank run under a placement with
+redundant experts and uneven nodes, checked against a plain loop over the raw `routes` Parquet rows
+and the placement's lists; other placements and node-limited routing alike; the command's output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moescope.analyses.placement import Placement, PlacementError, read_placement
+from moescope.analyses.traffic import Wire, compare_placements, coselection_placement, node_layout, traffic_report
+from moescope.cli import main
+from moescope.store import Store
+from moescope.store.location import open_location
+from moescope.store.writer import ParquetExporter
+from tests.support.deltafiles import read_table
+from tests.support.store_records import make_record, run_info
+
+LAYERS, EXPERTS, TOP_K, STEPS = 2, 6, 3, 6
+LAYOUT = [[0, 1, 5], [2, 3, 5], [0, 4]]  # expert 5 on ranks 0 and 1, expert 0 on ranks 0 and 2
+NODES = [0, 0, 1]  # uneven: two ranks, then one
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("traffic") / "store")
+    for rank in range(3):
+        rng = np.random.default_rng(rank)
+        exporter = ParquetExporter(root, run_info("t", LAYERS, EXPERTS, TOP_K, rank=rank, world_size=3))
+        exporter.export([make_record("t", step, rng, LAYERS, EXPERTS, TOP_K, skew=1.0,
+                                     tags={"phase": "ab"[step % 2]}) for step in range(STEPS)])
+        exporter.shutdown()
+    return root
+
+
+@pytest.fixture(scope="module")
+def placement_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("p") / "p.json"
+    path.write_text(json.dumps({"ranks": 3, "num_experts": EXPERTS, "layers": {"*": LAYOUT}}))
+    return str(path)
+
+
+def serving(per_rank, home: int, expert: int) -> int:
+    copies = sorted(r for r, es in enumerate(per_rank) if expert in es)
+    if home in copies:
+        return home
+    near = [r for r in copies if NODES[r] == NODES[home]]
+    if near:
+        return near[0]
+    far = [r for r in copies if NODES[r] != NODES[home]]
+    return far[home % len(far)]
+
+
+def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: str | None, max_nodes=None):
+    """{(layer, window_start): figures} by a loop over the raw routes rows."""
+    out: dict = {}
+    for row in read_table(open_location(root), "routes").to_pylist():
+        if phase is not None and dict(row["tags"]).get("phase") != phase:
+            continue
+        home = row["rank"] if home_rule == "recorded" else row["sequence"] % 3
+        key = (row["layer"], None if window is None else row["step"] // window * window)
+        f = out.setdefault(key, dict(tokens=0, rr=0, rn=0, matrix=np.zeros((3, 3), int), steps=set(), changed=0,
+                                     moved=0.0))
+        slots = [(serving(per_rank, home, e), w) for e, w, k in zip(row["expert_ids"], row["gate_weights"], row["kept"])
+                 if k]
+        dests = {d for d, _ in slots}
+        f["tokens"] += 1
+        f["steps"].add(row["step"])
+        f["rr"] += len(dests - {home})
+        f["rn"] += len({NODES[d] for d in dests} - {NODES[home]})
+        for d in dests:
+            f["matrix"][home, d] += 1
+        if max_nodes is not None:
+            score: dict = {}
+            for node in {NODES[d] for d in dests}:
+                score[node] = sum(sorted((w for d, w in slots if NODES[d] == node), reverse=True)[:TOP_K // max_nodes])
+            allowed = sorted(score, key=lambda n: (-score[n], n))[:max_nodes]
+            total = sum(w for _, w in slots)
+            if len(score) > max_nodes:
+                f["changed"] += 1
+                f["moved"] += sum(w for d, w in slots if NODES[d] not in allowed) / total
+    return out
+
+
+@pytest.mark.parametrize("home,window,phase", [("recorded", None, None), ("sequence", 4, "a"), ("recorded", 2, "b")])
+def test_traffic_matches_the_raw_routes(root, placement_file, home, window, phase):
+    setup = Wire(np.array(NODES), home, hidden_size=64, dispatch_bytes=1, combine_bytes=2, max_nodes=1)
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file), setup, window,
+                                None if phase is None else {"phase": phase})
+    expected = brute_force(root, LAYOUT, home, window, phase, max_nodes=1)
+    assert len(report.layers) == len(expected)
+    for row in report.layers.itertuples():
+        f = expected[(row.layer, None if window is None else int(row.window_start))]
+        sends = f["matrix"] - np.diag(np.diag(f["matrix"]))
+        assert row.tokens == f["tokens"] and row.forwards == len(f["steps"])
+        assert row.remote_ranks_mean == pytest.approx(f["rr"] / f["tokens"])
+        assert row.remote_nodes_mean == pytest.approx(f["rn"] / f["tokens"])
+        np.testing.assert_array_equal(row.rank_matrix, f["matrix"])
+        assert row.gpu_sends == sends.sum() and row.rdma_sends == f["rn"]
+        assert row.intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
+        assert row.busiest_link_tokens == sends.max()
+        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / len(f["steps"]))
+        assert row.combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / len(f["steps"]))
+        assert row.limited_changed_share == pytest.approx(f["changed"] / f["tokens"])
+        assert row.limited_moved_weight == pytest.approx(f["moved"] / f["tokens"], rel=1e-5)
+        assert row.floor_remote_ranks <= row.remote_ranks_mean
+        assert row.floor_remote_nodes <= row.remote_nodes_mean
+
+
+def test_other_placements_are_measured_the_same_way(root):
+    rank_node = np.array(NODES)
+    setup = Wire(rank_node, "recorded")
+    with Store(root) as store:
+        coselected = coselection_placement(store, "t", Placement.contiguous(3), rank_node)
+        frame = compare_placements(store, "t", {"default": Placement.contiguous(3), "co": coselected}, setup)
+    assert set(frame.placement) == {"default", "co"} and len(frame) == 2 * LAYERS
+    for name, placement in (("default", Placement.contiguous(3)), ("co", coselected)):
+        for row in frame[frame.placement == name].itertuples():
+            per_rank = [list(r) for r in placement.rank_experts(row.layer, EXPERTS)]
+            f = brute_force(root, per_rank, "recorded", None, None)[(row.layer, None)]
+            assert row.remote_ranks_mean == pytest.approx(f["rr"] / f["tokens"])
+            np.testing.assert_array_equal(row.rank_matrix, f["matrix"])
+    for layer in range(LAYERS):  # one slot per expert, as many per rank as the contiguous layout
+        assert sorted(len(r) for r in coselected.rank_experts(layer, EXPERTS)) == [2, 2, 2]
+
+
+def test_nodes_and_bad_input():
+    assert node_layout(20, 8).tolist() == [0] * 8 + [1] * 8 + [2] * 4
+    assert node_layout(5, nodes=[2, 3]).tolist() == [0, 0, 1, 1, 1]
+    with pytest.raises(PlacementError, match="add up to 5"):
+        node_layout(5, nodes=[2, 2])
+
+
+def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 4096, "torch_dtype": "bfloat16"}))
+    code = main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--config", str(config),
+                 "--max-nodes", "1", "--compare", "default,coselection", "--matrix"])
+    out = capsys.readouterr().out
+    assert code == 0
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file),
+                                Wire(np.array(NODES), "recorded", 4096, 2, 2, 1))
+    row = report.layers.iloc[0]
+    assert "3 ranks in 2 nodes" in out and "home ranks: recorded" in out
+    assert f"remote ranks per token {row.remote_ranks_mean:.2f}" in out
+    assert "node-limited routing" in out and "co-selection" in out and "default (contiguous)" in out
+    assert f"{row.busiest_link_tokens:,} tokens" in out
+    assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
+    assert "add up to 3" in capsys.readouterr().err
