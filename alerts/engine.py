@@ -34,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from moescope.alerts.observations import (
+    TRAFFIC_SIGNALS,
     LayerHistory,
     LayerObservation,
     compute_signals,
@@ -44,6 +45,7 @@ from moescope.alerts.observations import (
 from moescope.alerts.rules import Rule, RulePack
 from moescope.core.exporters import AttachListener, Exporter
 from moescope.core.records import RunInfo, StepRecord
+from moescope.metrics.traffic import WireLayout, default_rank_node
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,10 @@ class RankPlacement(Protocol):
 
     def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
 
+    def slots(self, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_rank, slot_expert) of every physical slot: what the traffic signals count with."""
+        ...
+
 
 class AlertEngine:
     """Evaluates a rule pack over per-layer windows and keeps every alert's state.
@@ -184,6 +190,9 @@ class AlertEngine:
         self.pack = pack
         self.placement = placement
         self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}
+        # the node of each expert-parallel rank, for the traffic signals (None: nodes of 8 ranks)
+        self.rank_node: np.ndarray | None = None
+        self._wire_layouts: dict[tuple[int, int], WireLayout | None] = {}
         self.baseline_loader = baseline_loader
         steps = max(pack.max_window_steps(), 1)
         if any(r.window.seconds for r in pack.rules):
@@ -258,7 +267,27 @@ class AlertEngine:
         """
         window = self._runs[run_id].history[layer].window(rule.window)
         return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer),
-                               self.rank_shares(layer, window))
+                               self.rank_shares(layer, window),
+                               self.wire_layout(layer, window) if TRAFFIC_SIGNALS.keys() & set(rule.signals) else None)
+
+    def wire_layout(self, layer: int, window: list[LayerObservation]) -> WireLayout | None:
+        """The placement of a layer with its ranks' nodes, for the traffic signals (None: no placement,
+        or one that does not fit the layer: those signals are then no data)."""
+        if self.placement is None or not window:
+            return None
+        experts = self.routed_experts.get(layer) or int(np.size(window[-1].expert_load))
+        key = (layer, experts)
+        if key not in self._wire_layouts:
+            try:
+                slot_rank, slot_expert = self.placement.slots(layer, experts)
+                ranks = int(np.asarray(self.placement.shares(layer, experts)).shape[1])
+                nodes = default_rank_node(ranks) if self.rank_node is None else self.rank_node
+                self._wire_layouts[key] = WireLayout(slot_rank, slot_expert, nodes, experts)
+            except ValueError as e:
+                log.warning("no traffic signals for layer %d: the placement does not fit its %d experts (%s)",
+                            layer, experts, e)
+                self._wire_layouts[key] = None
+        return self._wire_layouts[key]
 
     def rank_shares(self, layer: int, window: list[LayerObservation]) -> np.ndarray | None:
         """The (routed experts, ranks) shares of `placement` for a layer (None: no placement, or one that

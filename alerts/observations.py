@@ -18,6 +18,7 @@ import numpy as np
 from moescope.alerts.rules import SIGNALS, Window
 from moescope.core.records import LayerStep, StepRecord
 from moescope.metrics import signals as sig
+from moescope.metrics import traffic as wire
 
 SWITCH_ENTROPY_TOKENS = 1024
 _WHATIF = {
@@ -145,12 +146,34 @@ def _routes(observations: Sequence[LayerObservation]) -> tuple[np.ndarray, np.nd
     return np.concatenate(top1s).astype(np.int64), np.concatenate(seqs), np.concatenate(positions)
 
 
+# traffic signal -> its figure in `metrics.traffic.TrafficTally.figures`
+TRAFFIC_SIGNALS = {
+    "remote_ranks_per_token": "remote_ranks_mean",
+    "remote_nodes_per_token": "remote_nodes_mean",
+    "intra_node_share": "intra_node_share",
+}
+
+
+def _traffic(observations: Sequence[LayerObservation], layout: wire.WireLayout) -> dict | None:
+    """The window's traffic figures under `layout` (None without routes)."""
+    tally = wire.TrafficTally.for_layout(layout)
+    for o in observations:
+        if o.expert_ids is None or not len(o.expert_ids) or o.sequence is None:
+            continue
+        ids = np.asarray(o.expert_ids)
+        kept = np.ones(ids.shape, dtype=bool) if o.kept is None else np.asarray(o.kept, dtype=bool)
+        home = wire.home_ranks("sequence", layout.ranks, o.sequence, o.sequence, o.sequence)
+        tally.add(layout, home, wire.token_fanout(layout, home, ids, kept), np.zeros(len(home), dtype=np.int64))
+    return tally.figures() if tally.tokens else None
+
+
 def compute_signals(
     observations: Sequence[LayerObservation],
     names: Iterable[str] | None = None,
     baseline_load: np.ndarray | None = None,
     num_experts: int | None = None,
     rank_shares: np.ndarray | None = None,
+    wire_layout: wire.WireLayout | None = None,
 ) -> dict[str, float]:
     """Return {signal: value} over the observations (one layer, oldest first).
 
@@ -159,7 +182,10 @@ def compute_signals(
     layer's routed experts: load signals leave its zero experts out, router entropy is normalised
     by the router's whole width (`alerts.signals`' zero-expert rule); None counts every entry.
     `rank_shares` ((routed experts, ranks), `signals.replica_shares`) places the experts on
-    expert-parallel ranks for the rank signals; None: they are no data.
+    expert-parallel ranks for the rank signals; None: they are no data. `wire_layout` (the same
+    placement with its ranks' nodes, `metrics.traffic.WireLayout`) is what the traffic signals count
+    with, a token's home rank being its sequence modulo the ranks (`metrics.traffic.home_ranks`,
+    "sequence"); None, or no routes: they are no data.
     """
     wanted = set(SIGNALS if names is None else names)
     unknown = wanted - set(SIGNALS)
@@ -207,6 +233,11 @@ def compute_signals(
         out["capacity_use"] = _nanmax(o.capacity_use for o in observations)  # the fullest forward
     if "active_param_fraction" in wanted:
         out["active_param_fraction"] = _token_weighted((o.active_param_fraction, o.tokens) for o in observations)
+    if wanted & set(TRAFFIC_SIGNALS) and wire_layout is not None:
+        figures = _traffic(observations, wire_layout)
+        for name, figure in TRAFFIC_SIGNALS.items():
+            if name in wanted and figures is not None:
+                out[name] = float(figures[figure])
     route_names = {"routing_drift_rate", "switch_entropy"} | set(_WHATIF)
     if wanted & route_names:
         routes = _routes(observations)

@@ -75,6 +75,11 @@ SIGNALS: dict[str, str] = {
                          "or --placement FILE)",
     "rank_imbalance": "(max - mean)/mean slots per expert-parallel rank over the window (TensorRT-LLM's "
                       "imbalance; needs a placement)",
+    "remote_ranks_per_token": "mean distinct expert-parallel ranks other than its own a token's kept experts sit "
+                              "on (DeepEP's GPU sends per token; needs routes and a placement)",
+    "remote_nodes_per_token": "mean distinct nodes other than its own a token's kept experts sit on (RDMA sends "
+                              "per token; needs routes and a placement, nodes of --ranks-per-node ranks)",
+    "intra_node_share": "GPU sends that stay inside a node / all GPU sends (needs routes and a placement)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {

@@ -23,7 +23,7 @@ from moescope.analyses.placement import Placement, PlacementError, contiguous_la
 from moescope.metrics import traffic as wire
 from moescope.store import Store
 
-DEFAULT_RANKS_PER_NODE = 8
+DEFAULT_RANKS_PER_NODE = wire.DEFAULT_RANKS_PER_NODE
 # bytes per element of the hidden state by the model config's torch_dtype
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
 
@@ -70,8 +70,7 @@ def node_layout(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
         return wire.nodes_from_sizes(nodes)
     if ranks_per_node < 1:
         raise PlacementError(f"--ranks-per-node must be at least 1, not {ranks_per_node}")
-    full, rest = divmod(ranks, ranks_per_node)
-    return wire.nodes_from_sizes([ranks_per_node] * full + ([rest] if rest else []))
+    return wire.default_rank_node(ranks, ranks_per_node)
 
 
 def read_model_config(path: str) -> tuple[int, float]:

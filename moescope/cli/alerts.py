@@ -31,7 +31,7 @@ from moescope.alerts.outbox import (
 )
 from moescope.alerts.rules import RulesError, default_rules, load_rules
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+from moescope.cli.arguments import add_store_arguments, positive_int, store_epilog, store_location
 from moescope.core.lifecycle import GracefulStop, add_grace_period_argument
 from moescope.prometheus.rules import prometheus_rules_yaml
 from moescope.store.location import make_state_dir
@@ -146,6 +146,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     outbox = Outbox(outbox_path, notifiers)
     try:
         runner = StoreAlertRunner(location, pack, sinks=[outbox], run_ids=args.run or None, placement=placement)
+        if placement is not None:
+            from moescope.metrics.traffic import default_rank_node
+
+            runner.engine.rank_node = default_rank_node(placement.ranks, args.ranks_per_node)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         outbox.close()
@@ -353,6 +357,8 @@ def add_subcommands(subparsers) -> None:
                      "RankImbalance (or the ranks of an engine's map given with --placement)")
     run.add_argument("--placement", metavar="FILE", help="placement file for RankImbalance (docs/placement.md); "
                      "without it or --ranks, the rank signals are no data")
+    run.add_argument("--ranks-per-node", type=positive_int, default=8, metavar="G",
+                     help="consecutive ranks per node, for WideExpertDispatch's nodes (default 8)")
     run.add_argument("--interval", type=float, default=5.0, help="seconds between polls of the store (default 5)")
     run.add_argument("--once", action="store_true", help="evaluate what is there, deliver, and exit")
     run.add_argument("--webhook", action="append", default=[], metavar="[NAME=]URL",

@@ -32,6 +32,7 @@ REPLICA_RULE = ("a token's expert runs on its home rank if a copy is there, else
                 "rank of its home node holding a copy, else on copy number (home rank mod copies) of the "
                 "copies on other nodes, in rank order")
 HOME_RULES = ("recorded", "sequence", "token")
+DEFAULT_RANKS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,15 @@ def nodes_from_sizes(sizes: list[int] | tuple[int, ...]) -> np.ndarray:
     if not sizes or any(int(s) < 1 for s in sizes):
         raise ValueError(f"node sizes must be whole numbers of at least 1, got {list(sizes)}")
     return np.repeat(np.arange(len(sizes)), [int(s) for s in sizes])
+
+
+def default_rank_node(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE) -> np.ndarray:
+    """(R,) the node of each rank when consecutive ranks fill nodes of `ranks_per_node` (8, an
+    HGX/DGX server's GPUs; the last node may hold fewer). Raises ValueError for a size below 1."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks per node must be at least 1, not {ranks_per_node}")
+    full, rest = divmod(int(ranks), int(ranks_per_node))
+    return nodes_from_sizes([ranks_per_node] * full + ([rest] if rest else []))
 
 
 def home_ranks(rule: str, ranks: int, recorded: np.ndarray, sequence: np.ndarray | None,

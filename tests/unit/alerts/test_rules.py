@@ -49,6 +49,7 @@ def test_default_pack_has_the_issue_rules():
         "DroppedTokens",
         "RoutingDriftRate",
         "RankImbalance",
+        "WideExpertDispatch",
     }
     assert str(by_name["LoadBiasedAgainstUniform"].conditions[0]) == "kl_uniform > 0.5"
     assert [str(c) for c in by_name["RoutingCooldown"].conditions] == ["router_entropy < 0.25", "capacity_use > 0.95"]
