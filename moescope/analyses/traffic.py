@@ -213,6 +213,27 @@ def coselection_placement(store: Store, run_id: str, like: Placement, rank_node:
     return Placement(ranks=like.ranks, layers=layers, source="co-selection placement")
 
 
+def eplb_placement(store: Store, run_id: str, ranks: int, rank_node: np.ndarray, groups: int = 1,
+                   redundant: int = 0, tags: dict[str, str] | None = None) -> Placement:
+    """DeepSeek's EPLB (`moescope.analyses.eplb.eplb`, issue 35's what-if) fitted on the run's loads
+    (the steps carrying `tags`), on `ranks` ranks in the nodes of `rank_node` (the hierarchical
+    policy where the nodes are even and divide `groups`, else the global one). Raises
+    PlacementError for a run without loads or a shape EPLB cannot place."""
+    from moescope.analyses.eplb import eplb
+
+    totals = store.layer_totals(run_id, tags=tags)
+    if totals.empty:
+        raise PlacementError(f"run {run_id!r} recorded no expert load (under these tags) to fit EPLB on")
+    experts = {int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load) for r in totals.itertuples()}
+    if len(experts) > 1:
+        raise PlacementError(f"the run's layers have different expert counts ({sorted(experts)}); EPLB places one")
+    width = experts.pop()
+    loads = np.stack([np.asarray(r.expert_load[:width], dtype=np.float64) for r in totals.itertuples()])
+    sizes = np.bincount(rank_node)
+    nodes = len(sizes) if (sizes == sizes[0]).all() else 1
+    return eplb(loads, ranks, nodes, groups, redundant, [int(v) for v in totals.layer])
+
+
 def compare_placements(store: Store, run_id: str, placements: Mapping[str, Placement], setup: Wire,
                        tags: dict[str, str] | None = None) -> pd.DataFrame:
     """The whole run's traffic under each named placement: one row per (placement, layer) with the

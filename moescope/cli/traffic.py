@@ -17,7 +17,7 @@ examples:
   moescope traffic runs/ --ranks 16                        16 ranks in 2 nodes of 8, contiguous layout
   moescope traffic runs/ --placement eplb.yaml --nodes 8,8,4 --config model/config.json
   moescope traffic runs/ --ranks 32 --max-nodes 4          what DeepSeek-V3's 4-node limit would change
-  moescope traffic runs/ --ranks 16 --compare default,coselection --window 100 --tag phase=decode
+  moescope traffic runs/ --ranks 16 --compare default,coselection,eplb --window 100 --tag phase=decode
 
 per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
 sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
@@ -62,7 +62,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", metavar="NAMES",
                    help="also the whole run under other placements, comma-separated: default (the contiguous "
                         "layout), coselection (experts often chosen together co-located), eplb (DeepSeek's EPLB "
-                        "fitted on the run, where moescope has it), or a placement FILE")
+                        "fitted on the run's loads, see --groups, --redundant), or a placement FILE")
+    p.add_argument("--groups", type=positive_int, default=1, metavar="G",
+                   help="expert groups of the model, for --compare eplb (DeepSeek-V3: 8; default 1)")
+    p.add_argument("--redundant", type=int, default=0, metavar="N",
+                   help="redundant slots EPLB may fill with copies of hot experts, for --compare eplb (default 0)")
     p.add_argument("--window", type=positive_int, metavar="N", help="a row per window of N steps (default: the run)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
@@ -134,7 +138,8 @@ def format_comparison(frame) -> str:
     return "\n".join(lines)
 
 
-def _alternatives(names: str, store, run_id: str, placement, rank_node, tags) -> dict:
+def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, groups: int = 1,
+                  redundant: int = 0) -> dict:
     from moescope.analyses import traffic
     from moescope.analyses.placement import Placement, PlacementError
     from moescope.cli.placement import load_placement
@@ -146,27 +151,13 @@ def _alternatives(names: str, store, run_id: str, placement, rank_node, tags) ->
         elif name == "coselection":
             out["co-selection"] = traffic.coselection_placement(store, run_id, placement, rank_node, tags)
         elif name == "eplb":
-            out["EPLB"] = _eplb(store, run_id, placement, rank_node, tags)
+            out["EPLB"] = traffic.eplb_placement(store, run_id, placement.ranks, rank_node, groups, redundant, tags)
         else:
             other = load_placement(name, placement.ranks)
             if other.ranks != placement.ranks:
                 raise PlacementError(f"{name} places experts on {other.ranks} ranks, not {placement.ranks}")
             out[name] = other
     return out
-
-
-def _eplb(store, run_id: str, placement, rank_node, tags):
-    from moescope.analyses.placement import PlacementError
-
-    try:
-        from moescope.analyses import eplb  # issue 35's what-if
-    except ImportError:
-        raise PlacementError("this moescope has no EPLB what-if (moescope.analyses.eplb); compare with default "
-                             "or coselection, or give the EPLB placement as a file") from None
-    fit = getattr(eplb, "eplb_placement", None)
-    if fit is None:
-        raise PlacementError("moescope.analyses.eplb offers no eplb_placement; give the EPLB placement as a file")
-    return fit(store, run_id, placement.ranks, nodes=int(rank_node.max()) + 1, tags=tags)
 
 
 def _traffic_command(args: argparse.Namespace) -> int:
@@ -190,7 +181,8 @@ def _traffic_command(args: argparse.Namespace) -> int:
         report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
         comparison = None
         if args.compare:
-            placements = _alternatives(args.compare, store, run_id, placement, rank_node, tags)
+            placements = _alternatives(args.compare, store, run_id, placement, rank_node, tags, args.groups,
+                                       args.redundant)
             comparison = traffic.compare_placements(store, run_id, placements, setup, tags)
     print(format_report(report, run_id, args.matrix))
     if comparison is not None:

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from moescope.analyses.placement import Placement, PlacementError, read_placement
-from moescope.analyses.traffic import Wire, compare_placements, coselection_placement, node_layout, traffic_report
+from moescope.analyses.traffic import (
+    Wire,
+    compare_placements,
+    coselection_placement,
+    eplb_placement,
+    node_layout,
+    traffic_report,
+)
 from moescope.cli import main
 from moescope.store import Store
 from moescope.store.location import open_location
@@ -115,9 +122,13 @@ def test_other_placements_are_measured_the_same_way(root):
     setup = Wire(rank_node, "recorded")
     with Store(root) as store:
         coselected = coselection_placement(store, "t", Placement.contiguous(3), rank_node)
-        frame = compare_placements(store, "t", {"default": Placement.contiguous(3), "co": coselected}, setup)
-    assert set(frame.placement) == {"default", "co"} and len(frame) == 2 * LAYERS
-    for name, placement in (("default", Placement.contiguous(3)), ("co", coselected)):
+        balanced = eplb_placement(store, "t", 3, rank_node, redundant=3)  # 9 slots: three copies of hot experts
+        frame = compare_placements(store, "t", {"default": Placement.contiguous(3), "co": coselected,
+                                                "eplb": balanced}, setup)
+    assert set(frame.placement) == {"default", "co", "eplb"} and len(frame) == 3 * LAYERS
+    assert all(len(r) == 3 for r in balanced.rank_experts(0, EXPERTS))
+    assert max(np.bincount([e for r in balanced.rank_experts(0, EXPERTS) for e in r])) > 1  # copies
+    for name, placement in (("default", Placement.contiguous(3)), ("co", coselected), ("eplb", balanced)):
         for row in frame[frame.placement == name].itertuples():
             per_rank = [list(r) for r in placement.rank_experts(row.layer, EXPERTS)]
             f = brute_force(root, per_rank, "recorded", None, None)[(row.layer, None)]
@@ -138,7 +149,7 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"hidden_size": 4096, "torch_dtype": "bfloat16"}))
     code = main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--config", str(config),
-                 "--max-nodes", "1", "--compare", "default,coselection", "--matrix"])
+                 "--max-nodes", "1", "--compare", "default,coselection,eplb", "--redundant", "3", "--matrix"])
     out = capsys.readouterr().out
     assert code == 0
     with Store(root) as store:
@@ -148,6 +159,7 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert "3 ranks in 2 nodes" in out and "home ranks: recorded" in out
     assert f"remote ranks per token {row.remote_ranks_mean:.2f}" in out
     assert "node-limited routing" in out and "co-selection" in out and "default (contiguous)" in out
+    assert "EPLB" in out
     assert f"{row.busiest_link_tokens:,} tokens" in out
     assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
     assert "add up to 3" in capsys.readouterr().err
