@@ -83,6 +83,10 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
     }),
     "jitter": ("condition × layer of a jitter run", {}),
     "jitter_tokens": ("flipped token (bounded per condition and layer)", {}),
+    "placement_whatif": ("candidate placement × window × layer of a placement what-if", {
+        "candidate": "`current`, `default`, `eplb`, `load-aware`, `eplb-every-N`",
+        "rank_load": "slots per rank, a redundant expert's split by `dispatch`",
+    }),
     "alerts": ("alert transition, from every source", {
         "source": "`rules`, `health`, `trust_gate`",
         "reason": "e.g. `run ended`",

@@ -346,11 +346,14 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     if dispatch == "trtllm":
         position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
         block = position // TRTLLM_BLOCK_SLOTS
+        # the n-th slot of its expert within its (forward, rank, block): rows come in (step, rank, token)
+        # order and slots in row order, so a stable sort by (forward and rank, block, expert) keeps positions
         step = np.asarray(page.step, dtype=np.int64)[row]
-        order = np.lexsort((position, expert, block, home, step))
-        keys = np.stack([step, home, block, expert])[:, order]
+        forward = np.concatenate([[0], np.cumsum((step[1:] != step[:-1]) | (home[1:] != home[:-1]))])
+        group = (forward * (int(block.max(initial=0)) + 1) + block) * num_experts + expert
+        order = np.argsort(group, kind="stable")
         first = np.ones(order.size, dtype=bool)
-        first[1:] = (keys[:, 1:] != keys[:, :-1]).any(axis=0)
+        first[1:] = group[order][1:] != group[order][:-1]
         run_start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
         nth = np.empty(order.size, dtype=np.int64)
         nth[order] = np.arange(order.size) - run_start
@@ -411,12 +414,13 @@ REPORT_COLUMNS = ["layer", "window_start", "window_end", "steps", "tokens", "slo
 
 def placement_report(store: Store, run_id: str, placement: Placement, window_steps: int | None = None,
                      tags: dict[str, str] | None = None, top_experts: int = TOP_EXPERTS,
-                     dispatch: str | None = None, tokens: bool = True) -> PlacementReport:
+                     dispatch: str | None = None, tokens: bool = True, progress: bool = False) -> PlacementReport:
     """Per layer (and window of `window_steps` steps; None: the whole run) of the run's rows carrying
     `tags`, the load each rank of `placement` serves, a redundant expert's split by `dispatch` (None:
     the engine that recorded the run, `dispatch_of_run`). With `tokens`, the distinct tokens per rank
-    from the routes rows too. Raises PlacementError where the placement does not fit a layer of the
-    run (an expert with no slot, a slot outside the layer's experts) or for an unknown dispatch."""
+    from the routes rows too (a pass over them, layer by layer: `progress` shows a bar). Raises
+    PlacementError where the placement does not fit a layer of the run (an expert with no slot, a slot
+    outside the layer's experts) or for an unknown dispatch."""
     dispatch = _check_dispatch(dispatch or dispatch_of_run(store, run_id))
     split = DISPATCH[dispatch][0]
     totals = store.layer_totals(run_id, tags=tags)
@@ -432,8 +436,12 @@ def placement_report(store: Store, run_id: str, placement: Placement, window_ste
         rank += r.tolist()
         share += shares[e, r].tolist()
     loads = store.rank_loads(run_id, layer, expert, rank, share, window_steps, tags, top_experts)
+    from tqdm import tqdm
+
+    layers = tqdm(experts_of.items(), desc="tokens per rank", unit="layer", disable=not (tokens and progress),
+                  leave=False)
     routed = {lay: rank_tokens(store, run_id, placement, lay, experts, dispatch, window_steps, tags)
-              for lay, experts in experts_of.items()} if tokens else {}
+              for lay, experts in layers} if tokens else {}
     rows = []
     for (lay, start), group in loads.groupby(["layer", "window_start"], sort=True, dropna=False):
         rank_slots = np.zeros(placement.ranks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, positive_int, store_epilog, store_location
@@ -165,7 +166,8 @@ def _placement_command(args: argparse.Namespace) -> int:
     location = store_location(args)
     with Store(location) as store:
         run_id = store.check_run(args.run)
-        report = placement_report(store, run_id, placement, args.window, tags, args.top, args.dispatch)
+        report = placement_report(store, run_id, placement, args.window, tags, args.top, args.dispatch,
+                                  progress=sys.stderr.isatty())
         print(format_report(report, run_id))
         if not args.whatif:
             return 0

@@ -228,14 +228,22 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
     if row.size == 0:
         return tokens, slots
     entry_group = np.zeros(row.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[row]
-    np.add.at(slots, (entry_group, rank), prob)
-    keys, inverse = np.unique(row * ranks + rank, return_inverse=True)
-    certain = np.bincount(inverse, weights=(prob >= 1.0).astype(np.float64), minlength=keys.size) > 0
-    missed = np.bincount(inverse, weights=np.log1p(-np.minimum(prob, 1.0 - 1e-12)), minlength=keys.size)
-    token = np.where(certain, 1.0, -np.expm1(missed))
-    key_row, key_rank = keys // ranks, keys % ranks
-    key_group = np.zeros(keys.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[key_row]
-    np.add.at(tokens, (key_group, key_rank), token)
+    slots += np.bincount(entry_group * ranks + rank, weights=prob, minlength=groups * ranks).reshape(groups, ranks)
+    key = row * ranks + rank
+    if (int(row.max()) + 1) * ranks <= 4 * row.size:  # few (token, rank) cells: counted without a sort
+        keys = np.arange((int(row.max()) + 1) * ranks)
+        cell = key
+    else:
+        keys, cell = np.unique(key, return_inverse=True)
+    cells = keys.size
+    certain = np.bincount(cell, weights=(prob >= 1.0).astype(np.float64), minlength=cells) > 0
+    missed = np.bincount(cell, weights=np.log1p(-np.minimum(prob, 1.0 - 1e-12)), minlength=cells)
+    present = np.bincount(cell, minlength=cells) > 0
+    token = np.where(certain, 1.0, np.where(present, -np.expm1(missed), 0.0))
+    cell_row, cell_rank = keys // ranks, keys % ranks
+    cell_group = np.zeros(cells, dtype=np.int64) if row_group is None else np.asarray(row_group)[cell_row]
+    tokens += np.bincount(cell_group * ranks + cell_rank, weights=token,
+                          minlength=groups * ranks).reshape(groups, ranks)
     return tokens, slots
 
 
