@@ -21,7 +21,7 @@ from moescope.analyses.placement import (
     placement_report,
     placement_whatif,
 )
-from moescope.dashboard import common, data
+from moescope.dashboard import common, data, traffic_charts
 from moescope.dashboard import figures as fg
 from moescope.metrics import signals
 from moescope.store import Store
@@ -134,3 +134,4 @@ with common.guard():
                    or "even")
     load_per_rank(ctx, ranks, dispatch)
     over_time_and_before_after(ctx, ranks, window, dispatch)
+    traffic_charts.section(ctx, ranks)  # what the placement costs on the wire (issue 43)

@@ -38,7 +38,7 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     at.number_input(key="pl_ranks").set_value(2).run()
     assert_clean(at)
     charts = at.get("plotly_chart")
-    assert len(charts) == 3
+    assert len(charts) == 5  # and the traffic section's two (tests/unit/dashboard/test_traffic_charts.py)
     heatmap = json.loads(charts[0].proto.spec)["data"][0]
     rows = _layer_steps(recorded["root"], run_id)
     for column, layer in enumerate(heatmap["x"]):
