@@ -368,24 +368,30 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     return _expand(row, expert, placement.shares(layer, num_experts, "even" if dispatch == "sglang-static" else split))
 
 
-def rank_tokens(store: Store, run_id: str, placement: Placement, layer: int, num_experts: int, dispatch: str,
-                window_steps: int | None = None, tags: dict[str, str] | None = None) -> dict:
-    """{window_start (None: the run): (tokens [R], slots [R])} of one layer from its routes rows: the
-    distinct tokens and the slots each rank serves (`signals.expected_rank_tokens`). Empty without routes."""
-    out: dict = {}
+def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Mapping[int, int], dispatch: str,
+                window_steps: int | None = None, tags: dict[str, str] | None = None,
+                progress: bool = False) -> dict[int, dict]:
+    """{layer: {window_start (None: the run): (tokens [R], slots [R])}} from the routes rows of the
+    layers in `experts_of` ({layer: its routed experts}): the distinct tokens and the slots each rank
+    serves (`signals.expected_rank_tokens`). Empty without routes; `progress` shows a bar."""
+    from tqdm import tqdm
+
+    out: dict[int, dict] = {}
     ranks = placement.ranks
-    homes_known: bool | None = None
-    for page in store.routes_in_order(run_id, layer, tags=tags):
-        if homes_known is None:  # the rows' ranks are the expert-parallel ranks when as many recorded
-            homes_known = ranks > 1 and int(store.step_totals(run_id).get("ranks") or 0) == ranks
-        row, rank, prob = slot_ranks(page, placement, layer, num_experts, dispatch, homes_known)
+    # the rows' ranks are the expert-parallel ranks when as many ranks recorded the run
+    homes_known = ranks > 1 and int(store.step_totals(run_id).get("ranks") or 0) == ranks
+    bar = tqdm(total=len(experts_of), desc="tokens per rank", unit="layer", disable=not progress, leave=False)
+    for layer, page in store.routes_by_layer(run_id, tags):
+        bar.update()
+        if layer not in experts_of:
+            continue
+        row, rank, prob = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
         windows = np.zeros(len(page.step), dtype=np.int64) if window_steps is None else page.step // window_steps
         starts, group = np.unique(windows, return_inverse=True)
         tokens, slots = signals.expected_rank_tokens(row, rank, prob, ranks, group, len(starts))
-        for i, start in enumerate(starts):
-            key = None if window_steps is None else int(start) * window_steps
-            t, s = out.get(key, (np.zeros(ranks), np.zeros(ranks)))
-            out[key] = (t + tokens[i], s + slots[i])
+        out[layer] = {None if window_steps is None else int(start) * window_steps: (tokens[i], slots[i])
+                      for i, start in enumerate(starts)}
+    bar.close()
     return out
 
 
@@ -436,12 +442,8 @@ def placement_report(store: Store, run_id: str, placement: Placement, window_ste
         rank += r.tolist()
         share += shares[e, r].tolist()
     loads = store.rank_loads(run_id, layer, expert, rank, share, window_steps, tags, top_experts)
-    from tqdm import tqdm
-
-    layers = tqdm(experts_of.items(), desc="tokens per rank", unit="layer", disable=not (tokens and progress),
-                  leave=False)
-    routed = {lay: rank_tokens(store, run_id, placement, lay, experts, dispatch, window_steps, tags)
-              for lay, experts in layers} if tokens else {}
+    routed = rank_tokens(store, run_id, placement, experts_of, dispatch, window_steps, tags,
+                         progress) if tokens else {}
     rows = []
     for (lay, start), group in loads.groupby(["layer", "window_start"], sort=True, dropna=False):
         rank_slots = np.zeros(placement.ranks)
