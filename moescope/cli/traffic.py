@@ -125,6 +125,8 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
         if matrix:
             lines.append("  tokens from home rank (rows) to rank (columns):")
             lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.rank_matrix]
+            lines.append("  summed over nodes, from node (rows) to node (columns):")
+            lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.node_matrix]
     return "\n".join(lines)
 
 

@@ -161,5 +161,7 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert "node-limited routing" in out and "co-selection" in out and "default (contiguous)" in out
     assert "EPLB" in out
     assert f"{row.busiest_link_tokens:,} tokens" in out
+    node_rows = out.split("summed over nodes, from node (rows) to node (columns):\n")[1].splitlines()[:2]
+    assert [[int(v.replace(",", "")) for v in line.split()] for line in node_rows] == row.node_matrix.tolist()
     assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
     assert "add up to 3" in capsys.readouterr().err
