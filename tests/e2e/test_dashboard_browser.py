@@ -61,7 +61,8 @@ pytestmark = pytest.mark.integration
 
 PAGES = [("", "Overview", 5), ("heatmaps", "Heatmaps", 3), ("cache", "Expert cache", 1),
          ("clusters", "Semantic clusters", 3), ("drift", "Drift and alerts", 3), ("health", "Expert health", 0),
-         ("training", "Training", 0), ("compare", "Compare", 3), ("jitter", "Routing jitter", 0)]
+         ("training", "Training", 0), ("compare", "Compare", 3), ("jitter", "Routing jitter", 0),
+         ("placement", "Placement", 3)]
 SCREENSHOTS = os.environ.get("MOESCOPE_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
 
 
