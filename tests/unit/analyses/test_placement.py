@@ -384,3 +384,14 @@ def test_routes_by_layer_reads_each_layer_whole_in_recording_order(root, max_row
         assert page.token.tolist() == [r["token"] for r in rows]
         assert page.expert_ids.tolist() == [r["expert_ids"] for r in rows]
         assert page.kept.tolist() == [r["kept"] for r in rows]
+
+
+def test_the_command_offers_every_engines_dispatch(capsys):
+    from moescope.analyses.placement import DISPATCH
+    from moescope.cli.placement import DISPATCH_NAMES
+
+    assert DISPATCH_NAMES == tuple(DISPATCH)  # the parser's choices (it imports no analysis) are the rules
+    with pytest.raises(SystemExit):
+        main(["placement", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--whatif" in help_text and "--rebalance-every" in help_text and "examples:" in help_text
