@@ -17,6 +17,7 @@ from moescope.analyses.placement import (
     DISPATCH,
     ENGINE_OF_SOURCE,
     Placement,
+    PlacementError,
     WhatIfSetup,
     placement_report,
     placement_whatif,
@@ -50,10 +51,14 @@ def _whatif(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
         first = stored.iloc[0]
         return rows, summary, (f"stored by `moescope placement --whatif --save` ({int(first.ranks)} ranks, "
                                f"{int(first.redundant)} redundant, dispatch {first.dispatch})")
-    report = placement_whatif(store, run_id, window, WhatIfSetup(ranks=ranks, redundant=0, rebalance_every=1),
+    totals = store.layer_totals(run_id, tags=tags)
+    experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
+                   for r in totals.itertuples()), default=ranks)
+    redundant = -experts % ranks  # the fewest extra slots that split evenly over the ranks, as EPLB needs
+    report = placement_whatif(store, run_id, window, WhatIfSetup(ranks=ranks, redundant=redundant, rebalance_every=1),
                               tags=tags, dispatch=dispatch)
-    return report.rows, report.summary, (f"computed here: {ranks} ranks, no redundant slot, fitted on the first "
-                                         f"window of {window} steps")
+    return report.rows, report.summary, (f"computed here: {ranks} ranks, {redundant} redundant slot(s), fitted on "
+                                         f"the first window of {window} steps")
 
 
 @st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
@@ -132,6 +137,9 @@ with common.guard():
     dispatch = str(c.selectbox("Redundant copies split as", list(DISPATCH), key=DISPATCH_KEY,
                                help="How the engine picks a copy of a replicated expert (docs/placement.md).")
                    or "even")
-    load_per_rank(ctx, ranks, dispatch)
-    over_time_and_before_after(ctx, ranks, window, dispatch)
+    try:
+        load_per_rank(ctx, ranks, dispatch)
+        over_time_and_before_after(ctx, ranks, window, dispatch)
+    except PlacementError as e:  # a run this placement cannot describe: say what, draw what was drawn
+        st.warning(f"The placement does not fit this run: {e}")
     traffic_charts.section(ctx, ranks)  # what the placement costs on the wire (issue 43)

@@ -39,7 +39,7 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     assert_clean(at)
     charts = at.get("plotly_chart")
     assert len(charts) == 5  # and the traffic section's two (tests/unit/dashboard/test_traffic_charts.py)
-    heatmap = json.loads(charts[0].proto.spec)["data"][0]
+    heatmap = json.loads(next(c for c in charts if c.key == "pl_heatmap").proto.spec)["data"][0]
     rows = _layer_steps(recorded["root"], run_id)
     for column, layer in enumerate(heatmap["x"]):
         load = np.sum([np.asarray(v) for v in rows[rows.layer == int(layer)].expert_load], axis=0)
@@ -59,3 +59,13 @@ def test_placement_page_shows_a_stored_whatif(monkeypatch, recorded, tmp_path):
     at = open_page(app_for(monkeypatch, root), "views/placement.py")
     assert_clean(at)
     assert any("stored by `moescope placement --whatif --save` (2 ranks" in c.value for c in at.caption)
+
+
+def test_placement_page_fits_eplb_when_the_ranks_do_not_divide_the_experts(monkeypatch, recorded):
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
+    at.number_input(key="pl_ranks").set_value(3).run()
+    assert_clean(at)
+    assert not at.warning, [w.value for w in at.warning]
+    assert {"pl_heatmap", "pl_over_time", "pl_before_after"} <= {c.key for c in at.get("plotly_chart")}
+    experts = int(_layer_steps(recorded["root"], recorded["runs"][-1]).expert_load.map(len).max())
+    assert any(f"3 ranks, {-experts % 3} redundant slot(s)" in c.value for c in at.caption)
