@@ -80,6 +80,13 @@ SIGNALS: dict[str, str] = {
     "remote_nodes_per_token": "mean distinct nodes other than its own a token's kept experts sit on (RDMA sends "
                               "per token; needs routes and a placement, nodes of --ranks-per-node ranks)",
     "intra_node_share": "GPU sends that stay inside a node / all GPU sends (needs routes and a placement)",
+    # measured once per check by `moescope mismatch` (alerts/mismatch_rules.yaml), not over a window of
+    # recorded steps: on a run's steps these are no data and a rule on them never fires
+    "mismatch_decision_share": "(token, layer) pairs whose expert set an engine and the reference choose "
+                               "differently / pairs compared, per layer (moescope mismatch)",
+    "mismatch_token_share": "tokens whose expert set differs in at least one layer / tokens compared "
+                            "(moescope mismatch; R3's figure, the same for every layer)",
+    "mismatch_pairs": "(token, layer) pairs the mismatch check compared in the layer (guards against small samples)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {
@@ -566,6 +573,17 @@ def load_rules(path: str | os.PathLike) -> RulePack:
 
 def default_rules_text() -> str:
     return resources.files("moescope.alerts").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+
+
+def mismatch_rules() -> RulePack:
+    """The rule pack `moescope mismatch` judges its results with, shipped in alerts/mismatch_rules.yaml
+    (each rule there says why its threshold is what it is).
+
+    Returns:
+        The rule pack.
+    """
+    text = resources.files("moescope.alerts").joinpath("mismatch_rules.yaml").read_text(encoding="utf-8")
+    return parse_rules(text, source="alerts/mismatch_rules.yaml")
 
 
 def default_rules() -> RulePack:

@@ -47,6 +47,7 @@ PAGES = [
     st.Page("views/training.py", title="Training", url_path="training"),
     st.Page("views/compare.py", title="Compare", url_path="compare"),
     st.Page("views/jitter.py", title="Routing jitter", url_path="jitter"),
+    st.Page("views/mismatch.py", title="Engine vs reference", url_path="mismatch"),
 ]
 navigation = st.navigation(PAGES)
 if navigation is HOME and get_script_run_ctx() is not None:  # not in a bare import of this file

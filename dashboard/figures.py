@@ -684,6 +684,43 @@ def jitter_margin_figure(rows: pd.DataFrame, title: str = "") -> go.Figure:
     return _layout(fig, title or "Where the flips sit: top-k margin", barmode="group")
 
 
+# -- engine vs reference (moescope.analyses.mismatch) --------------------------------------------
+
+MISMATCH_FIGURES = {  # `Store.mismatch_layers` column -> what it shows
+    "set_changed_fraction": "expert set differs (% of (token, layer) pairs)",
+    "top1_changed_fraction": "top-1 expert differs (% of pairs)",
+    "slots_changed_fraction": "experts that differ (% of the pairs' k slots)",
+}
+
+
+def mismatch_heatmap(rows: pd.DataFrame, column: str = "set_changed_fraction") -> go.Figure:
+    """Group x layer heatmap of one `Store.mismatch_layers` fraction (MISMATCH_FIGURES), in percent:
+    a row per group (the whole run, each position bucket, each tag) in the query's order, a column per
+    MoE layer and one for every layer together; the hover adds the pairs compared and, on the
+    every-layer column, the share of tokens that differ in at least one layer."""
+    if rows.empty:
+        return empty_figure("no engine-vs-reference mismatch measured in this run")
+    names = [f"{g}: {n}" if g != "all" else "whole run" for g, n in zip(rows.grouping, rows.group_name)]
+    groups = list(dict.fromkeys(names))
+    layers = sorted(int(v) for v in rows.layer.dropna().unique())
+    columns = [str(v) for v in layers] + ["every layer"]
+    z = np.full((len(groups), len(columns)), np.nan)
+    text = np.full(z.shape, "", dtype=object)
+    for name, row in zip(names, rows.itertuples()):
+        every = pd.isna(row.layer)
+        i, j = groups.index(name), len(columns) - 1 if every else layers.index(int(row.layer))
+        z[i, j] = getattr(row, column) * 100
+        share = f"; {row.tokens_set_changed_fraction:.2%} of {int(row.tokens):,} tokens differ in ≥1 layer"
+        text[i, j] = f"{int(row.pairs):,} pairs" + (share if every else "")
+    fig = go.Figure(go.Heatmap(
+        z=z, x=columns, y=groups, colorscale="Reds", zmin=0, customdata=text, colorbar={"title": "%"},
+        hovertemplate="%{y}, layer %{x}: %{z:.3g}%<br>%{customdata}<extra></extra>"))
+    fig.update_xaxes(title="MoE layer", type="category")
+    fig.update_yaxes(title="group", autorange="reversed", type="category")
+    return _layout(fig, f"Engine vs reference: {MISMATCH_FIGURES.get(column, column)}",
+                   height=max(HEIGHT, 60 + 28 * len(groups)))
+
+
 # -- placement (moescope.analyses.placement) ---------------------------------------------------
 
 def rank_layer_heatmap(layers: pd.DataFrame, ranks: int) -> go.Figure:

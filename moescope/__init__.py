@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "attach": "moescope.attachment",
     "jitter": "moescope.analyses.jitter",
+    "mismatch": "moescope.analyses.mismatch",
     "HealthSampling": "moescope.probe",
     "MoESpec": "moescope.probe",
     "NoMoELayersError": "moescope.probe",
@@ -30,10 +31,11 @@ _EXPORTS = {
 }
 
 __all__ = ["HealthSampling", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording",
-           "Store", "StoreError", "attach", "jitter"]
+           "Store", "StoreError", "attach", "jitter", "mismatch"]
 
 if TYPE_CHECKING:
     from moescope.analyses.jitter import jitter
+    from moescope.analyses.mismatch import mismatch
     from moescope.attachment import attach
     from moescope.probe import (
         HealthSampling,

@@ -25,6 +25,7 @@ from moescope.store.schema import SCHEMAS
 
 MAX_BUCKETS = 240  # points on a step axis; more steps than this are summed into buckets
 MAX_TOKENS_LISTED = 500
+MAX_ENGINE_ROUTES = 50_000_000  # routes rows one mismatch check reads (a (token, layer) pair each)
 MAX_SAMPLE = 5000
 MAX_TABLE_ROWS = 5000
 MAX_TAG_ROWS = 262144
@@ -514,6 +515,52 @@ class ReportQueries:
         return self.sql(f"""
             SELECT * EXCLUDE (run_id, rank) FROM jitter_tokens WHERE {clause}
             ORDER BY topk_margin, condition, layer, sequence, position LIMIT ?""", [*params, limit])
+
+    # -- engine vs reference routing (moescope.analyses.mismatch) ----------------------------------
+
+    def engine_routes(self, run_id: str, max_rows: int = MAX_ENGINE_ROUTES) -> pa.Table:
+        """A run's routes as an engine recorded them, for re-running its tokens: step, rank,
+        sequence, position, layer, token_id (null where not recorded), expert_ids (list, the
+        engine's slot order), tags; ordered by step, rank, sequence, position, layer; at most
+        `max_rows` rows (the first ones in that order). Empty for a run without routes."""
+        return self.arrow("""
+            SELECT step, rank, sequence, position, layer, token_id, expert_ids, tags FROM routes
+            WHERE run_id = ? ORDER BY step, rank, sequence, position, layer LIMIT ?""", [run_id, int(max_rows)])
+
+    def mismatch_layers(self, run_id: str, grouping: str | None = None) -> pd.DataFrame:
+        """A mismatch run's figures, one row per (group, layer) (layer null: every layer together),
+        in group order then layer order, every layer last: the `mismatch` columns but run_id, ts
+        and rank, and set_changed_fraction, top1_changed_fraction (of pairs), slots_changed_fraction
+        (of the pairs' k slots) and tokens_set_changed_fraction, tokens_top1_changed_fraction (of
+        tokens: R3's share of tokens differing in at least one layer). `grouping` ("all",
+        "position", "tag") keeps one kind of group. Empty for a run without mismatch rows."""
+        clause, params = "run_id = ?", [run_id]
+        if grouping is not None:
+            clause, params = f"{clause} AND grouping = ?", [*params, str(grouping)]
+        return self.sql(f"""
+            SELECT * EXCLUDE (run_id, ts, rank),
+                   set_changed / nullif(pairs, 0) AS set_changed_fraction,
+                   top1_changed / nullif(pairs, 0) AS top1_changed_fraction,
+                   slots_changed / nullif(pairs * top_k, 0) AS slots_changed_fraction,
+                   tokens_set_changed / nullif(tokens, 0) AS tokens_set_changed_fraction,
+                   tokens_top1_changed / nullif(tokens, 0) AS tokens_top1_changed_fraction
+            FROM mismatch WHERE {clause}
+            ORDER BY CASE grouping WHEN 'all' THEN 0 WHEN 'position' THEN 1 ELSE 2 END, group_order, group_name,
+                     layer NULLS LAST""", params)
+
+    def mismatch_tokens(self, run_id: str, layer: int | None = None, limit: int = MAX_TOKENS_LISTED,
+                        set_changed: bool | None = None) -> pd.DataFrame:
+        """A mismatch run's listed (token, layer) pairs (engine and reference differ), of one layer
+        where given, only those whose set changed (True) or did not (False, top-1 alone) where
+        given, at most `limit` (capped at MAX_TOKENS_LISTED), narrowest reference margin first: the
+        `mismatch_tokens` columns but run_id and rank."""
+        clause, params = where(run_id, layer)
+        if set_changed is not None:
+            clause, params = f"{clause} AND set_changed = ?", [*params, bool(set_changed)]
+        limit = max(1, min(int(limit), MAX_TOKENS_LISTED))
+        return self.sql(f"""
+            SELECT * EXCLUDE (run_id, rank) FROM mismatch_tokens WHERE {clause}
+            ORDER BY topk_margin, layer, step, engine_rank, sequence, position LIMIT ?""", [*params, limit])
 
     # -- tables written by the alerts side and the dashboard -------------------------------------
 

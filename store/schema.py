@@ -173,6 +173,40 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("baseline_weights", pa.list_(pa.float32())), ("condition_weights", pa.list_(pa.float32())),
         ("context_ids", pa.list_(pa.int64())), ("context_start", pa.int32()), ("rank", pa.int32()),
     ]),
+    # -- engine vs reference routing (moescope.analyses.mismatch): an engine run's tokens re-run --
+    # One row per (group, layer) of a mismatch run: the engine run's (token, layer) routing compared
+    # with a reference model's on the same token ids. grouping "all" (group_name "all"), "position"
+    # (group_name a position bucket such as "64-127") or "tag" (group_name "key=value" of the engine's
+    # steps); layer null: every layer together. pairs: (token, layer) pairs compared; tokens:
+    # tokens compared; set_changed / top1_changed: pairs whose expert set / top-1 differ;
+    # slots_changed: experts of the engine's k not among the reference's, summed over pairs;
+    # tokens_set_changed / tokens_top1_changed: tokens that differ in at least one layer (R3's
+    # figure); changed_by_count: pairs with 0..k experts differing; the reference's top-k margin
+    # (margin_kind "logit") per bin of margin_edges for pairs whose set changed and the rest;
+    # listed: rows of mismatch_tokens; engine_run, top_k, reference_dtype as run.
+    "mismatch": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("engine_run", pa.string()), ("grouping", pa.string()),
+        ("group_name", pa.string()), ("group_order", pa.int32()), ("layer", pa.int32()), ("pairs", pa.int64()),
+        ("tokens", pa.int64()), ("set_changed", pa.int64()), ("top1_changed", pa.int64()),
+        ("slots_changed", pa.int64()), ("tokens_set_changed", pa.int64()), ("tokens_top1_changed", pa.int64()),
+        ("changed_by_count", pa.list_(pa.int64())), ("margin_kind", pa.string()),
+        ("margin_edges", pa.list_(pa.float64())), ("changed_by_margin", pa.list_(pa.int64())),
+        ("unchanged_by_margin", pa.list_(pa.int64())), ("listed", pa.int64()), ("top_k", pa.int32()),
+        ("reference_dtype", pa.string()), ("rank", pa.int32()),
+    ]),
+    # One row per (token, layer) of a mismatch run whose expert set or top-1 differs between the
+    # engine and the reference (at most a bounded number per layer; `mismatch.listed` says how
+    # many): step, engine_rank and sequence name the engine's sequence, position the token's in it;
+    # margins from the reference's logits; both expert lists in slot order (the reference's gate
+    # weights beside its ids); context_ids the sequence's tokens from context_start.
+    "mismatch_tokens": pa.schema([
+        ("run_id", pa.string()), ("layer", pa.int32()), ("step", pa.int64()), ("engine_rank", pa.int32()),
+        ("sequence", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()), ("set_changed", pa.bool_()),
+        ("top1_changed", pa.bool_()), ("slots_changed", pa.int32()), ("topk_margin", pa.float64()),
+        ("top1_margin", pa.float64()), ("reference_ids", pa.list_(pa.int32())), ("engine_ids", pa.list_(pa.int32())),
+        ("reference_weights", pa.list_(pa.float32())), ("context_ids", pa.list_(pa.int64())),
+        ("context_start", pa.int32()), ("rank", pa.int32()),
+    ]),
     # -- placement what-if (moescope.analyses.placement.placement_whatif, `moescope placement --whatif --save`) --
     # One row per (candidate placement, window, layer): the slots each rank would have served
     # (rank_load, a redundant expert's split by `dispatch`), their balancedness (mean / max) and

@@ -288,7 +288,7 @@ def _dense(ids: np.ndarray, values: np.ndarray | None, slots: int) -> np.ndarray
     return out
 
 
-def _top1(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def top1_expert(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Of each token's chosen experts, the one with the highest router logit (a tie, as bfloat16 rounds
     logits together, goes to the earlier slot: the router's own order)."""
     return ids[np.arange(len(ids)), np.take_along_axis(logits, ids, axis=1).argmax(axis=1)]
@@ -324,7 +324,7 @@ def compare_layer(base: LayerRouting, other: LayerRouting, top_k: int) -> dict[s
     slots = base.logits.shape[1]
     set_changed = (_dense(base.ids, None, slots) != _dense(other.ids, None, slots)).any(axis=1)
     kept_changed = (_kept_mask(base, slots) != _kept_mask(other, slots)).any(axis=1)
-    top1_changed = _top1(base.logits, base.ids) != _top1(other.logits, other.ids)
+    top1_changed = top1_expert(base.logits, base.ids) != top1_expert(other.logits, other.ids)
     weight_change = np.abs(_dense(base.ids, base.weights, slots) - _dense(other.ids, other.weights, slots))
     topk_margin, top1_margin = margins(base.logits, top_k)
     return dict(tokens=len(base.ids), set_changed=set_changed, top1_changed=top1_changed, kept_changed=kept_changed,
@@ -409,7 +409,9 @@ def token_inputs(inputs: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor,
     return encoded
 
 
-def _pad_id(model: nn.Module, tokenizer: Any) -> int:
+def pad_id(model: nn.Module, tokenizer: Any = None) -> int:
+    """The id a padded batch fills its pad slots with: the tokenizer's or config's pad token, else their
+    end-of-sequence token, else 0 (a pad slot is masked out; its id only changes how it routes)."""
     config = getattr(model, "config", None)
     for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None),
                   getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
@@ -490,8 +492,8 @@ def jitter(model: nn.Module, inputs: Sequence[str] | Sequence[Sequence[int]] | t
     plan = plan_conditions(conditions, len(ids), batch_size, other_batch_size, dtypes, attn)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model_dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
-    pad_id = _pad_id(model, tokenizer)
-    runs, skipped = _run_conditions(model, layers, ids, plan, pad_id, device, progress)
+    pad = pad_id(model, tokenizer)
+    runs, skipped = _run_conditions(model, layers, ids, plan, pad, device, progress)
     report = _compare_conditions(model, layers, ids, plan, runs, skipped, max_listed, model_dtype, attn)
     if store is not None:
         report.run_id = write_report(store, report, model, layers, run_id, tags, new_run=new_run)

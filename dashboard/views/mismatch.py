@@ -1,0 +1,110 @@
+"""Engine vs reference: did the trainer's model route an engine's tokens the way the engine did? The
+results of `moescope mismatch` / `moescope.mismatch(model, store=..., run=...)`, a run of their own
+(`Store.mismatch_layers`, `Store.mismatch_tokens`)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from moescope.analyses.jitter import expert_change
+from moescope.dashboard import common, data
+from moescope.dashboard import figures as fg
+from moescope.store.store import Store
+
+FIGURE, LAYER, ONLY_SETS = "mm_figure", "mm_layer", "mm_only_sets"  # page-only session keys
+EVERY_LAYER = "every layer"
+TOKENS_SHOWN = 200
+
+st.title("Engine vs reference")
+ctx = common.page_context()
+if ctx is None:
+    st.stop()
+
+
+@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
+def mismatch_layers(root: str, version: str, run_id: str) -> pd.DataFrame:
+    return data.with_store(root, version, Store.mismatch_layers, run_id)
+
+
+@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
+def mismatch_tokens(root: str, version: str, run_id: str, layer: int | None, only_sets: bool) -> pd.DataFrame:
+    return data.with_store(root, version, lambda store: store.mismatch_tokens(
+        run_id, layer, TOKENS_SHOWN, True if only_sets else None))
+
+
+with common.guard():
+    rows = mismatch_layers(ctx.root, ctx.version, ctx.run_id)
+    if rows.empty:
+        st.info("No engine-vs-reference mismatch measured in this run. Measure it with `moescope mismatch STORE "
+                "--run ENGINE_RUN --model MODEL` or `moescope.mismatch(model, store=..., run=...)` on a run of an "
+                "engine (`moescope import vllm|sglang`, `moescope proxy`); each check is a run of its own: pick it "
+                "in the sidebar.")
+        st.stop()
+    overall = rows[(rows.grouping == "all") & rows.layer.isna()].iloc[0]
+    engine_run = str(overall.engine_run)
+    st.caption(f"Engine run `{engine_run}` re-run through the reference model ({overall.reference_dtype}); "
+               f"top-{int(overall.top_k)}.")
+    first, second, third, fourth = st.columns(4)
+    first.metric("Decisions that differ", f"{overall.set_changed_fraction:.2%}",
+                 help="(token, layer) pairs whose expert set differs, of every pair compared (R3: about 10%)")
+    second.metric("Tokens differing in ≥ 1 layer", f"{overall.tokens_set_changed_fraction:.2%}",
+                  help="tokens whose expert set differs in at least one MoE layer (R3's figure: 94%)")
+    third.metric("Top-1 differs", f"{overall.top1_changed_fraction:.2%}", help="of the pairs compared")
+    fourth.metric("Compared", f"{int(overall.tokens):,} tokens",
+                  help=f"{int(overall.pairs):,} (token, layer) pairs")
+
+    figure = st.selectbox("Figure", list(fg.MISMATCH_FIGURES), format_func=lambda name: fg.MISMATCH_FIGURES[name],
+                          key=FIGURE)
+    st.plotly_chart(fg.mismatch_heatmap(rows, str(figure)), key="mm_heatmap")
+    every = rows[rows.layer.isna()]
+    st.dataframe(pd.DataFrame({
+        "group": [n if g == "all" else f"{g}: {n}" for g, n in zip(every.grouping, every.group_name)],
+        "tokens": every.tokens, "pairs": every.pairs,
+        "set differs %": (every.set_changed_fraction * 100).round(3),
+        "top-1 differs %": (every.top1_changed_fraction * 100).round(3),
+        "experts differ %": (every.slots_changed_fraction * 100).round(3),
+        "tokens differing in ≥1 layer %": (every.tokens_set_changed_fraction * 100).round(3)}),
+        hide_index=True, key="mm_groups")
+    st.caption("A (token, layer) pair is the engine's routing of one token in one MoE layer, compared with the "
+               "reference's on the same token ids and position ids. Its *set* differs when the k experts differ, "
+               "its *top-1* when the engine's first slot is not the reference's chosen expert of highest router "
+               "logit; *experts differ* counts the engine's experts the reference did not choose, of k per pair. "
+               "Position buckets group tokens by their position in the sequence; tags are the engine's.")
+
+    st.subheader("Where the flips sit")
+    layers = [EVERY_LAYER, *sorted(int(v) for v in rows.layer.dropna().unique())]
+    if st.session_state.get(LAYER) not in layers:
+        st.session_state[LAYER] = EVERY_LAYER
+    chosen = st.selectbox("MoE layer", layers, key=LAYER)
+    layer = None if chosen == EVERY_LAYER or chosen is None else int(chosen)
+    picked = rows[(rows.grouping == "all") & (rows.layer.isna() if layer is None else rows.layer == layer)]
+    st.plotly_chart(fg.jitter_margin_figure(picked, f"{'every layer' if layer is None else f'layer {layer}'}: "
+                                                    "the reference's top-k margin of (token, layer) pairs whose "
+                                                    "set differs and of the rest"), key="mm_margin_chart")
+    st.caption("The margin is the reference's k-th largest router logit minus its (k+1)-th. Pairs that differ at "
+               "tiny margins are rounding (another dtype or kernel); pairs that differ at wide margins mean the two "
+               "stacks computed different hidden states (an earlier layer's flip, another attention kernel, "
+               "positions fed differently).")
+
+    st.subheader("Tokens that differ")
+    only_sets = st.checkbox("Expert set differs (leave out pairs where only the top-1 differs)", key=ONLY_SETS)
+    tokens = mismatch_tokens(ctx.root, ctx.version, ctx.run_id, layer, bool(only_sets))
+    if tokens.empty:
+        st.info("No token routed differently" + ("" if layer is None else f" in layer {layer}") + ".")
+        st.stop()
+    tokenizer = ctx.settings.tokenizer
+    texts = data.token_texts(tokens.token_id, tokenizer)
+    contexts = [data.context_text(ids, list(range(int(start), int(start) + len(ids))), int(position), tokenizer)
+                for ids, start, position in zip(tokens.context_ids, tokens.context_start, tokens.position)]
+    st.dataframe(pd.DataFrame({
+        "layer": tokens.layer, "step": tokens.step, "sequence": tokens.sequence, "position": tokens.position,
+        "token": texts, "in context": contexts, "reference top-k margin": tokens.topk_margin,
+        "set differs": tokens.set_changed, "top-1 differs": tokens.top1_changed,
+        "experts differ": tokens.slots_changed,
+        "reference → engine": [expert_change(a, b, "→") for a, b in zip(tokens.reference_ids, tokens.engine_ids)]}),
+        hide_index=True, key="mm_tokens")
+    listed = int(overall.listed)
+    st.caption(f"Narrowest margin first: {len(tokens)} of the {listed:,} pairs the check listed (it keeps a bounded "
+               "number per layer). The token is between « »; step and sequence name the engine's request"
+               + ("." if tokenizer else "; start the dashboard with `--tokenizer DIR` to see text instead of ids."))

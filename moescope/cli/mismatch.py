@@ -1,0 +1,291 @@
+"""`moescope mismatch STORE --run ENGINE_RUN --model MODEL`: engine vs reference routing
+(`moescope.analyses.mismatch`) from the command line, judged by alerts/mismatch_rules.yaml, and the
+engine's routing exported for replay (`moescope.analyses.mismatch_replay`)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from typing import Any
+
+import numpy as np
+
+from moescope.cli import command_help
+from moescope.cli.arguments import add_store_arguments, store_location
+
+SHOW_TOKENS = 8
+FORMATS = ("npy", "parquet")
+
+EXAMPLES = """\
+examples:
+  moescope import vllm responses.jsonl --store runs/ --run-id rollout-7
+  moescope mismatch runs/ --run rollout-7 --model ./my-moe
+  moescope mismatch runs/ --run rollout-7 --model ./my-moe --dtype bfloat16 --batch-size 16
+  moescope mismatch runs/ --run rollout-7 --model ./my-moe --export replay/      .npy + Parquet for replay
+  moescope mismatch runs/ --run rollout-7 --export replay/                       the engine's routing only
+  moescope import sglang generate.jsonl --store runs/ --run-id sg --num-layers 48 --top-k 8
+  moescope mismatch runs/ --run sg --model ./my-moe --token-ids sent.jsonl       SGLang: the ids sent
+
+What is compared: every (token, layer) the engine routed, against the reference model (MODEL,
+the trainer's) run on the same token ids with the same position ids (0 at each sequence's first
+prompt token). A pair's expert SET changed when the k experts differ, its TOP-1 when the engine's
+slot 0 is not the reference's chosen expert of highest logit; the reference's top-k margin (k-th
+largest router logit minus the (k+1)-th) tells rounding (tiny margins) from different hidden
+states (wide ones). "Tokens differing in >= 1 layer" is the R3 paper's figure (94% on
+Qwen3-30B-A3B, with ~10% of decisions differing).
+
+Token ids: vLLM responses carry them; SGLang's /generate does not carry the prompt's, so give
+--token-ids FILE, JSON Lines of {"step": S, "sequence": N, "token_ids": [prompt..., generated...]}
+(S: the response's step in the import, 0-based in file order; N: its sequence, 0 for one request).
+
+The results are a run of their own (dashboard page "Engine vs reference"); the rules of
+alerts/mismatch_rules.yaml (or --rules FILE) judge each layer, and a rule that holds is written
+to the store's alerts table and printed.
+"""
+
+
+def add_subcommands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "mismatch", help=command_help("mismatch"),
+        description="Re-run an engine run's tokens (vLLM, SGLang: `moescope import`, `moescope proxy`) through the "
+                    "reference model and report, per MoE layer, position bucket and tag, the share of (token, layer) "
+                    "pairs whose expert set and top-1 differ, how many of the k experts, the share of tokens that "
+                    "differ in at least one layer, and the reference's top-k margin of flipped and unchanged pairs; "
+                    "export the engine's routing as [tokens, layers, top_k] for routing replay in training.\n\n"
+                    "MODEL is a local folder transformers' from_pretrained reads, or `demo`; nothing is "
+                    "downloaded.\n\n" + EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_arguments(p, what="the store holding the engine run; the results are written there as a run")
+    p.add_argument("--run", required=True, metavar="ENGINE_RUN", help="the engine run's id (`moescope summary STORE` "
+                   "lists runs)")
+    p.add_argument("--model", metavar="MODEL", help="the reference: a local model folder or `demo` (leave out with "
+                   "--export to export the engine's routing alone)")
+    p.add_argument("--dtype", help="cast the reference to this torch dtype first (default: float32, as loaded)")
+    p.add_argument("--token-ids", metavar="FILE", help="JSON Lines of {\"step\", \"sequence\", \"token_ids\"}: ids "
+                   "the routes do not carry (SGLang responses)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per reference forward, right-padded "
+                   "(default 8)")
+    p.add_argument("--max-sequences", type=int, help="compare the first N sequences (default: all)")
+    p.add_argument("--max-listed", type=int, default=1000, help="differing pairs kept per layer (default 1000)")
+    p.add_argument("--layer-axis", choices=("auto", "moe", "hidden"), default="auto",
+                   help="how the engine numbers layers: among MoE layers, or every hidden layer (SGLang); "
+                        "default auto")
+    p.add_argument("--export", metavar="DIR", help="write the engine's routing per sequence for replay to DIR")
+    p.add_argument("--format", action="append", choices=FORMATS, help="export format (repeatable; default both)")
+    p.add_argument("--rules", metavar="FILE", help="rules to judge the results with (default "
+                   "alerts/mismatch_rules.yaml)")
+    p.add_argument("--no-write", action="store_true", help="do not write the results to the store")
+    p.add_argument("--run-id", help="the results' run id (default: a new one)")
+    p.add_argument("--tag", action="append", default=[], metavar="K=V", help="a tag on the results' run (repeatable)")
+    p.add_argument("--show", type=int, default=SHOW_TOKENS, help=f"differing pairs printed (default {SHOW_TOKENS})")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_mismatch)
+
+
+def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
+    """--token-ids FILE: {(step, sequence) or (step, rank, sequence): ids}. Raises ValueError naming
+    the line for anything else."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = list(fh)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --token-ids {path!r}: {e}") from e
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+            ids = value["token_ids"]
+            key = (int(value["step"]), int(value.get("rank", 0)), int(value.get("sequence", 0)))
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError("token_ids must be a list of integers")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}:{number}: expected {{\"step\": S, \"sequence\": N, \"token_ids\": [...]}} "
+                             f"({type(e).__name__}: {e})") from e
+        if key in out:
+            raise ValueError(f"{path}:{number}: step {key[0]} sequence {key[2]} is given twice")
+        out[key] = ids
+    return out
+
+
+def _mismatch(args: argparse.Namespace) -> int:
+    from moescope.analyses.mismatch_engine import MismatchError
+
+    if args.batch_size < 1 or args.max_listed < 0 or args.show < 0 or (
+            args.max_sequences is not None and args.max_sequences < 1):
+        raise MismatchError("--batch-size and --max-sequences must be at least 1, --max-listed and --show 0 or more")
+    if args.model is None and not args.export:
+        raise MismatchError("give --model MODEL (the reference to compare with), or --export DIR to export the "
+                            "engine's routing alone")
+    from moescope.ingest.importers.tables import parse_tags
+
+    tags = parse_tags(args.tag)
+    location = store_location(args)
+    token_ids = read_token_ids(args.token_ids) if args.token_ids else None
+    formats = tuple(dict.fromkeys(args.format or FORMATS))
+    pack = _rules(args.rules)
+    if args.model is None:
+        return _export_only(args, location, token_ids, formats)
+    import torch
+
+    from moescope.analyses.mismatch import mismatch
+    from moescope.cli.jitter import load_model
+
+    model, tokenizer, _ = load_model(args.model)
+    if args.dtype:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise MismatchError(f"unknown dtype {args.dtype!r}; use a torch dtype name such as bfloat16 or float32")
+        model = model.to(dtype)
+    report = mismatch(model, store=location, run=args.run, token_ids=token_ids, batch_size=args.batch_size,
+                      max_sequences=args.max_sequences, max_listed=args.max_listed, layer_axis=args.layer_axis,
+                      write=not args.no_write, run_id=args.run_id, tags=tags, progress=not args.quiet)
+    print(format_report(report, tokenizer, args.show))
+    fired = judge(report, pack)
+    for line in fired_lines(fired):
+        print(line)
+    if fired and report.run_id is not None:
+        write_alerts(location, fired)
+    if args.export:
+        from moescope.analyses.mismatch_replay import export_replay
+
+        written = export_replay(report.replay, args.export, formats, layers=report.layers)
+        print(f"\nreplay: {len(report.replay)} sequences written to {written}")
+    if report.run_id is not None:
+        from moescope.cli import program_name
+
+        print(f"\nwritten to {location.redacted} as run {report.run_id}; see it with "
+              f"`{program_name()} dashboard {location.redacted}` (page \"Engine vs reference\")")
+    return 0
+
+
+def _export_only(args: argparse.Namespace, location: Any, token_ids: Any, formats: tuple[str, ...]) -> int:
+    from moescope.analyses.mismatch_replay import engine_replay, export_replay
+
+    replay, layers = engine_replay(location, args.run, token_ids, args.max_sequences)
+    written = export_replay(replay, args.export, formats, layers=layers)
+    print(f"replay: the engine's routing of {len(replay)} sequences ({len(layers)} layers, as the engine numbers "
+          f"them) written to {written}")
+    return 0
+
+
+def _rules(path: str | None):
+    from moescope.alerts.rules import load_rules, mismatch_rules
+
+    return load_rules(path) if path else mismatch_rules()
+
+
+# -- judging -----------------------------------------------------------------------------------
+
+def rule_values(report: Any) -> dict[int, dict[str, float]]:
+    """Per reference MoE layer, the mismatch signals (alerts.rules.SIGNALS) a rule reads."""
+    rows = report.groups[(report.groups.grouping == "all")]
+    token_share = report.token_share
+    return {int(row.layer): {"mismatch_decision_share": float(row.set_changed_fraction),
+                             "mismatch_token_share": token_share, "mismatch_pairs": float(row.pairs)}
+            for row in rows.itertuples() if not _missing(row.layer)}
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value)) or str(value) == "<NA>"
+
+
+def judge(report: Any, pack: Any) -> list[Any]:
+    """The alert transitions (firing, source "mismatch") of the rules in `pack` that hold for a
+    layer of `report`; a rule that reads any signal the check does not measure is left out."""
+    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+
+    now = dt.datetime.now(dt.timezone.utc)
+    run_id = report.run_id or report.engine_run
+    out = []
+    for layer, values in sorted(rule_values(report).items()):
+        for rule in pack.rules:
+            if not {c.signal for c in rule.conditions} <= set(values):
+                continue
+            if not all(c.holds(values[c.signal]) for c in rule.conditions):
+                continue
+            labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, "layer": str(layer),
+                      "engine_run": report.engine_run, **rule.labels}
+            out.append(AlertTransition(
+                fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
+                step=0, run_id=run_id, layer=layer, severity=rule.severity, expr=rule.expr, labels=labels,
+                annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
+                starts_at=now, ends_at=None, source="mismatch"))
+    return out
+
+
+def fired_lines(fired: list[Any]) -> list[str]:
+    if not fired:
+        return []
+    return ["", *(f"ALERT {t.alertname} firing on layer {t.layer} ({t.severity}): " + ", ".join(
+        f"{name} {value:.4g}" for name, value in t.values.items()) for t in fired)]
+
+
+def write_alerts(location: Any, fired: list[Any]) -> None:
+    """Write the firing transitions to the results run's alerts table. Raises OSError when the store
+    refused them."""
+    from moescope.alerts.storage import AlertTableWriter
+
+    writer = AlertTableWriter(location)
+    try:
+        writer.handle(fired)
+        if not writer.flush():
+            raise OSError(f"the store did not take the alerts rows ({writer.last_error or 'see the log'})")
+    finally:
+        writer.close()
+
+
+# -- printing ----------------------------------------------------------------------------------
+
+def _pct(value: Any) -> str:
+    return "-" if _missing(value) else f"{float(value):.2%}"
+
+
+def format_report(report: Any, tokenizer: Any = None, show: int = SHOW_TOKENS) -> str:
+    """The report as text: the overall line, a table per layer, per position bucket and per tag
+    (every layer together), the margin histograms, the differing pairs of narrowest margin with
+    their context, and what was skipped."""
+    from moescope.analyses.jitter import MARGIN_EDGES, expert_change
+
+    groups = report.groups
+    lines = [report.line(), ""]
+    header = (f"{'group':<22} {'layer':>5} {'pairs':>9} {'set changed':>12} {'top-1 changed':>14} "
+              f"{'slots changed':>14} {'tokens':>8} {'tokens >=1 layer':>17}")
+    lines += [header, "-" * len(header)]
+    for row in groups.itertuples():
+        if row.grouping != "all" and not _missing(row.layer):
+            continue  # per layer only for the whole run; groups show every layer together
+        name = "all" if row.grouping == "all" else f"{row.grouping} {row.group_name}"
+        layer = "every" if _missing(row.layer) else str(int(row.layer))
+        any_layer = _pct(row.tokens_set_changed_fraction) if _missing(row.layer) else ""
+        lines.append(f"{name:<22} {layer:>5} {int(row.pairs):>9,} {_pct(row.set_changed_fraction):>12} "
+                     f"{_pct(row.top1_changed_fraction):>14} {_pct(row.slots_changed_fraction):>14} "
+                     f"{int(row.tokens):>8,} {any_layer:>17}")
+    overall = report.overall()
+    bins = [f">={edge:g}" for edge in MARGIN_EDGES]
+    width = max(map(len, bins)) + 1
+    lines += ["", "reference top-k margin (router logits: k-th largest minus (k+1)-th), pairs per bin, every layer:",
+              f"{'':<10}" + "".join(f"{b:>{width}}" for b in bins)]
+    for label, column in (("flipped", "changed_by_margin"), ("unchanged", "unchanged_by_margin")):
+        lines.append(f"{label:<10}" + "".join(f"{int(c):>{width}}" for c in overall[column]))
+    counts = ", ".join(f"{n} differ: {int(c):,}" for n, c in enumerate(overall.changed_by_count))
+    lines.append(f"experts of k={report.top_k} that differ, pairs: {counts}")
+    tokens = report.tokens
+    if show and not tokens.empty:
+        shown = tokens.sort_values("topk_margin", kind="stable").head(show)
+        lines += ["", f"differing pairs, narrowest reference margin first ({len(shown)} of {len(tokens)} listed):"]
+        for row in shown.itertuples():
+            change = expert_change(row.reference_ids, row.engine_ids)
+            lines.append(f"  layer {row.layer}  step {row.step} seq {row.sequence} pos {row.position}  margin "
+                         f"{row.topk_margin:.3g}  reference -> engine {change}  {_context(row, tokenizer)}")
+    for reason, n in report.skipped.items():
+        lines.append(f"skipped {n} sequences: {reason}")
+    return "\n".join(lines)
+
+
+def _context(row: Any, tokenizer: Any) -> str:
+    from moescope.cli.jitter import context
+
+    return context(row, tokenizer)
