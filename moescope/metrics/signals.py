@@ -259,6 +259,18 @@ def balancedness_over_layers(rank_loads: np.ndarray) -> float:
     return float(arr.mean(axis=1).sum() / peak) if peak > 0 else float("nan")
 
 
+def rank_load(load: np.ndarray | list[float], shares: np.ndarray) -> np.ndarray:
+    """Return the slots each rank serves: a load of E experts times `replica_shares`' (E, R) shares.
+
+    Raises ValueError when the load's experts and the shares' rows differ.
+    """
+    arr = _as_load(load)
+    shares = np.asarray(shares, dtype=np.float64)
+    if shares.ndim != 2 or shares.shape[0] != arr.size:
+        raise ValueError(f"a load of {arr.size} experts needs (experts, ranks) shares, got shape {shares.shape}")
+    return arr @ shares
+
+
 def normalized_entropy(entropy_nats: float, num_choices: int) -> float:
     """Return an entropy in nats divided by ln(num_choices), i.e. in [0, 1].
 
@@ -281,15 +293,55 @@ def load_entropy(load: np.ndarray) -> float:
     return normalized_entropy(float(-np.sum(nz * np.log(nz))), p.size)
 
 
-def dead_expert_fraction(load: np.ndarray) -> float:
-    """Return the fraction of experts that received no token in the window's summed load.
+def dead_expert_count(load: np.ndarray) -> float:
+    """Return how many experts received no token in the window's summed load (a float, so it can be NaN).
 
     NaN when the window holds no token at all: then nothing can be called dead.
     """
     arr = _as_load(load)
     if arr.sum() <= 0:
         return float("nan")
-    return float(np.count_nonzero(arr == 0) / arr.size)
+    return float(np.count_nonzero(arr == 0))
+
+
+def dead_expert_fraction(load: np.ndarray) -> float:
+    """Return the fraction of experts that received no token in the window's summed load
+    (`dead_expert_count` / experts). NaN when the window holds no token at all."""
+    arr = _as_load(load)
+    return dead_expert_count(arr) / arr.size
+
+
+def jain_fairness(load: np.ndarray) -> float:
+    """Return Jain's fairness index of the load: (sum x)^2 / (n * sum x^2), in [1/n, 1].
+
+    1 when all n experts carry the same load, k/n when k of them share it evenly and the rest get
+    nothing (so 1/n when one expert takes it all): the fraction of experts the load is "fairly"
+    spread over. It equals 1 / (1 + cv^2) with cv = `coefficient_of_variation` (Jain, Chiu and
+    Hawe, 1984). NaN for a load with no token.
+    """
+    arr = _as_load(load)
+    squares = float(np.sum(arr * arr))
+    return float(arr.sum() ** 2 / (arr.size * squares)) if squares > 0 else float("nan")
+
+
+def extreme_experts(load: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (hottest, coldest): the ids of the `k` experts with the most tokens (most first) and the
+    `k` with the fewest (fewest first). Ties go to the lower expert id, so the choice is stable from
+    one window to the next. With 2k > experts the two overlap; k above the experts returns them all.
+
+    `load` may also be 2-D, one load per row (layers of the same width): then both are (rows, k).
+    Raises ValueError for k < 0 or a load that is empty, negative or not finite.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, not {k}")
+    arr = np.asarray(load, dtype=np.float64)
+    if arr.ndim not in (1, 2) or arr.shape[-1] == 0:
+        raise ValueError(f"an expert load must be a non-empty 1-D vector (or 2-D, one per row), got shape {arr.shape}")
+    if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+        raise ValueError("an expert load must hold finite, non-negative token counts")
+    k = min(int(k), arr.shape[-1])
+    # a stable sort keeps equal loads in id order: ties go to the lower id on both ends
+    return np.argsort(-arr, axis=-1, kind="stable")[..., :k], np.argsort(arr, axis=-1, kind="stable")[..., :k]
 
 
 def dropped_token_rate(dropped_tokens: float, tokens: float) -> float:
@@ -495,7 +547,7 @@ def load_spread(load: np.ndarray | list[float], num_experts: int | None = None,
     hottest = int(arr.argmax())
     return LoadSpread(
         cv=coefficient_of_variation(arr), max_mean=max_mean_ratio(arr), balancedness=balancedness(arr),
-        dead_experts=int(np.count_nonzero(arr == 0)), dead_fraction=dead_expert_fraction(arr), hottest=hottest,
+        dead_experts=int(dead_expert_count(arr)), dead_fraction=dead_expert_fraction(arr), hottest=hottest,
         hottest_load=int(arr[hottest]),
         hottest_token_share=float(arr[hottest] / tokens) if tokens else float("nan"),
         hottest_slot_share=float(arr[hottest] / slots))

@@ -27,15 +27,30 @@ custom collector computes the gauges from that window at each scrape (through th
 `alerts.window.compute_signals` the rules engine uses) and yields fresh metric families, so no
 state is carried between scrapes.
 
+Names follow Prometheus' conventions: one prefix (`moescope_`), base units (seconds, nats),
+`_total` on counters, `_ratio` only on shares in 0-1. The names before the `moescope_` prefix are
+listed with their new ones in docs/alerts.md ("Metric names").
+
 Cardinality is bounded by design: per-layer series carry only a `layer` label (one series per
-MoE layer); the run is named once, in `moe_run_info`. Per-expert series
-(`moe_expert_tokens_total{layer,expert}`) exist only with `per_expert=True`, and then at most
-`max_expert_series` of them (the rest are counted in `moe_expert_series_omitted`). Probe drop
-reasons are capped the same way. When a new run starts in the same process the exporter starts
-over (counters reset, which `rate()` handles).
+MoE layer); the run is named once, in `moescope_run_info`. Per expert, only the `hot_cold_experts`
+(K, default 4) hottest and K coldest experts of each layer's current window get a series,
+`moescope_expert_load_ratio{layer,expert}` (the expert's share of the layer's slots over the
+window; `signals.extreme_experts`, ties to the lower id). An expert that leaves both sets keeps
+its series for `expert_grace_s` seconds of event time (the records' timestamps, so idle time
+does not count) and then loses it; at most K such leavers are kept per layer, those out longest
+going first. So a layer never has more than 3K expert series (2K while no expert is leaving),
+whatever its number of experts. Per layer beside them: `moescope_layer_dead_experts` and Jain's
+fairness index `moescope_layer_load_fairness_ratio` (`signals.jain_fairness`), and with a
+`placement` (`ExpertPlacement`; `moescope.analyses.placement.Placement` is one) three rank
+figures, whatever the number of ranks: the rank signals of the rules (`compute_signals`),
+`moescope_layer_rank_balancedness_ratio` (mean / max slots over ranks, vLLM's and SGLang's
+balancedness) and `moescope_layer_rank_imbalance` ((max - mean) / mean, TensorRT-LLM's), and
+`moescope_layer_hottest_rank` (its id, ties to the lower) with `moescope_layer_hottest_rank_load_ratio`
+(its share of the slots). Probe drop reasons are capped too (MAX_DROP_REASONS). When a new run
+starts in the same process the exporter starts over (counters reset, which `rate()` handles).
 
 Expert cache: with `cache_capacity=C` (experts of a layer resident in device memory, for
-offloaded serving), `moe_layer_expert_cache_hit_ratio{layer,policy}` is the share of the
+offloaded serving), `moescope_layer_expert_cache_hit_ratio{layer,policy}` is the share of the
 window's expert accesses whose expert was already resident, for policy lru, lfu and belady (the
 offline optimum), replayed from the window's routes by `alerts.cache` (its definitions: zero
 experts and dropped slots are no access, a token's experts are needed at once). The cache starts
@@ -43,7 +58,7 @@ empty at the window's first replayed token, so compulsory misses count; at most 
 last `cache_max_tokens` tokens are replayed, which bounds the work of a scrape. Only layers whose
 records carry routes (`routes=True` at attach) get the series.
 
-Compute time: with `compute_time=True` at attach, `moe_layer_compute_seconds{layer}` is a histogram
+Compute time: with `compute_time=True` at attach, `moescope_layer_compute_seconds{layer}` is a histogram
 of the seconds one forward spends in the MoE block. The probe times windows of forwards, so each
 window adds its per-forward mean once per forward it covers: `_sum` is the layer's total time and
 `_count` its forwards, exact; only the spread within a window is lost to the buckets.
@@ -51,10 +66,12 @@ window adds its per-forward mean once per forward it covers: `_sum` is the layer
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 import numpy as np
@@ -62,34 +79,75 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from moescope.alerts.observations import LayerHistory, LayerObservation, compute_signals, observations_from_record
+from moescope.alerts.observations import (
+    LayerHistory,
+    LayerObservation,
+    compute_signals,
+    observations_from_record,
+    summed_load,
+)
 from moescope.core.exporters import AttachListener, Exporter, ProbeStats, ProbeStatsReader
 from moescope.core.records import RunInfo, StepRecord
+from moescope.metrics import signals as sig
 from moescope.metrics.expert_cache import POLICIES, cache_hit_rate, expert_accesses
 
-# rule signal -> (gauge name, help); `alerts.promrules` writes PromQL against exactly these
+log = logging.getLogger(__name__)
+
+# rule signal -> (gauge name, help); `prometheus.rules` writes PromQL against exactly these
 SIGNAL_METRICS: dict[str, tuple[str, str]] = {
-    "load_cv": ("moe_layer_load_cv", "Coefficient of variation of tokens per expert over the window"),
-    "load_max_mean": ("moe_layer_load_max_mean_ratio", "Max/mean tokens per expert over the window (MaxVio + 1)"),
-    "load_balancedness": ("moe_layer_load_balancedness_ratio", "Mean/max tokens per expert over the window"),
-    "kl_uniform": ("moe_layer_load_kl_uniform", "KL divergence (nats) of the window's expert load from uniform"),
-    "kl_baseline": ("moe_layer_load_kl_baseline", "KL divergence (nats) of the window's expert load from the baseline"),
-    "router_entropy": ("moe_layer_router_entropy_ratio", "Mean per-token router entropy / ln(experts) over the window"),
-    "dead_expert_fraction": ("moe_layer_dead_expert_ratio", "Fraction of experts with no token over the window"),
-    "dropped_token_rate": ("moe_layer_dropped_token_ratio", "Dropped tokens / tokens over the window"),
-    "capacity_use": ("moe_layer_capacity_use_ratio", "Fullest expert's load / capacity, mean over the window"),
+    "load_cv": ("moescope_layer_load_cv", "Coefficient of variation of tokens per expert over the window"),
+    "load_max_mean": ("moescope_layer_load_max_over_mean",
+                      "Max/mean tokens per expert over the window (MaxVio + 1)"),
+    "load_balancedness": ("moescope_layer_load_balancedness_ratio", "Mean/max tokens per expert over the window"),
+    "kl_uniform": ("moescope_layer_load_kl_uniform_nats",
+                   "KL divergence (nats) of the window's expert load from uniform"),
+    "kl_baseline": ("moescope_layer_load_kl_baseline_nats",
+                    "KL divergence (nats) of the window's expert load from the baseline"),
+    "router_entropy": ("moescope_layer_router_entropy_ratio",
+                       "Mean per-token router entropy / ln(experts) over the window"),
+    "dead_expert_fraction": ("moescope_layer_dead_expert_ratio", "Fraction of experts with no token over the window"),
+    "dropped_token_rate": ("moescope_layer_dropped_token_ratio", "Dropped tokens / tokens over the window"),
+    "capacity_use": ("moescope_layer_capacity_use_ratio",
+                     "Fullest expert's load / capacity, at the fullest forward of the window"),
     "active_param_fraction": (
-        "moe_layer_active_param_ratio",
+        "moescope_layer_active_param_ratio",
         "Routed-expert parameters of this layer used per token / all model parameters",
     ),
     "routing_drift_rate": (
-        "moe_layer_routing_drift_per_1000_pairs",
+        "moescope_layer_routing_drift_per_1000_pairs",
         "Top-1 expert changes per 1000 adjacent token pairs over the window (needs routes)",
+    ),
+    "rank_balancedness": (
+        "moescope_layer_rank_balancedness_ratio",
+        "Mean / max slots per expert-parallel rank over the window (vLLM's and SGLang's balancedness; "
+        "needs PrometheusExporter(placement=...))",
+    ),
+    "rank_imbalance": (
+        "moescope_layer_rank_imbalance",
+        "(max - mean) / mean slots per expert-parallel rank over the window (TensorRT-LLM's imbalance; "
+        "needs PrometheusExporter(placement=...))",
     ),
 }
 MAX_DROP_REASONS = 16
-# moe_layer_compute_seconds buckets (upper bounds, seconds): a small layer on a GPU to a big one on a CPU
+HOT_COLD_EXPERTS = 4  # K: per layer, the K hottest and K coldest experts get a series
+EXPERT_GRACE_S = 300.0  # an expert that left them keeps its series this long (event time): Prometheus' lookback
+# moescope_layer_compute_seconds buckets (upper bounds, seconds): a small layer on a GPU to a big one on a CPU
 COMPUTE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ExpertPlacement(Protocol):
+    """What the exporter needs of a placement of experts on expert-parallel ranks.
+
+    `moescope.analyses.placement.Placement` is one (the exporter cannot import it: analyses read
+    the store, the exporter sees only live records). `shares(layer, num_experts)` returns the (E, R)
+    share of each expert's load each rank serves (`signals.replica_shares`: redundant copies split
+    evenly, rows summing to 1) and raises ValueError where the placement does not fit the layer.
+    """
+
+    @property
+    def ranks(self) -> int: ...
+
+    def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
 
 
 class _Layer:
@@ -97,7 +155,9 @@ class _Layer:
         self.history = LayerHistory(window_steps)
         self.tokens_total = 0
         self.dropped_total = 0
-        self.expert_tokens_total: np.ndarray | None = None
+        self.window_load: np.ndarray | None = None  # the window's summed expert_load, zero experts included
+        self.shown: dict[int, float] = {}  # expert -> last event time (s) it was among the hottest / coldest
+        self.extremes: frozenset[int] = frozenset()  # the hottest and coldest of the current window
         self.baseline_parts: list[np.ndarray] = []
         self.baseline_forwards = 0
         self.compute_buckets = np.zeros(len(COMPUTE_BUCKETS) + 1, dtype=np.int64)  # last: above every bound
@@ -112,13 +172,32 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         registry: CollectorRegistry | None = None,
         window_steps: int = 32,
         baseline_steps: int = 32,
-        per_expert: bool = False,
-        max_expert_series: int = 256,
+        hot_cold_experts: int = HOT_COLD_EXPERTS,
+        expert_grace_s: float = EXPERT_GRACE_S,
+        placement: ExpertPlacement | None = None,
         cache_capacity: int | None = None,
         cache_max_tokens: int = 4096,
     ):
-        if window_steps < 1 or baseline_steps < 1 or max_expert_series < 0:
-            raise ValueError("window_steps and baseline_steps must be >= 1, max_expert_series >= 0")
+        """Args:
+            registry: where the collector registers; a fresh one of its own when None.
+            window_steps: rows (forwards, or the probe's windows of forwards) the gauges cover.
+            baseline_steps: forwards of each layer's start that form its baseline load.
+            hot_cold_experts: K, the hottest and coldest experts per layer that get a series (0: none).
+            expert_grace_s: seconds of event time an expert keeps its series after leaving them.
+            placement: experts on ranks (e.g. `analyses.placement.Placement`); None: no rank series.
+            cache_capacity: experts per layer resident in device memory, for the cache hit rate.
+            cache_max_tokens: the most tokens of a window replayed for it.
+
+        Raises ValueError for a value out of range, saying which.
+        """
+        if window_steps < 1 or baseline_steps < 1:
+            raise ValueError("window_steps and baseline_steps must be >= 1")
+        if hot_cold_experts < 0 or not expert_grace_s >= 0:
+            raise ValueError(f"hot_cold_experts (K experts per layer and side, 0 for none) and expert_grace_s "
+                             f"(seconds) must be >= 0, not {hot_cold_experts} and {expert_grace_s}")
+        if placement is not None and (not hasattr(placement, "shares") or int(placement.ranks) < 1):
+            raise ValueError("placement needs `ranks` (>= 1) and `shares(layer, num_experts)`; build one with "
+                             "moescope.analyses.placement.Placement.contiguous(R) or read_placement(FILE)")
         if (cache_capacity is not None and cache_capacity < 1) or cache_max_tokens < 1:
             raise ValueError("cache_capacity (experts resident per layer) and cache_max_tokens must be >= 1")
         self.cache_capacity = cache_capacity
@@ -127,8 +206,10 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.window_steps = window_steps
         self.baseline_steps = baseline_steps
-        self.per_expert = per_expert
-        self.max_expert_series = max_expert_series
+        self.hot_cold_experts = int(hot_cold_experts)
+        self.expert_grace_s = float(expert_grace_s)
+        self.placement = placement
+        self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}  # (layer, experts) -> (E, R), None: unfit
         self._lock = threading.Lock()
         self._run: RunInfo | None = None
         self._run_id: str | None = None
@@ -174,8 +255,11 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
                 self._steps_total += record.forwards  # forward passes, whether recorded one by one or in windows
                 self._last_ts = record.ts.timestamp()
                 self._active_ratio = record.active_param_fraction
-                for obs in observations_from_record(record):
+                observations = observations_from_record(record)
+                for obs in observations:
                     self._add(obs)
+                if self.hot_cold_experts:
+                    self._update_shown(observations, record.ts.timestamp())
                 for ls in record.layers:
                     layer = self._layers.get(ls.layer)
                     if layer is not None and ls.compute_time_s is not None and ls.forwards > 0:
@@ -188,16 +272,44 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         layer = self._layers.get(obs.layer)
         if layer is None:
             layer = self._layers[obs.layer] = _Layer(self.window_steps)
+        items = layer.history.items
+        evicted = items[0] if len(items) == items.maxlen else None
         layer.history.append(obs)
         layer.tokens_total += obs.tokens
         layer.dropped_total += obs.dropped_tokens
-        if self.per_expert:
-            if layer.expert_tokens_total is None or layer.expert_tokens_total.size != obs.expert_load.size:
-                layer.expert_tokens_total = np.zeros(obs.expert_load.size, dtype=np.int64)
-            layer.expert_tokens_total += obs.expert_load
+        if layer.window_load is None or evicted is None or layer.window_load.shape != obs.expert_load.shape:
+            layer.window_load = summed_load(items)
+        else:  # a running sum: the window's newest row in, its oldest out
+            layer.window_load += obs.expert_load
+            layer.window_load -= evicted.expert_load
         if layer.baseline_forwards < self.baseline_steps:  # the first rows covering baseline_steps forwards
             layer.baseline_parts.append(obs.expert_load)
             layer.baseline_forwards += max(int(obs.forwards), 1)
+
+    def _update_shown(self, observations: Sequence[LayerObservation], now: float) -> None:
+        """Mark each layer's hottest and coldest experts of its window as seen `now`; forget the leavers
+        whose grace is over, and the ones out longest beyond K leavers. Layers of the same width are
+        ranked in one call (`signals.extreme_experts` on their loads stacked)."""
+        by_width: dict[int, list[tuple[_Layer, np.ndarray]]] = {}
+        for obs in observations:
+            layer = self._layers[obs.layer]
+            assert layer.window_load is not None
+            load = sig.routed_load(layer.window_load, self._routed_experts.get(obs.layer))
+            if load.size and load.sum() > 0:
+                by_width.setdefault(load.size, []).append((layer, load))
+        for group in by_width.values():
+            hot, cold = sig.extreme_experts(np.stack([load for _, load in group]), self.hot_cold_experts)
+            for (layer, _), hot_ids, cold_ids in zip(group, hot.tolist(), cold.tolist()):
+                layer.extremes = frozenset(hot_ids) | frozenset(cold_ids)
+        for obs in observations:
+            layer = self._layers[obs.layer]
+            for expert in layer.extremes:
+                layer.shown[expert] = now
+            leavers = sorted((seen, expert) for expert, seen in layer.shown.items() if expert not in layer.extremes)
+            over = len(leavers) - self.hot_cold_experts
+            for i, (seen, expert) in enumerate(leavers):
+                if i < over or now - seen > self.expert_grace_s:
+                    del layer.shown[expert]
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         return True
@@ -266,6 +378,19 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
 
     # -- what the collector reads -----------------------------------------------------------
 
+    def _shares(self, layer: int, num_experts: int) -> np.ndarray | None:
+        """The placement's (E, R) shares for a layer, computed once; None (warned once) where it does not fit."""
+        key = (layer, num_experts)
+        if key not in self._rank_shares:
+            assert self.placement is not None
+            try:
+                self._rank_shares[key] = np.asarray(self.placement.shares(layer, num_experts), dtype=np.float64)
+            except ValueError as e:
+                log.warning("no rank series for layer %d: the placement does not fit its %d experts (%s)",
+                            layer, num_experts, e)
+                self._rank_shares[key] = None
+        return self._rank_shares[key]
+
     def bind_probe_stats(self, source: Callable[[], ProbeStats]) -> None:
         """Called by the probe at attach: `source()` returns (written, dropped) as in
         `observe_probe_stats`, and is read afresh at every scrape."""
@@ -288,8 +413,8 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
                     "window": list(layer.history.items),
                     "tokens_total": layer.tokens_total,
                     "dropped_total": layer.dropped_total,
-                    "expert_tokens_total": (None if layer.expert_tokens_total is None
-                                            else layer.expert_tokens_total.copy()),
+                    "window_load": None if layer.window_load is None else layer.window_load.copy(),
+                    "shown": sorted(layer.shown),
                     "baseline": baseline,
                     "routed_experts": self._routed_experts.get(index),
                     "compute_buckets": layer.compute_buckets.copy(),
@@ -317,29 +442,30 @@ class _RoutingCollector(Collector):
     def collect(self) -> Iterator:
         snap = self.exporter._snapshot()
         if snap["run_id"] is not None:
-            info = InfoMetricFamily("moe_run", "The run this process is recording")
+            info = InfoMetricFamily("moescope_run", "The run this process is recording")
             info.add_metric([], {"run_id": snap["run_id"], "model_class": snap["model_class"]})
             yield info
-        steps = CounterMetricFamily("moe_steps", "Forward passes recorded by the probe")
+        steps = CounterMetricFamily("moescope_steps", "Forward passes recorded by the probe")
         steps.add_metric([], snap["steps_total"])
         yield steps
         for name, value, doc in (
-            ("moe_last_step_timestamp_seconds", snap["last_ts"], "Unix time of the latest recorded forward pass"),
-            ("moe_active_param_ratio", snap["active_ratio"], "Parameters used per token / all model parameters"),
+            ("moescope_last_step_timestamp_seconds", snap["last_ts"], "Unix time of the latest recorded forward pass"),
+            ("moescope_active_param_ratio", snap["active_ratio"], "Parameters used per token / all model parameters"),
         ):
             if not math.isnan(value):
                 gauge = GaugeMetricFamily(name, doc)
                 gauge.add_metric([], value)
                 yield gauge
 
-        tokens = CounterMetricFamily("moe_layer_tokens", "Tokens routed by the layer", labels=["layer"])
-        dropped = CounterMetricFamily("moe_layer_dropped_tokens", "Tokens no expert processed", labels=["layer"])
+        tokens = CounterMetricFamily("moescope_layer_tokens", "Tokens routed by the layer", labels=["layer"])
+        dropped = CounterMetricFamily("moescope_layer_dropped_tokens", "Tokens no expert processed", labels=["layer"])
         gauges = {s: GaugeMetricFamily(name, doc, labels=["layer"]) for s, (name, doc) in SIGNAL_METRICS.items()}
         for index, layer in sorted(snap["layers"].items()):
             label = [str(index)]
             tokens.add_metric(label, layer["tokens_total"])
             dropped.add_metric(label, layer["dropped_total"])
-            values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"], layer["routed_experts"])
+            values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"], layer["routed_experts"],
+                                     self._rank_shares(index, layer))
             for signal, family in gauges.items():
                 if not math.isnan(values[signal]):  # no data: no sample, so alerts neither fire nor resolve
                     family.add_metric(label, values[signal])
@@ -350,15 +476,17 @@ class _RoutingCollector(Collector):
 
         if self.exporter.cache_capacity is not None:
             yield self._cache_hits(snap["layers"], self.exporter.cache_capacity)
-        if self.exporter.per_expert:
-            yield from self._per_expert(snap["layers"])
+        yield from self._expert_families(snap["layers"])
+        if self.exporter.placement is not None:
+            yield from self._rank_families(snap["layers"])
 
-        written = CounterMetricFamily("moe_probe_records_written", "Rows the probe wrote, per table", labels=["table"])
+        written = CounterMetricFamily("moescope_probe_records_written", "Rows the probe wrote, per table",
+                                      labels=["table"])
         for table, value in sorted(snap["written"].items()):
             written.add_metric([table], value)
         yield written
         lost = CounterMetricFamily(
-            "moe_probe_records_dropped", "Rows the probe dropped, per table and reason", labels=["table", "reason"]
+            "moescope_probe_records_dropped", "Rows the probe dropped, per table and reason", labels=["table", "reason"]
         )
         for (table, reason), value in snap["dropped"].items():
             lost.add_metric([table, reason], value)
@@ -366,7 +494,7 @@ class _RoutingCollector(Collector):
 
     def _compute_time(self, layers: dict) -> HistogramMetricFamily:
         family = HistogramMetricFamily(
-            "moe_layer_compute_seconds",
+            "moescope_layer_compute_seconds",
             "Seconds per forward in the MoE block (router and experts; compute_time=True): each recorded "
             "window's per-forward mean, counted once per forward of the window", labels=["layer"])
         for index, layer in sorted(layers.items()):
@@ -381,7 +509,7 @@ class _RoutingCollector(Collector):
     def _cache_hits(self, layers: dict, capacity: int) -> GaugeMetricFamily:
         last = self.exporter.cache_max_tokens
         family = GaugeMetricFamily(
-            "moe_layer_expert_cache_hit_ratio",
+            "moescope_layer_expert_cache_hit_ratio",
             f"Share of the window's expert accesses already resident with {capacity} experts per layer in device "
             "memory (replayed from routes; policy lru, lfu or belady, the offline optimum)",
             labels=["layer", "policy"])
@@ -400,25 +528,57 @@ class _RoutingCollector(Collector):
                     family.add_metric([str(index), policy], rate)
         return family
 
-    def _per_expert(self, layers: dict) -> Iterator:
-        cap = self.exporter.max_expert_series
-        family = CounterMetricFamily(
-            "moe_expert_tokens", "Tokens routed to each expert (per_expert=True only)", labels=["layer", "expert"]
-        )
-        emitted = omitted = 0
+    def _expert_families(self, layers: dict) -> Iterator:
+        """Per layer: the dead experts, Jain's fairness index, and the shown experts' slot shares."""
+        shares = GaugeMetricFamily(
+            "moescope_expert_load_ratio",
+            f"Share of the layer's slots over the window that went to the expert; only the "
+            f"{self.exporter.hot_cold_experts} hottest and coldest experts of each layer, and for "
+            f"{self.exporter.expert_grace_s:g} s those that left them", labels=["layer", "expert"])
+        dead = GaugeMetricFamily("moescope_layer_dead_experts", "Routed experts with no token over the window",
+                                 labels=["layer"])
+        fairness = GaugeMetricFamily(
+            "moescope_layer_load_fairness_ratio", "Jain's fairness index of tokens per routed expert over the "
+            "window: (sum x)^2 / (n sum x^2), 1 when even, k/n when k of n experts share it evenly", labels=["layer"])
         for index, layer in sorted(layers.items()):
-            totals = layer["expert_tokens_total"]
-            if totals is None:
+            load = layer["window_load"]
+            if load is None or load.sum() <= 0:
                 continue
-            for expert, value in enumerate(totals):
-                if emitted < cap:
-                    family.add_metric([str(index), str(expert)], int(value))
-                    emitted += 1
-                else:
-                    omitted += 1
-        yield family
-        gauge = GaugeMetricFamily(
-            "moe_expert_series_omitted", "Per-expert series left out because of max_expert_series"
-        )
-        gauge.add_metric([], omitted)
-        yield gauge
+            label = str(index)
+            routed = sig.routed_load(load, layer["routed_experts"])
+            dead.add_metric([label], sig.dead_expert_count(routed))
+            fairness.add_metric([label], sig.jain_fairness(routed))
+            share = sig.load_distribution(load)  # of all the layer's slots, zero experts' included
+            for expert in layer["shown"]:
+                shares.add_metric([label, str(expert)], float(share[expert]))
+        yield dead
+        yield fairness
+        yield shares
+
+    def _rank_shares(self, index: int, layer: dict) -> np.ndarray | None:
+        """The placement's (routed experts, ranks) shares for a layer; None without a placement or a window."""
+        if self.exporter.placement is None or layer["window_load"] is None:
+            return None
+        return self.exporter._shares(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
+
+    def _rank_families(self, layers: dict) -> Iterator:
+        """Per layer, under the exporter's placement, what goes beside the rank signals of SIGNAL_METRICS:
+        the hottest rank. One series per layer each whatever the ranks, the rank an id in the value."""
+        hottest = GaugeMetricFamily("moescope_layer_hottest_rank", "The rank serving the most slots over the "
+                                    "window (the lower id on a tie)", labels=["layer"])
+        hottest_share = GaugeMetricFamily("moescope_layer_hottest_rank_load_ratio",
+                                          "The hottest rank's share of the layer's slots over the window",
+                                          labels=["layer"])
+        for index, layer in sorted(layers.items()):
+            shares = self._rank_shares(index, layer)
+            if shares is None:
+                continue
+            ranks = sig.rank_load(sig.routed_load(layer["window_load"], layer["routed_experts"]), shares)
+            if ranks.sum() <= 0:
+                continue
+            label = [str(index)]
+            top = int(np.argmax(ranks))
+            hottest.add_metric(label, top)
+            hottest_share.add_metric(label, float(ranks[top] / ranks.sum()))
+        yield hottest
+        yield hottest_share

@@ -8,8 +8,9 @@ dashboard with Grafana's own SDK (`grafana-foundation-sdk`, a dependency on Pyth
 only metrics and labels the exporter serves; tests/integration/prometheus/test_grafana.py runs each one against a
 real Prometheus scraping a probed run. Some panels need the run to record more than the default:
 compute time (`compute_time=True` at attach), the cache hit rate (`PrometheusExporter(cache_capacity=C)`
-and `routes=True`), the routing drift rate (`routes=True`) and drift from the baseline (the
-exporter's first `baseline_steps` forwards, or `set_baseline`).
+and `routes=True`), the routing drift rate (`routes=True`), drift from the baseline (the
+exporter's first `baseline_steps` forwards, or `set_baseline`) and the rank panels
+(`PrometheusExporter(placement=...)`).
 """
 
 from __future__ import annotations
@@ -39,43 +40,65 @@ class PanelSpec:
 
 
 PER_LAYER = "layer {{layer}}"
+EXPERT = "layer {{layer}} expert {{expert}}"
+TOP_SERIES = 8  # experts drawn in the hottest / coldest panels, over all layers
 
 PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("Load spread", "Coefficient of variation of tokens per expert over the exporter's window; "
               "0 is perfectly balanced.", "none",
-              (Query("moe_layer_load_cv", PER_LAYER),)),
+              (Query("moescope_layer_load_cv", PER_LAYER),)),
     PanelSpec("Hottest expert (max / mean load)", "The busiest expert's tokens over the mean (MaxVio + 1).",
-              "none", (Query("moe_layer_load_max_mean_ratio", PER_LAYER),)),
+              "none", (Query("moescope_layer_load_max_over_mean", PER_LAYER),)),
+    PanelSpec("Hottest experts", f"The {TOP_SERIES} experts with the largest share of their layer's slots over the "
+              "exporter's window, over all layers (1/E is an even share). Each layer serves its hot_cold_experts "
+              "hottest and coldest experts.", "percentunit",
+              (Query(f"topk({TOP_SERIES}, moescope_expert_load_ratio)", EXPERT),), max=1),
+    PanelSpec("Coldest experts", f"The {TOP_SERIES} experts with the smallest share of their layer's slots over the "
+              "window, over all layers; 0 is a dead expert.", "percentunit",
+              (Query(f"bottomk({TOP_SERIES}, moescope_expert_load_ratio)", EXPERT),), max=1),
+    PanelSpec("Dead experts", "Routed experts with no token over the window, per layer.", "short",
+              (Query("moescope_layer_dead_experts", PER_LAYER),)),
+    PanelSpec("Load fairness (Jain's index)", "(sum x)^2 / (n sum x^2) over tokens per expert: 1 is even, k/n "
+              "when k of n experts share the load evenly.", "percentunit",
+              (Query("moescope_layer_load_fairness_ratio", PER_LAYER),), max=1),
+    PanelSpec("Rank balancedness", "Mean / max slots per expert-parallel rank under the exporter's placement "
+              "(vLLM's balancedness; TensorRT-LLM's imbalance is 1 / it - 1), per layer and its worst layer; "
+              "needs PrometheusExporter(placement=...).", "percentunit",
+              (Query("moescope_layer_rank_balancedness_ratio", PER_LAYER),
+               Query("min(moescope_layer_rank_balancedness_ratio)", "worst layer")), max=1),
+    PanelSpec("Hottest rank's share", "The share of each layer's slots its hottest rank serves (1/R is even; "
+              "the rank's id is moescope_layer_hottest_rank).", "percentunit",
+              (Query("moescope_layer_hottest_rank_load_ratio", PER_LAYER),), max=1),
     PanelSpec("Router entropy (H / ln E)", "Mean per-token router entropy, normalised by ln(experts): "
               "1 is uniform routing, near 0 a collapsed router.", "percentunit",
-              (Query("moe_layer_router_entropy_ratio", PER_LAYER),), max=1),
+              (Query("moescope_layer_router_entropy_ratio", PER_LAYER),), max=1),
     PanelSpec("Dropped tokens", "Tokens no expert processed (capacity) / tokens, over the window.",
-              "percentunit", (Query("moe_layer_dropped_token_ratio", PER_LAYER),)),
+              "percentunit", (Query("moescope_layer_dropped_token_ratio", PER_LAYER),)),
     PanelSpec("Dropped tokens per second", "Rate of tokens no expert processed.", "short",
-              (Query(f"rate(moe_layer_dropped_tokens_total[{RATE}])", PER_LAYER),)),
+              (Query(f"rate(moescope_layer_dropped_tokens_total[{RATE}])", PER_LAYER),)),
     PanelSpec("Active parameters per token", "Parameters a token uses / all parameters: the model and each "
               "layer's routed experts.", "percentunit",
-              (Query("moe_active_param_ratio", "model"), Query("moe_layer_active_param_ratio", PER_LAYER))),
+              (Query("moescope_active_param_ratio", "model"), Query("moescope_layer_active_param_ratio", PER_LAYER))),
     PanelSpec("Drift from baseline (KL)", "KL divergence (nats) of the window's expert load from the "
-              "baseline load.", "none", (Query("moe_layer_load_kl_baseline", PER_LAYER),)),
+              "baseline load.", "none", (Query("moescope_layer_load_kl_baseline_nats", PER_LAYER),)),
     PanelSpec("Routing drift rate", "Top-1 expert changes per 1000 adjacent token pairs (needs routes=True).",
-              "none", (Query("moe_layer_routing_drift_per_1000_pairs", PER_LAYER),)),
+              "none", (Query("moescope_layer_routing_drift_per_1000_pairs", PER_LAYER),)),
     PanelSpec("MoE block compute time", "Seconds per forward in each MoE block (compute_time=True): the mean "
               "and the 95th percentile of the windows' per-forward means.", "s",
-              (Query(f"rate(moe_layer_compute_seconds_sum[{RATE}]) / rate(moe_layer_compute_seconds_count[{RATE}])",
-                     "mean, " + PER_LAYER),
-               Query(f"histogram_quantile(0.95, sum by (layer, le) (rate(moe_layer_compute_seconds_bucket[{RATE}])))",
-                     "p95, " + PER_LAYER))),
+              (Query(f"rate(moescope_layer_compute_seconds_sum[{RATE}])"
+                     f" / rate(moescope_layer_compute_seconds_count[{RATE}])", "mean, " + PER_LAYER),
+               Query("histogram_quantile(0.95, sum by (layer, le) "
+                     f"(rate(moescope_layer_compute_seconds_bucket[{RATE}])))", "p95, " + PER_LAYER))),
     PanelSpec("Expert cache hit rate", "Share of expert accesses already resident with the exporter's "
               "cache_capacity experts per layer, by policy (needs routes=True).", "percentunit",
-              (Query("moe_layer_expert_cache_hit_ratio", "layer {{layer}} {{policy}}"),), max=1),
+              (Query("moescope_layer_expert_cache_hit_ratio", "layer {{layer}} {{policy}}"),), max=1),
     PanelSpec("Forwards per second", "Forward passes the probe recorded.", "short",
-              (Query(f"rate(moe_steps_total[{RATE}])", "forwards/s"),)),
+              (Query(f"rate(moescope_steps_total[{RATE}])", "forwards/s"),)),
     PanelSpec("Probe rows dropped", "Rows the probe could not keep, per table and reason (a full ring or "
               "queue); 0 in a healthy run.", "short",
-              (Query(f"sum by (table, reason) (rate(moe_probe_records_dropped_total[{RATE}]))",
+              (Query(f"sum by (table, reason) (rate(moescope_probe_records_dropped_total[{RATE}]))",
                      "{{table}}: {{reason}}"),
-               Query(f"sum by (table) (rate(moe_probe_records_written_total[{RATE}]))", "{{table}} written"))),
+               Query(f"sum by (table) (rate(moescope_probe_records_written_total[{RATE}]))", "{{table}} written"))),
 )
 
 

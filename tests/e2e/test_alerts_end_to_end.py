@@ -69,7 +69,7 @@ def test_skewed_run_alerts_at_local_receivers(tmp_path):
             forwards(model, 6)
             session.flush()
         # the gauge a Prometheus would scrape: 32 of the 64 slots of each forward on expert 0
-        assert registry.get_sample_value("moe_layer_load_max_mean_ratio", {"layer": "0"}) == pytest.approx(4.0,
+        assert registry.get_sample_value("moescope_layer_load_max_over_mean", {"layer": "0"}) == pytest.approx(4.0,
                                                                                                           abs=0.01)
 
         outbox = Outbox(str(tmp_path / "outbox.db"), [
@@ -131,7 +131,7 @@ def test_skewed_run_alerts_in_prometheus_and_at_alertmanager(tmp_path):
             return {a["labels"]["layer"] for a in alerts
                     if a["labels"]["alertname"] == "ExpertLoadSkew" and a["state"] == "firing"}
         assert wait_until(prom_firing, 40, what="Prometheus to fire ExpertLoadSkew\n" + prom.log()) == {"0", "1"}
-        value = http_get_json(prom_url + "/api/v1/query?query=moe_layer_load_max_mean_ratio")["data"]["result"]
+        value = http_get_json(prom_url + "/api/v1/query?query=moescope_layer_load_max_over_mean")["data"]["result"]
         assert {r["metric"]["layer"]: float(r["value"][1]) for r in value}["0"] == pytest.approx(4.0, abs=0.01)
 
         # the run goes on (its session open, its rows flushed): its alerts stay active at Alertmanager
@@ -204,7 +204,7 @@ def test_cli_run_once_check_prometheus_rules_and_test_webhook(tmp_path, receiver
 
     out_file = tmp_path / "prom.yml"
     assert moescope_main(["alerts", "prometheus-rules", "-o", str(out_file)]) == 0
-    assert "moe_layer_load_max_mean_ratio > 2.0" in out_file.read_text()
+    assert "moescope_layer_load_max_over_mean > 2.0" in out_file.read_text()
 
 
 def test_help_texts_teach_what_why_and_an_example():

@@ -13,6 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
+from moescope.analyses.placement import Placement
 from moescope.cli import main as cli_main
 from moescope.prometheus.exporter import PrometheusExporter
 from moescope.prometheus.grafana import RATE, dashboard_json, panel_queries, provisioning
@@ -44,7 +45,9 @@ def test_every_panel_query_answers_from_a_real_prometheus_scraping_a_probed_run(
 
     # Switch: a capacity (real drops), expert modules (measured compute time); a ring smaller than
     # a forward's tokens, so the probe really drops routes rows (ring_full) for the drops panel.
-    exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=8, baseline_steps=4, cache_capacity=2)
+    # A placement of its 8 experts on 2 ranks for the rank panels.
+    exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=8, baseline_steps=4, cache_capacity=2,
+                                  placement=Placement.contiguous(2))
     port = exporter.serve(port=0)
     model = tiny_model("switch_transformers").eval()
     rules = tmp_path / "none.rules.yml"

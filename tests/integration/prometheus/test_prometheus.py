@@ -36,20 +36,23 @@ def test_per_layer_values_match_the_signals():
 
     window = np.array(SKEWED) * 4
     baseline = np.array(BALANCED) * 2
-    assert get("moe_layer_load_max_mean_ratio") == pytest.approx(sig.max_mean_ratio(window))
-    assert get("moe_layer_load_cv") == pytest.approx(sig.coefficient_of_variation(window))
-    assert get("moe_layer_load_kl_uniform") == pytest.approx(sig.kl_divergence(window, np.ones(EXPERTS)))
-    assert get("moe_layer_load_kl_baseline") == pytest.approx(sig.kl_divergence(window, baseline))
-    assert get("moe_layer_router_entropy_ratio") == pytest.approx(1.5 / np.log(EXPERTS))
-    assert get("moe_layer_tokens_total") == 6 * 128
-    assert get("moe_layer_dropped_tokens_total") == 12
-    assert get("moe_layer_dropped_token_ratio") == pytest.approx(8 / 512)
-    assert get("moe_layer_capacity_use_ratio") == 0.5
-    assert get("moe_layer_active_param_ratio") == pytest.approx(2000 / 100_000)
-    assert get("moe_layer_dead_expert_ratio") == 0.0
-    assert registry.get_sample_value("moe_steps_total") == 6
-    assert registry.get_sample_value("moe_layer_routing_drift_per_1000_pairs", {"layer": "0"}) is None  # no routes
-    assert registry.get_sample_value("moe_expert_tokens_total", {"layer": "0", "expert": "0"}) is None  # not asked
+    assert get("moescope_layer_load_max_over_mean") == pytest.approx(sig.max_mean_ratio(window))
+    assert get("moescope_layer_load_cv") == pytest.approx(sig.coefficient_of_variation(window))
+    assert get("moescope_layer_load_kl_uniform_nats") == pytest.approx(sig.kl_divergence(window, np.ones(EXPERTS)))
+    assert get("moescope_layer_load_kl_baseline_nats") == pytest.approx(sig.kl_divergence(window, baseline))
+    assert get("moescope_layer_router_entropy_ratio") == pytest.approx(1.5 / np.log(EXPERTS))
+    assert get("moescope_layer_tokens_total") == 6 * 128
+    assert get("moescope_layer_dropped_tokens_total") == 12
+    assert get("moescope_layer_dropped_token_ratio") == pytest.approx(8 / 512)
+    assert get("moescope_layer_capacity_use_ratio") == 0.5
+    assert get("moescope_layer_active_param_ratio") == pytest.approx(2000 / 100_000)
+    assert get("moescope_layer_dead_expert_ratio") == 0.0
+    assert registry.get_sample_value("moescope_steps_total") == 6
+    assert registry.get_sample_value("moescope_layer_routing_drift_per_1000_pairs", {"layer": "0"}) is None  # no routes
+    assert get("moescope_layer_dead_experts") == 0
+    jain = window.sum() ** 2 / (EXPERTS * (window ** 2).sum())  # Jain's index, written out
+    assert get("moescope_layer_load_fairness_ratio") == pytest.approx(jain)
+    assert get("moescope_layer_rank_balancedness_ratio") is None  # no placement given
 
 
 def test_probe_health_counters_and_bounded_reasons():
@@ -57,25 +60,15 @@ def test_probe_health_counters_and_bounded_reasons():
     exporter = PrometheusExporter(registry=registry)
     dropped = {("routes", f"reason{i}"): 1 for i in range(30)}
     exporter.observe_probe_stats({"steps": 10, "layer_steps": 20}, {"steps": 3})
-    assert registry.get_sample_value("moe_probe_records_written_total", {"table": "steps"}) == 10
-    assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "steps", "reason": "unknown"}) == 3
+    assert registry.get_sample_value("moescope_probe_records_written_total", {"table": "steps"}) == 10
+    dropped_total = "moescope_probe_records_dropped_total"
+    assert registry.get_sample_value(dropped_total, {"table": "steps", "reason": "unknown"}) == 3
     dropped["steps"] = 3  # the 31st pair, over the cap: summed as "other"
     exporter.observe_probe_stats({"steps": 10}, dropped)
-    samples = [s for m in registry.collect() if m.name == "moe_probe_records_dropped" for s in m.samples]
+    samples = [s for m in registry.collect() if m.name == "moescope_probe_records_dropped" for s in m.samples]
     assert len(samples) == 16 + 2  # the cap, plus one "other" per table
-    assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "routes", "reason": "other"}) == 14
-    assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "steps", "reason": "other"}) == 3
-
-
-def test_per_expert_series_only_when_asked_and_capped():
-    registry = CollectorRegistry()
-    exporter = PrometheusExporter(registry=registry, per_expert=True, max_expert_series=10)
-    feed(exporter, [SKEWED] * 3)  # 2 layers x 8 experts = 16 series wanted
-    assert registry.get_sample_value("moe_expert_tokens_total", {"layer": "0", "expert": "0"}) == 3 * 72
-    series = [s for m in registry.collect() if m.name == "moe_expert_tokens"
-              for s in m.samples if s.name.endswith("_total")]
-    assert len(series) == 10
-    assert registry.get_sample_value("moe_expert_series_omitted") == 6
+    assert registry.get_sample_value(dropped_total, {"table": "routes", "reason": "other"}) == 14
+    assert registry.get_sample_value(dropped_total, {"table": "steps", "reason": "other"}) == 3
 
 
 def test_names_follow_conventions_and_new_run_starts_over():
@@ -83,16 +76,18 @@ def test_names_follow_conventions_and_new_run_starts_over():
     exporter = PrometheusExporter(registry=registry)
     feed(exporter, [SKEWED] * 3, routes=True)
     names = {m.name for m in registry.collect()}
-    assert all(n.startswith("moe_") for n in names)
+    assert all(n.startswith("moescope_") for n in names)
     counters = {m.name for m in registry.collect() if m.type == "counter"}
     assert all(s.name.endswith(("_total", "_created"))
                for m in registry.collect() if m.type == "counter" for s in m.samples)
-    assert {"moe_layer_tokens", "moe_layer_dropped_tokens", "moe_steps"} <= counters
-    assert registry.get_sample_value("moe_layer_routing_drift_per_1000_pairs", {"layer": "0"}) > 0
-    assert registry.get_sample_value("moe_run_info", {"run_id": "run-a", "model_class": ""}) == 1
+    assert {"moescope_layer_tokens", "moescope_layer_dropped_tokens", "moescope_steps"} <= counters
+    ratios = [s.value for m in registry.collect() if m.name.endswith("_ratio") for s in m.samples]
+    assert ratios and all(0 <= v <= 1 for v in ratios)  # a _ratio is a share in 0-1
+    assert registry.get_sample_value("moescope_layer_routing_drift_per_1000_pairs", {"layer": "0"}) > 0
+    assert registry.get_sample_value("moescope_run_info", {"run_id": "run-a", "model_class": ""}) == 1
     exporter.export([step_record(0, [layer_step(0, BALANCED)], run_id="run-b")])
-    assert registry.get_sample_value("moe_layer_tokens_total", {"layer": "0"}) == 128
-    assert registry.get_sample_value("moe_layer_tokens_total", {"layer": "1"}) is None
+    assert registry.get_sample_value("moescope_layer_tokens_total", {"layer": "0"}) == 128
+    assert registry.get_sample_value("moescope_layer_tokens_total", {"layer": "1"}) is None
     labels = {s.labels.get("layer") for m in registry.collect() for s in m.samples}
     assert labels <= {None, "0"}
 
@@ -103,7 +98,7 @@ def test_serves_metrics_on_localhost():
     try:
         feed(exporter, [SKEWED])
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'moe_layer_load_max_mean_ratio{layer="0"} 4.5' in text
+        assert 'moescope_layer_load_max_over_mean{layer="0"} 4.5' in text
     finally:
         exporter.shutdown()  # what a closing probe session calls: records stop, serving goes on
         exporter.shutdown()
@@ -119,10 +114,11 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     doc = prometheus_rules(pack)
     by_name = {r["alert"]: r for r in doc["groups"][0]["rules"]}
     assert set(by_name) == {r.name for r in pack.rules}
-    assert by_name["ExpertLoadSkew"]["expr"] == "moe_layer_load_max_mean_ratio > 2.0"
+    assert by_name["ExpertLoadSkew"]["expr"] == "moescope_layer_load_max_over_mean > 2.0"
     assert by_name["RoutingCooldown"]["expr"] == (
-        "moe_layer_router_entropy_ratio < 0.25 and moe_layer_capacity_use_ratio > 0.95"
+        "moescope_layer_router_entropy_ratio < 0.25 and moescope_layer_capacity_use_ratio > 0.95"
     )
+    assert by_name["RankImbalance"]["expr"] == "moescope_layer_rank_balancedness_ratio < 0.8"
     assert by_name["LoadBiasedAgainstUniform"]["for"] == "300s"
     assert by_name["DeadExpert"]["labels"]["severity"] == "critical"
     assert by_name["ExpertLoadSkew"]["keep_firing_for"] == "300s"
@@ -133,7 +129,7 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     check = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60,
                            check=False)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 7 rules found" in check.stdout
+    assert f"SUCCESS: {len(pack.rules)} rules found" in check.stdout
 
 
 def test_rules_on_signals_without_a_metric_are_refused():
@@ -159,10 +155,11 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
             model(torch.randint(0, 128, (2, 4)))
             model(torch.randint(0, 128, (2, 4)))
         session.flush()
-        written = lambda table: registry.get_sample_value("moe_probe_records_written_total", {"table": table})  # noqa: E731
+        written = lambda table: registry.get_sample_value("moescope_probe_records_written_total", {"table": table})  # noqa: E731
         assert written("steps") == 2 and written("layer_steps") == 2 * 2 and written("routes") == 2 * 2 * 8
     session.processor.emit(memory.records[0])  # too late: dropped, and counted with its reason
-    assert registry.get_sample_value("moe_probe_records_dropped_total", {"table": "routes", "reason": "closed"}) == 16
+    closed = {"table": "routes", "reason": "closed"}
+    assert registry.get_sample_value("moescope_probe_records_dropped_total", closed) == 16
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -185,18 +182,18 @@ def test_a_scrape_after_the_session_block_answers_with_the_last_values_until_clo
                 model(torch.randint(0, 128, (2, 4)))
                 model(torch.randint(0, 128, (2, 4)))
         after = scrape(port)  # the attach example's `with` block is over: the endpoint still answers
-        assert after['moe_layer_tokens_total{layer="0"}'] == 2 * 2 * 4  # two forwards of 2 x 4 tokens
+        assert after['moescope_layer_tokens_total{layer="0"}'] == 2 * 2 * 4  # two forwards of 2 x 4 tokens
         step_rows = sum(pq.read_metadata(f).num_rows for f in glob.glob(f"{tmp_path}/steps/**/*.parquet",
                                                                          recursive=True))
-        assert step_rows >= 1 and after['moe_probe_records_written_total{table="steps"}'] == step_rows
+        assert step_rows >= 1 and after['moescope_probe_records_written_total{table="steps"}'] == step_rows
 
         # the same exporter serves the next session of the process, starting over for its run
         with moescope.attach(model, store=tmp_path, exporters=[exporter], run_id="second"):
             with torch.no_grad():
                 model(torch.randint(0, 128, (2, 4)))
         second = scrape(port)
-        assert second['moe_layer_tokens_total{layer="0"}'] == 2 * 4
-        assert second['moe_run_info{model_class="MixtralForCausalLM",run_id="second"}'] == 1
+        assert second['moescope_layer_tokens_total{layer="0"}'] == 2 * 4
+        assert second['moescope_run_info{model_class="MixtralForCausalLM",run_id="second"}'] == 1
     finally:
         exporter.close()
     with pytest.raises(urllib.error.URLError):
@@ -218,4 +215,4 @@ def test_steps_counter_counts_forwards_of_windowed_records():
         for _ in range(8):
             model(torch.randint(0, 128, (2, 4)))
     assert len(memory.records) == 2  # two windows of four forwards
-    assert registry.get_sample_value("moe_steps_total") == 8
+    assert registry.get_sample_value("moescope_steps_total") == 8

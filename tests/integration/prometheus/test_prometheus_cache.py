@@ -1,4 +1,4 @@
-"""`moe_layer_expert_cache_hit_ratio`: the Prometheus exporter's expert-cache gauge, on routes the
+"""`moescope_layer_expert_cache_hit_ratio`: the Prometheus exporter's expert-cache gauge, on routes the
 probe recorded from a real LongCat-Flash (zero experts included), against a brute-force replay."""
 
 from __future__ import annotations
@@ -49,22 +49,23 @@ def test_gauge_replays_the_window_of_routes():
         accesses = sum(len(t) for t in tokens)
         assert accesses < 2 * len(tokens)  # some slots went to zero experts
         for policy in POLICIES:
-            got = registry.get_sample_value("moe_layer_expert_cache_hit_ratio", {"layer": str(layer), "policy": policy})
+            got = registry.get_sample_value("moescope_layer_expert_cache_hit_ratio",
+                                            {"layer": str(layer), "policy": policy})
             assert got == pytest.approx(brute_force_hits(tokens, 3, policy) / accesses, abs=1e-12), (layer, policy)
     port = exporter.serve(port=0)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         exporter.close()
-    assert 'moe_layer_expert_cache_hit_ratio{layer="1",policy="belady"}' in body
+    assert 'moescope_layer_expert_cache_hit_ratio{layer="1",policy="belady"}' in body
 
 
 def test_no_series_without_routes_or_without_a_capacity():
     registry = CollectorRegistry()
     _run(PrometheusExporter(registry=registry, cache_capacity=2), routes=False)
-    assert registry.get_sample_value("moe_layer_expert_cache_hit_ratio", {"layer": "0", "policy": "lru"}) is None
+    assert registry.get_sample_value("moescope_layer_expert_cache_hit_ratio", {"layer": "0", "policy": "lru"}) is None
     registry = CollectorRegistry()
     _run(PrometheusExporter(registry=registry))
-    assert registry.get_sample_value("moe_layer_expert_cache_hit_ratio", {"layer": "0", "policy": "lru"}) is None
+    assert registry.get_sample_value("moescope_layer_expert_cache_hit_ratio", {"layer": "0", "policy": "lru"}) is None
     with pytest.raises(ValueError, match="cache_capacity"):
         PrometheusExporter(registry=CollectorRegistry(), cache_capacity=0)

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from moescope.alerts.rules import default_rules
+from moescope.analyses.placement import Placement
 from moescope.core.records import Routes
 from moescope.prometheus.exporter import PrometheusExporter
 from moescope.prometheus.rules import prometheus_rules_yaml
@@ -28,6 +29,11 @@ STEPS, WINDOW, BASELINE = 6, 4, 2  # the exporter's window: the last 4 steps; ba
 BIASED = [31, 31, 31, 31, 1, 1, 1, 1]  # KL(load || uniform) = 0.54 > 0.5; max/mean = 1.94 < 2
 DRIFTED = [24, 24, 24, 24, 8, 8, 8, 8]  # KL against the balanced baseline = 0.13 > 0.1; vs uniform 0.13 < 0.5
 DEAD = [18, 18, 18, 18, 18, 18, 20, 0]  # one expert of 8 never chosen; max/mean 1.25, KL 0.13
+# Two ranks: even experts on one, odd on the other, so the loads above are even over ranks (DEAD:
+# 74 / 54 slots, balancedness 0.86); SKEWED's layer puts its hot expert alone (72 / 56, 0.89), and
+# layer 11 the contiguous layout, under which DRIFTED's load is 96 / 32 slots: balancedness 0.67 < 0.8.
+PLACEMENT = Placement(ranks=2, default=((0, 2, 4, 6), (1, 3, 5, 7)),
+                      layers={10: ((0,), (1, 2, 3, 4, 5, 6, 7)), 11: ((0, 1, 2, 3), (4, 5, 6, 7))})
 
 
 def _no_locality() -> Routes:
@@ -53,6 +59,7 @@ def _layers(step: int) -> list:
         dataclasses.replace(layer_step(8, BALANCED, **healthy), routes=_no_locality()),  # 1000 > 900
         dataclasses.replace(layer_step(9, BALANCED, **healthy), routes=routes_for(np.array(BALANCED), sticky=True)),
         layer_step(10, SKEWED, **healthy),  # max/mean 4.5 > 2, and KL vs uniform 0.54 > 0.5
+        layer_step(11, DRIFTED, **healthy),  # ranks 96 / 32 (PLACEMENT): balancedness 0.67 < 0.8; nothing else
     ]
 
 
@@ -64,14 +71,16 @@ EXPECTED = {
     ("RoutingCooldown", "4"),
     ("DroppedTokens", "7"),
     ("RoutingDriftRate", "8"),
+    ("RankImbalance", "11"),
 }
 
 
 def test_every_default_rule_fires_in_prometheus_on_its_layer_only(tmp_path):
     pack = default_rules()
-    assert {name for name, _ in EXPECTED} == {rule.name for rule in pack.rules}  # all seven, each exercised
+    assert {name for name, _ in EXPECTED} == {rule.name for rule in pack.rules}  # every rule, each exercised
     immediate = dataclasses.replace(pack, rules=tuple(dataclasses.replace(r, for_s=0.0) for r in pack.rules))
-    exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=WINDOW, baseline_steps=BASELINE)
+    exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=WINDOW, baseline_steps=BASELINE,
+                                  placement=PLACEMENT)
     exporter.export([step_record(step, _layers(step), run_id="designed") for step in range(STEPS)])
     port = exporter.serve(port=0)
     rules_file = tmp_path / "moescope.rules.yml"

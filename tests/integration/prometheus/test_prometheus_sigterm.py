@@ -40,7 +40,7 @@ def test_close_from_several_threads_frees_the_port_once_and_it_can_serve_again()
     try:
         assert exporter.port == port
         exporter.export([step_record(0, [layer_step(0, SKEWED)])])
-        assert scrape(port)['moe_layer_load_max_mean_ratio{layer="0"}'] == 4.5
+        assert scrape(port)['moescope_layer_load_max_over_mean{layer="0"}'] == 4.5
         closers = [threading.Thread(target=exporter.close) for _ in range(4)]  # e.g. a signal's on_stop and a finally
         for closer in closers:
             closer.start()
@@ -49,7 +49,7 @@ def test_close_from_several_threads_frees_the_port_once_and_it_can_serve_again()
         assert not any(closer.is_alive() for closer in closers) and exporter.port is None
         assert refused(port)  # free once close() returned
         assert exporter.serve(port=port) == port  # the same port again, the last values still there
-        assert scrape(port)['moe_layer_load_max_mean_ratio{layer="0"}'] == 4.5
+        assert scrape(port)['moescope_layer_load_max_over_mean{layer="0"}'] == 4.5
     finally:
         exporter.close()
         exporter.close()
@@ -60,7 +60,7 @@ def test_sigterm_drains_the_probe_into_the_store_shuts_the_server_down_and_exits
     store = tmp_path / "store"
     with started([sys.executable, "-m", "tests.support.children.sigterm_exporter_child", str(store)]) as child:
         port = int(child.wait_for_line("serving", "out").split()[1])
-        child.wait_for(lambda: scrape(port).get("moe_steps_total", 0) >= 5, what="5 forwards on /metrics")
+        child.wait_for(lambda: scrape(port).get("moescope_steps_total", 0) >= 5, what="5 forwards on /metrics")
         steps_before = len(parquet_rows(store, "steps"))  # the store flushes every 60 s: none yet
         sent = child.signal()
         assert child.exit_status(15) == 0, child.output()

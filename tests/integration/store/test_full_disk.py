@@ -135,7 +135,8 @@ def test_rows_a_full_disk_refused_are_counted_in_the_session_prometheus_and_the_
             assert lost["steps"] >= 12 and lost["layer_steps"] == lost["steps"] * layers
             assert lost["routes"] == lost["steps"] * layers * batch * seq  # tens of thousands at real sizes
             for (table, reason), rows in dropped.items():
-                value = registry.get_sample_value("moe_probe_records_dropped_total", {"table": table, "reason": reason})
+                value = registry.get_sample_value("moescope_probe_records_dropped_total",
+                                                  {"table": table, "reason": reason})
                 assert value == rows, (table, reason)
             small_disk.free()
             run(3)

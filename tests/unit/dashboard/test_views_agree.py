@@ -158,17 +158,17 @@ def test_prometheus_gauges_equal_the_raw_rows_and_the_summary(runs, truth, run_i
         def gauge(name: str) -> float:
             return registry.get_sample_value(name, label)
 
-        assert gauge("moe_layer_router_entropy_ratio") == pytest.approx(v["entropy_norm"], rel=1e-5, abs=1e-6)
-        assert gauge("moe_layer_dropped_token_ratio") == pytest.approx(v["drop_rate"])
-        assert gauge("moe_layer_dead_expert_ratio") == pytest.approx(v["dead_fraction"])  # routed experts only
-        assert gauge("moe_layer_load_cv") == pytest.approx(v["cv"])
-        assert gauge("moe_layer_load_max_mean_ratio") == pytest.approx(v["max_mean"])
-        assert registry.get_sample_value("moe_layer_tokens_total", label) == v["tokens"]
-        assert registry.get_sample_value("moe_layer_dropped_tokens_total", label) == v["dropped"]
+        assert gauge("moescope_layer_router_entropy_ratio") == pytest.approx(v["entropy_norm"], rel=1e-5, abs=1e-6)
+        assert gauge("moescope_layer_dropped_token_ratio") == pytest.approx(v["drop_rate"])
+        assert gauge("moescope_layer_dead_expert_ratio") == pytest.approx(v["dead_fraction"])  # routed experts only
+        assert gauge("moescope_layer_load_cv") == pytest.approx(v["cv"])
+        assert gauge("moescope_layer_load_max_over_mean") == pytest.approx(v["max_mean"])
+        assert registry.get_sample_value("moescope_layer_tokens_total", label) == v["tokens"]
+        assert registry.get_sample_value("moescope_layer_dropped_tokens_total", label) == v["dropped"]
     # same label, same number: the summary's H/ln E column is the gauge, to its printed precision
     lines = _summary_lines(format_summary(runs["root"], run_id))
     for layer in want["layers"]:
-        gauge = registry.get_sample_value("moe_layer_router_entropy_ratio", {"layer": str(layer)})
+        gauge = registry.get_sample_value("moescope_layer_router_entropy_ratio", {"layer": str(layer)})
         assert lines[str(layer)][6] == f"{gauge:.3f}"
 
 

@@ -234,11 +234,11 @@ def test_prometheus_histogram_counts_each_forward_at_its_window_mean():
         rows = [(ls.compute_time_s, ls.forwards) for r in records.records for ls in r.layers if ls.layer == layer]
         assert sum(f for _, f in rows) == 8
         label = {"layer": str(layer)}
-        assert registry.get_sample_value("moe_layer_compute_seconds_count", label) == 8
-        assert registry.get_sample_value("moe_layer_compute_seconds_sum", label) == pytest.approx(
+        assert registry.get_sample_value("moescope_layer_compute_seconds_count", label) == 8
+        assert registry.get_sample_value("moescope_layer_compute_seconds_sum", label) == pytest.approx(
             sum(t for t, _ in rows), rel=1e-12)
         for bound in COMPUTE_BUCKETS:
             expected = sum(f for t, f in rows if t / f <= bound)
-            bucket = registry.get_sample_value("moe_layer_compute_seconds_bucket", {**label, "le": repr(bound)})
+            bucket = registry.get_sample_value("moescope_layer_compute_seconds_bucket", {**label, "le": repr(bound)})
             assert bucket == expected
-        assert registry.get_sample_value("moe_layer_compute_seconds_bucket", {**label, "le": "+Inf"}) == 8
+        assert registry.get_sample_value("moescope_layer_compute_seconds_bucket", {**label, "le": "+Inf"}) == 8
