@@ -25,13 +25,15 @@ import hashlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from moescope.core import forking
 from moescope.store import delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation
@@ -46,7 +48,7 @@ INVALID_NAME = "invalid_name"  # the probe_stats reason of rows in a file left o
 # The run whose probe_stats count files left out for their names: their own run id is not one to write under.
 INVALID_NAMES_RUN = "moescope-invalid-names"
 # Every table commit that removes files (compaction, prune, quarantine) carries this app
-# transaction, its version one more than the one read before the snapshot the removes came from:
+# transaction, its version one more than the one the snapshot the removes came from holds:
 # of two such commits made from the same state only the first is made (`store.delta.commit`
 # skips a commit whose app version the table already holds), so a file is never removed twice and
 # rows a compaction rewrote are never committed twice (see `app_version`).
@@ -62,6 +64,8 @@ class FileInfo:
     rows: int  # rows in its footer
     columns: tuple[str, ...]  # columns in the file (run_id is in the folder name, not here)
     decoded_bytes: int = -1  # its rows' size uncompressed, as its footer says (-1: not known)
+    # object storage: the file as the views scan it (pyarrow's fragment, its footer read once); None locally
+    fragment: Any = field(default=None, compare=False, repr=False)
 
     @property
     def run_id(self) -> str:
@@ -81,6 +85,58 @@ def quarantine_writer_id(table: str, relative: str) -> int:
     so two readers that both quarantine it write the same counter (readers take the latest per
     writer) and its rows are counted once."""
     return int.from_bytes(hashlib.sha256(f"{table}/{relative}".encode()).digest()[:7], "big")
+
+
+# Threads a reader of object storage reads table logs and checks new files on.
+READ_THREADS = 4
+
+@dataclass(frozen=True)
+class _Checked:
+    """A file of object storage this process has checked: what it found, whether it read the pages
+    too, and the object it checked (its size and ETag: an object written over has another)."""
+
+    info: FileInfo
+    deep: bool
+    identity: tuple[int, str]
+
+
+# Object storage: the files this process has checked, per (store, options, table, path, size in the log).
+# Shared by every Catalog (every Store) of the process; another Catalog takes one after a HEAD says the
+# object is still the one checked.
+_SHARED: dict[tuple, _Checked] = {}
+
+
+def _identity(source: Any) -> tuple[int, str]:
+    """An opened object's size and ETag (from the HEAD that opened it; '' where the store gives none)."""
+    etag = source.metadata().get("ETag", b"")
+    return source.size(), etag.decode("ascii", "replace") if isinstance(etag, bytes) else str(etag)
+
+
+def _reset_in_child() -> None:
+    _SHARED.clear()  # the parent's fragments hold its filesystem's connections
+
+
+forking.join_module(_reset_in_child)
+
+
+def parquet_format() -> Any:
+    """The pyarrow Parquet format the views of an object-storage store scan with: column chunks
+    fetched ahead in coalesced range requests (a row group's chunks that lie within 1 MiB of each
+    other are one GET), pages not checked again (the Catalog checked each file once)."""
+    import pyarrow.dataset as ds
+
+    return ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+        pre_buffer=True, cache_options=pa.CacheOptions(hole_size_limit=1024 * 1024, range_size_limit=64 * 1024**2)))
+
+
+def _fragment(filesystem: Any, path: str, part: delta.PartFile) -> Any:
+    """A file of a table as a dataset fragment: its run from the log (the hive folder), and its size
+    from the log too, so no request asks for it."""
+    import pyarrow.dataset as ds
+
+    return parquet_format().make_fragment(path, filesystem,
+                                          partition_expression=ds.field(delta.PARTITION_COLUMN) == part.run_id,
+                                          file_size=part.size if part.size > 0 else None)
 
 
 class Catalog:
@@ -125,7 +181,14 @@ class Catalog:
 
         verify=False checks the footer only, for a caller that reads the file through itself with
         the same check (`store.quarantine.read_checked`: compaction) and rejects it if that fails;
-        such a result is not cached as checked."""
+        such a result is not cached as checked.
+
+        On object storage a file is checked once per process, in three requests: a HEAD (the
+        object's size and ETag), one GET of the whole object (footer and every page, checked from
+        memory), then its footer again into the `FileInfo.fragment` the views scan, so a query never
+        reads a footer (a footer-only check: the HEAD and that GET). Every Catalog of the process
+        shares what was checked, keyed by the file's path, size and ETag: another reader's first
+        look at it is the HEAD alone, and an object written over (another ETag) is checked again."""
         path = self.full_path(table, part)
         key = self._key(table, part, path)
         if key is None:
@@ -135,20 +198,35 @@ class Catalog:
             return self._checked[key]
         if key in self._bad:
             return None
+        deep = self.verify if verify is None else verify and self.verify
+        fragment = data = identity = None
         try:
             if self.location.is_local:
                 meta = pq.read_metadata(path)
             else:
-                with self.filesystem.open_input_file(path) as source:
-                    meta = pq.read_metadata(source)
+                with self.filesystem.open_input_file(path) as source:  # a HEAD: the object's size and ETag
+                    identity = _identity(source)
+                    shared = _SHARED.get(self._shared_key(key))
+                    if shared is not None and shared.identity == identity and (shared.deep or not deep):
+                        if shared.deep or not self.verify:  # checked by another reader of this process
+                            self._checked[key] = shared.info
+                        return shared.info
+                    if deep:
+                        data = source.read_buffer()  # the whole object: one GET, checked from memory
+                        meta = pq.read_metadata(pa.BufferReader(data))
+                fragment = _fragment(self.filesystem, path, part)
+                if not deep:
+                    fragment.ensure_complete_metadata()
+                    meta = fragment.metadata
         except FileNotFoundError:
             self._warn_missing(table, part, key)
             return None
         except Exception as e:  # a truncated or foreign file: pyarrow raises several types
             self.reject(table, part, f"unreadable footer: {type(e).__name__}: {e}", key)
             return None
+        filesystem = None if self.location.is_local else self.filesystem
         if delta.PARTITION_COLUMN in meta.schema.to_arrow_schema().names:
-            problem = _run_column_problem(path, None if self.location.is_local else self.filesystem, part.run_id)
+            problem = _run_column_problem(path, filesystem, part.run_id, data)
             if problem is not None:  # not bad data: a name that cannot be trusted, so never quarantined or rewritten
                 skipped = delta.SkippedFile(part.path, part.run_id, part.rows, problem)
                 self.skipped[(table, part.path)] = skipped
@@ -158,15 +236,28 @@ class Catalog:
         if part.rows >= 0 and meta.num_rows != part.rows:
             self.reject(table, part, f"its footer holds {meta.num_rows} rows, the table's log says {part.rows}", key)
             return None
-        deep = self.verify if verify is None else verify and self.verify
-        if deep and (problem := deep_check(path, None if self.location.is_local else self.filesystem)):
+        if deep and (problem := deep_check(path, filesystem, data=data)):
             self.reject(table, part, f"damaged data: {problem}", key)
             return None
+        if fragment is not None and data is not None:
+            try:
+                fragment.ensure_complete_metadata()  # the footer once more, kept: queries read no footer
+            except FileNotFoundError:
+                self._warn_missing(table, part, key)
+                return None
+            except Exception as e:
+                self.reject(table, part, f"unreadable footer: {type(e).__name__}: {e}", key)
+                return None
         info = FileInfo(path, part, meta.num_rows, tuple(meta.schema.to_arrow_schema().names),
-                        sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+                        sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)), fragment)
         if deep or not self.verify:
             self._checked[key] = info
+        if identity is not None:
+            _SHARED[self._shared_key(key)] = _Checked(info, deep, identity)
         return info
+
+    def _shared_key(self, key: tuple) -> tuple:
+        return (self.location.url, tuple(sorted(self.location.storage_options.items())), *key)
 
     def _warn_missing(self, table: str, part: delta.PartFile, key: tuple) -> None:
         if key in self._missing:
@@ -187,6 +278,8 @@ class Catalog:
         if key is None:
             key = self._key(table, part, path) or (table, part.path)
         self._checked.pop(key, None)
+        if not self.location.is_local:
+            _SHARED.pop(self._shared_key(key), None)
         self._bad[key] = reason
         if not self.quarantine_bad:
             return
@@ -207,15 +300,23 @@ class Catalog:
         """The latest version of every table and its checked files. Raises StoreError when the
         storage cannot be read."""
         result: dict[str, TableFiles] = {}
-        for table in tables:
-            snap = delta.snapshot(self.location, table)
+        quarantined = len(self.quarantined_now)
+        # On object storage every table's log, then every file not seen yet, is read on a few threads:
+        # a reader's time there is mostly waiting for requests (delta-rs and pyarrow let go of the GIL).
+        threads = 1 if self.location.is_local else READ_THREADS
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            snaps = dict(zip(tables, pool.map(lambda table: delta.snapshot(self.location, table), tables)))
+            checks = [(table, part) for table, snap in snaps.items() if snap is not None for part in snap.files]
+            infos = dict(zip(checks, pool.map(lambda check: self.check(*check), checks)))
+        for table, snap in snaps.items():
             if snap is None:
                 result[table] = TableFiles(None, [])
                 continue
             self.skipped.update({(table, file.path): file for file in snap.skipped})
             result[table] = TableFiles(snap.version, [info for part in snap.files
-                                                      if (info := self.check(table, part)) is not None])
-        if self._count_skipped() and "probe_stats" in result:  # this reader sees its own count
+                                                      if (info := infos[(table, part)]) is not None])
+        counted = len(self.quarantined_now) > quarantined  # rows of a file quarantined now: counted in probe_stats
+        if (self._count_skipped() or counted) and "probe_stats" in result:  # this reader sees its own count
             result.update(self.snapshot(("probe_stats",)))
         return result
 
@@ -238,14 +339,12 @@ class Catalog:
         return wrote
 
 
-def app_version(location: StoreLocation, table: str, app_id: str) -> int:
-    """The latest version of app transaction `app_id` in `table` (0: none, or no table; the versions
-    committed start at 1, since `store.delta.commit` cannot tell a held version 0 from none). Read before
-    a snapshot, it is at most the version that snapshot holds: a commit that removes the snapshot's
-    files with `app=(app_id, version + 1)` is then made only if no other such commit came first.
-    Raises StoreError when the storage cannot be read."""
-    found = delta.transaction_version(location, table, app_id)
-    return 0 if found is None else int(found)
+def app_version(snap: delta.Snapshot) -> int:
+    """The version of `REWRITE_APP` that a snapshot read with `app=` holds (0: none; the versions committed
+    start at 1, since `store.delta.commit` cannot tell a held version 0 from none). A commit that removes
+    the snapshot's files with `app=(app_id, app_version(snap) + 1)` is then made only if no other such
+    commit came after that snapshot: both are read from the same version of the log."""
+    return 0 if snap.app_version is None else int(snap.app_version)
 
 
 def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, attempts: int = 5) -> bool:
@@ -259,12 +358,11 @@ def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, a
     count_lost(location, table, part)
     app = REWRITE_APP.format(table=table)
     for _ in range(attempts):
-        seen = app_version(location, table, app)
-        snap = delta.snapshot(location, table)
+        snap = delta.snapshot(location, table, app=app)
         if snap is None or not any(p.path == part.path for p in snap.files):
             return False
         try:
-            delta.commit(location, table, removes=[part], app=(app, seen + 1))
+            delta.commit(location, table, removes=[part], app=(app, app_version(snap) + 1))
         except delta.CommitConflictError:
             continue  # removed meanwhile: the next look says so
         after = delta.snapshot(location, table)
@@ -275,12 +373,15 @@ def remove_bad_file(location: StoreLocation, table: str, part: delta.PartFile, a
                      f"commits that remove files kept coming first")
 
 
-def _run_column_problem(path: str, filesystem: Any, run_id: str) -> str | None:
+def _run_column_problem(path: str, filesystem: Any, run_id: str, data: pa.Buffer | None = None) -> str | None:
     """Why a file's own `run_id` column cannot be read as its run's, or None when every value is
     `run_id`. A file of this store holds none (the run is its folder); one that does came from
-    another writer, and a value that differs from its run would be read, or compacted, as another run."""
+    another writer, and a value that differs from its run would be read, or compacted, as another run.
+    `data`: the file's bytes, when they are at hand."""
     try:
-        if filesystem is None:
+        if data is not None:
+            column = pq.read_table(pa.BufferReader(data), columns=[delta.PARTITION_COLUMN]).column(0)
+        elif filesystem is None:
             column = pq.read_table(path, columns=[delta.PARTITION_COLUMN]).column(0)
         else:
             with filesystem.open_input_file(path) as source:

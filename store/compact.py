@@ -18,7 +18,7 @@ the merged files, both marked `data_change=False` (the same rows, rewritten): a 
 the sources or the merged files, never both. Writers keep appending meanwhile; their files are not
 among the sources and stay live. Two compactions (or a compaction and a prune, or a quarantine)
 made from the same version cannot both commit: each such commit carries the app transaction
-`moescope-compact:<table>` at one more than its version read before the snapshot
+`moescope-compact:<table>` at one more than the version its snapshot holds
 (`store.catalog.app_version`), and `store.delta.commit` does not make a commit whose app version
 the table already holds, nor one that removes a file no longer in the table; the one that lost
 finds its merged files absent from the version it got (or gets CommitConflictError), deletes them
@@ -88,6 +88,8 @@ IN_MEMORY_MERGE_BYTES = 2 * 1024**3
 # merge's time, and on object storage each source is a request to wait for.
 READ_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
+# Tables compacted at once on object storage (each mostly waits for its requests).
+TABLE_THREADS = 4
 
 # A file at or above this size (bytes, as the table's log records it) is left alone; smaller ones are
 # packed into files up to it. 128 MiB: large enough that a query opens few files, small enough that
@@ -344,17 +346,27 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
     """
     if target_size < 1 or target_rows < 1:
         raise ValueError(f"the target size and rows must be at least 1, not {target_size} bytes, {target_rows} rows")
-    catalog = catalog if catalog is not None else Catalog(location)
+    return _compact_run(location, table, run_id, catalog if catalog is not None else Catalog(location), None,
+                        target_rows, row_group_rows, memory_limit, attempts, target_size)[0]
+
+
+def _compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catalog, snap: delta.Snapshot | None,
+                 target_rows: int, row_group_rows: int, memory_limit: str, attempts: int,
+                 target_size: int) -> tuple[CompactResult, delta.Snapshot | None]:
+    """`compact_run`, starting from `snap` (read with `app=REWRITE_APP`; None: read it here) on its
+    first try. Returns the result and the version its commit made, read with the app version (for
+    the next run of the table: no log read between the runs of one compaction), or None."""
     result = CompactResult(table, run_id)
     io = result.io
     app = REWRITE_APP.format(table=table)
     tries = restarts = 0
     while tries < attempts:
-        seen = app_version(location, table, app)  # before the snapshot: see store.catalog.app_version
-        snap = delta.snapshot(location, table)
+        if snap is None:
+            snap = delta.snapshot(location, table, app=app)
         if snap is None:
             result.skipped = "no such table"
-            return result
+            return result, None
+        seen = app_version(snap)  # the same version of the log as its files: see store.catalog.app_version
         files = [p for p in snap.files if p.run_id == run_id]
         small = [p for p in files if not _at_target(p, target_size, target_rows)]
         result.left_alone = len(files) - len(small)
@@ -364,13 +376,14 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
         # checked; a group for DuckDB is checked through first)
         candidates = [p for group in planned for p in group]
         io.footer_reads += len(candidates)
-        checked = {info.part.path: info for p in candidates
-                   if (info := catalog.check(table, p, verify=False)) is not None}
+        with ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, len(candidates)))) as pool:  # request-bound
+            footers = list(pool.map(lambda p: catalog.check(table, p, verify=False), candidates))
+        checked = {info.part.path: info for info in footers if info is not None}
         groups = [[checked[p.path] for p in group]
                   for group in _groups([p for p in candidates if p.path in checked], target_size, target_rows)]
         if not groups:
             result.skipped = "nothing to merge"
-            return result
+            return result, snap
         con = connect(memory_limit=memory_limit, preserve_insertion_order=True)
         merged: list[tuple[list[FileInfo], delta.PartFile]] = []
         try:
@@ -391,15 +404,16 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
                                                    app=(app, seen + 1))
             except delta.CommitConflictError:  # a source was removed since the snapshot: nothing committed
                 version = None
-            committed = delta.snapshot(location, table, version) if version is not None else None
+            committed = delta.snapshot(location, table, version, app=app) if version is not None else None
         except _BadSource as bad:
+            snap = None
             _delete(catalog, table, [part for _, part in merged])
             if bad.reason:
                 catalog.reject(table, bad.info.part, bad.reason)
             restarts += 1  # each restart leaves out one more file: they are bounded by the files
             if restarts > len(small):
                 result.skipped = "sources kept failing their checks or going missing; run compact again"
-                return result
+                return result, None
             continue  # again without it: it is quarantined, or skipped by this catalog (not a commit race)
         except BaseException:
             _delete(catalog, table, [part for _, part in merged])
@@ -411,14 +425,15 @@ def compact_run(location: StoreLocation, table: str, run_id: str, catalog: Catal
             result.written_files = [display(location, catalog.full_path(table, p)) for p in adds]
             result.merged_files = len(removes)
             result.rows = sum(p.rows for p in adds)
-            return result
+            return result, committed
         # another compaction, a prune or a quarantine made from the same version committed first
         log.info("moescope compact: %s/%s changed under the merge (another compaction?); merging again",
                  location.redacted, table)
         _delete(catalog, table, adds)
+        snap = None
         tries += 1
     result.skipped = "other commits that remove files kept coming first; run compact again"
-    return result
+    return result, None
 
 
 def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None, tables: tuple[str, ...] | None = None,
@@ -446,15 +461,19 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
         check_name("run_id", run_id)
     delta.check_store(location)
     catalog = Catalog(location)
-    results = []
-    for table in tables or TABLES:
-        snap = delta.snapshot(location, table)
+
+    def compact_table(table: str) -> list[CompactResult]:
+        # the log is read once per table: each run starts from the version the previous one's commit
+        # made (its files and app version known without a read), unless a try had to look again
+        app = REWRITE_APP.format(table=table)
+        snap: delta.Snapshot | None = delta.snapshot(location, table, app=app)
         if snap is None:
-            continue
+            return []
         runs = [run_id] if run_id else sorted({p.run_id for p in snap.files})
         table_results = []
         for run in runs:
-            files = [p for p in snap.files if p.run_id == run]
+            seen = snap if snap is not None else delta.snapshot(location, table, app=app)
+            files = [p for p in seen.files if p.run_id == run] if seen is not None else []
             small = [p for p in files if not _at_target(p, target_size, target_rows)]
             if not files:
                 continue
@@ -462,12 +481,18 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
                 table_results.append(CompactResult(table, run, skipped="nothing to merge",
                                                    left_alone=len(files) - len(small)))
                 continue
-            table_results.append(compact_run(location, table, run, catalog, target_rows, row_group_rows,
-                                             target_size=target_size))
-        results += table_results
+            result, snap = _compact_run(location, table, run, catalog, seen, target_rows, row_group_rows, "4GB",
+                                        COMMIT_ATTEMPTS, target_size)
+            table_results.append(result)
         if retention_hours is not None and any(r.merged_files for r in table_results):
             delta.vacuum(location, table, retention_hours)
-    return results
+        return table_results
+
+    # Tables are independent (a log each): on object storage most of a table's time is waiting for
+    # requests, so a few are compacted at once. A local store goes one table at a time.
+    threads = 1 if location.is_local else TABLE_THREADS
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return [r for table_results in pool.map(compact_table, tables or TABLES) for r in table_results]
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -526,13 +551,12 @@ def delete_runs(location: StoreLocation, run_ids: Sequence[str], attempts: int =
     for table in TABLES:
         app = REWRITE_APP.format(table=table)
         for _ in range(attempts):
-            seen = app_version(location, table, app)
-            snap = delta.snapshot(location, table)
+            snap = delta.snapshot(location, table, app=app)
             parts = [p for p in snap.files if p.run_id in doomed] if snap is not None else []
-            if not parts:
+            if snap is None or not parts:
                 break
             try:
-                version = delta.commit(location, table, removes=parts, app=(app, seen + 1))
+                version = delta.commit(location, table, removes=parts, app=(app, app_version(snap) + 1))
             except delta.CommitConflictError:
                 continue  # a compaction or quarantine removed some of them meanwhile: look again
             after = delta.snapshot(location, table, version)

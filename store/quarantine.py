@@ -60,7 +60,7 @@ class QuarantinedFile:
     moved_at: str  # ISO time, UTC
 
 
-def deep_check(path: str, filesystem: Any = None) -> str | None:
+def deep_check(path: str, filesystem: Any = None, data: pa.Buffer | None = None) -> str | None:
     """Read a file through, every page checked against its checksum; the error text, or None if it reads.
 
     `path` is a local path, or a path of `filesystem` (a pyarrow filesystem: object storage). Each
@@ -69,9 +69,10 @@ def deep_check(path: str, filesystem: Any = None) -> str | None:
     return fewer values without an error. Pages written without a checksum (other writers) are read
     but cannot be checked. Reads column by column in batches, so a wide row group is never held whole.
     A file that is not there is not bad (None): a snapshot's files are only gone once vacuumed.
+    `data`: the file's bytes, when the caller holds them (checked from memory, nothing read).
     """
     try:
-        with _open_input(path, filesystem) as source:
+        with (pa.BufferReader(data) if data is not None else _open_input(path, filesystem)) as source:
             file = pq.ParquetFile(source, page_checksum_verification=True)
             for group in range(file.metadata.num_row_groups):
                 expected = file.metadata.row_group(group).num_rows

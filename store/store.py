@@ -10,17 +10,20 @@ as null. Every value that comes from a user goes into the SQL as a `?` parameter
 
 Local store: the views read the snapshot's files with `read_parquet`, and the connection reads
 only the store's folder and runs only SELECTs (`connect`, `check_read_only`). Object storage: each
-view is a pyarrow dataset over the snapshot's files (pyarrow's filesystem, credentials from the
-environment chain) that DuckDB scans with filter and projection pushdown; the connection reads no
-file at all itself.
+view is a pyarrow dataset over the snapshot's checked files, their footers already read
+(`FileInfo.fragment`; pyarrow's filesystem, credentials from the environment chain), that DuckDB
+scans with filter and projection pushdown: a query asks only for the column chunks it reads, in
+coalesced range requests. The connection reads no file at all itself.
 
 Sharp edges: the views hold the versions of the last `refresh()`. Files a compaction or prune
 removed since stay on the storage until `vacuum` deletes them after its retention (one hour by
 default), so a reader that refreshes more often than that never loses a file under its views; one
 that does not gets a StoreError naming the missing file. A file that fails to read is checked
 through (by pyarrow, and by DuckDB for a local store), quarantined if it is bad, and the query runs
-again without it. Each file is checked once per Store: damage that happens to a file after this
-reader checked it, without changing its size (or, locally, its mtime), is not seen until the next Store.
+again without it. Each file is checked once per Store (on object storage once per process: another
+Store asks only whether the object is still the one checked, by its size and ETag): damage that
+happens to a file after this reader checked it, without changing its size (or, locally, its mtime;
+on object storage, its ETag), is not seen until the next Store.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import pandas as pd
 import pyarrow as pa
 
 from moescope.store import delta
-from moescope.store.catalog import Catalog, FileInfo, TableFiles
+from moescope.store.catalog import Catalog, FileInfo, TableFiles, parquet_format
 from moescope.store.errors import EmptyStoreError, QueryError, StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.quarantine import QuarantinedFile, deep_check, quarantined
@@ -243,10 +246,9 @@ class Store(StoreQueries, ReportQueries):
         if not self.location.is_local:
             import pyarrow.dataset as ds
 
-            dataset = ds.dataset([info.path for info in files.files], schema=schema, format="parquet",
-                                 filesystem=self.catalog.filesystem,
-                                 partitioning=ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive"),
-                                 partition_base_dir=self.location.join(table))
+            # the checked files' fragments, footers held: a query asks only for the column chunks it reads
+            dataset = ds.FileSystemDataset([info.fragment for info in files.files], schema, parquet_format(),
+                                           self.catalog.filesystem)
             self._datasets[table] = dataset
             self.con.from_arrow(dataset).create_view(table, replace=True)
             return

@@ -5,7 +5,7 @@ Commits from many processes and hosts race on the log's next version; delta-rs r
 itself (`MAX_COMMIT_RETRIES`), and `commit` retries again with jittered backoff when that runs out.
 A commit whose answer was lost (the PUT landed, the client saw an error) is resolved with an app
 transaction: a writer commits with `app=(app_id, seq)`, seq rising per table, and a retry that finds
-`transaction_version(app_id) >= seq` knows its commit is in and does not commit it twice.
+the table's app version `>= seq` (`store.delta.transactions`) knows its commit is in and does not commit it twice.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from moescope.store.delta.helper import call_helper, guarded, routed
 from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, run_of
 from moescope.store.delta.retries import APP_RETRIES, APP_RETRY_DEADLINE_S, backoff, transient
 from moescope.store.delta.tables import forget_table, open_table, use_runtime
+from moescope.store.delta.transactions import held_version, record_commit
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name
@@ -133,14 +134,17 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
                 delta_table.update_incremental()
                 base = delta_table.version()
                 if (app is not None and (attempt or not app_unseen)
-                        and (delta_table.transaction_version(app[0]) or -1) >= app[1]):
+                        and (held_version(loc, table, delta_table, app[0]) or -1) >= app[1]):
                     return _version_of(loc, table, delta_table, base, app)  # committed by an earlier try
                 if removes:
                     _check_live(loc, table, delta_table, removes)
                 delta_table.create_write_transaction(actions, mode="append", schema=SCHEMAS[table],
                                                      partition_by=[PARTITION_COLUMN], commit_properties=properties)
                 delta_table.update_incremental()
-                return _version_of(loc, table, delta_table, base, app, adds[0].path if adds else None)
+                made = _version_of(loc, table, delta_table, base, app, adds[0].path if adds else None)
+                if app is not None and made == base + 1 == delta_table.version():
+                    record_commit(loc, table, app, made)
+                return made
         except (DeltaError, OSError, StoreError) as e:
             last = e
             if isinstance(e, TableNotFoundError):  # deleted under us: open it again
@@ -189,7 +193,7 @@ def _landed(loc: StoreLocation, table: str, app: tuple[str, int]) -> bool:
             return False
         with cached.lock:
             cached.dt.update_incremental()
-            return (cached.dt.transaction_version(app[0]) or -1) >= app[1]
+            return (held_version(loc, table, cached.dt, app[0]) or -1) >= app[1]
     except Exception:
         return False
 

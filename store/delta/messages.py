@@ -57,7 +57,7 @@ def encode(value: Any) -> Any:
         return {"$": "part", **dataclasses.asdict(value)}
     if isinstance(value, Snapshot):
         return {"$": "snapshot", "version": value.version, "files": [encode(f) for f in value.files],
-                "skipped": [encode(f) for f in value.skipped]}
+                "skipped": [encode(f) for f in value.skipped], "app_version": value.app_version}
     if isinstance(value, SkippedFile):
         return {"$": "skipped", **dataclasses.asdict(value)}
     if isinstance(value, tuple):
@@ -80,7 +80,7 @@ def decode(value: Any) -> Any:
         return PartFile(**{f.name: value[f.name] for f in dataclasses.fields(PartFile)})
     if kind == "snapshot":
         return Snapshot(int(value["version"]), [decode(f) for f in value["files"]],
-                        [decode(f) for f in value.get("skipped", [])])
+                        [decode(f) for f in value.get("skipped", [])], value.get("app_version"))
     if kind == "skipped":
         return SkippedFile(**{f.name: value[f.name] for f in dataclasses.fields(SkippedFile)})
     if kind == "tuple":

@@ -65,11 +65,13 @@ class SkippedFile:
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One version of a table: its live data files, and the files its log names that are left out
-    because a name in them fails the store's rule (`skipped`; see `store.delta.snapshot`)."""
+    because a name in them fails the store's rule (`skipped`; see `store.delta.snapshot`), and, when
+    asked for, the version of one app transaction it holds (`app_version`)."""
 
     version: int
     files: list[PartFile]
     skipped: list[SkippedFile] = dataclasses.field(default_factory=list)
+    app_version: int | None = None  # the latest version of the app id asked for (`snapshot(app=...)`), None: none
 
 
 def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, data: pa.Table, name: str, *,

@@ -26,6 +26,7 @@ from moescope.store.delta.helper import call_helper, guarded, routed
 from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, SkippedFile, Snapshot
 from moescope.store.delta.stats import stats_of
 from moescope.store.delta.tables import open_table, use_runtime
+from moescope.store.delta.transactions import held_version
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import InvalidNameWarning, check_name, shown_name, stored_name_problem
@@ -79,19 +80,22 @@ def _transaction_version(loc: StoreLocation, table: str, app_id: str) -> int | N
         return None
     with cached.lock:
         cached.dt.update_incremental()
-        found = cached.dt.transaction_version(app_id)
-    return None if found is None else int(found)
+        return held_version(loc, table, cached.dt, app_id)
 
 
 def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | None = None, *,
-             with_stats: bool = False) -> Snapshot | None:
+             with_stats: bool = False, app: str | None = None) -> Snapshot | None:
     """The live data files of `table` at a version, as the log says.
 
     Args:
         loc: the store.
         table: the table.
-        version: the version to read; None: the latest.
+        version: the version to read; None: the latest. The version this process's table is at
+            (the one its last commit made, say) is read without a request.
         with_stats: also fill each file's stats (rebuilt from the log; slower on large tables).
+        app: an app id whose latest version at this version to give too (`Snapshot.app_version`,
+            read from the same version of the log: a commit that removes these files with
+            `app=(app, app_version + 1)` is made only if no such commit came after it).
 
     Returns:
         The Snapshot, or None when there is no table yet.
@@ -102,10 +106,10 @@ def snapshot(loc: StoreLocation | str | os.PathLike, table: str, version: int | 
     loc = open_location(loc)
     check_name("table", table)
     if routed():
-        snap = call_helper("snapshot", loc, table, version, with_stats=with_stats)
+        snap = call_helper("snapshot", loc, table, version, with_stats=with_stats, app=app)
     else:
-        snap = guarded(lambda: _snapshot(loc, table, version, with_stats), loc, "snapshot", table, version,
-                       with_stats=with_stats)
+        snap = guarded(lambda: _snapshot(loc, table, version, with_stats, app), loc, "snapshot", table, version,
+                       with_stats=with_stats, app=app)
     if snap is not None and snap.skipped:
         warn_skipped(loc, table, snap.skipped)
     return snap
@@ -128,7 +132,8 @@ def warn_skipped(loc: StoreLocation, table: str, skipped: list[SkippedFile]) -> 
         warnings.warn(text, InvalidNameWarning, stacklevel=3)
 
 
-def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: bool) -> Snapshot | None:
+def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: bool,
+              app: str | None = None) -> Snapshot | None:
     cached = open_table(loc, table, create=False)
     if cached is None:
         return None
@@ -136,6 +141,8 @@ def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: b
         if version is None:
             cached.dt.update_incremental()
             delta_table = cached.dt
+        elif version == cached.dt.version():
+            delta_table = cached.dt  # e.g. the version this process's commit just made: nothing to read
         else:
             use_runtime()
             from deltalake import DeltaTable
@@ -146,7 +153,13 @@ def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: b
             except Exception as e:
                 raise StoreError(message(f"cannot read version {version} of {loc.redacted}/{table}", e)) from e
         files, skipped = _files(delta_table, with_stats)
-        return Snapshot(delta_table.version(), files, skipped)
+        held = None
+        if app is not None and delta_table is cached.dt:
+            held = held_version(loc, table, delta_table, app)
+        elif app is not None:
+            found = delta_table.transaction_version(app)
+            held = None if found is None else int(found)
+        return Snapshot(delta_table.version(), files, skipped, held)
 
 
 def _files(delta_table: DeltaTable, with_stats: bool) -> tuple[list[PartFile], list[SkippedFile]]:

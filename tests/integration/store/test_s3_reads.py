@@ -1,0 +1,119 @@
+"""Reads through S3 at object-store speed (issue 34, part 2), counted where the requests arrive: the
+moto server sits behind tests/support/s3faults.py's proxy, which logs every request it forwards.
+
+A reader checks each file it has not seen once per process, in at most three requests (a HEAD, the
+object whole, footer and pages checked from memory, then its footer into the fragment the views
+scan), and another reader of the process only asks whether the object is still the one checked (an
+object written over is checked again); a refresh after new commits asks only for the new versions'
+log entries and the new files; the answers are those of the raw Parquet rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from urllib.parse import unquote
+
+import pyarrow.compute as pc
+import pytest
+
+from moescope.store import BadFileWarning, Store
+from moescope.store.location import StoreLocation
+from moescope.store.schema import TABLES
+from tests.support.deltafiles import parts, read_table, write_bytes, write_run
+from tests.support.s3faults import FaultProxy
+
+_LOG_ENTRY = re.compile(r"/([a-z_]+)/_delta_log/(\d{20})\.json$")
+
+
+def _through(location: StoreLocation, proxy: FaultProxy) -> StoreLocation:
+    return StoreLocation(location.url, {**location.storage_options, "AWS_ENDPOINT_URL": proxy.url})
+
+
+def _data_requests(proxy: FaultProxy) -> collections.Counter[str]:
+    """Requests per data file (bucket/prefix/table/run_id=.../part-....parquet), any method."""
+    return collections.Counter(unquote(path.split("?", 1)[0]).lstrip("/") for _, path, _ in proxy.log()
+                               if path.split("?", 1)[0].endswith(".parquet"))
+
+
+def _log_entries(proxy: FaultProxy) -> list[tuple[str, int]]:
+    """(table, version) of every log entry asked for."""
+    return [(m.group(1), int(m.group(2))) for _, path, _ in proxy.log()
+            if (m := _LOG_ENTRY.search(unquote(path.split("?", 1)[0])))]
+
+
+def _files(location: StoreLocation) -> set[str]:
+    return {location.join(table, part.path) for table in TABLES for part in parts(location, table)}
+
+
+def _brute_force_route_rows(location: StoreLocation) -> dict[str, int]:
+    """Route rows per run, counted from the raw Parquet files the log names."""
+    rows: collections.Counter[str] = collections.Counter()
+    for part in parts(location, "routes"):
+        rows[part.run_id] += read_table_rows(location, part)
+    return dict(rows)
+
+
+def read_table_rows(location: StoreLocation, part) -> int:
+    import pyarrow.parquet as pq
+
+    with location.filesystem().open_input_file(location.join("routes", part.path)) as source:
+        return pq.read_metadata(source).num_rows
+
+
+def test_a_reader_asks_at_most_three_requests_per_file_it_has_not_seen(s3_store):
+    write_run(s3_store, "r", steps=6, max_rows=48)  # a routes file per step, and a file in each other table
+    files = _files(s3_store)
+    assert len(files) >= 10
+    with FaultProxy(s3_store.storage_options["AWS_ENDPOINT_URL"]) as proxy:
+        through = _through(s3_store, proxy)
+        with Store(through) as store:
+            per_file = _data_requests(proxy)
+            assert set(per_file) == files  # every file checked, nothing else asked for
+            assert max(per_file.values()) <= 3, per_file.most_common(3)
+
+            proxy.reset_counts()
+            answer = store.sql("SELECT run_id, count(*) AS n, sum(step) AS steps FROM routes GROUP BY run_id")
+            route_files = {f for f in files if "/routes/" in f}
+            asked = _data_requests(proxy)
+            assert set(asked) <= route_files  # a query reads column chunks of its own table only ...
+            assert max(asked.values()) <= 1  # ... in one coalesced request per small file, no footer
+        raw = read_table(s3_store, "routes")
+        assert answer.set_index("run_id")["n"].to_dict() == {"r": raw.num_rows}
+        assert int(answer["steps"][0]) == pc.sum(raw.column("step")).as_py()
+
+        proxy.reset_counts()
+        with Store(through):  # a second reader in the same process: every file already checked ...
+            methods = collections.Counter(m for m, path, _ in proxy.log() if ".parquet" in path)
+            assert methods == {"HEAD": len(files)}, methods  # ... it asks only whether each is the object checked
+
+        # an object written over (another ETag) is checked again, and this one is damaged: quarantined
+        damaged = next(p for p in parts(s3_store, "routes"))
+        write_bytes(s3_store, s3_store.join("routes", damaged.path), b"not parquet" * 10)
+        with pytest.warns(BadFileWarning), Store(through) as store:
+            assert [q.original_path.rsplit("/", 1)[-1] for q in store.quarantined()] == [damaged.path.split("/")[-1]]
+            left = store.sql("SELECT count(*) AS n FROM routes").n[0]
+        assert left == raw.num_rows - damaged.rows
+
+
+def test_a_refresh_reads_only_what_the_new_versions_add(s3_store):
+    write_run(s3_store, "r", steps=4, max_rows=48)
+    old_files = _files(s3_store)
+    with FaultProxy(s3_store.storage_options["AWS_ENDPOINT_URL"]) as proxy:
+        with Store(_through(s3_store, proxy)) as store:
+            before = dict(store.versions)
+            write_run(s3_store, "r2", steps=3, max_rows=48, seed=1)  # straight to the server: not counted
+            new_files = _files(s3_store) - old_files
+            assert new_files
+            proxy.reset_counts()
+            store.refresh()
+            asked = _data_requests(proxy)
+            assert set(asked) == new_files  # the new files, each checked once; no old file asked for
+            assert max(asked.values()) <= 3
+            entries = _log_entries(proxy)
+            assert entries and all(version > (before.get(table) if before.get(table) is not None else -1)
+                                   for table, version in entries), entries  # only the new versions' entries
+            assert {table for table, _ in entries} == {table for table in TABLES
+                                                      if store.versions.get(table) != before.get(table)}
+            counted = store.sql("SELECT run_id, count(*) AS n FROM routes GROUP BY run_id ORDER BY run_id")
+        assert dict(zip(counted["run_id"], counted["n"])) == _brute_force_route_rows(s3_store)
