@@ -50,9 +50,10 @@ def _bucket(position: int) -> str:
     return f"{low}-{BUCKETS[BUCKETS.index(low) + 1] - 1}"
 
 
-def brute_force(compared: list[tuple[tuple, int, int]], sequences, engine, oracle, layers: int) -> dict:
+def brute_force(compared: list[tuple[tuple, int, int]], sequences, engine, oracle, layers: int,
+                tag: str | None = None) -> dict:
     """Figures keyed (grouping, group_name, layer or None) from (key, first, end) spans of positions
-    compared: a loop over tokens and layers."""
+    compared: a loop over tokens and layers; `tag` (key=value) a tag every step carries."""
     figures: dict = {}
     pairs_listed = {}
 
@@ -71,7 +72,7 @@ def brute_force(compared: list[tuple[tuple, int, int]], sequences, engine, oracl
     for key, first, end in compared:
         ref_ids, logits = oracle[key]
         for position in range(first, end):
-            groups = [("all", "all"), ("position", _bucket(position))]
+            groups = [("all", "all"), ("position", _bucket(position))] + ([("tag", tag)] if tag else [])
             any_set = any_top1 = False
             for layer in range(layers):
                 e = [int(v) for v in engine[key][position, layer]]
@@ -171,14 +172,16 @@ def test_sglang_responses_with_the_prompt_ids_given_beside_them(setup, tmp_path)
     model, requests, sequences, engine, oracle = setup
     path = tmp_path / "sglang.jsonl"
     path.write_text(sglang_responses(requests, engine))
-    import_files("sglang", [str(path)], tmp_path / "store", run_id="engine", num_layers=2, top_k=K)
+    import_files("sglang", [str(path)], tmp_path / "store", run_id="engine", num_layers=2, top_k=K,
+                 tags={"policy": "v3"})
     keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
     with pytest.raises(MismatchError, match="--token-ids"):
         mismatch(model, store=tmp_path / "store", run="engine", write=False)
     given = {(step, 0): sequences[key] for step, key in enumerate(keys)}  # a step per request, in file order
     mismatch(model, store=tmp_path / "store", run="engine", token_ids=given, batch_size=1, run_id="mm")
     # SGLang runs every request's prompt: each is compared whole
-    want = brute_force([(key, 0, len(sequences[key])) for key in keys], sequences, engine, oracle, layers=2)
+    want = brute_force([(key, 0, len(sequences[key])) for key in keys], sequences, engine, oracle, layers=2,
+                       tag="policy=v3")
     check_rows(snapshot_rows(tmp_path / "store", "mismatch").to_pylist(), want)
 
 
@@ -190,3 +193,51 @@ def test_an_engine_that_routes_like_the_reference_shows_no_mismatch(setup, tmp_p
     import_files("vllm", [str(path)], tmp_path / "store", run_id="engine")
     report = mismatch(model, store=tmp_path / "store", run="engine", batch_size=1, write=False)
     assert report.decision_share == 0 and report.token_share == 0 and report.tokens.empty
+
+
+def test_batched_reference_feeds_each_token_the_position_the_engine_gave_it(setup, tmp_path):
+    """Read by a hook of the test's own: right-padded batches of four, every real token at its
+    position in its sequence, and the whole position tensor the one transformers' generate builds
+    from the same mask (pads at 0)."""
+    import torch
+
+    model, requests, sequences, engine, oracle = setup
+    path = tmp_path / "vllm.jsonl"
+    path.write_text(vllm_responses(requests, engine))
+    import_files("vllm", [str(path)], tmp_path / "store", run_id="engine")
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        {k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "position_ids")}), with_kwargs=True)
+    try:
+        mismatch(model, store=tmp_path / "store", run="engine", batch_size=4, write=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 2
+    fed_rows = [row for forward in seen for row in zip(forward["input_ids"], forward["attention_mask"],
+                                                        forward["position_ids"])]
+    by_ids = {tuple(seq): seq for seq in sequences.values()}
+    assert len(fed_rows) == len(sequences)
+    for ids, mask, positions in fed_rows:
+        real = mask.bool()
+        assert tuple(ids[real].tolist()) in by_ids
+        assert positions[real].tolist() == list(range(int(real.sum())))
+    for forward in seen:
+        want = model._prepare_position_ids_for_generation(forward["input_ids"],
+                                                          {"attention_mask": forward["attention_mask"]})
+        assert torch.equal(forward["position_ids"], want)
+
+
+def test_engine_layers_numbered_among_every_hidden_layer_map_to_the_moe_layers():
+    """DeepSeek-V3's first layer is dense: SGLang numbers its MoE layers 1 and 2, the probe 0 and 1."""
+    from moescope.analyses.mismatch import layer_map
+    from moescope.probe.adapters import find_moe_layers
+    from tests.support.zoo import tiny_model
+
+    model = tiny_model("deepseek_v3")
+    layers = find_moe_layers(model)
+    assert [layer.index for layer in layers] == [0, 1]
+    assert layer_map([1, 2], layers, model.config.num_hidden_layers) == {0: 0, 1: 1}
+    assert layer_map([0, 1], layers, model.config.num_hidden_layers) == {0: 0, 1: 1}
+    assert layer_map([2], layers, model.config.num_hidden_layers, "hidden") == {1: 0}
+    with pytest.raises(MismatchError, match="is it the engine's model"):
+        layer_map([5], layers, model.config.num_hidden_layers)
