@@ -52,6 +52,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -92,6 +93,10 @@ log = logging.getLogger(__name__)
 
 # A table's rows are written once they hold this many bytes, even before `max_rows` or `max_age_s`.
 DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
+# The tables a session's close commits to (its end, its final counts), opened ahead on object storage.
+CLOSING_TABLES = ("run_ends", "probe_stats")
+# Parts of different tables a flush writes at once (a probe's flush has up to 4 tables; a close adds run_ends).
+FLUSH_THREADS = 6
 
 # One sequence for every writer of the process: two writers never choose one file name.
 _SEQUENCE = itertools.count(1)
@@ -220,6 +225,7 @@ class RunWriter:
         self.last_error: str | None = None
         self._failing: Counter[str] | None = None  # rows lost per table since writes started failing
         self._stats_written: tuple | None = None
+        self._stats_final: tuple | None = None  # what the last probe_stats snapshot written says (`_stats_key`)
         self._stats_tried = time.monotonic()
         self._pipeline: BatchProcessor[TableRows] | None = None
         self.closed = False
@@ -242,6 +248,7 @@ class RunWriter:
         self.last_error = None
         self._failing = None
         self._stats_written = None
+        self._stats_final = None
 
     # -- counts --------------------------------------------------------------------------------
 
@@ -332,6 +339,23 @@ class RunWriter:
         return self.location.join(table, part.path) if self.location.is_local else \
             f"{self.location.table_uri(table)}/{part.path}"
 
+    def open_tables(self, tables: Sequence[str]) -> None:
+        """Make sure `tables` exist and are open in this process before their first write (see
+        `ParquetExporter.on_attach`); a table that cannot be opened now is tried again at its first write."""
+        for table in tables:
+            with self._lock:
+                table_lock = self._table_locks.setdefault(table, threading.Lock())
+            with table_lock:
+                if table in self._tables_made:
+                    continue
+                try:
+                    delta.create_table(self.location, table)
+                except (OSError, StoreError) as e:
+                    log.info("moescope: opening %s/%s ahead of the close failed (its first write tries again): %s",
+                             self.location.redacted, table, e)
+                    continue
+                self._tables_made.add(table)
+
     def emit(self, table: str, data: pa.Table | Sequence[dict],
              on_refused: Callable[[pa.Table], None] | None = None) -> None:
         """Hand rows of `table` to the writer's pipeline: they are written on its worker thread, at
@@ -398,12 +422,20 @@ class RunWriter:
         carries the same counts (they are cumulative; nothing is counted as lost)."""
         with self._stats_lock:
             drops, records = self.drop_counts()
+            written = self.written_rows
             data = probe_stats_table(self.run_id, self.rank, os.getpid(), dt.datetime.now(dt.timezone.utc),
-                                     self.written_rows, drops, records, host=self.host)
+                                     written, drops, records, host=self.host)
             if data.num_rows and not self.write("probe_stats", data, retried=True):
                 return False
             self._stats_written = tuple(sorted(drops.items()))
+            self._stats_final = self._stats_key(written, drops, records)
             return True
+
+    @staticmethod
+    def _stats_key(written: Counter[str], drops: dict, records: dict) -> tuple:
+        """What a `probe_stats` snapshot says (its own table's rows are not counted in it)."""
+        return (tuple(sorted((t, n) for t, n in written.items() if t != "probe_stats")),
+                tuple(sorted(drops.items())), tuple(sorted(records.items())))
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -421,7 +453,9 @@ class RunWriter:
         with self._lock:
             self.closed = True
             anything = bool(self._counts.written) or bool(self._counts.totals()[0])
-        if anything and not self.write_probe_stats():
+        # the last holder (the probe's exporter) has usually just written the final counts: not twice
+        current = self._stats_key(self.written_rows, *self.drop_counts())
+        if anything and current != self._stats_final and not self.write_probe_stats():
             log.error("moescope: the final probe_stats of run %s could not be written to %s; the counts were: %s",
                       self.run_id, self.location.redacted, self.drop_counts()[0] or "no drops")
         with self._lock:
@@ -531,6 +565,7 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         # pipeline's: one writer at a time, or a slow first commit has both threads commit them (seen: a
         # run's runs and layers rows twice with 8 writers on S3)
         self._run_rows_lock = threading.Lock()
+        self._drops_lock = threading.Lock()
         if run is not None:
             self.on_attach(run)
 
@@ -552,6 +587,13 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         self.run = run
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
+        if not self.location.is_local:
+            # The tables only a close writes, opened now on a thread of their own: a table's first open
+            # reads its log since the last checkpoint, twice (on object storage up to about 100 GETs,
+            # and a fleet's writers closing together wait for each other's); opened early, the close
+            # reads only the entries committed since.
+            threading.Thread(target=self.writer.open_tables, args=(CLOSING_TABLES,), daemon=True,
+                             name="moescope-open-tables").start()
 
     def after_fork_in_child(self) -> None:
         """Start afresh in a forked child that records (a `moescope.core.exporters.ForkAware`).
@@ -589,8 +631,8 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
     def _write_run(self) -> None:
         """Write the run's own rows that are not on disk yet (they are retried, not dropped)."""
         with self._run_rows_lock:
-            self._unwritten_run = [(table, data) for table, data in self._unwritten_run
-                                   if not self._write(table, data, retried=True)]
+            done = self._flush_tables((), [(table, data, True) for table, data in self._unwritten_run])
+            self._unwritten_run = [job for job, ok in zip(self._unwritten_run, done) if not ok]
 
     def _attached(self) -> tuple[RunInfo, RunWriter]:
         """The run and its writer, from `on_attach` (the probe calls it before any record)."""
@@ -606,7 +648,8 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         if self.processor is not None:
             self.processor.count_dropped_rows(table, reason, rows)
         else:
-            self.dropped_rows[(table, reason)] += rows
+            with self._drops_lock:  # a flush writes its tables on threads
+                self.dropped_rows[(table, reason)] += rows
 
     @property
     def written_rows(self) -> Counter[str]:
@@ -649,28 +692,40 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
                 self._rows[table] += rows.num_rows
                 self._bytes[table] += rows.nbytes
                 self._first_at.setdefault(table, now)
-        for table in list(self._first_at):
-            if (self._rows[table] >= self.max_rows or self._bytes[table] >= self.max_bytes
-                    or now - self._first_at[table] >= self.max_age_s):
-                self._flush_table(table)
+        self._flush_tables([table for table in list(self._first_at)
+                            if (self._rows[table] >= self.max_rows or self._bytes[table] >= self.max_bytes
+                                or now - self._first_at[table] >= self.max_age_s)])
         if self._unwritten_run:
             self._write_run()
         # drops reach the disk within a flush interval under steady load
         writer.write_changed_stats(min_interval_s=self.max_age_s)
         return True
 
-    def _flush_table(self, table: str) -> None:
+    def _take(self, table: str) -> tuple[str, pa.Table, bool] | None:
+        """A table's buffered rows as one part to write (the buffer emptied), or None when it holds none."""
         self._rows.pop(table, None)
         self._bytes.pop(table, None)
         self._first_at.pop(table, None)
         if table == "routes":
             pieces, self._route_pieces = self._route_pieces, []
-            if pieces:
-                self._write(table, routes_table(self._attached()[0].run_id, pieces))
-            return
+            return (table, routes_table(self._attached()[0].run_id, pieces), False) if pieces else None
         parts = self._buffers.pop(table, [])
-        if parts:
-            self._write(table, pa.concat_tables(parts))
+        return (table, pa.concat_tables(parts), False) if parts else None
+
+    def _flush_tables(self, tables: Sequence[str], more: Sequence[tuple[str, pa.Table, bool]] = ()) -> list[bool]:
+        """Write the buffers of `tables`, and `more` parts (table, rows, retried); whether each of `more`
+        was written. Parts of different tables are written and committed at once, a thread each: a
+        commit is a few round trips to object storage (longer while other writers commit too), and
+        commits to different tables never wait for each other (each table has its own log)."""
+        jobs = [job for table in tables if (job := self._take(table)) is not None]
+        jobs += list(more)
+        if len(jobs) <= 1:
+            done = [self._write(*job) for job in jobs]
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(jobs), FLUSH_THREADS),
+                                    thread_name_prefix="moescope-flush") as pool:
+                done = list(pool.map(lambda job: self._write(*job), jobs))
+        return done[len(done) - len(more):] if more else []
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
         """Write every buffer now, retry the run's own rows, and write the changed counts to `probe_stats`.
@@ -683,8 +738,13 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         """
         if self.writer is None:  # never attached (the attach failed): nothing to write
             return True
-        for table in list(self._first_at):
-            self._flush_table(table)
+        if self.processor is not None and self.processor.draining:
+            # the processor's last flush before it shuts this exporter down: do the shutdown's work now,
+            # so the buffers and the run_ends row are committed together (a table each, at once), not
+            # in two rounds; the shutdown that follows finds nothing left to do
+            self.shutdown()
+            return True
+        self._flush_tables(list(self._first_at))
         if self._unwritten_run:
             self._write_run()
         self.writer.write_changed_stats()  # drops are made durable at the next flush, not only at exit
@@ -710,18 +770,16 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         if self.writer is None:  # never attached (the attach failed): nothing written, no writer to give back
             return
         run, writer = self._attached()
-        for table in list(self._first_at):
-            self._flush_table(table)
-        with self._run_rows_lock:
-            for table, data in self._unwritten_run:  # the last try: no later flush will retry them
-                self._write(table, data)
-            self._unwritten_run = []
         # The session closed: readers (the alerts runner) resolve the run's open alerts on this row.
         ended = pa.Table.from_pylist([dict(run_id=run.run_id, rank=run.rank, pid=os.getpid(),
                                            ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
                                      schema=SCHEMAS["run_ends"])
-        self._write("run_ends", ended, retried=True)
-        # Written now, not only when the writer's last holder lets go: the session's counts are final.
+        with self._run_rows_lock:  # the run's own rows get their last try (no later flush retries them)
+            self._flush_tables(list(self._first_at), [(table, data, False) for table, data in self._unwritten_run]
+                               + [("run_ends", ended, True)])
+            self._unwritten_run = []
+        # Written now, after every other table (it counts their rows), not only when the writer's last
+        # holder lets go: the session's counts are final.
         if not writer.write_probe_stats():
             log.error("moescope: the probe_stats of run %s could not be written to %s; the counts were: %s",
                       run.run_id, self.location.redacted, writer.drop_counts()[0] or "no drops")

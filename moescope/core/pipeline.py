@@ -133,6 +133,7 @@ class BatchProcessor(Generic[R]):
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
         self.exported_records = 0
         self._closed = False
+        self._draining = False  # the worker took the stop: the last flush of the exporters is under way
         self._name = name
         self._start_lock = threading.Lock()
         self._worker: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
@@ -177,6 +178,7 @@ class BatchProcessor(Generic[R]):
         self.dropped_records = Counter()
         self.dropped_rows = Counter()
         self.exported_records = 0
+        self._draining = False
         self._worker = None
 
     def _start_in_child(self) -> None:
@@ -197,6 +199,14 @@ class BatchProcessor(Generic[R]):
     def closed(self) -> bool:
         """Whether `shutdown` was called: records emitted now are counted as dropped ("closed")."""
         return self._closed
+
+    @property
+    def draining(self) -> bool:
+        """Whether the worker has exported the last record and is flushing the exporters for the last
+        time (`shutdown`'s flush): an exporter asked to flush now gets no record after it, and may do
+        its shutdown's work at once (the store's exporter commits its last parts and its run's end
+        together)."""
+        return self._draining
 
     @property
     def worker_died(self) -> bool:
@@ -338,6 +348,7 @@ class BatchProcessor(Generic[R]):
             for _ in range(taken):
                 self._queue.task_done()
             if stop:
+                self._draining = True
                 self._flush_exporters()
                 return
 

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -208,20 +209,26 @@ def _trace_delta() -> None:
     from moescope.store import delta
 
     write_part, commit = delta.write_part, delta.commit
+    said = threading.Lock()
+
+    def say(line: str) -> None:  # one whole line at a time: a flush writes its tables on threads
+        with said:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
     def traced_write_part(loc: Any, table: str, run_id: str, data: Any, name: str, **kwargs: Any) -> Any:
-        print(f"upload {json.dumps({'table': table, 'name': name})}", flush=True)
+        say(f"upload {json.dumps({'table': table, 'name': name})}")
         part = write_part(loc, table, run_id, data, name, **kwargs)
-        print(f"uploaded {json.dumps({'table': table, 'path': part.path, 'rows': part.rows})}", flush=True)
+        say(f"uploaded {json.dumps({'table': table, 'path': part.path, 'rows': part.rows})}")
         return part
 
     def traced_commit(loc: Any, table: str, adds: Any = (), removes: Any = (), **kwargs: Any) -> int:
         adds, removes = list(adds), list(removes)
         event = {"table": table, "adds": [[p.path, p.rows] for p in adds],
                  "removes": [p if isinstance(p, str) else p.path for p in removes]}
-        print(f"commit {json.dumps(event)}", flush=True)
+        say(f"commit {json.dumps(event)}")
         version = commit(loc, table, adds, removes, **kwargs)
-        print(f"committed {json.dumps({**event, 'version': version})}", flush=True)
+        say(f"committed {json.dumps({**event, 'version': version})}")
         return version
 
     delta.write_part, delta.commit = traced_write_part, traced_commit
