@@ -89,6 +89,7 @@ from moescope.alerts.observations import (
 from moescope.core.exporters import AttachListener, Exporter, ProbeStats, ProbeStatsReader
 from moescope.core.records import RunInfo, StepRecord
 from moescope.metrics import signals as sig
+from moescope.metrics import traffic as wire
 from moescope.metrics.expert_cache import POLICIES, cache_hit_rate, expert_accesses
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,21 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
         "(max - mean) / mean slots per expert-parallel rank over the window (TensorRT-LLM's imbalance; "
         "needs PrometheusExporter(placement=...))",
     ),
+    # what the placement costs on the wire (metrics.traffic; one series per layer each, never per rank pair)
+    "remote_ranks_per_token": (
+        "moescope_layer_remote_ranks_per_token",
+        "Mean expert-parallel ranks other than its home a token's kept experts sit on over the window "
+        "(DeepEP's GPU sends per token; home: sequence mod ranks; needs routes and a placement)",
+    ),
+    "remote_nodes_per_token": (
+        "moescope_layer_remote_nodes_per_token",
+        "Mean nodes other than its home's a token's kept experts sit on over the window (RDMA sends per token; "
+        "nodes of ranks_per_node ranks; needs routes and a placement)",
+    ),
+    "intra_node_share": (
+        "moescope_layer_intra_node_send_ratio",
+        "GPU sends that stay inside a node / all GPU sends over the window (needs routes and a placement)",
+    ),
 }
 MAX_DROP_REASONS = 16
 HOT_COLD_EXPERTS = 4  # K: per layer, the K hottest and K coldest experts get a series
@@ -148,6 +164,10 @@ class ExpertPlacement(Protocol):
     def ranks(self) -> int: ...
 
     def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
+
+    def slots(self, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_rank, slot_expert) of every physical slot: what the traffic series count with."""
+        ...
 
 
 class _Layer:
@@ -177,6 +197,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         placement: ExpertPlacement | None = None,
         cache_capacity: int | None = None,
         cache_max_tokens: int = 4096,
+        ranks_per_node: int = wire.DEFAULT_RANKS_PER_NODE,
     ):
         """Args:
             registry: where the collector registers; a fresh one of its own when None.
@@ -187,6 +208,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
             placement: experts on ranks (e.g. `analyses.placement.Placement`); None: no rank series.
             cache_capacity: experts per layer resident in device memory, for the cache hit rate.
             cache_max_tokens: the most tokens of a window replayed for it.
+            ranks_per_node: consecutive ranks of the placement that share a node, for the traffic series.
 
         Raises ValueError for a value out of range, saying which.
         """
@@ -210,6 +232,10 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         self.expert_grace_s = float(expert_grace_s)
         self.placement = placement
         self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}  # (layer, experts) -> (E, R), None: unfit
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, not {ranks_per_node}")
+        self.ranks_per_node = int(ranks_per_node)
+        self._wire_layouts: dict[tuple[int, int], wire.WireLayout | None] = {}  # (layer, experts), None: unfit
         self._lock = threading.Lock()
         self._run: RunInfo | None = None
         self._run_id: str | None = None
@@ -391,6 +417,22 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
                 self._rank_shares[key] = None
         return self._rank_shares[key]
 
+    def _wire(self, layer: int, num_experts: int) -> wire.WireLayout | None:
+        """The placement of a layer with its ranks' nodes, for the traffic series, built once; None
+        (warned once) where it does not fit."""
+        key = (layer, num_experts)
+        if key not in self._wire_layouts:
+            assert self.placement is not None
+            try:
+                slot_rank, slot_expert = self.placement.slots(layer, num_experts)
+                nodes = wire.default_rank_node(int(self.placement.ranks), self.ranks_per_node)
+                self._wire_layouts[key] = wire.WireLayout(slot_rank, slot_expert, nodes, num_experts)
+            except ValueError as e:
+                log.warning("no traffic series for layer %d: the placement does not fit its %d experts (%s)",
+                            layer, num_experts, e)
+                self._wire_layouts[key] = None
+        return self._wire_layouts[key]
+
     def bind_probe_stats(self, source: Callable[[], ProbeStats]) -> None:
         """Called by the probe at attach: `source()` returns (written, dropped) as in
         `observe_probe_stats`, and is read afresh at every scrape."""
@@ -465,7 +507,7 @@ class _RoutingCollector(Collector):
             tokens.add_metric(label, layer["tokens_total"])
             dropped.add_metric(label, layer["dropped_total"])
             values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"], layer["routed_experts"],
-                                     self._rank_shares(index, layer))
+                                     self._rank_shares(index, layer), self._wire_layout(index, layer))
             for signal, family in gauges.items():
                 if not math.isnan(values[signal]):  # no data: no sample, so alerts neither fire nor resolve
                     family.add_metric(label, values[signal])
@@ -560,6 +602,12 @@ class _RoutingCollector(Collector):
         if self.exporter.placement is None or layer["window_load"] is None:
             return None
         return self.exporter._shares(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
+
+    def _wire_layout(self, index: int, layer: dict) -> wire.WireLayout | None:
+        """The placement's layout of a layer for the traffic series; None without a placement or a window."""
+        if self.exporter.placement is None or layer["window_load"] is None:
+            return None
+        return self.exporter._wire(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
 
     def _rank_families(self, layers: dict) -> Iterator:
         """Per layer, under the exporter's placement, what goes beside the rank signals of SIGNAL_METRICS:

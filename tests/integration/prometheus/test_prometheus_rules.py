@@ -77,7 +77,9 @@ EXPECTED = {
 
 def test_every_default_rule_fires_in_prometheus_on_its_layer_only(tmp_path):
     pack = default_rules()
-    assert {name for name, _ in EXPECTED} == {rule.name for rule in pack.rules}  # every rule, each exercised
+    # every rule, each exercised; WideExpertDispatch needs more than 4 ranks (PLACEMENT has 2): it has its own
+    # Prometheus test, tests/integration/prometheus/test_prometheus_traffic.py
+    assert {name for name, _ in EXPECTED} == {rule.name for rule in pack.rules} - {"WideExpertDispatch"}
     immediate = dataclasses.replace(pack, rules=tuple(dataclasses.replace(r, for_s=0.0) for r in pack.rules))
     exporter = PrometheusExporter(registry=CollectorRegistry(), window_steps=WINDOW, baseline_steps=BASELINE,
                                   placement=PLACEMENT)
