@@ -15,11 +15,12 @@ Conventions, stated once:
   along the same links: its rank x rank matrix is the dispatch matrix transposed.
 - The *rank matrix* `[h, r]` counts tokens of home rank h that reach rank r: off the diagonal a
   send, on the diagonal a token with at least one expert at home (no wire).
-- The *floor* is what a perfect placement could reach for the same routing: a token's k experts
-  need at least m ranks (the fewest ranks whose slots hold k experts), and with home ranks
-  independent of the routing (data-parallel attention spreads sequences without looking at
-  experts) a reached rank is the home with chance 1/R, so E[remote ranks] >= m (1 - 1/R); nodes
-  alike, the m' largest nodes each being home with chance (its ranks) / R.
+- The *floor* is what a perfect placement with one copy per expert could reach for the same
+  routing: a token's k experts need at least m ranks (the fewest ranks whose slots hold k experts),
+  and with home ranks independent of the routing (data-parallel attention spreads sequences
+  without looking at experts) a reached rank is the home with chance 1/R, so E[remote ranks] >=
+  m (1 - 1/R); nodes alike, the m' largest nodes each being home with chance (its ranks) / R.
+  Redundant copies can go below it: a copy at home serves the token there whatever its home.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ def token_fanout(layout: WireLayout, home: np.ndarray, expert_ids: np.ndarray, k
 
 
 def floor_remote(layout: WireLayout, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per token, the fewest remote ranks and remote nodes a perfect placement could average for a
-    token of `experts` distinct experts, with home ranks independent of the routing (module doc).
+    """Per token, the fewest remote ranks and remote nodes a perfect placement (one copy per expert,
+    the layout's slots per rank) could average for a token of `experts` distinct experts, with home
+    ranks independent of the routing (module doc).
 
     Returns (ranks floor, nodes floor), float arrays like `experts`."""
     experts = np.asarray(experts, dtype=np.int64)
