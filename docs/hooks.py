@@ -83,6 +83,10 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
     }),
     "jitter": ("condition × layer of a jitter run", {}),
     "jitter_tokens": ("flipped token (bounded per condition and layer)", {}),
+    "mismatch": ("group × layer of an engine-vs-reference check (layer null: every layer)", {
+        "grouping": "`all`, `position` (a position bucket) or `tag` (`key=value` of the engine's steps)",
+    }),
+    "mismatch_tokens": ("(token, layer) pair where engine and reference differ (bounded per layer)", {}),
     "placement_whatif": ("candidate placement × window × layer of a placement what-if", {
         "candidate": "`current`, `default`, `eplb`, `load-aware`, `eplb-every-N`",
         "rank_load": "slots per rank, a redundant expert's split by `dispatch`",

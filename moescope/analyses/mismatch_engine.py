@@ -23,6 +23,8 @@ What is assumed where a format does not tell:
 - A sequence with a position whose token is unknown (a prefix-cache hit vLLM did not compute,
   marked -1 and left out of the routes, with no id given) cannot be re-run and is skipped, counted
   by reason.
+- A step is a request: runs whose steps are forward passes (SGLang's per-token recorder dumps,
+  Megatron) spread a request over many steps and are not rebuilt (their sequences are skipped).
 """
 
 from __future__ import annotations
@@ -192,15 +194,17 @@ def engine_sequences(store: Store, run_id: str, token_ids: TokenIds | None = Non
 
     sequences: list[EngineSequence] = []
     for key, (ids, known, routing, first, tags) in built.items():
-        if first > 0:  # a choice's generated rows: the prompt is sequence 0's
+        if first > 0 and key[2] != 0:  # a choice's generated rows: the prompt is sequence 0's
             prompt = built.get((key[0], key[1], 0))
-            if prompt is None or len(prompt[0]) < first or key[2] == 0:
+            if prompt is None:
                 skip("its positions before the first routed one are in no sequence 0 of its step")
                 continue
-            ids[:first], known[:first] = prompt[0][:first], prompt[1][:first]
-            routing[:first] = prompt[2][:first]
+            shared = min(first, len(prompt[0]))
+            ids[:shared], known[:shared] = prompt[0][:shared], prompt[1][:shared]
+            routing[:shared] = prompt[2][:shared]
         if not known.all():
-            skip("a position without a token id (not computed by the engine, e.g. a prefix-cache hit)")
+            skip("a position without a token id (a row the engine did not compute, e.g. a vLLM prefix-cache hit: "
+                 "give the sequence's ids with --token-ids / token_ids=)")
             continue
         sequences.append(EngineSequence(key[0], key[1], key[2], ids, routing, first, tags))
         if max_sequences is not None and len(sequences) >= max_sequences:

@@ -241,3 +241,28 @@ def test_engine_layers_numbered_among_every_hidden_layer_map_to_the_moe_layers()
     assert layer_map([2], layers, model.config.num_hidden_layers, "hidden") == {1: 0}
     with pytest.raises(MismatchError, match="is it the engine's model"):
         layer_map([5], layers, model.config.num_hidden_layers)
+
+
+def test_prefix_cache_hits_are_skipped_unless_their_ids_are_given(setup, tmp_path):
+    """vLLM marks a prompt's cached rows -1 and the import leaves them out with their token ids: the
+    sequences that need them are skipped and counted, and re-run once their ids are given, the
+    cached rows not compared (the engine has no routing for them)."""
+    model, requests, sequences, engine, oracle = setup
+    cached = dict(engine)
+    cached[(0, 0)] = engine[(0, 0)].copy()
+    cached[(0, 0)][:3] = -1
+    path = tmp_path / "vllm.jsonl"
+    path.write_text(vllm_responses(requests, cached))
+    import_files("vllm", [str(path)], tmp_path / "store", run_id="engine")
+    report = mismatch(model, store=tmp_path / "store", run="engine", batch_size=1, write=False)
+    assert sum(report.skipped.values()) == 2 and all("--token-ids" in reason for reason in report.skipped)
+    assert {(s.step, s.sequence) for s in report.replay} == set(sequences) - {(0, 0), (0, 1)}
+
+    given = {(0, 0): sequences[(0, 0)], (0, 1): sequences[(0, 1)]}
+    mismatch(model, store=tmp_path / "store", run="engine", token_ids=given, batch_size=1, run_id="mm")
+    compared = []
+    for r, (prompt, generated) in enumerate(requests):
+        for c in range(len(generated)):
+            compared.append(((r, c), (3 if r == 0 else 0) if c == 0 else len(prompt), len(sequences[(r, c)])))
+    want = brute_force(compared, sequences, cached, oracle, layers=2)
+    check_rows(snapshot_rows(tmp_path / "store", "mismatch").to_pylist(), want)
