@@ -660,10 +660,13 @@ def jitter_heatmap(rows: pd.DataFrame, column: str = "set_changed_fraction") -> 
                    height=max(HEIGHT, 60 + 32 * len(conditions)))
 
 
-def jitter_margin_figure(rows: pd.DataFrame, title: str = "") -> go.Figure:
+def jitter_margin_figure(rows: pd.DataFrame, title: str = "", counted: str = "tokens",
+                         reference: str = "the baseline") -> go.Figure:
     """The baseline's top-k margin of the tokens whose expert set changed and of the rest, summed over
     `rows` (`Store.jitter_layers` rows: one condition, one or every layer), each group as a share of
-    its own tokens per bin of margin_edges, counts in the hover. Flips at rounding noise sit left."""
+    its own tokens per bin of margin_edges, counts in the hover. Flips at rounding noise sit left.
+    `counted` names what a count counts and `reference` whose logits the margin is of (the mismatch
+    page: "(token, layer) pairs" of "the reference")."""
     if rows.empty:
         return empty_figure("no routing jitter measured")
     edges = list(rows.margin_edges.iloc[0])
@@ -676,11 +679,11 @@ def jitter_margin_figure(rows: pd.DataFrame, title: str = "") -> go.Figure:
         total = int(counts.sum())
         share = counts / total * 100 if total else np.zeros(len(counts))
         fig.add_trace(go.Bar(
-            x=labels, y=share, name=f"{name} ({total:,} tokens)", marker_color=colour, customdata=counts,
-            hovertemplate=f"{name}, margin %{{x}}: %{{customdata}} tokens (%{{y:.1f}}%)<extra></extra>"))
-    fig.update_xaxes(title=f"top-k margin in the baseline (k-th minus (k+1)-th router {kind}), bin's lower edge",
+            x=labels, y=share, name=f"{name} ({total:,} {counted})", marker_color=colour, customdata=counts,
+            hovertemplate=f"{name}, margin %{{x}}: %{{customdata}} {counted} (%{{y:.1f}}%)<extra></extra>"))
+    fig.update_xaxes(title=f"top-k margin in {reference} (k-th minus (k+1)-th router {kind}), bin's lower edge",
                      type="category")
-    fig.update_yaxes(title="% of the group's tokens", range=[0, 100])
+    fig.update_yaxes(title=f"% of the group's {counted}", range=[0, 100])
     return _layout(fig, title or "Where the flips sit: top-k margin", barmode="group")
 
 

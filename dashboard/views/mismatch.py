@@ -81,7 +81,8 @@ with common.guard():
     picked = rows[(rows.grouping == "all") & (rows.layer.isna() if layer is None else rows.layer == layer)]
     st.plotly_chart(fg.jitter_margin_figure(picked, f"{'every layer' if layer is None else f'layer {layer}'}: "
                                                     "the reference's top-k margin of (token, layer) pairs whose "
-                                                    "set differs and of the rest"), key="mm_margin_chart")
+                                                    "set differs and of the rest", counted="pairs",
+                                         reference="the reference"), key="mm_margin_chart")
     st.caption("The margin is the reference's k-th largest router logit minus its (k+1)-th. Pairs that differ at "
                "tiny margins are rounding (another dtype or kernel); pairs that differ at wide margins mean the two "
                "stacks computed different hidden states (an earlier layer's flip, another attention kernel, "
