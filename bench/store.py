@@ -145,7 +145,7 @@ def _requests(proxy: Any) -> tuple[int, dict[str, list[str]]]:
     per_file: dict[str, list[str]] = {}
     for method, path, outcome in proxy.log():
         path = unquote(path.split("?", 1)[0])
-        if path.endswith(".parquet"):
+        if path.endswith(".parquet") and "/_delta_log/" not in path:  # a data file, not a log checkpoint
             per_file.setdefault(path, []).append(f"{method} {outcome}")
     return sum(proxy.counts()["requests"].values()), per_file
 
@@ -326,8 +326,9 @@ def _first_query_process(loc: StoreLocation, args: argparse.Namespace, steps: in
     child.wait()
     figures["wall_s"] = time.perf_counter() - started - figures.pop("waited_s")
     if proxy is not None:
-        worst = max(per_file.values(), key=len, default=[])
-        figures.update(open_requests=opening, files=len(per_file), per_file=len(worst), worst=worst,
+        worst_path = max(per_file, key=lambda path: len(per_file[path]), default="")
+        worst = [*per_file.get(worst_path, []), worst_path.rsplit("/", 3)[-3] if worst_path else ""]
+        figures.update(open_requests=opening, files=len(per_file), per_file=len(worst) - 1, worst=worst,
                        query_requests=sum(proxy.counts()["requests"].values()) - opening)
     return figures
 

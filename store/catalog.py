@@ -24,6 +24,7 @@ import datetime as dt
 import hashlib
 import logging
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -104,6 +105,9 @@ class _Checked:
 # Shared by every Catalog (every Store) of the process; another Catalog takes one after a HEAD says the
 # object is still the one checked.
 _SHARED: dict[tuple, _Checked] = {}
+_SHARED_LOCK = threading.Lock()
+# At most this many files are remembered (each holds its parsed footer); one forgotten is checked again.
+MAX_SHARED = 4096
 
 
 def _identity(source: Any) -> tuple[int, str]:
@@ -113,7 +117,9 @@ def _identity(source: Any) -> tuple[int, str]:
 
 
 def _reset_in_child() -> None:
+    global _SHARED_LOCK
     _SHARED.clear()  # the parent's fragments hold its filesystem's connections
+    _SHARED_LOCK = threading.Lock()
 
 
 forking.join_module(_reset_in_child)
@@ -253,7 +259,10 @@ class Catalog:
         if deep or not self.verify:
             self._checked[key] = info
         if identity is not None:
-            _SHARED[self._shared_key(key)] = _Checked(info, deep, identity)
+            with _SHARED_LOCK:
+                _SHARED[self._shared_key(key)] = _Checked(info, deep, identity)
+                while len(_SHARED) > MAX_SHARED:  # the oldest first: mostly files compacted away since
+                    _SHARED.pop(next(iter(_SHARED)))
         return info
 
     def _shared_key(self, key: tuple) -> tuple:

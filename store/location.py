@@ -152,11 +152,6 @@ class StoreLocation:
                 kwargs["region"] = region
             if options.get("AWS_FORCE_PATH_STYLE", "").lower() == "true":
                 kwargs["force_virtual_addressing"] = False
-            # A whole object (a reader's check, a compaction's source) is one GET of up to the target
-            # file size: a transfer that stalls for the SDK's default 3 s (a busy server) would be
-            # cut and asked for again, whole; 30 s, or the `timeout` storage option (seconds).
-            timeout = options.get("TIMEOUT", "30").rstrip("s")
-            kwargs["request_timeout"] = float(timeout) if timeout.replace(".", "", 1).isdigit() else 30.0
             # a file is one PUT, not a multipart upload's three requests (POST, PUT, POST)
             return fs.S3FileSystem(allow_delayed_open=True, **kwargs)
         if self.scheme == "gs":
