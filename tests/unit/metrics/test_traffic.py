@@ -81,6 +81,9 @@ def test_fanout_and_matrix_match_a_loop_with_redundant_slots_and_uneven_nodes():
     assert figures["intra_node_share"] == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
     h, r = figures["busiest_link"]
     assert sends[h, r] == sends.max() == figures["busiest_link_tokens"]
+    node_sends = node_matrix - np.diag(np.diag(node_matrix))
+    a, b = figures["busiest_node_link"]
+    assert node_sends[a, b] == node_sends.max() == figures["busiest_node_link_tokens"] and a != b
     assert figures["forwards"] == 2
     assert figures["dispatch_bytes_per_forward"] == pytest.approx(sends.sum() * 7168 * 1 / 2)
     assert figures["combine_bytes_per_forward"] == pytest.approx(sends.sum() * 7168 * 2 / 2)
