@@ -8,9 +8,10 @@ Each writer is a process of its own that attaches the probe (`moescope.attach`) 
 Mixtral (tests/support/zoo.py), with MOESCOPE_RUN_ID, RANK and WORLD_SIZE set as a launcher sets
 them, runs `--forwards` forwards, then waits; the parent tells every writer of a round to close at
 the same moment, and each times `session.close()`. Inside the close each writer times every Delta
-commit and Parquet upload (`store.delta.commit`, `store.delta.write_part`), so the report says
-how much of a close is commits, how much uploads, how much the rest, and how long the close ran
-after its last commit ended.
+commit, Parquet upload and table opening (`store.delta.commit`, `store.delta.write_part`,
+`store.delta.create_table`: a table's first write in a process opens it, reading its log), so the
+report says how much of a close is commits, uploads, opens and the rest, and how long the close
+ran after its last commit ended.
 
 A store a fleet has used for a while has a long log: `--history N` (default 40) first writes N
 earlier one-step runs through the real writer (tests/support/deltafiles.py's `write_run`), so every
@@ -68,7 +69,9 @@ def writer_child(args: argparse.Namespace) -> int:
                     spans.append((f"{name}:{a[1] if len(a) > 1 else k.get('table')}", started, time.perf_counter()))
         return wrapper
 
+    create_table = delta.create_table
     delta.commit, delta.write_part = timed("commit", commit), timed("upload", write_part)
+    delta.create_table = timed("open", create_table)  # a table's first write in the process opens it
     options = json.loads(args.storage_options) if args.storage_options else None
     model = tiny_model("mixtral", seed=int(os.environ.get("RANK", 0))).eval()
     session = moescope.attach(model, store=args.store, storage_options=options)
@@ -87,10 +90,12 @@ def writer_child(args: argparse.Namespace) -> int:
     timing["on"] = False
     commits = [s for s in spans if s[0].startswith("commit:")]
     uploads = [s for s in spans if s[0].startswith("upload:")]
+    opens = [s for s in spans if s[0].startswith("open:")]
     last_commit = max((s[2] for s in commits), default=started)
     print("result " + json.dumps({
         "close_s": ended - started, "commits": len(commits), "commit_s": sum(e - s for _, s, e in commits),
         "uploads": len(uploads), "upload_s": sum(e - s for _, s, e in uploads),
+        "opens": len(opens), "open_s": sum(e - s for _, s, e in opens),
         "after_last_commit_s": ended - last_commit,
         "tables": [name.split(":", 1)[1] for name, _, _ in commits]}), flush=True)
     return 0
@@ -201,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[int, list[dict]]:
                   f"{_spread([r['commit_s'] for r in reports])} s\n"
                   f"  uploads          {_spread([float(r['uploads']) for r in reports], '{:.0f}')} per close, "
                   f"{_spread([r['upload_s'] for r in reports])} s\n"
+                  f"  table opens      {_spread([float(r['opens']) for r in reports], '{:.0f}')} per close, "
+                  f"{_spread([r['open_s'] for r in reports])} s (a table's first write in the process)\n"
                   f"  after last commit {_spread([r['after_last_commit_s'] for r in reports])} s\n"
                   f"  tables committed {reports[0]['tables']} (the first writer's, in order)", flush=True)
     finally:

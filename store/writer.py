@@ -93,8 +93,9 @@ log = logging.getLogger(__name__)
 
 # A table's rows are written once they hold this many bytes, even before `max_rows` or `max_age_s`.
 DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
-# The tables a session's close commits to (its end, its final counts), opened ahead on object storage.
-CLOSING_TABLES = ("run_ends", "probe_stats")
+# The tables every probe session commits to (its steps, its end, its final counts), opened at attach on
+# object storage: a session shorter than a flush interval writes them first in its close.
+SESSION_TABLES = ("steps", "layer_steps", "run_ends", "probe_stats")
 # Parts of different tables a flush writes at once (a probe's flush has up to 4 tables; a close adds run_ends).
 FLUSH_THREADS = 6
 
@@ -588,11 +589,11 @@ class ParquetExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepR
         self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
         self._write_run()
         if not self.location.is_local:
-            # The tables only a close writes, opened now on a thread of their own: a table's first open
+            # The tables the session writes, opened now on a thread of their own: a table's first open
             # reads its log since the last checkpoint, twice (on object storage up to about 100 GETs,
-            # and a fleet's writers closing together wait for each other's); opened early, the close
-            # reads only the entries committed since.
-            threading.Thread(target=self.writer.open_tables, args=(CLOSING_TABLES,), daemon=True,
+            # and a fleet's writers closing together wait for each other's); opened early, the first
+            # flush and the close read only the entries committed since.
+            threading.Thread(target=self.writer.open_tables, args=(SESSION_TABLES,), daemon=True,
                              name="moescope-open-tables").start()
 
     def after_fork_in_child(self) -> None:
