@@ -27,7 +27,7 @@ local store and:
    API. Every answer is compared in full with DuckDB's (an error names the first difference), then
    timed like DuckDB's.
 
-The heatmap and drift queries read `layer_steps` (a row per layer, step and rank: 8 x 30 518 rows
+The heatmap and drift queries read `layer_steps` (a row per layer, step and rank: 8 x 30 517 rows
 at 1 B route rows of the default shape), not `routes`; the token lookup reads `routes`, bounded to
 the steps it needs by the layer's recorded loads. The table at the end gives each figure per size
 and its growth beside the growth in rows. The load average (`os.getloadavg()`) is printed beside
