@@ -218,7 +218,7 @@ def compute_signals(
             table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
             table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
         if rank_shares is not None and np.shape(rank_shares)[0] == experts:
-            rank_load = load @ np.asarray(rank_shares, dtype=np.float64)  # slots per rank
+            rank_load = sig.rank_load(load, rank_shares)  # slots per rank
             table["rank_balancedness"] = lambda: sig.balancedness(rank_load)
             table["rank_imbalance"] = lambda: sig.imbalance(rank_load)
         for name, fn in table.items():

@@ -607,7 +607,7 @@ def placement_whatif(store: Store, run_id: str, window_steps: int, setup: WhatIf
                 key = (id(placement), layer)
                 if key not in shares_of:
                     shares_of[key] = placement.shares(layer, experts_of[layer], split)
-                rank_load = loads[t, i, :experts_of[layer]] @ shares_of[key]
+                rank_load = signals.rank_load(loads[t, i, :experts_of[layer]], shares_of[key])
                 per_layer.append(rank_load)
                 rows.append(dict(candidate=candidate, window_start=starts[t], window_end=starts[t] + window_steps,
                                  layer=layer, fit_start=None if fitted_on is None else starts[fitted_on],
