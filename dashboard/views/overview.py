@@ -28,6 +28,11 @@ with common.guard():
                     "choices under repeats, batch sizes and dtypes, and recorded no forward pass of traffic "
                     "for this page. Its results are on the Routing jitter page.")
             st.page_link("views/jitter.py", label="Open Routing jitter →")
+        elif common.run_source(ctx) == "mismatch":  # `moescope mismatch` records its comparisons, not traffic
+            st.info("This run is an engine-vs-reference comparison (`moescope mismatch`): it re-ran an engine "
+                    "run's tokens through the reference model and recorded where the two routed differently, "
+                    "not forward passes of traffic for this page. Its results are on the Engine vs reference page.")
+            st.page_link("views/mismatch.py", label="Open Engine vs reference →")
         elif ctx.tag:
             st.info(f"No step of this run is tagged {ctx.tag[0]}={ctx.tag[1]}: choose another value in the "
                     "sidebar, or all steps.")

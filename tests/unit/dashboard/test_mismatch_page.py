@@ -92,3 +92,14 @@ def test_a_run_without_a_mismatch_says_how_to_measure_it(monkeypatch, tmp_path):
     assert_clean(at)
     assert any("moescope mismatch STORE" in i.value for i in at.info)
     assert not at.get("plotly_chart")
+
+
+def test_overview_of_a_mismatch_run_points_to_its_page(monkeypatch, mismatch_store):
+    """The comparison run records no forward pass of traffic: the Overview says what the run is and links
+    to the Engine vs reference page instead of waiting for steps that will never come."""
+    root, _ = mismatch_store
+    assert raw(root, "runs").sort_values("started_at").run_id.iloc[-1] == "mm"  # the run the sidebar opens on
+    at = open_page(app_for(monkeypatch, root), "views/overview.py")
+    assert_clean(at)
+    [info] = [i.value for i in at.info]
+    assert "engine-vs-reference comparison" in info and "no step recorded yet" not in info
