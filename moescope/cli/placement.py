@@ -42,12 +42,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                     "placement of experts on ranks, both balancedness figures, and the hottest rank with the "
                     "experts that make it so.\n\n" + EXAMPLES,
         epilog=store_epilog("moescope placement STORE --ranks 8"), formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arguments(p, what="the store: a folder or a URL (s3://BUCKET/PREFIX, gs://..., az://...)")
-    p.add_argument("--run", help="run id (default: the most recently started run)")
-    p.add_argument("--ranks", type=positive_int, metavar="R",
-                   help="expert-parallel ranks: the contiguous layout, or the ranks of an SGLang dump's map")
-    p.add_argument("--placement", metavar="FILE",
-                   help="a placement file (JSON or YAML, see docs/placement.md) or an SGLang recorder dump (.pt)")
+    add_placement_arguments(p)
     p.add_argument("--window", type=positive_int, metavar="N", help="a row per window of N steps (default: the run)")
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
@@ -73,6 +68,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 DISPATCH_NAMES = ("even", "vllm", "sglang-static", "sglang-dynamic", "trtllm")  # analyses.placement.DISPATCH
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """The store, the run and the placement (`--ranks` or `--placement`): what `placement` and `traffic` read."""
+    add_store_arguments(p, what="the store: a folder or a URL (s3://BUCKET/PREFIX, gs://..., az://...)")
+    p.add_argument("--run", help="run id (default: the most recently started run)")
+    p.add_argument("--ranks", type=positive_int, metavar="R",
+                   help="expert-parallel ranks: the contiguous layout, or the ranks of an SGLang dump's map")
+    p.add_argument("--placement", metavar="FILE",
+                   help="a placement file (JSON or YAML, see docs/placement.md) or an SGLang recorder dump (.pt)")
 
 
 def load_placement(path: str | None, ranks: int | None):

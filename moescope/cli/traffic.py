@@ -10,7 +10,8 @@ import argparse
 import math
 
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, positive_int, positive_number, store_epilog, store_location
+from moescope.cli.arguments import positive_int, positive_number, store_epilog, store_location
+from moescope.cli.placement import add_placement_arguments, load_placement
 
 EXAMPLES = """\
 examples:
@@ -38,12 +39,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                     "intra-node share, bytes per forward, the rank x rank and node x node matrices, and what "
                     "other placements or node-limited routing would change.\n\n" + EXAMPLES,
         epilog=store_epilog("moescope traffic STORE --ranks 16"), formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_store_arguments(p, what="the store: a folder or a URL (s3://BUCKET/PREFIX, gs://..., az://...)")
-    p.add_argument("--run", help="run id (default: the most recently started run)")
-    p.add_argument("--ranks", type=positive_int, metavar="R",
-                   help="expert-parallel ranks: the contiguous layout, or the ranks of an SGLang dump's map")
-    p.add_argument("--placement", metavar="FILE",
-                   help="a placement file (JSON or YAML, see docs/placement.md) or an SGLang recorder dump (.pt)")
+    add_placement_arguments(p)
     p.add_argument("--ranks-per-node", type=positive_int, default=8, metavar="G",
                    help="consecutive ranks per node (default 8; the last node may hold fewer)")
     p.add_argument("--nodes", metavar="G0,G1,...", help="ranks of each node, for uneven nodes (e.g. 8,8,4)")
@@ -144,7 +140,6 @@ def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, gr
                   redundant: int = 0) -> dict:
     from moescope.analyses import traffic
     from moescope.analyses.placement import Placement, PlacementError
-    from moescope.cli.placement import load_placement
 
     out = {placement.source: placement}
     for name in [n.strip() for n in names.split(",") if n.strip()]:
@@ -164,7 +159,6 @@ def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, gr
 
 def _traffic_command(args: argparse.Namespace) -> int:
     from moescope.analyses import traffic
-    from moescope.cli.placement import load_placement
     from moescope.ingest.importers.tables import parse_tags
     from moescope.store import Store
 
