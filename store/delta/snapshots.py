@@ -178,7 +178,11 @@ def _files(delta_table: DeltaTable, with_stats: bool) -> tuple[list[PartFile], l
     if with_stats:
         stats = stats_of(actions)
     files, skipped = [], []
+    seen: set[str] = set()
     for p, s, r, run, st, t in zip(paths, sizes, rows, runs, stats, times):
+        if p in seen:  # a live file is one path (Delta's action reconciliation): listed twice, it is read once
+            continue
+        seen.add(p)
         problem = stored_name_problem(run, p)
         if problem is not None:
             skipped.append(SkippedFile(p, run, int(r) if r is not None else -1, problem))
