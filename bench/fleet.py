@@ -556,11 +556,12 @@ def writer_child(args: argparse.Namespace) -> int:
     """One writer: the probe's pipeline and ParquetExporter as `moescope.attach` makes them (default
     flush), fed synthetic records at `--rate` route rows/s (0: as fast as it takes them) for
     `--seconds` after the parent's "go"; prints its rows, commits and latencies as it exits."""
+    from moescope.core.pipeline import BatchProcessor
     from moescope.core.records import LayerInfo, RunInfo
     from moescope.core.runs import current_host
     from moescope.probe import Pipeline
     from moescope.store import delta
-    from moescope.store.writer import BatchProcessor, ParquetExporter
+    from moescope.store.writer import ParquetExporter
 
     commit_s: list[float] = []
     upload_s: list[float] = []

@@ -40,7 +40,7 @@ import transformers
 
 import moescope
 from moescope import probe
-from moescope.store import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 
 PRESETS = {
     "mixtral": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# name -> the module that defines it
+# name -> the module that defines it: the store's public names, and nothing but them (`__all__`); the
+# pipeline they plug into (`BatchProcessor`, `InMemoryExporter`) is core's: `moescope.core.pipeline`,
+# `moescope.core.exporters`
 _EXPORTS = {
     "CommitError": "moescope.store.delta",
     "LegacyStoreError": "moescope.store.delta",
@@ -25,22 +27,23 @@ _EXPORTS = {
     "SCHEMAS": "moescope.store.schema",
     "TABLES": "moescope.store.schema",
     "Store": "moescope.store.store",
-    "BatchProcessor": "moescope.store.writer",
-    "InMemoryExporter": "moescope.store.writer",
-    "ParquetExporter": "moescope.store.writer",
+    "DeltaExporter": "moescope.store.exporter",
+    "ParquetExporter": "moescope.store.exporter",  # DeltaExporter's name before 0.2.0, for a release
+    "RunWriter": "moescope.store.writer",
+    "run_writer": "moescope.store.writer",
 }
 
 __all__ = [
     "BadFileWarning",
-    "BatchProcessor",
     "CommitError",
+    "DeltaExporter",
     "EmptyStoreError",
-    "InMemoryExporter",
     "InvalidNameWarning",
     "LegacyStoreError",
     "ParquetExporter",
     "QuarantinedFile",
     "QueryError",
+    "RunWriter",
     "SCHEMAS",
     "Selection",
     "Store",
@@ -48,17 +51,19 @@ __all__ = [
     "StoreError",
     "TABLES",
     "UnknownRunError",
+    "run_writer",
 ]
 
 if TYPE_CHECKING:
     from moescope.store.delta import CommitError, LegacyStoreError, StoreAccessError
     from moescope.store.errors import EmptyStoreError, QueryError, StoreError, UnknownRunError
+    from moescope.store.exporter import DeltaExporter, ParquetExporter
     from moescope.store.naming import InvalidNameWarning
     from moescope.store.quarantine import BadFileWarning, QuarantinedFile
     from moescope.store.queries import Selection
     from moescope.store.schema import SCHEMAS, TABLES
     from moescope.store.store import Store
-    from moescope.store.writer import BatchProcessor, InMemoryExporter, ParquetExporter
+    from moescope.store.writer import RunWriter, run_writer
 
 
 def __getattr__(name: str) -> Any:

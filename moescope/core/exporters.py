@@ -7,14 +7,16 @@ one of the capability protocols below (explicitly, as a base class, where that h
 the processor and the probe session check with `isinstance`, never by attribute names:
 
 - `AttachListener.on_attach(run)`: the run being recorded (its id, rank and layers), before the
-  first record (the store's `ParquetExporter` writes its `runs` rows, alerts learn the experts);
+  first record (the store's `DeltaExporter` writes its `runs` rows, alerts learn the experts);
 - `ProbeStatsReader.bind_probe_stats(source)`: `source()` returns the probe's `ProbeStats` (rows
   written per table, rows dropped per (table, reason)), read afresh whenever the exporter wants;
 - `BindsProcessor.bind_processor(processor)`: the `BatchProcessor` feeding it, to count its losses
   in the processor's drop counters;
 - `WritesRows.written_rows`: rows written per table (the session's `probe_stats()` adds them up);
 - `DropCounts.drop_counts()`: what it lost, when it counts that itself;
-- `ForkAware.after_fork_in_child()`: drop the parent's buffers before a forked child records.
+- `ForkAware.after_fork_in_child()`: drop the parent's buffers before a forked child records;
+- `DrainListener.on_drain()`: the pipeline drains (no record comes after this, `shutdown` follows):
+  called instead of the last `force_flush`, so the exporter may do its shutdown's work at once.
 
 A record itself may answer what queueing it costs and what dropping it loses (`Record`), or be
 built on the worker thread rather than the producer's (`Deferred`). `InMemoryExporter` keeps what
@@ -34,7 +36,8 @@ if TYPE_CHECKING:  # annotations only: pipeline imports this module, and records
     from moescope.core.records import RunInfo
 
 __all__ = [
-    "AttachListener", "BindsProcessor", "Deferred", "DropCounts", "Exporter", "ForkAware", "InMemoryExporter",
+    "AttachListener", "BindsProcessor", "Deferred", "DrainListener", "DropCounts", "Exporter", "ForkAware",
+    "InMemoryExporter",
     "ProbeStats", "ProbeStatsReader", "Record", "WritesRows",
 ]
 
@@ -83,7 +86,7 @@ class Deferred(Protocol[R_co]):
 @runtime_checkable
 class BindsProcessor(Protocol[R]):
     """An exporter that wants the processor feeding it, to count what it loses in the processor's
-    drop counters (the store's `ParquetExporter`). A producer that owns the processor (the probe
+    drop counters (the store's `DeltaExporter`). A producer that owns the processor (the probe
     session) hands it over before the first record."""
 
     def bind_processor(self, processor: BatchProcessor[R]) -> None: ...
@@ -91,7 +94,7 @@ class BindsProcessor(Protocol[R]):
 
 @runtime_checkable
 class WritesRows(Protocol):
-    """An exporter that writes rows says how many, per table (the store's `ParquetExporter`)."""
+    """An exporter that writes rows says how many, per table (the store's `DeltaExporter`)."""
 
     @property
     def written_rows(self) -> Mapping[str, int]: ...
@@ -104,6 +107,18 @@ class ForkAware(Protocol):
     first record reaches it."""
 
     def after_fork_in_child(self) -> None: ...
+
+
+@runtime_checkable
+class DrainListener(Protocol):
+    """An exporter told that its pipeline drains: the worker has exported the last record and is
+    flushing its exporters for the last time, and `shutdown` follows. The processor calls
+    `on_drain()` instead of that last `force_flush`, once; an exporter may do its shutdown's work
+    now (the store's `DeltaExporter` commits its last parts and its run's end together, not in two
+    rounds), its `shutdown` then finding nothing left to do. One that is not a listener gets the
+    last `force_flush`, as at every flush."""
+
+    def on_drain(self) -> None: ...
 
 
 @runtime_checkable

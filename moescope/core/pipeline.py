@@ -2,7 +2,7 @@
 
 Every producer hands its records over with `BatchProcessor.emit(record)`, which never raises and,
 under the `drop` policy, never waits: the probe session (its windows), the proxy (captured
-responses), and, through a run's writer (`store.writer.RunWriter.emit`), the importers, the
+responses), and, through a run's writer (`moescope.store.writer.RunWriter.emit`), the importers, the
 training monitor, the trust and cooldown policies, the alerts tables and dashboard gate requests.
 A worker thread builds deferred records (`Deferred`, e.g. the probe's window waiting for its device
 copies) and hands batches to its exporters: the store's writers, the Prometheus exporter, an alerts
@@ -29,7 +29,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from moescope.core import forking
-from moescope.core.exporters import Deferred, Exporter, ForkAware, Record
+from moescope.core.exporters import Deferred, DrainListener, Exporter, ForkAware, Record
 
 __all__ = [
     "DEFAULT_MAX_QUEUE_BYTES", "POLICIES", "BatchProcessor", "array_bytes", "record_bytes", "record_rows",
@@ -133,7 +133,6 @@ class BatchProcessor(Generic[R]):
         self.dropped_rows: Counter[tuple[str, str]] = Counter()  # (table, reason) -> rows
         self.exported_records = 0
         self._closed = False
-        self._draining = False  # the worker took the stop: the last flush of the exporters is under way
         self._name = name
         self._start_lock = threading.Lock()
         self._worker: threading.Thread | None = threading.Thread(target=self._run, name=name, daemon=True)
@@ -178,7 +177,6 @@ class BatchProcessor(Generic[R]):
         self.dropped_records = Counter()
         self.dropped_rows = Counter()
         self.exported_records = 0
-        self._draining = False
         self._worker = None
 
     def _start_in_child(self) -> None:
@@ -199,14 +197,6 @@ class BatchProcessor(Generic[R]):
     def closed(self) -> bool:
         """Whether `shutdown` was called: records emitted now are counted as dropped ("closed")."""
         return self._closed
-
-    @property
-    def draining(self) -> bool:
-        """Whether the worker has exported the last record and is flushing the exporters for the last
-        time (`shutdown`'s flush): an exporter asked to flush now gets no record after it, and may do
-        its shutdown's work at once (the store's exporter commits its last parts and its run's end
-        together)."""
-        return self._draining
 
     @property
     def worker_died(self) -> bool:
@@ -279,7 +269,7 @@ class BatchProcessor(Generic[R]):
         """Count rows lost outside the queue.
 
         Before they became a record (e.g. a full device ring), or after, by an exporter (e.g. a write
-        that failed: `ParquetExporter`).
+        that failed: the store's `DeltaExporter`).
 
         Args:
             table: the table the rows were for.
@@ -348,8 +338,7 @@ class BatchProcessor(Generic[R]):
             for _ in range(taken):
                 self._queue.task_done()
             if stop:
-                self._draining = True
-                self._flush_exporters()
+                self._flush_exporters(last=True)
                 return
 
     def _export(self, batch: list[R]) -> None:
@@ -366,10 +355,15 @@ class BatchProcessor(Generic[R]):
                     self._count_drop(record, f"export_failed:{type(exporter).__name__}")
         self.exported_records += len(batch)
 
-    def _flush_exporters(self) -> None:
+    def _flush_exporters(self, last: bool = False) -> None:
+        """Flush every exporter; the `last` flush (the stop is taken: no record follows, `shutdown` does)
+        tells a `DrainListener` that the pipeline drains instead."""
         for exporter in self._exporters:
             try:
-                exporter.force_flush()
+                if last and isinstance(exporter, DrainListener):
+                    exporter.on_drain()
+                else:
+                    exporter.force_flush()
             except Exception:
                 log.exception("flush of %s failed", type(exporter).__name__)
 
@@ -407,6 +401,9 @@ class BatchProcessor(Generic[R]):
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Drain the queue, flush and join the worker, then shut every exporter down; safe to call twice.
+
+        The worker's last flush tells each exporter that is a `DrainListener` that the pipeline drains
+        (`on_drain`), and flushes the others.
 
         A producer waiting for room gives up (its record is counted as "closed"); an exporter that fails
         to shut down is logged, not raised.

@@ -57,7 +57,8 @@ def make_record(run_id: str, step: int, rng: np.random.Generator, layers: int = 
 
 def main(argv: list[str] | None = None) -> int:
     """A writer process: emits `--steps` records of one run through the real write path."""
-    from moescope.store.writer import BatchProcessor, ParquetExporter
+    from moescope.core.pipeline import BatchProcessor
+    from moescope.store.exporter import DeltaExporter
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.rank)
     run = run_info(args.run, rank=args.rank)
     processor = BatchProcessor([], flush_interval_s=args.flush)
-    processor.add_exporter(ParquetExporter(args.store, run, max_age_s=args.flush, processor=processor))
+    processor.add_exporter(DeltaExporter(args.store, run, max_age_s=args.flush, processor=processor))
     for step in range(args.steps):
         processor.emit(make_record(args.run, step, rng))
         print(f"emitted {step} {time.monotonic():.6f}", flush=True)

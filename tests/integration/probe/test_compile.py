@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import moescope
 from moescope import probe
-from moescope.store import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from tests.support.zoo import tiny_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")

@@ -142,7 +142,7 @@ def test_a_probe_session_feeds_its_own_write_and_drop_counts(tmp_path):
     import torch
 
     import moescope
-    from moescope.store import InMemoryExporter
+    from moescope.core.exporters import InMemoryExporter
     from tests.support.zoo import tiny_model
 
     registry = CollectorRegistry()
@@ -204,7 +204,7 @@ def test_steps_counter_counts_forwards_of_windowed_records():
     import torch
 
     from moescope import probe
-    from moescope.store import InMemoryExporter
+    from moescope.core.exporters import InMemoryExporter
     from tests.support.zoo import tiny_model
 
     registry = CollectorRegistry()

@@ -16,9 +16,9 @@ import pytest
 
 from moescope.store import BadFileWarning, Store, delta
 from moescope.store.compact import compact
+from moescope.store.exporter import DeltaExporter
 from moescope.store.location import open_location
 from moescope.store.quarantine import deep_check
-from moescope.store.writer import ParquetExporter
 from tests.support.deltafiles import file_path, parts, read_part
 from tests.support.store_records import make_record, run_info
 
@@ -45,7 +45,7 @@ def _canonical(frame) -> list[tuple]:
 
 def _one_file_store(root, compacted: bool):
     rng = np.random.default_rng(0)
-    exporter = ParquetExporter(root, run_info("r"), max_rows=(48 if compacted else 10**9), max_age_s=1e9)
+    exporter = DeltaExporter(root, run_info("r"), max_rows=(48 if compacted else 10**9), max_age_s=1e9)
     for step in range(8):
         exporter.export([make_record("r", step, rng, tokens=16)])
     exporter.shutdown()
@@ -104,7 +104,7 @@ def test_a_flipped_bit_is_quarantined_or_reads_back_identical(tmp_path, table, c
 def test_compaction_does_not_launder_a_damaged_source(tmp_path):
     """A source that fails its checksums is quarantined, not merged into a file with fresh ones."""
     rng = np.random.default_rng(0)
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_rows=48)  # one routes file per step
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_rows=48)  # one routes file per step
     for step in range(6):
         exporter.export([make_record("r", step, rng)])
     exporter.shutdown()

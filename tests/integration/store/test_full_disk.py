@@ -13,8 +13,8 @@ import pytest
 
 import moescope
 from moescope.store import BadFileWarning, Store
+from moescope.store.exporter import DeltaExporter
 from moescope.store.location import open_location
-from moescope.store.writer import ParquetExporter
 from tests.support.deltafiles import file_path, parts
 from tests.support.store_records import make_record, run_info
 
@@ -22,7 +22,7 @@ from tests.support.store_records import make_record, run_info
 def _store_with_a_bad_part(root: Path) -> tuple[Path, int]:
     """A store with one of its committed routes files cut short (as a failing disk leaves one)."""
     rng = np.random.default_rng(0)
-    exporter = ParquetExporter(root, run_info("r"), max_rows=100)
+    exporter = DeltaExporter(root, run_info("r"), max_rows=100)
     for step in range(6):
         exporter.export([make_record("r", step, rng)])
     exporter.shutdown()

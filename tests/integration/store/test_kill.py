@@ -257,13 +257,14 @@ def writer_main(args: argparse.Namespace) -> int:
     """Write synthetic probe records of run RUN, rank `--rank`, through the real exporter, until killed."""
     import numpy as np
 
-    from moescope.store.writer import BatchProcessor, ParquetExporter
+    from moescope.core.pipeline import BatchProcessor
+    from moescope.store.exporter import DeltaExporter
     from tests.support.store_records import make_record, run_info
 
     _trace_delta()
     rng = np.random.default_rng(args.rank)
     processor = BatchProcessor([], flush_interval_s=FLUSH_S)
-    processor.add_exporter(ParquetExporter(args.store, run_info(RUN, rank=args.rank), max_age_s=FLUSH_S,
+    processor.add_exporter(DeltaExporter(args.store, run_info(RUN, rank=args.rank), max_age_s=FLUSH_S,
                                            processor=processor, storage_options=args.option or None))
     step = 0
     while True:

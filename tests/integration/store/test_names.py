@@ -17,8 +17,9 @@ import pytest
 from moescope.store import Store
 from moescope.store.compact import compact
 from moescope.store.delta import legacy_tables, snapshot, write_part
+from moescope.store.exporter import DeltaExporter
 from moescope.store.naming import InvalidNameError
-from moescope.store.writer import ParquetExporter, run_writer
+from moescope.store.writer import run_writer
 from tests.support.fixtures.store import REPO
 from tests.support.store_records import make_record, run_info
 
@@ -42,7 +43,7 @@ def test_a_hostile_run_id_never_becomes_a_path(tmp_path, run_id):
     with pytest.raises(InvalidNameError, match="run_id"):
         run_writer(root, run_id)
     with pytest.raises(InvalidNameError):
-        ParquetExporter(root, run_info(run_id))
+        DeltaExporter(root, run_info(run_id))
     with pytest.raises(InvalidNameError):
         compact(root, run_id=run_id)
     assert _files_under(tmp_path) == before
@@ -103,7 +104,7 @@ def test_file_names_given_to_the_writer_are_checked(tmp_path, name):
 
 def test_readers_skip_folders_whose_names_are_not_valid(tmp_path):
     rng = np.random.default_rng(0)
-    exporter = ParquetExporter(tmp_path, run_info("good"))
+    exporter = DeltaExporter(tmp_path, run_info("good"))
     exporter.export([make_record("good", 0, rng)])
     exporter.shutdown()
     good = next((tmp_path / "steps" / "run_id=good").glob("part-*.parquet"))

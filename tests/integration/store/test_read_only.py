@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from moescope.store import QueryError, Store
+from moescope.store.exporter import DeltaExporter
 from moescope.store.schema import SCHEMAS
-from moescope.store.writer import ParquetExporter
 from tests.support.fixtures.store import REPO
 from tests.support.store_records import make_record, run_info
 
@@ -23,7 +23,7 @@ from tests.support.store_records import make_record, run_info
 def root(tmp_path):
     store = tmp_path / "store"
     rng = np.random.default_rng(0)
-    exporter = ParquetExporter(store, run_info("r"), max_rows=40)
+    exporter = DeltaExporter(store, run_info("r"), max_rows=40)
     for step in range(5):
         exporter.export([make_record("r", step, rng)])
     exporter.shutdown()

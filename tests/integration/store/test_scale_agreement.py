@@ -1,7 +1,7 @@
 """bench/scale.py's two engines give the same answers, and the right ones, on the same snapshot.
 
 A store of about 300 K route rows is written through the real writer (bench/scale.py's `write_run`:
-bench/store.py's synthetic records, `ParquetExporter`, Delta commits) and compacted, as the
+bench/store.py's synthetic records, `DeltaExporter`, Delta commits) and compacted, as the
 benchmark does before querying. DuckDB (the project's `Store`) and PySpark in local mode (the
 Parquet files of the versions the Store pinned, read from the Delta log) answer the heatmap, drift
 and token-lookup queries; their full answers are compared, and both are compared with answers a

@@ -24,11 +24,11 @@ import pytest
 from moescope.store import LegacyStoreError, Store
 from moescope.store import upgrade as upgrading
 from moescope.store.compact import SORT_KEYS, compact, prune
+from moescope.store.exporter import DeltaExporter
 from moescope.store.location import open_location
 from moescope.store.naming import parquet_options
 from moescope.store.schema import SCHEMAS, layers_table, probe_stats_table, run_table, step_tables
 from moescope.store.upgrade import upgrade
-from moescope.store.writer import ParquetExporter
 from tests.support.deltafiles import parts, read_part
 from tests.support.store_records import make_record, run_info
 
@@ -196,7 +196,7 @@ def test_nothing_is_rewritten_without_the_command(old_store):
     root, _ = old_store
     before = files_on_disk(root)
     for attempt in (lambda: Store(root), lambda: compact(root), lambda: prune(root, 0),
-                    lambda: ParquetExporter(root, run_info("c"))):
+                    lambda: DeltaExporter(root, run_info("c"))):
         with pytest.raises(LegacyStoreError, match=f"moescope store upgrade {root}"):
             attempt()
     assert files_on_disk(root) == before

@@ -18,13 +18,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from moescope.core.pipeline import record_rows
+from moescope.core.pipeline import BatchProcessor, record_rows
 from moescope.core.runs import current_host
 from moescope.store import delta
 from moescope.store.errors import StoreError
+from moescope.store.exporter import DeltaExporter
 from moescope.store.location import StoreLocation
 from moescope.store.naming import host_name_part
-from moescope.store.writer import BatchProcessor, ParquetExporter
 from tests.support.deltafiles import latest_probe_stats, snapshot_files, snapshot_rows
 from tests.support.store_records import make_record, run_info
 
@@ -32,7 +32,7 @@ from tests.support.store_records import make_record, run_info
 class SlowDisk:
     """The real Parquet exporter behind a disk that takes `delay_s` per batch."""
 
-    def __init__(self, exporter: ParquetExporter, delay_s: float):
+    def __init__(self, exporter: DeltaExporter, delay_s: float):
         self.exporter, self.delay_s = exporter, delay_s
 
     def export(self, records):
@@ -50,7 +50,7 @@ def _emit(policy: str, root, n: int = 60):
     rng = np.random.default_rng(0)
     records = [make_record("r", step, rng) for step in range(n)]
     processor = BatchProcessor([], max_queue=2, policy=policy, flush_interval_s=0.2, max_batch=1)
-    exporter = ParquetExporter(root, run_info("r"), max_age_s=0.2, processor=processor)
+    exporter = DeltaExporter(root, run_info("r"), max_age_s=0.2, processor=processor)
     processor.add_exporter(SlowDisk(exporter, 0.01))
     started = time.perf_counter()
     for record in records:
@@ -94,7 +94,7 @@ def test_drop_policy_never_waits_and_counts_every_row(tmp_path):
 
 def test_drop_counts_are_durable_before_shutdown(tmp_path):
     processor = BatchProcessor([], max_queue=1, policy="drop", flush_interval_s=0.1, max_batch=1)
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=0.1, processor=processor)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=0.1, processor=processor)
     processor.add_exporter(SlowDisk(exporter, 0.05))
     rng = np.random.default_rng(1)
     for step in range(20):
@@ -108,7 +108,7 @@ def test_drop_counts_are_durable_before_shutdown(tmp_path):
 
 
 def test_a_failed_write_is_counted_and_leaves_nothing_visible(tmp_path):
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=100)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=100)
     rng = np.random.default_rng(2)
     record = make_record("r", 0, rng)
     exporter.export([record])
@@ -139,7 +139,7 @@ def test_a_file_whose_commit_failed_is_counted_lost_and_never_read(tmp_path, mon
     monkeypatch.setattr(writer_module.delta, "commit", commit)
     rng = np.random.default_rng(4)
     records = [make_record("r", step, rng) for step in range(3)]
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=100)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=100)
     exporter.export(records[:1])
     exporter.force_flush()  # this flush's steps commit is refused
     exporter.export(records[1:])
@@ -159,7 +159,7 @@ def test_policy_must_be_known():
 
 def test_rank_host_and_pid_in_file_names(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESCOPE_HOST", "gpu node/7")  # not a file name as it is: sanitised
-    exporter = ParquetExporter(tmp_path, run_info("r", rank=3, world_size=4))
+    exporter = DeltaExporter(tmp_path, run_info("r", rank=3, world_size=4))
     exporter.shutdown()
     names = [p.name for p in tmp_path.rglob("part-*.parquet")]
     assert names and all(n.startswith(f"part-00003-gpu_node_7-{os.getpid()}-") for n in names)
@@ -210,7 +210,7 @@ def test_drop_policy_bounds_the_queue_by_bytes(tmp_path):
     disk = GatedDisk()
     processor = BatchProcessor([disk], max_queue=1000, policy="drop", max_batch=1, flush_interval_s=0.1,
                                max_queue_bytes=int(3.5 * size))
-    exporter = ParquetExporter(tmp_path, run_info("r"), processor=processor)
+    exporter = DeltaExporter(tmp_path, run_info("r"), processor=processor)
     processor.emit(records[0])
     assert disk.exporting.wait(10)  # the writer holds record 0 in a stalled export
     started = time.perf_counter()
@@ -283,7 +283,7 @@ def test_wait_idle_returns_once_every_record_handed_over_is_exported_without_a_f
 def test_exporter_buffers_are_bounded_by_bytes(tmp_path):
     records = _large_records(6)
     route_bytes = _nbytes([ls.routes for ls in records[0].layers])
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9, max_bytes=int(2.5 * route_bytes))
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=1e9, max_bytes=int(2.5 * route_bytes))
     for record in records:
         exporter.export([record])
     # 6 records' routes in parts of 3 (the third crosses 2.5 records' bytes): written before any age or row limit
@@ -444,7 +444,7 @@ def test_a_writer_writes_a_folder_and_an_s3_store_alike(store_location, monkeypa
     monkeypatch.setenv("MOESCOPE_HOST", "host-a")
     rng = np.random.default_rng(5)
     records = [make_record("r", step, rng) for step in range(4)]
-    exporter = ParquetExporter(store_location, run_info("r", rank=1, world_size=2), max_age_s=1e9)
+    exporter = DeltaExporter(store_location, run_info("r", rank=1, world_size=2), max_age_s=1e9)
     exporter.export(records[:2])
     exporter.force_flush()
     exporter.export(records[2:])
@@ -465,13 +465,34 @@ def test_one_commit_per_table_per_flush(tmp_path):
     from deltalake import DeltaTable
 
     rng = np.random.default_rng(6)
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=1e9)
     exporter.export([make_record("r", step, rng) for step in range(5)])
     exporter.force_flush()
     for table in ("steps", "layer_steps", "routes"):
         log = DeltaTable(str(tmp_path / table)).history()
         assert [h["operation"] for h in reversed(log)] == ["CREATE TABLE", "WRITE"], table
     exporter.shutdown()
+
+
+def test_the_pipelines_drain_commits_the_last_parts_the_run_end_and_the_counts_in_one_round(tmp_path):
+    from deltalake import DeltaTable
+
+    rng = np.random.default_rng(7)
+    processor = BatchProcessor([], flush_interval_s=60)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=1e9, processor=processor)
+    processor.add_exporter(exporter)
+    for step in range(3):
+        processor.emit(make_record("r", step, rng))
+    processor.count_dropped_rows("steps", "ring_full", 5)  # the counts changed: a last flush would write them
+    processor.shutdown()
+    # told that the pipeline drains, the exporter did its shutdown's work in that last flush: each
+    # table one commit, probe_stats written once (a last flush and then a shutdown write it twice)
+    for table in ("steps", "layer_steps", "routes", "run_ends", "probe_stats"):
+        log = DeltaTable(str(tmp_path / table)).history()
+        assert [h["operation"] for h in reversed(log)] == ["CREATE TABLE", "WRITE"], table
+    assert _written(tmp_path, "steps") == 3
+    assert snapshot_rows(tmp_path, "run_ends").to_pylist()[0]["last_step"] == 2
+    assert _stat(latest_probe_stats(tmp_path, "r"), "steps", "ring_full") == 5
 
 
 def test_a_run_writer_is_one_per_store_url_run_and_rank(tmp_path, s3_store):
@@ -516,7 +537,7 @@ def test_wrong_credentials_fail_when_the_writer_opens_naming_the_url_not_the_sec
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
     other = StoreLocation(s3_store.url + "/elsewhere", s3_store.storage_options)  # not checked yet this process
     with pytest.raises(delta.StoreAccessError) as raised:
-        ParquetExporter(other, run_info("r"))
+        DeltaExporter(other, run_info("r"))
     message = str(raised.value)
     assert other.redacted in message and "credentials were refused" in message and wrong not in message
     assert not [w for w in open_writers() if w.root == other.url]
@@ -541,7 +562,7 @@ def test_the_runs_rows_are_written_once_when_two_threads_retry_them(tmp_path, mo
     """on_attach writes a run's own rows on the caller's thread and export/force_flush retry them on
     the pipeline's: with a slow first commit both once committed them (8 writers on S3: every rank's
     runs and layers rows twice)."""
-    exporter = ParquetExporter(tmp_path, max_age_s=0.0)
+    exporter = DeltaExporter(tmp_path, max_age_s=0.0)
     real_write = exporter._write
 
     def slow_write(table, data, retried=False):
@@ -565,7 +586,7 @@ def test_route_files_carry_the_encodings_the_layout_names_and_page_checksums(tmp
     and the gate weights split by byte stream, not only named so; token numbers are delta encoded.
     Every page still carries its checksum (a damaged page is detected, `store.quarantine`)."""
     rng = np.random.default_rng(9)
-    exporter = ParquetExporter(tmp_path, run_info("r"), max_age_s=1e9)
+    exporter = DeltaExporter(tmp_path, run_info("r"), max_age_s=1e9)
     exporter.export([make_record("r", step, rng, tokens=64) for step in range(4)])
     exporter.shutdown()
     [part] = delta.snapshot(str(tmp_path), "routes", with_stats=True).files

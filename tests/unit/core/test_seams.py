@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moescope
-from moescope.core.exporters import AttachListener, BindsProcessor, InMemoryExporter, ProbeStatsReader
+from moescope.core.exporters import AttachListener, BindsProcessor, DrainListener, InMemoryExporter, ProbeStatsReader
 from moescope.core.pipeline import BatchProcessor
 from moescope.core.records import StepRecord
 from tests.support.zoo import tiny_model
@@ -125,3 +125,40 @@ def test_the_trust_gate_modes_are_defined_once():
     assert trust_policy.TRUST_GATE_MODES is probe.TRUST_GATE_MODES == (None, "manual", "auto")
     with pytest.raises(ValueError, match="trust_gate"):
         moescope.attach(tiny_model("mixtral", seed=0), trust_gate="sometimes")
+
+
+class Draining(Ordered):
+    """Logs each flush, and the drain, in the shared log; a `DrainListener`."""
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self.log.append(f"{self.name} flush")
+        return True
+
+    def on_drain(self) -> None:
+        self.log.append(f"{self.name} drain")
+
+
+class Flushing(Ordered):
+    """Logs each flush; not a `DrainListener`."""
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        self.log.append(f"{self.name} flush")
+        return True
+
+
+def test_the_pipeline_tells_a_drain_listener_it_drains_after_the_last_record_and_flushes_the_others():
+    log: list[str] = []
+    listener, plain = Draining("listener", log), Flushing("plain", log)
+    assert isinstance(listener, DrainListener) and not isinstance(plain, DrainListener)
+    processor: BatchProcessor[int] = BatchProcessor([listener, plain], flush_interval_s=60)
+    for record in range(10):
+        processor.emit(record)
+    processor.force_flush()
+    del log[:]
+    processor.emit(10)
+    processor.shutdown()
+    processor.shutdown()  # twice: told once
+    # the last record is exported to both, then the listener is told (once, instead of a last flush)
+    assert log == ["listener", "plain", "listener drain", "plain flush"]
+    assert listener.records == plain.records == list(range(11))
+    assert listener.closed == plain.closed == 1  # shut down after the drain, as every exporter

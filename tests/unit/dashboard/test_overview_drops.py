@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pyarrow.parquet as pq
 
-from moescope.core.pipeline import record_rows
-from moescope.store.writer import BatchProcessor, ParquetExporter
+from moescope.core.pipeline import BatchProcessor, record_rows
+from moescope.store.writer import ParquetExporter
 from tests.support.pages import app_for, assert_clean, open_page
 from tests.support.store_records import make_record, run_info
 

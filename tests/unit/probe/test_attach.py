@@ -10,7 +10,8 @@ from torch import nn
 
 import moescope
 from moescope import probe
-from moescope.store import InMemoryExporter, Store
+from moescope.core.exporters import InMemoryExporter
+from moescope.store import Store
 from tests.support.zoo import tiny_model
 
 

@@ -11,7 +11,7 @@ import pyarrow.dataset as ds
 import torch
 
 import moescope
-from moescope.store import InMemoryExporter
+from moescope.core.exporters import InMemoryExporter
 from tests.support.zoo import tiny_model
 
 FORWARDS, BATCH, SEQ, LAYERS = 40, 2, 4, 2

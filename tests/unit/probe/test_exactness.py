@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from moescope import probe
+from moescope.core.exporters import InMemoryExporter
 from moescope.metrics import signals
 from moescope.probe.accumulate import ENTROPY_BINS
-from moescope.store import InMemoryExporter
 from tests.support.zoo import FAMILIES, tiny_model
 
 # DeepSeek-V3 routes by scores plus a correction bias: a non-zero one makes the final choice differ from a

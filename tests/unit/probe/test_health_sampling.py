@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moescope import probe
+from moescope.core.exporters import InMemoryExporter
 from moescope.probe.health_sampling import HealthSampler, _expert_tensors, expert_outputs
-from moescope.store import InMemoryExporter
 from tests.support.zoo import tiny_model
 
 torch.set_num_threads(1)

@@ -15,7 +15,8 @@ import torch
 
 import moescope
 from moescope import probe
-from moescope.store import InMemoryExporter, Store
+from moescope.core.exporters import InMemoryExporter
+from moescope.store import Store
 from tests.support.zoo import tiny_model
 
 BLOCKS = [f"model.layers.{i}.mlp" for i in range(3)]  # the model's MoE blocks, in module order

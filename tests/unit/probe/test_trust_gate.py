@@ -14,10 +14,10 @@ import torch
 
 import moescope
 from moescope import probe
+from moescope.core.exporters import InMemoryExporter
 from moescope.probe.adapters import experts_arguments
 from moescope.probe.health_sampling import _expert_tensors
 from moescope.probe.trust_gate import RULES, TrustGate, TrustGateError
-from moescope.store import InMemoryExporter
 from tests.support.zoo import FAMILIES, tiny_model
 
 # DeepSeek-V3 routes by scores plus a correction bias: a non-zero one makes the final choice differ from a

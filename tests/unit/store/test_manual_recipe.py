@@ -12,7 +12,7 @@ import duckdb
 import numpy as np
 
 from moescope.store.compact import compact
-from moescope.store.writer import ParquetExporter
+from moescope.store.exporter import DeltaExporter
 from tests.support.fixtures.store import REPO
 from tests.support.store_records import make_record, run_info
 
@@ -30,7 +30,7 @@ def test_the_manuals_recipe_reads_each_row_once(tmp_path, monkeypatch, capsys):
     root = tmp_path / "runs"
     rng = np.random.default_rng(0)
     records = [make_record("r", step, rng) for step in range(6)]
-    exporter = ParquetExporter(root, run_info("r"), max_rows=48)  # one routes file per step
+    exporter = DeltaExporter(root, run_info("r"), max_rows=48)  # one routes file per step
     exporter.export(records[:3])
     exporter.force_flush()
     exporter.export(records[3:])

@@ -9,7 +9,7 @@ import pytest
 
 from moescope.store import EmptyStoreError, QueryError, Selection, Store
 from moescope.store.compact import compact
-from moescope.store.writer import ParquetExporter
+from moescope.store.exporter import DeltaExporter
 from tests.support.store_records import make_record, run_info
 
 LAYERS, EXPERTS, STEPS = 3, 6, 12
@@ -22,7 +22,7 @@ def written(tmp_path_factory):
     for run_id, ranks, skew in (("a", (0, 1), 0.0), ("b", (0,), 2.0)):
         for rank in ranks:
             rng = np.random.default_rng(10 * rank + len(run_id))
-            exporter = ParquetExporter(root, run_info(run_id, LAYERS, EXPERTS, rank=rank, world_size=len(ranks),
+            exporter = DeltaExporter(root, run_info(run_id, LAYERS, EXPERTS, rank=rank, world_size=len(ranks),
                                                       tags={"model": run_id}), max_rows=40)
             for step in range(STEPS):
                 record = make_record(run_id, step, rng, LAYERS, EXPERTS,

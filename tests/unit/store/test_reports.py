@@ -184,7 +184,7 @@ def test_active_fraction_by_position_at_sizes_that_do_not_divide(tmp_path, bucke
     moves the boundaries and drops the last position; checked against a loop over the raw rows."""
     import dataclasses as dc
 
-    from moescope.store.writer import ParquetExporter
+    from moescope.store.exporter import DeltaExporter
     from tests.support.deltafiles import snapshot_rows
     from tests.support.store_records import make_record, run_info
 
@@ -193,7 +193,7 @@ def test_active_fraction_by_position_at_sizes_that_do_not_divide(tmp_path, bucke
     sequence = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)]).astype(np.int32)
     position = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
     root = tmp_path / "store"
-    exporter = ParquetExporter(root, run_info("r"))
+    exporter = DeltaExporter(root, run_info("r"))
     for step in range(4):
         record = make_record("r", step, rng, tokens=tokens)
         record.layers = [dc.replace(ls, routes=dc.replace(ls.routes, sequence=sequence, position=position))
@@ -233,11 +233,11 @@ def _stepped_store(root, first: int, span: int) -> None:
     of three forwards at the end (so `step_end`, not `step`, marks the last step), tokens varying."""
     import dataclasses as dc
 
-    from moescope.store.writer import ParquetExporter
+    from moescope.store.exporter import DeltaExporter
     from tests.support.store_records import make_record, run_info
 
     rng = np.random.default_rng(span)
-    exporter = ParquetExporter(root, run_info("r"))
+    exporter = DeltaExporter(root, run_info("r"))
     last = first + span - 1
     step = first
     while step <= last:
