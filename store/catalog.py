@@ -1,6 +1,6 @@
 """Which files a reader reads now: one Delta snapshot per table, each file checked once.
 
-`Catalog.snapshot()` reads the latest version of every table (`store.delta.snapshot`: the log says
+`Catalog.snapshot()` reads the latest version of every table (`moescope.store.delta.snapshot`: the log says
 which files are live; no folder is listed) and checks each file it has not seen before: its footer
 (rows as the log says), then every page against its checksum (`quarantine.deep_check`). A file
 that fails is quarantined (`Catalog.reject`): copied to `<store>/_quarantine/`, its rows counted as
@@ -8,7 +8,7 @@ lost in `probe_stats` (reason `quarantined`), and removed from its table by a De
 reader reads it again; this reader leaves it out of the snapshot it is building.
 
 A file the log names with a run id or path that fails the store's naming rule is left out of the
-table's snapshot (`store.delta.snapshot`), and so is a file whose own `run_id` column disagrees
+table's snapshot (`moescope.store.delta.snapshot`), and so is a file whose own `run_id` column disagrees
 with its run (checked here, from the footer's columns): neither is read, quarantined or rewritten.
 A reader counts its rows once in `probe_stats` (reason `invalid_name`, under the run
 `INVALID_NAMES_RUN`, since the file's own run id cannot be trusted) and goes on with the rest.
@@ -50,7 +50,7 @@ INVALID_NAME = "invalid_name"  # the probe_stats reason of rows in a file left o
 INVALID_NAMES_RUN = "moescope-invalid-names"
 # Every table commit that removes files (compaction, prune, quarantine) carries this app
 # transaction, its version one more than the one the snapshot the removes came from holds:
-# of two such commits made from the same state only the first is made (`store.delta.commit`
+# of two such commits made from the same state only the first is made (`moescope.store.delta.commit`
 # skips a commit whose app version the table already holds), so a file is never removed twice and
 # rows a compaction rewrote are never committed twice (see `app_version`).
 REWRITE_APP = "moescope-compact:{table}"
@@ -186,7 +186,7 @@ class Catalog:
         """The file's footer, checked (cached); None when it is bad (quarantined, or skipped) or missing.
 
         verify=False checks the footer only, for a caller that reads the file through itself with
-        the same check (`store.quarantine.read_checked`: compaction) and rejects it if that fails;
+        the same check (`moescope.store.quarantine.read_checked`: compaction) and rejects it if that fails;
         such a result is not cached as checked.
 
         On object storage a file is checked once per process, in three requests: a HEAD (the
@@ -350,7 +350,7 @@ class Catalog:
 
 def app_version(snap: delta.Snapshot) -> int:
     """The version of `REWRITE_APP` that a snapshot read with `app=` holds (0: none; the versions committed
-    start at 1, since `store.delta.commit` cannot tell a held version 0 from none). A commit that removes
+    start at 1, since `moescope.store.delta.commit` cannot tell a held version 0 from none). A commit that removes
     the snapshot's files with `app=(app_id, app_version(snap) + 1)` is then made only if no other such
     commit came after that snapshot: both are read from the same version of the log."""
     return 0 if snap.app_version is None else int(snap.app_version)

@@ -1,7 +1,7 @@
 """Long runs: merge a run's small files into large sorted ones, and delete old runs.
 
 Both are Delta commits on the store's tables; neither stops writers, and no reader ever sees a row
-twice or misses one (a reader reads one version of each table; see `store.store`).
+twice or misses one (a reader reads one version of each table; see `moescope.store.store`).
 
 `compact` merges, per table and run, the small files of the table's latest version into files of
 up to a target size (`target_size`, DEFAULT_TARGET_SIZE bytes as the log counts them, and at most
@@ -19,7 +19,7 @@ the sources or the merged files, never both. Writers keep appending meanwhile; t
 among the sources and stay live. Two compactions (or a compaction and a prune, or a quarantine)
 made from the same version cannot both commit: each such commit carries the app transaction
 `moescope-compact:<table>` at one more than the version its snapshot holds
-(`store.catalog.app_version`), and `store.delta.commit` does not make a commit whose app version
+(`moescope.store.catalog.app_version`), and `moescope.store.delta.commit` does not make a commit whose app version
 the table already holds, nor one that removes a file no longer in the table; the one that lost
 finds its merged files absent from the version it got (or gets CommitConflictError), deletes them
 and starts again from a new version. A crash before the commit leaves merged files no
@@ -274,7 +274,7 @@ class _BadSource(Exception):
 def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[FileInfo],
                      row_group_rows: int) -> delta.PartFile:
     """`_merge` for a group that fits in memory: each source read once, checked as it is read
-    (`store.quarantine.read_checked`, on up to READ_THREADS threads; raises _BadSource for a bad
+    (`moescope.store.quarantine.read_checked`, on up to READ_THREADS threads; raises _BadSource for a bad
     one, before anything is written),
     the rows sorted by the table's keys with pyarrow (a stable sort) and written in row groups of
     `row_group_rows` rows, or fewer where they would exceed COMPACT_ROW_GROUP_BYTES.
@@ -451,7 +451,7 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
 
     Returns one CompactResult per (table, run) looked at, each with the data files it read and
     wrote (`io`). Raises ValueError for a target below 1, InvalidNameError for a run id
-    not of `store.layout.NAME_FORM`, LegacyStoreError for a store of the previous release,
+    not of `moescope.store.naming.NAME_FORM`, LegacyStoreError for a store of the previous release,
     StoreError when the storage cannot be read or written.
     """
     if target_size < 1 or target_rows < 1:

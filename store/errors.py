@@ -1,4 +1,4 @@
-"""The store's exceptions; `store.store.map_error` is the one place database errors become these."""
+"""The store's exceptions; `moescope.store.store.map_error` is the one place database errors become these."""
 
 from __future__ import annotations
 

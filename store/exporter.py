@@ -42,7 +42,7 @@ from moescope.core.exporters import (
 from moescope.core.pipeline import BatchProcessor, array_bytes
 from moescope.core.records import RunInfo, StepRecord
 from moescope.store.location import StoreLocation, open_location
-from moescope.store.schema import SCHEMAS, RoutePiece, layers_table, routes_table, run_table, step_tables
+from moescope.store.schema import SCHEMAS, RoutePiece, routes_table, run_tables, step_tables
 from moescope.store.writer import RunWriter, run_writer
 
 __all__ = ["DEFAULT_MAX_BUFFER_BYTES", "DeltaExporter", "ParquetExporter"]
@@ -143,7 +143,7 @@ class DeltaExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRec
         self.writer = run_writer(self.location, run.run_id, run.rank)
         self.writer.watch(self.processor if self.processor is not None else self)
         self.run = run
-        self._unwritten_run = [("runs", run_table(run))] + ([("layers", layers_table(run))] if run.layers else [])
+        self._unwritten_run = list(run_tables(run).items())
         self._write_run()
         if not self.location.is_local:
             # The tables the session writes, opened now on a thread of their own: a table's first open

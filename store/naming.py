@@ -5,12 +5,12 @@
     <store>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet           written by `compact`
     <store>/_quarantine/<table>/run_id=<id>/<name>                           a file moved aside as bad
 
-Each table is a Delta Lake table (`store.delta`): which files are live is what its log says, never
+Each table is a Delta Lake table (`moescope.store.delta`): which files are live is what its log says, never
 a folder listing. A file is written whole under its final name and then committed; a file no
 commit added (a crashed writer's) is invisible and `vacuum` deletes it. This module owns the names
 (a run id or table that may be part of a path, part names) and the Parquet settings every writer
 uses. The previous release's layout (temporary names renamed into place, compaction footers) is
-known only to `store.upgrade`, which converts such a store.
+known only to `moescope.store.upgrade`, which converts such a store.
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ COMPACT_ROW_GROUP_BYTES = 128 * 1024 * 1024
 def parquet_options(columns: Sequence[str]) -> dict:
     """Settings of `pyarrow.parquet` writers for a file with these columns (the writer's and compaction's).
 
-    Every page carries a CRC-32 checksum, which readers verify (`store.quarantine.deep_check`): a
+    Every page carries a CRC-32 checksum, which readers verify (`moescope.store.quarantine.deep_check`): a
     flipped bit makes a file fail its check and go to quarantine instead of reading as other numbers.
 
     Min/max statistics are written for the top-level columns only: Parquet settings name leaves, and
     a nested column's leaves (`tags.key_value.key`, `expert_ids.list.element`) are not among these
-    names. Nobody reads those: a file's Delta stats (`store.delta.file_stats`) cover top-level
+    names. Nobody reads those: a file's Delta stats (`moescope.store.delta.file_stats`) cover top-level
     columns, and DuckDB prunes row groups on them too (not on list items or map entries); writing
     them took an eighth of a routes file's encoding time.
     """
@@ -74,7 +74,7 @@ def parquet_options(columns: Sequence[str]) -> dict:
 # alerts runner reads it from `layer_steps`) or a table's log (another hand may have written it), so
 # it is never trusted: no separator, no `..`, no leading dot (hidden files), no `=` (hive
 # partitioning), nothing a shell must quote. Names read from a store meet the same rule where a
-# snapshot is read (`stored_name_problem`, in `store.delta.snapshot`).
+# snapshot is read (`stored_name_problem`, in `moescope.store.delta.snapshot`).
 NAME_FORM = "1 to 128 characters of A-Za-z0-9 . _ -, not starting with a dot"
 _NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
 # A table is a folder beside the store's own (`_quarantine`, `_locks`, `_trash`), which start with `_`.
@@ -89,7 +89,7 @@ class InvalidNameError(ValueError):
 
 class InvalidNameWarning(UserWarning):
     """A file a store's log names was left out: a name in it (a run id, its path) fails the rule of
-    `check_name`, so no command reads, moves or rewrites it (`store.delta.snapshot`)."""
+    `check_name`, so no command reads, moves or rewrites it (`moescope.store.delta.snapshot`)."""
 
 
 def is_valid_name(value: object, kind: str = "run_id") -> bool:

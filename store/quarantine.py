@@ -8,7 +8,7 @@ still makes a query fail is read through again, by DuckDB too.
 
 A bad file is copied to `<store>/_quarantine/<table>/run_id=<id>/<name>` with a `<name>.reason.json`
 beside it, a warning (`BadFileWarning`) names both, and the file is taken out of its table by a
-Delta commit that removes it (`store.catalog.Catalog.reject`); its rows are counted as lost in
+Delta commit that removes it (`moescope.store.catalog.Catalog.reject`); its rows are counted as lost in
 `probe_stats` (reason `quarantined`). The original stays in the table's folder until `vacuum`
 deletes it with the other removed files: readers of older snapshots are never cut off. Where the
 copy cannot be made (a full or read-only disk), nothing is removed: the file stays in its table,

@@ -129,7 +129,7 @@ def _vectors(frame: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 class StoreQueries:
-    """Mixed into `store.Store`; every method runs through `self.sql` (parameters, error mapping)."""
+    """Mixed into `moescope.store.Store`; every method runs through `self.sql` (parameters, error mapping)."""
 
     root: str  # the store's folder (named in errors)
 
@@ -472,7 +472,7 @@ class StoreQueries:
 
         Each writer (host, rank, pid) writes cumulative snapshots; this sums the latest of each.
         Rows of files a reader quarantined are counted under reason 'quarantined', one counter per
-        file (rank -1, no host, pid a hash of the file: see `store.catalog.count_lost`). Columns:
+        file (rank -1, no host, pid a hash of the file: see `moescope.store.catalog.count_lost`). Columns:
         table_name, reason (None on the written row), written_rows, dropped_rows, dropped_records.
         """
         return self.sql("""

@@ -1,11 +1,11 @@
 """The queries behind every view: `moescope summary`, the dashboard's pages and the demo.
 
-Mixed into `store.Store` next to `store.queries.StoreQueries` (same conventions: half-open step
+Mixed into `moescope.store.Store` next to `moescope.store.queries.StoreQueries` (same conventions: half-open step
 windows, `tags` filters, ranks summed, `?` parameters only, an unknown run is an empty answer).
 Each method returns a small frame or dict whose columns and units its docstring names; views
-only cache and draw them, and `alerts.signals` turns them into the derived figures (spread,
+only cache and draw them, and `moescope.metrics.signals` turns them into the derived figures (spread,
 normalised entropy, rates, specialisation). Means of per-row means are weighted by tokens
-(`TOKEN_WEIGHTED`), the rule `alerts.signals.token_weighted_mean` states.
+(`TOKEN_WEIGHTED`), the rule `moescope.metrics.signals.token_weighted_mean` states.
 
 Every result is bounded: by a LIMIT, or by a bounded number of step buckets.
 """
@@ -40,7 +40,7 @@ HOST_OF_RANK = """h AS (SELECT rank, string_agg(DISTINCT host, '+' ORDER BY host
 def token_weighted(column: str) -> str:
     """SQL for the token-weighted mean of `column` over a group's rows (a fixed fragment: `column`
     is one of ours, never a user's). Rows where the column is NULL (not recorded) count in neither
-    sum, as in `alerts.signals.token_weighted_mean`."""
+    sum, as in `moescope.metrics.signals.token_weighted_mean`."""
     return f"(sum({column} * tokens) / nullif(sum(CASE WHEN {column} IS NOT NULL THEN tokens END), 0))"
 
 
@@ -52,7 +52,7 @@ def _buckets(table: str, clause: str) -> str:
 
 
 class ReportQueries:
-    """Mixed into `store.Store`; every method runs through `self.sql`."""
+    """Mixed into `moescope.store.Store`; every method runs through `self.sql`."""
 
     def sql(self, query: str, params: Sequence | None = None) -> pd.DataFrame:  # pragma: no cover
         raise NotImplementedError
@@ -84,7 +84,7 @@ class ReportQueries:
         active_p50, active_p95, active_max (over rows), active_params (token-weighted parameters
         per token), seconds_per_token (forward wall time / tokens), seconds_per_token_p50 (over
         rows), total_params, first_ts, last_ts (UTC). steps, forwards, ranks and tokens are 0 for no row.
-        `metrics.signals.run_counts` makes the headline of forwards and tokens from them.
+        `moescope.metrics.signals.run_counts` makes the headline of forwards and tokens from them.
         """
         clause, params = where(run_id, tags=tags)
         frame = self.sql(f"""
@@ -123,7 +123,7 @@ class ReportQueries:
     def host_layer_totals(self, run_id: str, tags: dict[str, str] | None = None,
                           limit: int = MAX_HOSTS) -> pd.DataFrame:
         """Per (host, MoE layer), the columns of `layer_totals` over that host's ranks' rows (see
-        `host_totals`; `tags` as there), plus host: `alerts.signals.layer_figures_of` reads a host's
+        `host_totals`; `tags` as there), plus host: `moescope.metrics.signals.layer_figures_of` reads a host's
         rows. Ordered by host and layer; at most `limit` hosts."""
         clause, params = where(run_id, tags=tags)
         frame = self.sql(f"""
@@ -272,7 +272,7 @@ class ReportQueries:
 
         The placement comes as parallel lists, one entry per (layer, logical expert, rank) that
         serves it: `share` is the part of the expert's load the rank serves
-        (`metrics.signals.replica_shares`: its slots of the expert over all of the expert's slots).
+        (`moescope.metrics.signals.replica_shares`: its slots of the expert over all of the expert's slots).
         Windows are `window_steps` steps wide, aligned to multiples (None: the run is one window).
 
         Columns: layer, window_start, window_end (exclusive; both NULL for the whole run), steps,

@@ -1,11 +1,12 @@
 """Arrow schemas of every table in a store, and the one builder of each table's rows.
 
-This module is the contract: the Parquet files follow these schemas, `store.Store` reads them,
+This module is the contract: the Delta tables' Parquet files follow these schemas, `moescope.store.Store` reads them,
 and any engine that reads Parquet can read them too. Columns are only ever added, never renamed.
-Every producer builds rows here: the probe's records (`step_tables`, `run_table`, `layers_table`),
-routes of any source (`routes_table`: the probe's and the importers'), columns a source has with
-the rest null (`table_from_columns`: importers, benchmarks), and a writer's counts
-(`probe_stats_table`).
+Every producer builds rows here: a run's own rows, for every source (`runs_table`, `layers_table`;
+`run_tables` for a run the probe describes, a `moescope.core.records.RunInfo`: the probe's, the jitter
+and mismatch checks'), the probe's records (`step_tables`), routes of any source (`routes_table`: the
+probe's and the importers'), columns a source has with the rest null (`table_from_columns`:
+importers, benchmarks), and a writer's counts (`probe_stats_table`).
 """
 
 from __future__ import annotations
@@ -267,20 +268,110 @@ def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=type_))
 
 
-def run_table(run: RunInfo) -> pa.Table:
-    row = dict(run_id=run.run_id, started_at=run.started_at, model_class=run.model_class,
-               total_params=run.total_params, routed_expert_params=run.routed_expert_params,
-               tags=list(run.tags.items()), rank=run.rank, world_size=run.world_size, source="probe",
-               host=run.host)
-    return pa.Table.from_pylist([row], schema=SCHEMAS["runs"])
+class LayerFacts(Protocol):
+    """One MoE layer as its `layers` row describes it. The probe's `moescope.core.records.LayerInfo`
+    is one; a source that does not know every figure builds a `LayerRow`."""
+
+    @property
+    def layer(self) -> int: ...  # 0-based index of the MoE layer in module order
+    @property
+    def module(self) -> str: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def zero_experts(self) -> int: ...
+    @property
+    def params_per_expert(self) -> int | None: ...  # None: not recorded by this source (null)
+    @property
+    def expert_capacity(self) -> int | None: ...  # None: no capacity, or not recorded
 
 
-def layers_table(run: RunInfo) -> pa.Table:
-    rows = [dict(run_id=run.run_id, layer=info.layer, module=info.module, family=info.family,
-                 num_experts=info.num_experts, zero_experts=info.zero_experts, top_k=info.top_k,
-                 params_per_expert=info.params_per_expert, expert_capacity=info.expert_capacity,
-                 rank=run.rank) for info in run.layers]
-    return pa.Table.from_pylist(rows, schema=SCHEMAS["layers"])
+class LayerRow(NamedTuple):
+    """A `LayerFacts` of a source that knows less than the probe (an importer, the proxy): what it
+    does not know stays None, a null column, never zero."""
+
+    layer: int
+    module: str
+    family: str
+    num_experts: int
+    top_k: int
+    zero_experts: int = 0
+    params_per_expert: int | None = None
+    expert_capacity: int | None = None
+
+
+def runs_table(run_id: str, started_at: dt.datetime, model_class: str, source: str, *,
+               tags: Mapping[str, str] | None = None, ranks: Sequence[int] = (0,), world_size: int | None = None,
+               total_params: int | None = None, routed_expert_params: int | None = None,
+               host: str | None = None) -> pa.Table:
+    """The `runs` rows of a run, one per rank (each rank of a probed run writes its own): the one
+    builder of `runs`, for every source.
+
+    Args:
+        run_id: the run.
+        started_at: when it started (UTC).
+        model_class: the model's class name (an importer: the model the engine served).
+        source: what recorded it: "probe", an engine an importer read ("vllm", ...), "proxy",
+            "jitter", "mismatch".
+        tags: key=value tags of the run.
+        ranks: the ranks to write a row for (default: rank 0 alone).
+        world_size: ranks in the job; None: the highest of `ranks` + 1.
+        total_params: every parameter of the model; None where the source does not know (null).
+        routed_expert_params: parameters of the routed experts; None likewise.
+        host: the host that recorded the run; None: the writer's, filled in as the rows are written
+            (`moescope.store.writer.RunWriter.write`).
+
+    Returns:
+        A table of the `runs` schema.
+    """
+    world = world_size if world_size is not None else max(ranks, default=0) + 1
+    tag_items = list((tags or {}).items())
+    return pa.Table.from_pylist([
+        dict(run_id=run_id, started_at=started_at, model_class=model_class, total_params=total_params,
+             routed_expert_params=routed_expert_params, tags=tag_items, rank=rank, world_size=world,
+             source=source, host=host)
+        for rank in ranks], schema=SCHEMAS["runs"])
+
+
+def layers_table(run_id: str, layers: Sequence[LayerFacts], ranks: Sequence[int] = (0,)) -> pa.Table:
+    """The `layers` rows of a run, one per (rank, layer), rank by rank: the one builder of `layers`.
+
+    Args:
+        run_id: the run.
+        layers: its MoE layers (the probe's `LayerInfo`s, or `LayerRow`s).
+        ranks: the ranks to write the rows for (default: rank 0 alone).
+
+    Returns:
+        A table of the `layers` schema.
+    """
+    return pa.Table.from_pylist([
+        dict(run_id=run_id, layer=info.layer, module=info.module, family=info.family,
+             num_experts=info.num_experts, zero_experts=info.zero_experts, top_k=info.top_k,
+             params_per_expert=info.params_per_expert, expert_capacity=info.expert_capacity, rank=rank)
+        for rank in ranks for info in layers], schema=SCHEMAS["layers"])
+
+
+def run_tables(run: RunInfo, source: str = "probe") -> dict[str, pa.Table]:
+    """A run as the probe describes it (`moescope.core.records.RunInfo`: one rank, its model's
+    parameters, its hooked layers) as its `runs` row and, where it has layers, its `layers` rows.
+
+    Args:
+        run: the run.
+        source: what recorded it ("probe"; the jitter and mismatch checks write runs of their own).
+
+    Returns:
+        {"runs": one row, "layers": a row per layer (left out when `run.layers` is empty)}.
+    """
+    out = {"runs": runs_table(run.run_id, run.started_at, run.model_class, source, tags=run.tags,
+                              ranks=(run.rank,), world_size=run.world_size, total_params=run.total_params,
+                              routed_expert_params=run.routed_expert_params, host=run.host)}
+    if run.layers:
+        out["layers"] = layers_table(run.run_id, run.layers, (run.rank,))
+    return out
 
 
 def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
@@ -327,8 +418,8 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
 
 
 class RouteRows(Protocol):
-    """Per-token routing of one layer, as the probe (`probe.records.Routes`) and the importers
-    (`store.importers.tables.LayerRoutes`) hold it. Rows are tokens; `gate_weights` and `kept` are
+    """Per-token routing of one layer, as the probe (`moescope.core.records.Routes`) and the importers
+    (`moescope.ingest.importers.source.LayerRoutes`) hold it. Rows are tokens; `gate_weights` and `kept` are
     None where a source does not record them (their columns are then null), `step` and `token`
     None where every row is of the piece's step, numbered in order."""
 

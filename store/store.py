@@ -1,7 +1,7 @@
 """Reading a store: DuckDB views over one Delta snapshot per table, and typed queries on top.
 
-Every table of `store.schema` is a view named after it, over the files of the table's latest
-version when the view was made (`refresh()`): `store.delta.snapshot` says which files are live (no
+Every table of `moescope.store.schema` is a view named after it, over the files of the table's latest
+version when the view was made (`refresh()`): `moescope.store.delta.snapshot` says which files are live (no
 folder is listed), and `Catalog` checks each (footer, page checksums) before it joins a view. A
 table with no Delta table yet is an empty view of the right schema, so a query over a new or empty
 store answers with no rows ("no data yet") instead of failing. Columns are the schema's, in its
@@ -216,7 +216,7 @@ class Store(StoreQueries, ReportQueries):
     # -- views ---------------------------------------------------------------------------------
 
     def tables(self) -> list[str]:
-        """The store's tables: those of the schema (`store.schema.SCHEMAS`), whether or not they hold rows.
+        """The store's tables: those of the schema (`moescope.store.schema.SCHEMAS`), whether or not they hold rows.
 
         Returns:
             The table names, in the schema's order.

@@ -5,11 +5,11 @@ protocol, and only on local disks:
 
     <root>/<table>/run_id=<id>/part-<rank>-<pid>-<seq>-<ns>.parquet    a writer's file (run_id inside too)
     <root>/<table>/run_id=<id>/part-compacted-<ns>-<uuid>.parquet     a merged file; its footer's
-        key `moescope.replaces` names the files of its folder it replaces (left out by its readers)
+        key "moescope.replaces" names the files of its folder it replaces (left out by its readers)
     <root>/<table>/run_id=<id>/.tmp-<name>.inprogress                  a write in flight, or a crash's
     <root>/_quarantine/..., <root>/_locks/, <root>/_trash/             bad files, compaction locks, a prune's
 
-Readers and writers of this release refuse such a store (`store.delta.LegacyStoreError`), so
+Readers and writers of this release refuse such a store (`moescope.store.delta.LegacyStoreError`), so
 nothing is rewritten until this command runs. Per table it resolves what the previous readers
 read: every `part-*.parquet` whose footer reads and whose pages pass their checksums, less the
 files a good merged file replaces; those are rewritten beside the originals as the files of a Delta

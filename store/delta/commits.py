@@ -5,7 +5,8 @@ Commits from many processes and hosts race on the log's next version; delta-rs r
 itself (`MAX_COMMIT_RETRIES`), and `commit` retries again with jittered backoff when that runs out.
 A commit whose answer was lost (the PUT landed, the client saw an error) is resolved with an app
 transaction: a writer commits with `app=(app_id, seq)`, seq rising per table, and a retry that finds
-the table's app version `>= seq` (`store.delta.transactions`) knows its commit is in and does not commit it twice.
+the table's app version `>= seq` (`moescope.store.delta.transactions`) knows its commit is in and
+does not commit it twice.
 """
 
 from __future__ import annotations

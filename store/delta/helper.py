@@ -2,7 +2,7 @@
 PanicException, a BaseException). A child forked after this process used delta-rs routes every
 delta call of this package through a helper process it starts on first use (a fresh interpreter,
 started with `subprocess`, so no user `__main__` is re-run); only metadata crosses, as JSON
-(`store.delta.messages`), never Arrow data: `write_part` is pyarrow and runs in the child itself.
+(`moescope.store.delta.messages`), never Arrow data: `write_part` is pyarrow and runs in the child itself.
 
 Every public call of the package starts with `if routed(): return call_helper(op, ...)`, and runs its
 delta work through `guarded`, which also catches the panic of a runtime inherited through a fork this
@@ -86,7 +86,7 @@ class _Helper:
     """A fresh interpreter that runs this package's delta calls for a forked child. It starts with
     `subprocess` (not multiprocessing's spawn, which re-imports the user's `__main__` and would re-run
     a script without a main guard) and talks over a socket pair in length-prefixed JSON messages
-    (`store.delta.messages`; never pickle); it exits when the child's end closes."""
+    (`moescope.store.delta.messages`; never pickle); it exits when the child's end closes."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()

@@ -53,7 +53,7 @@ class PartFile:
 class SkippedFile:
     """A file a table's log names that no command reads, moves or rewrites: its run id (the log's
     partition value, or a value of the file's own `run_id` column) or its path cannot be part of a
-    store path (`store.naming`), so no path is ever built from them. `path` and `run_id` are the
+    store path (`moescope.store.naming`), so no path is ever built from them. `path` and `run_id` are the
     log's values as they are (`run_id` None: no partition value); `reason` says which failed."""
 
     path: str
@@ -65,7 +65,7 @@ class SkippedFile:
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One version of a table: its live data files, and the files its log names that are left out
-    because a name in them fails the store's rule (`skipped`; see `store.delta.snapshot`), and, when
+    because a name in them fails the store's rule (`skipped`; see `moescope.store.delta.snapshot`), and, when
     asked for, the version of one app transaction it holds (`app_version`)."""
 
     version: int
@@ -80,7 +80,7 @@ def write_part(loc: StoreLocation | str | os.PathLike, table: str, run_id: str, 
     """Write `data` as the file `run_id=<run_id>/<name>` of the table, uncommitted: no reader sees it
     before `commit` adds it.
 
-    The rows take the table's schema (`store.schema.SCHEMAS`; missing columns are null, `run_id` is
+    The rows take the table's schema (`moescope.store.schema.SCHEMAS`; missing columns are null, `run_id` is
     left out of the file); every page carries a CRC checksum. A local file is fsynced before this
     returns; an upload cut short (a reset, a 503) is made again under the same name.
 

@@ -3,7 +3,7 @@ never a folder listing, so a file nobody committed is invisible), whether the ta
 which app transaction it holds.
 
 `snapshot` is also where names enter from a store: every file the log names is checked here
-(`store.naming.stored_name_problem`: its partition value is a valid run id, its path
+(`moescope.store.naming.stored_name_problem`: its partition value is a valid run id, its path
 `run_id=<that run id>/<part name>`) before any command builds a path from it. A file that fails is
 left out of `Snapshot.files` (so compaction, prune, quarantine, readers never read, move or rewrite
 it), listed in `Snapshot.skipped`, and named once per process in an `InvalidNameWarning`; the rest

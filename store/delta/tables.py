@@ -2,7 +2,7 @@
 once and then brought up to date before each use, with the lock that serialises its use.
 
 Opening a table is the first use of delta-rs's runtime in a process (`use_runtime`); a child forked
-after that cannot use it and goes through the helper process (`store.delta.helper`). A forked child
+after that cannot use it and goes through the helper process (`moescope.store.delta.helper`). A forked child
 forgets the parent's tables.
 """
 

@@ -41,7 +41,7 @@ def _key(loc: StoreLocation, table: str, app_id: str) -> tuple[str, tuple, str]:
 def held_version(loc: StoreLocation, table: str, delta_table: DeltaTable, app_id: str) -> int | None:
     """The latest version of app transaction `app_id` in `delta_table`'s version (None: none).
 
-    The caller holds the table's lock (`store.delta.tables.OpenTable`) and has brought it to the
+    The caller holds the table's lock (`moescope.store.delta.tables.OpenTable`) and has brought it to the
     version it asks about. Raises what delta-rs raises when the log cannot be read."""
     current = delta_table.version()
     key = _key(loc, table, app_id)

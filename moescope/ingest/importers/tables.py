@@ -3,13 +3,13 @@
 Readers (`vllm`, `sglang`, `trtllm`, `megatron`) yield `source.SourceStep`s as a stream. An import
 makes two passes over it: `survey` checks every step of every file and keeps only the layers'
 shapes, then `rows.TableBuilder` turns the steps into rows, part by part, and `write_run` hands
-each part to the run's writer (`store.writer`) as it comes, the `runs` row last, so a run appears
+each part to the run's writer (`moescope.store.writer`) as it comes, the `runs` row last, so a run appears
 once all its rows are in place. Nothing is written unless the whole first pass passed, and memory
 holds one chunk of routing, not a file. Drift and switch statistics follow from the loads and
 routes exactly as for a probed run. What an engine cannot give (router logits, entropy, gate
 weights, dropped tokens, parameter counts, forward time) is null, never zero, so a view can say
 "not recorded by this source". The rows are built by the store's one builder of each table
-(`store.schema`).
+(`moescope.store.schema`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from moescope.ingest.importers.source import (  # noqa: F401 - the importers' an
 from moescope.ingest.importers.survey import DENSE, piece_rows, survey
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name
-from moescope.store.schema import SCHEMAS, table_from_columns
+from moescope.store.schema import SCHEMAS, LayerRow, layers_table, runs_table
 from moescope.store.text import control_characters
 from moescope.store.writer import run_writer
 
@@ -131,32 +131,16 @@ def split_routed_rows(ids: np.ndarray, where: str, limit: ExpertLimit = DEFAULT_
 # -- tables --------------------------------------------------------------------------------------
 
 def run_tables(spec: RunSpec, shapes: dict[int, LayerShape], ranks: list[int]) -> dict[str, pa.Table]:
-    """The runs row (one per rank, as each probed rank writes one) and the layers rows of the run."""
+    """The runs row (one per rank, as each probed rank writes one) and the layers rows of the run, from
+    the store's one builder of each (`moescope.store.schema.runs_table`, `layers_table`). What an engine
+    does not say (parameter counts, a capacity) is null; a layer's module and family name the source."""
     ranks = sorted(set(ranks)) or [0]
-    world = max(ranks) + 1
-    runs = table_from_columns("runs", {
-        "run_id": pa.array([spec.run_id] * len(ranks), pa.string()),
-        "started_at": pa.array([spec.started_at] * len(ranks), SCHEMAS["runs"].field("started_at").type),
-        "model_class": pa.array([spec.model] * len(ranks), pa.string()),
-        "tags": tag_column([spec.tags] * len(ranks)), "rank": pa.array(ranks, pa.int32()),
-        "world_size": pa.array([world] * len(ranks), pa.int32()),
-        "source": pa.array([spec.source] * len(ranks), pa.string()),
-        "host": pa.array([spec.host] * len(ranks), pa.string()),
-    }, len(ranks))
-    layers = sorted(shapes)
-    rows = [(layer, rank) for rank in ranks for layer in layers]
-    out = {"runs": runs}
-    if rows:
-        out["layers"] = table_from_columns("layers", {
-            "run_id": pa.array([spec.run_id] * len(rows), pa.string()),
-            "layer": pa.array([r[0] for r in rows], pa.int32()),
-            "module": pa.array([f"{spec.source} layer {r[0]}" for r in rows], pa.string()),
-            "family": pa.array([spec.source] * len(rows), pa.string()),
-            "num_experts": pa.array([shapes[r[0]].num_experts for r in rows], pa.int32()),
-            "zero_experts": pa.array([0] * len(rows), pa.int32()),
-            "top_k": pa.array([shapes[r[0]].top_k for r in rows], pa.int32()),
-            "rank": pa.array([r[1] for r in rows], pa.int32()),
-        }, len(rows))
+    out = {"runs": runs_table(spec.run_id, spec.started_at, spec.model, spec.source, tags=spec.tags, ranks=ranks,
+                              host=spec.host)}
+    if shapes:
+        out["layers"] = layers_table(spec.run_id, [
+            LayerRow(layer, f"{spec.source} layer {layer}", spec.source, shape.num_experts, shape.top_k)
+            for layer, shape in sorted(shapes.items())], ranks)
     return out
 
 

@@ -4,8 +4,8 @@ The recorder is the write pipeline's three layers, as for the probe: the request
 a captured body over (`RoutingRecorder.submit` is `BatchProcessor.emit` under the `drop` policy:
 never blocking, a full queue drops the response and counts it); the processor's worker runs the
 recorder's exporter, which parses the routed experts out of each body (`ingest.importers.responses`),
-buffers the steps and writes them through the run's writer (`store.writer.run_writer`);
-`store.schema` and `ingest.importers.tables` build the rows. A response without a routing field, or
+buffers the steps and writes them through the run's writer (`moescope.store.writer.run_writer`);
+`moescope.store.schema` and `ingest.importers.tables` build the rows. A response without a routing field, or
 one whose body cannot be read (any error while parsing it), is counted and skipped: one odd body
 never stops the recorder. Should its thread end all the same, `RoutingRecorder.failed` says why
 (the server then answers 503 and stops). Prompt and generated token ids are left out of

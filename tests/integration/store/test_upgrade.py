@@ -27,7 +27,7 @@ from moescope.store.compact import SORT_KEYS, compact, prune
 from moescope.store.exporter import DeltaExporter
 from moescope.store.location import open_location
 from moescope.store.naming import parquet_options
-from moescope.store.schema import SCHEMAS, layers_table, probe_stats_table, run_table, step_tables
+from moescope.store.schema import SCHEMAS, probe_stats_table, run_tables, step_tables
 from moescope.store.upgrade import upgrade
 from tests.support.deltafiles import parts, read_part
 from tests.support.store_records import make_record, run_info
@@ -89,8 +89,8 @@ def build_old_store(root: Path) -> dict:
     for run_id, ranks in (("a", (0, 1)), ("b", (0,))):
         for rank in ranks:
             run = run_info(run_id, rank=rank, world_size=len(ranks))
-            writer.write("runs", run_id, run_table(run), rank)
-            writer.write("layers", run_id, layers_table(run), rank)
+            for table, rows in run_tables(run).items():  # runs, then layers
+                writer.write(table, run_id, rows, rank)
             for flush in range(4):  # a flush every 2 steps: one file per table
                 records = [make_record(run_id, 2 * flush + i, rng, tags={"split": "eval" if flush % 2 else "train"})
                            for i in range(2)]

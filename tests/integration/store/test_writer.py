@@ -30,7 +30,7 @@ from tests.support.store_records import make_record, run_info
 
 
 class SlowDisk:
-    """The real Parquet exporter behind a disk that takes `delay_s` per batch."""
+    """The real Delta exporter behind a disk that takes `delay_s` per batch."""
 
     def __init__(self, exporter: DeltaExporter, delay_s: float):
         self.exporter, self.delay_s = exporter, delay_s
