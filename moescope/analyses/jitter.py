@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -55,16 +54,36 @@ import pandas as pd
 import torch
 from torch import nn
 
+from moescope.analyses.check_runs import model_run, write_check_run
+from moescope.analyses.routing_compare import (
+    CONTEXT_AFTER,
+    CONTEXT_BEFORE,
+    MARGIN_EDGES,
+    MARGIN_KIND,
+    RoutingError,
+    expert_change,
+    forward_routing,
+    generate_position_ids,
+    margin_histogram,
+    margins,
+    pad_id,
+    top1_expert,
+)
 from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
 if TYPE_CHECKING:
     from moescope.store.location import StoreLocation
 
-# Lower edges of the margin histogram's bins, in router logits (the last bin is open).
-MARGIN_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
-MARGIN_KIND = "logit"
-CONTEXT_BEFORE, CONTEXT_AFTER = 8, 4  # neighbours kept beside a listed token
+__all__ = [
+    "BASELINE", "CONDITION_KINDS", "DEFAULT_DTYPES", "LAYER_COLUMNS", "TOKEN_COLUMNS", "Condition", "JitterError",
+    "JitterReport", "compare_layer", "compare_runs", "jitter", "jitter_line", "plan_conditions", "token_inputs",
+    "write_report",
+    # the comparison helpers the mismatch check shares (`moescope.analyses.routing_compare`), here as before
+    "CONTEXT_AFTER", "CONTEXT_BEFORE", "MARGIN_EDGES", "MARGIN_KIND", "expert_change", "forward_routing",
+    "generate_position_ids", "margin_histogram", "margins", "pad_id", "top1_expert",
+]
+
 CONDITION_KINDS = ("repeat", "batched", "left_padding", "batch_size", "dtype", "attention")
 DEFAULT_DTYPES = ("bfloat16", "float16")
 BASELINE = "alone"
@@ -213,68 +232,16 @@ def _attention(model: nn.Module, implementation: str | None) -> Iterator[None]:
 
 # -- running -----------------------------------------------------------------------------------
 
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-
-
-def generate_position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a padded batch as transformers' `generate` builds them from its attention mask
-    (`GenerationMixin._prepare_position_ids_for_generation`, transformers 5.24): each real token
-    counts from its row's first real token, 0-based, and every pad slot gets position 0
-    (`(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)`). Pad tokens are routed too, so their
-    positions change how a batch's tokens group per expert: the jitter check's batches and the
-    mismatch check's reference batches are both fed by this one rule. Returns a long tensor of
-    `mask`'s shape."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
-def forward_routing(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence[int]], side: str,
-                    pad_id: int, device: torch.device) -> list[list[LayerRouting]]:
-    """One forward of `batch` padded on `side` (attention mask, `generate_position_ids`, no cache);
-    per input, per layer, the routing of its real tokens. Raises JitterError where a router does not
-    see one row per token (an encoder-decoder's)."""
-    length = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), length), dtype=torch.long)
-    starts = []
-    for row, ids in enumerate(batch):
-        start = length - len(ids) if side == "left" else 0
-        input_ids[row, start:start + len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
-        mask[row, start:start + len(ids)] = 1
-        starts.append(start)
-    kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
-    if _accepts(model, "position_ids"):
-        kwargs["position_ids"] = generate_position_ids(mask).to(device)
-    if _accepts(model, "use_cache"):
-        kwargs["use_cache"] = False
-    model(**kwargs)
-    layers = capture.take()
-    out: list[list[LayerRouting]] = []
-    for row, ids in enumerate(batch):
-        rows = np.arange(len(ids)) + row * length + starts[row]
-        per_layer = []
-        for routing in layers:
-            if routing.logits.shape[0] != len(batch) * length:
-                raise JitterError(f"a router saw {routing.logits.shape[0]} token rows in a forward of "
-                                  f"{len(batch)} x {length} tokens: the check needs one router row per "
-                                  "token (decoder-only models)")
-            per_layer.append(LayerRouting(routing.logits[rows], routing.ids[rows], routing.weights[rows],
-                                          routing.kept[rows]))
-        out.append(per_layer)
-    return out
-
-
 def _run(model: nn.Module, capture: RoutingCapture, inputs: Sequence[Sequence[int]], condition: Condition,
          pad_id: int, device: torch.device, tick: Callable[[], None]) -> list[list[LayerRouting]]:
     routed: list[list[LayerRouting]] = []
     with _cast(model, condition.dtype), _attention(model, condition.attn_implementation):
         for first in range(0, len(inputs), condition.batch_size):
-            routed += forward_routing(model, capture, inputs[first:first + condition.batch_size],
-                                      condition.padding_side, pad_id, device)
+            try:
+                routed += forward_routing(model, capture, inputs[first:first + condition.batch_size],
+                                          condition.padding_side, pad_id, device)
+            except RoutingError as e:
+                raise JitterError(str(e)) from e
             tick()
     return routed
 
@@ -286,37 +253,6 @@ def _dense(ids: np.ndarray, values: np.ndarray | None, slots: int) -> np.ndarray
     out = np.zeros((len(ids), slots), dtype=bool if values is None else np.float64)
     np.put_along_axis(out, ids, True if values is None else values.astype(np.float64), axis=1)
     return out
-
-
-def top1_expert(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Of each token's chosen experts, the one with the highest router logit (a tie, as bfloat16 rounds
-    logits together, goes to the earlier slot: the router's own order)."""
-    return ids[np.arange(len(ids)), np.take_along_axis(logits, ids, axis=1).argmax(axis=1)]
-
-
-def margins(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(top-k margin, top-1 margin) per token, in logits: the k-th largest logit minus the (k+1)-th,
-    and the largest minus the second (inf where the router has no (k+1)-th slot)."""
-    ordered = -np.sort(-logits.astype(np.float64), axis=1)
-    width = ordered.shape[1]
-    topk = ordered[:, k - 1] - ordered[:, k] if width > k else np.full(len(ordered), np.inf)
-    top1 = ordered[:, 0] - ordered[:, 1] if width > 1 else np.full(len(ordered), np.inf)
-    return topk, top1
-
-
-def margin_histogram(values: np.ndarray) -> np.ndarray:
-    """Counts per bin of MARGIN_EDGES (bin i holds edges[i] <= margin < edges[i+1])."""
-    bins = np.searchsorted(np.asarray(MARGIN_EDGES), values, side="right") - 1
-    return np.bincount(np.clip(bins, 0, None), minlength=len(MARGIN_EDGES))[:len(MARGIN_EDGES)].astype(np.int64)
-
-
-def expert_change(before: Sequence[int], after: Sequence[int], arrow: str = "->") -> str:
-    """A listed token's expert sets as `[2, 4] -> [4, 6]`, each sorted, as plain integers (the
-    stored lists come back as numpy integers, whose repr is `np.int32(2)`)."""
-    def ids(values: Sequence[int]) -> str:
-        return "[" + ", ".join(str(int(v)) for v in sorted(values)) + "]"
-
-    return f"{ids(before)} {arrow} {ids(after)}"
 
 
 def compare_layer(base: LayerRouting, other: LayerRouting, top_k: int) -> dict[str, Any]:
@@ -407,17 +343,6 @@ def token_inputs(inputs: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor,
     if empty:
         raise JitterError(f"input {empty[0]} has no token: give non-empty texts")
     return encoded
-
-
-def pad_id(model: nn.Module, tokenizer: Any = None) -> int:
-    """The id a padded batch fills its pad slots with: the tokenizer's or config's pad token, else their
-    end-of-sequence token, else 0 (a pad slot is masked out; its id only changes how it routes)."""
-    config = getattr(model, "config", None)
-    for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None),
-                  getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def _reason(error: BaseException) -> str:
@@ -579,40 +504,23 @@ def write_report(store: str | os.PathLike | StoreLocation, report: JitterReport,
                  *, new_run: bool = True) -> str:
     """Write `report` as run `run_id` (a new id when None): its `jitter` and `jitter_tokens` rows,
     then its `layers` rows and its `runs` row (source "jitter") last, so that the run appears
-    complete or not at all; with `new_run=False`, only the `jitter` and `jitter_tokens` rows, into
-    the existing run `run_id`. Returns the run id; raises OSError when the store refused rows and
-    JitterError for `new_run=False` without a run id."""
-    import pyarrow as pa
-
+    complete or not at all (`moescope.analyses.check_runs.write_check_run`); with `new_run=False`,
+    only the `jitter` and `jitter_tokens` rows, into the existing run `run_id`. Returns the run id;
+    raises OSError when the store refused rows and JitterError for `new_run=False` without a run id."""
     from moescope.core.runs import new_run_id
     from moescope.store.location import open_location
-    from moescope.store.schema import SCHEMAS
-    from moescope.store.writer import run_writer
 
     location = open_location(store)
     if location.is_local and os.path.isfile(location.url):
         raise JitterError(f"the store {location.url!r} is a file: give a folder (it is created if missing)")
     if not new_run and run_id is None:
         raise JitterError("new_run=False adds the check to a run the store holds: give that run's run_id")
-    run_id = run_id or new_run_id()
-    now = dt.datetime.now(dt.timezone.utc)
-    jitter_rows = [dict(row, run_id=run_id, ts=now, margin_kind=MARGIN_KIND, margin_edges=list(MARGIN_EDGES),
-                        changed_by_margin=list(row["changed_by_margin"]),
+    run = model_run(model, layers, run_id or new_run_id(), dt.datetime.now(dt.timezone.utc), tags)
+    jitter_rows = [dict(row, run_id=run.run_id, ts=run.started_at, margin_kind=MARGIN_KIND,
+                        margin_edges=list(MARGIN_EDGES), changed_by_margin=list(row["changed_by_margin"]),
                         unchanged_by_margin=list(row["unchanged_by_margin"]), rank=0)
                    for row in report.layers[list(LAYER_COLUMNS)].to_dict("records")]
-    token_rows = [dict(row, run_id=run_id, rank=0) for row in report.tokens.to_dict("records")]
-    layer_rows = [dict(run_id=run_id, layer=layer.index, module=layer.name, family=layer.family,
-                       num_experts=layer.num_experts, zero_experts=layer.zero_experts, top_k=layer.top_k,
-                       params_per_expert=layer.params_per_expert, expert_capacity=layer.expert_capacity, rank=0)
-                  for layer in layers]
-    run_row = dict(run_id=run_id, started_at=now, model_class=type(model).__name__,
-                   total_params=sum(p.numel() for p in model.parameters()),
-                   routed_expert_params=sum(layer.params_per_expert * layer.num_experts for layer in layers),
-                   tags=list((tags or {}).items()), rank=0, world_size=1, source="jitter")
-    with run_writer(location, run_id) as writer:
-        run_rows = (("layers", layer_rows), ("runs", [run_row])) if new_run else ()
-        for table, rows in (("jitter", jitter_rows), ("jitter_tokens", token_rows), *run_rows):
-            if rows and not writer.write(table, pa.Table.from_pylist(rows, schema=SCHEMAS[table])):
-                raise OSError(f"the store {location.redacted!r} did not take the {table} rows "
-                              f"({writer.last_error or 'see the log'})")
-    return run_id
+    token_rows = [dict(row, run_id=run.run_id, rank=0) for row in report.tokens.to_dict("records")]
+    write_check_run(location, run, "jitter", [("jitter", jitter_rows), ("jitter_tokens", token_rows)],
+                    new_run=new_run)
+    return run.run_id

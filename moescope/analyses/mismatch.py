@@ -11,10 +11,10 @@ every (token, layer) the engine routed:
 
 - set changed: the k experts differ as sets;
 - top-1 changed: the engine's slot 0 (its top-1) is not the reference's chosen expert of highest
-  router logit (`jitter.top1_expert`);
+  router logit (`moescope.analyses.routing_compare.top1_expert`);
 - slots changed: how many of the engine's k experts the reference did not choose (0..k);
 - the reference's top-k margin, in router logits (the k-th largest minus the (k+1)-th,
-  `jitter.margins`), histogrammed for the pairs whose set changed and for the rest.
+  `moescope.analyses.routing_compare.margins`), histogrammed for the pairs whose set changed and for the rest.
 
 Figures come per MoE layer and for every layer together, overall, per position bucket
 (`POSITION_EDGES`) and per tag of the engine's steps (`key=value`, at most `MAX_TAG_GROUPS`
@@ -22,9 +22,10 @@ values a key); beside the pair shares, the share of tokens that differ in at lea
 (R3's figure). A shared prompt (vLLM's n > 1) is compared once, in sequence 0.
 
 The reference runs the sequences `batch_size` at a time, right-padded, with an attention mask and
-position ids from `jitter.generate_position_ids` (the rule transformers' `generate` uses; a real
-token's position is its position in the sequence, as the engine numbered it), in the model's
-dtype and attention, no cache, eval mode (the model is left in the mode it came in).
+position ids from `moescope.analyses.routing_compare.generate_position_ids` (the rule
+transformers' `generate` uses; a real token's position is its position in the sequence, as the
+engine numbered it), in the model's dtype and attention, no cache, eval mode (the model is left in
+the mode it came in).
 
 Results land in a store as a run of their own (source "mismatch", tag `engine_run`): `mismatch`
 rows per (group, layer), `mismatch_tokens` rows for the pairs that differ (at most `max_listed`
@@ -47,7 +48,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from moescope.analyses.jitter import (
+from moescope.analyses.check_runs import model_run, write_check_run
+from moescope.analyses.mismatch_engine import EngineRun, EngineSequence, MismatchError, TokenIds, engine_sequences
+from moescope.analyses.routing_compare import (
     CONTEXT_AFTER,
     CONTEXT_BEFORE,
     MARGIN_EDGES,
@@ -58,7 +61,6 @@ from moescope.analyses.jitter import (
     pad_id,
     top1_expert,
 )
-from moescope.analyses.mismatch_engine import EngineRun, EngineSequence, MismatchError, TokenIds, engine_sequences
 from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
@@ -465,37 +467,17 @@ def write_report(store: str | os.PathLike | StoreLocation, report: MismatchRepor
                  layers: Sequence[MoELayer], run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
     """Write `report` as run `run_id` (a new id when None): its `mismatch` and `mismatch_tokens` rows,
     then the reference's `layers` rows and the `runs` row (source "mismatch", tag engine_run) last,
-    so that the run appears complete or not at all. Returns the run id; raises OSError when the store
-    refused rows."""
-    import pyarrow as pa
-
+    so that the run appears complete or not at all (`moescope.analyses.check_runs.write_check_run`).
+    Returns the run id; raises OSError when the store refused rows."""
     from moescope.core.runs import new_run_id
-    from moescope.store.location import open_location
-    from moescope.store.schema import SCHEMAS
-    from moescope.store.writer import run_writer
 
-    location = open_location(store)
-    run_id = run_id or new_run_id()
-    now = dt.datetime.now(dt.timezone.utc)
-    group_rows = [dict(row, run_id=run_id, ts=now, engine_run=report.engine_run,
+    run = model_run(model, layers, run_id or new_run_id(), dt.datetime.now(dt.timezone.utc),
+                    {**(tags or {}), "engine_run": report.engine_run})
+    group_rows = [dict(row, run_id=run.run_id, ts=run.started_at, engine_run=report.engine_run,
                        layer=None if pd.isna(row["layer"]) else int(row["layer"]), margin_kind=MARGIN_KIND,
                        margin_edges=list(MARGIN_EDGES), top_k=report.top_k, reference_dtype=report.reference_dtype,
                        rank=0)
                   for row in report.groups[list(GROUP_COLUMNS)].to_dict("records")]
-    token_rows = [dict(row, run_id=run_id, rank=0) for row in report.tokens.to_dict("records")]
-    layer_rows = [dict(run_id=run_id, layer=layer.index, module=layer.name, family=layer.family,
-                       num_experts=layer.num_experts, zero_experts=layer.zero_experts, top_k=layer.top_k,
-                       params_per_expert=layer.params_per_expert, expert_capacity=layer.expert_capacity, rank=0)
-                  for layer in layers]
-    run_tags = {**(tags or {}), "engine_run": report.engine_run}
-    run_row = dict(run_id=run_id, started_at=now, model_class=type(model).__name__,
-                   total_params=sum(p.numel() for p in model.parameters()),
-                   routed_expert_params=sum(layer.params_per_expert * layer.num_experts for layer in layers),
-                   tags=list(run_tags.items()), rank=0, world_size=1, source="mismatch")
-    with run_writer(location, run_id) as writer:
-        for table, rows in (("mismatch", group_rows), ("mismatch_tokens", token_rows), ("layers", layer_rows),
-                            ("runs", [run_row])):
-            if rows and not writer.write(table, pa.Table.from_pylist(rows, schema=SCHEMAS[table])):
-                raise OSError(f"the store {location.redacted!r} did not take the {table} rows "
-                              f"({writer.last_error or 'see the log'})")
-    return run_id
+    token_rows = [dict(row, run_id=run.run_id, rank=0) for row in report.tokens.to_dict("records")]
+    write_check_run(store, run, "mismatch", [("mismatch", group_rows), ("mismatch_tokens", token_rows)])
+    return run.run_id

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moescope.analyses.jitter import BASELINE, MARGIN_EDGES, JitterError, jitter
+from moescope.core.runs import current_host
 from tests.support.deltafiles import snapshot_rows
 from tests.support.jitter import LENGTHS, near_tied_mixtral, token_lists
 from tests.support.zoo import tiny_model
@@ -202,7 +203,17 @@ def test_results_land_in_the_store_as_measured(measured, tmp_path):
     [run] = snapshot_rows(store, "runs").to_pylist()
     assert (run["run_id"], run["source"], run["model_class"], dict(run["tags"])) == (
         "jit1", "jitter", "MixtralForCausalLM", {"case": "near-tied"})
-    assert len(snapshot_rows(store, "layers")) == 2
+    # the model's own counts: every parameter, and those of its experts' modules (the routed experts)
+    experts = [module for name, module in model.named_modules() if name.endswith(".mlp.experts")]
+    assert run["total_params"] == sum(p.numel() for p in model.parameters())
+    assert run["routed_expert_params"] == sum(p.numel() for module in experts for p in module.parameters()) > 0
+    assert (run["rank"], run["world_size"], run["host"]) == (0, 1, current_host())
+    layers = sorted(snapshot_rows(store, "layers").to_pylist(), key=lambda row: row["layer"])
+    assert [(row["run_id"], row["layer"], row["module"], row["family"], row["num_experts"], row["top_k"],
+             row["zero_experts"], row["params_per_expert"], row["expert_capacity"], row["rank"]) for row in layers] == [
+        ("jit1", i, f"model.layers.{i}.mlp", "mixtral", model.config.num_local_experts,
+         model.config.num_experts_per_tok, 0, sum(p.numel() for p in experts[i].parameters())
+         // model.config.num_local_experts, None, 0) for i in range(2)]
     assert report.run_id == "jit1"
 
 

@@ -1,0 +1,139 @@
+"""What the jitter and mismatch checks share: running a model's forwards to read its routing, and
+comparing two routings of the same tokens.
+
+Both checks feed a model padded batches the way a server does (`forward_routing`: an attention
+mask, position ids from `generate_position_ids`, the pad id of `pad_id`, no cache) and read each
+token's chosen experts and router logits (`moescope.probe.capture.RoutingCapture`). They compare
+with the same rules: a token's top-1 is its chosen expert of highest router logit (`top1_expert`),
+its margin is in router logits (`margins`), and margins are counted per bin of `MARGIN_EDGES`
+(`margin_histogram`). A listed token keeps `CONTEXT_BEFORE` and `CONTEXT_AFTER` neighbours, and its
+expert sets read as `expert_change` writes them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moescope.probe.capture import LayerRouting, RoutingCapture
+
+__all__ = [
+    "CONTEXT_AFTER", "CONTEXT_BEFORE", "MARGIN_EDGES", "MARGIN_KIND", "RoutingError", "expert_change",
+    "forward_routing", "generate_position_ids", "margin_histogram", "margins", "pad_id", "top1_expert",
+]
+
+# Lower edges of the margin histogram's bins, in router logits (the last bin is open).
+MARGIN_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+MARGIN_KIND = "logit"
+CONTEXT_BEFORE, CONTEXT_AFTER = 8, 4  # neighbours kept beside a listed token
+
+
+class RoutingError(ValueError):
+    """A model's routing cannot be read one router row per input token (an encoder-decoder's)."""
+
+
+# -- running -----------------------------------------------------------------------------------
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def generate_position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a padded batch as transformers' `generate` builds them from its attention mask
+    (`GenerationMixin._prepare_position_ids_for_generation`, transformers 5.24): each real token
+    counts from its row's first real token, 0-based, and every pad slot gets position 0
+    (`(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)`). Pad tokens are routed too, so their
+    positions change how a batch's tokens group per expert: the jitter check's batches and the
+    mismatch check's reference batches are both fed by this one rule. Returns a long tensor of
+    `mask`'s shape."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def forward_routing(model: nn.Module, capture: RoutingCapture, batch: Sequence[Sequence[int]], side: str,
+                    pad_id: int, device: torch.device) -> list[list[LayerRouting]]:
+    """One forward of `batch` padded on `side` (attention mask, `generate_position_ids`, no cache);
+    per input, per layer, the routing of its real tokens. Raises RoutingError where a router does not
+    see one row per token (an encoder-decoder's)."""
+    length = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), length), dtype=torch.long)
+    starts = []
+    for row, ids in enumerate(batch):
+        start = length - len(ids) if side == "left" else 0
+        input_ids[row, start:start + len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        mask[row, start:start + len(ids)] = 1
+        starts.append(start)
+    kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+    if _accepts(model, "position_ids"):
+        kwargs["position_ids"] = generate_position_ids(mask).to(device)
+    if _accepts(model, "use_cache"):
+        kwargs["use_cache"] = False
+    model(**kwargs)
+    layers = capture.take()
+    out: list[list[LayerRouting]] = []
+    for row, ids in enumerate(batch):
+        rows = np.arange(len(ids)) + row * length + starts[row]
+        per_layer = []
+        for routing in layers:
+            if routing.logits.shape[0] != len(batch) * length:
+                raise RoutingError(f"a router saw {routing.logits.shape[0]} token rows in a forward of "
+                                  f"{len(batch)} x {length} tokens: the check needs one router row per "
+                                  "token (decoder-only models)")
+            per_layer.append(LayerRouting(routing.logits[rows], routing.ids[rows], routing.weights[rows],
+                                          routing.kept[rows]))
+        out.append(per_layer)
+    return out
+
+
+def pad_id(model: nn.Module, tokenizer: Any = None) -> int:
+    """The id a padded batch fills its pad slots with: the tokenizer's or config's pad token, else their
+    end-of-sequence token, else 0 (a pad slot is masked out; its id only changes how it routes)."""
+    config = getattr(model, "config", None)
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+
+# -- comparing ---------------------------------------------------------------------------------
+
+def top1_expert(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Of each token's chosen experts, the one with the highest router logit (a tie, as bfloat16 rounds
+    logits together, goes to the earlier slot: the router's own order)."""
+    return ids[np.arange(len(ids)), np.take_along_axis(logits, ids, axis=1).argmax(axis=1)]
+
+
+def margins(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(top-k margin, top-1 margin) per token, in logits: the k-th largest logit minus the (k+1)-th,
+    and the largest minus the second (inf where the router has no (k+1)-th slot)."""
+    ordered = -np.sort(-logits.astype(np.float64), axis=1)
+    width = ordered.shape[1]
+    topk = ordered[:, k - 1] - ordered[:, k] if width > k else np.full(len(ordered), np.inf)
+    top1 = ordered[:, 0] - ordered[:, 1] if width > 1 else np.full(len(ordered), np.inf)
+    return topk, top1
+
+
+def margin_histogram(values: np.ndarray) -> np.ndarray:
+    """Counts per bin of MARGIN_EDGES (bin i holds edges[i] <= margin < edges[i+1])."""
+    bins = np.searchsorted(np.asarray(MARGIN_EDGES), values, side="right") - 1
+    return np.bincount(np.clip(bins, 0, None), minlength=len(MARGIN_EDGES))[:len(MARGIN_EDGES)].astype(np.int64)
+
+
+def expert_change(before: Sequence[int], after: Sequence[int], arrow: str = "->") -> str:
+    """A listed token's expert sets as `[2, 4] -> [4, 6]`, each sorted, as plain integers (the
+    stored lists come back as numpy integers, whose repr is `np.int32(2)`)."""
+    def ids(values: Sequence[int]) -> str:
+        return "[" + ", ".join(str(int(v)) for v in sorted(values)) + "]"
+
+    return f"{ids(before)} {arrow} {ids(after)}"
