@@ -475,10 +475,10 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
 
 
 def __getattr__(name: str) -> Any:
-    """`ParquetExporter` (and `DeltaExporter`) at their home before 0.2.0, for a release: the exporter
-    lives in `moescope.store.exporter` now, which imports this module (hence not imported here)."""
-    if name in ("DeltaExporter", "ParquetExporter"):
-        from moescope.store import exporter
+    """`ParquetExporter` at its home before 0.2.0, for a release: it is `DeltaExporter` of
+    `moescope.store.exporter` now, which imports this module (hence imported here only when asked)."""
+    if name == "ParquetExporter":
+        from moescope.store.exporter import DeltaExporter
 
-        return getattr(exporter, name)
+        return DeltaExporter
     raise AttributeError(f"module 'moescope.store.writer' has no attribute {name!r}")

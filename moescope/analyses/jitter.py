@@ -29,6 +29,9 @@ the k-th largest logit minus the (k+1)-th of the baseline run (for a softmax rou
 p_k+1)). Flips should sit at tiny margins; a flip at a wide margin means the condition changed the
 hidden states, not a rounding.
 
+The forwards and the comparison rules (top-1, margins, their histogram) are the ones the mismatch
+check uses too: `moescope.analyses.routing_compare`.
+
 Results land in a store (`store=`) as the run's `jitter` rows (one per condition and layer) and
 `jitter_tokens` rows (the flipped tokens, at most `max_listed` per condition and layer, with their
 neighbours' ids for context), plus a `runs` row (source "jitter") and `layers` rows.
