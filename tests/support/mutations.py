@@ -272,6 +272,80 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/store/test_commit_retry.py", "-k", "landed_before_a_failure"),
         "a failed try does not ask whether its commit landed: a landed commit followed by a local store's error "
         "(not retried) raises CommitError (issue 42, check b)"),
+    # issue 46 part 6: the mutants a hand audit of the newest modules found surviving, each a figure a user sees
+    Mutation(
+        "whatif-fit-from-window-0", "moescope/analyses/placement.py",
+        'fit = group.iloc[fit_start].balancedness if len(group) > fit_start else float("nan")',
+        'fit = group.iloc[0].balancedness if len(group) > fit_start else float("nan")',
+        ("tests/unit/analyses/test_whatif_fit_window.py",),
+        "with --fit-window 1 the what-if's fit column is window 0's balancedness, and decay with it "
+        "(0.70 shown for 0.95; issue 46 part 6)"),
+    Mutation(
+        "whatif-gain-against-default-fit", "moescope/analyses/placement.py",
+        'default = frame.loc[frame.candidate == "default", "later"]',
+        'default = frame.loc[frame.candidate == "default", "fit"]',
+        ("tests/unit/analyses/test_whatif_fit_window.py",),
+        "a what-if candidate's gain is taken against the default layout's fit window, not its later windows "
+        "(the default's own gain -0.10 for 0; issue 46 part 6)"),
+    Mutation(
+        "traffic-moved-weight-changed-over-all-tokens", "moescope/metrics/traffic.py",
+        "limited_moved_weight_changed=(self.limited_moved / self.limited_changed",
+        "limited_moved_weight_changed=(self.limited_moved / tokens",
+        ("tests/unit/analyses/test_traffic.py", "-k", "moved_weight"),
+        "node-limited routing's moved weight per changed token is divided by all tokens (7.5% for 30%; "
+        "issue 46 part 6)"),
+    Mutation(
+        "mismatch-reference-top1-slot-0", "moescope/analyses/mismatch.py",
+        "top1_changed = e_ids[:, 0] != top1_expert(logits, r_ids)",
+        "top1_changed = e_ids[:, 0] != r_ids[:, 0]",
+        ("tests/unit/analyses/test_mismatch_top1.py",),
+        "the reference's top-1 is its slot 0, not its chosen expert of highest router logit (equal on Mixtral, "
+        "wrong on DeepSeek-V3 with a correction bias; issue 46 part 6)"),
+    Mutation(
+        "mismatch-slots-fraction-over-pairs", "moescope/analyses/mismatch.py",
+        'frame["slots_changed_fraction"] = frame.slots_changed / (frame.pairs * k).where(frame.pairs > 0)',
+        'frame["slots_changed_fraction"] = frame.slots_changed / frame.pairs.where(frame.pairs > 0)',
+        ("tests/unit/analyses/test_mismatch.py", "-k", "slots_that_differ"),
+        "the share of expert slots that differ is divided by pairs, not pairs x k (30% for 15%; issue 46 part 6)"),
+    Mutation(
+        "mismatch-stored-slots-fraction-over-pairs", "store/reports.py",
+        "slots_changed / nullif(pairs * top_k, 0) AS slots_changed_fraction",
+        "slots_changed / nullif(pairs, 0) AS slots_changed_fraction",
+        ("tests/unit/analyses/test_mismatch.py", "-k", "slots_that_differ"),
+        "the Mismatch page's share of expert slots that differ (`Store.mismatch_layers`) is divided by pairs, "
+        "not pairs x k (the same slip in the store's SQL; issue 46 part 6)"),
+    Mutation(
+        "mismatch-max-listed-per-call", "moescope/analyses/mismatch.py",
+        "chosen = differ[:max(max_listed - listed_per_layer.get(layer.index, 0), 0)]",
+        "chosen = differ[:max_listed]",
+        ("tests/unit/analyses/test_mismatch.py", "-k", "max_listed"),
+        "max_listed bounds the listed pairs of each sequence and layer, not of each layer (8 rows for 5; "
+        "issue 46 part 6)"),
+    Mutation(
+        "mismatch-max-sequences-one-more", "moescope/analyses/mismatch_engine.py",
+        "if max_sequences is not None and len(sequences) >= max_sequences:",
+        "if max_sequences is not None and len(sequences) > max_sequences:",
+        ("tests/unit/analyses/test_mismatch.py", "-k", "max_sequences"),
+        "max_sequences=1 compares 2 sequences (issue 46 part 6)"),
+    Mutation(
+        "exporter-fairness-over-zero-experts", "moescope/prometheus/exporter.py",
+        "fairness.add_metric([label], sig.jain_fairness(routed))",
+        "fairness.add_metric([label], sig.jain_fairness(load))",
+        ("tests/unit/prometheus/test_zero_expert_series.py",),
+        "Jain's fairness index is taken over every slot, zero experts included (0.926 for 1.0; issue 46 part 6)"),
+    Mutation(
+        "exporter-dead-over-zero-experts", "moescope/prometheus/exporter.py",
+        "dead.add_metric([label], sig.dead_expert_count(routed))",
+        "dead.add_metric([label], sig.dead_expert_count(load))",
+        ("tests/unit/prometheus/test_zero_expert_series.py",),
+        "an idle zero expert counts as a dead expert (1 dead for 0; issue 46 part 6)"),
+    Mutation(
+        "snapshot-no-numrecords-zero-rows", "store/delta/snapshots.py",
+        "files.append(PartFile(p, int(s), int(r) if r is not None else -1, run, st,",
+        "files.append(PartFile(p, int(s), int(r) if r is not None else 0, run, st,",
+        ("tests/unit/store/test_foreign_commits.py",),
+        "a file another Delta writer committed without numRecords is read as holding 0 rows: its footer "
+        "disagrees, so it is quarantined and its rows are not read (issue 46 part 6)"),
 )
 
 

@@ -266,3 +266,62 @@ def test_prefix_cache_hits_are_skipped_unless_their_ids_are_given(setup, tmp_pat
             compared.append(((r, c), (3 if r == 0 else 0) if c == 0 else len(prompt), len(sequences[(r, c)])))
     want = brute_force(compared, sequences, cached, oracle, layers=2)
     check_rows(snapshot_rows(tmp_path / "store", "mismatch").to_pylist(), want)
+
+
+def _vllm_run(setup, tmp_path) -> tuple:
+    """The stand-in's routing imported from vLLM responses, and the (key, first, end) spans it compares."""
+    model, requests, sequences, engine, oracle = setup
+    path = tmp_path / "vllm.jsonl"
+    path.write_text(vllm_responses(requests, engine))
+    import_files("vllm", [str(path)], tmp_path / "store", run_id="engine")
+    compared = [((r, c), 0 if c == 0 else len(prompt), len(sequences[(r, c)]))
+                for r, (prompt, generated) in enumerate(requests) for c in range(len(generated))]
+    return tmp_path / "store", compared
+
+
+def test_the_share_of_expert_slots_that_differ_is_of_the_pairs_k_slots(setup, tmp_path):
+    """slots_changed_fraction (the command's, the report's and the stored figures' "experts differ") counts
+    the engine's experts the reference did not choose over pairs x k slots, not over pairs (issue 46 part 6)."""
+    import pandas as pd
+
+    from moescope.store import Store
+
+    model, requests, sequences, engine, oracle = setup
+    store, compared = _vllm_run(setup, tmp_path)
+    report = mismatch(model, store=store, run="engine", batch_size=1, run_id="mm")
+    want = brute_force(compared, sequences, engine, oracle, layers=2)["figures"]
+    with Store(store) as opened:
+        stored = opened.mismatch_layers("mm")  # what the dashboard's Mismatch page shows
+    for frame in (report.groups, stored):
+        assert len(frame) == len(want)
+        for row in frame.itertuples():
+            f = want[(row.grouping, row.group_name, None if pd.isna(row.layer) else int(row.layer))]
+            assert row.slots_changed_fraction == pytest.approx(f["slots_changed"] / (f["pairs"] * K))
+    assert want[("all", "all", None)]["slots_changed"] > 0  # a mix-up of the denominators shows
+
+
+@pytest.mark.parametrize("max_listed", [1, 3])
+def test_max_listed_bounds_the_listed_pairs_of_each_layer(setup, tmp_path, max_listed):
+    """At most max_listed differing pairs per layer over the whole run, the first ones in the engine's
+    order of sequences, not max_listed for each sequence (issue 46 part 6)."""
+    model, requests, sequences, engine, oracle = setup
+    store, compared = _vllm_run(setup, tmp_path)
+    report = mismatch(model, store=store, run="engine", batch_size=1, write=False, max_listed=max_listed)
+    differing = brute_force(compared, sequences, engine, oracle, layers=2)["listed"]
+    for layer in range(2):
+        in_layer = [(key, position) for key, position, lay in differing if lay == layer]
+        with_a_difference = {key for key, _ in in_layer}
+        assert len(with_a_difference) > 1 and len(in_layer) > max_listed  # per sequence would list more
+        listed = report.tokens[report.tokens.layer == layer]
+        assert len(listed) == max_listed
+        assert all(((t.step, t.sequence), t.position) in in_layer for t in listed.itertuples())
+    assert report.overall().listed == 2 * max_listed
+
+
+def test_max_sequences_compares_that_many_sequences(setup, tmp_path):
+    model, requests, sequences, engine, oracle = setup
+    store, _ = _vllm_run(setup, tmp_path)
+    report = mismatch(model, store=store, run="engine", batch_size=1, write=False, max_sequences=1)
+    assert [(s.step, s.sequence) for s in report.replay] == [(0, 0)]  # request 0's first choice: step 0
+    want = brute_force([((0, 0), 0, len(sequences[(0, 0)]))], sequences, engine, oracle, layers=2)
+    assert report.overall().pairs == want["figures"][("all", "all", None)]["pairs"] == len(sequences[(0, 0)]) * 2

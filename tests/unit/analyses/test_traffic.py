@@ -165,3 +165,28 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert [[int(v.replace(",", "")) for v in line.split()] for line in node_rows] == row.node_matrix.tolist()
     assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
     assert "add up to 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window,phase", [(None, None), (2, "b")])
+def test_node_limited_moved_weight_of_the_changed_tokens_is_over_those_tokens(root, placement_file, window, phase):
+    """limited_moved_weight_changed (what the command prints as "moving N% of their top-k weight") is the
+    weight moved off the tokens whose routing changes, over those tokens only; limited_moved_weight
+    spreads the same weight over every token (issue 46 part 6)."""
+    setup = Wire(np.array(NODES), "recorded", max_nodes=1)
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file), setup, window,
+                                None if phase is None else {"phase": phase})
+    expected = brute_force(root, LAYOUT, "recorded", window, phase, max_nodes=1)
+    for row in report.layers.itertuples():
+        f = expected[(row.layer, None if window is None else int(row.window_start))]
+        assert 0 < f["changed"] < f["tokens"]  # per changed token and per token differ here
+        assert row.limited_moved_weight_changed == pytest.approx(f["moved"] / f["changed"], rel=1e-5)
+        assert row.limited_moved_weight == pytest.approx(f["moved"] / f["tokens"], rel=1e-5)
+
+
+def test_the_command_prints_the_moved_weight_of_the_changed_tokens(root, placement_file, capsys):
+    assert main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--max-nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    f = brute_force(root, LAYOUT, "recorded", None, None, max_nodes=1)[(0, None)]
+    assert (f"{100 * f['changed'] / f['tokens']:.1f}% of tokens would change, moving "
+            f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight") in out, out
