@@ -1,11 +1,34 @@
 """moescope's dashboard: a Streamlit app over the store's typed queries.
 
-`moescope dashboard STORE` runs it (`moescope.cli.dashboard`); `app.py` is the entry file and `views/` the
-pages. Figure builders (`dashboard.figures`) are pure functions from data frames to Plotly figures;
-`dashboard.data` caches the store's queries for the pages. The dashboard only reads: a trust-gate
-request goes through the store's writer (`dashboard.gate_requests`).
+`moescope dashboard STORE` runs it (`moescope.cli.dashboard`); `app.py` is the entry file and `views/`
+the pages, scripts Streamlit runs by path. What a page imports are the modules named in `__all__`,
+each loaded on first use (`moescope.dashboard.figures` imports Plotly, `moescope.dashboard.data`
+Streamlit):
+
+- `moescope.dashboard.figures`: the figure builders, pure functions from data frames to Plotly
+  figures, a module per page and the layout they share;
+- `moescope.dashboard.data`: every frame a page draws, the store's queries and the analyses'
+  reports cached by store version and widget values; the pages read through it alone;
+- `moescope.dashboard.common`: what every page shares (the sidebar's run and tag filter, guards);
+- `moescope.dashboard.flips`: what the Routing jitter and Engine vs reference pages share;
+- `moescope.dashboard.settings`: how the command line hands the app its store and options;
+- `moescope.dashboard.embedding`: the Semantic clusters page's UMAP fits, off the page's run;
+- `moescope.dashboard.gate_requests`: the one write, a trust-gate request through the store's writer.
 """
 
 from __future__ import annotations
 
-__all__ = ["data", "figures", "gate_requests"]
+import importlib
+from types import ModuleType
+
+__all__ = ["common", "data", "embedding", "figures", "flips", "gate_requests", "settings"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -2,7 +2,7 @@
 the few frames the pages shape from them (each alert's latest state).
 
 The pages only cache and draw: every number comes from a `store.Store` query (`store/queries.py`,
-`store/reports.py`) or an `alerts.signals` function; nothing here writes SQL, and the frames
+`store/reports.py`) or a `moescope.metrics.signals` function; nothing here writes SQL, and the frames
 shaped here pick rows, never compute a number.
 
 A page names its store by `ctx.root`, the location's url (a folder or `s3://...`): a plain string,
@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -130,7 +131,7 @@ def _cache_report(store: Store, run_id: str, layer: int, max_tokens: int,
                         max_tokens=max_tokens)
 
 
-# (root, version, run_id, layer, max_tokens, tag): `alerts.cache.cache_report` of one layer
+# (root, version, run_id, layer, max_tokens, tag): `moescope.analyses.expert_cache.cache_report` of one layer
 cache_report = _cached(_cache_report)
 
 
@@ -150,10 +151,19 @@ coselection = _cached(_coselection, tagged=True)
 expert_tokens = _cached(_expert_tokens, tagged=True)
 
 
-@st.cache_data(max_entries=32, show_spinner=False)
-def router_input_sample(root: str, run_id: str, layer: int, size: int, data_version: str) -> pd.DataFrame:
-    """The cluster page's sample of router inputs, keyed by (run, layer, size, store version)."""
-    return with_store(root, data_version, Store.router_input_sample, run_id, layer, size)
+def _router_input_points(store: Store, run_id: str, layer: int, size: int) -> tuple[pd.DataFrame, np.ndarray]:
+    sample = store.router_input_sample(run_id, layer, size)
+    hidden = (np.stack([np.asarray(h, dtype=np.float32) for h in sample.hidden]) if len(sample)
+              else np.zeros((0, 0), dtype=np.float32))
+    return sample.drop(columns=["hidden"]), hidden
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def router_input_points(root: str, version: str, run_id: str, layer: int, size: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """The Semantic clusters page's sample of router inputs (`Store.router_input_sample`): its columns
+    but `hidden`, and its `hidden` vectors as one (n, width) float32 array. No time limit: a sample of
+    a store version is fixed."""
+    return with_store(root, version, _router_input_points, run_id, layer, size)
 
 
 @st.cache_resource(show_spinner=False)
@@ -231,8 +241,79 @@ def outbox_deliveries(root: str, fingerprints: tuple[str, ...]) -> pd.DataFrame 
 
 # (root, version, run_id): `Store.training_span`, what moescope.training recorded of a run
 training_span = _cached(Store.training_span)
-# (root, version, run_id, dead_window, last_steps): `alerts.training.training_report`
+# (root, version, run_id, dead_window, last_steps): `moescope.analyses.training_report.training_report`
 training_report = _cached(_training_report)
+
+
+# -- routing checks: the jitter and mismatch runs (moescope.analyses.jitter, moescope.analyses.mismatch) ---
+
+# (root, version, run_id): a jitter run's rows per (condition, layer), `Store.jitter_layers`
+jitter_layers = _cached(Store.jitter_layers)
+# (root, version, run_id, condition, layer, limit): its listed tokens, narrowest margin first
+jitter_tokens = _cached(Store.jitter_tokens)
+# (root, version, run_id): a mismatch run's rows per (group, layer), `Store.mismatch_layers`
+mismatch_layers = _cached(Store.mismatch_layers)
+# (root, version, run_id, layer, limit, set_changed): its listed (token, layer) pairs, narrowest margin first
+mismatch_tokens = _cached(Store.mismatch_tokens)
+
+
+# -- placement (moescope.analyses.placement, moescope.analyses.traffic) ------------------------------
+
+def _placement_report(store: Store, run_id: str, ranks: int, window: int | None, dispatch: str,
+                      tags: dict[str, str] | None = None) -> pd.DataFrame:
+    from moescope.analyses.placement import Placement, placement_report
+
+    return placement_report(store, run_id, Placement.contiguous(ranks), window, tags, dispatch=dispatch,
+                            tokens=False).layers
+
+
+def _placement_whatif(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
+                      tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    from moescope.analyses.placement import WhatIfSetup, placement_whatif
+    from moescope.metrics import signals
+
+    stored = store.placement_whatif(run_id)
+    if not stored.empty and not tags:
+        rows = stored.copy()
+        rows["rank_load"] = [np.asarray(v, dtype=np.float64) for v in rows.rank_load]
+        summary = pd.DataFrame([dict(candidate=candidate, window_start=start, window_end=group.window_end.iloc[0],
+                                     balancedness=signals.balancedness_over_layers(np.stack(list(group.rank_load))))
+                                for (candidate, start), group in rows.groupby(["candidate", "window_start"],
+                                                                               sort=False)])
+        first = stored.iloc[0]
+        return rows, summary, (f"stored by `moescope placement --whatif --save` ({int(first.ranks)} ranks, "
+                               f"{int(first.redundant)} redundant, dispatch {first.dispatch})")
+    totals = store.layer_totals(run_id, tags=tags)
+    experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
+                   for r in totals.itertuples()), default=ranks)
+    redundant = -experts % ranks  # the fewest extra slots that split evenly over the ranks, as EPLB needs
+    report = placement_whatif(store, run_id, window, WhatIfSetup(ranks=ranks, redundant=redundant, rebalance_every=1),
+                              tags=tags, dispatch=dispatch)
+    return report.rows, report.summary, (f"computed here: {ranks} ranks, {redundant} redundant slot(s), fitted on "
+                                         f"the first window of {window} steps")
+
+
+def _traffic(store: Store, run_id: str, ranks: int, per_node: int, tags: dict[str, str] | None = None
+             ) -> pd.DataFrame:
+    from moescope.analyses.placement import Placement
+    from moescope.analyses.traffic import Wire, default_home, node_layout, traffic_report
+
+    nodes = node_layout(ranks, per_node)
+    frame = traffic_report(store, run_id, Placement.contiguous(ranks), Wire(nodes, default_home(store, run_id)),
+                           None, tags).layers
+    return frame.assign(node_of_rank=[nodes] * len(frame))
+
+
+# (root, version, run_id, ranks, window, dispatch, tag): the placement report's rows per layer under the
+# default (contiguous) layout over `ranks` ranks
+placement_report = _cached(_placement_report, tagged=True)
+# (root, version, run_id, ranks, window, dispatch, tag): (rows, summary, where they came from): the what-if
+# `moescope placement --whatif --save` stored for the run (no tag filter), else one computed with EPLB
+# fitted on the first window of `window` steps
+placement_whatif = _cached(_placement_whatif, tagged=True)
+# (root, version, run_id, ranks, per_node, tag): `moescope.analyses.traffic.traffic_report`'s rows per layer under
+# the default layout, nodes of `per_node` consecutive ranks, with each rank's node (`node_of_rank`)
+traffic = _cached(_traffic, tagged=True)
 
 
 # -- the alerts table (its columns: store/schema.py) -------------------------------------------

@@ -1,6 +1,6 @@
 """Expert cache: with C experts of a layer resident in device memory, how often is a token's
 chosen expert already there? LRU, LFU and the offline optimum (Belady), replayed from the run's
-recorded routes (`alerts.cache`; the same numbers as `moescope whatif cache`).
+recorded routes (`moescope.analyses.expert_cache`; the same numbers as `moescope whatif cache`).
 """
 
 from __future__ import annotations

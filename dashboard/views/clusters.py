@@ -23,15 +23,6 @@ if ctx is None:
 WAIT_S = 2.0  # an embedding read from disk, or a quick fit, is drawn in the same run
 
 
-@st.cache_data(max_entries=16, show_spinner=False)
-def sampled_points(root: str, run_id: str, layer: int, size: int, data_version: str) -> tuple[pd.DataFrame, np.ndarray]:
-    """The sample's columns except `hidden`, and its `hidden` vectors as one (n, width) array."""
-    sample = data.router_input_sample(root, run_id, layer, size, data_version)
-    hidden = (np.stack([np.asarray(h, dtype=np.float32) for h in sample.hidden]) if len(sample)
-              else np.zeros((0, 0), dtype=np.float32))
-    return sample.drop(columns=["hidden"]), hidden
-
-
 def embedded_points(points: pd.DataFrame, hidden: np.ndarray, layer: int) -> pd.DataFrame | None:
     """`points` with the UMAP coordinates (x, y) of `hidden`, NaN for fewer than 4 points; None while
     the embedding is computed (the page then says what it computes and re-runs once it is there)."""
@@ -74,7 +65,7 @@ with common.guard():
     size = mid.select_slider("Sampled tokens", [250, 500, 1000, 2000, 5000], value=1000, key="cl_size")
     colour = right.selectbox("Colour by", ["top-1 expert", *keys], key="cl_colour")
 
-    points, hidden = sampled_points(ctx.root, ctx.run_id, layer, size, ctx.version)
+    points, hidden = data.router_input_points(ctx.root, ctx.version, ctx.run_id, layer, size)
     if not points.empty:
         points = embedded_points(points, hidden, layer)
     if points is None:
@@ -119,8 +110,8 @@ with common.guard():
     st.caption(f"Kept-slot specialisation is the normalised mutual information NMI(expert; {key}) between the "
                f"expert a slot went to (every top-k slot an expert kept counts; slots dropped at capacity do not) "
                f"and the step's `{key}` tag, from the exact expert loads of every step "
-               "(`alerts.signals.specialisation_by_layer`, the figure `moescope demo` prints): 0 means the experts "
-               "see every tag value alike, 1 that each value has experts of its own. It is not the *top-1 "
+               "(`moescope.metrics.signals.specialisation_by_layer`, the figure `moescope demo` prints): 0 means "
+               "the experts see every tag value alike, 1 that each value has experts of its own. It is not the *top-1 "
                "specialisation* of the demo model's card (NMI between the domain and the expert the router ranks "
                "first, every token, before any capacity): second choices are less tied to a domain than first ones, "
                "and a capacity caps a domain's favourite expert, so this figure is usually the lower of the two "

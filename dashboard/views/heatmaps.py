@@ -24,7 +24,7 @@ if ctx is None:
 
 
 def _clicked_cell(chart_key: str) -> list[int] | None:
-    """The customdata of the clicked cell (see `figures._click_layer`), or None."""
+    """The customdata of the clicked cell (see `moescope.dashboard.figures.layout.click_layer`), or None."""
     state: Any = st.session_state.get(chart_key)  # the chart's selection event, or None: read in the try
     try:
         for point in state["selection"]["points"]:

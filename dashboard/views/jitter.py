@@ -7,14 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from moescope.analyses.jitter import expert_change
-from moescope.dashboard import common, data
+from moescope.dashboard import common, data, flips
 from moescope.dashboard import figures as fg
-from moescope.store.store import Store
 
 FIGURE, CONDITION, LAYER = "jit_figure", "jit_condition", "jit_layer"  # page-only session keys
-EVERY_LAYER = "every layer"
-TOKENS_SHOWN = 200
 
 st.title("Routing jitter")
 ctx = common.page_context()
@@ -22,18 +18,8 @@ if ctx is None:
     st.stop()
 
 
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def jitter_layers(root: str, version: str, run_id: str) -> pd.DataFrame:
-    return data.with_store(root, version, Store.jitter_layers, run_id)
-
-
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def jitter_tokens(root: str, version: str, run_id: str, condition: str, layer: int | None) -> pd.DataFrame:
-    return data.with_store(root, version, lambda store: store.jitter_tokens(run_id, condition, layer, TOKENS_SHOWN))
-
-
 with common.guard():
-    rows = jitter_layers(ctx.root, ctx.version, ctx.run_id)
+    rows = data.jitter_layers(ctx.root, ctx.version, ctx.run_id)
     if rows.empty:
         st.info("No routing jitter measured in this run. Measure it with `moescope jitter MODEL --store STORE` "
                 "(MODEL: `demo` or a local model folder) or `moescope.jitter(model, inputs, store=...)`; each "
@@ -62,14 +48,10 @@ with common.guard():
         st.session_state[CONDITION] = conditions[-1] if "bfloat16" not in conditions else "bfloat16"
     left, right = st.columns(2)
     condition = left.selectbox("Condition", conditions, key=CONDITION)
-    layers = [EVERY_LAYER, *sorted(int(v) for v in rows.layer.unique())]
-    if st.session_state.get(LAYER) not in layers:
-        st.session_state[LAYER] = EVERY_LAYER
-    chosen = right.selectbox("MoE layer", layers, key=LAYER)
-    layer = None if chosen == EVERY_LAYER or chosen is None else int(chosen)
+    layer = flips.layer_choice(rows.layer.unique(), LAYER, right)
     picked = rows[(rows.condition == condition) & ((rows.layer == layer) if layer is not None else True)]
-    st.plotly_chart(fg.jitter_margin_figure(picked, f"{condition}, {chosen if layer is None else f'layer {layer}'}: "
-                                                    "top-k margin of flipped and unchanged tokens"),
+    where = flips.EVERY_LAYER if layer is None else f"layer {layer}"
+    st.plotly_chart(fg.margin_figure(picked, f"{condition}, {where}: top-k margin of flipped and unchanged tokens"),
                     key="jit_margin_chart")
     st.caption("The margin is the baseline's k-th largest router logit minus the (k+1)-th (for a softmax router, "
                "ln(p_k / p_k+1)). Flips at tiny margins are rounding; a flip at a wide margin means the "
@@ -77,23 +59,15 @@ with common.guard():
                "that leaks).")
 
     st.subheader("Flipped tokens")
-    tokens = jitter_tokens(ctx.root, ctx.version, ctx.run_id, condition, layer)
+    tokens = data.jitter_tokens(ctx.root, ctx.version, ctx.run_id, condition, layer, flips.TOKENS_SHOWN)
     listed = int(picked.listed.sum())
     if tokens.empty:
         st.info(f"No token changed its expert set or top-1 under {condition}"
                 + ("" if layer is None else f" in layer {layer}") + ".")
         st.stop()
     tokenizer = ctx.settings.tokenizer
-    texts = data.token_texts(tokens.token_id, tokenizer)
-    contexts = [data.context_text(ids, list(range(int(start), int(start) + len(ids))), int(position), tokenizer)
-                for ids, start, position in zip(tokens.context_ids, tokens.context_start, tokens.position)]
-    st.dataframe(pd.DataFrame({
-        "layer": tokens.layer, "input": tokens.sequence, "position": tokens.position, "token": texts,
-        "in context": contexts, "top-k margin": tokens.topk_margin, "set changed": tokens.set_changed,
-        "top-1 changed": tokens.top1_changed,
-        "experts before → after": [expert_change(a, b, "→") for a, b in zip(tokens.baseline_ids,
-                                                                             tokens.condition_ids)]}),
-        hide_index=True, key="jit_tokens")
-    st.caption(f"Narrowest margin first: {len(tokens)} of the {listed:,} tokens the check listed for this choice "
-               "(it keeps a bounded number per condition and layer). The token is in [brackets]"
-               + ("." if tokenizer else "; start the dashboard with `--tokenizer DIR` to see text instead of ids."))
+    st.dataframe(flips.listed_table(
+        tokens, tokenizer, {"layer": "layer", "input": "sequence", "position": "position"},
+        {"top-k margin": "topk_margin", "set changed": "set_changed", "top-1 changed": "top1_changed"},
+        ("experts before → after", "baseline_ids", "condition_ids")), hide_index=True, key="jit_tokens")
+    st.caption(flips.listed_caption(len(tokens), listed, "tokens", "condition and layer", tokenizer))

@@ -7,14 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from moescope.analyses.jitter import expert_change
-from moescope.dashboard import common, data
+from moescope.dashboard import common, data, flips
 from moescope.dashboard import figures as fg
-from moescope.store.store import Store
 
 FIGURE, LAYER, ONLY_SETS = "mm_figure", "mm_layer", "mm_only_sets"  # page-only session keys
-EVERY_LAYER = "every layer"
-TOKENS_SHOWN = 200
 
 st.title("Engine vs reference")
 ctx = common.page_context()
@@ -22,19 +18,8 @@ if ctx is None:
     st.stop()
 
 
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def mismatch_layers(root: str, version: str, run_id: str) -> pd.DataFrame:
-    return data.with_store(root, version, Store.mismatch_layers, run_id)
-
-
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def mismatch_tokens(root: str, version: str, run_id: str, layer: int | None, only_sets: bool) -> pd.DataFrame:
-    return data.with_store(root, version, lambda store: store.mismatch_tokens(
-        run_id, layer, TOKENS_SHOWN, True if only_sets else None))
-
-
 with common.guard():
-    rows = mismatch_layers(ctx.root, ctx.version, ctx.run_id)
+    rows = data.mismatch_layers(ctx.root, ctx.version, ctx.run_id)
     if rows.empty:
         st.info("No engine-vs-reference mismatch measured in this run. Measure it with `moescope mismatch STORE "
                 "--run ENGINE_RUN --model MODEL` or `moescope.mismatch(model, store=..., run=...)` on a run of an "
@@ -73,16 +58,12 @@ with common.guard():
                "Position buckets group tokens by their position in the sequence; tags are the engine's.")
 
     st.subheader("Where the flips sit")
-    layers = [EVERY_LAYER, *sorted(int(v) for v in rows.layer.dropna().unique())]
-    if st.session_state.get(LAYER) not in layers:
-        st.session_state[LAYER] = EVERY_LAYER
-    chosen = st.selectbox("MoE layer", layers, key=LAYER)
-    layer = None if chosen == EVERY_LAYER or chosen is None else int(chosen)
+    layer = flips.layer_choice(rows.layer.dropna().unique(), LAYER)
     picked = rows[(rows.grouping == "all") & (rows.layer.isna() if layer is None else rows.layer == layer)]
-    st.plotly_chart(fg.jitter_margin_figure(picked, f"{'every layer' if layer is None else f'layer {layer}'}: "
-                                                    "the reference's top-k margin of (token, layer) pairs whose "
-                                                    "set differs and of the rest", counted="pairs",
-                                         reference="the reference"), key="mm_margin_chart")
+    st.plotly_chart(fg.margin_figure(picked, f"{flips.EVERY_LAYER if layer is None else f'layer {layer}'}: "
+                                             "the reference's top-k margin of (token, layer) pairs whose set differs "
+                                             "and of the rest", counted="pairs", reference="the reference"),
+                    key="mm_margin_chart")
     st.caption("The margin is the reference's k-th largest router logit minus its (k+1)-th. Pairs that differ at "
                "tiny margins are rounding (another dtype or kernel); pairs that differ at wide margins mean the two "
                "stacks computed different hidden states (an earlier layer's flip, another attention kernel, "
@@ -90,22 +71,16 @@ with common.guard():
 
     st.subheader("Tokens that differ")
     only_sets = st.checkbox("Expert set differs (leave out pairs where only the top-1 differs)", key=ONLY_SETS)
-    tokens = mismatch_tokens(ctx.root, ctx.version, ctx.run_id, layer, bool(only_sets))
+    tokens = data.mismatch_tokens(ctx.root, ctx.version, ctx.run_id, layer, flips.TOKENS_SHOWN,
+                                  True if only_sets else None)
     if tokens.empty:
         st.info("No token routed differently" + ("" if layer is None else f" in layer {layer}") + ".")
         st.stop()
     tokenizer = ctx.settings.tokenizer
-    texts = data.token_texts(tokens.token_id, tokenizer)
-    contexts = [data.context_text(ids, list(range(int(start), int(start) + len(ids))), int(position), tokenizer)
-                for ids, start, position in zip(tokens.context_ids, tokens.context_start, tokens.position)]
-    st.dataframe(pd.DataFrame({
-        "layer": tokens.layer, "step": tokens.step, "sequence": tokens.sequence, "position": tokens.position,
-        "token": texts, "in context": contexts, "reference top-k margin": tokens.topk_margin,
-        "set differs": tokens.set_changed, "top-1 differs": tokens.top1_changed,
-        "experts differ": tokens.slots_changed,
-        "reference → engine": [expert_change(a, b, "→") for a, b in zip(tokens.reference_ids, tokens.engine_ids)]}),
+    st.dataframe(flips.listed_table(
+        tokens, tokenizer, {"layer": "layer", "step": "step", "sequence": "sequence", "position": "position"},
+        {"reference top-k margin": "topk_margin", "set differs": "set_changed", "top-1 differs": "top1_changed",
+         "experts differ": "slots_changed"}, ("reference → engine", "reference_ids", "engine_ids")),
         hide_index=True, key="mm_tokens")
-    listed = int(overall.listed)
-    st.caption(f"Narrowest margin first: {len(tokens)} of the {listed:,} pairs the check listed (it keeps a bounded "
-               "number per layer). The token is between « »; step and sequence name the engine's request"
-               + ("." if tokenizer else "; start the dashboard with `--tokenizer DIR` to see text instead of ids."))
+    st.caption(flips.listed_caption(len(tokens), int(overall.listed), "pairs", "layer", tokenizer,
+                                    "; step and sequence name the engine's request"))

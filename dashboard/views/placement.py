@@ -2,80 +2,29 @@
 put it there, and what another placement would have done with the same loads.
 
 Sections (each a function below; a new section is one more function called at the end):
-load per rank (rank x layer heatmap of `analyses.placement.placement_report`), balancedness over
-time per candidate placement and before/after for one (`analyses.placement.placement_whatif`: the
-rows `moescope placement --whatif --save` wrote, or computed here with the page's settings).
+load per rank (rank x layer heatmap of `moescope.analyses.placement.placement_report`), balancedness
+over time per candidate placement and before/after for one
+(`moescope.analyses.placement.placement_whatif`: the rows `moescope placement --whatif --save` wrote,
+or computed here with the page's settings), and traffic on the wire
+(`moescope.analyses.traffic.traffic_report`). Every frame comes through `moescope.dashboard.data`.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
 import streamlit as st
 
-from moescope.analyses.placement import (
-    DISPATCH,
-    ENGINE_OF_SOURCE,
-    Placement,
-    PlacementError,
-    WhatIfSetup,
-    placement_report,
-    placement_whatif,
-)
-from moescope.dashboard import common, data, traffic_charts
+from moescope.analyses.placement import DISPATCH, ENGINE_OF_SOURCE, PlacementError
+from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
-from moescope.metrics import signals
-from moescope.store import Store
 
 RANKS, WINDOW, DISPATCH_KEY, CANDIDATE, LAYER = "pl_ranks", "pl_window", "pl_dispatch", "pl_candidate", "pl_layer"
+NODE_KEY, TRAFFIC_LAYER = "pl_traffic_per_node", "pl_traffic_layer"
 WINDOWS = (8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-def _report(store: Store, run_id: str, ranks: int, window: int | None, dispatch: str,
-            tags: dict[str, str] | None = None) -> pd.DataFrame:
-    return placement_report(store, run_id, Placement.contiguous(ranks), window, tags, dispatch=dispatch,
-                            tokens=False).layers
-
-
-def _whatif(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
-            tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """(rows, summary, where they came from): the stored what-if when the run has one, else computed."""
-    stored = store.placement_whatif(run_id)
-    if not stored.empty and not tags:
-        rows = stored.copy()
-        rows["rank_load"] = [np.asarray(v, dtype=np.float64) for v in rows.rank_load]
-        summary = pd.DataFrame([dict(candidate=candidate, window_start=start, window_end=group.window_end.iloc[0],
-                                     balancedness=signals.balancedness_over_layers(np.stack(list(group.rank_load))))
-                                for (candidate, start), group in rows.groupby(["candidate", "window_start"],
-                                                                               sort=False)])
-        first = stored.iloc[0]
-        return rows, summary, (f"stored by `moescope placement --whatif --save` ({int(first.ranks)} ranks, "
-                               f"{int(first.redundant)} redundant, dispatch {first.dispatch})")
-    totals = store.layer_totals(run_id, tags=tags)
-    experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
-                   for r in totals.itertuples()), default=ranks)
-    redundant = -experts % ranks  # the fewest extra slots that split evenly over the ranks, as EPLB needs
-    report = placement_whatif(store, run_id, window, WhatIfSetup(ranks=ranks, redundant=redundant, rebalance_every=1),
-                              tags=tags, dispatch=dispatch)
-    return report.rows, report.summary, (f"computed here: {ranks} ranks, {redundant} redundant slot(s), fitted on "
-                                         f"the first window of {window} steps")
-
-
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def report(root: str, version: str, run_id: str, ranks: int, window: int | None, dispatch: str,
-           tag: data.TagFilter) -> pd.DataFrame:
-    return data.with_store(root, version, _report, run_id, ranks, window, dispatch, data.tags(tag))
-
-
-@st.cache_data(ttl=data.TTL_S, max_entries=64, show_spinner=False)
-def whatif(root: str, version: str, run_id: str, ranks: int, window: int, dispatch: str,
-           tag: data.TagFilter) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    return data.with_store(root, version, _whatif, run_id, ranks, window, dispatch, data.tags(tag))
 
 
 def load_per_rank(ctx: common.PageContext, ranks: int, dispatch: str) -> None:
     st.subheader("Load per rank")
-    layers = report(ctx.root, ctx.version, ctx.run_id, ranks, None, dispatch, ctx.tag)
+    layers = data.placement_report(ctx.root, ctx.version, ctx.run_id, ranks, None, dispatch, ctx.tag)
     st.plotly_chart(fg.rank_layer_heatmap(layers, ranks), key="pl_heatmap")
     if not layers.empty:
         worst = layers.sort_values("balancedness").iloc[0]
@@ -87,7 +36,8 @@ def load_per_rank(ctx: common.PageContext, ranks: int, dispatch: str) -> None:
 
 
 def over_time_and_before_after(ctx: common.PageContext, ranks: int, window: int, dispatch: str) -> None:
-    rows, summary, origin = whatif(ctx.root, ctx.version, ctx.run_id, ranks, window, dispatch, ctx.tag)
+    rows, summary, origin = data.placement_whatif(ctx.root, ctx.version, ctx.run_id, ranks, window, dispatch,
+                                                  ctx.tag)
     st.subheader("Balancedness over time")
     st.plotly_chart(fg.balancedness_over_time_figure(summary), key="pl_over_time")
     st.caption(f"What-if {origin}. Each line is a placement evaluated on every window of recorded loads; "
@@ -113,6 +63,30 @@ def over_time_and_before_after(ctx: common.PageContext, ranks: int, window: int,
     st.plotly_chart(fg.before_after_figure(before, after, (before_name, candidate),
                                            f"Layer {layer}, last window (steps {int(last)}+): slots per rank"),
                     key="pl_before_after")
+
+
+def traffic(ctx: common.PageContext, ranks: int) -> None:
+    """What the placement costs on the wire (docs/traffic.md): the tokens each home rank sends each
+    other rank, and the tokens by the remote ranks and nodes they reach, of one layer."""
+    st.subheader("Traffic on the wire")
+    st.session_state.setdefault(NODE_KEY, 8)
+    left, right = st.columns(2)
+    per_node = int(left.number_input("Ranks per node", min_value=1, max_value=max(1, ranks), key=NODE_KEY,
+                                     help="Consecutive ranks share a node (NVLink); between nodes, RDMA."))
+    frame = data.traffic(ctx.root, ctx.version, ctx.run_id, ranks, per_node, ctx.tag)
+    row = None
+    if not frame.empty:
+        layers = [int(v) for v in frame.layer]
+        if st.session_state.get(TRAFFIC_LAYER) not in layers:
+            st.session_state[TRAFFIC_LAYER] = layers[0]
+        layer = right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER)
+        row = frame[frame.layer == layer].iloc[0]
+    st.plotly_chart(fg.rank_matrix_heatmap(row), key="pl_traffic_matrix")
+    st.plotly_chart(fg.fanout_histogram(row), key="pl_traffic_fanout")
+    st.caption("A token is sent once to each GPU other than its home that holds any of its experts (DeepEP), "
+               "once to each other node over RDMA. Home: the rank that recorded it, or its sequence modulo the "
+               "ranks for a one-process run. `moescope traffic STORE --ranks R --compare default,coselection` "
+               "for bytes, node-limited routing and other placements (docs/traffic.md).")
 
 
 st.title("Placement")
@@ -142,4 +116,4 @@ with common.guard():
         over_time_and_before_after(ctx, ranks, window, dispatch)
     except PlacementError as e:  # a run this placement cannot describe: say what, draw what was drawn
         st.warning(f"The placement does not fit this run: {e}")
-    traffic_charts.section(ctx, ranks)  # what the placement costs on the wire (issue 43)
+    traffic(ctx, ranks)

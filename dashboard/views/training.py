@@ -1,7 +1,8 @@
 """Training: what `moescope.training` recorded per optimizer step (the auxiliary losses, router
 entropy, the router's learning rate in force, dead experts, per-expert gradient norms), with the
 routing cooldowns shaded where they cooled a layer's router. Every figure is
-`alerts.training.training_report`'s: `alerts.signals` over the store's `training_steps` query.
+`moescope.analyses.training_report.training_report`'s: `moescope.metrics.signals` over the store's
+`training_steps` query.
 """
 
 from __future__ import annotations

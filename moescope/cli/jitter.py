@@ -9,28 +9,27 @@ tokenizer; the demo model plays held-out texts of its three domains when none ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 import numpy as np
 
-from moescope.analyses.jitter import (
-    CONDITION_KINDS,
-    DEFAULT_DTYPES,
-    MARGIN_EDGES,
-    JitterError,
-    JitterReport,
-    expert_change,
-    jitter,
-)
-from moescope.analyses.tokens import context_parts
+from moescope.analyses.jitter import CONDITION_KINDS, DEFAULT_DTYPES, JitterError, JitterReport, expert_change, jitter
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_location
+from moescope.cli.routing_checks import DEMO as DEMO  # where it was before `moescope mismatch` shared it
+from moescope.cli.routing_checks import (
+    SHOW_TOKENS,
+    add_run_arguments,
+    check_counts,
+    context,
+    load_model,
+    margin_table,
+    torch_dtype,
+    written_line,
+)
 
-DEMO = "demo"
 DEMO_TEXTS_PER_DOMAIN = 4
-SHOW_TOKENS = 8
 
 EXAMPLES = """\
 examples:
@@ -79,54 +78,10 @@ def add_subcommands(subparsers) -> None:
                    "(default 8)")
     p.add_argument("--other-batch-size", type=int, default=3, help="inputs per batch for batch_size (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="cut each input to this many tokens (default 128)")
-    p.add_argument("--max-listed", type=int, default=1000,
-                   help="flipped tokens kept per condition and layer (default 1000)")
-    p.add_argument("--show", type=int, default=SHOW_TOKENS, help=f"flipped tokens printed (default {SHOW_TOKENS})")
     add_store_arguments(p, option=True, required=False,
                         what="also write the results to this store (a folder or a URL) as a run of their own")
-    p.add_argument("--run-id", help="the run id in the store (default: a new one)")
-    p.add_argument("--tag", action="append", default=[], metavar="K=V", help="a tag on the run (repeatable)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p, "flipped tokens", "condition and layer")
     p.set_defaults(func=_jitter)
-
-
-def load_model(name: str) -> tuple[Any, Any, bool]:
-    """(model in eval mode on the CPU in float32, tokenizer or None, whether it is the demo model)
-    for MODEL: `demo` or a local folder. Raises JitterError when there is nothing to load there."""
-    from moescope.demo.data import demo_model_path, load_demo_model
-
-    model: Any
-    tokenizer: Any
-    if name == DEMO:
-        model, tokenizer = load_demo_model()
-        return model, tokenizer, True
-    folder = os.path.abspath(os.path.expanduser(name))
-    if not os.path.isdir(folder):
-        raise JitterError(f"no model folder at {name!r}: give `demo` or a local folder saved with transformers' "
-                          "save_pretrained (moescope never downloads; fetch the model first, e.g. with "
-                          "`huggingface-cli download ORG/NAME --local-dir DIR`)")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise JitterError(f"{name!r} holds no config.json: give the folder transformers' save_pretrained wrote")
-    if os.path.realpath(folder) == os.path.realpath(demo_model_path()):
-        model, tokenizer = load_demo_model(folder)
-        return model, tokenizer, True
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
-        config = json.load(fh)
-    if config.get("capacity_factor") is not None and config.get("model_type") == "mixtral":
-        model, tokenizer = load_demo_model(folder)  # a `moescope train-demo` checkpoint: run it with its capacity
-        return model, tokenizer, True
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as e:
-        raise JitterError(f"transformers cannot load a causal LM from {name!r}: {str(e).splitlines()[0]}") from e
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError):
-        tokenizer = None
-    return model.eval(), tokenizer, False
 
 
 def read_inputs(args: argparse.Namespace) -> list[str]:
@@ -151,24 +106,15 @@ def demo_texts(per_domain: int) -> list[str]:
 
 
 def _jitter(args: argparse.Namespace) -> int:
-    for flag in ("batch_size", "other_batch_size", "max_tokens"):
-        if getattr(args, flag) < 1:
-            raise JitterError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.max_listed < 0 or args.show < 0:
-        raise JitterError("--max-listed and --show must be 0 or more")
-    import torch
-
+    check_counts(args, JitterError, ("batch_size", "other_batch_size", "max_tokens", "texts"))
     from moescope.ingest.importers.tables import parse_tags
 
     for name in args.dtype or ():
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise JitterError(f"unknown dtype {name!r}; use a torch dtype name such as bfloat16 or float16")
+        torch_dtype(name, JitterError)
     tags = parse_tags(args.tag)
     location = store_location(args) if args.store else None
     if location is not None and location.is_local and os.path.isfile(location.url):
         raise JitterError(f"the store {location.url!r} is a file: give a folder (it is created if missing)")
-    if args.texts < 1:
-        raise JitterError(f"--texts must be at least 1, got {args.texts}")
     # everything a user typed is checked before the model loads (seconds, and a progress bar of its own)
     texts = read_inputs(args)
     model, tokenizer, demo = load_model(args.model)
@@ -187,22 +133,8 @@ def _jitter(args: argparse.Namespace) -> int:
                     progress=not args.quiet)
     print(format_report(report, tokenizer, len(texts), args.show))
     if location is not None:
-        print(f"\nwritten to {location.redacted} as run {report.run_id}; see it with "
-              f"`{_program()} dashboard {location.redacted}` (page \"Routing jitter\")")
+        print(f"\n{written_line(location, str(report.run_id), 'Routing jitter')}")
     return 0
-
-
-def _program() -> str:
-    """How to call moescope so that the printed command runs as printed (`moescope.cli.program_name`
-    where this installation has it)."""
-    from moescope import cli
-
-    program_name = getattr(cli, "program_name", None)
-    return program_name() if callable(program_name) else "moescope"
-
-
-def _edge(value: float) -> str:
-    return f"{value:g}"
 
 
 def format_report(report: JitterReport, tokenizer: Any = None, inputs: int | None = None,
@@ -227,14 +159,11 @@ def format_report(report: JitterReport, tokenizer: Any = None, inputs: int | Non
                          f"{row.max_weight_change:>18.3g}")
         lines += ["", "top-k margin (baseline router logits: the k-th largest minus the (k+1)-th), tokens per bin "
                       "from each lower edge to the next, every layer:"]
-        bins = [f">={_edge(lo)}" for lo in MARGIN_EDGES]
-        width = max(map(len, bins)) + 1
-        lines.append(f"{'':<22} {'':<9}" + "".join(f"{b:>{width}}" for b in bins))
-        for condition, rows in frame.groupby("condition", sort=False):
-            for label, column in (("flipped", "changed_by_margin"), ("kept", "unchanged_by_margin")):
-                counts = np.sum(np.stack(rows[column].to_numpy()), axis=0)
-                lines.append(f"{condition if label == 'flipped' else '':<22} {label:<9}"
-                             + "".join(f"{int(c):>{width}}" for c in counts))
+        groups = (("flipped", "changed_by_margin"), ("kept", "unchanged_by_margin"))
+        lines += margin_table([(f"{condition if label == 'flipped' else '':<22} {label}",
+                                np.sum(np.stack(rows[column].to_numpy()), axis=0))
+                               for condition, rows in frame.groupby("condition", sort=False)
+                               for label, column in groups], width=32)
     tokens = report.tokens
     flipped = tokens[tokens.set_changed].sort_values("topk_margin", kind="stable") if not tokens.empty else tokens
     if show and len(flipped):
@@ -249,14 +178,3 @@ def format_report(report: JitterReport, tokenizer: Any = None, inputs: int | Non
         lines.append(f"skipped {name}: {reason}")
     return "\n".join(lines)
 
-
-def context(row: Any, tokenizer: Any) -> str:
-    """The tokens around a listed token, the token itself in [brackets]: decoded with `tokenizer`
-    (a character cut across tokens whole, never a replacement character: `analyses.tokens.context_parts`),
-    as ids without one."""
-    ids = list(row.context_ids)
-    at = int(row.position) - int(row.context_start)
-    if tokenizer is None:
-        return " ".join(f"[{t}]" if i == at else str(t) for i, t in enumerate(ids))
-    before, token, after = context_parts(tokenizer, ids, at)
-    return repr(f"{before}[{token}]{after}")[1:-1]

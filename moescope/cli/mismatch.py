@@ -13,8 +13,17 @@ import numpy as np
 
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_location
+from moescope.cli.routing_checks import (
+    SHOW_TOKENS,
+    add_run_arguments,
+    check_counts,
+    context,
+    load_model,
+    margin_table,
+    torch_dtype,
+    written_line,
+)
 
-SHOW_TOKENS = 8
 FORMATS = ("npy", "parquet")
 
 EXAMPLES = """\
@@ -67,7 +76,6 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per reference forward, right-padded "
                    "(default 8)")
     p.add_argument("--max-sequences", type=int, help="compare the first N sequences (default: all)")
-    p.add_argument("--max-listed", type=int, default=1000, help="differing pairs kept per layer (default 1000)")
     p.add_argument("--layer-axis", choices=("auto", "moe", "hidden"), default="auto",
                    help="how the engine numbers layers: among MoE layers, or every hidden layer (SGLang); "
                         "default auto")
@@ -76,10 +84,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--rules", metavar="FILE", help="rules to judge the results with (default "
                    "alerts/mismatch_rules.yaml)")
     p.add_argument("--no-write", action="store_true", help="do not write the results to the store")
-    p.add_argument("--run-id", help="the results' run id (default: a new one)")
-    p.add_argument("--tag", action="append", default=[], metavar="K=V", help="a tag on the results' run (repeatable)")
-    p.add_argument("--show", type=int, default=SHOW_TOKENS, help=f"differing pairs printed (default {SHOW_TOKENS})")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_run_arguments(p, "differing pairs", "layer")
     p.set_defaults(func=_mismatch)
 
 
@@ -113,9 +118,7 @@ def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
 def _mismatch(args: argparse.Namespace) -> int:
     from moescope.analyses.mismatch_engine import MismatchError
 
-    if args.batch_size < 1 or args.max_listed < 0 or args.show < 0 or (
-            args.max_sequences is not None and args.max_sequences < 1):
-        raise MismatchError("--batch-size and --max-sequences must be at least 1, --max-listed and --show 0 or more")
+    check_counts(args, MismatchError, ("batch_size", "max_sequences"))
     if args.model is None and not args.export:
         raise MismatchError("give --model MODEL (the reference to compare with), or --export DIR to export the "
                             "engine's routing alone")
@@ -128,16 +131,11 @@ def _mismatch(args: argparse.Namespace) -> int:
     pack = _rules(args.rules)
     if args.model is None:
         return _export_only(args, location, token_ids, formats)
-    import torch
-
     from moescope.analyses.mismatch import mismatch
-    from moescope.cli.jitter import load_model
 
+    dtype = torch_dtype(args.dtype, MismatchError) if args.dtype else None
     model, tokenizer, _ = load_model(args.model)
-    if args.dtype:
-        dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise MismatchError(f"unknown dtype {args.dtype!r}; use a torch dtype name such as bfloat16 or float32")
+    if dtype is not None:
         model = model.to(dtype)
     report = mismatch(model, store=location, run=args.run, token_ids=token_ids, batch_size=args.batch_size,
                       max_sequences=args.max_sequences, max_listed=args.max_listed, layer_axis=args.layer_axis,
@@ -154,10 +152,7 @@ def _mismatch(args: argparse.Namespace) -> int:
         written = export_replay(report.replay, args.export, formats, layers=report.layers)
         print(f"\nreplay: {len(report.replay)} sequences written to {written}")
     if report.run_id is not None:
-        from moescope.cli import program_name
-
-        print(f"\nwritten to {location.redacted} as run {report.run_id}; see it with "
-              f"`{program_name()} dashboard {location.redacted}` (page \"Engine vs reference\")")
+        print(f"\n{written_line(location, report.run_id, 'Engine vs reference')}")
     return 0
 
 
@@ -247,7 +242,7 @@ def format_report(report: Any, tokenizer: Any = None, show: int = SHOW_TOKENS) -
     """The report as text: the overall line, a table per layer, per position bucket and per tag
     (every layer together), the margin histograms, the differing pairs of narrowest margin with
     their context, and what was skipped."""
-    from moescope.analyses.jitter import MARGIN_EDGES, expert_change
+    from moescope.analyses.jitter import expert_change
 
     groups = report.groups
     lines = [report.line(), ""]
@@ -264,12 +259,9 @@ def format_report(report: Any, tokenizer: Any = None, show: int = SHOW_TOKENS) -
                      f"{_pct(row.top1_changed_fraction):>14} {_pct(row.slots_changed_fraction):>14} "
                      f"{int(row.tokens):>8,} {any_layer:>17}")
     overall = report.overall()
-    bins = [f">={edge:g}" for edge in MARGIN_EDGES]
-    width = max(map(len, bins)) + 1
     lines += ["", "reference top-k margin (router logits: k-th largest minus (k+1)-th), pairs per bin, every layer:",
-              f"{'':<10}" + "".join(f"{b:>{width}}" for b in bins)]
-    for label, column in (("flipped", "changed_by_margin"), ("unchanged", "unchanged_by_margin")):
-        lines.append(f"{label:<10}" + "".join(f"{int(c):>{width}}" for c in overall[column]))
+              *margin_table([("flipped", overall.changed_by_margin), ("unchanged", overall.unchanged_by_margin)],
+                            width=10)]
     counts = ", ".join(f"{n} differ: {int(c):,}" for n, c in enumerate(overall.changed_by_count))
     lines.append(f"experts of k={report.top_k} that differ, pairs: {counts}")
     tokens = report.tokens
@@ -279,13 +271,8 @@ def format_report(report: Any, tokenizer: Any = None, show: int = SHOW_TOKENS) -
         for row in shown.itertuples():
             change = expert_change(row.reference_ids, row.engine_ids)
             lines.append(f"  layer {row.layer}  step {row.step} seq {row.sequence} pos {row.position}  margin "
-                         f"{row.topk_margin:.3g}  reference -> engine {change}  {_context(row, tokenizer)}")
+                         f"{row.topk_margin:.3g}  reference -> engine {change}  {context(row, tokenizer)}")
     for reason, n in report.skipped.items():
         lines.append(f"skipped {n} sequences: {reason}")
     return "\n".join(lines)
 
-
-def _context(row: Any, tokenizer: Any) -> str:
-    from moescope.cli.jitter import context
-
-    return context(row, tokenizer)

@@ -16,9 +16,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import moescope
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, load_demo_model
-from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard
+from tests.support.browser import grid_rows, page_with_tables
 from tests.support.deltafiles import snapshot_rows
-from tests.support.realparts import require_program
 
 pytestmark = pytest.mark.integration
 
@@ -39,31 +38,14 @@ def jitter_store(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def page(jitter_store, tmp_path_factory):
-    from playwright.sync_api import sync_playwright
-
-    require_program(CHROMIUM, package="chromium")  # skips where it is missing, fails in CI
-    with running_dashboard(jitter_store["root"], tmp_path_factory.mktemp("server"),
-                           tokenizer=str(demo_model_path())) as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1800, "height": 6000})
-            page.goto(f"{url}/jitter")
-            page.wait_for_selector("h3:has-text('Flipped tokens')", timeout=240_000)
-            page.wait_for_function("() => document.querySelector('[data-testid=stApp]')"
-                                   ".getAttribute('data-test-script-state') === 'notRunning'", timeout=240_000)
-            page.wait_for_function("() => { const grids = document.querySelectorAll('[data-testid=stDataFrame]');"
-                                   " return grids.length > 1 && grids[1].querySelectorAll('tr td').length > 0; }",
-                                   timeout=60_000)
-            yield page
-        finally:
-            browser.close()
+    with page_with_tables(jitter_store["root"], tmp_path_factory.mktemp("server"), "jitter", "Flipped tokens",
+                          tokenizer=str(demo_model_path()), height=6000) as page:
+        yield page
 
 
 def flipped_rows(page) -> list[dict]:
-    """The Flipped tokens table as the grid's accessible table gives it, one dict per row."""
-    header, *rows = page.evaluate("""() => [...document.querySelectorAll('[data-testid=stDataFrame]')[1]
-        .querySelectorAll('tr')].map(tr => [...tr.querySelectorAll('th, td')].map(c => c.textContent))""")
-    return [dict(zip(header, row)) for row in rows if len(row) == len(header)]
+    """The Flipped tokens table, one dict per row drawn."""
+    return grid_rows(page, 1)
 
 
 def vocabulary_bytes(tokenizer, token_id: int) -> bytes:

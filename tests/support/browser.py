@@ -64,6 +64,38 @@ def running_dashboard(root, log_dir, tokenizer: str | None = None) -> Iterator[s
             process.wait()
 
 
+@contextlib.contextmanager
+def page_with_tables(root, log_dir, path: str, heading: str, tables: int = 2, tokenizer: str | None = None,
+                     height: int = 5000) -> Iterator:
+    """A headless Chromium page on `/<path>` of a dashboard over `root` (`running_dashboard`), once the
+    page shows `heading` (an h3), its script run is over and its `tables`-th data grid has rows; closed
+    on leaving. Skips where Chromium is missing (fails in CI)."""
+    from playwright.sync_api import sync_playwright
+
+    require_program(CHROMIUM, package="chromium")
+    with running_dashboard(root, log_dir, tokenizer=tokenizer) as url, sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = chromium.new_page(viewport={"width": 1800, "height": height})
+            page.goto(f"{url}/{path}")
+            page.wait_for_selector(f"h3:has-text('{heading}')", timeout=240_000)
+            page.wait_for_function("() => document.querySelector('[data-testid=stApp]')"
+                                   ".getAttribute('data-test-script-state') === 'notRunning'", timeout=240_000)
+            page.wait_for_function("() => { const grids = document.querySelectorAll('[data-testid=stDataFrame]');"
+                                   f" return grids.length >= {tables}"
+                                   f" && grids[{tables - 1}].querySelectorAll('tr td').length > 0; }}",
+                                   timeout=60_000)
+            yield page
+        finally:
+            chromium.close()
+
+
+def grid_rows(page, index: int) -> list[dict[str, str]]:
+    """The `index`-th data grid of `page` as its accessible table gives it, one dict per row drawn
+    ({heading: cell text}; the grid draws the rows in view)."""
+    header, *rows = page.evaluate("""index => [...document.querySelectorAll('[data-testid=stDataFrame]')[index]
+        .querySelectorAll('tr')].map(tr => [...tr.querySelectorAll('th, td')].map(c => c.textContent))""", index)
+    return [dict(zip(header, row)) for row in rows if len(row) == len(header)]
 
 
 class Traffic:

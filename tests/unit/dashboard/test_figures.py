@@ -297,3 +297,33 @@ def test_tokens_show_their_whitespace_and_the_centre_token_sits_between_guilleme
     assert data.visible_token("\n\t") == "↵⇥"
     # without a tokenizer, ids: "#id" joined by spaces; the centre one marked, never with code's brackets
     assert data.context_text([5, 6, 7], [0, 1, 2], 1, None) == "#5 «#6» #7"
+
+
+# Every public name of dashboard/figures.py before it became a package of a module per page.
+ONE_MODULE_NAMES = (
+    "COMPARE_COLUMNS", "ENTROPY_PANELS", "HEIGHT", "JITTER_FIGURES", "MISMATCH_FIGURES", "PALETTE",
+    "SLOT_SPECIALISATION", "STATE_COLOURS", "active_by_position_figure", "active_by_tag_figure",
+    "active_fraction_figure", "alert_label", "alert_timeline", "balancedness_over_time_figure", "before_after_figure",
+    "cache_hit_figure", "cluster_scatter", "compare_layers_figure", "compare_scalars_figure", "coselection_heatmap",
+    "divergence_figure", "dropped_figure", "empty_figure", "entropy_figure", "expert_grad_heatmap", "gate_history",
+    "health_trend", "host_load_figure", "jitter_heatmap", "jitter_margin_figure", "layer_share_heatmap",
+    "layer_spread_figure", "load_heatmap", "mismatch_heatmap", "rank_layer_heatmap", "specialisation_figure",
+    "specialisation_figure_by_layer", "training_figure",
+    # and the placement page's traffic section's, from dashboard/traffic_charts.py
+    "fanout_histogram", "rank_matrix_heatmap",
+)
+
+
+def test_every_name_of_the_one_module_imports_from_the_package():
+    import importlib
+
+    from moescope import dashboard
+
+    namespace: dict = {}
+    exec(f"from moescope.dashboard.figures import {', '.join(ONE_MODULE_NAMES)}", namespace)
+    assert all(namespace[name] is getattr(dashboard.figures, name) for name in ONE_MODULE_NAMES)
+    assert set(ONE_MODULE_NAMES) <= set(fg.__all__) and len(fg.__all__) == len(set(fg.__all__))
+    assert all(hasattr(fg, name) for name in fg.__all__)
+    # the dashboard package's own list: each a module, importable by attribute before any import of it
+    for name in dashboard.__all__:
+        assert getattr(dashboard, name) is importlib.import_module(f"moescope.dashboard.{name}")

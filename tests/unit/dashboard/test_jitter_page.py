@@ -47,7 +47,7 @@ def test_heatmap_draws_each_conditions_share_per_layer(jitter_store):
 def test_margin_figure_pools_the_layers_histograms(jitter_store):
     rows = raw(jitter_store, "jitter")
     picked = rows[rows.condition == "bfloat16"]
-    fig = fg.jitter_margin_figure(picked)
+    fig = fg.margin_figure(picked)
     changed, unchanged = fig.data
     counts = np.zeros(len(MARGIN_EDGES), dtype=int)
     for histogram in picked.changed_by_margin:

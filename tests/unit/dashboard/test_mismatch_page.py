@@ -12,9 +12,8 @@ import torch
 
 import moescope
 from moescope.dashboard import figures as fg
-from moescope.ingest.importers import import_files
 from tests.support.deltafiles import snapshot_rows
-from tests.support.engine_standin import engine_standin, fed, token_sequences, vllm_responses
+from tests.support.jitter import mismatch_store as stored_mismatch
 from tests.support.jitter import near_tied_mixtral
 from tests.support.pages import app_for, assert_clean, open_page
 
@@ -23,17 +22,7 @@ PAGE = "views/mismatch.py"
 
 @pytest.fixture(scope="module")
 def mismatch_store(tmp_path_factory) -> tuple[str, dict]:
-    folder = tmp_path_factory.mktemp("mismatch")
-    model = near_tied_mixtral()
-    requests = token_sequences(seed=3)
-    keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
-    sequences = {key: fed(requests[key[0]][0], requests[key[0]][1][key[1]]) for key in keys}
-    engine = dict(zip(keys, engine_standin(model, [sequences[key] for key in keys])))
-    (folder / "vllm.jsonl").write_text(vllm_responses(requests, engine))
-    root = str(folder / "store")
-    import_files("vllm", [str(folder / "vllm.jsonl")], root, run_id="engine")
-    moescope.mismatch(model, store=root, run="engine", run_id="mm")
-    return root, sequences
+    return stored_mismatch(tmp_path_factory.mktemp("mismatch"))
 
 
 def raw(root: str, table: str) -> pd.DataFrame:

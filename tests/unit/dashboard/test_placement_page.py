@@ -1,6 +1,8 @@
 """The Placement page on the store the probe recorded on a real tiny Mixtral: its heatmap holds the
 per-rank slots a plain loop over the raw `layer_steps` rows gives under the default layout, its lines
-the balancedness of each candidate, and a what-if written to the store is the one it shows."""
+the balancedness of each candidate, and a what-if written to the store is the one it shows. Its
+traffic section's heatmap holds the tokens each home rank sends to each other rank, and its histogram
+the tokens by remote ranks, as a plain loop over the raw `routes` rows gives them."""
 
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ def _array(value) -> np.ndarray:
     return np.asarray(value)
 
 
-def _layer_steps(root: str, run_id: str) -> pd.DataFrame:
-    files = glob.glob(os.path.join(root, "layer_steps", f"run_id={run_id}", "part-*.parquet"))
+def _raw(root: str, table: str, run_id: str) -> pd.DataFrame:
+    files = glob.glob(os.path.join(root, table, f"run_id={run_id}", "part-*.parquet"))
     return pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
+
+
+def _layer_steps(root: str, run_id: str) -> pd.DataFrame:
+    return _raw(root, "layer_steps", run_id)
 
 
 def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
@@ -38,7 +44,7 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     at.number_input(key="pl_ranks").set_value(2).run()
     assert_clean(at)
     charts = at.get("plotly_chart")
-    assert len(charts) == 5  # and the traffic section's two (tests/unit/dashboard/test_traffic_charts.py)
+    assert len(charts) == 5  # and the traffic section's two (test_traffic_section_is_the_raw_routes_per_link)
     heatmap = json.loads(next(c for c in charts if c.key == "pl_heatmap").proto.spec)["data"][0]
     rows = _layer_steps(recorded["root"], run_id)
     for column, layer in enumerate(heatmap["x"]):
@@ -69,3 +75,30 @@ def test_placement_page_fits_eplb_when_the_ranks_do_not_divide_the_experts(monke
     assert {"pl_heatmap", "pl_over_time", "pl_before_after"} <= {c.key for c in at.get("plotly_chart")}
     experts = int(_layer_steps(recorded["root"], recorded["runs"][-1]).expert_load.map(len).max())
     assert any(f"3 ranks, {-experts % 3} redundant slot(s)" in c.value for c in at.caption)
+
+
+def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded):
+    run_id = recorded["runs"][-1]
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
+    at.number_input(key="pl_ranks").set_value(2).run()
+    assert_clean(at)
+    charts = at.get("plotly_chart")
+    matrix_chart, histogram = (json.loads(c.proto.spec) for c in charts[-2:])
+    layer = int(at.selectbox(key="pl_traffic_layer").value)
+    rows = _raw(recorded["root"], "routes", run_id)
+    rows = rows[rows.layer == layer]
+    experts = int(max(max(ids) for ids in rows.expert_ids)) + 1
+    half = (experts + 1) // 2  # the default layout over 2 ranks: experts 0..half-1 on rank 0
+    matrix = np.zeros((2, 2))
+    remote = []
+    for ids, kept, sequence in zip(rows.expert_ids, rows.kept, rows.sequence):
+        home = int(sequence) % 2  # one process recorded it: sequences round-robin over the ranks
+        dests = {0 if e < half else 1 for e, k in zip(ids, kept) if k}
+        for d in dests:
+            matrix[home, d] += 1
+        remote.append(len(dests - {home}))
+    z = _array(matrix_chart["data"][0]["z"]).astype(float)
+    assert z[0, 1] == matrix[0, 1] and z[1, 0] == matrix[1, 0] and matrix[0, 1] > 0
+    assert np.isnan(z[0, 0]) and np.isnan(z[1, 1])  # served at home: no wire
+    bars = _array(histogram["data"][0]["y"])
+    np.testing.assert_array_equal(bars, np.bincount(remote, minlength=2))
