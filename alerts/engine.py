@@ -45,7 +45,8 @@ from moescope.alerts.observations import (
 from moescope.alerts.rules import Rule, RulePack
 from moescope.core.exporters import AttachListener, Exporter
 from moescope.core.records import RunInfo, StepRecord
-from moescope.metrics.traffic import WireLayout, default_rank_node
+from moescope.metrics.placement import LayerPlacements, Placement
+from moescope.metrics.traffic import WireLayout
 
 log = logging.getLogger(__name__)
 
@@ -163,17 +164,6 @@ class _RunState:
     baseline_forwards: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
-class RankPlacement(Protocol):
-    """What the engine needs of a placement of experts on ranks (`analyses.placement.Placement` is one):
-    the (experts, ranks) share of each expert's load each rank serves; ValueError where it does not fit."""
-
-    def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
-
-    def slots(self, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-        """(slot_rank, slot_expert) of every physical slot: what the traffic signals count with."""
-        ...
-
-
 class AlertEngine:
     """Evaluates a rule pack over per-layer windows and keeps every alert's state.
 
@@ -181,18 +171,15 @@ class AlertEngine:
         pack: the rules (`load_rules`, `default_rules`).
         baseline_loader: loads the baseline load of another run, when the pack's baseline names
             one: `(run_id, layer, first_steps) -> load or None`. None: such a baseline stays unknown.
-        placement: experts on expert-parallel ranks for the rank signals (`RankImbalance`), e.g.
-            `moescope.analyses.placement.Placement`; None: those signals are no data.
+        placement: experts on expert-parallel ranks for the rank and traffic signals (`RankImbalance`,
+            ...; `moescope.metrics.placement.Placement`); None: those signals are no data.
     """
 
     def __init__(self, pack: RulePack, baseline_loader: BaselineLoader | None = None,
-                 placement: RankPlacement | None = None):
+                 placement: Placement | None = None):
         self.pack = pack
         self.placement = placement
-        self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}
-        # the node of each expert-parallel rank, for the traffic signals (None: nodes of 8 ranks)
-        self.rank_node: np.ndarray | None = None
-        self._wire_layouts: dict[tuple[int, int], WireLayout | None] = {}
+        self._layers = LayerPlacements(placement) if placement is not None else None
         self.baseline_loader = baseline_loader
         steps = max(pack.max_window_steps(), 1)
         if any(r.window.seconds for r in pack.rules):
@@ -270,40 +257,33 @@ class AlertEngine:
                                self.rank_shares(layer, window),
                                self.wire_layout(layer, window) if TRAFFIC_SIGNALS.keys() & set(rule.signals) else None)
 
+    @property
+    def rank_node(self) -> np.ndarray | None:
+        """(R,) the node of each expert-parallel rank, for the traffic signals; None without a placement.
+        Nodes of `moescope.metrics.traffic.DEFAULT_RANKS_PER_NODE` ranks unless set."""
+        return None if self._layers is None else self._layers.rank_node
+
+    @rank_node.setter
+    def rank_node(self, rank_node: np.ndarray | None) -> None:
+        if self.placement is not None:
+            self._layers = LayerPlacements(self.placement, rank_node)
+
+    def _experts(self, layer: int, window: list[LayerObservation]) -> int:
+        return self.routed_experts.get(layer) or int(np.size(window[-1].expert_load))
+
     def wire_layout(self, layer: int, window: list[LayerObservation]) -> WireLayout | None:
         """The placement of a layer with its ranks' nodes, for the traffic signals (None: no placement,
         or one that does not fit the layer: those signals are then no data)."""
-        if self.placement is None or not window:
+        if self._layers is None or not window:
             return None
-        experts = self.routed_experts.get(layer) or int(np.size(window[-1].expert_load))
-        key = (layer, experts)
-        if key not in self._wire_layouts:
-            try:
-                slot_rank, slot_expert = self.placement.slots(layer, experts)
-                ranks = int(np.asarray(self.placement.shares(layer, experts)).shape[1])
-                nodes = default_rank_node(ranks) if self.rank_node is None else self.rank_node
-                self._wire_layouts[key] = WireLayout(slot_rank, slot_expert, nodes, experts)
-            except ValueError as e:
-                log.warning("no traffic signals for layer %d: the placement does not fit its %d experts (%s)",
-                            layer, experts, e)
-                self._wire_layouts[key] = None
-        return self._wire_layouts[key]
+        return self._layers.wire(layer, self._experts(layer, window))
 
     def rank_shares(self, layer: int, window: list[LayerObservation]) -> np.ndarray | None:
         """The (routed experts, ranks) shares of `placement` for a layer (None: no placement, or one that
         does not fit the layer: the rank signals are then no data)."""
-        if self.placement is None or not window:
+        if self._layers is None or not window:
             return None
-        experts = self.routed_experts.get(layer) or int(np.size(window[-1].expert_load))
-        key = (layer, experts)
-        if key not in self._rank_shares:
-            try:
-                self._rank_shares[key] = np.asarray(self.placement.shares(layer, experts), dtype=np.float64)
-            except ValueError as e:
-                log.warning("no rank signals for layer %d: the placement does not fit its %d experts (%s)",
-                            layer, experts, e)
-                self._rank_shares[key] = None
-        return self._rank_shares[key]
+        return self._layers.shares(layer, self._experts(layer, window))
 
     def evaluate(self, run_id: str) -> list[AlertTransition]:
         """Evaluate every rule on every layer of the run at its latest step.
@@ -522,7 +502,7 @@ class EngineExporter(Exporter, AttachListener):
     def on_attach(self, run: RunInfo) -> None:
         """Take the layers' routed experts from the run; the probe calls this at attach.
 
-        Zero experts are left out of load signals (see `alerts.signals`).
+        Zero experts are left out of load signals (see `moescope.metrics.signals`).
 
         Args:
             run: the run the probe attached as.

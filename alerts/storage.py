@@ -36,9 +36,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, RankPlacement, TransitionSink
+from moescope.alerts.engine import AlertEngine, AlertTransition, FlushableSink, TransitionSink
 from moescope.alerts.observations import LayerObservation
 from moescope.alerts.rules import RulePack
+from moescope.metrics.placement import Placement
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS
 from moescope.store.store import Store
@@ -184,7 +185,7 @@ class StoreAlertRunner:
 
     def __init__(self, root: str | os.PathLike | StoreLocation, pack: RulePack, sinks: Sequence[TransitionSink] = (),
                  run_ids: Sequence[str] | None = None, write_alerts: bool = True,
-                 placement: RankPlacement | None = None):
+                 placement: Placement | None = None):
         """`root`: the store, a folder or a URL (a `StoreLocation` carries its storage options);
         `placement`: experts on ranks for the rank signals (`AlertEngine`).
         Raises StoreError (EmptyStoreError: no store there yet) as `Store` does."""

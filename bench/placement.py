@@ -106,8 +106,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from moescope.analyses.eplb import eplb
-    from moescope.analyses.placement import Placement, WhatIfSetup, placement_report, placement_whatif
+    from moescope.analyses.placement import placement_report
+    from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif
+    from moescope.metrics.eplb import eplb
+    from moescope.metrics.placement import Placement
     from moescope.store import Store
 
     root = args.store or os.path.join(tempfile.mkdtemp(prefix="moescope-placement-"), "store")

@@ -1,1 +1,18 @@
-"""Reports that combine store queries with metrics: the expert-cache what-if, jitter, training."""
+"""Reports that combine store queries with metrics. A module per report, and the modules are the
+package's names (`from moescope.analyses.jitter import jitter`: several share their module's name):
+
+- `summary`: the per-layer summary of a run (`moescope summary`, the demo);
+- `placement`: the load per expert-parallel rank under a placement, and reading a placement file;
+- `placement_whatif`: the rebalance what-if (other placements fitted on one window, on every window);
+- `traffic`: what a placement costs on the wire, per layer, window and tag;
+- `expert_cache`: the expert-cache what-if;
+- `jitter`: does the same token go to the same experts when a server runs it differently;
+- `mismatch`, `mismatch_engine`, `mismatch_replay`: engine vs reference routing, and its replay export;
+- `training_report`: a training run read back per optimizer step and layer;
+- `tokens`: token ids as text for people.
+
+`moescope.analyses.eplb` is an old name of `moescope.metrics.eplb`, kept for importers.
+"""
+
+__all__ = ["expert_cache", "jitter", "mismatch", "mismatch_engine", "mismatch_replay", "placement", "placement_whatif",
+           "summary", "tokens", "traffic", "training_report"]

@@ -1,6 +1,6 @@
 """What a placement costs on the wire, per layer, window and tag: `moescope traffic` and the placement page.
 
-For a run's recorded routes and a placement (`moescope.analyses.placement.Placement`) with ranks
+For a run's recorded routes and a placement (`moescope.metrics.placement.Placement`) with ranks
 grouped into nodes, every token's dispatch fan-out is counted by `moescope.metrics.traffic` (the
 one definition): remote ranks and nodes per token against the floor a perfect placement could
 reach, the rank x rank matrix of tokens sent and its node x node sum, the busiest link, the
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from moescope.analyses.placement import Placement, PlacementError, contiguous_layout
 from moescope.metrics import traffic as wire
+from moescope.metrics.eplb import eplb
+from moescope.metrics.placement import Placement, PlacementError, contiguous_layout, wire_layout
 from moescope.store import Store
 
 DEFAULT_RANKS_PER_NODE = wire.DEFAULT_RANKS_PER_NODE
@@ -87,19 +88,6 @@ def read_model_config(path: str) -> tuple[int, float]:
         raise PlacementError(f"{path}: no hidden_size; give --hidden-size")
     dtype = str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16").replace("torch.", "")
     return hidden, float(DTYPE_BYTES.get(dtype, 2))
-
-
-def wire_layout(placement: Placement, layer: int, num_experts: int, rank_node: np.ndarray) -> wire.WireLayout:
-    """One layer of `placement` as the arrays `moescope.metrics.traffic` counts with.
-    Raises PlacementError where the placement does not fit the layer or the nodes."""
-    per_rank = placement.rank_experts(layer, num_experts)
-    if len(rank_node) != placement.ranks:
-        raise PlacementError(f"the nodes hold {len(rank_node)} ranks, but {placement.source} has {placement.ranks}")
-    placement.shares(layer, num_experts)  # every expert has a slot, every slot a known expert
-    slot_rank = [r for r, experts in enumerate(per_rank) for _ in experts]
-    slot_expert = [e for experts in per_rank for e in experts]
-    return wire.WireLayout(np.array(slot_rank, dtype=np.int64), np.array(slot_expert, dtype=np.int64),
-                           rank_node, num_experts)
 
 
 def default_home(store: Store, run_id: str) -> str:
@@ -215,12 +203,10 @@ def coselection_placement(store: Store, run_id: str, like: Placement, rank_node:
 
 def eplb_placement(store: Store, run_id: str, ranks: int, rank_node: np.ndarray, groups: int = 1,
                    redundant: int = 0, tags: dict[str, str] | None = None) -> Placement:
-    """DeepSeek's EPLB (`moescope.analyses.eplb.eplb`, issue 35's what-if) fitted on the run's loads
+    """DeepSeek's EPLB (`moescope.metrics.eplb.eplb`, issue 35's what-if) fitted on the run's loads
     (the steps carrying `tags`), on `ranks` ranks in the nodes of `rank_node` (the hierarchical
     policy where the nodes are even and divide `groups`, else the global one). Raises
     PlacementError for a run without loads or a shape EPLB cannot place."""
-    from moescope.analyses.eplb import eplb
-
     totals = store.layer_totals(run_id, tags=tags)
     if totals.empty:
         raise PlacementError(f"run {run_id!r} recorded no expert load (under these tags) to fit EPLB on")

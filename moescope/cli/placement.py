@@ -2,9 +2,10 @@
 per layer, and what other placements would have done.
 
 The figures come from `moescope.analyses.placement` (the store's `rank_loads`, the routes rows and
-the signals' `balancedness` and `imbalance`; `placement_whatif` and `moescope.analyses.eplb` for the
-what-if); this module only reads the arguments and prints. A `.pt` file is an SGLang recorder dump:
-its `last_physical_to_logical_map` is the placement (torch is imported for that file only).
+the signals' `balancedness` and `imbalance`; `moescope.analyses.placement_whatif` and
+`moescope.metrics.eplb` for the what-if); this module only reads the arguments and prints. A `.pt`
+file is an SGLang recorder dump: its `last_physical_to_logical_map` is the placement (torch is
+imported for that file only).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_placement_command)
 
 
-DISPATCH_NAMES = ("even", "vllm", "sglang-static", "sglang-dynamic", "trtllm")  # analyses.placement.DISPATCH
+DISPATCH_NAMES = ("even", "vllm", "sglang-static", "sglang-dynamic", "trtllm")  # metrics.dispatch.DISPATCH
 
 
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,8 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_placement(path: str | None, ranks: int | None):
     """The placement the arguments name. Raises PlacementError (a ValueError) for a missing or bad one."""
-    from moescope.analyses.placement import Placement, PlacementError, read_placement
+    from moescope.analyses.placement import read_placement
+    from moescope.metrics.placement import Placement, PlacementError
 
     if path is None:
         if ranks is None:
@@ -154,14 +156,10 @@ def format_whatif(report, run_id: str) -> str:
 
 
 def _placement_command(args: argparse.Namespace) -> int:
-    from moescope.analyses.placement import (
-        PlacementError,
-        WhatIfSetup,
-        placement_report,
-        placement_whatif,
-        write_whatif,
-    )
+    from moescope.analyses.placement import placement_report
+    from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif, write_whatif
     from moescope.ingest.importers.tables import parse_tags
+    from moescope.metrics.placement import PlacementError
     from moescope.store import Store
 
     tags = parse_tags(args.tag) or None

@@ -139,7 +139,7 @@ def format_comparison(frame) -> str:
 def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, groups: int = 1,
                   redundant: int = 0) -> dict:
     from moescope.analyses import traffic
-    from moescope.analyses.placement import Placement, PlacementError
+    from moescope.metrics.placement import Placement, PlacementError
 
     out = {placement.source: placement}
     for name in [n.strip() for n in names.split(",") if n.strip()]:

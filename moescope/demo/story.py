@@ -34,8 +34,8 @@ from moescope.alerts.rules import load_rules
 from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
 from moescope.analyses.jitter import jitter
+from moescope.analyses.summary import format_summary
 from moescope.cli import program_name
-from moescope.cli.summary import format_summary
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
 from moescope.metrics.signals import specialisation_by_layer
@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None:
     _say("")
-    _say(format_summary(store_root, run_id))
+    _say(format_summary(store_root, run_id, program=program_name()))
     _say("")
     _say("Headline figures")
     for domain, fraction in figures["active_fraction_by_domain"].items():

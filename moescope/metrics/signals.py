@@ -38,12 +38,17 @@ are defined here once, with two rules:
 
 At the end, a few signals over a whole query result (the store's frames in, a table out):
 specialisation per layer and divergence per window, so that every view reads them from here.
+
+The other ideas of the metrics room have modules of their own, built on these: rank balance under
+a placement (`moescope.metrics.ranks`), the capacity what-if (`moescope.metrics.capacity`) and the
+figures of a layer and a run (`moescope.metrics.figures`). Their names are still found here
+(`signals.run_figures`, `signals.replica_shares`, ...), loaded on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +57,59 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = [
+    "balancedness", "coefficient_of_variation", "dead_expert_count", "dead_expert_fraction", "DEFAULT_SMOOTHING",
+    "divergence_over_time", "dropped_token_rate", "expert_tag_contingency", "extreme_experts", "imbalance",
+    "jain_fairness", "js_divergence", "kl_divergence", "load_balancing_loss", "load_distribution", "load_entropy",
+    "load_spread", "LoadSpread", "max_mean_ratio", "normalized_entropy", "normalized_mutual_information",
+    "routed_load", "router_entropy", "router_z_loss", "RouterEntropy", "routing_drift_rate",
+    "specialisation_by_layer", "switch_entropy", "token_weighted_mean", "uniform_load", "zero_expert_share",
+]
+
 DEFAULT_SMOOTHING = 0.5
-CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
+
+# Names that moved to a module of their own (issue 46): still read here, each defined once there, and
+# loaded on first use, as those modules import this one.
+_MOVED = {
+    **dict.fromkeys(("REPLICA_SPLITS", "replica_shares", "expected_rank_tokens", "balancedness_over_layers",
+                     "rank_load"), "moescope.metrics.ranks"),
+    **dict.fromkeys(("CAPACITY_FACTORS", "WhatIfCapacity", "expert_capacity", "whatif_capacity"),
+                    "moescope.metrics.capacity"),
+    **dict.fromkeys(("LayerFigures", "layer_figures", "RunFigures", "run_figures", "RunCounts", "run_counts",
+                     "layer_figures_of"), "moescope.metrics.figures"),
+}
+
+if TYPE_CHECKING:
+    from moescope.metrics.capacity import (  # noqa: F401
+        CAPACITY_FACTORS,
+        WhatIfCapacity,
+        expert_capacity,
+        whatif_capacity,
+    )
+    from moescope.metrics.figures import (  # noqa: F401
+        LayerFigures,
+        RunCounts,
+        RunFigures,
+        layer_figures,
+        layer_figures_of,
+        run_counts,
+        run_figures,
+    )
+    from moescope.metrics.ranks import (  # noqa: F401
+        REPLICA_SPLITS,
+        balancedness_over_layers,
+        expected_rank_tokens,
+        rank_load,
+        replica_shares,
+    )
+else:
+    def __getattr__(name: str) -> Any:
+        module = _MOVED.get(name)
+        if module is None:
+            raise AttributeError(f"module 'moescope.metrics.signals' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
 
 
 def _as_load(load: np.ndarray | list[float]) -> np.ndarray:
@@ -160,115 +216,6 @@ def imbalance(load: np.ndarray) -> float:
     arr = _as_load(load)
     mean = arr.mean()
     return float((arr.max() - mean) / mean) if mean > 0 else float("nan")
-
-
-REPLICA_SPLITS = ("even", "local")
-
-
-def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: int, ranks: int,
-                   split: str = "even") -> np.ndarray:
-    """Return the share of each logical expert's load that each rank serves: an (E, R) float array.
-
-    A placement's physical slots each hold one logical expert on one rank (`slot_rank[s]`,
-    `slot_expert[s]`); a logical expert with several slots (redundant copies) has its load split
-    over them by `split`:
-
-    - "even": evenly over its slots, so a rank serves (its slots of e) / (all slots of e) of expert
-      e's load (a uniform choice of copy per slot, or a round robin, in the long run);
-    - "local": a token is served on its own rank where that rank holds a copy, and by the copies in
-      equal parts where it does not, with tokens coming evenly from all R ranks: a rank with n_r of
-      the expert's n copies serves (1[n_r > 0] + (R - D) n_r / n) / R, D the ranks holding a copy.
-
-    Every row sums to 1: a token's slot is counted once, on whichever rank serves it, never twice.
-    Raises ValueError for a logical expert with no slot, an expert or rank outside 0..E-1 / 0..R-1,
-    or an unknown split.
-    """
-    if split not in REPLICA_SPLITS:
-        raise ValueError(f"unknown split {split!r}: one of {', '.join(REPLICA_SPLITS)}")
-    slot_rank = np.asarray(slot_rank, dtype=np.int64)
-    slot_expert = np.asarray(slot_expert, dtype=np.int64)
-    if slot_rank.shape != slot_expert.shape or slot_rank.ndim != 1:
-        raise ValueError("slot_rank and slot_expert must be 1-d arrays of the same length (one entry per slot)")
-    outside = slot_expert[(slot_expert < 0) | (slot_expert >= num_experts)]
-    if outside.size:
-        raise ValueError(f"a slot holds expert {int(outside[0])}, outside 0..{num_experts - 1}")
-    outside = slot_rank[(slot_rank < 0) | (slot_rank >= ranks)]
-    if outside.size:
-        raise ValueError(f"a slot is on rank {int(outside[0])}, outside 0..{ranks - 1}")
-    counts = np.zeros((num_experts, ranks), dtype=np.float64)
-    np.add.at(counts, (slot_expert, slot_rank), 1.0)
-    replicas = counts.sum(axis=1, keepdims=True)
-    if (replicas == 0).any():
-        missing = np.flatnonzero(replicas[:, 0] == 0)
-        raise ValueError(f"expert(s) {', '.join(map(str, missing[:8].tolist()))} have no slot: every logical "
-                         "expert needs at least one")
-    if split == "local":
-        holding = counts > 0
-        held = holding.sum(axis=1, keepdims=True)
-        return (holding + (ranks - held) * counts / replicas) / ranks
-    return counts / replicas
-
-
-def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ranks: int,
-                         row_group: np.ndarray | None = None, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Return (tokens, slots), each a (groups, R) float array: per group of rows and rank, the distinct
-    tokens the rank serves and the slots it serves.
-
-    Each entry says that slot of token `row[i]` runs on `rank[i]` with probability `prob[i]` (1 where
-    the engine's choice of copy is known, the copy's share where it is drawn at random). A token
-    counts once on a rank however many of its slots land there: its expected count there is
-    1 - prod(1 - p) over its entries on that rank. `row_group` (indexed by row) puts each token in a
-    group 0..groups-1 (a window); None: one group. Entries with p = 0 count nowhere.
-    """
-    row = np.asarray(row, dtype=np.int64)
-    rank = np.asarray(rank, dtype=np.int64)
-    prob = np.asarray(prob, dtype=np.float64)
-    tokens = np.zeros((groups, ranks))
-    slots = np.zeros((groups, ranks))
-    if row.size == 0:
-        return tokens, slots
-    entry_group = np.zeros(row.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[row]
-    slots += np.bincount(entry_group * ranks + rank, weights=prob, minlength=groups * ranks).reshape(groups, ranks)
-    key = row * ranks + rank
-    if (int(row.max()) + 1) * ranks <= 4 * row.size:  # few (token, rank) cells: counted without a sort
-        keys = np.arange((int(row.max()) + 1) * ranks)
-        cell = key
-    else:
-        keys, cell = np.unique(key, return_inverse=True)
-    cells = keys.size
-    certain = np.bincount(cell, weights=(prob >= 1.0).astype(np.float64), minlength=cells) > 0
-    missed = np.bincount(cell, weights=np.log1p(-np.minimum(prob, 1.0 - 1e-12)), minlength=cells)
-    present = np.bincount(cell, minlength=cells) > 0
-    token = np.where(certain, 1.0, np.where(present, -np.expm1(missed), 0.0))
-    cell_row, cell_rank = keys // ranks, keys % ranks
-    cell_group = np.zeros(cells, dtype=np.int64) if row_group is None else np.asarray(row_group)[cell_row]
-    tokens += np.bincount(cell_group * ranks + cell_rank, weights=token,
-                          minlength=groups * ranks).reshape(groups, ranks)
-    return tokens, slots
-
-
-def balancedness_over_layers(rank_loads: np.ndarray) -> float:
-    """Return sum over layers of the mean rank load / sum over layers of the busiest rank's load.
-
-    `rank_loads` is [layers, ranks]. Every layer waits for its busiest rank, so this is the share of
-    an expert-parallel forward's MoE time that does useful work (vLLM's balancedness of the whole
-    forward, layers weighted by their load); 1 is even. NaN when nothing was served.
-    """
-    arr = np.asarray(rank_loads, dtype=np.float64)
-    peak = arr.max(axis=1).sum() if arr.size else 0.0
-    return float(arr.mean(axis=1).sum() / peak) if peak > 0 else float("nan")
-
-
-def rank_load(load: np.ndarray | list[float], shares: np.ndarray) -> np.ndarray:
-    """Return the slots each rank serves: a load of E experts times `replica_shares`' (E, R) shares.
-
-    Raises ValueError when the load's experts and the shares' rows differ.
-    """
-    arr = _as_load(load)
-    shares = np.asarray(shares, dtype=np.float64)
-    if shares.ndim != 2 or shares.shape[0] != arr.size:
-        raise ValueError(f"a load of {arr.size} experts needs (experts, ranks) shares, got shape {shares.shape}")
-    return arr @ shares
 
 
 def normalized_entropy(entropy_nats: float, num_choices: int) -> float:
@@ -429,61 +376,7 @@ def switch_entropy(
     return normalized_entropy(float(-np.sum(p * np.log(p))), num_experts * num_experts)
 
 
-@dataclass(frozen=True)
-class WhatIfCapacity:
-    """Drops that a capacity limit of `capacity` slots per expert would have caused."""
-
-    capacity_factor: float
-    capacity: int
-    dropped_tokens: int  # tokens whose every slot would be dropped
-    dropped_assignments: int  # (token, slot) pairs over capacity
-    tokens: int
-
-    @property
-    def dropped_token_rate(self) -> float:
-        return self.dropped_tokens / self.tokens if self.tokens else float("nan")
-
-
-def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Return ceil(capacity_factor * tokens * top_k / num_experts), the GShard/Switch capacity."""
-    return math.ceil(capacity_factor * tokens * top_k / num_experts)
-
-
-def whatif_capacity(
-    expert_ids: np.ndarray, num_experts: int, capacity_factors: tuple[float, ...] = CAPACITY_FACTORS
-) -> dict[float, WhatIfCapacity]:
-    """Return, per capacity factor, the drops the observed routes of one forward would have had.
-
-    `expert_ids` is the (tokens, k) choice of one forward. Slots are admitted in priority order
-    as GShard does it: every token's first choice before any second choice, tokens in batch
-    order within a slot; an expert admits `expert_capacity(...)` slots and drops the rest.
-    """
-    ids = np.asarray(expert_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"expert_ids must be (tokens, k), got shape {ids.shape}")
-    tokens, top_k = ids.shape
-    flat = ids.T.reshape(-1).astype(np.int64)  # slot-major priority order
-    # rank of each assignment among the earlier assignments to the same expert
-    order = np.argsort(flat, kind="stable")
-    sorted_ids = flat[order]
-    starts = np.searchsorted(sorted_ids, sorted_ids, side="left")
-    rank = np.empty_like(flat)
-    rank[order] = np.arange(flat.size) - starts
-    out: dict[float, WhatIfCapacity] = {}
-    for cf in capacity_factors:
-        cap = expert_capacity(tokens, top_k, num_experts, cf)
-        kept = (rank < cap).reshape(top_k, tokens).T
-        out[cf] = WhatIfCapacity(
-            capacity_factor=cf,
-            capacity=cap,
-            dropped_tokens=int(np.count_nonzero(~kept.any(axis=1))),
-            dropped_assignments=int(np.count_nonzero(~kept)),
-            tokens=tokens,
-        )
-    return out
-
-
-# -- derived metrics of recorded runs (every view shows these, computed here) ------------------
+# -- the rules every derived figure follows (`moescope.metrics.figures` applies them) -------------
 
 
 def token_weighted_mean(values: np.ndarray | list[float], tokens: np.ndarray | list[float]) -> float:
@@ -608,129 +501,6 @@ def normalized_mutual_information(contingency: np.ndarray) -> float:
     entropy_b = -float(np.sum(marginal_b * np.log(marginal_b)))
     return min(1.0, mutual_info / ((entropy_a + entropy_b) / 2))
 
-
-@dataclass(frozen=True)
-class LayerFigures:
-    """What every view shows for one MoE layer over a selection of rows (a run, a tag, a window)."""
-
-    layer: int
-    tokens: int  # tokens the layer routed
-    slots: int  # kept top-k assignments (sum of the expert load)
-    spread: LoadSpread  # over the routed experts
-    zero_expert_share: float  # of the slots, to zero experts; NaN for a layer without them
-    entropy: RouterEntropy
-    dropped_tokens: int  # tokens no expert processed
-    dropped_token_rate: float  # dropped_tokens / tokens; NaN where drops were not recorded
-
-
-def _recorded(value: float | None) -> bool:
-    """False for a value a source did not record: None, NaN, or pandas' NA (from a null column)."""
-    try:
-        return value is not None and not math.isnan(float(value))
-    except TypeError:
-        return False
-
-
-def layer_figures(layer: int, expert_load: np.ndarray | list[float], num_experts: int | None, zero_experts: int,
-                  tokens: int, router_entropy_nats: float, dropped_tokens: int | None) -> LayerFigures:
-    """Return one layer's figures from its summed load and totals (a `Store.layer_totals` row).
-
-    `num_experts` counts routed experts (None: every entry of the load is one); the router's width
-    is num_experts + zero_experts. A NaN entropy or None drops mean "not recorded by this source".
-    """
-    load = np.asarray(expert_load, dtype=np.float64)
-    routed = load.size if num_experts is None else int(num_experts)
-    recorded = _recorded(dropped_tokens)
-    dropped = int(dropped_tokens) if recorded and dropped_tokens is not None else 0
-    return LayerFigures(
-        layer=int(layer), tokens=int(tokens), slots=int(load.sum()),
-        spread=load_spread(load, routed, tokens),
-        zero_expert_share=zero_expert_share(load, routed) if zero_experts else float("nan"),
-        entropy=router_entropy([router_entropy_nats], [tokens], routed + int(zero_experts or 0)),
-        dropped_tokens=dropped,
-        dropped_token_rate=dropped_token_rate(dropped, tokens) if tokens > 0 and recorded else float("nan"))
-
-
-@dataclass(frozen=True)
-class RunFigures:
-    """The headline figures over every layer of a selection, aggregated by the rules above."""
-
-    layer_tokens: int  # tokens summed over layers (a token counts once per layer it passed)
-    load_cv: float  # token-weighted mean over layers of each layer's CV
-    entropy: RouterEntropy  # token-weighted over layers (and, inside each layer, over its rows)
-    dropped_tokens: int  # summed over layers
-    dropped_token_rate: float  # dropped_tokens / layer_tokens of the layers that record drops; NaN if none does
-    hottest: LayerFigures | None  # the layer whose busiest expert has the largest share of its slots
-
-
-def run_figures(layers: list[LayerFigures]) -> RunFigures:
-    """Return the headline figures of per-layer figures (NaN and None where there is no layer)."""
-    tokens = np.array([f.tokens for f in layers], dtype=np.float64)
-    total = int(tokens.sum())
-    dropped = sum(f.dropped_tokens for f in layers)
-    # tokens of the layers whose source records drops: an importer's layers (NaN rate) count as unknown, not 0
-    dropping = sum(f.tokens for f in layers if not math.isnan(f.dropped_token_rate))
-    entropy = RouterEntropy(token_weighted_mean([f.entropy.nats for f in layers], tokens),
-                            token_weighted_mean([f.entropy.normalized for f in layers], tokens))
-    shares = [f.spread.hottest_slot_share for f in layers]
-    hottest = layers[int(np.nanargmax(shares))] if layers and not np.isnan(shares).all() else None
-    return RunFigures(layer_tokens=total, load_cv=token_weighted_mean([f.spread.cv for f in layers], tokens),
-                      entropy=entropy, dropped_tokens=dropped,
-                      dropped_token_rate=dropped / dropping if dropping else float("nan"), hottest=hottest)
-
-
-@dataclass(frozen=True)
-class RunCounts:
-    """A run's headline counts, both in one unit: summed over every rank that recorded the run.
-
-    `forwards` counts forward passes (a windowed row counts the forwards it holds) and `tokens` the
-    tokens those forwards routed, each over all `ranks`; `forwards_per_rank` is the per-rank figure
-    (what a step count of a data-parallel job reads as), never shown beside a summed token count
-    without its words."""
-
-    forwards: int
-    tokens: int
-    ranks: int
-
-    @property
-    def forwards_per_rank(self) -> float:
-        return self.forwards / self.ranks if self.ranks else 0.0
-
-    @property
-    def over_ranks(self) -> str:
-        """The words that say the unit: '' for one rank, 'over 2 ranks' for more."""
-        return f"over {self.ranks:,} ranks" if self.ranks > 1 else ""
-
-    def headline(self) -> str:
-        """'80 forwards and 10,240 tokens over 2 ranks (40 forwards per rank)'; for one rank
-        '40 forwards, 5,120 tokens'."""
-        if self.ranks <= 1:
-            return f"{self.forwards:,} forwards, {self.tokens:,} tokens"
-        text = f"{self.forwards:,} forwards and {self.tokens:,} tokens"
-        return f"{text} {self.over_ranks} ({self.forwards_per_rank:,.0f} forwards per rank)"
-
-
-def run_counts(totals: Mapping[str, object]) -> RunCounts:
-    """The headline counts of a `store.Store.step_totals` answer (its `forwards`, `tokens` and
-    `ranks`, all summed over ranks): what `moescope summary` and the dashboard's Overview show."""
-    def count(key: str) -> int:
-        value: Any = totals.get(key)
-        return int(value) if _recorded(value) else 0
-
-    return RunCounts(forwards=count("forwards"), tokens=count("tokens"), ranks=count("ranks"))
-
-
-def _present(value: object) -> bool:
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
-
-
-def layer_figures_of(rows) -> list[LayerFigures]:
-    """`layer_figures` of each row of `store.Store.layer_totals` (its `itertuples()`)."""
-    return [layer_figures(r.layer, r.expert_load, int(r.num_experts) if _present(r.num_experts) else None,
-                          int(r.zero_experts) if _present(r.zero_experts) else 0, int(r.tokens or 0),
-                          float(r.router_entropy) if _present(r.router_entropy) else float("nan"),
-                          r.dropped_tokens if _present(r.dropped_tokens) else None)
-            for r in rows]
 
 
 # -- signals over the store's frames -----------------------------------------------------------

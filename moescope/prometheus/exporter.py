@@ -24,7 +24,7 @@ runs the model, which stops as every long-running moescope process does (`moesco
 
 The exporter keeps, per MoE layer, the last `window_steps` steps and a few running totals; a
 custom collector computes the gauges from that window at each scrape (through the same
-`alerts.window.compute_signals` the rules engine uses) and yields fresh metric families, so no
+`moescope.alerts.observations.compute_signals` the rules engine uses) and yields fresh metric families, so no
 state is carried between scrapes.
 
 Names follow Prometheus' conventions: one prefix (`moescope_`), base units (seconds, nats),
@@ -41,7 +41,7 @@ does not count) and then loses it; at most K such leavers are kept per layer, th
 going first. So a layer never has more than 3K expert series (2K while no expert is leaving),
 whatever its number of experts. Per layer beside them: `moescope_layer_dead_experts` and Jain's
 fairness index `moescope_layer_load_fairness_ratio` (`signals.jain_fairness`), and with a
-`placement` (`ExpertPlacement`; `moescope.analyses.placement.Placement` is one) three rank
+`placement` (a `moescope.metrics.placement.Placement`) three rank
 figures, whatever the number of ranks: the rank signals of the rules (`compute_signals`),
 `moescope_layer_rank_balancedness_ratio` (mean / max slots over ranks, vLLM's and SGLang's
 balancedness) and `moescope_layer_rank_imbalance` ((max - mean) / mean, TensorRT-LLM's), and
@@ -52,7 +52,7 @@ starts in the same process the exporter starts over (counters reset, which `rate
 Expert cache: with `cache_capacity=C` (experts of a layer resident in device memory, for
 offloaded serving), `moescope_layer_expert_cache_hit_ratio{layer,policy}` is the share of the
 window's expert accesses whose expert was already resident, for policy lru, lfu and belady (the
-offline optimum), replayed from the window's routes by `alerts.cache` (its definitions: zero
+offline optimum), replayed from the window's routes by `moescope.metrics.expert_cache` (its definitions: zero
 experts and dropped slots are no access, a token's experts are needed at once). The cache starts
 empty at the window's first replayed token, so compulsory misses count; at most the window's
 last `cache_max_tokens` tokens are replayed, which bounds the work of a scrape. Only layers whose
@@ -71,7 +71,6 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 import numpy as np
@@ -91,6 +90,8 @@ from moescope.core.records import RunInfo, StepRecord
 from moescope.metrics import signals as sig
 from moescope.metrics import traffic as wire
 from moescope.metrics.expert_cache import POLICIES, cache_hit_rate, expert_accesses
+from moescope.metrics.placement import LayerPlacements, Placement
+from moescope.metrics.ranks import rank_load
 
 log = logging.getLogger(__name__)
 
@@ -151,25 +152,6 @@ EXPERT_GRACE_S = 300.0  # an expert that left them keeps its series this long (e
 COMPUTE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-class ExpertPlacement(Protocol):
-    """What the exporter needs of a placement of experts on expert-parallel ranks.
-
-    `moescope.analyses.placement.Placement` is one (the exporter cannot import it: analyses read
-    the store, the exporter sees only live records). `shares(layer, num_experts)` returns the (E, R)
-    share of each expert's load each rank serves (`signals.replica_shares`: redundant copies split
-    evenly, rows summing to 1) and raises ValueError where the placement does not fit the layer.
-    """
-
-    @property
-    def ranks(self) -> int: ...
-
-    def shares(self, layer: int, num_experts: int) -> np.ndarray: ...
-
-    def slots(self, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-        """(slot_rank, slot_expert) of every physical slot: what the traffic series count with."""
-        ...
-
-
 class _Layer:
     def __init__(self, window_steps: int):
         self.history = LayerHistory(window_steps)
@@ -194,7 +176,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         baseline_steps: int = 32,
         hot_cold_experts: int = HOT_COLD_EXPERTS,
         expert_grace_s: float = EXPERT_GRACE_S,
-        placement: ExpertPlacement | None = None,
+        placement: Placement | None = None,
         cache_capacity: int | None = None,
         cache_max_tokens: int = 4096,
         ranks_per_node: int = wire.DEFAULT_RANKS_PER_NODE,
@@ -205,7 +187,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
             baseline_steps: forwards of each layer's start that form its baseline load.
             hot_cold_experts: K, the hottest and coldest experts per layer that get a series (0: none).
             expert_grace_s: seconds of event time an expert keeps its series after leaving them.
-            placement: experts on ranks (e.g. `analyses.placement.Placement`); None: no rank series.
+            placement: experts on ranks (`moescope.metrics.placement.Placement`); None: no rank series.
             cache_capacity: experts per layer resident in device memory, for the cache hit rate.
             cache_max_tokens: the most tokens of a window replayed for it.
             ranks_per_node: consecutive ranks of the placement that share a node, for the traffic series.
@@ -217,9 +199,9 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         if hot_cold_experts < 0 or not expert_grace_s >= 0:
             raise ValueError(f"hot_cold_experts (K experts per layer and side, 0 for none) and expert_grace_s "
                              f"(seconds) must be >= 0, not {hot_cold_experts} and {expert_grace_s}")
-        if placement is not None and (not hasattr(placement, "shares") or int(placement.ranks) < 1):
-            raise ValueError("placement needs `ranks` (>= 1) and `shares(layer, num_experts)`; build one with "
-                             "moescope.analyses.placement.Placement.contiguous(R) or read_placement(FILE)")
+        if placement is not None and (not isinstance(placement, Placement) or int(placement.ranks) < 1):
+            raise ValueError("placement must be a moescope.metrics.placement.Placement of at least one rank; build "
+                             "one with Placement.contiguous(R) or moescope.analyses.placement.read_placement(FILE)")
         if (cache_capacity is not None and cache_capacity < 1) or cache_max_tokens < 1:
             raise ValueError("cache_capacity (experts resident per layer) and cache_max_tokens must be >= 1")
         self.cache_capacity = cache_capacity
@@ -231,11 +213,12 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
         self.hot_cold_experts = int(hot_cold_experts)
         self.expert_grace_s = float(expert_grace_s)
         self.placement = placement
-        self._rank_shares: dict[tuple[int, int], np.ndarray | None] = {}  # (layer, experts) -> (E, R), None: unfit
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, not {ranks_per_node}")
         self.ranks_per_node = int(ranks_per_node)
-        self._wire_layouts: dict[tuple[int, int], wire.WireLayout | None] = {}  # (layer, experts), None: unfit
+        # the placement's shares and wire layouts per layer, None (warned once) where it does not fit
+        self._layer_placements = None if placement is None else LayerPlacements(
+            placement, wire.default_rank_node(int(placement.ranks), self.ranks_per_node))
         self._lock = threading.Lock()
         self._run: RunInfo | None = None
         self._run_id: str | None = None
@@ -404,35 +387,6 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
 
     # -- what the collector reads -----------------------------------------------------------
 
-    def _shares(self, layer: int, num_experts: int) -> np.ndarray | None:
-        """The placement's (E, R) shares for a layer, computed once; None (warned once) where it does not fit."""
-        key = (layer, num_experts)
-        if key not in self._rank_shares:
-            assert self.placement is not None
-            try:
-                self._rank_shares[key] = np.asarray(self.placement.shares(layer, num_experts), dtype=np.float64)
-            except ValueError as e:
-                log.warning("no rank series for layer %d: the placement does not fit its %d experts (%s)",
-                            layer, num_experts, e)
-                self._rank_shares[key] = None
-        return self._rank_shares[key]
-
-    def _wire(self, layer: int, num_experts: int) -> wire.WireLayout | None:
-        """The placement of a layer with its ranks' nodes, for the traffic series, built once; None
-        (warned once) where it does not fit."""
-        key = (layer, num_experts)
-        if key not in self._wire_layouts:
-            assert self.placement is not None
-            try:
-                slot_rank, slot_expert = self.placement.slots(layer, num_experts)
-                nodes = wire.default_rank_node(int(self.placement.ranks), self.ranks_per_node)
-                self._wire_layouts[key] = wire.WireLayout(slot_rank, slot_expert, nodes, num_experts)
-            except ValueError as e:
-                log.warning("no traffic series for layer %d: the placement does not fit its %d experts (%s)",
-                            layer, num_experts, e)
-                self._wire_layouts[key] = None
-        return self._wire_layouts[key]
-
     def bind_probe_stats(self, source: Callable[[], ProbeStats]) -> None:
         """Called by the probe at attach: `source()` returns (written, dropped) as in
         `observe_probe_stats`, and is read afresh at every scrape."""
@@ -599,15 +553,17 @@ class _RoutingCollector(Collector):
 
     def _rank_shares(self, index: int, layer: dict) -> np.ndarray | None:
         """The placement's (routed experts, ranks) shares for a layer; None without a placement or a window."""
-        if self.exporter.placement is None or layer["window_load"] is None:
+        placements = self.exporter._layer_placements
+        if placements is None or layer["window_load"] is None:
             return None
-        return self.exporter._shares(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
+        return placements.shares(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
 
     def _wire_layout(self, index: int, layer: dict) -> wire.WireLayout | None:
         """The placement's layout of a layer for the traffic series; None without a placement or a window."""
-        if self.exporter.placement is None or layer["window_load"] is None:
+        placements = self.exporter._layer_placements
+        if placements is None or layer["window_load"] is None:
             return None
-        return self.exporter._wire(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
+        return placements.wire(index, sig.routed_load(layer["window_load"], layer["routed_experts"]).size)
 
     def _rank_families(self, layers: dict) -> Iterator:
         """Per layer, under the exporter's placement, what goes beside the rank signals of SIGNAL_METRICS:
@@ -621,7 +577,7 @@ class _RoutingCollector(Collector):
             shares = self._rank_shares(index, layer)
             if shares is None:
                 continue
-            ranks = sig.rank_load(sig.routed_load(layer["window_load"], layer["routed_experts"]), shares)
+            ranks = rank_load(sig.routed_load(layer["window_load"], layer["routed_experts"]), shares)
             if ranks.sum() <= 0:
                 continue
             label = [str(index)]

@@ -13,8 +13,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import moescope
-from moescope.analyses.placement import Placement
 from moescope.cli import main as cli_main
+from moescope.metrics.placement import Placement
 from moescope.prometheus.exporter import PrometheusExporter
 from moescope.prometheus.grafana import RATE, dashboard_json, panel_queries, provisioning
 from tests.support.fixtures.servers import http_get_json, start_prometheus, wait_until

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from moescope.alerts.rules import default_rules
-from moescope.analyses.placement import Placement
 from moescope.core.records import Routes
+from moescope.metrics.placement import Placement
 from moescope.prometheus.exporter import PrometheusExporter
 from moescope.prometheus.rules import prometheus_rules_yaml
 from tests.support.alert_records import BALANCED, SKEWED, layer_step, routes_for, step_record

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from moescope import probe
-from moescope.analyses.placement import Placement
+from moescope.metrics.placement import Placement
 from moescope.prometheus.exporter import PrometheusExporter
 from tests.support.fixtures.servers import http_get_json, start_prometheus, wait_until
 from tests.support.zoo import tiny_model

@@ -9,6 +9,7 @@ from moescope.alerts.engine import AlertEngine, EngineExporter, fingerprint
 from moescope.alerts.observations import LayerObservation, compute_signals, observations_from_record
 from moescope.alerts.rules import parse_rules
 from moescope.metrics import signals as sig
+from moescope.metrics.capacity import whatif_capacity
 from tests.support.alert_records import BALANCED, EXPERTS, SKEWED, drift_per_1000, layer_step, step_record
 
 PACK = """\
@@ -133,7 +134,7 @@ def test_compute_signals_over_a_window_with_routes():
     assert np.isnan(vals["kl_baseline"])  # no baseline given
     assert vals["router_entropy"] == pytest.approx(1.5 / np.log(EXPERTS))
     # what-if: 128 tokens, k=2, 8 experts -> capacity 32 at cf 1.0; computed per step, summed
-    per_step = sig.whatif_capacity(recs[0].layers[0].routes.expert_ids, EXPERTS)
+    per_step = whatif_capacity(recs[0].layers[0].routes.expert_ids, EXPERTS)
     assert vals["whatif_drop_rate_cf1"] == pytest.approx(per_step[1.0].dropped_tokens / 128)
     assert vals["routing_drift_rate"] == pytest.approx(drift_per_1000([r.layers[0].routes for r in recs]))
     assert isinstance(obs[0], LayerObservation) and obs[0].active_param_fraction == pytest.approx(2000 / 100_000)

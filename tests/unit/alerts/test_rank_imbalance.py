@@ -12,7 +12,7 @@ import pytest
 from moescope.alerts.engine import AlertEngine
 from moescope.alerts.observations import observations_from_record
 from moescope.alerts.rules import default_rules
-from moescope.analyses.placement import Placement
+from moescope.metrics.placement import Placement
 from tests.support.alert_records import BALANCED, layer_step, step_record
 
 # expert 0 and 1 hot, side by side on rank 0 of the default layout over 4 ranks

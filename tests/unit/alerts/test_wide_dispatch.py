@@ -12,8 +12,8 @@ import pytest
 from moescope.alerts.engine import AlertEngine
 from moescope.alerts.observations import compute_signals, observations_from_record
 from moescope.alerts.rules import default_rules
-from moescope.analyses.placement import Placement
 from moescope.core.records import Routes
+from moescope.metrics.placement import Placement
 from tests.support.alert_records import layer_step, step_record
 
 EXPERTS, RANKS, PER_NODE, TOKENS = 16, 8, 4, 64

@@ -10,15 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from moescope.analyses.placement import (
-    Placement,
-    PlacementError,
-    WhatIfSetup,
-    placement_report,
-    placement_whatif,
-    read_placement,
-)
+from moescope.analyses.placement import placement_report, read_placement
+from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif
 from moescope.cli import main
+from moescope.metrics.placement import Placement, PlacementError
 from moescope.store import Store
 from moescope.store.location import open_location
 from moescope.store.writer import ParquetExporter
@@ -121,14 +116,6 @@ def test_bad_placement_files_say_what_is_wrong(tmp_path, document, message):
 def test_a_placement_missing_an_expert_of_the_run_is_refused(root):
     with Store(root) as store, pytest.raises(PlacementError, match=r"layer 0 \(6 experts\).*expert\(s\) 5"):
         placement_report(store, "r", Placement(2, default=((0, 1, 2), (3, 4)), source="p.yaml"))
-
-
-def test_sglang_map_slots_are_contiguous_per_rank():
-    placement = Placement.from_physical_to_logical(np.array([[0, 1, 2, 3, 3, 0]]), 3, source="dump.pt")
-    assert placement.rank_experts(0, 4) == ((0, 1), (2, 3), (3, 0))
-    np.testing.assert_allclose(placement.shares(0, 4), [[.5, 0, .5], [1, 0, 0], [0, 1, 0], [0, .5, .5]])
-    with pytest.raises(PlacementError, match="do not split evenly over 4 ranks"):
-        Placement.from_physical_to_logical(np.zeros((1, 6), dtype=int), 4, source="dump.pt")
 
 
 def test_the_command_prints_each_layer(root, capsys):
@@ -245,7 +232,7 @@ def test_the_home_rank_counts_where_the_engine_uses_it(three_rank_root, dispatch
 
 
 def test_local_split_is_the_average_over_home_ranks():
-    from moescope.metrics.signals import replica_shares
+    from moescope.metrics.ranks import replica_shares
 
     layout = REDUNDANT_LAYOUT
     slot_rank = [r for r, experts in enumerate(layout) for _ in experts]
@@ -264,7 +251,8 @@ def test_local_split_is_the_average_over_home_ranks():
 
 
 def test_the_runs_engine_picks_the_default_dispatch(root):
-    from moescope.analyses.placement import ENGINE_OF_SOURCE, dispatch_of_run
+    from moescope.analyses.placement import dispatch_of_run
+    from moescope.metrics.dispatch import ENGINE_OF_SOURCE
 
     assert ENGINE_OF_SOURCE == {"vllm": "vllm", "sglang": "sglang-static", "trtllm": "trtllm"}
     with Store(root) as store:
@@ -387,8 +375,8 @@ def test_routes_by_layer_reads_each_layer_whole_in_recording_order(root, max_row
 
 
 def test_the_command_offers_every_engines_dispatch(capsys):
-    from moescope.analyses.placement import DISPATCH
     from moescope.cli.placement import DISPATCH_NAMES
+    from moescope.metrics.dispatch import DISPATCH
 
     assert DISPATCH_NAMES == tuple(DISPATCH)  # the parser's choices (it imports no analysis) are the rules
     with pytest.raises(SystemExit):

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from moescope.analyses.placement import Placement, PlacementError, read_placement
+from moescope.analyses.placement import read_placement
 from moescope.analyses.traffic import (
     Wire,
     compare_placements,
@@ -19,6 +19,7 @@ from moescope.analyses.traffic import (
     traffic_report,
 )
 from moescope.cli import main
+from moescope.metrics.placement import Placement, PlacementError
 from moescope.store import Store
 from moescope.store.location import open_location
 from moescope.store.writer import ParquetExporter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moescope.cli.summary import format_summary
+from moescope.analyses.summary import format_summary
 from tests.support.deltafiles import snapshot_rows, write_run
 from tests.support.pages import app_for, assert_clean, open_page
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from moescope.analyses.placement import Placement
 from moescope.metrics import signals as sig
+from moescope.metrics.placement import Placement
 from moescope.prometheus.exporter import PrometheusExporter
 from tests.support.alert_records import layer_step, step_record
 
@@ -162,7 +162,7 @@ def test_rank_figures_split_a_redundant_experts_load_evenly_over_its_slots():
 def test_a_placement_that_does_not_fit_a_layer_drops_only_its_rank_series(caplog):
     registry = CollectorRegistry()
     exporter = PrometheusExporter(registry=registry, placement=Placement(ranks=2, layers={1: ((0, 1), (2,))}))
-    with caplog.at_level(logging.WARNING, logger="moescope.prometheus.exporter"):
+    with caplog.at_level(logging.WARNING, logger="moescope.metrics.placement"):
         feed(exporter, [[4, 3, 2, 1]], layers=(0, 1))  # layer 1's placement leaves expert 3 without a slot
         registry.collect()
         list(registry.collect())
@@ -170,6 +170,36 @@ def test_a_placement_that_does_not_fit_a_layer_drops_only_its_rank_series(caplog
     assert registry.get_sample_value("moescope_layer_rank_balancedness_ratio", {"layer": "1"}) is None
     assert registry.get_sample_value("moescope_layer_tokens_total", {"layer": "1"}) == 10
     assert sum("layer 1" in r.getMessage() for r in caplog.records) == 1  # warned once, not at every scrape
+
+
+def test_the_exporter_and_the_rules_engine_share_one_placements_shares(monkeypatch):
+    from moescope.alerts.engine import AlertEngine
+    from moescope.alerts.observations import observations_from_record
+    from moescope.alerts.rules import default_rules
+    from moescope.metrics import placement as placement_module
+
+    calls = []
+    real = placement_module.replica_shares
+    monkeypatch.setattr(placement_module, "replica_shares", lambda *a, **k: calls.append(a) or real(*a, **k))
+    placement = Placement.contiguous(2)
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(registry=registry, placement=placement)
+    engine = AlertEngine(default_rules(), placement=placement)
+    loads = [[4, 3, 2, 1], [2, 2, 1, 1]]
+    feed(exporter, loads, layers=(0, 1))
+    for i, load in enumerate(loads):
+        engine.ingest(observations_from_record(step_record(i, [layer_step(layer, load) for layer in (0, 1)])))
+    list(registry.collect())
+    list(registry.collect())
+    assert len(calls) == 2  # one per layer, for both readers and every scrape and evaluation
+    # what both read: slots per rank of the window's summed load, experts 0 and 1 on rank 0, 2 and 3 on rank 1
+    summed = [sum(load[e] for load in loads) for e in range(4)]
+    ranks = [summed[0] + summed[1], summed[2] + summed[3]]
+    for layer in ("0", "1"):
+        assert registry.get_sample_value("moescope_layer_rank_balancedness_ratio", {"layer": layer}) == pytest.approx(
+            sum(ranks) / 2 / max(ranks))
+    rule = next(r for r in engine.pack.rules if "rank_balancedness" in r.signals)
+    assert engine.signals(rule, "run-a", 0)["rank_balancedness"] == pytest.approx(sum(ranks) / 2 / max(ranks))
 
 
 def test_no_expert_series_with_k_zero_and_bad_settings_say_what_to_give():

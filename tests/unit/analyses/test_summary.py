@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moescope
-from moescope.cli.summary import format_summary, layer_rows
+from moescope.analyses.summary import format_summary, layer_rows
 from moescope.store import Store
 from tests.support.zoo import tiny_model
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moescope.analyses.eplb import eplb, load_aware
-from moescope.analyses.placement import PlacementError
+from moescope.metrics.eplb import eplb, load_aware
+from moescope.metrics.placement import PlacementError
 from tests.support.eplb_reference import reference_eplb
 
 

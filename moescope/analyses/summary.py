@@ -1,0 +1,167 @@
+"""The per-layer summary of one run: the report `moescope summary STORE` prints and the demo ends with.
+
+Every figure comes from a `store.Store` query and a `moescope.metrics` definition
+(`moescope.metrics.figures.layer_figures`, `run_figures`, `run_counts`), the same the dashboard shows
+under the same label. The command that prints it is `moescope.cli.summary`; the report names the
+program to run its example query with (`program`), so nothing here reads the command line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from moescope.metrics.figures import layer_figures_of, run_counts, run_figures
+from moescope.store import Store
+from moescope.store.location import StoreLocation, open_location
+from moescope.store.schema import NOT_RECORDED
+
+__all__ = ["format_summary", "host_rows", "layer_rows", "store_arguments"]
+
+
+def layer_rows(store: Store, run_id: str) -> list[dict]:
+    """Per MoE layer of a run: tokens, load spread (routed experts), router entropy (token-weighted,
+    nats and H / ln E), dropped tokens and their rate. See `moescope.metrics.figures.layer_figures`."""
+    rows = []
+    for f in layer_figures_of(store.layer_totals(run_id).itertuples()):
+        rows.append(dict(
+            layer=f.layer, tokens=f.tokens, max_over_mean=f.spread.max_mean, load_cv=f.spread.cv,
+            dead_experts=f.spread.dead_experts, entropy=f.entropy.nats, entropy_norm=f.entropy.normalized,
+            dropped_tokens=f.dropped_tokens, dropped_rate=f.dropped_token_rate))
+    return rows
+
+
+def host_rows(store: Store, run_id: str) -> list[dict]:
+    """Per host that recorded the run (`Store.host_totals`, `Store.host_layer_totals`): ranks,
+    forwards (per rank), tokens, load_cv (token-weighted over layers), max_over_mean (of the layer
+    whose busiest expert is furthest above the mean), dropped_rate (over layer-tokens)."""
+    totals = store.host_totals(run_id)
+    per_layer = store.host_layer_totals(run_id)
+    rows = []
+    for t in totals.itertuples():
+        layers = layer_figures_of(per_layer[per_layer.host == t.host].itertuples())
+        run = run_figures(layers)
+        spreads = [f.spread.max_mean for f in layers if not math.isnan(f.spread.max_mean)]
+        rows.append(dict(host=str(t.host), ranks=int(t.ranks), forwards=int(t.forwards), tokens=int(t.tokens or 0),
+                         load_cv=run.load_cv, max_over_mean=max(spreads) if spreads else math.nan,
+                         dropped_rate=run.dropped_token_rate))
+    return rows
+
+
+def _count(value: Any) -> int:
+    """A parameter count from a row: 0 where it is null (not recorded)."""
+    return 0 if value is None or (isinstance(value, float) and math.isnan(value)) else int(value)
+
+
+def _dropped(dropped: int, rate: float) -> str:
+    """The dropped-token cell: '—' where the source records no drops (its rate is NaN), never 0."""
+    return f"{'—':>8}" if math.isnan(rate) else f"{dropped:>8,}"
+
+
+def _cell(value: float, spec: str, width: int) -> str:
+    return f"{'—':>{width}}" if isinstance(value, float) and math.isnan(value) else f"{value:>{width}{spec}}"
+
+
+def _shown(value: str) -> str:
+    """An option's value as a message shows it: a URL without its user information or query."""
+    if "://" not in value:
+        return value
+    parts = urlsplit(value)
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def store_arguments(location: StoreLocation) -> str:
+    """The store as a command line names it: the (redacted) location and its --storage-option pairs."""
+    words = [location.redacted if not location.is_local else location.url]
+    for key, value in location.storage_options.items():
+        words += ["--storage-option", f"{key}={_shown(str(value))}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def format_summary(root: str | os.PathLike | StoreLocation, run_id: str | None = None,
+                   storage_options: Mapping[str, Any] | None = None, program: str = "moescope") -> str:
+    """A plain-text report of one run (the latest by default).
+
+    Args:
+        root: the store, a folder or a URL.
+        run_id: the run; None: the most recently started one.
+        storage_options: for a URL, as `moescope.attach` takes them.
+        program: how the report's example query calls moescope (the command line passes
+            `moescope.cli.program_name()`, which finds this installation's script).
+
+    Returns:
+        The report: the run's headline, a row per MoE layer and one for all, a per-host table for a run
+        recorded by more than one host (`host_rows`), the tags, and where the tables are.
+
+    Raises:
+        EmptyStoreError: the store holds no run.
+        UnknownRunError: the store does not hold `run_id`.
+    """
+    location = open_location(root, storage_options)
+    with Store(location) as store:
+        return _summary(store, location, store.check_run(run_id), program)
+
+
+def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -> str:
+    info = store.run_info(run_id) or {"model_class": "?", "total_params": 0, "source": "probe"}
+    source = str(info.get("source") or "probe")
+    not_recorded = f"{NOT_RECORDED} ({source})"
+    steps = store.step_totals(run_id)
+    total = _count(info["total_params"])
+    active = float(steps["active_params"]) if steps["steps"] and steps["active_params"] is not None else math.nan
+    layers = layer_figures_of(store.layer_totals(run_id).itertuples())
+    run = run_figures(layers)
+    counts = run_counts(steps).headline()
+    lines = [
+        f"run {run_id}: {info['model_class']}, " + (f"{total:,} parameters" if total else
+                                                   f"parameter counts {not_recorded}"),
+        f"{counts}; active parameters per token {active:,.0f} = {100 * active / total:.1f}% of the model"
+        if total and not math.isnan(active) else f"{counts}; active parameters per token {not_recorded}",
+        "",
+        f"{'layer':>5} {'tokens':>10} {'max/mean':>9} {'load CV':>8} {'dead':>5} {'entropy':>8} "
+        f"{'H/ln E':>8} {'dropped':>8} {'drop %':>7}",
+    ]
+    for r in layer_rows(store, run_id):
+        lines.append(f"{r['layer']:>5} {r['tokens']:>10,} {_cell(r['max_over_mean'], '.2f', 9)} "
+                     f"{_cell(r['load_cv'], '.2f', 8)} {r['dead_experts']:>5} {_cell(r['entropy'], '.3f', 8)} "
+                     f"{_cell(r['entropy_norm'], '.3f', 8)} {_dropped(r['dropped_tokens'], r['dropped_rate'])} "
+                     f"{_cell(100 * r['dropped_rate'], '.2f', 7)}")
+    if layers:
+        lines.append(f"{'all':>5} {run.layer_tokens:>10,} {'':>9} {_cell(run.load_cv, '.2f', 8)} {'':>5} "
+                     f"{_cell(run.entropy.nats, '.3f', 8)} {_cell(run.entropy.normalized, '.3f', 8)} "
+                     f"{_dropped(run.dropped_tokens, run.dropped_token_rate)} "
+                     f"{_cell(100 * run.dropped_token_rate, '.2f', 7)}")
+        lines.append("(load figures over routed experts; entropy and rates token-weighted; 'all' sums the "
+                     "layers' tokens)")
+        missing = [name for name, value in (("router entropy", run.entropy.nats),
+                                            ("dropped tokens", run.dropped_token_rate)) if math.isnan(value)]
+        if missing:
+            lines.append(f"(—: {' and '.join(missing)} {not_recorded})")
+    hosts = host_rows(store, run_id)
+    if len(hosts) > 1:
+        lines += ["", f"by host ({len(hosts)} hosts; a rank's rows belong to the host its runs row names):",
+                  f"  {'host':<24} {'ranks':>5} {'forwards':>9} {'tokens':>12} {'load CV':>8} {'max/mean':>9} "
+                  f"{'drop %':>7}"]
+        lines += [f"  {h['host'][:24]:<24} {h['ranks']:>5} {h['forwards']:>9,} {h['tokens']:>12,} "
+                  f"{_cell(h['load_cv'], '.2f', 8)} {_cell(h['max_over_mean'], '.2f', 9)} "
+                  f"{_cell(100 * h['dropped_rate'], '.2f', 7)}" for h in hosts]
+        lines.append("  (load CV token-weighted over layers; max/mean of the host's most uneven layer)")
+    tags = store.tag_totals(run_id)
+    if not tags.empty:
+        lines += ["", "by tag:"]
+        lines += [f"  {r.key}={r.value}: {r.steps:,} forwards, active fraction {100 * r.active_fraction:.2f}%"
+                  for r in tags.itertuples()]
+    where = location.url if location.is_local else location.redacted
+    lines += [
+        "",
+        f"tables: {where}/<table> (Delta Lake, partitioned by run_id: read them as Delta tables, not by globbing "
+        "their Parquet files)",
+        f"try:  {program} query {store_arguments(location)} \"SELECT layer, expert_ids, count(*) FROM routes "
+        "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""How an engine picks the copy of a redundant expert that serves a token's slot, and where each slot runs.
+
+`DISPATCH` names each engine's rule (read from their sources; docs/placement.md cites them), and
+`slot_ranks` applies it to a page of routes rows under a `moescope.metrics.placement.Placement`:
+the rank (and the probability) of every kept slot, from which `moescope.metrics.ranks` counts
+the slots and the distinct tokens each rank serves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moescope.metrics.placement import Placement, PlacementError
+
+TRTLLM_BLOCK_SLOTS = 1024  # TensorRT-LLM's routing kernel: 256 threads x 4 (token, k) slots per block
+
+# How each engine picks the copy of a redundant expert that serves a token's slot (read from their
+# sources; docs/placement.md cites them). name -> (the split of slot counts without routes, how).
+DISPATCH: dict[str, tuple[str, str]] = {
+    "even": ("even", "a uniform choice of copy per slot (no engine named)"),
+    "vllm": ("even", "vLLM EPLB: copy number (flat position of the slot in the forward's top-k ids) mod copies"),
+    "sglang-static": ("local", "SGLang --ep-dispatch-algorithm static: the copy on the token's own rank, "
+                               "else a fixed copy per rank drawn so that the copies share the ranks evenly"),
+    "sglang-dynamic": ("even", "SGLang --ep-dispatch-algorithm dynamic: a copy drawn at random per slot"),
+    "trtllm": ("even", "TensorRT-LLM load balancer: per 1024-slot block, the expert's n-th slot goes to copy "
+                       "(block + n + EP rank) mod copies"),
+}
+ENGINE_OF_SOURCE = {"vllm": "vllm", "sglang": "sglang-static", "trtllm": "trtllm"}
+
+
+def check_dispatch(dispatch: str) -> str:
+    """`dispatch` itself when `DISPATCH` names it; raises PlacementError naming the rules otherwise."""
+    if dispatch not in DISPATCH:
+        raise PlacementError(f"unknown dispatch {dispatch!r}: one of {', '.join(DISPATCH)}")
+    return dispatch
+
+
+def _copies(placement: Placement, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(copy_rank [E, most copies], copies [E]): the rank of each copy of each expert, in slot order."""
+    slot_rank, slot_expert = placement.slots(layer, num_experts)
+    copies = np.bincount(slot_expert, minlength=num_experts)
+    copy_rank = np.full((num_experts, max(int(copies.max(initial=0)), 1)), -1, dtype=np.int64)
+    order = np.argsort(slot_expert, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(copies)[:-1]])
+    nth = np.arange(order.size) - starts[slot_expert[order]]
+    copy_rank[slot_expert[order], nth] = slot_rank[order]
+    return copy_rank, copies
+
+
+def _expand(row: np.ndarray, expert: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Entries (row, rank, share) for every rank that serves a part of each (row, expert) slot."""
+    expert_of, rank_of = np.nonzero(shares > 0)
+    width = np.bincount(expert_of, minlength=shares.shape[0])
+    start = np.concatenate([[0], np.cumsum(width)[:-1]])
+    per = width[expert]
+    entry = np.repeat(np.arange(row.size), per)
+    nth = np.arange(entry.size) - np.repeat(np.cumsum(per) - per, per)
+    rank = rank_of[start[expert[entry]] + nth]
+    return row[entry], rank, shares[expert[entry], rank]
+
+
+def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatch: str,
+               homes_known: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each kept slot of a page of routes rows runs: entries (row of the page, rank, probability).
+
+    `dispatch` names the engine's choice of copy (`DISPATCH`). The deterministic ones give each slot
+    one rank with probability 1: vLLM (copy = (token * k + slot) mod copies, the token's place in its
+    forward's batch), TensorRT-LLM (per block of 1024 (token, slot) positions of a forward and rank,
+    the n-th slot of the expert goes to copy (block + n + rank) mod copies) and SGLang static where
+    the token's rank is known (`homes_known`: the rows' recorded rank is the expert-parallel rank):
+    the copy on that rank, else the copies share it evenly (SGLang fixes one per rank by a seeded
+    draw that spreads the ranks evenly over the copies). The random ones (SGLang dynamic, "even",
+    SGLang static of unknown ranks) give every rank holding a copy its share. Dropped slots, padding
+    and zero experts run nowhere.
+    """
+    ids = np.asarray(page.expert_ids, dtype=np.int64)
+    valid = np.asarray(page.kept, dtype=bool) & (ids >= 0) & (ids < num_experts)
+    row, slot = np.nonzero(valid)
+    expert = ids[row, slot]
+    copy_rank, copies = _copies(placement, layer, num_experts)
+    ones = np.ones(row.size)
+    k = ids.shape[1] if ids.ndim == 2 else 1
+    if dispatch == "vllm":
+        position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
+        return row, copy_rank[expert, position % copies[expert]], ones
+    home = np.asarray(page.rank, dtype=np.int64)[row] % placement.ranks
+    if dispatch == "trtllm":
+        position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
+        block = position // TRTLLM_BLOCK_SLOTS
+        # the n-th slot of its expert within its (forward, rank, block): rows come in (step, rank, token)
+        # order and slots in row order, so a stable sort by (forward and rank, block, expert) keeps positions
+        step = np.asarray(page.step, dtype=np.int64)[row]
+        forward = np.concatenate([[0], np.cumsum((step[1:] != step[:-1]) | (home[1:] != home[:-1]))])
+        group = (forward * (int(block.max(initial=0)) + 1) + block) * num_experts + expert
+        order = np.argsort(group, kind="stable")
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = group[order][1:] != group[order][:-1]
+        run_start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
+        nth = np.empty(order.size, dtype=np.int64)
+        nth[order] = np.arange(order.size) - run_start
+        return row, copy_rank[expert, (block + nth + home) % copies[expert]], ones
+    split = DISPATCH[dispatch][0]
+    if dispatch == "sglang-static" and homes_known:
+        holds = placement.shares(layer, num_experts, "even") > 0
+        local = holds[expert, home]
+        far = _expand(row[~local], expert[~local], placement.shares(layer, num_experts, "even"))
+        return (np.concatenate([row[local], far[0]]), np.concatenate([home[local], far[1]]),
+                np.concatenate([ones[local], far[2]]))
+    return _expand(row, expert, placement.shares(layer, num_experts, "even" if dispatch == "sglang-static" else split))

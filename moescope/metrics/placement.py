@@ -1,0 +1,311 @@
+"""Where experts run: a placement of logical experts on expert-parallel ranks, as a value.
+
+A placement maps each (MoE layer, physical slot) to a rank and a logical expert; a logical expert
+may hold several slots (redundant copies, as EPLB makes them). It comes from one of:
+
+- the default expert-parallel layout (`Placement.contiguous`, `--ranks R`): rank r holds the
+  contiguous experts r*E/R .. (r+1)*E/R - 1; when R does not divide E the first E mod R ranks hold
+  one expert more (vLLM's `determine_expert_map`);
+- a document (`parse_placement`: moescope's format or an engine's map, docs/placement.md), which
+  `moescope.analyses.placement.read_placement` reads from a JSON or YAML file;
+- SGLang's physical-to-logical map (`Placement.from_physical_to_logical`), which SGLang's recorder
+  dumps carry: physical slots are contiguous per rank, P / R each;
+- a fit to recorded loads (`moescope.metrics.eplb`: DeepSeek's EPLB and the seeds' load-aware mapping).
+
+Everything here computes from the placement alone (no store, no file): its slots, the share of each
+expert's load each rank serves (`Placement.shares`, computed once per layer and kept on the value),
+the arrays the wire counts with (`wire_layout`), and `LayerPlacements`, the per-layer view the
+rules engine and the Prometheus exporter read. How an engine picks the copy that serves a token is
+`moescope.metrics.dispatch`; the reports over a run are `moescope.analyses.placement`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moescope.metrics import traffic as wire
+from moescope.metrics.ranks import replica_shares
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEY = "*"  # the file's entry for every layer not listed
+
+RankExperts = tuple[tuple[int, ...], ...]  # per rank, the logical expert of each of its slots
+
+class PlacementError(ValueError):
+    """A placement that cannot be used: the message names the file, layer and what to change."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Logical experts on ranks, per layer.
+
+    Attributes:
+        ranks: R, the expert-parallel ranks.
+        layers: per layer listed, per rank the logical expert of each of its slots.
+        default: the same for every layer not listed; None: the contiguous layout of that layer's
+            experts (`contiguous_layout`).
+        source: where it came from, as the report names it ("--ranks 4", a file name).
+    """
+
+    ranks: int
+    layers: Mapping[int, RankExperts] = field(default_factory=dict)
+    default: RankExperts | None = None
+    source: str = ""
+    # (layer, experts, split) -> shares or the PlacementError they raised: computed once per layer, for
+    # every reader of the value (the reports, the what-if, the rules engine, the exporter)
+    _shares: dict[tuple[int, int, str], np.ndarray | PlacementError] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def contiguous(cls, ranks: int) -> Placement:
+        """The default expert-parallel layout over `ranks` ranks. Raises PlacementError for ranks < 1."""
+        if int(ranks) < 1:
+            raise PlacementError(f"--ranks must be at least 1, not {ranks}")
+        return cls(ranks=int(ranks), source=f"contiguous layout over {int(ranks)} ranks")
+
+    @classmethod
+    def from_physical_to_logical(cls, mapping: np.ndarray, ranks: int, source: str = "") -> Placement:
+        """SGLang's `physical_to_logical_map` ([layers, physical slots]; slot s on rank s // (P / R)).
+        Raises PlacementError when R does not divide the slots or an id is negative."""
+        mapping = np.asarray(mapping)
+        if mapping.ndim != 2:
+            raise PlacementError(f"{source}: a physical-to-logical map is [layers, physical slots], "
+                                 f"got shape {mapping.shape}")
+        if int(ranks) < 1 or mapping.shape[1] % int(ranks):
+            raise PlacementError(f"{source}: {mapping.shape[1]} physical slots do not split evenly over "
+                                 f"{ranks} ranks; give the expert-parallel size the server ran with (--ranks)")
+        if mapping.size and mapping.min() < 0:
+            raise PlacementError(f"{source}: the map holds expert id {int(mapping.min())}")
+        per_rank = mapping.shape[1] // int(ranks)
+        layers = {layer: tuple(tuple(int(e) for e in row[r * per_rank:(r + 1) * per_rank]) for r in range(int(ranks)))
+                  for layer, row in enumerate(mapping)}
+        return cls(ranks=int(ranks), layers=layers, source=source)
+
+    def rank_experts(self, layer: int, num_experts: int) -> RankExperts:
+        """Per rank, the logical experts of its slots in `layer` (a layer of `num_experts` experts)."""
+        if layer in self.layers:
+            return self.layers[layer]
+        if self.default is not None:
+            return self.default
+        return contiguous_layout(num_experts, self.ranks)
+
+    def slots(self, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+        """(slot_rank, slot_expert): the rank and logical expert of each physical slot of `layer`, in
+        slot order (rank by rank, each rank's slots as listed)."""
+        per_rank = self.rank_experts(layer, num_experts)
+        slot_rank = np.array([r for r, experts in enumerate(per_rank) for _ in experts], dtype=np.int64)
+        slot_expert = np.array([e for experts in per_rank for e in experts], dtype=np.int64)
+        return slot_rank, slot_expert
+
+    def shares(self, layer: int, num_experts: int, split: str = "even") -> np.ndarray:
+        """(E, R): the share of each expert's load each rank serves (`moescope.metrics.ranks.replica_shares`,
+        `split` "even" or "local"), computed once per (layer, experts, split) and read-only.
+        Raises PlacementError for an expert with no slot or a slot outside 0..E-1."""
+        key = (int(layer), int(num_experts), split)
+        known = self._shares.get(key)
+        if known is None:
+            slot_rank, slot_expert = self.slots(layer, num_experts)
+            try:
+                known = replica_shares(slot_rank, slot_expert, num_experts, self.ranks, split)
+                known.setflags(write=False)
+            except ValueError as e:
+                known = PlacementError(f"{self.source}, layer {layer} ({num_experts} experts): {e}")
+                known.__cause__ = e
+            self._shares[key] = known
+        if isinstance(known, PlacementError):
+            raise PlacementError(*known.args) from known.__cause__  # a fresh one: a raised one keeps its frames
+        return known
+
+    def document(self, num_experts: int | None = None) -> dict:
+        """This placement in `parse_placement`'s format (write it with json or yaml)."""
+        doc: dict = {"ranks": self.ranks}
+        if num_experts is not None:
+            doc["num_experts"] = int(num_experts)
+        layers: dict = {}
+        if self.default is not None:
+            layers[DEFAULT_KEY] = [list(r) for r in self.default]
+        layers.update({str(layer): [list(r) for r in per_rank] for layer, per_rank in sorted(self.layers.items())})
+        doc["layers"] = layers
+        return doc
+
+
+def contiguous_layout(num_experts: int, ranks: int) -> RankExperts:
+    """Rank r holds E // R contiguous experts, one more for r < E mod R (vLLM's default expert map)."""
+    base, extra = divmod(int(num_experts), int(ranks))
+    out, start = [], 0
+    for r in range(int(ranks)):
+        size = base + (1 if r < extra else 0)
+        out.append(tuple(range(start, start + size)))
+        start += size
+    return tuple(out)
+
+
+def _rank_lists(value: object, ranks: int, where: str) -> RankExperts:
+    if not isinstance(value, list) or not all(isinstance(r, list) for r in value):
+        raise PlacementError(f"{where}: give a list with one list of logical expert ids per rank, "
+                             "like [[0, 1], [2, 3]]")
+    if len(value) != ranks:
+        raise PlacementError(f"{where}: lists {len(value)} ranks, but ranks is {ranks}")
+    for r, experts in enumerate(value):
+        bad = [e for e in experts if isinstance(e, bool) or not isinstance(e, int) or e < 0]
+        if bad:
+            raise PlacementError(f"{where}, rank {r}: slot holds {bad[0]!r}; a slot holds a logical expert id "
+                                 "(an integer from 0)")
+    return tuple(tuple(int(e) for e in experts) for experts in value)
+
+
+def _engine_map(document: dict, ranks: int | None, where: str) -> Placement:
+    """vLLM's / SGLang's physical-to-logical map, or TensorRT-LLM's `initial_global_assignments`."""
+    if "initial_global_assignments" in document:  # TensorRT-LLM's moe_load_balancer.yaml
+        unknown = set(document) - {"initial_global_assignments", "num_slots", "layer_updates_per_iter", "ranks"}
+        assignments = document["initial_global_assignments"]
+        if not isinstance(assignments, dict) or not assignments:
+            raise PlacementError(f"{where}: initial_global_assignments maps a layer to the expert of each slot")
+        try:
+            layer_ids = [int(str(k)) for k in assignments]
+        except ValueError:
+            raise PlacementError(f"{where}: initial_global_assignments has a key that is not a layer number") from None
+        rows = list(assignments.values())
+        slots = document.get("num_slots", len(rows[0]) if isinstance(rows[0], list) else None)
+        if any(not isinstance(r, list) or len(r) != slots for r in rows):
+            raise PlacementError(f"{where}: every layer of initial_global_assignments must list num_slots "
+                                 f"({slots}) expert ids, one per slot")
+    elif "physical_to_logical_map" in document:  # vLLM's EplbState / SGLang's ExpertLocationMetadata
+        unknown = set(document) - {"physical_to_logical_map", "ranks"}
+        rows = document["physical_to_logical_map"]
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+            raise PlacementError(f"{where}: physical_to_logical_map is [layers][physical slots] of expert ids")
+        layer_ids = list(range(len(rows)))
+    else:
+        raise AssertionError("not an engine map")
+    if unknown:
+        raise PlacementError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}")
+    ranks = document.get("ranks", ranks)
+    if ranks is None:
+        raise PlacementError(f"{where}: an engine's map does not say the expert-parallel size; give --ranks R "
+                             "(or a `ranks:` key in the file)")
+    if len({len(r) for r in rows}) != 1 or any(isinstance(e, bool) or not isinstance(e, int) for r in rows for e in r):
+        raise PlacementError(f"{where}: every layer must list the same number of slots, each an expert id")
+    placement = Placement.from_physical_to_logical(np.array(rows, dtype=np.int64), int(ranks), source=where)
+    return Placement(placement.ranks, {layer: placement.layers[i] for i, layer in enumerate(layer_ids)},
+                     source=where)
+
+
+def parse_placement(document: object, where: str = "placement", ranks: int | None = None) -> Placement:
+    """A placement from a parsed JSON or YAML document, in moescope's format:
+
+        ranks: 4                        # the expert-parallel ranks (required)
+        num_experts: 8                  # optional: checks every layer covers experts 0..7
+        layers:
+          "*": [[0, 1], [2, 3], [4, 5], [6, 7]]     # every layer not listed (optional)
+          "3": [[0, 1, 7], [2, 3, 7], [4, 5], [6]]  # layer 3: expert 7 has two slots
+
+    Each layer's value lists, per rank, the logical expert of each of its physical slots. Without
+    "*", a layer not listed takes the contiguous layout. Or in an engine's shape, physical slots
+    contiguous per rank (P / R each), `ranks` (the expert-parallel size) from the file or the argument:
+
+        physical_to_logical_map: [[0, 1, 2, 3, 3, 0], ...]   # vLLM / SGLang: [layers][physical slots]
+        initial_global_assignments: {3: [138, 81, ...], ...}  # TensorRT-LLM's moe_load_balancer.yaml
+        num_slots: 288
+
+    Raises PlacementError naming what is wrong: a layer listing another number of ranks, an expert id
+    outside 0..num_experts-1, an expert with no slot (checked against num_experts here, and against
+    the run's experts when read), an engine's map without the ranks.
+    """
+    if not isinstance(document, dict):
+        raise PlacementError(f"{where}: expected a mapping with `ranks` and `layers`")
+    if "physical_to_logical_map" in document or "initial_global_assignments" in document:
+        return _engine_map(document, ranks, where)
+    unknown = set(document) - {"ranks", "num_experts", "layers"}
+    if unknown:
+        raise PlacementError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+                             "the keys are ranks, num_experts, layers")
+    if "ranks" not in document and ranks is not None:
+        document = {**document, "ranks": ranks}
+    ranks = document.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise PlacementError(f"{where}: `ranks` must be a whole number of at least 1, not {ranks!r}")
+    layers_doc = document.get("layers", {})
+    if not isinstance(layers_doc, dict):
+        raise PlacementError(f"{where}: `layers` maps a layer number (or \"*\") to per-rank expert lists")
+    default, layers = None, {}
+    for key, value in layers_doc.items():
+        if str(key) == DEFAULT_KEY:
+            default = _rank_lists(value, ranks, f"{where}, layers[\"*\"]")
+            continue
+        try:
+            layer = int(str(key))
+        except ValueError:
+            raise PlacementError(f"{where}: layer key {key!r} is not a layer number or \"*\"") from None
+        layers[layer] = _rank_lists(value, ranks, f"{where}, layer {layer}")
+    placement = Placement(ranks=ranks, layers=layers, default=default, source=where)
+    num_experts = document.get("num_experts")
+    if num_experts is not None:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise PlacementError(f"{where}: `num_experts` must be a whole number of at least 1")
+        for layer in layers:
+            placement.shares(layer, num_experts)
+        if default is not None:
+            Placement(ranks, {}, default, f"{where}, layers[\"*\"]").shares(0, num_experts)
+    return placement
+
+
+def wire_layout(placement: Placement, layer: int, num_experts: int, rank_node: np.ndarray) -> wire.WireLayout:
+    """One layer of `placement` as the arrays `moescope.metrics.traffic` counts with, the ranks in the
+    nodes of `rank_node` ((R,) the node of each rank). Raises PlacementError where the placement does
+    not fit the layer or the nodes."""
+    if len(rank_node) != placement.ranks:
+        raise PlacementError(f"the nodes hold {len(rank_node)} ranks, but {placement.source} has {placement.ranks}")
+    placement.shares(layer, num_experts)  # every expert has a slot, every slot a known expert
+    slot_rank, slot_expert = placement.slots(layer, num_experts)
+    return wire.WireLayout(slot_rank, slot_expert, np.asarray(rank_node), num_experts)
+
+
+class LayerPlacements:
+    """A placement as the live readers take it, layer by layer: the rules engine's rank and traffic
+    signals and the Prometheus exporter's rank and traffic series.
+
+    `shares` and `wire` give None where the placement does not fit a layer (an expert with no slot, a
+    slot outside its experts), with one warning per (layer, experts): those figures are then no data.
+    The shares are the placement's own (`Placement.shares`, kept on the value); the wire layouts are
+    kept here, built with `rank_node` ((R,) the node of each rank; None: nodes of
+    `moescope.metrics.traffic.DEFAULT_RANKS_PER_NODE` consecutive ranks).
+    """
+
+    def __init__(self, placement: Placement, rank_node: np.ndarray | None = None):
+        self.placement = placement
+        self.rank_node = wire.default_rank_node(placement.ranks) if rank_node is None else np.asarray(rank_node)
+        self._wire: dict[tuple[int, int], wire.WireLayout | None] = {}
+        self._unfit: set[tuple[int, int]] = set()
+
+    def shares(self, layer: int, num_experts: int) -> np.ndarray | None:
+        """(E, R) of the layer (`Placement.shares`, split "even"); None where the placement does not fit."""
+        if (layer, num_experts) in self._unfit:
+            return None
+        try:
+            return self.placement.shares(layer, num_experts)
+        except PlacementError as e:
+            self._warn(layer, num_experts, e)
+            return None
+
+    def wire(self, layer: int, num_experts: int) -> wire.WireLayout | None:
+        """The layer's `wire_layout`, built once; None where the placement does not fit it."""
+        key = (int(layer), int(num_experts))
+        if key not in self._wire:
+            try:
+                self._wire[key] = wire_layout(self.placement, layer, num_experts, self.rank_node)
+            except ValueError as e:  # a PlacementError, or nodes the layout refuses
+                self._warn(layer, num_experts, e)
+                self._wire[key] = None
+        return self._wire[key]
+
+    def _warn(self, layer: int, num_experts: int, error: ValueError) -> None:
+        if (layer, num_experts) not in self._unfit:
+            self._unfit.add((layer, num_experts))
+            log.warning("no rank or traffic figures for layer %d: the placement does not fit its %d experts (%s)",
+                        layer, num_experts, error)
