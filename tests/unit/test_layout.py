@@ -155,3 +155,38 @@ def test_every_test_lives_in_a_tier_and_no_module_imports_a_test_module():
                 if parts[0] == "tests" and (len(parts) > 1 and parts[1] in tiers or "conftest" in parts):
                     problems.append(f"{'/'.join(relative)} imports {module}: shared helpers belong in tests/support")
     assert not problems, "\n".join(problems)
+
+
+def _shadow_tree_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shadow_tree", os.path.join(REPO, ".ci", "shadow_tree.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shadow_tree_holds_the_namespace_as_it_installs(tmp_path):
+    """The tree .ci/lint-imports, .ci/typecheck and the manual's build read: moescope/ with every folder pyproject
+    maps into it, and the dashboard's pages (scripts without an __init__.py) as a package."""
+    shadow_tree = _shadow_tree_module()
+    (tmp_path / "moescope" / "stale.py").parent.mkdir()
+    (tmp_path / "moescope" / "stale.py").write_text("")  # a tree built before: rebuilt afresh
+    package = shadow_tree.build(tmp_path)
+    assert package == tmp_path / "moescope"
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        mapped = tomllib.load(fh)["tool"]["setuptools"]["package-dir"]
+    assert os.path.samefile(package / "__init__.py", os.path.join(REPO, "moescope", "__init__.py"))
+    for name, folder in mapped.items():
+        if name != "moescope":
+            inside = package.joinpath(*name.split(".")[1:], "__init__.py")
+            assert os.path.samefile(inside, os.path.join(REPO, folder, "__init__.py")), name
+    assert not (package / "stale.py").exists()
+    assert (package / "core").is_symlink() and (package / "store").is_symlink()  # no script folder inside
+    views = package / "dashboard" / "views"
+    assert not views.is_symlink() and (views / "__init__.py").is_file()
+    pages = sorted(f for f in os.listdir(os.path.join(REPO, "dashboard", "views")) if f.endswith(".py"))
+    assert pages and sorted(f for f in os.listdir(views) if f != "__init__.py") == pages
+    assert os.path.samefile(views / pages[0], os.path.join(REPO, "dashboard", "views", pages[0]))
+    assert not os.path.exists(os.path.join(REPO, "dashboard", "views", "__init__.py"))  # the repository is untouched
