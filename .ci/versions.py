@@ -10,10 +10,10 @@ failure it causes, instead of as an ImportError deep in a test.
 from __future__ import annotations
 
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

@@ -1,21 +1,22 @@
 """moescope's alerts: judgement over the store's records.
 
-Signals (`alerts.signals`: one definition per derived number), a rules engine with per-alert state
-(`AlertEngine`, `load_rules`, `default_rules`), notifiers for plain JSON, Slack and Alertmanager
-delivered from a persistent outbox, the expert-health score and the policies that turn it (and the
-routing-collapse rule) into trust-gate weights and router cooldowns. The names below are imported
-on first use.
+A rules engine with per-alert state (`AlertEngine`, `load_rules`, `default_rules`) over the signals of
+`moescope.metrics.signals` (one definition per derived number), notifiers for plain JSON, Slack and
+Alertmanager delivered from a persistent outbox, the expert-health score and the policies that turn it
+(and the routing-collapse rule) into trust-gate weights and router cooldowns. The names below are
+imported on first use.
 
-`PrometheusExporter` is an alias kept for code written before the exporter moved to its own room:
-import it from `moescope.prometheus.exporter`. The exporter sits above alerts (it reads alerts'
-observations), so the alias resolves only when asked for and is not typed here: nothing in alerts
-imports upwards.
+`moescope.alerts.PrometheusExporter` still resolves, for code written before the exporter moved to its
+own room, but it is not one of alerts' names (`__all__`): import it from `moescope.prometheus`. The
+exporter sits above alerts (it reads alerts' observations), so the alias resolves only when asked for
+and is not typed here: nothing in alerts imports upwards.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moescope.core.lazy import lazy_exports
 
 _EXPORTS = {
     "AlertEngine": "moescope.alerts.engine",
@@ -34,8 +35,7 @@ _EXPORTS = {
 }
 
 __all__ = ["AlertEngine", "AlertTransition", "CooldownConfig", "CooldownPolicy", "EngineExporter", "Outbox",
-           "PrometheusExporter", "RulePack", "RulesError", "TrustPolicy", "TrustPolicyConfig", "default_rules",
-           "load_rules"]
+           "RulePack", "RulesError", "TrustPolicy", "TrustPolicyConfig", "default_rules", "load_rules"]
 
 if TYPE_CHECKING:
     from moescope.alerts.cooldown_policy import CooldownConfig, CooldownPolicy
@@ -43,12 +43,5 @@ if TYPE_CHECKING:
     from moescope.alerts.outbox import Outbox
     from moescope.alerts.rules import RulePack, RulesError, default_rules, load_rules
     from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moescope.alerts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+else:
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -3,7 +3,7 @@
 `CooldownPolicy` is an exporter in the probe's pipeline (it runs on the writer thread, never on the
 model's). It feeds every record to its own `AlertEngine` holding one rule, the default pack's
 `RoutingCooldown` (router entropy collapsed while the fullest expert is near capacity; thresholds,
-window and `for` can be overridden in `CooldownConfig`), and drives a `probe.cooldown.RouterCooldown`:
+window and `for` can be overridden in `CooldownConfig`), and drives a `moescope.probe.router_cooldown.RouterCooldown`:
 
 - while the rule fires for a layer that is not cooling, the layer's cooldown starts (router lr
   times `factor`, router input jitter `epsilon`) for `period_steps` optimizer steps, unless a
@@ -460,7 +460,7 @@ def bind_cooldown(session: ProbeSession, optimizer: OptimizerLike, scheduler: Sc
                   sink: TransitionSink | None = None) -> CooldownPolicy:
     """Cool `session`'s MoE routers down while they collapse: returns the running policy.
 
-    Builds the actuator (`probe.cooldown.RouterCooldown` over the session's layers: the router param
+    Builds the actuator (`moescope.probe.router_cooldown.RouterCooldown` over the session's layers: the router param
     groups are split from `optimizer` now, and `scheduler`'s per-group lists extended), the policy
     (`config`, default `CooldownConfig()`), writes events and alerts under `store` (a folder, or
     None) and hands alerts to `sink` (e.g. an `alerts.outbox.Outbox`). The policy joins the session's

@@ -180,7 +180,7 @@ def compute_signals(
     Values are NaN where the window lacks what a signal needs (no tokens, no routes, no
     capacity, no baseline). `names` limits the work to the signals asked for. `num_experts` is the
     layer's routed experts: load signals leave its zero experts out, router entropy is normalised
-    by the router's whole width (`alerts.signals`' zero-expert rule); None counts every entry.
+    by the router's whole width (`moescope.metrics.signals`' zero-expert rule); None counts every entry.
     `rank_shares` ((routed experts, ranks), `signals.replica_shares`) places the experts on
     expert-parallel ranks for the rank signals; None: they are no data. `wire_layout` (the same
     placement with its ranks' nodes, `metrics.traffic.WireLayout`) is what the traffic signals count

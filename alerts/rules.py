@@ -49,7 +49,7 @@ else:  # Python 3.10: the same parser is the `tomli` package
     except ModuleNotFoundError:
         tomllib = None
 
-# signal name -> what it measures; the engine computes exactly these (alerts.window)
+# signal name -> what it measures; the engine computes exactly these (`moescope.alerts.observations.compute_signals`)
 SIGNALS: dict[str, str] = {
     "window_tokens": "tokens the layer routed over the window (guards a rule against small samples)",
     "load_cv": "coefficient of variation of tokens per expert over the window",

@@ -5,7 +5,7 @@ the three together).
 The routes are synthetic and fixed by a seed: each token takes 8 distinct experts of 64 by a
 Gumbel top-k over skewed expert popularities (Dirichlet 0.5) that drift every 50 000 tokens, on
 one rank, in pages of 65 536 rows as `Store.routes_in_order` yields them. What is timed is
-`alerts.cache.replay_routes` (access building, the per-rank split and the one pass per policy);
+`moescope.metrics.expert_cache.replay_routes` (access building, the per-rank split and the one pass per policy);
 reading the store is not. Each policy runs alone, `--repeat` times; the median is printed with
 the process CPU time beside it, since wall time on a shared machine moves with its load.
 

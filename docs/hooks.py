@@ -9,10 +9,9 @@
   `SCHEMAS`: a table without notes, or a note on a column the schema does not have, fails the build.
 - The API pages (`::: moescope.probe` and the rest) are rendered by mkdocstrings. probe/, store/,
   alerts/ and dashboard/ install as moescope.probe ... through setuptools' package-dir mapping,
-  which griffe (mkdocstrings' loader) cannot follow in an editable install, so `on_config` builds a
-  shadow tree, `build/docs-shadow/moescope/`, with a link to every entry of moescope/ and the four
-  packages linked in as its subfolders (as `.ci/typecheck` does for mypy); mkdocs.yml's
-  mkdocstrings `paths` points there.
+  which griffe (mkdocstrings' loader) cannot follow in an editable install, so `on_config` builds the
+  namespace's shadow tree, `build/docs-shadow/moescope/`, with `.ci/shadow_tree.py` (the script
+  `.ci/lint-imports` and `.ci/typecheck` use); mkdocs.yml's mkdocstrings `paths` points there.
 
 A generated page is a markdown file under docs/ with a marker comment (`<!-- generated: cli -->`,
 `<!-- generated: tables -->`) that `on_page_markdown` replaces, so the prose around the generated
@@ -23,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import io
 import os
 import tokenize
@@ -31,7 +31,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SHADOW = REPO / "build" / "docs-shadow"
-NAMESPACE_PACKAGES = ("probe", "store", "alerts", "dashboard")  # folder at the top -> moescope.<folder>
 HELP_WIDTH = "100"  # argparse wraps --help to $COLUMNS: a fixed width gives the same page on every machine
 
 # What one row of each table is, and short notes on some columns (what `store/schema.py`'s comments do
@@ -110,22 +109,16 @@ def on_config(config: Any) -> Any:
 
 
 def build_shadow_tree(shadow: Path = SHADOW) -> Path:
-    """Links `shadow/moescope/` to the repository's moescope/ entries and the four top-level packages.
+    """Builds the namespace's shadow tree under `shadow` afresh, with `.ci/shadow_tree.py`.
 
     Returns:
         The shadow package folder, `shadow/moescope`.
     """
-    package = shadow / "moescope"
-    package.mkdir(parents=True, exist_ok=True)
-    wanted = {entry.name: entry for entry in (REPO / "moescope").iterdir() if entry.name != "__pycache__"}
-    wanted.update({name: REPO / name for name in NAMESPACE_PACKAGES})
-    for link in package.iterdir():  # a module moved or removed since the last build leaves no stale link
-        if link.name not in wanted or not link.is_symlink() or link.resolve() != wanted[link.name].resolve():
-            link.unlink()
-    for name, target in wanted.items():
-        if not (package / name).is_symlink():
-            (package / name).symlink_to(target)
-    return package
+    spec = importlib.util.spec_from_file_location("shadow_tree", REPO / ".ci" / "shadow_tree.py")
+    assert spec is not None and spec.loader is not None
+    shadow_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shadow_tree)
+    return shadow_tree.build(shadow, REPO)
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

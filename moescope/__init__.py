@@ -11,8 +11,9 @@ inside a serving process does not pull in DuckDB or Streamlit.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moescope.core.lazy import lazy_exports
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -47,12 +48,5 @@ if TYPE_CHECKING:
         Recording,
     )
     from moescope.store import Store, StoreError
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moescope' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+else:
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

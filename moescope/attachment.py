@@ -1,9 +1,10 @@
 """`moescope.attach`: the one call that wires a probe session to a store, a trust policy and alerts.
 
-The composition root. The probe only produces records (`probe.attach(model, exporters)`); the
-store writes them (`store.ParquetExporter`); alerts judge them (`alerts.trust_policy.TrustPolicy`,
-`alerts.prometheus.PrometheusExporter`, `alerts.engine.EngineExporter`). This module is the one
-place that knows all three.
+The composition root. The probe only produces records (`moescope.probe.attach(model, exporters)`);
+the store writes them (`moescope.store.ParquetExporter`); alerts judge them
+(`moescope.alerts.trust_policy.TrustPolicy`, `moescope.alerts.engine.EngineExporter`) and the
+Prometheus exporter serves them (`moescope.prometheus.PrometheusExporter`). This module is the one
+place that knows them all.
 
     import moescope
     with moescope.attach(model, store="runs/", routes=True) as session:

@@ -1,6 +1,6 @@
 """The torch optimizer and scheduler under the wrappers training frameworks put around them.
 
-The training monitor (`moescope.training`) and the routing cooldown (`probe.cooldown`) both need
+The training monitor (`moescope.training`) and the routing cooldown (`moescope.probe.router_cooldown`) both need
 the `torch.optim.Optimizer` that really updates the parameters, and every scheduler that sets its
 learning rates. accelerate wraps them (`AcceleratedOptimizer.optimizer`,
 `AcceleratedScheduler.scheduler`), Lightning too (`LightningOptimizer.optimizer`); one rule here

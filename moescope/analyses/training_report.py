@@ -2,7 +2,7 @@
 router entropy, dead experts, learning rates, gradient norms and routing cooldowns that
 `moescope.training` recorded (the dashboard's Training page).
 
-Every figure comes from `alerts.signals` over the store's `training_steps` query, the same
+Every figure comes from `moescope.metrics.signals` over the store's `training_steps` query, the same
 definitions the training monitor logs live; the tests check them against the model's own
 `aux_loss`, transformers' loss functions and the raw Parquet rows.
 """
@@ -96,7 +96,7 @@ def training_report(store: Store, run_id: str, dead_window: int = 64, last_steps
                     ) -> TrainingReport:
     """The training figures of a run recorded with `moescope.training`, from the store alone.
 
-    Every figure is an `alerts.signals` definition over `Store.training_steps` (the monitor computes
+    Every figure is a `moescope.metrics.signals` definition over `Store.training_steps` (the monitor computes
     the same from the records while it runs): aux_loss = `load_balancing_loss(router_topk_load,
     router_prob_sum, tokens)` per layer, and of the sums over layers for the pooled value (which
     equals the model's own `aux_loss`); z_loss = `router_z_loss(router_z_sum, tokens)`;

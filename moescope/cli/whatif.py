@@ -5,10 +5,10 @@ expert cache of every size C from 1 to E (or the sizes ``--capacity`` names), un
 the offline optimum (Belady), and prints the hit-rate curves; ``--plot`` also draws them (an HTML page,
 or a PNG with the ``plot`` extra).
 One pass over the routes per policy gives every size. The definitions (what a hit is,
-how a token's experts are needed at once, the tie rules) are in :mod:`alerts.cache`.
+how a token's experts are needed at once, the tie rules) are in `moescope.metrics.expert_cache`.
 
-The replay itself is :func:`alerts.cache.cache_report`, which the dashboard's Expert cache page
-draws too.
+The replay itself is `moescope.analyses.expert_cache.cache_report`, which the dashboard's Expert cache
+page draws too.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ fixed number of slots per group of tokens and drop what does not fit:
 
 - a group is one sequence (a batch row); each expert takes at most
   ``capacity = ceil(capacity_factor * seq_len * k / E)`` (token, slot) assignments of it
-  (`alerts.signals.expert_capacity`, the one definition of that number);
+  (`moescope.metrics.signals.expert_capacity`, the one definition of that number);
 - assignments are admitted in priority order: every token's first choice before any second choice
   (GShard), and within a choice rank earlier positions first (Megatron's "position" policy);
 - a dropped slot contributes nothing: its combine weight is zero, so the token's output does not

@@ -134,7 +134,7 @@ That one, *kept-slot specialisation*, is NMI(expert; domain) over every top-k sl
 (second choices in, slots dropped at capacity out), on the demo's traffic, and it comes out lower
 than the top-1 figures above: second choices are less tied to a domain than first ones, and the
 capacity caps the slots an expert keeps per sequence (see Model), so a domain's favourite expert
-keeps only part of its first choices. Both use `alerts.signals.normalized_mutual_information`;
+keeps only part of its first choices. Both use `moescope.metrics.signals.normalized_mutual_information`;
 they count different things.
 """
 

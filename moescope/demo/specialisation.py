@@ -2,7 +2,7 @@
 
 For every token of some domain-tagged texts we record, per MoE layer, the expert the router
 ranks first (argmax of its logits), then measure the normalised mutual information (NMI)
-between the token's domain and that expert (`alerts.signals.normalized_mutual_information`,
+between the token's domain and that expert (`moescope.metrics.signals.normalized_mutual_information`,
 the measure the dashboard and the demo show too; here over top-1 choices, the model card's
 figure). 0 means the expert choice says nothing about the domain; 1 means each domain has
 experts of its own. A router that has learned nothing still scores above 0, because tokens
@@ -30,7 +30,7 @@ from moescope.metrics.signals import normalized_mutual_information
 
 def normalized_mutual_info(labels_a: Sequence[int] | np.ndarray, labels_b: Sequence[int] | np.ndarray) -> float:
     """Normalised mutual information between two labellings of the same items (see
-    `alerts.signals.normalized_mutual_information`, the project's one specialisation measure).
+    `moescope.metrics.signals.normalized_mutual_information`, the project's one specialisation measure).
 
     Raises:
         ValueError: the labellings differ in length or are empty.

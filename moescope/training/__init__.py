@@ -22,10 +22,10 @@ evaluation between steps) are tagged `phase=eval` and kept out of the training f
 
 Per optimizer step and MoE layer (`TrainingStep`, the `train_steps` table, the scalars):
 - `aux_loss`: the load-balancing loss recomputed from the recorded router statistics with
-  transformers' own formula (`alerts.signals.load_balancing_loss`; the model-level value pools all
+  transformers' own formula (`moescope.metrics.signals.load_balancing_loss`; the model-level value pools all
   layers' tokens as `load_balancing_loss_func` does, and equals the model's `aux_loss`);
-- `z_loss`: the router z-loss (`alerts.signals.router_z_loss`);
-- `expert_grad_norm`: L2 norm of each expert's weight gradients (`probe.health.expert_grad_norms`,
+- `z_loss`: the router z-loss (`moescope.metrics.signals.router_z_loss`);
+- `expert_grad_norm`: L2 norm of each expert's weight gradients (`moescope.probe.health_sampling.expert_grad_norms`,
   the health score's gradient component); NaN where the gradients held a NaN, None where the
   experts had no gradient (frozen);
 - `dead_expert_fraction`: experts with no token over the last `dead_window` optimizer steps;

@@ -3,7 +3,7 @@
 `import_files("vllm" | "sglang" | "trtllm" | "megatron", paths, store)` reads an engine's files
 (one small strict reader per engine), checks all of them, and only then writes one new run with
 the tables the probe writes, `source` recorded on the run. `moescope import` is its command line;
-`store.proxy` records the same per-request routing live, in front of a vLLM or SGLang server.
+`moescope.ingest.proxy` records the same per-request routing live, in front of a vLLM or SGLang server.
 """
 
 from __future__ import annotations

@@ -125,10 +125,13 @@ class RoutingRecorder:
             num_experts: experts per layer; a response routing outside them is counted `bad_routing`.
             run_id: the new run's id (made up when None); the store must not hold it yet.
             tags: the run's tags; each step also carries its request's (`request_tags`).
-            num_layers, top_k: SGLang's routing shape (its responses do not say it).
-            max_queue, max_queue_bytes: the queue's bounds, in responses and in their bodies' bytes.
-            flush_interval_s, max_steps: steps are written every this often or this many.
+            num_layers: SGLang's routing shape, its layers (its responses do not say it).
+            top_k: SGLang's routing shape, experts per token.
+            max_queue: the queue's bound in responses.
+            flush_interval_s: steps are written every this many seconds, or every `max_steps` steps.
+            max_steps: steps are written every this many, or every `flush_interval_s`.
             model: the run's model name.
+            max_queue_bytes: the queue's bound in the responses' bodies' bytes.
             record_token_ids: keep prompt and generated token ids in `routes.token_id`.
 
         Raises:

@@ -147,12 +147,20 @@ class RoutingProxy:
         """Bind the address and open the run; nothing is served before `start()` or `serve_forever()`.
 
         Args:
-            upstream: the engine, http://[USER:PASSWORD@]HOST[:PORT][/PATH] (`parse_upstream`).
+            upstream: the engine, `http://[USER:PASSWORD@]HOST[:PORT][/PATH]` (`parse_upstream`).
             store: the store, a folder or a URL (a `StoreLocation` carries its storage options).
-            num_experts, run_id, tags, num_layers, top_k, max_queue, flush_interval_s, max_queue_bytes,
-                record_token_ids: the recorder's (`RoutingRecorder`).
-            host, port: where to listen (`port=0`: a free port, see `.port`).
+            num_experts: experts per layer, as the recorder takes it (`RoutingRecorder`).
+            host: the address to listen on.
+            port: the port to listen on (`port=0`: a free port, see `.port`).
+            run_id: the recorder's (`RoutingRecorder`), as are the arguments below but `limits`.
+            tags: the recorder's.
+            num_layers: the recorder's.
+            top_k: the recorder's.
+            max_queue: the recorder's.
+            flush_interval_s: the recorder's.
             limits: the connection and time bounds (`ProxyLimits()` when None).
+            max_queue_bytes: the recorder's; the server bounds what it captures by it too.
+            record_token_ids: the recorder's.
 
         Raises:
             ValueError: an upstream that is not http://HOST[:PORT], a bad limit, or a run id the
