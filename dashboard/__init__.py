@@ -18,17 +18,8 @@ Streamlit):
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from moescope.core.lazy import lazy_exports
 
 __all__ = ["common", "data", "embedding", "figures", "flips", "gate_requests", "settings"]
 
-
-def __getattr__(name: str) -> ModuleType:
-    if name in __all__:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, {name: f"{__name__}.{name}" for name in __all__})

@@ -6,8 +6,9 @@ location, its naming rule) does not load DuckDB, pandas and delta-rs with it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moescope.core.lazy import lazy_exports
 
 # name -> the module that defines it: the store's public names, and nothing but them (`__all__`); the
 # pipeline they plug into (`BatchProcessor`, `InMemoryExporter`) is core's: `moescope.core.pipeline`,
@@ -65,11 +66,5 @@ if TYPE_CHECKING:
     from moescope.store.store import Store
     from moescope.store.writer import RunWriter, run_writer
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moescope.store' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+else:
+    __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

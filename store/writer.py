@@ -59,6 +59,7 @@ import pyarrow.compute as pc
 
 from moescope.core import forking
 from moescope.core.exporters import DropCounts, Exporter
+from moescope.core.lazy import lazy_exports
 from moescope.core.pipeline import BatchProcessor
 from moescope.core.runs import current_host
 from moescope.store import delta
@@ -474,11 +475,7 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     return data
 
 
-def __getattr__(name: str) -> Any:
-    """`ParquetExporter` at its home before 0.2.0, for a release: it is `DeltaExporter` of
-    `moescope.store.exporter` now, which imports this module (hence imported here only when asked)."""
-    if name == "ParquetExporter":
-        from moescope.store.exporter import DeltaExporter
 
-        return DeltaExporter
-    raise AttributeError(f"module 'moescope.store.writer' has no attribute {name!r}")
+# `ParquetExporter` at its home before 0.2.0, for a release: it is `DeltaExporter` of `moescope.store.exporter`
+# now, which imports this module (hence loaded only when asked).
+__getattr__, __dir__ = lazy_exports(__name__, {"ParquetExporter": "moescope.store.exporter"})

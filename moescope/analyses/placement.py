@@ -15,16 +15,16 @@ engine and the Prometheus exporter read the same definition; the names that live
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from moescope.core.lazy import lazy_exports
 from moescope.metrics import signals
 from moescope.metrics.dispatch import (
     DISPATCH,
@@ -55,13 +55,8 @@ if TYPE_CHECKING:
         placement_whatif,
         write_whatif,
     )
-else:
-    def __getattr__(name: str) -> Any:  # the what-if's names, loaded on first use: its module imports this one
-        if name not in _WHATIF:
-            raise AttributeError(f"module 'moescope.analyses.placement' has no attribute {name!r}")
-        value = getattr(importlib.import_module("moescope.analyses.placement_whatif"), name)
-        globals()[name] = value
-        return value
+else:  # the what-if's names, loaded on first use: its module imports this one
+    __getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_WHATIF, "moescope.analyses.placement_whatif"))
 
 __all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run", "placement_report", "rank_tokens",
            "read_placement"]

@@ -178,7 +178,7 @@ def coselection_placement(store: Store, run_id: str, like: Placement, rank_node:
                           tags: dict[str, str] | None = None) -> Placement:
     """A placement with `like`'s ranks and slots per rank (its contiguous layout's, one slot per
     expert) that co-locates experts often chosen together, per layer, from the run's co-selection
-    counts (`store.coselection`) and loads (`moescope.metrics.traffic.coselection_layout`), fitted
+    counts (`Store.coselection`) and loads (`moescope.metrics.traffic.coselection_layout`), fitted
     on the same steps it is then measured on. A layer without co-selection counts keeps the
     contiguous layout. Raises PlacementError where no layer has counts."""
     layers: dict[int, tuple[tuple[int, ...], ...]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moescope.cli import command_help
+from moescope.cli import command_help, program_name
 from moescope.demo import story as demo
 from moescope.demo import train as train_demo
 
@@ -14,7 +14,7 @@ def add_subcommands(subparsers) -> None:
         "demo", help=command_help("demo"),
         description=demo.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(p)
-    p.set_defaults(func=demo.run)
+    p.set_defaults(func=lambda args: demo.run(args, program=program_name()))
 
     p = subparsers.add_parser(
         "train-demo", help=command_help("train-demo"),

@@ -31,7 +31,8 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
 
     Args:
         package: the package's `__name__`.
-        exports: each name -> the module that defines it under that name.
+        exports: each name -> the module that defines it under that name; a name mapped to
+            `package.name` is that submodule itself (a package whose face is its modules).
 
     Returns:
         (`__getattr__`, `__dir__`): the first imports a name's module on first use, keeps the value in
@@ -44,7 +45,8 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        target = importlib.import_module(module)
+        value = target if module == f"{package}.{name}" else getattr(target, name)
         setattr(sys.modules[package], name, value)
         return value
 

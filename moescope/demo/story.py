@@ -35,7 +35,6 @@ from moescope.alerts.storage import AlertTableWriter
 from moescope.alerts.trust_policy import TrustPolicy
 from moescope.analyses.jitter import jitter
 from moescope.analyses.summary import format_summary
-from moescope.cli import program_name
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
 from moescope.metrics.signals import specialisation_by_layer
@@ -304,8 +303,11 @@ class Story:
             return self.model(**batch).logits
 
 
-def run(args: argparse.Namespace) -> int:
-    """Play the story (see DESCRIPTION); 0 when both incidents were caught and the gate lifted."""
+def run(args: argparse.Namespace, program: str = "moescope") -> int:
+    """Play the story (see DESCRIPTION); 0 when both incidents were caught and the gate lifted.
+
+    `program` is how the commands the story prints call moescope (the command line passes its
+    `program_name()`: the demo knows nothing of the command line above it)."""
     phases = Phases.for_args(args.quick)
     torch.manual_seed(args.seed)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -342,13 +344,13 @@ def run(args: argparse.Namespace) -> int:
     figures["seconds"] = time.perf_counter() - started
     with open(os.path.join(store_root, "demo_summary.json"), "w") as f:
         json.dump(figures, f, indent=2, default=float)
-    _report(figures, store_root, session.run.run_id, args.store)
+    _report(figures, store_root, session.run.run_id, args.store, program)
     return 0 if figures["drift_alert"] and figures["gated"] and figures["lifted"] else 1
 
 
-def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None:
+def _report(figures: dict, store_root: str, run_id: str, store_arg: str, program: str) -> None:
     _say("")
-    _say(format_summary(store_root, run_id, program=program_name()))
+    _say(format_summary(store_root, run_id, program=program))
     _say("")
     _say("Headline figures")
     for domain, fraction in figures["active_fraction_by_domain"].items():
@@ -365,13 +367,13 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str) -> None
     _say("    (the Semantic clusters page shows the same figure with the sidebar filter phase=baseline)")
     _say(f"  {figures['jitter']}")
     _say(f"    (the dashboard's Routing jitter page shows it for this run; measure it on your model: "
-         f"{program_name()} jitter MODEL_FOLDER --store runs/jitter)")
+         f"{program} jitter MODEL_FOLDER --store runs/jitter)")
     _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")
     _say("")
     _say("Open the dashboard on this store:")
-    _say(f"  {program_name()} dashboard {store_arg} --tokenizer {demo_model_path()}")
+    _say(f"  {program} dashboard {store_arg} --tokenizer {demo_model_path()}")
 
 
 def _capacity(config) -> str:
@@ -434,7 +436,7 @@ def headline_figures(root: str, run_id: str) -> dict:
     fraction per domain (`Store.active_fraction_by_tag`), by position over the baseline phase
     (`Store.active_fraction_by_position`, POSITION_BUCKETS buckets), and the specialisation per
     layer over the baseline phase (`Store.expert_tag_load` into
-    `alerts.signals.specialisation_by_layer`, as the Semantic clusters page computes it)."""
+    `moescope.metrics.signals.specialisation_by_layer`, as the Semantic clusters page computes it)."""
     with Store(root) as store:
         per_domain = store.active_fraction_by_tag(run_id, "domain")
         by_position = store.active_fraction_by_position(run_id, POSITION_BUCKETS, tags=SPECIALISATION_TAGS)

@@ -47,12 +47,13 @@ figures of a layer and a run (`moescope.metrics.figures`). Their names are still
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from moescope.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -103,13 +104,7 @@ if TYPE_CHECKING:
         replica_shares,
     )
 else:
-    def __getattr__(name: str) -> Any:
-        module = _MOVED.get(name)
-        if module is None:
-            raise AttributeError(f"module 'moescope.metrics.signals' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
+    __getattr__, __dir__ = lazy_exports(__name__, _MOVED)
 
 
 def _as_load(load: np.ndarray | list[float]) -> np.ndarray:

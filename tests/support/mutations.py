@@ -274,14 +274,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(not retried) raises CommitError (issue 42, check b)"),
     # issue 46 part 6: the mutants a hand audit of the newest modules found surviving, each a figure a user sees
     Mutation(
-        "whatif-fit-from-window-0", "moescope/analyses/placement.py",
+        "whatif-fit-from-window-0", "moescope/analyses/placement_whatif.py",
         'fit = group.iloc[fit_start].balancedness if len(group) > fit_start else float("nan")',
         'fit = group.iloc[0].balancedness if len(group) > fit_start else float("nan")',
         ("tests/unit/analyses/test_whatif_fit_window.py",),
         "with --fit-window 1 the what-if's fit column is window 0's balancedness, and decay with it "
         "(0.70 shown for 0.95; issue 46 part 6)"),
     Mutation(
-        "whatif-gain-against-default-fit", "moescope/analyses/placement.py",
+        "whatif-gain-against-default-fit", "moescope/analyses/placement_whatif.py",
         'default = frame.loc[frame.candidate == "default", "later"]',
         'default = frame.loc[frame.candidate == "default", "fit"]',
         ("tests/unit/analyses/test_whatif_fit_window.py",),

@@ -42,23 +42,6 @@ NOT_PYTHON = {
     "moescope.replaces",  # a key moescope writes in a compacted Parquet file's footer
 }
 
-# issue 46: files another branch of the issue rewrites (their stale names are fixed there). The lead empties
-# this list when merging them; the test then covers every file.
-FIXED_ON_ANOTHER_BRANCH = {
-    "alerts/engine.py",
-    "dashboard/data.py",
-    "dashboard/figures.py",
-    "dashboard/views/cache.py",
-    "dashboard/views/clusters.py",
-    "dashboard/views/training.py",
-    "moescope/analyses/traffic.py",
-    "moescope/cli/summary.py",
-    "moescope/demo/story.py",
-    "moescope/prometheus/exporter.py",
-    "store/compact.py",
-    "store/reports.py",
-    "store/schema.py",
-}
 
 
 def quoted_names(text: str) -> Iterator[tuple[int, str]]:
@@ -158,8 +141,6 @@ def full_name(quoted: str) -> str:
 def test_every_quoted_moescope_name_resolves():
     failures = []
     for path, line, quoted in scanned():
-        if path in FIXED_ON_ANOTHER_BRANCH:
-            continue
         problem = resolve(full_name(quoted))
         if problem is not None:
             failures.append(f"{path}:{line}: `{quoted}`: {problem}")
