@@ -7,7 +7,10 @@ only cache and draw them, and `moescope.metrics.signals` turns them into the der
 normalised entropy, rates, specialisation). Means of per-row means are weighted by tokens
 (`TOKEN_WEIGHTED`), the rule `moescope.metrics.signals.token_weighted_mean` states.
 
-Every result is bounded: by a LIMIT, or by a bounded number of step buckets.
+Every result is bounded: by a LIMIT, by a bounded number of step buckets, or, for the per-window
+placement figures (`ReportQueries.rank_loads`, `ReportQueries.window_loads`), by the figure's own
+shape: one row per layer, window and rank (or expert), every one of which the figure needs, so none is
+cut (a row limit there dropped the last layers and part of a window's ranks, read as zero load).
 """
 
 from __future__ import annotations
@@ -281,7 +284,9 @@ class ReportQueries:
         them: fractional where a redundant expert's load is split), experts and expert_slots (the
         rank's `top_experts` largest contributors, largest first, and their slots). A rank that
         serves nothing in a window has no row; experts the placement does not map (zero experts)
-        count in no rank. Ordered by layer, window_start, rank. Raises ValueError for window_steps < 1.
+        count in no rank. Ordered by layer, window_start, rank; every row, no row limit (the result
+        is layers x windows x ranks: a wider `window_steps` makes it smaller). Raises ValueError for
+        window_steps < 1.
         """
         if window_steps is not None and window_steps < 1:
             raise ValueError(f"window_steps must be at least 1, not {window_steps}")
@@ -309,15 +314,16 @@ class ReportQueries:
                    coalesce(mapped.layer_slots, 0)::BIGINT AS layer_slots, r.rank, r.slots, r.experts, r.expert_slots
             FROM r JOIN s ON s.layer = r.layer AND s.w IS NOT DISTINCT FROM r.w
                  LEFT JOIN mapped ON mapped.layer = r.layer AND mapped.w IS NOT DISTINCT FROM r.w
-            ORDER BY r.layer, window_start NULLS FIRST, r.rank LIMIT ?""",
+            ORDER BY r.layer, window_start NULLS FIRST, r.rank""",
             [[int(v) for v in layer], [int(v) for v in expert], [int(v) for v in rank], [float(v) for v in share],
              *bucket_params, *params, *bucket_params, *params, int(top_experts), int(top_experts), w or None,
-             w or None, MAX_TABLE_ROWS * 64])
+             w or None])
 
     def window_loads(self, run_id: str, window_steps: int, tags: dict[str, str] | None = None) -> pd.DataFrame:
         """Per (MoE layer, window of `window_steps` steps aligned to multiples, expert) the kept slots the
         expert took: columns layer, window_start, window_end (exclusive), expert, load; ordered by
-        layer, window_start, expert. Raises ValueError for window_steps < 1."""
+        layer, window_start, expert; every row, no row limit (layers x windows x experts). Raises
+        ValueError for window_steps < 1."""
         if window_steps < 1:
             raise ValueError(f"window_steps must be at least 1, not {window_steps}")
         clause, params = where(run_id, tags=tags)
@@ -325,8 +331,8 @@ class ReportQueries:
         return self.sql(f"""
             SELECT layer, (step // ?) * ? AS window_start, (step // ? + 1) * ? AS window_end, expert,
                    sum(load)::BIGINT AS load
-            FROM ({_unnest_load(clause)}) GROUP BY ALL ORDER BY layer, window_start, expert LIMIT ?""",
-            [w, w, w, w, *params, MAX_TABLE_ROWS * 4096])
+            FROM ({_unnest_load(clause)}) GROUP BY ALL ORDER BY layer, window_start, expert""",
+            [w, w, w, w, *params])
 
     def routes_by_layer(self, run_id: str, tags: dict[str, str] | None = None,
                         max_rows: int = 1 << 20) -> Iterator[tuple[int, RoutePage]]:
