@@ -365,12 +365,12 @@ class ReportQueries:
 
     def placement_whatif(self, run_id: str) -> pd.DataFrame:
         """The latest placement what-if written for the run (`moescope placement --whatif --save`):
-        the `placement_whatif` columns but run_id and rank, ordered by candidate, window_start, layer.
-        Empty for a run without one."""
+        the `placement_whatif` columns but run_id and rank, ordered by candidate, window_start, layer;
+        every row (no row limit: a cut would drop the last candidates whole). Empty for a run without one."""
         return self.sql("""
             SELECT * EXCLUDE (run_id, rank) FROM placement_whatif
             WHERE run_id = ? AND ts = (SELECT max(ts) FROM placement_whatif WHERE run_id = ?)
-            ORDER BY candidate, window_start, layer LIMIT ?""", [run_id, run_id, MAX_TABLE_ROWS * 64])
+            ORDER BY candidate, window_start, layer""", [run_id, run_id])
 
     def layer_buckets(self, run_id: str, tags: dict[str, str] | None = None,
                       max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:

@@ -111,10 +111,11 @@ def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Map
         bar.update()
         if layer not in experts_of:
             continue
-        row, rank, prob = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
+        found = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
         windows = np.zeros(len(page.step), dtype=np.int64) if window_steps is None else page.step // window_steps
         starts, group = np.unique(windows, return_inverse=True)
-        tokens, slots = expected_rank_tokens(row, rank, prob, ranks, group, len(starts))
+        tokens, slots = expected_rank_tokens(found.row, found.rank, found.prob, ranks, group, len(starts),
+                                             found.unknown_home)
         out[layer] = {None if window_steps is None else int(start) * window_steps: (tokens[i], slots[i])
                       for i, start in enumerate(starts)}
     bar.close()

@@ -8,6 +8,8 @@ the slots and the distinct tokens each rank serves.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from moescope.metrics.placement import Placement, PlacementError
@@ -47,8 +49,22 @@ def _copies(placement: Placement, layer: int, num_experts: int) -> tuple[np.ndar
     return copy_rank, copies
 
 
-def _expand(row: np.ndarray, expert: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Entries (row, rank, share) for every rank that serves a part of each (row, expert) slot."""
+class SlotRanks(NamedTuple):
+    """Where the kept slots of a page of routes rows run (`slot_ranks`): entry i says a slot of the
+    page's row `row[i]` runs on `rank[i]` with probability `prob[i]`. `unknown_home` is None, or for
+    SGLang's static dispatch of tokens whose home rank is unknown, (expert of each entry, holds: (E, R)
+    bool, the ranks holding a copy of each expert): `prob` is then the share of the copy for a home
+    without one, and `moescope.metrics.ranks.expected_rank_tokens` averages over the homes."""
+
+    row: np.ndarray
+    rank: np.ndarray
+    prob: np.ndarray
+    unknown_home: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _expand(row: np.ndarray, expert: np.ndarray,
+            shares: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Entries (row, rank, share, expert) for every rank that serves a part of each (row, expert) slot."""
     expert_of, rank_of = np.nonzero(shares > 0)
     width = np.bincount(expert_of, minlength=shares.shape[0])
     start = np.concatenate([[0], np.cumsum(width)[:-1]])
@@ -56,11 +72,11 @@ def _expand(row: np.ndarray, expert: np.ndarray, shares: np.ndarray) -> tuple[np
     entry = np.repeat(np.arange(row.size), per)
     nth = np.arange(entry.size) - np.repeat(np.cumsum(per) - per, per)
     rank = rank_of[start[expert[entry]] + nth]
-    return row[entry], rank, shares[expert[entry], rank]
+    return row[entry], rank, shares[expert[entry], rank], expert[entry]
 
 
 def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatch: str,
-               homes_known: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               homes_known: bool) -> SlotRanks:
     """Where each kept slot of a page of routes rows runs: entries (row of the page, rank, probability).
 
     `dispatch` names the engine's choice of copy (`DISPATCH`). The deterministic ones give each slot
@@ -69,9 +85,11 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     the n-th slot of the expert goes to copy (block + n + rank) mod copies) and SGLang static where
     the token's rank is known (`homes_known`: the rows' recorded rank is the expert-parallel rank):
     the copy on that rank, else the copies share it evenly (SGLang fixes one per rank by a seeded
-    draw that spreads the ranks evenly over the copies). The random ones (SGLang dynamic, "even",
-    SGLang static of unknown ranks) give every rank holding a copy its share. Dropped slots, padding
-    and zero experts run nowhere.
+    draw that spreads the ranks evenly over the copies). The random ones (SGLang dynamic, "even") give
+    every rank holding a copy its share. SGLang static of unknown ranks gives the same entries and says
+    so (`SlotRanks.unknown_home`): the copy is a function of the home, so a token's slots are not
+    independent draws, and the tokens per rank are averaged over homes. Dropped slots, padding and
+    zero experts run nowhere.
     """
     ids = np.asarray(page.expert_ids, dtype=np.int64)
     valid = np.asarray(page.kept, dtype=bool) & (ids >= 0) & (ids < num_experts)
@@ -82,7 +100,7 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     k = ids.shape[1] if ids.ndim == 2 else 1
     if dispatch == "vllm":
         position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
-        return row, copy_rank[expert, position % copies[expert]], ones
+        return SlotRanks(row, copy_rank[expert, position % copies[expert]], ones)
     home = np.asarray(page.rank, dtype=np.int64)[row] % placement.ranks
     if dispatch == "trtllm":
         position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
@@ -98,12 +116,15 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
         run_start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
         nth = np.empty(order.size, dtype=np.int64)
         nth[order] = np.arange(order.size) - run_start
-        return row, copy_rank[expert, (block + nth + home) % copies[expert]], ones
-    split = DISPATCH[dispatch][0]
-    if dispatch == "sglang-static" and homes_known:
-        holds = placement.shares(layer, num_experts, "even") > 0
+        return SlotRanks(row, copy_rank[expert, (block + nth + home) % copies[expert]], ones)
+    if dispatch == "sglang-static":
+        even = placement.shares(layer, num_experts, "even")
+        holds = even > 0
+        if not homes_known:
+            far_row, far_rank, far_prob, far_expert = _expand(row, expert, even)
+            return SlotRanks(far_row, far_rank, far_prob, (far_expert, holds))
         local = holds[expert, home]
-        far = _expand(row[~local], expert[~local], placement.shares(layer, num_experts, "even"))
-        return (np.concatenate([row[local], far[0]]), np.concatenate([home[local], far[1]]),
-                np.concatenate([ones[local], far[2]]))
-    return _expand(row, expert, placement.shares(layer, num_experts, "even" if dispatch == "sglang-static" else split))
+        far = _expand(row[~local], expert[~local], even)
+        return SlotRanks(np.concatenate([row[local], far[0]]), np.concatenate([home[local], far[1]]),
+                         np.concatenate([ones[local], far[2]]))
+    return SlotRanks(*_expand(row, expert, placement.shares(layer, num_experts, DISPATCH[dispatch][0]))[:3])

@@ -14,6 +14,7 @@ import numpy as np
 from moescope.metrics.signals import _as_load
 
 REPLICA_SPLITS = ("even", "local")
+HOME_CHUNK = 1 << 22  # (entry, home) cells held at once when averaging over unknown homes
 
 
 def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: int, ranks: int,
@@ -61,7 +62,8 @@ def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: 
 
 
 def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ranks: int,
-                         row_group: np.ndarray | None = None, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                         row_group: np.ndarray | None = None, groups: int = 1,
+                         unknown_home: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Return (tokens, slots), each a (groups, R) float array: per group of rows and rank, the distinct
     tokens the rank serves and the slots it serves.
 
@@ -70,6 +72,14 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
     counts once on a rank however many of its slots land there: its expected count there is
     1 - prod(1 - p) over its entries on that rank. `row_group` (indexed by row) puts each token in a
     group 0..groups-1 (a window); None: one group. Entries with p = 0 count nowhere.
+
+    `unknown_home` = (expert of each entry, holds: an (E, R) bool array, rank r holds a copy of e) is
+    SGLang's static dispatch where the token's home rank is not known: the home is one of the R ranks
+    alike, a home holding the slot's expert serves the slot itself, and any other home sends it to the
+    copy on `rank` with probability `prob` (its share of the copies). The copy is a function of the
+    home, so a token's slots are not independent draws: its count on a rank is the mean over homes h of
+    1 - prod(1 - p) over its slots that h does not hold, and a slot's share there is
+    (1[rank holds it] + (R - copies' ranks) p) / R.
     """
     row = np.asarray(row, dtype=np.int64)
     rank = np.asarray(rank, dtype=np.int64)
@@ -79,7 +89,8 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
     if row.size == 0:
         return tokens, slots
     entry_group = np.zeros(row.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[row]
-    slots += np.bincount(entry_group * ranks + rank, weights=prob, minlength=groups * ranks).reshape(groups, ranks)
+    share = prob if unknown_home is None else _unknown_home_share(prob, unknown_home, ranks)
+    slots += np.bincount(entry_group * ranks + rank, weights=share, minlength=groups * ranks).reshape(groups, ranks)
     key = row * ranks + rank
     if (int(row.max()) + 1) * ranks <= 4 * row.size:  # few (token, rank) cells: counted without a sort
         keys = np.arange((int(row.max()) + 1) * ranks)
@@ -91,11 +102,43 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
     missed = np.bincount(cell, weights=np.log1p(-np.minimum(prob, 1.0 - 1e-12)), minlength=cells)
     present = np.bincount(cell, minlength=cells) > 0
     token = np.where(certain, 1.0, np.where(present, -np.expm1(missed), 0.0))
+    if unknown_home is not None:
+        token = _unknown_home_tokens(cell, prob, certain, unknown_home, ranks, np.where(present, token, 0.0))
     cell_row, cell_rank = keys // ranks, keys % ranks
     cell_group = np.zeros(cells, dtype=np.int64) if row_group is None else np.asarray(row_group)[cell_row]
     tokens += np.bincount(cell_group * ranks + cell_rank, weights=token,
                           minlength=groups * ranks).reshape(groups, ranks)
     return tokens, slots
+
+
+def _unknown_home_share(prob: np.ndarray, unknown_home: tuple[np.ndarray, np.ndarray], ranks: int) -> np.ndarray:
+    """Each entry's expected slot on its rank over homes alike: the rank's own tokens (the rank holds
+    the expert), and its share of the tokens of the ranks that hold no copy."""
+    expert, holds = np.asarray(unknown_home[0], dtype=np.int64), np.asarray(unknown_home[1], dtype=bool)
+    return (1.0 + (ranks - holds.sum(axis=1)[expert]) * prob) / ranks
+
+
+def _unknown_home_tokens(cell: np.ndarray, prob: np.ndarray, certain: np.ndarray,
+                         unknown_home: tuple[np.ndarray, np.ndarray], ranks: int, token: np.ndarray) -> np.ndarray:
+    """`token` with each (row, rank) cell that no certain entry fills replaced by the mean over homes h
+    of 1 - prod(1 - p) over the cell's entries whose expert h does not hold (h = the cell's rank holds
+    them all: 1). A cell with a certain entry (the expert's only copies are there) is 1 from every home."""
+    expert, holds = np.asarray(unknown_home[0], dtype=np.int64), np.asarray(unknown_home[1], dtype=bool)
+    token = np.where(certain, 1.0, token)
+    todo = np.flatnonzero(~certain[cell])
+    todo = todo[np.argsort(cell[todo], kind="stable")]
+    todo_cell = cell[todo]
+    log_miss = np.log1p(-np.minimum(prob, 1.0 - 1e-12))
+    chunk = max(1, HOME_CHUNK // ranks)  # entries x ranks floats at a time
+    start = 0
+    while start < todo.size:
+        end = int(np.searchsorted(todo_cell, todo_cell[min(start + chunk, todo.size) - 1], side="right"))
+        part, part_cell = todo[start:end], todo_cell[start:end]
+        firsts = np.flatnonzero(np.concatenate([[True], part_cell[1:] != part_cell[:-1]]))
+        missed = np.add.reduceat(~holds[expert[part]] * log_miss[part, None], firsts, axis=0)  # [cells, homes]
+        token[part_cell[firsts]] = (1.0 - np.expm1(missed).sum(axis=1)) / ranks
+        start = end
+    return token
 
 
 def balancedness_over_layers(rank_loads: np.ndarray) -> float:

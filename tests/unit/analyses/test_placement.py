@@ -150,7 +150,8 @@ def _copy_ranks(layout) -> dict[int, list[int]]:
 
 def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = False) -> dict:
     """{layer: (tokens [R], slots [R])}: per routes row, the probability each of its kept slots runs on
-    each rank by the engine's rule, written as loops; a token counts 1 - prod(1 - p) on a rank."""
+    each rank by the engine's rule, written as loops; a token counts 1 - prod(1 - p) on a rank (SGLang
+    static of unknown homes: averaged over an enumeration of the homes)."""
     rows = read_table(open_location(root), "routes").to_pylist()
     rows.sort(key=lambda r: (r["layer"], r["step"], r["rank"], r["token"]))
     copies = _copy_ranks(REDUNDANT_LAYOUT)
@@ -159,6 +160,23 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
     seen: dict = {}  # trtllm: (layer, step, rank, block, expert) -> slots so far
     for row in rows:
         tokens, slots = out.setdefault(row["layer"], ([0.0] * ranks, [0.0] * ranks))
+        if dispatch == "sglang-static" and not homes_known:
+            # the token comes from each rank alike; from home h, each slot goes to h where h holds a
+            # copy, else to the copy h's fixed draw picked (each copy alike): given the home, the slots
+            # of different experts are independent, but not over homes
+            for home in range(ranks):
+                miss = [1.0] * ranks
+                for e, kept in zip(row["expert_ids"], row["kept"]):
+                    if not kept:
+                        continue
+                    where = copies[e]
+                    for r in range(ranks):
+                        p = (1.0 if r == home else 0.0) if home in where else where.count(r) / len(where)
+                        slots[r] += p / ranks
+                        miss[r] *= 1.0 - p
+                for r in range(ranks):
+                    tokens[r] += (1.0 - miss[r]) / ranks
+            continue
         k = len(row["expert_ids"])
         miss = [1.0] * ranks
         for j, (e, kept) in enumerate(zip(row["expert_ids"], row["kept"])):
@@ -176,13 +194,6 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
                 p[where[(block + nth + row["rank"] % ranks) % len(where)]] = 1.0
             elif dispatch == "sglang-static" and homes_known and row["rank"] in where:
                 p[row["rank"]] = 1.0
-            elif dispatch == "sglang-static" and not homes_known:
-                for home in range(ranks):  # a token from each rank alike
-                    if home in where:
-                        p[home] += 1.0 / ranks
-                    else:
-                        for r in where:
-                            p[r] += 1.0 / len(where) / ranks
             else:
                 for r in where:
                     p[r] += 1.0 / len(where)
@@ -204,8 +215,8 @@ def test_tokens_per_rank_follow_each_engines_choice_of_copy(root, dispatch):
         np.testing.assert_allclose(row.rank_tokens, tokens)
         # a token counts once per rank: never more than its slots there, and every rank's at most all tokens
         assert (row.rank_tokens <= np.array(slots) + 1e-9).all() and (row.rank_tokens <= row.tokens).all()
-        if dispatch != "sglang-static":  # slots of the routes rows: the layer_steps' split of the same loads
-            np.testing.assert_allclose(np.sum(slots), row.slots)
+        # slots of the routes rows: the layer_steps' split of the same loads, kept slots counted once
+        np.testing.assert_allclose(np.sum(slots), row.slots)
 
 
 @pytest.fixture(scope="module")
