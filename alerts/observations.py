@@ -50,6 +50,8 @@ class LayerObservation:
     forwards: int = 1
     route_step: np.ndarray | None = None  # (tokens,) the forward of each route row, where a window spans several
     kept: np.ndarray | None = None  # (tokens, k) False where a capacity limit dropped the slot, where recorded
+    token: np.ndarray | None = None  # (tokens,) row in its forward's batch (the routes' `token`), where known
+    rank: np.ndarray | None = None  # (tokens,) the rank that recorded each row; None: one process's records
 
     @classmethod
     def from_layer_step(cls, record: StepRecord, layer: LayerStep) -> LayerObservation:
@@ -73,6 +75,9 @@ class LayerObservation:
             forwards=int(layer.forwards),
             route_step=None if routes is None or routes.step is None else np.asarray(routes.step),
             kept=None if routes is None else np.asarray(routes.kept),
+            # rows are numbered from 0 where the record does not say (as the store numbers them)
+            token=None if routes is None else (np.arange(len(routes.expert_ids)) if routes.token is None
+                                               else np.asarray(routes.token)),
         )
 
 
@@ -157,12 +162,15 @@ TRAFFIC_SIGNALS = {
 def _traffic(observations: Sequence[LayerObservation], layout: wire.WireLayout) -> dict | None:
     """The window's traffic figures under `layout` (None without routes)."""
     tally = wire.TrafficTally.for_layout(layout)
-    for o in observations:
-        if o.expert_ids is None or not len(o.expert_ids) or o.sequence is None:
-            continue
+    routed = [o for o in observations if o.expert_ids is not None and len(o.expert_ids) and o.token is not None]
+    recording = {int(r) for o in routed if o.rank is not None for r in np.unique(o.rank)}
+    rule = wire.default_home(len(recording))  # the rule `moescope traffic` defaults to
+    for o in routed:
+        assert o.expert_ids is not None and o.token is not None  # `routed` holds only those
         ids = np.asarray(o.expert_ids)
         kept = np.ones(ids.shape, dtype=bool) if o.kept is None else np.asarray(o.kept, dtype=bool)
-        home = wire.home_ranks("sequence", layout.ranks, o.sequence, o.sequence, o.sequence)
+        recorded = np.zeros(len(ids), dtype=np.int64) if o.rank is None else o.rank
+        home = wire.home_ranks(rule, layout.ranks, recorded, o.sequence, o.token)
         tally.add(layout, home, wire.token_fanout(layout, home, ids, kept), np.zeros(len(home), dtype=np.int64))
     return tally.figures() if tally.tokens else None
 
@@ -184,8 +192,9 @@ def compute_signals(
     `rank_shares` ((routed experts, ranks), `signals.replica_shares`) places the experts on
     expert-parallel ranks for the rank signals; None: they are no data. `wire_layout` (the same
     placement with its ranks' nodes, `metrics.traffic.WireLayout`) is what the traffic signals count
-    with, a token's home rank being its sequence modulo the ranks (`metrics.traffic.home_ranks`,
-    "sequence"); None, or no routes: they are no data.
+    with, a token's home rank by the rule every view defaults to (`metrics.traffic.default_home`:
+    the recording rank where several ranks recorded the rows, else the row in its forward's batch
+    modulo the ranks); None, or no routes: they are no data.
     """
     wanted = set(SIGNALS if names is None else names)
     unknown = wanted - set(SIGNALS)

@@ -250,6 +250,8 @@ class StoreAlertRunner:
                     group["rank"].to_numpy(np.int64) * 65536 + group.sequence.to_numpy(np.int64),
                     group.position.to_numpy(np.int64),
                     group.step.to_numpy(np.int64),
+                    group.token.to_numpy(np.int64),
+                    group["rank"].to_numpy(np.int64),
                 ]
         out = []
         for (step, layer), group in rows.groupby(["step", "layer"], sort=True):
@@ -272,6 +274,8 @@ class StoreAlertRunner:
                 position=None if route is None else route[2],
                 forwards=int(group.forwards.max()),
                 route_step=None if route is None else route[3],
+                token=None if route is None else route[4],
+                rank=None if route is None else route[5],
             ))
         self._last_step[run_id] = int(rows.step.max())
         self._last_forward[run_id] = int(rows.step_end.max())

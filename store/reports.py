@@ -606,9 +606,9 @@ class ReportQueries:
 
     def routes_between(self, run_id: str, first_step: int, last_step: int) -> pd.DataFrame:
         """A run's routes rows with first_step <= step <= last_step, in recording order: step, layer,
-        rank, sequence, position, expert_ids (list)."""
+        rank, token (row in its forward's batch), sequence, position, expert_ids (list)."""
         return self.sql("""
-            SELECT step, layer, rank, sequence, position, expert_ids FROM routes
+            SELECT step, layer, rank, token, sequence, position, expert_ids FROM routes
             WHERE run_id = ? AND step >= ? AND step <= ? ORDER BY step, layer, rank, token""",
                         [run_id, int(first_step), int(last_step)])
 

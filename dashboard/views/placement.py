@@ -84,9 +84,9 @@ def traffic(ctx: common.PageContext, ranks: int) -> None:
     st.plotly_chart(fg.rank_matrix_heatmap(row), key="pl_traffic_matrix")
     st.plotly_chart(fg.fanout_histogram(row), key="pl_traffic_fanout")
     st.caption("A token is sent once to each GPU other than its home that holds any of its experts (DeepEP), "
-               "once to each other node over RDMA. Home: the rank that recorded it, or its sequence modulo the "
-               "ranks for a one-process run. `moescope traffic STORE --ranks R --compare default,coselection` "
-               "for bytes, node-limited routing and other placements (docs/traffic.md).")
+               "once to each other node over RDMA. Home: the rank that recorded it, or its row in its forward "
+               "modulo the ranks for a one-process run (as every view counts it). `moescope traffic STORE --ranks R "
+               "--compare default,coselection` for bytes, node-limited routing and other placements (docs/traffic.md).")
 
 
 st.title("Placement")

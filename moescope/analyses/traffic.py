@@ -52,7 +52,7 @@ class Wire:
     """
 
     rank_node: np.ndarray
-    home: str = "sequence"
+    home: str = "token"
     hidden_size: int | None = None
     dispatch_bytes: float = 2.0
     combine_bytes: float = 2.0
@@ -91,9 +91,10 @@ def read_model_config(path: str) -> tuple[int, float]:
 
 
 def default_home(store: Store, run_id: str) -> str:
-    """"recorded" when the run's routes come from more than one rank, else "sequence"."""
+    """The run's default home rule (`moescope.metrics.traffic.default_home`, the rule every view
+    uses): "recorded" when the run's routes come from more than one rank, else "token"."""
     ranks = store.sql("SELECT count(DISTINCT rank) AS n FROM routes WHERE run_id = ?", [run_id])
-    return "recorded" if len(ranks) and int(ranks.n.iloc[0]) > 1 else "sequence"
+    return wire.default_home(int(ranks.n.iloc[0]) if len(ranks) else 0)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ examples:
 per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
 sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
 A token's home is the rank that recorded it (--home recorded, the default for a multi-rank run) or,
-for a run recorded in one process, its sequence's batch row modulo R (--home sequence, the default:
-data-parallel attention spreads sequences round-robin) or its row in the batch (--home token).
+for a run recorded in one process, its row in its forward's batch modulo R (--home token, the default,
+the rule the dashboard, the rules engine and the exporter use too: `moescope.metrics.traffic.default_home`)
+or its sequence's batch row modulo R (--home sequence: data-parallel attention spreads a batch's sequences
+round-robin; an imported run holds one request a step, so every token would be home 0).
 The floor is the mean a perfect placement could reach for the same routing. With redundant experts,
 a token uses the copy on its home rank, else on its node (lowest rank), else copy (home mod copies).
 See docs/traffic.md.
@@ -44,7 +46,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="consecutive ranks per node (default 8; the last node may hold fewer)")
     p.add_argument("--nodes", metavar="G0,G1,...", help="ranks of each node, for uneven nodes (e.g. 8,8,4)")
     p.add_argument("--home", choices=("recorded", "sequence", "token"),
-                   help="how tokens get home ranks (default: recorded for a multi-rank run, else sequence)")
+                   help="how tokens get home ranks (default: recorded for a multi-rank run, else token)")
     p.add_argument("--hidden-size", type=positive_int, metavar="H", help="the model's hidden size, for bytes")
     p.add_argument("--config", metavar="CONFIG_JSON",
                    help="a transformers config.json: hidden_size and torch_dtype, for bytes")

@@ -126,6 +126,16 @@ def default_rank_node(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE) 
     return nodes_from_sizes([ranks_per_node] * full + ([rest] if rest else []))
 
 
+def default_home(recording_ranks: int) -> str:
+    """The home rule every view uses unless told (`moescope traffic`, the dashboard, the rules engine,
+    the Prometheus exporter): "recorded" where more than one rank recorded the routes (a row's rank is
+    its token's home), else "token" (the row in its forward's batch modulo R). Not "sequence": an
+    imported run holds one request a step with `sequence` the choice index (0 for most), so every
+    token would have home 0; spreading rows evenly, apart from their routing, gives each rank 1/R of
+    the tokens, as an engine's data-parallel batch does (docs/traffic.md)."""
+    return "recorded" if recording_ranks > 1 else "token"
+
+
 def home_ranks(rule: str, ranks: int, recorded: np.ndarray, sequence: np.ndarray | None,
                token: np.ndarray) -> np.ndarray:
     """Each routed token's home rank under `rule`.
@@ -140,7 +150,7 @@ def home_ranks(rule: str, ranks: int, recorded: np.ndarray, sequence: np.ndarray
         home = np.asarray(recorded, dtype=np.int64)
         if home.size and (home.min() < 0 or home.max() >= ranks):
             raise ValueError(f"the run recorded rank {int(home.max())}, but the placement has {ranks} ranks; "
-                             "give the placement the run's ranks, or spread tokens with --home sequence")
+                             "give the placement the run's ranks, or spread tokens with --home token")
         return home
     if rule == "sequence":
         if sequence is None:

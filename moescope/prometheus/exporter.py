@@ -133,7 +133,7 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
     "remote_ranks_per_token": (
         "moescope_layer_remote_ranks_per_token",
         "Mean expert-parallel ranks other than its home a token's kept experts sit on over the window "
-        "(DeepEP's GPU sends per token; home: sequence mod ranks; needs routes and a placement)",
+        "(DeepEP's GPU sends per token; home: the token's row in its forward mod ranks; needs routes and a placement)",
     ),
     "remote_nodes_per_token": (
         "moescope_layer_remote_nodes_per_token",

@@ -47,8 +47,8 @@ def loop(records, layer: int) -> dict[str, float]:
     tokens = ranks = nodes = intra = 0
     for record in records[-WINDOW:]:
         routes = next(ls for ls in record.layers if ls.layer == layer).routes
-        for row, seq in zip(routes.expert_ids, routes.sequence):
-            home = int(seq) % RANKS
+        for token, row in enumerate(routes.expert_ids):
+            home = token % RANKS  # one process recorded it: a row's home is its place in the batch mod R
             dests = {int(e) // 2 for e in row} - {home}
             tokens += 1
             ranks += len(dests)

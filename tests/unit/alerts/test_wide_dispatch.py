@@ -48,8 +48,8 @@ def loop(records, layer: int, steps: int) -> tuple[float, float, float]:
     tokens = ranks = nodes = sends = intra = 0
     for record in records[-steps:]:
         routes = next(ls for ls in record.layers if ls.layer == layer).routes
-        for row, keep, seq in zip(routes.expert_ids, routes.kept, routes.sequence):
-            home = int(seq) % RANKS
+        for token, (row, keep) in enumerate(zip(routes.expert_ids, routes.kept)):
+            home = token % RANKS  # one process recorded it: a row's home is its place in the batch mod R
             dests = {int(e) // 2 for e, k in zip(row, keep) if k} - {home}
             tokens += 1
             ranks += len(dests)

@@ -91,8 +91,8 @@ def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded):
     half = (experts + 1) // 2  # the default layout over 2 ranks: experts 0..half-1 on rank 0
     matrix = np.zeros((2, 2))
     remote = []
-    for ids, kept, sequence in zip(rows.expert_ids, rows.kept, rows.sequence):
-        home = int(sequence) % 2  # one process recorded it: sequences round-robin over the ranks
+    for ids, kept, token in zip(rows.expert_ids, rows.kept, rows.token):
+        home = int(token) % 2  # one process recorded it: rows of a forward round-robin over the ranks
         dests = {0 if e < half else 1 for e, k in zip(ids, kept) if k}
         for d in dests:
             matrix[home, d] += 1

@@ -181,7 +181,7 @@ def test_home_rules():
     assert wire.home_ranks("recorded", 2, recorded, sequence, token).tolist() == [0, 1, 1]
     assert wire.home_ranks("sequence", 4, recorded, sequence, token).tolist() == [0, 1, 1]
     assert wire.home_ranks("token", 2, recorded, sequence, token).tolist() == [0, 1, 0]
-    with pytest.raises(ValueError, match="--home sequence"):
+    with pytest.raises(ValueError, match="--home token"):
         wire.home_ranks("recorded", 1, recorded, sequence, token)
     with pytest.raises(ValueError, match="choose one of"):
         wire.home_ranks("nearest", 2, recorded, sequence, token)
