@@ -164,7 +164,9 @@ def _traffic(observations: Sequence[LayerObservation], layout: wire.WireLayout) 
     tally = wire.TrafficTally.for_layout(layout)
     routed = [o for o in observations if o.expert_ids is not None and len(o.expert_ids) and o.token is not None]
     recording = {int(r) for o in routed if o.rank is not None for r in np.unique(o.rank)}
-    rule = wire.default_home(len(recording))  # the rule `moescope traffic` defaults to
+    # the rule `moescope traffic` defaults to; where the run has more ranks than the placement (which
+    # the command refuses), its tokens are spread by their rows rather than the rules engine stopping
+    rule = wire.default_home(len(recording) if max(recording, default=0) < layout.ranks else 1)
     for o in routed:
         assert o.expert_ids is not None and o.token is not None  # `routed` holds only those
         ids = np.asarray(o.expert_ids)

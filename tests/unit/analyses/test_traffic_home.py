@@ -115,3 +115,29 @@ def test_an_imported_run_spreads_its_tokens_and_every_view_agrees(imported, caps
         assert gauge == pytest.approx(remote)
         printed_remote = re.findall(rf"layer {layer}:.*\n  remote ranks per token ([0-9.]+)", printed)
         assert printed_remote and float(printed_remote[0]) == pytest.approx(remote, abs=0.005)
+
+
+def test_a_run_recorded_by_several_ranks_is_counted_from_its_ranks_in_every_view(tmp_path):
+    from moescope.store.writer import ParquetExporter
+    from tests.support.store_records import make_record, run_info
+
+    root, ranks, experts = str(tmp_path / "store"), 2, 6
+    for rank in range(ranks):
+        exporter = ParquetExporter(root, run_info("m", 2, experts, rank=rank, world_size=ranks))
+        rng = np.random.default_rng(20 + rank)
+        exporter.export([make_record("m", step, rng, 2, experts, drop_rate=0.0) for step in range(3)])
+        exporter.shutdown()
+    placement = Placement.contiguous(ranks)
+    rank_node = node_layout(ranks, 1, None)
+    with Store(root) as store:
+        assert default_home(store, "m") == "recorded"
+        report = traffic_report(store, "m", placement, Wire(rank_node, default_home(store, "m")))
+    observations = StoreAlertRunner(root, default_rules(), run_ids=["m"], write_alerts=False,
+                                    placement=placement)._observations("m")
+    for layer in range(2):
+        rows = [r for r in parquet_rows(root, "routes", "m").to_pylist() if r["layer"] == layer]
+        remote = sum(len({e // 3 for e in r["expert_ids"]} - {r["rank"]}) for r in rows) / len(rows)
+        assert report.layers[report.layers.layer == layer].remote_ranks_mean.iloc[0] == pytest.approx(remote)
+        signal = compute_signals([o for o in observations if o.layer == layer], ["remote_ranks_per_token"],
+                                 num_experts=experts, wire_layout=wire_layout(placement, layer, experts, rank_node))
+        assert signal["remote_ranks_per_token"] == pytest.approx(remote)
