@@ -35,6 +35,7 @@ COLUMNS = [
     "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
     "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward",
     "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_remote_nodes_mean",
+    "limited_rule",
 ]
 
 
@@ -111,7 +112,9 @@ class TrafficReport:
     dispatch/combine bytes per forward over GPU sends and over RDMA (NaN without a hidden size);
     with `max_nodes`: limited_changed_share (tokens whose routing would change),
     limited_moved_weight (top-k gate weight moved per token, all tokens), limited_moved_weight_changed
-    (per changed token), limited_remote_nodes_mean (at most, under the limit); NaN otherwise.
+    (per changed token), limited_remote_nodes_mean (at most, under the limit), limited_rule (which
+    rule gave them: `moescope.metrics.traffic.LIMIT_RULES`; DeepSeek-V3's rule on the router's
+    scores where the run kept every token's router logits); NaN (None) otherwise.
     """
 
     layers: pd.DataFrame
@@ -138,12 +141,14 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             continue
         layout = wire_layout(placement, layer, int(row.num_experts), setup.rank_node)
         tallies: dict[int | None, wire.TrafficTally] = {}
-        for page in store.routes_in_order(run_id, layer, tags=tags, weights=True):
+        max_nodes = setup.max_nodes
+        limiting = max_nodes is not None
+        for page in store.routes_in_order(run_id, layer, tags=tags, weights=True, logits=limiting):
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
-            limited = (wire.node_limited(layout, fan, home, weights, setup.max_nodes)
-                       if setup.max_nodes is not None else None)
+            limited = (_node_limited(layout, fan, home, page, weights, max_nodes, row.family)
+                       if max_nodes is not None else None)
             if window_steps is None:
                 keys = np.zeros(len(home), dtype=np.int64)
             else:
@@ -153,9 +158,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                 tally = tallies.setdefault(None if window_steps is None else int(key),
                                            wire.TrafficTally.for_layout(layout))
                 tally.add(layout, home[pick], _select(fan, pick), page.step[pick],
-                          None if limited is None else wire.NodeLimited(limited.changed[pick],
-                                                                        limited.moved_weight[pick],
-                                                                        limited.remote_nodes[pick]))
+                          None if limited is None else _select_limited(limited, pick))
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
@@ -163,10 +166,28 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                 for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
                              "limited_remote_nodes_mean"):
                     figures[name] = float("nan")
+                figures["limited_rule"] = None
             rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
                              window_end=np.nan if key is None else (key + 1) * width, **figures))
     return TrafficReport(pd.DataFrame(rows, columns=COLUMNS), placement.ranks, int(setup.rank_node.max()) + 1,
                          placement.source, setup.home)
+
+
+def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, weights: np.ndarray,
+                  max_nodes: int, family: str | None) -> wire.NodeLimited:
+    """DeepSeek-V3's rule on the router's scores where every token of the page has its logits, else
+    the kept-weights approximation."""
+    logits = page.logits
+    if logits is not None and logits.shape[1] >= layout.num_experts and len(logits) \
+            and not np.isnan(logits[:, :layout.num_experts]).any():
+        scores = wire.router_scores(logits[:, :layout.num_experts], family)
+        return wire.node_limited_on_scores(layout, fan, home, page.expert_ids, weights, scores, max_nodes)
+    return wire.node_limited(layout, fan, home, weights, max_nodes)
+
+
+def _select_limited(limited: wire.NodeLimited, pick: np.ndarray) -> wire.NodeLimited:
+    return wire.NodeLimited(limited.changed[pick], limited.moved_weight[pick], limited.remote_nodes[pick],
+                            None if limited.expert_ids is None else limited.expert_ids[pick], limited.rule)
 
 
 def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:

@@ -117,7 +117,8 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
         if math.isfinite(row.limited_changed_share):
             lines.append(f"  node-limited routing: {_number(100 * row.limited_changed_share, 1)}% of tokens would "
                          f"change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of their top-k "
-                         f"weight; remote nodes per token at most {_number(row.limited_remote_nodes_mean)}")
+                         f"weight; remote nodes per token at most {_number(row.limited_remote_nodes_mean)} "
+                         f"(rule: {row.limited_rule})")
         if matrix:
             lines.append("  tokens from home rank (rows) to rank (columns):")
             lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.rank_matrix]
