@@ -86,6 +86,11 @@ def _number(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "-"
 
 
+def _histogram(counts) -> str:
+    """Tokens per count, the counts no token has left out: `0:12 2:30`."""
+    return " ".join(f"{n}:{c:,}" for n, c in enumerate(counts) if c)
+
+
 def format_report(report, run_id: str, matrix: bool = False) -> str:
     """The report as text: per layer and window, fan-out against the floor, links, bytes, node limit."""
     import pandas as pd
@@ -104,8 +109,8 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
                      f"(floor {_number(row.floor_remote_ranks)})   "
                      f"remote nodes per token {_number(row.remote_nodes_mean)} "
                      f"(floor {_number(row.floor_remote_nodes)})")
-        hist = " ".join(f"{n}:{c:,}" for n, c in enumerate(row.remote_ranks_histogram) if c)
-        lines.append(f"  tokens by remote ranks  {hist}")
+        lines.append(f"  tokens by remote ranks  {_histogram(row.remote_ranks_histogram)}   "
+                     f"by remote nodes  {_histogram(row.remote_nodes_histogram)}")
         h, r = row.busiest_link
         link = f"rank {h} -> {r} ({row.busiest_link_tokens:,} tokens)" if h >= 0 else "none"
         lines.append(f"  GPU sends {row.gpu_sends:,}, RDMA sends {row.rdma_sends:,}, intra-node share "

@@ -70,7 +70,7 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
         home = row["rank"] if home_rule == "recorded" else row["sequence"] % 3
         key = (row["layer"], None if window is None else row["step"] // window * window)
         f = out.setdefault(key, dict(tokens=0, rr=0, rn=0, matrix=np.zeros((3, 3), int), steps=set(), changed=0,
-                                     moved=0.0))
+                                     moved=0.0, rr_hist={}, rn_hist={}))
         slots = [(serving(per_rank, home, e), w) for e, w, k in zip(row["expert_ids"], row["gate_weights"], row["kept"])
                  if k]
         dests = {d for d, _ in slots}
@@ -78,6 +78,9 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
         f["steps"].add(row["step"])
         f["rr"] += len(dests - {home})
         f["rn"] += len({NODES[d] for d in dests} - {NODES[home]})
+        remote_ranks, remote_nodes = len(dests - {home}), len({NODES[d] for d in dests} - {NODES[home]})
+        f["rr_hist"][remote_ranks] = f["rr_hist"].get(remote_ranks, 0) + 1
+        f["rn_hist"][remote_nodes] = f["rn_hist"].get(remote_nodes, 0) + 1
         for d in dests:
             f["matrix"][home, d] += 1
         if max_nodes is not None:
@@ -162,6 +165,10 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert "node-limited routing" in out and "co-selection" in out and "default (contiguous)" in out
     assert "EPLB" in out
     assert f"{row.busiest_link_tokens:,} tokens" in out
+    f = brute_force(root, LAYOUT, "recorded", None, None)[(0, None)]
+    ranks_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(f["rr_hist"].items()))
+    nodes_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(f["rn_hist"].items()))
+    assert f"tokens by remote ranks  {ranks_hist}   by remote nodes  {nodes_hist}" in out, out
     node_rows = out.split("summed over nodes, from node (rows) to node (columns):\n")[1].splitlines()[:2]
     assert [[int(v.replace(",", "")) for v in line.split()] for line in node_rows] == row.node_matrix.tolist()
     assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
