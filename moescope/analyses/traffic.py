@@ -34,8 +34,8 @@ COLUMNS = [
     "rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
     "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
     "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward",
-    "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_remote_nodes_mean",
-    "limited_rule",
+    "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_rule",
+    *(f"limited_{name}" for name in wire.LIMITED_FIGURES),
 ]
 
 
@@ -112,7 +112,11 @@ class TrafficReport:
     dispatch/combine bytes per forward over GPU sends and over RDMA (NaN without a hidden size);
     with `max_nodes`: limited_changed_share (tokens whose routing would change),
     limited_moved_weight (top-k gate weight moved per token, all tokens), limited_moved_weight_changed
-    (per changed token), limited_remote_nodes_mean (at most, under the limit), limited_rule (which
+    (per changed token; 0 when none changes), and every figure above under the limit as
+    limited_<name> (`moescope.metrics.traffic.LIMITED_FIGURES`: remote ranks and nodes per token and
+    their histograms, the matrices, sends, intra-node share, busiest links, bytes; under the
+    kept-weights approximation the replaced experts are unknown, so its remote nodes are exact and
+    its remote ranks, sends and bytes a lower bound), limited_rule (which
     rule gave them: `moescope.metrics.traffic.LIMIT_RULES`; DeepSeek-V3's rule on the router's
     scores where the run kept every token's router logits); NaN (None) otherwise.
     """
@@ -163,8 +167,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
             if setup.max_nodes is None:
-                for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
-                             "limited_remote_nodes_mean"):
+                for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed"):
                     figures[name] = float("nan")
                 figures["limited_rule"] = None
             rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
@@ -182,12 +185,12 @@ def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarr
             and not np.isnan(logits[:, :layout.num_experts]).any():
         scores = wire.router_scores(logits[:, :layout.num_experts], family)
         return wire.node_limited_on_scores(layout, fan, home, page.expert_ids, weights, scores, max_nodes)
-    return wire.node_limited(layout, fan, home, weights, max_nodes)
+    return wire.node_limited(layout, fan, home, page.expert_ids, weights, max_nodes)
 
 
 def _select_limited(limited: wire.NodeLimited, pick: np.ndarray) -> wire.NodeLimited:
     return wire.NodeLimited(limited.changed[pick], limited.moved_weight[pick], limited.remote_nodes[pick],
-                            None if limited.expert_ids is None else limited.expert_ids[pick], limited.rule)
+                            limited.expert_ids[pick], limited.rule)
 
 
 def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:

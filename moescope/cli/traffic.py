@@ -91,11 +91,32 @@ def _histogram(counts) -> str:
     return " ".join(f"{n}:{c:,}" for n, c in enumerate(counts) if c)
 
 
+def _figure_lines(figures: dict, indent: str, floor: bool = False) -> list[str]:
+    """A row's fan-out, histograms, sends, links and bytes (the plain figures, or those under the limit)."""
+    from moescope.analyses.traffic import bytes_text
+
+    def against(name: str) -> str:
+        return f" (floor {_number(figures[f'floor_{name}'])})" if floor else ""
+
+    h, r = figures["busiest_link"]
+    link = f"rank {h} -> {r} ({figures['busiest_link_tokens']:,} tokens)" if h >= 0 else "none"
+    return [f"{indent}remote ranks per token {_number(figures['remote_ranks_mean'])}{against('remote_ranks')}   "
+            f"remote nodes per token {_number(figures['remote_nodes_mean'])}{against('remote_nodes')}",
+            f"{indent}tokens by remote ranks  {_histogram(figures['remote_ranks_histogram'])}   "
+            f"by remote nodes  {_histogram(figures['remote_nodes_histogram'])}",
+            f"{indent}GPU sends {figures['gpu_sends']:,}, RDMA sends {figures['rdma_sends']:,}, intra-node share "
+            f"{_number(figures['intra_node_share'])}, busiest link {link}",
+            f"{indent}per forward: dispatch {bytes_text(figures['dispatch_bytes_per_forward'])}, combine "
+            f"{bytes_text(figures['combine_bytes_per_forward'])} (over RDMA: "
+            f"{bytes_text(figures['rdma_dispatch_bytes_per_forward'])} / "
+            f"{bytes_text(figures['rdma_combine_bytes_per_forward'])})"]
+
+
 def format_report(report, run_id: str, matrix: bool = False) -> str:
     """The report as text: per layer and window, fan-out against the floor, links, bytes, node limit."""
     import pandas as pd
 
-    from moescope.analyses.traffic import bytes_text
+    from moescope.metrics.traffic import LIMITED_FIGURES
 
     lines = [f"run {run_id}: {report.ranks} ranks in {report.nodes} nodes ({report.source}); "
              f"home ranks: {report.home}",
@@ -105,25 +126,13 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
     for row in report.layers.itertuples():
         span = "" if pd.isna(row.window_start) else f", steps {int(row.window_start)}-{int(row.window_end) - 1}"
         lines.append(f"\nlayer {row.layer}{span}: {row.tokens:,} tokens over {row.forwards:,} forwards")
-        lines.append(f"  remote ranks per token {_number(row.remote_ranks_mean)} "
-                     f"(floor {_number(row.floor_remote_ranks)})   "
-                     f"remote nodes per token {_number(row.remote_nodes_mean)} "
-                     f"(floor {_number(row.floor_remote_nodes)})")
-        lines.append(f"  tokens by remote ranks  {_histogram(row.remote_ranks_histogram)}   "
-                     f"by remote nodes  {_histogram(row.remote_nodes_histogram)}")
-        h, r = row.busiest_link
-        link = f"rank {h} -> {r} ({row.busiest_link_tokens:,} tokens)" if h >= 0 else "none"
-        lines.append(f"  GPU sends {row.gpu_sends:,}, RDMA sends {row.rdma_sends:,}, intra-node share "
-                     f"{_number(row.intra_node_share)}, busiest link {link}")
-        lines.append(f"  per forward: dispatch {bytes_text(row.dispatch_bytes_per_forward)}, combine "
-                     f"{bytes_text(row.combine_bytes_per_forward)} (over RDMA: "
-                     f"{bytes_text(row.rdma_dispatch_bytes_per_forward)} / "
-                     f"{bytes_text(row.rdma_combine_bytes_per_forward)})")
+        figures = row._asdict()
+        lines += _figure_lines(figures, "  ", floor=True)
         if math.isfinite(row.limited_changed_share):
-            lines.append(f"  node-limited routing: {_number(100 * row.limited_changed_share, 1)}% of tokens would "
-                         f"change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of their top-k "
-                         f"weight; remote nodes per token at most {_number(row.limited_remote_nodes_mean)} "
-                         f"(rule: {row.limited_rule})")
+            lines.append(f"  node-limited routing ({row.limited_rule}): {_number(100 * row.limited_changed_share, 1)}% "
+                         f"of tokens would change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of "
+                         "their top-k weight; under it:")
+            lines += _figure_lines({name: figures[f"limited_{name}"] for name in LIMITED_FIGURES}, "    ")
         if matrix:
             lines.append("  tokens from home rank (rows) to rank (columns):")
             lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.rank_matrix]

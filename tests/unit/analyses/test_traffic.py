@@ -92,6 +92,16 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
             if len(score) > max_nodes:
                 f["changed"] += 1
                 f["moved"] += sum(w for d, w in slots if NODES[d] not in allowed) / total
+            # under the limit: the experts on the allowed nodes stay (the approximation cannot name the rest)
+            stay = {d for d in dests if NODES[d] in allowed}
+            lim = f.setdefault("limited", dict(rr=0, rn=0, matrix=np.zeros((3, 3), int), rr_hist={}, rn_hist={}))
+            remote_ranks, remote_nodes = len(stay - {home}), len({NODES[d] for d in stay} - {NODES[home]})
+            lim["rr"] += remote_ranks
+            lim["rn"] += remote_nodes
+            lim["rr_hist"][remote_ranks] = lim["rr_hist"].get(remote_ranks, 0) + 1
+            lim["rn_hist"][remote_nodes] = lim["rn_hist"].get(remote_nodes, 0) + 1
+            for d in stay:
+                lim["matrix"][home, d] += 1
     return out
 
 
@@ -175,6 +185,44 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert "add up to 3" in capsys.readouterr().err
 
 
+def histogram(counts: dict, size: int) -> list[int]:
+    return [counts.get(n, 0) for n in range(size)]
+
+
+@pytest.mark.parametrize("max_nodes,window", [(1, None), (1, 2), (2, None)])
+def test_node_limited_routing_gives_every_figure(root, placement_file, max_nodes, window):
+    """Under node-limited routing the same figures as without it, from a loop over the raw rows; a
+    limit that changes no token (2 nodes here) moves 0 weight, not a blank, and changes no figure."""
+    setup = Wire(np.array(NODES), "recorded", hidden_size=64, dispatch_bytes=1, combine_bytes=2,
+                 max_nodes=max_nodes)
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file), setup, window)
+    expected = brute_force(root, LAYOUT, "recorded", window, None, max_nodes=max_nodes)
+    for row in report.layers.itertuples():
+        f = expected[(row.layer, None if window is None else int(row.window_start))]
+        lim, tokens, forwards = f["limited"], f["tokens"], len(f["steps"])
+        sends = lim["matrix"] - np.diag(np.diag(lim["matrix"]))
+        assert row.limited_rule == "kept-weights approximation (no router logits stored)"
+        assert row.limited_remote_ranks_mean == pytest.approx(lim["rr"] / tokens)
+        assert row.limited_remote_nodes_mean == pytest.approx(lim["rn"] / tokens)
+        assert list(row.limited_remote_ranks_histogram) == histogram(lim["rr_hist"], 3)
+        assert list(row.limited_remote_nodes_histogram) == histogram(lim["rn_hist"], 2)
+        np.testing.assert_array_equal(row.limited_rank_matrix, lim["matrix"])
+        assert row.limited_gpu_sends == sends.sum() and row.limited_rdma_sends == lim["rn"]
+        assert row.limited_intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
+        assert row.limited_busiest_link_tokens == sends.max()
+        assert sends[row.limited_busiest_link] == sends.max()
+        assert row.limited_dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / forwards)
+        assert row.limited_combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / forwards)
+        assert row.limited_rdma_combine_bytes_per_forward == pytest.approx(lim["rn"] * 64 * 2 / forwards)
+        if max_nodes == 2:  # two nodes: nothing to limit
+            assert row.limited_changed_share == 0 and row.limited_moved_weight_changed == 0.0
+            assert row.limited_remote_ranks_mean == row.remote_ranks_mean
+            np.testing.assert_array_equal(row.limited_rank_matrix, row.rank_matrix)
+        else:
+            assert row.limited_remote_nodes_mean < row.remote_nodes_mean
+
+
 @pytest.mark.parametrize("window,phase", [(None, None), (2, "b")])
 def test_node_limited_moved_weight_of_the_changed_tokens_is_over_those_tokens(root, placement_file, window, phase):
     """limited_moved_weight_changed (what the command prints as "moving N% of their top-k weight") is the
@@ -197,4 +245,12 @@ def test_the_command_prints_the_moved_weight_of_the_changed_tokens(root, placeme
     out = capsys.readouterr().out
     f = brute_force(root, LAYOUT, "recorded", None, None, max_nodes=1)[(0, None)]
     assert (f"{100 * f['changed'] / f['tokens']:.1f}% of tokens would change, moving "
-            f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight") in out, out
+            f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight; under it:") in out, out
+    lim = f["limited"]
+    under = out.split("under it:\n")[1].splitlines()
+    assert under[0].startswith(f"    remote ranks per token {lim['rr'] / f['tokens']:.2f}   "
+                               f"remote nodes per token {lim['rn'] / f['tokens']:.2f}"), under
+    ranks_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(lim["rr_hist"].items()))
+    nodes_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(lim["rn_hist"].items()))
+    assert under[1] == f"    tokens by remote ranks  {ranks_hist}   by remote nodes  {nodes_hist}"
+    assert "(kept-weights approximation (no router logits stored))" in out

@@ -64,19 +64,23 @@ def choices(model, inputs, topk_group: int | None = None) -> dict[int, tuple[np.
 
 
 def oracle(before, after):
-    """(changed share, moved weight per token, remote nodes per token) from the model's two routings."""
+    """(changed share, moved weight per token, remote nodes per token, rank matrix) from the model's
+    two routings: experts e sits on rank e // 2 (contiguous), tokens' homes are their batch row mod R."""
     weights, ids = before
     _, limited = after
-    node_of = np.arange(EXPERTS) // (EXPERTS // GROUPS)
+    rank_of = np.arange(EXPERTS) // (EXPERTS // RANKS)
     tokens = len(ids)
-    home_node = (np.arange(tokens) % (BATCH * LENGTH) // LENGTH % RANKS) // PER_NODE  # home: sequence mod R
+    home = np.arange(tokens) % (BATCH * LENGTH) // LENGTH % RANKS  # home: sequence mod R
     changed = moved = remote = 0.0
+    matrix = np.zeros((RANKS, RANKS), dtype=np.int64)
     for t in range(tokens):
         kept = set(limited[t].tolist())
         changed += set(ids[t].tolist()) != kept
         moved += sum(w for e, w in zip(ids[t], weights[t]) if e not in kept) / weights[t].sum()
-        remote += len({node_of[e] for e in kept} - {home_node[t]})
-    return changed / tokens, moved / tokens, remote / tokens
+        remote += len({rank_of[e] // PER_NODE for e in kept} - {home[t] // PER_NODE})
+        for r in {rank_of[e] for e in kept}:
+            matrix[home[t], r] += 1
+    return changed / tokens, moved / tokens, remote / tokens, matrix
 
 
 def report(store: str, max_nodes: int):
@@ -91,10 +95,13 @@ def test_a_model_that_routes_node_limited_moves_nothing(tmp_path):
     frame = report(store, 2)
     assert sorted(frame.layer) == sorted(own)
     for row in frame.itertuples():
-        changed, moved, remote = oracle(own[row.layer], own[row.layer])
+        changed, moved, remote, matrix = oracle(own[row.layer], own[row.layer])
         assert row.limited_rule == LIMIT_RULES["scores"]
         assert row.limited_changed_share == 0 and row.limited_moved_weight == 0.0
+        assert row.limited_moved_weight_changed == 0.0  # nothing changes: 0, not a blank
         assert row.limited_remote_nodes_mean == pytest.approx(remote)
+        np.testing.assert_array_equal(row.limited_rank_matrix, matrix)
+        np.testing.assert_array_equal(row.limited_rank_matrix, row.rank_matrix)
 
 
 @pytest.mark.parametrize("max_nodes", [1, 2, 3])
@@ -103,12 +110,16 @@ def test_the_limit_on_an_unlimited_model_is_the_model_rerun_with_it(tmp_path, ma
     unlimited, limited = choices(model, inputs), choices(model, inputs, topk_group=max_nodes)
     frame = report(store, max_nodes)
     for row in frame.itertuples():
-        changed, moved, remote = oracle(unlimited[row.layer], limited[row.layer])
+        changed, moved, remote, matrix = oracle(unlimited[row.layer], limited[row.layer])
+        sends = matrix - np.diag(np.diag(matrix))
         assert changed > 0
         assert row.limited_rule == LIMIT_RULES["scores"]
         assert row.limited_changed_share == pytest.approx(changed)
         assert row.limited_moved_weight == pytest.approx(moved, rel=1e-5)
         assert row.limited_remote_nodes_mean == pytest.approx(remote)
+        np.testing.assert_array_equal(row.limited_rank_matrix, matrix)
+        assert row.limited_remote_ranks_mean == pytest.approx(sends.sum() / len(limited[row.layer][1]))
+        assert row.limited_busiest_link_tokens == sends.max()
 
 
 def test_without_logits_the_approximation_says_so(tmp_path):

@@ -168,7 +168,7 @@ def test_node_limited_routing_matches_a_loop(max_nodes):
     ids, kept, weights = random_routes(rng, 500, 8, 6)  # k / M = 6, 3, 2 experts score a node
     homes = rng.integers(0, 5, 500)
     fan = wire.token_fanout(layout, homes, ids, kept)
-    got = wire.node_limited(layout, fan, homes, weights, max_nodes)
+    got = wire.node_limited(layout, fan, homes, ids, weights, max_nodes)
     changed, moved, remote_after = node_limited_oracle(per_rank, nodes, homes, ids, kept, weights, 8, max_nodes)
     np.testing.assert_array_equal(got.changed, changed)
     np.testing.assert_allclose(got.moved_weight, moved, rtol=1e-6, atol=1e-9)
@@ -234,7 +234,7 @@ def test_a_node_scores_by_its_best_k_over_m_experts_only():
     ids, kept = np.array([[0, 1, 2, 3, 4]]), np.ones((1, 5), bool)
     weights = np.array([[0.1, 0.1, 0.1, 0.25, 0.22]])
     home = np.array([1])
-    got = wire.node_limited(layout, wire.token_fanout(layout, home, ids, kept), home, weights, 2)
+    got = wire.node_limited(layout, wire.token_fanout(layout, home, ids, kept), home, ids, weights, 2)
     assert got.changed.tolist() == [True]
     assert got.moved_weight[0] == pytest.approx(0.3 / 0.77)
     assert got.remote_nodes.tolist() == [1]  # nodes 1 (home) and 2
