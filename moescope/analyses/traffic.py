@@ -130,9 +130,11 @@ class TrafficReport:
 
 
 def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire, window_steps: int | None = None,
-                   tags: dict[str, str] | None = None, layers: list[int] | None = None) -> TrafficReport:
+                   tags: dict[str, str] | None = None, layers: list[int] | None = None,
+                   step_from: int | None = None, step_to: int | None = None) -> TrafficReport:
     """Per layer (and window of `window_steps` steps; None: the whole run) of the run's routes rows
-    carrying `tags`, what the placement costs on the wire (`TrafficReport`). Layers without routes
+    carrying `tags` (in steps `step_from` <= step < `step_to` where given), what the placement costs on
+    the wire (`TrafficReport`). Layers without routes
     have no row. Raises PlacementError where the placement does not fit a layer, and ValueError for
     a home rule the routes cannot follow."""
     if window_steps is not None and window_steps < 1:
@@ -147,7 +149,8 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         tallies: dict[int | None, wire.TrafficTally] = {}
         max_nodes = setup.max_nodes
         limiting = max_nodes is not None
-        for page in store.routes_in_order(run_id, layer, tags=tags, weights=True, logits=limiting):
+        for page in store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True,
+                                          logits=limiting):
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
@@ -199,30 +202,63 @@ def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:
 
 
 def coselection_placement(store: Store, run_id: str, like: Placement, rank_node: np.ndarray,
-                          tags: dict[str, str] | None = None) -> Placement:
+                          tags: dict[str, str] | None = None, step_from: int | None = None,
+                          step_to: int | None = None) -> Placement:
     """A placement with `like`'s ranks and slots per rank (its contiguous layout's, one slot per
-    expert) that co-locates experts often chosen together, per layer, from the run's co-selection
-    counts (`Store.coselection`) and loads (`moescope.metrics.traffic.coselection_layout`), fitted
-    on the same steps it is then measured on. A layer without co-selection counts keeps the
+    expert) that co-locates experts often chosen together, per layer, fitted on the run's
+    co-selection counts (`Store.coselection`) in steps `step_from` <= step < `step_to` (None: the
+    whole run), each expert's load being the tokens that chose it (the counts' diagonal;
+    `moescope.metrics.traffic.coselection_layout`). A layer without co-selection counts keeps the
     contiguous layout. Raises PlacementError where no layer has counts."""
     layers: dict[int, tuple[tuple[int, ...], ...]] = {}
-    totals = store.layer_totals(run_id, tags=tags)
     for row in store.layers(run_id).itertuples():
         layer, experts = int(row.layer), int(row.num_experts)
-        counts = store.coselection(run_id, layer, tags=tags)
+        counts = store.coselection(run_id, layer, step_from, step_to, tags=tags)
         if counts.shape[0] < experts:
             continue
         counts = counts[:experts, :experts]
-        load = totals[totals.layer == layer]
-        load_vector = (np.asarray(load.expert_load.iloc[0][:experts], dtype=np.float64) if len(load)
-                       else np.diag(counts).astype(np.float64))
         capacity = np.array([len(r) for r in contiguous_layout(experts, like.ranks)])
-        per_rank = wire.coselection_layout(counts, load_vector, capacity, rank_node)
+        per_rank = wire.coselection_layout(counts, np.diag(counts).astype(np.float64), capacity, rank_node)
         layers[layer] = tuple(tuple(r) for r in per_rank)
     if not layers:
-        raise PlacementError(f"run {run_id!r} recorded no co-selection counts (top-1 routers, or more experts "
+        span = "" if step_from is None else f" in steps {step_from}-{step_to - 1 if step_to is not None else ''}"
+        raise PlacementError(f"run {run_id!r} recorded no co-selection counts{span} (top-1 routers, or more experts "
                              "than the probe counts pairs for); a co-selection placement needs them")
     return Placement(ranks=like.ranks, layers=layers, source="co-selection placement")
+
+
+COSELECTION_BY_WINDOW = "co-selection (fitted on the window before)"
+
+
+def coselection_by_window(store: Store, run_id: str, like: Placement, setup: Wire, window_steps: int,
+                          tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, Placement | None]:
+    """The co-selection placement as an engine would run it: fitted on each window of `window_steps`
+    steps (`coselection_placement`) and scored on the next (`traffic_report`'s figures there).
+
+    Returns (rows, latest): one row per (layer, scored window) with placement
+    (`COSELECTION_BY_WINDOW`), fit_start (the first step of the window it was fitted on) and
+    `traffic_report`'s columns; and the placement fitted on the run's last window, the one to deploy
+    next (None when no window had counts). A window after one without counts is not scored.
+    Raises ValueError for window_steps < 1."""
+    if window_steps < 1:
+        raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+    starts = sorted({int(w) for w in store.window_loads(run_id, window_steps, tags).window_start})
+    frames, fitted = [], {}
+    for start in starts:
+        try:
+            fitted[start] = coselection_placement(store, run_id, like, setup.rank_node, tags, start,
+                                                  start + window_steps)
+        except PlacementError:
+            continue
+        before = start - window_steps
+        if before in fitted:
+            frame = traffic_report(store, run_id, fitted[before], setup, window_steps, tags, step_from=start,
+                                   step_to=start + window_steps).layers
+            frames.append(frame.assign(placement=COSELECTION_BY_WINDOW, fit_start=before))
+    latest = fitted[max(fitted)] if fitted else None
+    if not frames:
+        return pd.DataFrame(columns=["placement", "fit_start", *COLUMNS]), latest
+    return pd.concat(frames, ignore_index=True)[["placement", "fit_start", *COLUMNS]], latest
 
 
 def eplb_placement(store: Store, run_id: str, ranks: int, rank_node: np.ndarray, groups: int = 1,

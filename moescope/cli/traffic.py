@@ -19,6 +19,7 @@ examples:
   moescope traffic runs/ --placement eplb.yaml --nodes 8,8,4 --config model/config.json
   moescope traffic runs/ --ranks 32 --max-nodes 4          what DeepSeek-V3's 4-node limit would change
   moescope traffic runs/ --ranks 16 --compare default,coselection,eplb --window 100 --tag phase=decode
+  moescope traffic runs/ --ranks 16 --compare coselection --window 100 --export coselection.yaml
 
 per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
 sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
@@ -67,6 +68,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
     p.add_argument("--matrix", action="store_true", help="print each row's rank x rank matrix")
+    p.add_argument("--export", metavar="FILE",
+                   help="write the co-selection placement (fitted on the last --window, else on the whole run) as a "
+                        "placement file (JSON or YAML) that --placement reads back")
     p.set_defaults(func=_traffic_command)
 
 
@@ -151,6 +155,34 @@ def format_comparison(frame) -> str:
     return "\n".join(lines)
 
 
+def format_windowed_coselection(frame, report) -> str:
+    """Per layer and window, the co-selection placement fitted on the window before against the run's placement."""
+    lines = ["\nco-selection placement fitted on each window, scored on the next (against the placement given):",
+             f"  {'layer':>5}  {'steps':<13} {'remote ranks':>16} {'remote nodes':>16} {'intra-node':>16}"]
+    given = report.layers.set_index(["layer", "window_start"])
+    for row in frame.sort_values(["layer", "window_start"], kind="stable").itertuples():
+        base = given.loc[(row.layer, row.window_start)]
+        cells = [f"{_number(a)} vs {_number(b)}" for a, b in (
+            (row.remote_ranks_mean, base.remote_ranks_mean), (row.remote_nodes_mean, base.remote_nodes_mean),
+            (row.intra_node_share, base.intra_node_share))]
+        steps = f"{int(row.window_start)}-{int(row.window_end) - 1}"
+        lines.append(f"  {row.layer:>5}  {steps:<13} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}")
+    if frame.empty:
+        lines.append("  no window follows one with co-selection counts")
+    return "\n".join(lines)
+
+
+def _export(path: str, placement) -> None:
+    import json
+
+    import yaml
+
+    document = placement.document()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(document) if path.lower().endswith(".json") else yaml.safe_dump(document, sort_keys=False))
+    print(f"\nwrote the co-selection placement to {path} (moescope's placement format, docs/placement.md)")
+
+
 def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, groups: int = 1,
                   redundant: int = 0) -> dict:
     from moescope.analyses import traffic
@@ -190,12 +222,21 @@ def _traffic_command(args: argparse.Namespace) -> int:
         setup = traffic.Wire(rank_node, args.home or traffic.default_home(store, run_id), hidden, dispatch,
                              args.combine_bytes or dispatch, args.max_nodes)
         report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
-        comparison = None
+        comparison, placements = None, {}
         if args.compare:
             placements = _alternatives(args.compare, store, run_id, placement, rank_node, tags, args.groups,
                                        args.redundant)
             comparison = traffic.compare_placements(store, run_id, placements, setup, tags)
+        windowed, coselected = None, placements.get("co-selection")
+        if args.window and ("co-selection" in placements or args.export):
+            windowed, coselected = traffic.coselection_by_window(store, run_id, placement, setup, args.window, tags)
+        if args.export and coselected is None:
+            coselected = traffic.coselection_placement(store, run_id, placement, rank_node, tags)
     print(format_report(report, run_id, args.matrix))
     if comparison is not None:
         print(format_comparison(comparison))
+    if windowed is not None and "co-selection" in placements:
+        print(format_windowed_coselection(windowed, report))
+    if args.export:
+        _export(args.export, coselected)
     return 0

@@ -13,6 +13,7 @@ from moescope.analyses.placement import read_placement
 from moescope.analyses.traffic import (
     Wire,
     compare_placements,
+    coselection_by_window,
     coselection_placement,
     eplb_placement,
     node_layout,
@@ -254,3 +255,52 @@ def test_the_command_prints_the_moved_weight_of_the_changed_tokens(root, placeme
     nodes_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(lim["rn_hist"].items()))
     assert under[1] == f"    tokens by remote ranks  {ranks_hist}   by remote nodes  {nodes_hist}"
     assert "(kept-weights approximation (no router logits stored))" in out
+
+
+def coselection_fit(root: str, layer: int, start: int, end: int) -> list[list[int]]:
+    """The co-selection layout on 3 ranks fitted on the raw layer_steps rows of steps start..end-1."""
+    from moescope.metrics.traffic import coselection_layout
+
+    counts = np.zeros((EXPERTS, EXPERTS))
+    for row in read_table(open_location(root), "layer_steps").to_pylist():
+        if row["layer"] == layer and start <= row["step"] < end:
+            counts += np.asarray(row["coselection"], dtype=float).reshape(EXPERTS, EXPERTS)
+    return coselection_layout(counts, np.diag(counts), np.array([2, 2, 2]), np.array(NODES))
+
+
+def test_the_coselection_placement_is_fitted_on_each_window_and_scored_on_the_next(root):
+    setup = Wire(np.array(NODES), "recorded")
+    with Store(root) as store:
+        frame, latest = coselection_by_window(store, "t", Placement.contiguous(3), setup, 2)
+    assert sorted(set(zip(frame.window_start, frame.fit_start))) == [(2, 0), (4, 2)]
+    assert len(frame) == 2 * LAYERS
+    for row in frame.itertuples():
+        per_rank = coselection_fit(root, row.layer, row.fit_start, row.fit_start + 2)
+        f = brute_force(root, per_rank, "recorded", 2, None)[(row.layer, row.window_start)]
+        assert row.tokens == f["tokens"]
+        assert row.remote_ranks_mean == pytest.approx(f["rr"] / f["tokens"])
+        np.testing.assert_array_equal(row.rank_matrix, f["matrix"])
+    for layer in range(LAYERS):  # the one to deploy next: fitted on the last window
+        assert [sorted(r) for r in latest.rank_experts(layer, EXPERTS)] == \
+            [sorted(r) for r in coselection_fit(root, layer, 4, 6)]
+
+
+@pytest.mark.parametrize("name", ["coselection.yaml", "coselection.json"])
+def test_the_exported_coselection_map_reads_back(root, tmp_path, capsys, name):
+    path = str(tmp_path / name)
+    assert main(["traffic", root, "--ranks", "3", "--nodes", "2,1", "--compare", "coselection", "--window", "2",
+                 "--export", path]) == 0
+    out = capsys.readouterr().out
+    assert "co-selection placement fitted on each window, scored on the next" in out
+    assert f"wrote the co-selection placement to {path}" in out
+    exported = read_placement(path)
+    for layer in range(LAYERS):
+        assert [sorted(r) for r in exported.rank_experts(layer, EXPERTS)] == \
+            [sorted(r) for r in coselection_fit(root, layer, 4, 6)]
+    assert main(["placement", root, "--placement", path]) == 0  # the placement command reads it back
+    assert f"3 ranks ({name})" in capsys.readouterr().out
+    with Store(root) as store:  # and the traffic under it is the exported map's
+        again = traffic_report(store, "t", read_placement(path), Wire(np.array(NODES), "recorded")).layers
+    per_rank = coselection_fit(root, 0, 4, 6)
+    assert again.remote_ranks_mean.iloc[0] == pytest.approx(
+        brute_force(root, per_rank, "recorded", None, None)[(0, None)]["rr"] / again.tokens.iloc[0])
