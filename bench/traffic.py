@@ -75,7 +75,7 @@ def count(pages, wl: wire.WireLayout, max_nodes: int | None) -> dict:
     for step, sequence, ids, kept, weights in pages:
         home = wire.home_ranks("sequence", wl.ranks, sequence, sequence, sequence)
         fan = wire.token_fanout(wl, home, ids, kept)
-        limited = wire.node_limited(wl, fan, home, weights, max_nodes) if max_nodes else None
+        limited = wire.node_limited(wl, fan, home, ids, weights, max_nodes) if max_nodes else None
         tally.add(wl, home, fan, step, limited)
     return tally.figures(hidden_size=7168, dispatch_bytes=1, combine_bytes=2)
 

@@ -82,6 +82,7 @@ class RoutePage:
     kept: np.ndarray
     sequence: np.ndarray | None = None  # (rows,) int32 batch row, read with `weights=True`
     gate_weights: np.ndarray | None = None  # (rows, k) float32, 0 on padding, read with `weights=True`
+    logits: np.ndarray | None = None  # (rows, E) float32 router logits, NaN where none was kept, `logits=True`
 
 
 def _padded(column: pa.ChunkedArray | pa.Array, fill: float, dtype: type) -> np.ndarray:
@@ -108,6 +109,8 @@ def _route_page(table: pa.Table) -> RoutePage:
         padded[:, :width] = weights[:, :width]
         extra = dict(sequence=table.column("sequence").to_numpy(zero_copy_only=False).astype(np.int32),
                      gate_weights=padded)
+    if "logits" in table.column_names:
+        extra["logits"] = _padded(table.column("logits"), np.nan, np.float32)
     kept = _padded(table.column("kept"), True, bool)
     if kept.shape[1] < ids.shape[1]:  # a source that recorded no drops: every slot it names ran
         kept = np.hstack([kept, np.ones((len(kept), ids.shape[1] - kept.shape[1]), dtype=bool)])
@@ -352,11 +355,14 @@ class StoreQueries:
 
     def routes_in_order(self, run_id: str, layer: int, step_from: int | None = None, step_to: int | None = None,
                         tags: dict[str, str] | None = None, page_rows: int = 65_536,
-                        weights: bool = False) -> Iterator[RoutePage]:
+                        weights: bool = False, logits: bool = False) -> Iterator[RoutePage]:
         """One layer's routes rows in recording order (step, rank, token), a page at a time.
 
         `weights=True` also reads each row's sequence and gate weights (`RoutePage.sequence`,
-        `RoutePage.gate_weights`; null sequences read as 0).
+        `RoutePage.gate_weights`; null sequences read as 0). `logits=True` also reads the row's
+        router logits from the `router_logits` table, matched on (step, rank, token)
+        (`RoutePage.logits`: NaN rows where the run kept none for the token, as with
+        `router_logits=n` sampling or `router_logits=False`).
 
         Pages hold whole steps, about `page_rows` rows each (more when one step holds more), so a
         long run streams in bounded memory; each page is one query over the steps it covers.
@@ -377,9 +383,15 @@ class StoreQueries:
                 last += 1
                 rows += int(sizes[last])
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
-            yield _route_page(self.arrow(f"""
-                SELECT step, rank, token, expert_ids, kept{extra} FROM routes WHERE {page_clause}
-                ORDER BY step, rank, token""", page_params))
+            query = f"SELECT step, rank, token, expert_ids, kept{extra} FROM routes WHERE {page_clause}"
+            if logits:
+                logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
+                query = f"""
+                    SELECT r.*, l.logits FROM ({query}) r LEFT JOIN (
+                        SELECT step, rank, token, any_value(logits) AS logits FROM router_logits
+                        WHERE {logits_clause} GROUP BY step, rank, token) l USING (step, rank, token)"""
+                page_params = [*page_params, *logits_params]
+            yield _route_page(self.arrow(f"{query} ORDER BY step, rank, token", page_params))
             first = last + 1
 
     # -- breakdowns and comparisons ------------------------------------------------------------

@@ -34,7 +34,8 @@ COLUMNS = [
     "rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
     "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
     "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward",
-    "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_remote_nodes_mean",
+    "limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed", "limited_rule",
+    *(f"limited_{name}" for name in wire.LIMITED_FIGURES),
 ]
 
 
@@ -112,7 +113,13 @@ class TrafficReport:
     dispatch/combine bytes per forward over GPU sends and over RDMA (NaN without a hidden size);
     with `max_nodes`: limited_changed_share (tokens whose routing would change),
     limited_moved_weight (top-k gate weight moved per token, all tokens), limited_moved_weight_changed
-    (per changed token), limited_remote_nodes_mean (at most, under the limit); NaN otherwise.
+    (per changed token; 0 when none changes), and every figure above under the limit as
+    limited_<name> (`moescope.metrics.traffic.LIMITED_FIGURES`: remote ranks and nodes per token and
+    their histograms, the matrices, sends, intra-node share, busiest links, bytes; under the
+    kept-weights approximation the replaced experts are unknown, so its remote nodes are exact and
+    its remote ranks, sends and bytes a lower bound), limited_rule (which
+    rule gave them: `moescope.metrics.traffic.LIMIT_RULES`; DeepSeek-V3's rule on the router's
+    scores where the run kept every token's router logits); NaN (None) otherwise.
     """
 
     layers: pd.DataFrame
@@ -124,9 +131,11 @@ class TrafficReport:
 
 
 def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire, window_steps: int | None = None,
-                   tags: dict[str, str] | None = None, layers: list[int] | None = None) -> TrafficReport:
+                   tags: dict[str, str] | None = None, layers: list[int] | None = None,
+                   step_from: int | None = None, step_to: int | None = None) -> TrafficReport:
     """Per layer (and window of `window_steps` steps; None: the whole run) of the run's routes rows
-    carrying `tags`, what the placement costs on the wire (`TrafficReport`). Layers without routes
+    carrying `tags` (in steps `step_from` <= step < `step_to` where given), what the placement costs on
+    the wire (`TrafficReport`). Layers without routes
     have no row. Raises PlacementError where the placement does not fit a layer, and ValueError for
     a home rule the routes cannot follow."""
     if window_steps is not None and window_steps < 1:
@@ -139,12 +148,15 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             continue
         layout = wire_layout(placement, layer, int(row.num_experts), setup.rank_node)
         tallies: dict[int | None, wire.TrafficTally] = {}
-        for page in store.routes_in_order(run_id, layer, tags=tags, weights=True):
+        max_nodes = setup.max_nodes
+        limiting = max_nodes is not None
+        for page in store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True,
+                                          logits=limiting):
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
-            limited = (wire.node_limited(layout, fan, home, weights, setup.max_nodes)
-                       if setup.max_nodes is not None else None)
+            limited = (_node_limited(layout, fan, home, page, weights, max_nodes, row.family)
+                       if max_nodes is not None else None)
             if window_steps is None:
                 keys = np.zeros(len(home), dtype=np.int64)
             else:
@@ -154,20 +166,35 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                 tally = tallies.setdefault(None if window_steps is None else int(key),
                                            wire.TrafficTally.for_layout(layout))
                 tally.add(layout, home[pick], _select(fan, pick), page.step[pick],
-                          None if limited is None else wire.NodeLimited(limited.changed[pick],
-                                                                        limited.moved_weight[pick],
-                                                                        limited.remote_nodes[pick]))
+                          None if limited is None else _select_limited(limited, pick))
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
             if setup.max_nodes is None:
-                for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
-                             "limited_remote_nodes_mean"):
+                for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed"):
                     figures[name] = float("nan")
+                figures["limited_rule"] = None
             rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
                              window_end=np.nan if key is None else (key + 1) * width, **figures))
     return TrafficReport(pd.DataFrame(rows, columns=COLUMNS), placement.ranks, int(setup.rank_node.max()) + 1,
                          placement.source, setup.home)
+
+
+def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, weights: np.ndarray,
+                  max_nodes: int, family: str | None) -> wire.NodeLimited:
+    """DeepSeek-V3's rule on the router's scores where every token of the page has its logits, else
+    the kept-weights approximation."""
+    logits = page.logits
+    if logits is not None and logits.shape[1] >= layout.num_experts and len(logits) \
+            and not np.isnan(logits[:, :layout.num_experts]).any():
+        scores = wire.router_scores(logits[:, :layout.num_experts], family)
+        return wire.node_limited_on_scores(layout, fan, home, page.expert_ids, weights, scores, max_nodes)
+    return wire.node_limited(layout, fan, home, page.expert_ids, weights, max_nodes)
+
+
+def _select_limited(limited: wire.NodeLimited, pick: np.ndarray) -> wire.NodeLimited:
+    return wire.NodeLimited(limited.changed[pick], limited.moved_weight[pick], limited.remote_nodes[pick],
+                            limited.expert_ids[pick], limited.rule)
 
 
 def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:
@@ -176,30 +203,63 @@ def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:
 
 
 def coselection_placement(store: Store, run_id: str, like: Placement, rank_node: np.ndarray,
-                          tags: dict[str, str] | None = None) -> Placement:
+                          tags: dict[str, str] | None = None, step_from: int | None = None,
+                          step_to: int | None = None) -> Placement:
     """A placement with `like`'s ranks and slots per rank (its contiguous layout's, one slot per
-    expert) that co-locates experts often chosen together, per layer, from the run's co-selection
-    counts (`Store.coselection`) and loads (`moescope.metrics.traffic.coselection_layout`), fitted
-    on the same steps it is then measured on. A layer without co-selection counts keeps the
+    expert) that co-locates experts often chosen together, per layer, fitted on the run's
+    co-selection counts (`Store.coselection`) in steps `step_from` <= step < `step_to` (None: the
+    whole run), each expert's load being the tokens that chose it (the counts' diagonal;
+    `moescope.metrics.traffic.coselection_layout`). A layer without co-selection counts keeps the
     contiguous layout. Raises PlacementError where no layer has counts."""
     layers: dict[int, tuple[tuple[int, ...], ...]] = {}
-    totals = store.layer_totals(run_id, tags=tags)
     for row in store.layers(run_id).itertuples():
         layer, experts = int(row.layer), int(row.num_experts)
-        counts = store.coselection(run_id, layer, tags=tags)
+        counts = store.coselection(run_id, layer, step_from, step_to, tags=tags)
         if counts.shape[0] < experts:
             continue
         counts = counts[:experts, :experts]
-        load = totals[totals.layer == layer]
-        load_vector = (np.asarray(load.expert_load.iloc[0][:experts], dtype=np.float64) if len(load)
-                       else np.diag(counts).astype(np.float64))
         capacity = np.array([len(r) for r in contiguous_layout(experts, like.ranks)])
-        per_rank = wire.coselection_layout(counts, load_vector, capacity, rank_node)
+        per_rank = wire.coselection_layout(counts, np.diag(counts).astype(np.float64), capacity, rank_node)
         layers[layer] = tuple(tuple(r) for r in per_rank)
     if not layers:
-        raise PlacementError(f"run {run_id!r} recorded no co-selection counts (top-1 routers, or more experts "
+        span = "" if step_from is None else f" in steps {step_from}-{step_to - 1 if step_to is not None else ''}"
+        raise PlacementError(f"run {run_id!r} recorded no co-selection counts{span} (top-1 routers, or more experts "
                              "than the probe counts pairs for); a co-selection placement needs them")
     return Placement(ranks=like.ranks, layers=layers, source="co-selection placement")
+
+
+COSELECTION_BY_WINDOW = "co-selection (fitted on the window before)"
+
+
+def coselection_by_window(store: Store, run_id: str, like: Placement, setup: Wire, window_steps: int,
+                          tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, Placement | None]:
+    """The co-selection placement as an engine would run it: fitted on each window of `window_steps`
+    steps (`coselection_placement`) and scored on the next (`traffic_report`'s figures there).
+
+    Returns (rows, latest): one row per (layer, scored window) with placement
+    (`COSELECTION_BY_WINDOW`), fit_start (the first step of the window it was fitted on) and
+    `traffic_report`'s columns; and the placement fitted on the run's last window, the one to deploy
+    next (None when no window had counts). A window after one without counts is not scored.
+    Raises ValueError for window_steps < 1."""
+    if window_steps < 1:
+        raise ValueError(f"window_steps must be at least 1, not {window_steps}")
+    starts = sorted({int(w) for w in store.window_loads(run_id, window_steps, tags).window_start})
+    frames, fitted = [], {}
+    for start in starts:
+        try:
+            fitted[start] = coselection_placement(store, run_id, like, setup.rank_node, tags, start,
+                                                  start + window_steps)
+        except PlacementError:
+            continue
+        before = start - window_steps
+        if before in fitted:
+            frame = traffic_report(store, run_id, fitted[before], setup, window_steps, tags, step_from=start,
+                                   step_to=start + window_steps).layers
+            frames.append(frame.assign(placement=COSELECTION_BY_WINDOW, fit_start=before))
+    latest = fitted[max(fitted)] if fitted else None
+    if not frames:
+        return pd.DataFrame(columns=["placement", "fit_start", *COLUMNS]), latest
+    return pd.concat(frames, ignore_index=True)[["placement", "fit_start", *COLUMNS]], latest
 
 
 def eplb_placement(store: Store, run_id: str, ranks: int, rank_node: np.ndarray, groups: int = 1,

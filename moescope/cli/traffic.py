@@ -19,6 +19,7 @@ examples:
   moescope traffic runs/ --placement eplb.yaml --nodes 8,8,4 --config model/config.json
   moescope traffic runs/ --ranks 32 --max-nodes 4          what DeepSeek-V3's 4-node limit would change
   moescope traffic runs/ --ranks 16 --compare default,coselection,eplb --window 100 --tag phase=decode
+  moescope traffic runs/ --ranks 16 --compare coselection --window 100 --export coselection.yaml
 
 per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
 sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
@@ -69,6 +70,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
     p.add_argument("--matrix", action="store_true", help="print each row's rank x rank matrix")
+    p.add_argument("--export", metavar="FILE",
+                   help="write the co-selection placement (fitted on the last --window, else on the whole run) as a "
+                        "placement file (JSON or YAML) that --placement reads back")
     p.set_defaults(func=_traffic_command)
 
 
@@ -88,11 +92,37 @@ def _number(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "-"
 
 
+def _histogram(counts) -> str:
+    """Tokens per count, the counts no token has left out: `0:12 2:30`."""
+    return " ".join(f"{n}:{c:,}" for n, c in enumerate(counts) if c)
+
+
+def _figure_lines(figures: dict, indent: str, floor: bool = False) -> list[str]:
+    """A row's fan-out, histograms, sends, links and bytes (the plain figures, or those under the limit)."""
+    from moescope.analyses.traffic import bytes_text
+
+    def against(name: str) -> str:
+        return f" (floor {_number(figures[f'floor_{name}'])})" if floor else ""
+
+    h, r = figures["busiest_link"]
+    link = f"rank {h} -> {r} ({figures['busiest_link_tokens']:,} tokens)" if h >= 0 else "none"
+    return [f"{indent}remote ranks per token {_number(figures['remote_ranks_mean'])}{against('remote_ranks')}   "
+            f"remote nodes per token {_number(figures['remote_nodes_mean'])}{against('remote_nodes')}",
+            f"{indent}tokens by remote ranks  {_histogram(figures['remote_ranks_histogram'])}   "
+            f"by remote nodes  {_histogram(figures['remote_nodes_histogram'])}",
+            f"{indent}GPU sends {figures['gpu_sends']:,}, RDMA sends {figures['rdma_sends']:,}, intra-node share "
+            f"{_number(figures['intra_node_share'])}, busiest link {link}",
+            f"{indent}per forward: dispatch {bytes_text(figures['dispatch_bytes_per_forward'])}, combine "
+            f"{bytes_text(figures['combine_bytes_per_forward'])} (over RDMA: "
+            f"{bytes_text(figures['rdma_dispatch_bytes_per_forward'])} / "
+            f"{bytes_text(figures['rdma_combine_bytes_per_forward'])})"]
+
+
 def format_report(report, run_id: str, matrix: bool = False) -> str:
     """The report as text: per layer and window, fan-out against the floor, links, bytes, node limit."""
     import pandas as pd
 
-    from moescope.analyses.traffic import bytes_text
+    from moescope.metrics.traffic import LIMITED_FIGURES
 
     lines = [f"run {run_id}: {report.ranks} ranks in {report.nodes} nodes ({report.source}); "
              f"home ranks: {report.home}",
@@ -102,24 +132,13 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
     for row in report.layers.itertuples():
         span = "" if pd.isna(row.window_start) else f", steps {int(row.window_start)}-{int(row.window_end) - 1}"
         lines.append(f"\nlayer {row.layer}{span}: {row.tokens:,} tokens over {row.forwards:,} forwards")
-        lines.append(f"  remote ranks per token {_number(row.remote_ranks_mean)} "
-                     f"(floor {_number(row.floor_remote_ranks)})   "
-                     f"remote nodes per token {_number(row.remote_nodes_mean)} "
-                     f"(floor {_number(row.floor_remote_nodes)})")
-        hist = " ".join(f"{n}:{c:,}" for n, c in enumerate(row.remote_ranks_histogram) if c)
-        lines.append(f"  tokens by remote ranks  {hist}")
-        h, r = row.busiest_link
-        link = f"rank {h} -> {r} ({row.busiest_link_tokens:,} tokens)" if h >= 0 else "none"
-        lines.append(f"  GPU sends {row.gpu_sends:,}, RDMA sends {row.rdma_sends:,}, intra-node share "
-                     f"{_number(row.intra_node_share)}, busiest link {link}")
-        lines.append(f"  per forward: dispatch {bytes_text(row.dispatch_bytes_per_forward)}, combine "
-                     f"{bytes_text(row.combine_bytes_per_forward)} (over RDMA: "
-                     f"{bytes_text(row.rdma_dispatch_bytes_per_forward)} / "
-                     f"{bytes_text(row.rdma_combine_bytes_per_forward)})")
+        figures = row._asdict()
+        lines += _figure_lines(figures, "  ", floor=True)
         if math.isfinite(row.limited_changed_share):
-            lines.append(f"  node-limited routing: {_number(100 * row.limited_changed_share, 1)}% of tokens would "
-                         f"change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of their top-k "
-                         f"weight; remote nodes per token at most {_number(row.limited_remote_nodes_mean)}")
+            lines.append(f"  node-limited routing ({row.limited_rule}): {_number(100 * row.limited_changed_share, 1)}% "
+                         f"of tokens would change, moving {_number(100 * row.limited_moved_weight_changed, 1)}% of "
+                         "their top-k weight; under it:")
+            lines += _figure_lines({name: figures[f"limited_{name}"] for name in LIMITED_FIGURES}, "    ")
         if matrix:
             lines.append("  tokens from home rank (rows) to rank (columns):")
             lines += ["    " + " ".join(f"{v:>7,}" for v in line) for line in row.rank_matrix]
@@ -136,6 +155,34 @@ def format_comparison(frame) -> str:
         lines.append(f"  {row.layer:>5}  {row.placement:<28} {_number(row.remote_ranks_mean):>12} "
                      f"{_number(row.remote_nodes_mean):>12} {_number(row.intra_node_share):>10}")
     return "\n".join(lines)
+
+
+def format_windowed_coselection(frame, report) -> str:
+    """Per layer and window, the co-selection placement fitted on the window before against the run's placement."""
+    lines = ["\nco-selection placement fitted on each window, scored on the next (against the placement given):",
+             f"  {'layer':>5}  {'steps':<13} {'remote ranks':>16} {'remote nodes':>16} {'intra-node':>16}"]
+    given = report.layers.set_index(["layer", "window_start"])
+    for row in frame.sort_values(["layer", "window_start"], kind="stable").itertuples():
+        base = given.loc[(row.layer, row.window_start)]
+        cells = [f"{_number(a)} vs {_number(b)}" for a, b in (
+            (row.remote_ranks_mean, base.remote_ranks_mean), (row.remote_nodes_mean, base.remote_nodes_mean),
+            (row.intra_node_share, base.intra_node_share))]
+        steps = f"{int(row.window_start)}-{int(row.window_end) - 1}"
+        lines.append(f"  {row.layer:>5}  {steps:<13} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}")
+    if frame.empty:
+        lines.append("  no window follows one with co-selection counts")
+    return "\n".join(lines)
+
+
+def _export(path: str, placement) -> None:
+    import json
+
+    import yaml
+
+    document = placement.document()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(document) if path.lower().endswith(".json") else yaml.safe_dump(document, sort_keys=False))
+    print(f"\nwrote the co-selection placement to {path} (moescope's placement format, docs/placement.md)")
 
 
 def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, groups: int = 1,
@@ -177,12 +224,21 @@ def _traffic_command(args: argparse.Namespace) -> int:
         setup = traffic.Wire(rank_node, args.home or traffic.default_home(store, run_id), hidden, dispatch,
                              args.combine_bytes or dispatch, args.max_nodes)
         report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
-        comparison = None
+        comparison, placements = None, {}
         if args.compare:
             placements = _alternatives(args.compare, store, run_id, placement, rank_node, tags, args.groups,
                                        args.redundant)
             comparison = traffic.compare_placements(store, run_id, placements, setup, tags)
+        windowed, coselected = None, placements.get("co-selection")
+        if args.window and ("co-selection" in placements or args.export):
+            windowed, coselected = traffic.coselection_by_window(store, run_id, placement, setup, args.window, tags)
+        if args.export and coselected is None:
+            coselected = traffic.coselection_placement(store, run_id, placement, rank_node, tags)
     print(format_report(report, run_id, args.matrix))
     if comparison is not None:
         print(format_comparison(comparison))
+    if windowed is not None and "co-selection" in placements:
+        print(format_windowed_coselection(windowed, report))
+    if args.export:
+        _export(args.export, coselected)
     return 0

@@ -33,6 +33,10 @@ REPLICA_RULE = ("a token's expert runs on its home rank if a copy is there, else
                 "rank of its home node holding a copy, else on copy number (home rank mod copies) of the "
                 "copies on other nodes, in rank order")
 HOME_RULES = ("recorded", "sequence", "token")
+# how node-limited routing was applied: DeepSeek-V3's rule on the router's scores over all experts
+# (`node_limited_on_scores`), or on the kept top-k's gate weights alone (`node_limited`)
+LIMIT_RULES = {"scores": "deepseek-v3 on router scores",
+               "kept": "kept-weights approximation (no router logits stored)"}
 DEFAULT_RANKS_PER_NODE = 8
 
 
@@ -242,15 +246,21 @@ class NodeLimited:
         moved_weight: (n,) the share of its kept top-k gate weight on the nodes it may not use.
         remote_nodes: (n,) remote nodes it could reach at most under the limit (its chosen nodes
             other than home's; at most `max_nodes`).
+        expert_ids: (n, k) its top-k under the limit (-1: sent nowhere): the rule's own on the router's
+            scores (`node_limited_on_scores`); the experts that stay under the kept-weights
+            approximation (`node_limited`), which cannot name their replacements.
+        rule: which rule gave the figures (a value of `LIMIT_RULES`).
     """
 
     changed: np.ndarray
     moved_weight: np.ndarray
     remote_nodes: np.ndarray
+    expert_ids: np.ndarray
+    rule: str = LIMIT_RULES["kept"]
 
 
-def node_limited(layout: WireLayout, fanout: TokenFanout, home: np.ndarray, gate_weights: np.ndarray,
-                 max_nodes: int) -> NodeLimited:
+def node_limited(layout: WireLayout, fanout: TokenFanout, home: np.ndarray, expert_ids: np.ndarray,
+                 gate_weights: np.ndarray, max_nodes: int) -> NodeLimited:
     """DeepSeek-V3's node-limited routing (at most `max_nodes` nodes per token) on recorded routes.
 
     The rule: score each node by the sum of the highest k / M affinity scores of the experts it
@@ -258,8 +268,10 @@ def node_limited(layout: WireLayout, fanout: TokenFanout, home: np.ndarray, gate
     top-k, so the scores are the kept slots' gate weights (a per-token rescaling, as top-k
     normalisation makes, changes no choice) and an expert outside the top-k is taken as adding
     nothing to its node; ties go to the lower node. A token whose kept experts span at most M nodes
-    keeps its routing; the others lose the weight on the nodes not kept. Raises ValueError for
-    max_nodes < 1."""
+    keeps its routing; the others lose the weight on the nodes not kept. Their replacements are not
+    known (they sit on the kept nodes): `NodeLimited.expert_ids` holds the experts that stay, -1 for
+    the others, so the nodes a token reaches under the limit are exact and its ranks a lower bound.
+    Raises ValueError for max_nodes < 1."""
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be at least 1, not {max_nodes}")
     weights = np.where(fanout.dest >= 0, np.nan_to_num(np.asarray(gate_weights, dtype=np.float64)), 0.0)
@@ -289,7 +301,94 @@ def node_limited(layout: WireLayout, fanout: TokenFanout, home: np.ndarray, gate
     moved = np.divide(lost, total, out=np.zeros(n), where=total > 0)
     home_node = layout.rank_node[np.asarray(home, dtype=np.int64)]
     chosen_remote = np.where(changed, max_nodes - allowed[np.arange(n), home_node], fanout.remote_nodes)
-    return NodeLimited(changed, moved, chosen_remote.astype(np.int64))
+    ids = np.where(slot_allowed, np.asarray(expert_ids, dtype=np.int64), -1)  # -1: not sent (any more)
+    return NodeLimited(changed, moved, chosen_remote.astype(np.int64), ids)
+
+
+# Families whose router scores experts by sigmoid(logits) and limits groups DeepSeek-V3's way (each
+# one's transformers router: `router_logits.sigmoid()`, then group scores from `topk(2)`); every
+# other router's scores are softmax(logits).
+SIGMOID_ROUTERS = ("deepseek_v3", "deepseek_v32", "dots1", "exaone_moe", "glm4_moe", "glm4_moe_lite",
+                   "mimo_v2_flash", "solar_open")
+# DeepSeek-V3's group score: the sum of the group's best two experts (`topk(2, dim=-1)` in its Gate
+# and transformers' DeepseekV3TopkRouter; the paper's K_r / M = 8 / 4).
+NODE_SCORE_EXPERTS = 2
+
+
+def router_scores(logits: np.ndarray, family: str | None) -> np.ndarray:
+    """(n, E) the router's affinity scores from its logits: sigmoid for `SIGMOID_ROUTERS`, else softmax."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if family in SIGMOID_ROUTERS:
+        return 1.0 / (1.0 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def node_limited_on_scores(layout: WireLayout, fanout: TokenFanout, home: np.ndarray, expert_ids: np.ndarray,
+                           gate_weights: np.ndarray, scores: np.ndarray, max_nodes: int,
+                           per_node: int = NODE_SCORE_EXPERTS) -> NodeLimited:
+    """DeepSeek-V3's node-limited routing on the router's scores over all experts, with nodes as groups.
+
+    As its router does (transformers' `DeepseekV3TopkRouter.forward`): each node scores the sum of
+    the `per_node` highest scores among the experts it serves to the token (a node serving fewer
+    sums those it has), the `max_nodes` best nodes are kept (ties: the lower node), and the token's
+    experts are the top-k of the scores within them. A token whose recorded experts all sit on kept
+    nodes keeps its routing; otherwise its experts on the other nodes are replaced by the best-scoring
+    experts of the kept nodes it did not choose. An expert's node is that of the copy serving the
+    token (`REPLICA_RULE`). The correction bias of a DeepSeek-V3 router is not recorded: nodes
+    rank by the scores alone, so the rule is exact for a router without one (or with a zero bias).
+
+    `scores` is (n, E) (`router_scores`); `expert_ids`, `gate_weights` the recorded top-k. Returns
+    `NodeLimited` with `expert_ids` the routing under the limit. Raises ValueError for
+    max_nodes < 1 or scores that are not (tokens, E)."""
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be at least 1, not {max_nodes}")
+    home = np.asarray(home, dtype=np.int64)
+    ids = np.asarray(expert_ids, dtype=np.int64)
+    n, k = fanout.dest.shape
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.shape != (n, layout.num_experts):
+        raise ValueError(f"router scores are {scores.shape}, expected ({n}, {layout.num_experts})")
+    serving = layout.serving[home]  # (n, E) rank serving each expert to the token
+    expert_node = np.where(serving >= 0, layout.rank_node[np.maximum(serving, 0)], -1)
+    node_score = np.full((n, layout.nodes), -np.inf)
+    for node in range(layout.nodes):
+        masked = np.where(expert_node == node, scores, -np.inf)
+        best = -np.sort(-masked, axis=1)[:, :per_node]
+        held = np.isfinite(best)
+        node_score[:, node] = np.where(held.any(axis=1), np.where(held, best, 0.0).sum(axis=1), -np.inf)
+    order = np.argsort(-node_score, axis=1, kind="stable")[:, :max_nodes]
+    allowed = np.zeros((n, layout.nodes), dtype=bool)
+    np.put_along_axis(allowed, order, True, axis=1)
+    allowed &= np.isfinite(node_score)
+    valid = fanout.dest >= 0
+    rows = np.broadcast_to(np.arange(n)[:, None], (n, k))
+    slot_node = np.where(valid, layout.rank_node[np.maximum(fanout.dest, 0)], -1)
+    slot_allowed = valid & allowed[rows, np.maximum(slot_node, 0)]
+    dropped = valid & ~slot_allowed
+    changed = np.asarray(dropped.any(axis=1))
+    # the replacements: the best-scoring experts of the kept nodes the token did not choose
+    candidate = np.where(allowed[np.arange(n)[:, None], np.maximum(expert_node, 0)] & (expert_node >= 0),
+                         scores, -np.inf)
+    candidate[rows[valid], ids[valid]] = -np.inf
+    ranked = np.argsort(-candidate, axis=1, kind="stable")
+    fill = np.cumsum(dropped, axis=1) - 1  # the j-th dropped slot takes the j-th best candidate
+    replacement = np.take_along_axis(ranked, np.maximum(fill, 0), axis=1)
+    found = np.isfinite(np.take_along_axis(candidate, replacement, axis=1))  # kept nodes hold too few experts
+    limited_ids = np.where(dropped, np.where(found, replacement, -1), np.where(valid, ids, -1))
+    weights = np.where(valid, np.nan_to_num(np.asarray(gate_weights, dtype=np.float64)), 0.0)
+    total = weights.sum(axis=1)
+    moved = np.divide(np.where(dropped, weights, 0.0).sum(axis=1), total, out=np.zeros(n), where=total > 0)
+    after = token_fanout(layout, home, limited_ids, limited_ids >= 0)
+    return NodeLimited(changed, moved, after.remote_nodes, limited_ids, LIMIT_RULES["scores"])
+
+
+# the figures `TrafficTally.figures` also gives under node-limited routing, each as limited_<name>
+LIMITED_FIGURES = ("remote_ranks_mean", "remote_nodes_mean", "remote_ranks_histogram", "remote_nodes_histogram",
+                   "rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
+                   "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens",
+                   "dispatch_bytes_per_forward", "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward",
+                   "rdma_combine_bytes_per_forward")
 
 
 @dataclass
@@ -310,7 +409,8 @@ class TrafficTally:
     forwards: set = field(default_factory=set)
     limited_changed: int = 0
     limited_moved: float = 0.0
-    limited_remote_nodes: int = 0
+    limited_rules: set = field(default_factory=set)
+    limited: TrafficTally | None = None  # the same figures under node-limited routing
 
     def __post_init__(self) -> None:
         self.ranks_histogram = np.zeros(self.ranks, dtype=np.int64)
@@ -340,7 +440,11 @@ class TrafficTally:
         if limited is not None:
             self.limited_changed += int(limited.changed.sum())
             self.limited_moved += float(limited.moved_weight.sum())
-            self.limited_remote_nodes += int(limited.remote_nodes.sum())
+            self.limited_rules.add(limited.rule)
+            if self.limited is None:
+                self.limited = TrafficTally.for_layout(layout)
+            ids = limited.expert_ids
+            self.limited.add(layout, home, token_fanout(layout, home, ids, ids >= 0), steps)
 
     def node_matrix(self) -> np.ndarray:
         """(N, N): the rank matrix summed over node blocks (GPU-level sends; diagonal: within a node)."""
@@ -350,7 +454,8 @@ class TrafficTally:
 
     def figures(self, hidden_size: int | None = None, dispatch_bytes: float = 2.0,
                 combine_bytes: float = 2.0) -> dict:
-        """The tally's figures (see `moescope.analyses.traffic.TrafficReport` for each column)."""
+        """The tally's figures (see `moescope.analyses.traffic.TrafficReport` for each column); with
+        node-limited routing counted, also each of `LIMITED_FIGURES` under it as limited_<name>."""
         tokens = self.tokens
         sends = self.rank_matrix.copy()
         np.fill_diagonal(sends, 0)
@@ -372,7 +477,7 @@ class TrafficTally:
         def mean(total: float) -> float:
             return total / tokens if tokens else float("nan")
 
-        return dict(
+        out = dict(
             tokens=tokens, forwards=forwards,
             remote_ranks_mean=mean(self.remote_ranks_sum), remote_nodes_mean=mean(self.remote_nodes_sum),
             floor_remote_ranks=mean(self.floor_ranks_sum), floor_remote_nodes=mean(self.floor_nodes_sum),
@@ -390,10 +495,14 @@ class TrafficTally:
             rdma_combine_bytes_per_forward=per_forward(self.remote_nodes_sum, combine_bytes),
             limited_changed_share=mean(self.limited_changed),
             limited_moved_weight=mean(self.limited_moved),
-            limited_moved_weight_changed=(self.limited_moved / self.limited_changed
-                                          if self.limited_changed else float("nan")),
-            limited_remote_nodes_mean=mean(self.limited_remote_nodes),
+            limited_moved_weight_changed=(self.limited_moved / self.limited_changed if self.limited_changed
+                                          else 0.0 if tokens else float("nan")),
+            limited_rule=" + ".join(sorted(self.limited_rules)) if self.limited_rules else None,
         )
+        under = self.limited.figures(hidden_size, dispatch_bytes, combine_bytes) if self.limited is not None else {}
+        for name in LIMITED_FIGURES:
+            out[f"limited_{name}"] = under.get(name, float("nan"))
+        return out
 
 
 def coselection_layout(coselection: np.ndarray, load: np.ndarray, rank_capacity: np.ndarray,

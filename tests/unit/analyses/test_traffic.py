@@ -13,6 +13,7 @@ from moescope.analyses.placement import read_placement
 from moescope.analyses.traffic import (
     Wire,
     compare_placements,
+    coselection_by_window,
     coselection_placement,
     eplb_placement,
     node_layout,
@@ -70,7 +71,7 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
         home = row["rank"] if home_rule == "recorded" else row["sequence"] % 3
         key = (row["layer"], None if window is None else row["step"] // window * window)
         f = out.setdefault(key, dict(tokens=0, rr=0, rn=0, matrix=np.zeros((3, 3), int), steps=set(), changed=0,
-                                     moved=0.0))
+                                     moved=0.0, rr_hist={}, rn_hist={}))
         slots = [(serving(per_rank, home, e), w) for e, w, k in zip(row["expert_ids"], row["gate_weights"], row["kept"])
                  if k]
         dests = {d for d, _ in slots}
@@ -78,6 +79,9 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
         f["steps"].add(row["step"])
         f["rr"] += len(dests - {home})
         f["rn"] += len({NODES[d] for d in dests} - {NODES[home]})
+        remote_ranks, remote_nodes = len(dests - {home}), len({NODES[d] for d in dests} - {NODES[home]})
+        f["rr_hist"][remote_ranks] = f["rr_hist"].get(remote_ranks, 0) + 1
+        f["rn_hist"][remote_nodes] = f["rn_hist"].get(remote_nodes, 0) + 1
         for d in dests:
             f["matrix"][home, d] += 1
         if max_nodes is not None:
@@ -89,6 +93,16 @@ def brute_force(root: str, per_rank, home_rule: str, window: int | None, phase: 
             if len(score) > max_nodes:
                 f["changed"] += 1
                 f["moved"] += sum(w for d, w in slots if NODES[d] not in allowed) / total
+            # under the limit: the experts on the allowed nodes stay (the approximation cannot name the rest)
+            stay = {d for d in dests if NODES[d] in allowed}
+            lim = f.setdefault("limited", dict(rr=0, rn=0, matrix=np.zeros((3, 3), int), rr_hist={}, rn_hist={}))
+            remote_ranks, remote_nodes = len(stay - {home}), len({NODES[d] for d in stay} - {NODES[home]})
+            lim["rr"] += remote_ranks
+            lim["rn"] += remote_nodes
+            lim["rr_hist"][remote_ranks] = lim["rr_hist"].get(remote_ranks, 0) + 1
+            lim["rn_hist"][remote_nodes] = lim["rn_hist"].get(remote_nodes, 0) + 1
+            for d in stay:
+                lim["matrix"][home, d] += 1
     return out
 
 
@@ -162,10 +176,52 @@ def test_the_command_prints_the_figures(root, placement_file, capsys, tmp_path):
     assert "node-limited routing" in out and "co-selection" in out and "default (contiguous)" in out
     assert "EPLB" in out
     assert f"{row.busiest_link_tokens:,} tokens" in out
+    f = brute_force(root, LAYOUT, "recorded", None, None)[(0, None)]
+    ranks_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(f["rr_hist"].items()))
+    nodes_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(f["rn_hist"].items()))
+    assert f"tokens by remote ranks  {ranks_hist}   by remote nodes  {nodes_hist}" in out, out
     node_rows = out.split("summed over nodes, from node (rows) to node (columns):\n")[1].splitlines()[:2]
     assert [[int(v.replace(",", "")) for v in line.split()] for line in node_rows] == row.node_matrix.tolist()
     assert main(["traffic", root, "--ranks", "3", "--nodes", "2,2"]) != 0
     assert "add up to 3" in capsys.readouterr().err
+
+
+def histogram(counts: dict, size: int) -> list[int]:
+    return [counts.get(n, 0) for n in range(size)]
+
+
+@pytest.mark.parametrize("max_nodes,window", [(1, None), (1, 2), (2, None)])
+def test_node_limited_routing_gives_every_figure(root, placement_file, max_nodes, window):
+    """Under node-limited routing the same figures as without it, from a loop over the raw rows; a
+    limit that changes no token (2 nodes here) moves 0 weight, not a blank, and changes no figure."""
+    setup = Wire(np.array(NODES), "recorded", hidden_size=64, dispatch_bytes=1, combine_bytes=2,
+                 max_nodes=max_nodes)
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file), setup, window)
+    expected = brute_force(root, LAYOUT, "recorded", window, None, max_nodes=max_nodes)
+    for row in report.layers.itertuples():
+        f = expected[(row.layer, None if window is None else int(row.window_start))]
+        lim, tokens, forwards = f["limited"], f["tokens"], len(f["steps"])
+        sends = lim["matrix"] - np.diag(np.diag(lim["matrix"]))
+        assert row.limited_rule == "kept-weights approximation (no router logits stored)"
+        assert row.limited_remote_ranks_mean == pytest.approx(lim["rr"] / tokens)
+        assert row.limited_remote_nodes_mean == pytest.approx(lim["rn"] / tokens)
+        assert list(row.limited_remote_ranks_histogram) == histogram(lim["rr_hist"], 3)
+        assert list(row.limited_remote_nodes_histogram) == histogram(lim["rn_hist"], 2)
+        np.testing.assert_array_equal(row.limited_rank_matrix, lim["matrix"])
+        assert row.limited_gpu_sends == sends.sum() and row.limited_rdma_sends == lim["rn"]
+        assert row.limited_intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
+        assert row.limited_busiest_link_tokens == sends.max()
+        assert sends[row.limited_busiest_link] == sends.max()
+        assert row.limited_dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / forwards)
+        assert row.limited_combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / forwards)
+        assert row.limited_rdma_combine_bytes_per_forward == pytest.approx(lim["rn"] * 64 * 2 / forwards)
+        if max_nodes == 2:  # two nodes: nothing to limit
+            assert row.limited_changed_share == 0 and row.limited_moved_weight_changed == 0.0
+            assert row.limited_remote_ranks_mean == row.remote_ranks_mean
+            np.testing.assert_array_equal(row.limited_rank_matrix, row.rank_matrix)
+        else:
+            assert row.limited_remote_nodes_mean < row.remote_nodes_mean
 
 
 @pytest.mark.parametrize("window,phase", [(None, None), (2, "b")])
@@ -190,4 +246,61 @@ def test_the_command_prints_the_moved_weight_of_the_changed_tokens(root, placeme
     out = capsys.readouterr().out
     f = brute_force(root, LAYOUT, "recorded", None, None, max_nodes=1)[(0, None)]
     assert (f"{100 * f['changed'] / f['tokens']:.1f}% of tokens would change, moving "
-            f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight") in out, out
+            f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight; under it:") in out, out
+    lim = f["limited"]
+    under = out.split("under it:\n")[1].splitlines()
+    assert under[0].startswith(f"    remote ranks per token {lim['rr'] / f['tokens']:.2f}   "
+                               f"remote nodes per token {lim['rn'] / f['tokens']:.2f}"), under
+    ranks_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(lim["rr_hist"].items()))
+    nodes_hist = " ".join(f"{n}:{c:,}" for n, c in sorted(lim["rn_hist"].items()))
+    assert under[1] == f"    tokens by remote ranks  {ranks_hist}   by remote nodes  {nodes_hist}"
+    assert "(kept-weights approximation (no router logits stored))" in out
+
+
+def coselection_fit(root: str, layer: int, start: int, end: int) -> list[list[int]]:
+    """The co-selection layout on 3 ranks fitted on the raw layer_steps rows of steps start..end-1."""
+    from moescope.metrics.traffic import coselection_layout
+
+    counts = np.zeros((EXPERTS, EXPERTS))
+    for row in read_table(open_location(root), "layer_steps").to_pylist():
+        if row["layer"] == layer and start <= row["step"] < end:
+            counts += np.asarray(row["coselection"], dtype=float).reshape(EXPERTS, EXPERTS)
+    return coselection_layout(counts, np.diag(counts), np.array([2, 2, 2]), np.array(NODES))
+
+
+def test_the_coselection_placement_is_fitted_on_each_window_and_scored_on_the_next(root):
+    setup = Wire(np.array(NODES), "recorded")
+    with Store(root) as store:
+        frame, latest = coselection_by_window(store, "t", Placement.contiguous(3), setup, 2)
+    assert sorted(set(zip(frame.window_start, frame.fit_start))) == [(2, 0), (4, 2)]
+    assert len(frame) == 2 * LAYERS
+    for row in frame.itertuples():
+        per_rank = coselection_fit(root, row.layer, row.fit_start, row.fit_start + 2)
+        f = brute_force(root, per_rank, "recorded", 2, None)[(row.layer, row.window_start)]
+        assert row.tokens == f["tokens"]
+        assert row.remote_ranks_mean == pytest.approx(f["rr"] / f["tokens"])
+        np.testing.assert_array_equal(row.rank_matrix, f["matrix"])
+    for layer in range(LAYERS):  # the one to deploy next: fitted on the last window
+        assert [sorted(r) for r in latest.rank_experts(layer, EXPERTS)] == \
+            [sorted(r) for r in coselection_fit(root, layer, 4, 6)]
+
+
+@pytest.mark.parametrize("name", ["coselection.yaml", "coselection.json"])
+def test_the_exported_coselection_map_reads_back(root, tmp_path, capsys, name):
+    path = str(tmp_path / name)
+    assert main(["traffic", root, "--ranks", "3", "--nodes", "2,1", "--compare", "coselection", "--window", "2",
+                 "--export", path]) == 0
+    out = capsys.readouterr().out
+    assert "co-selection placement fitted on each window, scored on the next" in out
+    assert f"wrote the co-selection placement to {path}" in out
+    exported = read_placement(path)
+    for layer in range(LAYERS):
+        assert [sorted(r) for r in exported.rank_experts(layer, EXPERTS)] == \
+            [sorted(r) for r in coselection_fit(root, layer, 4, 6)]
+    assert main(["placement", root, "--placement", path]) == 0  # the placement command reads it back
+    assert f"3 ranks ({name})" in capsys.readouterr().out
+    with Store(root) as store:  # and the traffic under it is the exported map's
+        again = traffic_report(store, "t", read_placement(path), Wire(np.array(NODES), "recorded")).layers
+    per_rank = coselection_fit(root, 0, 4, 6)
+    assert again.remote_ranks_mean.iloc[0] == pytest.approx(
+        brute_force(root, per_rank, "recorded", None, None)[(0, None)]["rr"] / again.tokens.iloc[0])

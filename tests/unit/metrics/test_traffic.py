@@ -168,7 +168,7 @@ def test_node_limited_routing_matches_a_loop(max_nodes):
     ids, kept, weights = random_routes(rng, 500, 8, 6)  # k / M = 6, 3, 2 experts score a node
     homes = rng.integers(0, 5, 500)
     fan = wire.token_fanout(layout, homes, ids, kept)
-    got = wire.node_limited(layout, fan, homes, weights, max_nodes)
+    got = wire.node_limited(layout, fan, homes, ids, weights, max_nodes)
     changed, moved, remote_after = node_limited_oracle(per_rank, nodes, homes, ids, kept, weights, 8, max_nodes)
     np.testing.assert_array_equal(got.changed, changed)
     np.testing.assert_allclose(got.moved_weight, moved, rtol=1e-6, atol=1e-9)
@@ -234,7 +234,53 @@ def test_a_node_scores_by_its_best_k_over_m_experts_only():
     ids, kept = np.array([[0, 1, 2, 3, 4]]), np.ones((1, 5), bool)
     weights = np.array([[0.1, 0.1, 0.1, 0.25, 0.22]])
     home = np.array([1])
-    got = wire.node_limited(layout, wire.token_fanout(layout, home, ids, kept), home, weights, 2)
+    got = wire.node_limited(layout, wire.token_fanout(layout, home, ids, kept), home, ids, weights, 2)
     assert got.changed.tolist() == [True]
     assert got.moved_weight[0] == pytest.approx(0.3 / 0.77)
     assert got.remote_nodes.tolist() == [1]  # nodes 1 (home) and 2
+
+
+def scores_rule_oracle(per_rank, nodes, homes, ids, kept, weights, scores, experts, m):
+    """DeepSeek-V3's rule one token at a time: a node scores its best two experts (fewer where it
+    holds fewer), the m best nodes stay (ties: lower node), the recorded experts on them stay and the
+    best-scoring others on them (ties: lower id) replace the rest."""
+    out_ids, changed, moved, remote = [], [], [], []
+    for home, row, keep, w, s in zip(homes, ids, kept, weights, scores):
+        node_of = {e: nodes[serving_rank(per_rank, nodes, int(home), e)] for e in range(experts)}
+        node_score = {n: sum(sorted((s[e] for e in range(experts) if node_of[e] == n), reverse=True)[:2])
+                      for n in set(node_of.values())}
+        allowed = set(sorted(node_score, key=lambda n: (-node_score[n], n))[:m])
+        slots = [(int(e), float(wt)) for e, kp, wt in zip(row, keep, w) if kp and 0 <= e < experts]
+        chosen = {e for e, _ in slots}
+        others = sorted((e for e in range(experts) if node_of[e] in allowed and e not in chosen),
+                        key=lambda e: (-s[e], e))
+        stay = [e for e, _ in slots if node_of[e] in allowed]
+        new = stay + others[:len(slots) - len(stay)]
+        total = sum(wt for _, wt in slots)
+        out_ids.append(sorted(new))
+        changed.append(len(stay) < len(slots))
+        moved.append(sum(wt for e, wt in slots if node_of[e] not in allowed) / total if total else 0.0)
+        remote.append(len({nodes[serving_rank(per_rank, nodes, int(home), e)] for e in new} - {nodes[home]}))
+    return out_ids, np.array(changed), np.array(moved), np.array(remote)
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2, 3])
+def test_node_limited_on_the_router_scores_matches_a_loop(max_nodes):
+    """Redundant copies (an expert's node is its serving copy's), a node of one expert's slot on a
+    rank of its own, kept nodes too small to refill every dropped slot (max_nodes 1), capacity drops
+    and zero experts."""
+    rng = np.random.default_rng(4)
+    per_rank = [[0, 1], [2, 3], [4, 5], [6, 7, 0], [1, 7]]
+    nodes = [0, 1, 2, 3, 3]
+    layout = layout_of(per_rank, nodes, 8)
+    ids, kept, weights = random_routes(rng, 400, 8, 4)
+    scores = rng.random((400, 8))
+    homes = rng.integers(0, 5, 400)
+    fan = wire.token_fanout(layout, homes, ids, kept)
+    got = wire.node_limited_on_scores(layout, fan, homes, ids, weights, scores, max_nodes)
+    new, changed, moved, remote = scores_rule_oracle(per_rank, nodes, homes, ids, kept, weights, scores, 8, max_nodes)
+    assert [sorted(int(e) for e in row if e >= 0) for row in got.expert_ids] == new
+    np.testing.assert_array_equal(got.changed, changed)
+    np.testing.assert_allclose(got.moved_weight, moved, rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(got.remote_nodes, remote)
+    assert 0 < changed.mean() < 1 and got.rule == wire.LIMIT_RULES["scores"]
