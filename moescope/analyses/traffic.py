@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from moescope.analyses.placement import placement_for_run
 from moescope.metrics import traffic as wire
 from moescope.metrics.eplb import eplb
 from moescope.metrics.placement import Placement, PlacementError, contiguous_layout, wire_layout
@@ -131,6 +132,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
     if window_steps is not None and window_steps < 1:
         raise ValueError(f"window_steps must be at least 1, not {window_steps}")
     rows = []
+    placement = placement_for_run(store, run_id, placement)
     info = store.layers(run_id)
     for row in info.itertuples():
         layer = int(row.layer)
