@@ -28,6 +28,10 @@ from moescope.store import Store
 DEFAULT_RANKS_PER_NODE = wire.DEFAULT_RANKS_PER_NODE
 # bytes per element of the hidden state by the model config's torch_dtype
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
+# DeepEP's fp8 dispatch sends with each token one float32 scale per 128 elements of its hidden state
+# (csrc/kernels/internode_ll.cu: kNumPerChannels = 128, hidden + hidden / 128 * sizeof(float) bytes;
+# the normal kernels take x_scales [tokens, hidden / 128] float32 alike)
+FP8_SCALE_ELEMENTS, FP8_SCALE_BYTES = 128, 4
 
 COLUMNS = [
     "layer", "window_start", "window_end", "tokens", "forwards", "remote_ranks_mean", "floor_remote_ranks",
@@ -47,8 +51,10 @@ class Wire:
         rank_node: (R,) the node of each rank (`node_layout`).
         home: "recorded", "sequence" or "token" (`moescope.metrics.traffic.home_ranks`).
         hidden_size: the model's hidden size (None: no bytes are given).
-        dispatch_bytes: bytes per element sent at dispatch (2 for bf16; 1 for DeepEP's fp8 dispatch).
-        combine_bytes: bytes per element sent back at combine.
+        dispatch_bytes: bytes per element sent at dispatch (2 for bf16; 1 for DeepEP's fp8 dispatch,
+            which also sends a float32 scale per 128 elements: `dispatch_wire_bytes`).
+        combine_bytes: bytes per element sent back at combine (2: DeepEP combines in bf16, whatever
+            the dispatch).
         max_nodes: M of node-limited routing (None: not evaluated).
     """
 
@@ -58,6 +64,15 @@ class Wire:
     dispatch_bytes: float = 2.0
     combine_bytes: float = 2.0
     max_nodes: int | None = None
+
+    @property
+    def dispatch_wire_bytes(self) -> float:
+        """Bytes per hidden element on the wire at dispatch: `dispatch_bytes`, and for fp8 (1 byte) the
+        float32 scale of each block of 128 elements (a partial block has its own scale)."""
+        if self.dispatch_bytes != 1 or not self.hidden_size:
+            return float(self.dispatch_bytes)
+        blocks = -(-int(self.hidden_size) // FP8_SCALE_ELEMENTS)
+        return 1.0 + blocks * FP8_SCALE_BYTES / int(self.hidden_size)
 
 
 def node_layout(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
@@ -160,7 +175,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                                                                         limited.remote_nodes[pick]))
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
+            figures = tally.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
             if setup.max_nodes is None:
                 for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
                              "limited_remote_nodes_mean"):

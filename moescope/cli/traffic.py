@@ -50,9 +50,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="a transformers config.json: hidden_size and torch_dtype, for bytes")
     p.add_argument("--dispatch-bytes", type=positive_number, metavar="B",
                    help="bytes per element sent at dispatch (default: the config's dtype, else 2 for bf16; "
-                        "1 for DeepEP's fp8 dispatch)")
+                        "1 for DeepEP's fp8 dispatch, counted with its float32 scale per 128 elements)")
     p.add_argument("--combine-bytes", type=positive_number, metavar="B",
-                   help="bytes per element sent back at combine (default as --dispatch-bytes)")
+                   help="bytes per element sent back at combine (default: the config's dtype, else 2 for bf16, "
+                        "whatever --dispatch-bytes says: DeepEP combines in bf16)")
     p.add_argument("--max-nodes", type=positive_int, metavar="M",
                    help="also evaluate node-limited routing with at most M nodes per token (DeepSeek-V3: 4)")
     p.add_argument("--compare", metavar="NAMES",
@@ -173,7 +174,7 @@ def _traffic_command(args: argparse.Namespace) -> int:
     with Store(store_location(args)) as store:
         run_id = store.check_run(args.run)
         setup = traffic.Wire(rank_node, args.home or traffic.default_home(store, run_id), hidden, dispatch,
-                             args.combine_bytes or dispatch, args.max_nodes)
+                             args.combine_bytes or element, args.max_nodes)
         report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
         comparison = None
         if args.compare:

@@ -12,6 +12,7 @@ import pytest
 from moescope.analyses.placement import read_placement
 from moescope.analyses.traffic import (
     Wire,
+    bytes_text,
     compare_placements,
     coselection_placement,
     eplb_placement,
@@ -110,7 +111,8 @@ def test_traffic_matches_the_raw_routes(root, placement_file, home, window, phas
         assert row.gpu_sends == sends.sum() and row.rdma_sends == f["rn"]
         assert row.intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
         assert row.busiest_link_tokens == sends.max()
-        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / len(f["steps"]))
+        # fp8: a byte per element and a float32 scale for the one block of (up to) 128 elements
+        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * (64 * 1 + 4) / len(f["steps"]))
         assert row.combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / len(f["steps"]))
         assert row.limited_changed_share == pytest.approx(f["changed"] / f["tokens"])
         assert row.limited_moved_weight == pytest.approx(f["moved"] / f["tokens"], rel=1e-5)
@@ -191,3 +193,16 @@ def test_the_command_prints_the_moved_weight_of_the_changed_tokens(root, placeme
     f = brute_force(root, LAYOUT, "recorded", None, None, max_nodes=1)[(0, None)]
     assert (f"{100 * f['changed'] / f['tokens']:.1f}% of tokens would change, moving "
             f"{100 * f['moved'] / f['changed']:.1f}% of their top-k weight") in out, out
+
+
+def test_an_fp8_dispatch_leaves_the_combine_in_bf16(root, placement_file, capsys):
+    code = main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--hidden-size", "4096",
+                 "--dispatch-bytes", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    with Store(root) as store:
+        row = traffic_report(store, "t", read_placement(placement_file),
+                             Wire(np.array(NODES), "recorded")).layers.iloc[0]
+    # DeepEP: 4096 fp8 bytes and 32 float32 scales a token out; 4096 bf16 elements back
+    dispatch, combine = row.gpu_sends * (4096 + 32 * 4) / row.forwards, row.gpu_sends * 4096 * 2 / row.forwards
+    assert f"per forward: dispatch {bytes_text(dispatch)}, combine {bytes_text(combine)}" in out
