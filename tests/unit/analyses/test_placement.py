@@ -168,12 +168,13 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
             p = [0.0] * ranks
             if dispatch == "vllm":
                 p[where[(row["token"] * k + j) % len(where)]] = 1.0
-            elif dispatch == "trtllm":
+            elif dispatch in ("trtllm", "trtllm-tp"):
                 block = (row["token"] * k + j) // 1024
                 key = (row["layer"], row["step"], row["rank"], block, e)
                 nth = seen.get(key, 0)
                 seen[key] = nth + 1
-                p[where[(block + nth + row["rank"] % ranks) % len(where)]] = 1.0
+                offset = row["rank"] % ranks if dispatch == "trtllm" else 0  # offset_by_ep_rank=use_dp
+                p[where[(block + nth + offset) % len(where)]] = 1.0
             elif dispatch == "sglang-static" and homes_known and row["rank"] in where:
                 p[row["rank"]] = 1.0
             elif dispatch == "sglang-static" and not homes_known:
@@ -194,7 +195,7 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
     return out
 
 
-@pytest.mark.parametrize("dispatch", ["even", "vllm", "trtllm", "sglang-static", "sglang-dynamic"])
+@pytest.mark.parametrize("dispatch", ["even", "vllm", "trtllm", "trtllm-tp", "sglang-static", "sglang-dynamic"])
 def test_tokens_per_rank_follow_each_engines_choice_of_copy(root, dispatch):
     with Store(root) as store:
         report = placement_report(store, "r", Placement(3, default=REDUNDANT_LAYOUT, source="t"), dispatch=dispatch)
@@ -220,10 +221,10 @@ def three_rank_root(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("dispatch", ["sglang-static", "trtllm"])
+@pytest.mark.parametrize("dispatch", ["sglang-static", "trtllm", "trtllm-tp"])
 def test_the_home_rank_counts_where_the_engine_uses_it(three_rank_root, dispatch):
     # SGLang static serves a token on its own rank when that rank holds a copy; TensorRT-LLM offsets
-    # its round robin by the EP rank
+    # its round robin by the EP rank with attention DP, and not without it
     with Store(three_rank_root) as store:
         report = placement_report(store, "m", Placement(3, default=REDUNDANT_LAYOUT, source="t"), dispatch=dispatch)
     expected = brute_force_tokens(three_rank_root, REDUNDANT_LAYOUT, dispatch, homes_known=True)
