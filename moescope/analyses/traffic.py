@@ -32,6 +32,15 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
 # (csrc/kernels/internode_ll.cu: kNumPerChannels = 128, hidden + hidden / 128 * sizeof(float) bytes;
 # the normal kernels take x_scales [tokens, hidden / 128] float32 alike)
 FP8_SCALE_ELEMENTS, FP8_SCALE_BYTES = 128, 4
+# DeepEP's kernels: "normal" (prefill) sends a token once per remote GPU holding any of its experts and
+# once per remote node over RDMA; "low-latency" (decode, csrc/kernels/internode_ll.cu) sends one
+# message per top-k slot, a warp each, so a token's slots on one remote GPU are that many sends, and
+# a slot on another node is an RDMA message of its own (no forwarding inside the node)
+MODES = ("normal", "low-latency")
+# the figures that count sends, which the mode changes; the per-token fan-out figures it does not
+SEND_COLUMNS = ("rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
+                "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
+                "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward")
 
 COLUMNS = [
     "layer", "window_start", "window_end", "tokens", "forwards", "remote_ranks_mean", "floor_remote_ranks",
@@ -56,6 +65,8 @@ class Wire:
         combine_bytes: bytes per element sent back at combine (2: DeepEP combines in bf16, whatever
             the dispatch).
         max_nodes: M of node-limited routing (None: not evaluated).
+        mode: DeepEP's kernels, "normal" or "low-latency" (`MODES`): what a send is; in low-latency
+            mode the send figures (`SEND_COLUMNS`) count remote top-k slots, the matrix slots.
     """
 
     rank_node: np.ndarray
@@ -64,6 +75,11 @@ class Wire:
     dispatch_bytes: float = 2.0
     combine_bytes: float = 2.0
     max_nodes: int | None = None
+    mode: str = "normal"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: one of {', '.join(MODES)}")
 
     @property
     def dispatch_wire_bytes(self) -> float:
@@ -136,6 +152,7 @@ class TrafficReport:
     source: str
     home: str
     replica_rule: str = wire.REPLICA_RULE
+    mode: str = "normal"
 
 
 def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire, window_steps: int | None = None,
@@ -155,6 +172,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             continue
         layout = wire_layout(placement, layer, int(row.num_experts), setup.rank_node)
         tallies: dict[int | None, wire.TrafficTally] = {}
+        slot_sends: dict[int | None, wire.TrafficTally] = {}  # low-latency mode: a send per remote slot
         for page in store.routes_in_order(run_id, layer, tags=tags, weights=True):
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
@@ -173,9 +191,16 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                           None if limited is None else wire.NodeLimited(limited.changed[pick],
                                                                         limited.moved_weight[pick],
                                                                         limited.remote_nodes[pick]))
+                if setup.mode == "low-latency":
+                    slot_sends.setdefault(None if window_steps is None else int(key),
+                                          wire.TrafficTally.for_layout(layout)).add(
+                        layout, *_per_slot(layout, home[pick], _select(fan, pick), page.step[pick]))
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             figures = tally.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
+            if key in slot_sends:
+                sent = slot_sends[key].figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
+                figures.update({name: sent[name] for name in SEND_COLUMNS})
             if setup.max_nodes is None:
                 for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed",
                              "limited_remote_nodes_mean"):
@@ -183,7 +208,21 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
                              window_end=np.nan if key is None else (key + 1) * width, **figures))
     return TrafficReport(pd.DataFrame(rows, columns=COLUMNS), placement.ranks, int(setup.rank_node.max()) + 1,
-                         placement.source, setup.home)
+                         placement.source, setup.home, mode=setup.mode)
+
+
+def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout,
+              steps: np.ndarray) -> tuple[np.ndarray, wire.TokenFanout, np.ndarray]:
+    """(home, fan-out, steps) with a row per kept slot instead of per token: DeepEP low-latency's sends,
+    one per slot, so a `TrafficTally` over them counts a send per remote slot."""
+    token, slot = np.nonzero(fan.dest >= 0)
+    dest, home = fan.dest[token, slot], np.asarray(home, dtype=np.int64)[token]
+    reached = np.zeros((len(dest), layout.ranks), dtype=bool)
+    reached[np.arange(len(dest)), dest] = True
+    node = layout.rank_node
+    per_slot = wire.TokenFanout(dest[:, None], reached, (dest != home).astype(np.int64),
+                                (node[dest] != node[home]).astype(np.int64), np.ones(len(dest), dtype=np.int64))
+    return home, per_slot, np.asarray(steps)[token]
 
 
 def _select(fan: wire.TokenFanout, pick: np.ndarray) -> wire.TokenFanout:
