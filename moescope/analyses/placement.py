@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 else:  # the what-if's names, loaded on first use: its module imports this one
     __getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_WHATIF, "moescope.analyses.placement_whatif"))
 
-__all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run", "placement_report", "rank_tokens",
-           "read_placement"]
+__all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run", "placement_for_run",
+           "placement_report", "rank_tokens", "read_placement"]
 
 TOP_EXPERTS = 3
 
@@ -84,6 +84,17 @@ def read_placement(path: str, ranks: int | None = None) -> Placement:
     if ranks is not None and ranks != placement.ranks:
         raise PlacementError(f"{path} places experts on {placement.ranks} ranks, but --ranks is {ranks}")
     return placement
+
+
+def placement_for_run(store: Store, run_id: str, placement: Placement) -> Placement:
+    """`placement` on the run's MoE layers (`Placement.on_layers`: an engine map's rows, vLLM's one per
+    MoE layer, go to the run's MoE layers in order): the layers of its `layers` rows, else those its
+    steps recorded. Any other placement as it is. Raises PlacementError for a map of another row count."""
+    if not placement.moe_rows:
+        return placement
+    layers = store.layers(run_id)
+    ids = layers.layer if not layers.empty else store.layer_totals(run_id).layer
+    return placement.on_layers([int(v) for v in ids])
 
 
 def dispatch_of_run(store: Store, run_id: str) -> str:
@@ -156,6 +167,7 @@ def placement_report(store: Store, run_id: str, placement: Placement, window_ste
     outside the layer's experts) or for an unknown dispatch."""
     dispatch = check_dispatch(dispatch or dispatch_of_run(store, run_id))
     split = DISPATCH[dispatch][0]
+    placement = placement_for_run(store, run_id, placement)
     totals = store.layer_totals(run_id, tags=tags)
     layer, expert, rank, share = [], [], [], []
     experts_of: dict[int, int] = {}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from moescope.analyses.placement import dispatch_of_run
+from moescope.analyses.placement import dispatch_of_run, placement_for_run
 from moescope.metrics import signals
 from moescope.metrics.dispatch import DISPATCH, check_dispatch
 from moescope.metrics.eplb import eplb, load_aware
@@ -143,7 +143,7 @@ def placement_whatif(store: Store, run_id: str, window_steps: int, setup: WhatIf
 
     schedules: dict[str, list[tuple[Placement, int | None]]] = {}
     if current is not None:
-        schedules["current"] = [(current, None)] * len(starts)
+        schedules["current"] = [(placement_for_run(store, run_id, current), None)] * len(starts)
     schedules["default"] = [(Placement.contiguous(setup.ranks), None)] * len(starts)
     for kind in ("eplb", "load-aware"):
         once: list[tuple[Placement, int | None]] = [(fitted(kind, fit), fit)]

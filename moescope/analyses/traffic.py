@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from moescope.analyses.placement import placement_for_run
 from moescope.metrics import traffic as wire
 from moescope.metrics.eplb import eplb
 from moescope.metrics.placement import Placement, PlacementError, contiguous_layout, wire_layout
@@ -27,6 +28,19 @@ from moescope.store import Store
 DEFAULT_RANKS_PER_NODE = wire.DEFAULT_RANKS_PER_NODE
 # bytes per element of the hidden state by the model config's torch_dtype
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
+# DeepEP's fp8 dispatch sends with each token one float32 scale per 128 elements of its hidden state
+# (csrc/kernels/internode_ll.cu: kNumPerChannels = 128, hidden + hidden / 128 * sizeof(float) bytes;
+# the normal kernels take x_scales [tokens, hidden / 128] float32 alike)
+FP8_SCALE_ELEMENTS, FP8_SCALE_BYTES = 128, 4
+# DeepEP's kernels: "normal" (prefill) sends a token once per remote GPU holding any of its experts and
+# once per remote node over RDMA; "low-latency" (decode, csrc/kernels/internode_ll.cu) sends one
+# message per top-k slot, a warp each, so a token's slots on one remote GPU are that many sends, and
+# a slot on another node is an RDMA message of its own (no forwarding inside the node)
+MODES = ("normal", "low-latency")
+# the figures that count sends, which the mode changes; the per-token fan-out figures it does not
+SEND_COLUMNS = ("rank_matrix", "node_matrix", "gpu_sends", "rdma_sends", "intra_node_share", "busiest_link",
+                "busiest_link_tokens", "busiest_node_link", "busiest_node_link_tokens", "dispatch_bytes_per_forward",
+                "combine_bytes_per_forward", "rdma_dispatch_bytes_per_forward", "rdma_combine_bytes_per_forward")
 
 COLUMNS = [
     "layer", "window_start", "window_end", "tokens", "forwards", "remote_ranks_mean", "floor_remote_ranks",
@@ -47,9 +61,13 @@ class Wire:
         rank_node: (R,) the node of each rank (`node_layout`).
         home: "recorded", "sequence" or "token" (`moescope.metrics.traffic.home_ranks`).
         hidden_size: the model's hidden size (None: no bytes are given).
-        dispatch_bytes: bytes per element sent at dispatch (2 for bf16; 1 for DeepEP's fp8 dispatch).
-        combine_bytes: bytes per element sent back at combine.
+        dispatch_bytes: bytes per element sent at dispatch (2 for bf16; 1 for DeepEP's fp8 dispatch,
+            which also sends a float32 scale per 128 elements: `dispatch_wire_bytes`).
+        combine_bytes: bytes per element sent back at combine (2: DeepEP combines in bf16, whatever
+            the dispatch).
         max_nodes: M of node-limited routing (None: not evaluated).
+        mode: DeepEP's kernels, "normal" or "low-latency" (`MODES`): what a send is; in low-latency
+            mode the send figures (`SEND_COLUMNS`) count remote top-k slots, the matrix slots.
     """
 
     rank_node: np.ndarray
@@ -58,6 +76,20 @@ class Wire:
     dispatch_bytes: float = 2.0
     combine_bytes: float = 2.0
     max_nodes: int | None = None
+    mode: str = "normal"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: one of {', '.join(MODES)}")
+
+    @property
+    def dispatch_wire_bytes(self) -> float:
+        """Bytes per hidden element on the wire at dispatch: `dispatch_bytes`, and for fp8 (1 byte) the
+        float32 scale of each block of 128 elements (a partial block has its own scale)."""
+        if self.dispatch_bytes != 1 or not self.hidden_size:
+            return float(self.dispatch_bytes)
+        blocks = -(-int(self.hidden_size) // FP8_SCALE_ELEMENTS)
+        return 1.0 + blocks * FP8_SCALE_BYTES / int(self.hidden_size)
 
 
 def node_layout(ranks: int, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
@@ -128,6 +160,7 @@ class TrafficReport:
     source: str
     home: str
     replica_rule: str = wire.REPLICA_RULE
+    mode: str = "normal"
 
 
 def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire, window_steps: int | None = None,
@@ -141,6 +174,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
     if window_steps is not None and window_steps < 1:
         raise ValueError(f"window_steps must be at least 1, not {window_steps}")
     rows = []
+    placement = placement_for_run(store, run_id, placement)
     info = store.layers(run_id)
     for row in info.itertuples():
         layer = int(row.layer)
@@ -150,6 +184,7 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         tallies: dict[int | None, wire.TrafficTally] = {}
         max_nodes = setup.max_nodes
         limiting = max_nodes is not None
+        slot_sends: dict[int | None, wire.TrafficTally] = {}  # low-latency mode: a send per remote slot
         for page in store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True,
                                           logits=limiting):
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
@@ -167,9 +202,16 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                                            wire.TrafficTally.for_layout(layout))
                 tally.add(layout, home[pick], _select(fan, pick), page.step[pick],
                           None if limited is None else _select_limited(limited, pick))
+                if setup.mode == "low-latency":
+                    slot_sends.setdefault(None if window_steps is None else int(key),
+                                          wire.TrafficTally.for_layout(layout)).add(
+                        layout, *_per_slot(layout, home[pick], _select(fan, pick), page.step[pick]))
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            figures = tally.figures(setup.hidden_size, setup.dispatch_bytes, setup.combine_bytes)
+            figures = tally.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
+            if key in slot_sends:
+                sent = slot_sends[key].figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
+                figures.update({name: sent[name] for name in SEND_COLUMNS})
             if setup.max_nodes is None:
                 for name in ("limited_changed_share", "limited_moved_weight", "limited_moved_weight_changed"):
                     figures[name] = float("nan")
@@ -177,7 +219,21 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             rows.append(dict(layer=layer, window_start=np.nan if key is None else key * width,
                              window_end=np.nan if key is None else (key + 1) * width, **figures))
     return TrafficReport(pd.DataFrame(rows, columns=COLUMNS), placement.ranks, int(setup.rank_node.max()) + 1,
-                         placement.source, setup.home)
+                         placement.source, setup.home, mode=setup.mode)
+
+
+def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout,
+              steps: np.ndarray) -> tuple[np.ndarray, wire.TokenFanout, np.ndarray]:
+    """(home, fan-out, steps) with a row per kept slot instead of per token: DeepEP low-latency's sends,
+    one per slot, so a `TrafficTally` over them counts a send per remote slot."""
+    token, slot = np.nonzero(fan.dest >= 0)
+    dest, home = fan.dest[token, slot], np.asarray(home, dtype=np.int64)[token]
+    reached = np.zeros((len(dest), layout.ranks), dtype=bool)
+    reached[np.arange(len(dest)), dest] = True
+    node = layout.rank_node
+    per_slot = wire.TokenFanout(dest[:, None], reached, (dest != home).astype(np.int64),
+                                (node[dest] != node[home]).astype(np.int64), np.ones(len(dest), dtype=np.int64))
+    return home, per_slot, np.asarray(steps)[token]
 
 
 def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, weights: np.ndarray,

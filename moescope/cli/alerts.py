@@ -117,7 +117,21 @@ def _placement(args: argparse.Namespace):
         return None
     from moescope.cli.placement import load_placement
 
-    return load_placement(args.placement, args.ranks)
+    placement = load_placement(args.placement, args.ranks)
+    if placement.moe_rows:  # vLLM's map, a row per MoE layer: on the MoE layers of the run watched
+        from moescope.analyses.placement import placement_for_run
+        from moescope.metrics.placement import PlacementError
+        from moescope.store import Store
+        from moescope.store.errors import EmptyStoreError
+
+        with Store(store_location(args)) as store:
+            try:
+                run_id = store.check_run(args.run[0] if args.run else None)
+            except EmptyStoreError:
+                raise PlacementError(f"{args.placement} has a row per MoE layer, and the store holds no run yet "
+                                     "to take the MoE layers from: start the alerts once a run is recorded") from None
+            placement = placement_for_run(store, run_id, placement)
+    return placement
 
 
 def _load_pack(path: str | None):

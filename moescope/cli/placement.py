@@ -68,7 +68,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_placement_command)
 
 
-DISPATCH_NAMES = ("even", "vllm", "sglang-static", "sglang-dynamic", "trtllm")  # metrics.dispatch.DISPATCH
+DISPATCH_NAMES = ("even", "vllm", "sglang-static", "sglang-dynamic", "trtllm", "trtllm-tp")  # metrics.dispatch
 
 
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:

@@ -53,9 +53,14 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="a transformers config.json: hidden_size and torch_dtype, for bytes")
     p.add_argument("--dispatch-bytes", type=positive_number, metavar="B",
                    help="bytes per element sent at dispatch (default: the config's dtype, else 2 for bf16; "
-                        "1 for DeepEP's fp8 dispatch)")
+                        "1 for DeepEP's fp8 dispatch, counted with its float32 scale per 128 elements)")
     p.add_argument("--combine-bytes", type=positive_number, metavar="B",
-                   help="bytes per element sent back at combine (default as --dispatch-bytes)")
+                   help="bytes per element sent back at combine (default: the config's dtype, else 2 for bf16, "
+                        "whatever --dispatch-bytes says: DeepEP combines in bf16)")
+    p.add_argument("--mode", choices=("normal", "low-latency"), default="normal",
+                   help="DeepEP's kernels: normal (prefill: a token once per remote GPU holding any of its experts, "
+                        "once per remote node over RDMA) or low-latency (decode: once per remote top-k slot, each "
+                        "its own message); default normal")
     p.add_argument("--max-nodes", type=positive_int, metavar="M",
                    help="also evaluate node-limited routing with at most M nodes per token (DeepSeek-V3: 4)")
     p.add_argument("--compare", metavar="NAMES",
@@ -125,7 +130,9 @@ def format_report(report, run_id: str, matrix: bool = False) -> str:
     from moescope.metrics.traffic import LIMITED_FIGURES
 
     lines = [f"run {run_id}: {report.ranks} ranks in {report.nodes} nodes ({report.source}); "
-             f"home ranks: {report.home}",
+             f"home ranks: {report.home}; sends: DeepEP {report.mode}"
+             + (" (one per remote top-k slot)" if report.mode == "low-latency" else
+                " (one per remote GPU, one per remote node over RDMA)"),
              f"redundant experts: {report.replica_rule}"]
     if report.layers.empty:
         return "\n".join([*lines, "no routes recorded (under these tags): attach with routes=True"])
@@ -222,7 +229,7 @@ def _traffic_command(args: argparse.Namespace) -> int:
     with Store(store_location(args)) as store:
         run_id = store.check_run(args.run)
         setup = traffic.Wire(rank_node, args.home or traffic.default_home(store, run_id), hidden, dispatch,
-                             args.combine_bytes or dispatch, args.max_nodes)
+                             args.combine_bytes or element, args.max_nodes, args.mode)
         report = traffic.traffic_report(store, run_id, placement, setup, args.window, tags)
         comparison, placements = None, {}
         if args.compare:

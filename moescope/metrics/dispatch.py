@@ -24,8 +24,10 @@ DISPATCH: dict[str, tuple[str, str]] = {
     "sglang-static": ("local", "SGLang --ep-dispatch-algorithm static: the copy on the token's own rank, "
                                "else a fixed copy per rank drawn so that the copies share the ranks evenly"),
     "sglang-dynamic": ("even", "SGLang --ep-dispatch-algorithm dynamic: a copy drawn at random per slot"),
-    "trtllm": ("even", "TensorRT-LLM load balancer: per 1024-slot block, the expert's n-th slot goes to copy "
-                       "(block + n + EP rank) mod copies"),
+    "trtllm": ("even", "TensorRT-LLM load balancer with attention DP: per 1024-slot block, the expert's n-th "
+                       "slot goes to copy (block + n + EP rank) mod copies"),
+    "trtllm-tp": ("even", "TensorRT-LLM load balancer without attention DP (every rank routes the same tokens): "
+                          "per 1024-slot block, the expert's n-th slot goes to copy (block + n) mod copies"),
 }
 ENGINE_OF_SOURCE = {"vllm": "vllm", "sglang": "sglang-static", "trtllm": "trtllm"}
 
@@ -82,7 +84,8 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     `dispatch` names the engine's choice of copy (`DISPATCH`). The deterministic ones give each slot
     one rank with probability 1: vLLM (copy = (token * k + slot) mod copies, the token's place in its
     forward's batch), TensorRT-LLM (per block of 1024 (token, slot) positions of a forward and rank,
-    the n-th slot of the expert goes to copy (block + n + rank) mod copies) and SGLang static where
+    the n-th slot of the expert goes to copy (block + n + rank) mod copies with attention DP,
+    `trtllm`; (block + n) mod copies without it, `trtllm-tp`) and SGLang static where
     the token's rank is known (`homes_known`: the rows' recorded rank is the expert-parallel rank):
     the copy on that rank, else the copies share it evenly (SGLang fixes one per rank by a seeded
     draw that spreads the ranks evenly over the copies). The random ones (SGLang dynamic, "even") give
@@ -102,7 +105,10 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
         position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
         return SlotRanks(row, copy_rank[expert, position % copies[expert]], ones)
     home = np.asarray(page.rank, dtype=np.int64)[row] % placement.ranks
-    if dispatch == "trtllm":
+    if dispatch in ("trtllm", "trtllm-tp"):
+        # the EP-rank offset only with attention DP (`offset_by_ep_rank=self.use_dp` in TensorRT-LLM's
+        # fused MoE): without it every rank routes the same tokens and must pick the same copy
+        offset = home if dispatch == "trtllm" else 0
         position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
         block = position // TRTLLM_BLOCK_SLOTS
         # the n-th slot of its expert within its (forward, rank, block): rows come in (step, rank, token)
@@ -116,7 +122,7 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
         run_start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
         nth = np.empty(order.size, dtype=np.int64)
         nth[order] = np.arange(order.size) - run_start
-        return SlotRanks(row, copy_rank[expert, (block + nth + home) % copies[expert]], ones)
+        return SlotRanks(row, copy_rank[expert, (block + nth + offset) % copies[expert]], ones)
     if dispatch == "sglang-static":
         even = placement.shares(layer, num_experts, "even")
         holds = even > 0

@@ -7,7 +7,8 @@ may hold several slots (redundant copies, as EPLB makes them). It comes from one
   contiguous experts r*E/R .. (r+1)*E/R - 1; when R does not divide E the first E mod R ranks hold
   one expert more (vLLM's `determine_expert_map`);
 - a document (`parse_placement`: moescope's format or an engine's map, docs/placement.md), which
-  `moescope.analyses.placement.read_placement` reads from a JSON or YAML file;
+  `moescope.analyses.placement.read_placement` reads from a JSON or YAML file; vLLM's map has a row
+  per MoE layer, not per layer, and is placed on a run's layers by `Placement.on_layers`;
 - SGLang's physical-to-logical map (`Placement.from_physical_to_logical`), which SGLang's recorder
   dumps carry: physical slots are contiguous per rank, P / R each;
 - a fit to recorded loads (`moescope.metrics.eplb`: DeepSeek's EPLB and the seeds' load-aware mapping).
@@ -22,7 +23,7 @@ rules engine and the Prometheus exporter read. How an engine picks the copy that
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,12 +51,15 @@ class Placement:
         default: the same for every layer not listed; None: the contiguous layout of that layer's
             experts (`contiguous_layout`).
         source: where it came from, as the report names it ("--ranks 4", a file name).
+        moe_rows: an engine's map whose rows are the model's MoE layers in order (vLLM's), not yet
+            placed on a run's layers: `on_layers` places them; until then no layer can be read.
     """
 
     ranks: int
     layers: Mapping[int, RankExperts] = field(default_factory=dict)
     default: RankExperts | None = None
     source: str = ""
+    moe_rows: tuple[RankExperts, ...] = ()
     # (layer, experts, split) -> shares or the PlacementError they raised: computed once per layer, for
     # every reader of the value (the reports, the what-if, the rules engine, the exporter)
     _shares: dict[tuple[int, int, str], np.ndarray | PlacementError] = field(
@@ -86,8 +90,35 @@ class Placement:
                   for layer, row in enumerate(mapping)}
         return cls(ranks=int(ranks), layers=layers, source=source)
 
+    def on_layers(self, layer_ids: Sequence[int]) -> Placement:
+        """This placement on a run whose MoE layers are `layer_ids`. An engine map's rows (`moe_rows`)
+        go to them in order when there is one row per MoE layer (vLLM's `physical_to_logical_map`:
+        `[num_moe_layers, physical]`, so on DeepSeek-V3, whose first 3 layers are dense, row 0 is layer
+        3); a map with a row for every layer up to the last MoE one (SGLang's, dense layers included)
+        keeps row i on layer i. Any other placement is returned as it is.
+        Raises PlacementError for a map with another number of rows, naming both counts."""
+        if not self.moe_rows:
+            return self
+        ids = sorted({int(v) for v in layer_ids})
+        rows = len(self.moe_rows)
+        if rows == len(ids):
+            placed = dict(zip(ids, self.moe_rows))
+        elif ids and rows == ids[-1] + 1:
+            placed = {layer: self.moe_rows[layer] for layer in ids}
+        else:
+            shown = f"{ids[0]}..{ids[-1]}" if ids else "none"
+            raise PlacementError(f"{self.source}: the map has {rows} rows, but the run has {len(ids)} MoE layers "
+                                 f"(layers {shown}); a vLLM map has one row per MoE layer (an SGLang one a row "
+                                 f"per layer, {ids[-1] + 1 if ids else 0} here): give the map of the model this "
+                                 "run served")
+        return Placement(self.ranks, placed, source=self.source)
+
     def rank_experts(self, layer: int, num_experts: int) -> RankExperts:
-        """Per rank, the logical experts of its slots in `layer` (a layer of `num_experts` experts)."""
+        """Per rank, the logical experts of its slots in `layer` (a layer of `num_experts` experts).
+        Raises PlacementError for an engine's map not yet placed on a run's layers (`on_layers`)."""
+        if self.moe_rows:
+            raise PlacementError(f"{self.source}: the map's rows are the model's MoE layers in order; place "
+                                 "them on a run's MoE layers first (Placement.on_layers)")
         if layer in self.layers:
             return self.layers[layer]
         if self.default is not None:
@@ -122,7 +153,10 @@ class Placement:
         return known
 
     def document(self, num_experts: int | None = None) -> dict:
-        """This placement in `parse_placement`'s format (write it with json or yaml)."""
+        """This placement in `parse_placement`'s format (write it with json or yaml). Raises
+        PlacementError for an engine's map not yet placed on a run's layers (`on_layers`)."""
+        if self.moe_rows:
+            raise PlacementError(f"{self.source}: place the map on a run's MoE layers first (Placement.on_layers)")
         doc: dict = {"ranks": self.ranks}
         if num_experts is not None:
             doc["num_experts"] = int(num_experts)
@@ -160,7 +194,9 @@ def _rank_lists(value: object, ranks: int, where: str) -> RankExperts:
 
 
 def _engine_map(document: dict, ranks: int | None, where: str) -> Placement:
-    """vLLM's / SGLang's physical-to-logical map, or TensorRT-LLM's `initial_global_assignments`."""
+    """vLLM's / SGLang's physical-to-logical map (its rows kept as `moe_rows`, placed on a run's layers
+    by `Placement.on_layers`), or TensorRT-LLM's `initial_global_assignments` (keyed by layer)."""
+    layer_ids: list[int] | None
     if "initial_global_assignments" in document:  # TensorRT-LLM's moe_load_balancer.yaml
         unknown = set(document) - {"initial_global_assignments", "num_slots", "layer_updates_per_iter", "ranks"}
         assignments = document["initial_global_assignments"]
@@ -180,7 +216,7 @@ def _engine_map(document: dict, ranks: int | None, where: str) -> Placement:
         rows = document["physical_to_logical_map"]
         if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
             raise PlacementError(f"{where}: physical_to_logical_map is [layers][physical slots] of expert ids")
-        layer_ids = list(range(len(rows)))
+        layer_ids = None
     else:
         raise AssertionError("not an engine map")
     if unknown:
@@ -192,6 +228,8 @@ def _engine_map(document: dict, ranks: int | None, where: str) -> Placement:
     if len({len(r) for r in rows}) != 1 or any(isinstance(e, bool) or not isinstance(e, int) for r in rows for e in r):
         raise PlacementError(f"{where}: every layer must list the same number of slots, each an expert id")
     placement = Placement.from_physical_to_logical(np.array(rows, dtype=np.int64), int(ranks), source=where)
+    if layer_ids is None:  # rows are MoE layers in order: placed when the run is known
+        return Placement(placement.ranks, source=where, moe_rows=tuple(placement.layers[i] for i in range(len(rows))))
     return Placement(placement.ranks, {layer: placement.layers[i] for i, layer in enumerate(layer_ids)},
                      source=where)
 
@@ -209,9 +247,13 @@ def parse_placement(document: object, where: str = "placement", ranks: int | Non
     "*", a layer not listed takes the contiguous layout. Or in an engine's shape, physical slots
     contiguous per rank (P / R each), `ranks` (the expert-parallel size) from the file or the argument:
 
-        physical_to_logical_map: [[0, 1, 2, 3, 3, 0], ...]   # vLLM / SGLang: [layers][physical slots]
+        physical_to_logical_map: [[0, 1, 2, 3, 3, 0], ...]   # vLLM: [MoE layers][physical slots]
         initial_global_assignments: {3: [138, 81, ...], ...}  # TensorRT-LLM's moe_load_balancer.yaml
         num_slots: 288
+
+    A `physical_to_logical_map` has a row per MoE layer (vLLM), or per layer (SGLang): its rows are
+    kept as `Placement.moe_rows` and placed on a run's layers by `Placement.on_layers`, which the
+    reports over a run call. TensorRT-LLM's keys are layer numbers.
 
     Raises PlacementError naming what is wrong: a layer listing another number of ranks, an expert id
     outside 0..num_experts-1, an expert with no slot (checked against num_experts here, and against

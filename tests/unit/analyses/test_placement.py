@@ -186,12 +186,13 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
             p = [0.0] * ranks
             if dispatch == "vllm":
                 p[where[(row["token"] * k + j) % len(where)]] = 1.0
-            elif dispatch == "trtllm":
+            elif dispatch in ("trtllm", "trtllm-tp"):
                 block = (row["token"] * k + j) // 1024
                 key = (row["layer"], row["step"], row["rank"], block, e)
                 nth = seen.get(key, 0)
                 seen[key] = nth + 1
-                p[where[(block + nth + row["rank"] % ranks) % len(where)]] = 1.0
+                offset = row["rank"] % ranks if dispatch == "trtllm" else 0  # offset_by_ep_rank=use_dp
+                p[where[(block + nth + offset) % len(where)]] = 1.0
             elif dispatch == "sglang-static" and homes_known and row["rank"] in where:
                 p[row["rank"]] = 1.0
             else:
@@ -205,7 +206,7 @@ def brute_force_tokens(root: str, layout, dispatch: str, homes_known: bool = Fal
     return out
 
 
-@pytest.mark.parametrize("dispatch", ["even", "vllm", "trtllm", "sglang-static", "sglang-dynamic"])
+@pytest.mark.parametrize("dispatch", ["even", "vllm", "trtllm", "trtllm-tp", "sglang-static", "sglang-dynamic"])
 def test_tokens_per_rank_follow_each_engines_choice_of_copy(root, dispatch):
     with Store(root) as store:
         report = placement_report(store, "r", Placement(3, default=REDUNDANT_LAYOUT, source="t"), dispatch=dispatch)
@@ -231,10 +232,10 @@ def three_rank_root(tmp_path_factory) -> str:
     return root
 
 
-@pytest.mark.parametrize("dispatch", ["sglang-static", "trtllm"])
+@pytest.mark.parametrize("dispatch", ["sglang-static", "trtllm", "trtllm-tp"])
 def test_the_home_rank_counts_where_the_engine_uses_it(three_rank_root, dispatch):
     # SGLang static serves a token on its own rank when that rank holds a copy; TensorRT-LLM offsets
-    # its round robin by the EP rank
+    # its round robin by the EP rank with attention DP, and not without it
     with Store(three_rank_root) as store:
         report = placement_report(store, "m", Placement(3, default=REDUNDANT_LAYOUT, source="t"), dispatch=dispatch)
     expected = brute_force_tokens(three_rank_root, REDUNDANT_LAYOUT, dispatch, homes_known=True)
@@ -283,13 +284,64 @@ def test_trtllm_and_vllm_maps_are_read_with_slots_contiguous_per_rank(tmp_path):
         read_placement(str(trt))
     vllm = tmp_path / "eplb_map.json"
     vllm.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3, 3, 0]], "ranks": 3}))
-    assert read_placement(str(vllm)).rank_experts(0, 4) == ((0, 1), (2, 3), (3, 0))
+    assert read_placement(str(vllm)).on_layers([0]).rank_experts(0, 4) == ((0, 1), (2, 3), (3, 0))
     with pytest.raises(PlacementError, match="places experts on 3 ranks, but --ranks is 2"):
         read_placement(str(vllm), ranks=2)
     bad = tmp_path / "bad.yaml"
     bad.write_text("initial_global_assignments:\n  3: [0, 1]\n  4: [0, 1, 2]\nnum_slots: 2\n")
     with pytest.raises(PlacementError, match="must list num_slots"):
         read_placement(str(bad), ranks=2)
+
+
+def test_a_vllm_map_lands_on_the_moe_layers_of_a_model_with_dense_layers_first(tmp_path):
+    # DeepSeek-V3's shape: dense layers 0..2, MoE layers from 3; vLLM's map has a row per MoE layer
+    import dataclasses
+
+    from moescope.analyses.traffic import Wire, traffic_report
+
+    root = str(tmp_path / "dense_first")
+    info = run_info("d", LAYERS, EXPERTS)
+    info = dataclasses.replace(info, layers=tuple(dataclasses.replace(li, layer=li.layer + 3) for li in info.layers))
+    exporter = ParquetExporter(root, info)
+    rng = np.random.default_rng(5)
+    records = [make_record("d", step, rng, LAYERS, EXPERTS, skew=1.5) for step in range(4)]
+    for record in records:
+        for layer_step in record.layers:
+            layer_step.layer += 3
+    exporter.export(records)
+    exporter.shutdown()
+    rows = [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 5, 0, 3, 1, 4]]
+    path = tmp_path / "eplb_map.json"
+    path.write_text(json.dumps({"physical_to_logical_map": rows, "ranks": 3}))
+    raw = read_table(open_location(root), "layer_steps").to_pylist()
+    with Store(root) as store:
+        report = placement_report(store, "d", read_placement(str(path)))
+        assert sorted(report.layers.layer) == [3, 4, 5]
+        for row in report.layers.itertuples():
+            layout = [rows[row.layer - 3][r * 2:(r + 1) * 2] for r in range(3)]
+            expected = np.zeros(3)
+            for raw_row in (r for r in raw if r["layer"] == row.layer):
+                for expert, load in enumerate(raw_row["expert_load"]):
+                    expected[[r for r in range(3) if expert in layout[r]][0]] += load
+            np.testing.assert_allclose(row.rank_slots, expected)
+        # the wire figures read the same layers: the map against the same layout written per layer
+        spelled = Placement(3, {3 + i: tuple(tuple(r[j * 2:(j + 1) * 2]) for j in range(3))
+                                for i, r in enumerate(rows)})
+        setup = Wire(np.zeros(3, dtype=np.int64), "token", 64, 2.0, 2.0)
+        by_map = traffic_report(store, "d", read_placement(str(path)), setup).layers
+        by_layer = traffic_report(store, "d", spelled, setup).layers
+        assert by_map.drop(columns=["rank_matrix", "node_matrix", "remote_ranks_histogram"]).equals(
+            by_layer.drop(columns=["rank_matrix", "node_matrix", "remote_ranks_histogram"]))
+    # the alerts take the MoE layers of the run they watch
+    import argparse
+
+    from moescope.cli.alerts import _placement
+
+    watched = _placement(argparse.Namespace(placement=str(path), ranks=None, run=[], store=root))
+    assert watched.layers == spelled.layers
+    path.write_text(json.dumps({"physical_to_logical_map": rows + [rows[0]], "ranks": 3}))
+    with Store(root) as store, pytest.raises(PlacementError, match="the map has 4 rows, but the run has 3 MoE layers"):
+        placement_report(store, "d", read_placement(str(path)))
 
 
 # -- the what-if: a plain loop over the raw layer_steps rows ---------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from moescope.analyses.placement import read_placement
 from moescope.analyses.traffic import (
     Wire,
+    bytes_text,
     compare_placements,
     coselection_by_window,
     coselection_placement,
@@ -124,7 +125,8 @@ def test_traffic_matches_the_raw_routes(root, placement_file, home, window, phas
         assert row.gpu_sends == sends.sum() and row.rdma_sends == f["rn"]
         assert row.intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
         assert row.busiest_link_tokens == sends.max()
-        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / len(f["steps"]))
+        # fp8: a byte per element and a float32 scale for the one block of (up to) 128 elements
+        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * (64 * 1 + 4) / len(f["steps"]))
         assert row.combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / len(f["steps"]))
         assert row.limited_changed_share == pytest.approx(f["changed"] / f["tokens"])
         assert row.limited_moved_weight == pytest.approx(f["moved"] / f["tokens"], rel=1e-5)
@@ -304,3 +306,64 @@ def test_the_exported_coselection_map_reads_back(root, tmp_path, capsys, name):
     per_rank = coselection_fit(root, 0, 4, 6)
     assert again.remote_ranks_mean.iloc[0] == pytest.approx(
         brute_force(root, per_rank, "recorded", None, None)[(0, None)]["rr"] / again.tokens.iloc[0])
+
+
+def test_an_fp8_dispatch_leaves_the_combine_in_bf16(root, placement_file, capsys):
+    code = main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--hidden-size", "4096",
+                 "--dispatch-bytes", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    with Store(root) as store:
+        row = traffic_report(store, "t", read_placement(placement_file),
+                             Wire(np.array(NODES), "recorded")).layers.iloc[0]
+    # DeepEP: 4096 fp8 bytes and 32 float32 scales a token out; 4096 bf16 elements back
+    dispatch, combine = row.gpu_sends * (4096 + 32 * 4) / row.forwards, row.gpu_sends * 4096 * 2 / row.forwards
+    assert f"per forward: dispatch {bytes_text(dispatch)}, combine {bytes_text(combine)}" in out
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_low_latency_mode_sends_once_per_remote_slot(root, placement_file, window):
+    # DeepEP's low-latency kernels (internode_ll.cu) put one message per top-k slot: two of a token's
+    # experts on one remote GPU are two sends, and a slot on another node is an RDMA message of its own
+    setup = Wire(np.array(NODES), "recorded", hidden_size=64, dispatch_bytes=2, combine_bytes=2, mode="low-latency")
+    with Store(root) as store:
+        report = traffic_report(store, "t", read_placement(placement_file), setup, window)
+        normal = traffic_report(store, "t", read_placement(placement_file), Wire(np.array(NODES), "recorded"),
+                                window)
+    expected: dict = {}
+    for row in read_table(open_location(root), "routes").to_pylist():
+        key = (row["layer"], None if window is None else row["step"] // window * window)
+        f = expected.setdefault(key, dict(matrix=np.zeros((3, 3), int), rdma=0, steps=set()))
+        f["steps"].add(row["step"])
+        for expert, kept in zip(row["expert_ids"], row["kept"]):
+            if kept:
+                dest = serving(LAYOUT, row["rank"], expert)
+                f["matrix"][row["rank"], dest] += 1
+                f["rdma"] += NODES[dest] != NODES[row["rank"]]
+    assert report.mode == "low-latency" and len(report.layers) == len(expected)
+    more = 0
+    for row, plain in zip(report.layers.itertuples(), normal.layers.itertuples()):
+        f = expected[(row.layer, None if window is None else int(row.window_start))]
+        sends = f["matrix"] - np.diag(np.diag(f["matrix"]))
+        np.testing.assert_array_equal(row.rank_matrix, f["matrix"])
+        assert row.gpu_sends == sends.sum() and row.rdma_sends == f["rdma"]
+        assert row.intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
+        assert row.dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / len(f["steps"]))
+        assert row.rdma_combine_bytes_per_forward == pytest.approx(f["rdma"] * 64 * 2 / len(f["steps"]))
+        # the per-token fan-out is the mode's to leave alone
+        assert row.remote_ranks_mean == plain.remote_ranks_mean and row.tokens == plain.tokens
+        assert row.gpu_sends >= plain.gpu_sends and row.rdma_sends >= plain.rdma_sends
+        more += row.gpu_sends > plain.gpu_sends
+    assert more  # the routes put two slots of a token on one remote GPU somewhere
+
+
+def test_the_command_counts_in_the_mode_asked(root, placement_file, capsys):
+    assert main(["traffic", root, "--placement", placement_file, "--nodes", "2,1", "--mode", "low-latency"]) == 0
+    out = capsys.readouterr().out
+    with Store(root) as store:
+        row = traffic_report(store, "t", read_placement(placement_file),
+                             Wire(np.array(NODES), "recorded", mode="low-latency")).layers.iloc[0]
+    assert "sends: DeepEP low-latency (one per remote top-k slot)" in out
+    assert f"GPU sends {row.gpu_sends:,}, RDMA sends {row.rdma_sends:,}" in out
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        Wire(np.array(NODES), mode="fast")

@@ -32,11 +32,30 @@ def test_the_default_layout_gives_the_first_ranks_one_expert_more():
 
 def test_a_document_in_an_engines_shape_is_parsed_per_rank():
     document = {"physical_to_logical_map": [[0, 1, 2, 3, 3, 0], [3, 2, 1, 0, 0, 1]], "ranks": 3}
-    placement = parse_placement(document, "eplb_map.json")
+    placement = parse_placement(document, "eplb_map.json").on_layers([0, 1])
     assert placement.rank_experts(1, 4) == ((3, 2), (1, 0), (0, 1))
     assert placement.document()["layers"]["1"] == [[3, 2], [1, 0], [0, 1]]
     with pytest.raises(PlacementError, match="give --ranks R"):
         parse_placement({"physical_to_logical_map": [[0, 1]]}, "map.json")
+
+
+def test_a_vllm_map_has_a_row_per_moe_layer():
+    # vLLM's EplbState.physical_to_logical_map is [num_moe_layers, physical]: on a model whose first
+    # three layers are dense (DeepSeek-V3), row 0 is layer 3
+    rows = [[0, 1, 2, 3], [3, 2, 1, 0], [1, 0, 3, 2]]
+    unplaced = parse_placement({"physical_to_logical_map": rows, "ranks": 2}, "eplb_map.json")
+    with pytest.raises(PlacementError, match="place them on a run's MoE layers first"):
+        unplaced.rank_experts(0, 4)
+    placed = unplaced.on_layers([5, 3, 4])
+    assert {layer: placed.rank_experts(layer, 4) for layer in (3, 4, 5)} == {
+        3: ((0, 1), (2, 3)), 4: ((3, 2), (1, 0)), 5: ((1, 0), (3, 2))}
+    assert placed.rank_experts(0, 4) == ((0, 1), (2, 3))  # a layer not in the map: the contiguous layout
+    # SGLang's map has a row for every layer, dense ones included: row i is layer i
+    sglang = parse_placement({"physical_to_logical_map": [[0, 1, 2, 3]] * 3 + rows, "ranks": 2}, "map.json")
+    assert sglang.on_layers([3, 4, 5]).rank_experts(4, 4) == ((3, 2), (1, 0))
+    with pytest.raises(PlacementError, match="the map has 3 rows, but the run has 2 MoE layers"):
+        unplaced.on_layers([3, 4])
+    assert Placement.contiguous(2).on_layers([3]) == Placement.contiguous(2)
 
 
 def test_each_layers_shares_are_computed_once_and_read_only(monkeypatch):
