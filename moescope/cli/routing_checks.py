@@ -19,7 +19,6 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from moescope.analyses.jitter import MARGIN_EDGES, JitterError
 from moescope.analyses.tokens import context_parts
 
 DEMO = "demo"
@@ -62,6 +61,7 @@ def torch_dtype(name: str, error: type[ValueError]) -> Any:
 def load_model(name: str) -> tuple[Any, Any, bool]:
     """(model in eval mode on the CPU in float32, tokenizer or None, whether it is the demo model)
     for MODEL: `demo` or a local folder. Raises JitterError when there is nothing to load there."""
+    from moescope.analyses.jitter import JitterError  # imports torch: a command's --help must not
     from moescope.demo.data import demo_model_path, load_demo_model
 
     model: Any
@@ -101,6 +101,8 @@ def load_model(name: str) -> tuple[Any, Any, bool]:
 def margin_table(rows: Sequence[tuple[str, Sequence[int]]], width: int) -> list[str]:
     """The margin histograms as text: a header of the bins' lower edges (MARGIN_EDGES), then a line per
     (label, counts per bin), the labels padded to `width` characters."""
+    from moescope.analyses.routing_compare import MARGIN_EDGES  # imports torch: only once a table is printed
+
     bins = [f">={edge:g}" for edge in MARGIN_EDGES]
     column = max(map(len, bins)) + 1
     return [f"{'':<{width}}" + "".join(f"{b:>{column}}" for b in bins),
