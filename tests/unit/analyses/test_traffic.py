@@ -215,7 +215,7 @@ def test_node_limited_routing_gives_every_figure(root, placement_file, max_nodes
         assert row.limited_intra_node_share == pytest.approx((sends[0, 1] + sends[1, 0]) / sends.sum())
         assert row.limited_busiest_link_tokens == sends.max()
         assert sends[row.limited_busiest_link] == sends.max()
-        assert row.limited_dispatch_bytes_per_forward == pytest.approx(sends.sum() * 64 * 1 / forwards)
+        assert row.limited_dispatch_bytes_per_forward == pytest.approx(sends.sum() * (64 + 4) / forwards)  # fp8 + scale
         assert row.limited_combine_bytes_per_forward == pytest.approx(sends.sum() * 64 * 2 / forwards)
         assert row.limited_rdma_combine_bytes_per_forward == pytest.approx(lim["rn"] * 64 * 2 / forwards)
         if max_nodes == 2:  # two nodes: nothing to limit
