@@ -188,12 +188,18 @@ def _placement_command(args: argparse.Namespace) -> int:
 
 
 def _export(path: str, whatif, rebalance_every: int | None) -> None:
+    name = f"eplb-every-{rebalance_every}" if rebalance_every else "eplb"
+    write_placement(path, whatif.placements[name], name)
+
+
+def write_placement(path: str, placement, label: str) -> None:
+    """Write `placement` to `path` in the format `--placement FILE` reads (JSON for a .json name, else
+    YAML), and say so, naming it `label`."""
     import json
 
     import yaml
 
-    name = f"eplb-every-{rebalance_every}" if rebalance_every else "eplb"
-    document = whatif.placements[name].document()
+    document = placement.document()
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(document) if path.lower().endswith(".json") else yaml.safe_dump(document, sort_keys=False))
-    print(f"wrote the {name} placement to {path} (moescope's placement format, docs/placement.md)")
+    print(f"wrote the {label} placement to {path} (moescope's placement format, docs/placement.md)")

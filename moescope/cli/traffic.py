@@ -11,7 +11,7 @@ import math
 
 from moescope.cli import command_help
 from moescope.cli.arguments import positive_int, positive_number, store_epilog, store_location
-from moescope.cli.placement import add_placement_arguments, load_placement
+from moescope.cli.placement import add_placement_arguments, load_placement, write_placement
 
 EXAMPLES = """\
 examples:
@@ -181,17 +181,6 @@ def format_windowed_coselection(frame, report) -> str:
     return "\n".join(lines)
 
 
-def _export(path: str, placement) -> None:
-    import json
-
-    import yaml
-
-    document = placement.document()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(document) if path.lower().endswith(".json") else yaml.safe_dump(document, sort_keys=False))
-    print(f"\nwrote the co-selection placement to {path} (moescope's placement format, docs/placement.md)")
-
-
 def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, groups: int = 1,
                   redundant: int = 0) -> dict:
     from moescope.analyses import traffic
@@ -247,5 +236,6 @@ def _traffic_command(args: argparse.Namespace) -> int:
     if windowed is not None and "co-selection" in placements:
         print(format_windowed_coselection(windowed, report))
     if args.export:
-        _export(args.export, coselected)
+        print()
+        write_placement(args.export, coselected, "co-selection")
     return 0
