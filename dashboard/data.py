@@ -268,8 +268,8 @@ def _placement_report(store: Store, run_id: str, ranks: int, window: int | None,
 
 
 def _placement_whatif(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
-                      tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    from moescope.analyses.placement import WhatIfSetup, placement_whatif
+                      tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str, str | None]:
+    from moescope.analyses.placement import WhatIfSetup, placement_whatif, why_placements_coincide
     from moescope.metrics import signals
 
     stored = store.placement_whatif(run_id)
@@ -281,8 +281,10 @@ def _placement_whatif(store: Store, run_id: str, ranks: int, window: int, dispat
                                 for (candidate, start), group in rows.groupby(["candidate", "window_start"],
                                                                                sort=False)])
         first = stored.iloc[0]
+        experts = int(store.layer_totals(run_id).num_experts.max())
         return rows, summary, (f"stored by `moescope placement --whatif --save` ({int(first.ranks)} ranks, "
-                               f"{int(first.redundant)} redundant, dispatch {first.dispatch})")
+                               f"{int(first.redundant)} redundant, dispatch {first.dispatch})"), \
+            why_placements_coincide(experts, int(first.ranks), int(first.redundant))
     totals = store.layer_totals(run_id, tags=tags)
     experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
                    for r in totals.itertuples()), default=ranks)
@@ -290,7 +292,8 @@ def _placement_whatif(store: Store, run_id: str, ranks: int, window: int, dispat
     report = placement_whatif(store, run_id, window, WhatIfSetup(ranks=ranks, redundant=redundant, rebalance_every=1),
                               tags=tags, dispatch=dispatch)
     return report.rows, report.summary, (f"computed here: {ranks} ranks, {redundant} redundant slot(s), fitted on "
-                                         f"the first window of {window} steps")
+                                         f"the first window of {window} steps"), \
+        why_placements_coincide(experts, ranks, redundant)
 
 
 def _traffic(store: Store, run_id: str, ranks: int, per_node: int, tags: dict[str, str] | None = None
@@ -307,9 +310,9 @@ def _traffic(store: Store, run_id: str, ranks: int, per_node: int, tags: dict[st
 # (root, version, run_id, ranks, window, dispatch, tag): the placement report's rows per layer under the
 # default (contiguous) layout over `ranks` ranks
 placement_report = _cached(_placement_report, tagged=True)
-# (root, version, run_id, ranks, window, dispatch, tag): (rows, summary, where they came from): the what-if
-# `moescope placement --whatif --save` stored for the run (no tag filter), else one computed with EPLB
-# fitted on the first window of `window` steps
+# (root, version, run_id, ranks, window, dispatch, tag): (rows, summary, where they came from, why every
+# placement must coincide or None): the what-if `moescope placement --whatif --save` stored for the run (no tag
+# filter), else one computed with EPLB fitted on the first window of `window` steps
 placement_whatif = _cached(_placement_whatif, tagged=True)
 # (root, version, run_id, ranks, per_node, tag): `moescope.analyses.traffic.traffic_report`'s rows per layer under
 # the default layout, nodes of `per_node` consecutive ranks, with each rank's node (`node_of_rank`)

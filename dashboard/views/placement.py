@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from moescope.analyses.placement import DISPATCH, ENGINE_OF_SOURCE, PlacementError
+from moescope.analyses.placement import DISPATCH, ENGINE_OF_SOURCE, PlacementError, default_ranks
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
 
@@ -36,12 +36,18 @@ def load_per_rank(ctx: common.PageContext, ranks: int, dispatch: str) -> None:
 
 
 def over_time_and_before_after(ctx: common.PageContext, ranks: int, window: int, dispatch: str) -> None:
-    rows, summary, origin = data.placement_whatif(ctx.root, ctx.version, ctx.run_id, ranks, window, dispatch,
-                                                  ctx.tag)
+    rows, summary, origin, coincide = data.placement_whatif(ctx.root, ctx.version, ctx.run_id, ranks, window,
+                                                            dispatch, ctx.tag)
     st.subheader("Balancedness over time")
     st.plotly_chart(fg.balancedness_over_time_figure(summary), key="pl_over_time")
     st.caption(f"What-if {origin}. Each line is a placement evaluated on every window of recorded loads; "
                "a fitted one falls off as traffic moves away from the window it was fitted on.")
+    per_window = summary.groupby("window_start").balancedness
+    if summary.candidate.nunique() > 1 and (per_window.max() - per_window.min() < 1e-9).all():
+        st.info(f"Every placement gives the same balancedness here: "
+                f"{coincide or 'the recorded loads are even enough that no placement beats another'}. "
+                "Fewer ranks (two or more experts each) or redundant slots "
+                "(`moescope placement STORE --whatif --redundant S --save`) give the what-if a choice.")
     st.subheader("Before and after")
     candidates = [c for c in dict.fromkeys(rows.candidate) if c not in ("current", "default")]
     if not candidates:
@@ -69,7 +75,8 @@ def traffic(ctx: common.PageContext, ranks: int) -> None:
     """What the placement costs on the wire (docs/traffic.md): the tokens each home rank sends each
     other rank, and the tokens by the remote ranks and nodes they reach, of one layer."""
     st.subheader("Traffic on the wire")
-    st.session_state.setdefault(NODE_KEY, 8)
+    if st.session_state.get(NODE_KEY, 8) > ranks:  # 8 GPUs a node, or every rank on one node when fewer
+        st.session_state[NODE_KEY] = min(8, ranks)
     left, right = st.columns(2)
     per_node = int(left.number_input("Ranks per node", min_value=1, max_value=max(1, ranks), key=NODE_KEY,
                                      help="Consecutive ranks share a node (NVLink); between nodes, RDMA."))
@@ -101,9 +108,11 @@ with common.guard():
         st.stop()
     experts = int(ctx.layers.num_experts.max())
     a, b, c = st.columns(3)
-    st.session_state.setdefault(RANKS, max(1, min(8, experts)))
+    st.session_state.setdefault(RANKS, default_ranks(experts))
     ranks = int(a.number_input("Expert-parallel ranks", min_value=1, max_value=max(1, experts), key=RANKS,
-                               help="GPUs the experts are spread over (the default layout: contiguous experts)."))
+                               help="GPUs the experts are spread over (the default layout: contiguous experts). "
+                                    "It starts at the most ranks, up to 8, that hold two or more experts each, "
+                                    "so that the placements compared below can differ."))
     st.session_state.setdefault(WINDOW, 32)
     window = int(b.selectbox("Window (steps)", WINDOWS, key=WINDOW,
                              help="The what-if fits on the first window and is evaluated on every one.") or 32)

@@ -44,7 +44,8 @@ from moescope.metrics.placement import (
 from moescope.metrics.ranks import expected_rank_tokens
 from moescope.store import Store
 
-_WHATIF = ("CANDIDATES", "WHATIF_COLUMNS", "WhatIfReport", "WhatIfSetup", "placement_whatif", "write_whatif")
+_WHATIF = ("CANDIDATES", "WHATIF_COLUMNS", "WhatIfReport", "WhatIfSetup", "default_ranks", "placement_whatif",
+           "why_placements_coincide", "write_whatif")
 
 if TYPE_CHECKING:
     from moescope.analyses.placement_whatif import (  # noqa: F401
@@ -52,7 +53,9 @@ if TYPE_CHECKING:
         WHATIF_COLUMNS,
         WhatIfReport,
         WhatIfSetup,
+        default_ranks,
         placement_whatif,
+        why_placements_coincide,
         write_whatif,
     )
 else:  # the what-if's names, loaded on first use: its module imports this one

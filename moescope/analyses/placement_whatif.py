@@ -91,6 +91,26 @@ class WhatIfReport:
         return frame
 
 
+def default_ranks(experts: int, most: int = 8) -> int:
+    """The expert-parallel size a what-if is shown at before the user picks one: the most ranks, up to
+    `most`, that divide the experts and still hold two or more each, so that placements can differ
+    (with one expert per rank every placement only renames the ranks). The demo model's 8 experts: 4
+    ranks; 64 experts: 8; fewer than 4 experts: 1."""
+    return max((r for r in range(1, max(1, most) + 1) if experts % r == 0 and experts // r >= 2), default=1)
+
+
+def why_placements_coincide(experts: int, ranks: int, redundant: int) -> str | None:
+    """Why every placement of `experts` experts on `ranks` ranks with `redundant` extra slots must give
+    the same balancedness, whatever the loads (None when they can differ): one rank holds them all, or
+    each rank holds exactly one expert and no expert can be copied."""
+    if ranks == 1:
+        return "one rank holds every expert, so there is nothing to place"
+    if redundant == 0 and experts == ranks:
+        return (f"each of the {ranks} ranks holds exactly one of the {experts} experts and there is no redundant "
+                "slot, so every placement only renames the ranks")
+    return None
+
+
 def _layer_loads(frame: pd.DataFrame, experts_of: Mapping[int, int]) -> tuple[list[int], list[int], np.ndarray]:
     """(window starts, layers, loads [windows, layers, most experts]) from `Store.window_loads` rows."""
     starts = sorted({int(v) for v in frame.window_start})

@@ -398,3 +398,31 @@ def test_the_demo_prints_its_routing_jitter(demo):
     assert line in out and line.startswith("Routing jitter")
     assert "kept-slot specialisation NMI(expert; domain)" in out  # the Clusters page's name for its figure
     assert "repeat 0.00%" in line and "bfloat16" in line and "batch=" in line
+
+
+def test_the_placement_page_shows_placements_that_differ(demo, monkeypatch):
+    """Issue 47 part 4: on the demo's store the Placement page opens where its placements part (8
+    experts: 4 ranks of two), its default line is the contiguous layout's balancedness by a loop over
+    the raw rows, and EPLB fitted on the first window beats it on every later window."""
+    from tests.support.pages import app_for, assert_clean, open_page
+
+    root, _, _ = demo
+    at = open_page(app_for(monkeypatch, str(root)), "views/placement.py")
+    assert_clean(at)
+    assert at.number_input(key="pl_ranks").value == 4
+    run_id = at.sidebar.selectbox(key="ms_run").value
+    rows = ds.dataset(str(root / "layer_steps" / f"run_id={run_id}"), format="parquet",
+                      exclude_invalid_files=True).to_table().to_pandas()
+    spec = json.loads(next(c for c in at.get("plotly_chart") if c.key == "pl_over_time").proto.spec)
+    lines = {t["name"]: dict(zip(_values(t["x"]).astype(int).tolist(), _values(t["y"]).astype(float).tolist()))
+             for t in spec["data"]}
+    for start, line_value in lines["default"].items():
+        part = rows[rows.step // 32 * 32 == start]
+        means = peaks = 0.0
+        for _, layer in part.groupby("layer"):
+            per_rank = np.sum([np.asarray(v, dtype=float) for v in layer.expert_load], axis=0).reshape(4, 2).sum(1)
+            means, peaks = means + per_rank.mean(), peaks + per_rank.max()
+        assert abs(line_value - means / peaks) < 1e-9
+    later = [s for s in lines["default"] if s > min(lines["default"])]
+    assert later and all(lines["eplb"][s] > lines["default"][s] for s in later), lines
+    assert not any("same balancedness" in i.value for i in at.info)

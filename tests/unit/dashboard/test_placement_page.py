@@ -102,3 +102,51 @@ def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded):
     assert np.isnan(z[0, 0]) and np.isnan(z[1, 1])  # served at home: no wire
     bars = _array(histogram["data"][0]["y"])
     np.testing.assert_array_equal(bars, np.bincount(remote, minlength=2))
+
+
+def _default_layout_balancedness(rows: pd.DataFrame, ranks: int, window: int) -> dict[int, float]:
+    """Per window of `window` steps, sum over layers of the mean rank's slots over the busiest rank's,
+    the experts laid out contiguously on `ranks` ranks, by a plain loop over raw `layer_steps` rows."""
+    out = {}
+    for start in sorted({int(s) // window * window for s in rows.step}):
+        means = peaks = 0.0
+        for layer in sorted(set(rows.layer)):
+            part = rows[(rows.layer == layer) & (rows.step // window * window == start)]
+            load = np.sum([np.asarray(v, dtype=float) for v in part.expert_load], axis=0)
+            per_rank = load.reshape(ranks, -1).sum(axis=1)
+            means += per_rank.mean()
+            peaks += per_rank.max()
+        out[start] = means / peaks
+    return out
+
+
+def _lines(at) -> dict[str, dict[int, float]]:
+    spec = json.loads(next(c for c in at.get("plotly_chart") if c.key == "pl_over_time").proto.spec)
+    return {t["name"]: dict(zip(_array(t["x"]).astype(int).tolist(), _array(t["y"]).astype(float).tolist()))
+            for t in spec["data"]}
+
+
+def test_placement_page_starts_where_placements_can_differ(monkeypatch, recorded):
+    """Issue 47 part 4: the page opens at the most ranks (up to 8) that hold two or more experts each,
+    where the what-if's placements part; with one expert per rank they cannot, and the page says why."""
+    run_id = recorded["runs"][-1]
+    rows = _layer_steps(recorded["root"], run_id)
+    experts = int(rows.expert_load.map(len).max())
+    expected = max(r for r in range(1, 9) if experts % r == 0 and experts // r >= 2)
+    at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
+    assert_clean(at)
+    assert at.number_input(key="pl_ranks").value == expected
+    lines = _lines(at)
+    for start, value in _default_layout_balancedness(rows, expected, 32).items():
+        assert abs(lines["default"][start] - value) < 1e-9
+    spread = [max(line[s] for line in lines.values()) - min(line[s] for line in lines.values())
+              for s in lines["default"]]
+    assert max(spread) > 0.01, lines  # the fitted placements part from the default layout
+    assert not any("same balancedness" in i.value for i in at.info)
+
+    at.number_input(key="pl_ranks").set_value(experts).run()
+    assert_clean(at)
+    lines = _lines(at)
+    assert all(abs(line[s] - lines["default"][s]) < 1e-9 for line in lines.values() for s in line)
+    note = [i.value for i in at.info if "same balancedness" in i.value]
+    assert note and f"each of the {experts} ranks holds exactly one of the {experts} experts" in note[0]
