@@ -79,7 +79,8 @@ UNITS: dict[str, str] = {
     "slots_changed_fraction": "fraction of pairs x k", "tokens_set_changed_fraction": "fraction of tokens",
     "tokens_top1_changed_fraction": "fraction of tokens", "decision_share": "fraction of pairs",
     "token_share": "fraction of tokens", "sequences": "sequences", "inputs": "inputs",
-    "batch_size": "inputs per batch",
+    "batch_size": "inputs per batch", "dead_experts": "experts", "ranks": "ranks", "nodes": "nodes",
+    "redundant": "slots", "groups": "expert groups", "rebalance_every": "windows", "top_k": "experts per token",
 }
 
 
