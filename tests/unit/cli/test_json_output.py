@@ -19,10 +19,11 @@ from moescope.analyses.placement import placement_report
 from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif
 from moescope.analyses.summary import summary_report
 from moescope.cli import main
-from moescope.cli.output import DOCUMENTS, SCHEMA_VERSION, document_keys, jsonable
+from moescope.cli.output import DOCUMENTS, document_keys, jsonable
 from moescope.metrics.placement import Placement
 from moescope.store import Store
 from moescope.store.writer import ParquetExporter
+from tests.support.json_documents import check_keys, same, same_rows
 from tests.support.store_records import make_record, run_info
 
 LAYERS, EXPERTS = 3, 6
@@ -48,43 +49,9 @@ def run_json(capsys, *argv: str) -> dict:
     return {**json.loads(captured.out), "_stderr": captured.err}
 
 
-def same(got, want) -> None:
-    """`got` (parsed JSON) is `want` (a report's value): exactly equal numbers, null where the report has
-    no value (NaN, None, NA), lists for arrays and tuples."""
-    if want is None or want is pd.NA or (isinstance(want, (float, np.floating)) and not math.isfinite(want)):
-        assert got is None, (got, want)
-    elif isinstance(want, (np.ndarray, list, tuple)):
-        assert isinstance(got, list) and len(got) == len(want), (got, want)
-        for g, w in zip(got, list(want)):
-            same(g, w)
-    elif isinstance(want, (bool, np.bool_)):
-        assert got is bool(want)
-    elif isinstance(want, (int, np.integer, float, np.floating)):
-        assert isinstance(got, (int, float)) and not isinstance(got, bool) and got == want, (got, want)
-    else:
-        assert got == want, (got, want)
-
-
-def same_rows(got: list[dict], frame: pd.DataFrame, columns) -> None:
-    assert len(got) == len(frame)
-    for row, want in zip(got, frame.to_dict("records")):
-        assert list(row) == list(columns)
-        for column in columns:
-            same(row[column], want[column])
-
-
-def documented(doc: dict) -> None:
-    """The document's keys are its command's documented keys, in order, and its units those of `DOCUMENTS`."""
-    spec = DOCUMENTS[doc["command"]]
-    doc = {k: v for k, v in doc.items() if k != "_stderr"}
-    assert doc["schema_version"] == SCHEMA_VERSION
-    assert document_keys(doc) == list(spec.keys)
-    assert doc["units"] == spec.units()
-
-
 def test_summary(root, capsys):
     doc = run_json(capsys, "summary", root)
-    documented(doc)
+    check_keys({k: v for k, v in doc.items() if k != "_stderr"})
     with Store(root) as store:
         report = summary_report(store, "r")
     assert (doc["run_id"], doc["model_class"], doc["source"]) == ("r", report.model_class, report.source)
@@ -103,7 +70,8 @@ def test_placement_with_the_whatif(root, capsys, tmp_path):
     export = tmp_path / "eplb.json"
     doc = run_json(capsys, "placement", root, "--ranks", "3", "--window", "2", "--whatif", "--rebalance-every",
                    "2", "--export", str(export))
-    documented(doc)
+    check_keys({k: v for k, v in doc.items() if k != "_stderr"})
+    assert document_keys(doc)[:-1] == list(DOCUMENTS["placement"].keys)  # every key, with --whatif (and _stderr)
     assert f"wrote the eplb-every-2 placement to {export}" in doc["_stderr"]
     with Store(root) as store:
         report = placement_report(store, "r", Placement.contiguous(3), 2)
@@ -121,7 +89,8 @@ def test_placement_with_the_whatif(root, capsys, tmp_path):
 def test_traffic_with_comparisons_and_nan_as_null(root, capsys):
     doc = run_json(capsys, "traffic", root, "--ranks", "3", "--nodes", "2,1", "--compare", "default,coselection",
                    "--window", "4", "--max-nodes", "1")
-    documented(doc)
+    check_keys({k: v for k, v in doc.items() if k != "_stderr"})
+    assert document_keys(doc)[:-1] == list(DOCUMENTS["traffic"].keys)  # every key, with the comparisons
     with Store(root) as store:
         placement = Placement.contiguous(3)
         rank_node = traffic.node_layout(3, nodes=[2, 1])
@@ -142,7 +111,7 @@ def test_traffic_with_comparisons_and_nan_as_null(root, capsys):
 
 def test_whatif_cache(root, capsys):
     doc = run_json(capsys, "whatif", "cache", root, "--capacity", "2,4", "--tag", "phase=a")
-    documented(doc)
+    check_keys({k: v for k, v in doc.items() if k != "_stderr"})
     with Store(root) as store:
         report = cache_report(store, "r", tags={"phase": "a"}, capacities=[2, 4])
     assert doc["tags"] == [{"key": "phase", "value": "a"}] and doc["layer"] is None
