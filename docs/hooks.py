@@ -7,6 +7,8 @@
   type, and the comments `store/schema.py` writes beside its tables and columns. What a row is (and
   short notes on some columns) comes from `TABLE_NOTES` below, which the build checks against
   `SCHEMAS`: a table without notes, or a note on a column the schema does not have, fails the build.
+- `reference/json.md`: every analysis command's `--format json` document, its keys and their units,
+  from `moescope.cli.output.DOCUMENTS` (the list the tests hold each command's output to).
 - The API pages (`::: moescope.probe` and the rest) are rendered by mkdocstrings. probe/, store/,
   alerts/ and dashboard/ install as moescope.probe ... through setuptools' package-dir mapping,
   which griffe (mkdocstrings' loader) cannot follow in an editable install, so `on_config` builds the
@@ -15,7 +17,7 @@
 
 A generated page is a markdown file under docs/ with a marker comment (`<!-- generated: cli -->`,
 `<!-- generated: tables -->`) that `on_page_markdown` replaces, so the prose around the generated
-part stays an ordinary page.
+part stays an ordinary page (`<!-- generated: json -->` likewise).
 """
 
 from __future__ import annotations
@@ -126,7 +128,33 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
     if "<!-- generated: tables -->" in markdown:
         markdown = markdown.replace("<!-- generated: tables -->", tables_reference())
+    if "<!-- generated: json -->" in markdown:
+        markdown = markdown.replace("<!-- generated: json -->", json_reference())
     return markdown
+
+
+# -- the JSON documents -----------------------------------------------------------------------------
+
+
+def json_reference() -> str:
+    """Every document of `moescope.cli.output.DOCUMENTS`, as markdown.
+
+    Returns:
+        A section per command: where its keys' meanings are written, then a table of its key paths
+        with their units.
+    """
+    from moescope.cli.output import DOCUMENTS
+
+    sections = []
+    for command, document in DOCUMENTS.items():
+        units = document.units()
+        described = " and ".join(f"`{name}`" for name in document.described_by.split(" and "))
+        sections += [f"## moescope {command} {{ #{anchor('json ' + command)} }}", "",
+                     f"`moescope {command} ... --format json`. What each figure is: {described}.", "",
+                     "| key | unit |", "|---|---|"]
+        sections += [f"| `{path}` | {escape_cell(units.get(path, ''))} |" for path in document.keys]
+        sections.append("")
+    return "\n".join(sections)
 
 
 # -- the command line -------------------------------------------------------------------------------

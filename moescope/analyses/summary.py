@@ -12,27 +12,31 @@ import math
 import os
 import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from moescope.metrics.figures import layer_figures_of, run_counts, run_figures
+import pandas as pd
+
+from moescope.metrics.figures import LayerFigures, RunCounts, RunFigures, layer_figures_of, run_counts, run_figures
 from moescope.store import Store
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import NOT_RECORDED
 
-__all__ = ["format_summary", "host_rows", "layer_rows", "store_arguments"]
+__all__ = ["SummaryReport", "format_report", "format_summary", "host_rows", "layer_rows", "store_arguments",
+           "summary_report"]
 
 
 def layer_rows(store: Store, run_id: str) -> list[dict]:
     """Per MoE layer of a run: tokens, load spread (routed experts), router entropy (token-weighted,
     nats and H / ln E), dropped tokens and their rate. See `moescope.metrics.figures.layer_figures`."""
-    rows = []
-    for f in layer_figures_of(store.layer_totals(run_id).itertuples()):
-        rows.append(dict(
-            layer=f.layer, tokens=f.tokens, max_over_mean=f.spread.max_mean, load_cv=f.spread.cv,
-            dead_experts=f.spread.dead_experts, entropy=f.entropy.nats, entropy_norm=f.entropy.normalized,
-            dropped_tokens=f.dropped_tokens, dropped_rate=f.dropped_token_rate))
-    return rows
+    return [_layer_row(f) for f in layer_figures_of(store.layer_totals(run_id).itertuples())]
+
+
+def _layer_row(f: LayerFigures) -> dict:
+    return dict(layer=f.layer, tokens=f.tokens, max_over_mean=f.spread.max_mean, load_cv=f.spread.cv,
+                dead_experts=f.spread.dead_experts, entropy=f.entropy.nats, entropy_norm=f.entropy.normalized,
+                dropped_tokens=f.dropped_tokens, dropped_rate=f.dropped_token_rate)
 
 
 def host_rows(store: Store, run_id: str) -> list[dict]:
@@ -104,21 +108,62 @@ def format_summary(root: str | os.PathLike | StoreLocation, run_id: str | None =
     """
     location = open_location(root, storage_options)
     with Store(location) as store:
-        return _summary(store, location, store.check_run(run_id), program)
+        return format_report(summary_report(store, store.check_run(run_id)), location, program)
 
 
-def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -> str:
+@dataclass(frozen=True)
+class SummaryReport:
+    """What `summary_report` found for one run: what `moescope summary` prints, as a table or as JSON.
+
+    Attributes:
+        run_id: the run.
+        model_class: the model's class (`?` where the runs row is missing).
+        source: `probe`, or the engine the run was imported from.
+        total_params: the model's parameters; 0 where the source does not record them.
+        active_params: active parameters per token (token-weighted over steps); NaN where not recorded.
+        counts: forwards and tokens summed over ranks, and the ranks (`moescope.metrics.figures.RunCounts`).
+        layers: `layer_rows`: per MoE layer, tokens, max_over_mean, load_cv, dead_experts, entropy
+            (nats), entropy_norm (H / ln E), dropped_tokens, dropped_rate (NaN: not recorded).
+        run: the figures over every layer (`moescope.metrics.figures.RunFigures`).
+        hosts: `host_rows`, per host that recorded the run.
+        tags: per step tag (`Store.tag_totals`): key, value, steps (forwards), tokens, active_fraction.
+    """
+
+    run_id: str
+    model_class: str
+    source: str
+    total_params: int
+    active_params: float
+    counts: RunCounts
+    layers: list[dict]
+    run: RunFigures
+    hosts: list[dict]
+    tags: pd.DataFrame
+
+
+def summary_report(store: Store, run_id: str) -> SummaryReport:
+    """The summary of run `run_id` of an open store (`Store.check_run` names it): every figure
+    `format_summary` prints."""
     info = store.run_info(run_id) or {"model_class": "?", "total_params": 0, "source": "probe"}
-    source = str(info.get("source") or "probe")
-    not_recorded = f"{NOT_RECORDED} ({source})"
     steps = store.step_totals(run_id)
-    total = _count(info["total_params"])
     active = float(steps["active_params"]) if steps["steps"] and steps["active_params"] is not None else math.nan
-    layers = layer_figures_of(store.layer_totals(run_id).itertuples())
-    run = run_figures(layers)
-    counts = run_counts(steps).headline()
+    figures = layer_figures_of(store.layer_totals(run_id).itertuples())
+    return SummaryReport(
+        run_id=run_id, model_class=str(info["model_class"]), source=str(info.get("source") or "probe"),
+        total_params=_count(info["total_params"]), active_params=active, counts=run_counts(steps),
+        layers=[_layer_row(f) for f in figures], run=run_figures(figures), hosts=host_rows(store, run_id),
+        tags=store.tag_totals(run_id))
+
+
+def format_report(report: SummaryReport, location: StoreLocation, program: str = "moescope") -> str:
+    """`report` as the text `format_summary` returns; `location` and `program` make its example query."""
+    run_id, run, source, total, active = (report.run_id, report.run, report.source, report.total_params,
+                                          report.active_params)
+    not_recorded = f"{NOT_RECORDED} ({source})"
+    counts = report.counts.headline()
+    layers = report.layers
     lines = [
-        f"run {run_id}: {info['model_class']}, " + (f"{total:,} parameters" if total else
+        f"run {run_id}: {report.model_class}, " + (f"{total:,} parameters" if total else
                                                    f"parameter counts {not_recorded}"),
         f"{counts}; active parameters per token {active:,.0f} = {100 * active / total:.1f}% of the model"
         if total and not math.isnan(active) else f"{counts}; active parameters per token {not_recorded}",
@@ -126,7 +171,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -
         f"{'layer':>5} {'tokens':>10} {'max/mean':>9} {'load CV':>8} {'dead':>5} {'entropy':>8} "
         f"{'H/ln E':>8} {'dropped':>8} {'drop %':>7}",
     ]
-    for r in layer_rows(store, run_id):
+    for r in layers:
         lines.append(f"{r['layer']:>5} {r['tokens']:>10,} {_cell(r['max_over_mean'], '.2f', 9)} "
                      f"{_cell(r['load_cv'], '.2f', 8)} {r['dead_experts']:>5} {_cell(r['entropy'], '.3f', 8)} "
                      f"{_cell(r['entropy_norm'], '.3f', 8)} {_dropped(r['dropped_tokens'], r['dropped_rate'])} "
@@ -142,7 +187,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -
                                             ("dropped tokens", run.dropped_token_rate)) if math.isnan(value)]
         if missing:
             lines.append(f"(—: {' and '.join(missing)} {not_recorded})")
-    hosts = host_rows(store, run_id)
+    hosts = report.hosts
     if len(hosts) > 1:
         lines += ["", f"by host ({len(hosts)} hosts; a rank's rows belong to the host its runs row names):",
                   f"  {'host':<24} {'ranks':>5} {'forwards':>9} {'tokens':>12} {'load CV':>8} {'max/mean':>9} "
@@ -151,7 +196,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -
                   f"{_cell(h['load_cv'], '.2f', 8)} {_cell(h['max_over_mean'], '.2f', 9)} "
                   f"{_cell(100 * h['dropped_rate'], '.2f', 7)}" for h in hosts]
         lines.append("  (load CV token-weighted over layers; max/mean of the host's most uneven layer)")
-    tags = store.tag_totals(run_id)
+    tags = report.tags
     if not tags.empty:
         lines += ["", "by tag:"]
         lines += [f"  {r.key}={r.value}: {r.steps:,} forwards, active fraction {100 * r.active_fraction:.2f}%"

@@ -10,7 +10,8 @@ text that teaches the URL form.
 
 The validators every command's options share are here too (`type=` for argparse: a bad value is a
 usage error, exit status 2, before anything is opened): `positive_int`, `positive_number`,
-`retention_hours`, `age_seconds` and `run_id`.
+`retention_hours`, `age_seconds` and `run_id`; and every analysis command's `--format table|json`
+(`add_format_argument`; the document is `moescope.cli.output`'s).
 
 State that cannot live on object storage (the alerts outbox, a SQLite file) stays beside a local
 store, under `<store>/.moescope/`, as it always has; for a URL store it goes to a local folder,
@@ -160,3 +161,13 @@ def run_id(text: str) -> str:
         return check_name("run_id", text)
     except InvalidNameError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+FORMAT_HELP = ("table (default): for a person; json: one JSON document on stdout for a program (notes and "
+               "progress go to stderr; its keys and units: the manual's Reference > Machine-readable output), "
+               "e.g. --format json | jq")
+
+
+def add_format_argument(parser: argparse.ArgumentParser) -> None:
+    """`--format {table,json}` (`args.format`, default table): what an analysis command prints."""
+    parser.add_argument("--format", choices=("table", "json"), default="table", help=FORMAT_HELP)

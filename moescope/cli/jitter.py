@@ -16,7 +16,7 @@ import numpy as np
 
 from moescope.analyses.jitter import CONDITION_KINDS, DEFAULT_DTYPES, JitterError, JitterReport, expert_change, jitter
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, store_location
+from moescope.cli.arguments import add_format_argument, add_store_arguments, store_location
 from moescope.cli.routing_checks import DEMO as DEMO  # where it was before `moescope mismatch` shared it
 from moescope.cli.routing_checks import (
     SHOW_TOKENS,
@@ -38,6 +38,7 @@ examples:
   moescope jitter ./my-moe --text "The cat sat." --text "def f(x): return x"
   moescope jitter ./my-moe --file prompts.txt --condition dtype --dtype bfloat16
   moescope jitter ./my-moe --file prompts.txt --condition batched --condition left_padding --batch-size 16
+  moescope jitter demo --format json | jq '.layers[] | {condition, layer, set_changed, tokens}'
 
 conditions (--condition, repeatable; default all):
   repeat        each input alone, run again (non-determinism)
@@ -81,6 +82,7 @@ def add_subcommands(subparsers) -> None:
     add_store_arguments(p, option=True, required=False,
                         what="also write the results to this store (a folder or a URL) as a run of their own")
     add_run_arguments(p, "flipped tokens", "condition and layer")
+    add_format_argument(p)
     p.set_defaults(func=_jitter)
 
 
@@ -131,9 +133,14 @@ def _jitter(args: argparse.Namespace) -> int:
                     dtypes=tuple(args.dtype or DEFAULT_DTYPES), max_tokens=args.max_tokens,
                     max_listed=args.max_listed, store=location, run_id=args.run_id, tags=tags,
                     progress=not args.quiet)
-    print(format_report(report, tokenizer, len(texts), args.show))
+    from moescope.cli.output import jitter_document, notes, wants_json, write_document
+
+    if wants_json(args):
+        write_document("jitter", jitter_document(report, len(texts)))
+    else:
+        print(format_report(report, tokenizer, len(texts), args.show))
     if location is not None:
-        print(f"\n{written_line(location, str(report.run_id), 'Routing jitter')}")
+        print(f"\n{written_line(location, str(report.run_id), 'Routing jitter')}", file=notes(args))
     return 0
 
 

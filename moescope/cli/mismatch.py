@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, store_location
+from moescope.cli.arguments import add_format_argument, add_store_arguments, store_location
 from moescope.cli.routing_checks import (
     SHOW_TOKENS,
     add_run_arguments,
@@ -35,6 +35,7 @@ examples:
   moescope mismatch runs/ --run rollout-7 --export replay/                       the engine's routing only
   moescope import sglang generate.jsonl --store runs/ --run-id sg --num-layers 48 --top-k 8
   moescope mismatch runs/ --run sg --model ./my-moe --token-ids sent.jsonl       SGLang: the ids sent
+  moescope mismatch runs/ --run rollout-7 --model ./my-moe --format json | jq .decision_share
 
 What is compared: every (token, layer) the engine routed, against the reference model (MODEL,
 the trainer's) run on the same token ids with the same position ids (0 at each sequence's first
@@ -80,11 +81,13 @@ def add_subcommands(subparsers) -> None:
                    help="how the engine numbers layers: among MoE layers, or every hidden layer (SGLang); "
                         "default auto")
     p.add_argument("--export", metavar="DIR", help="write the engine's routing per sequence for replay to DIR")
-    p.add_argument("--format", action="append", choices=FORMATS, help="export format (repeatable; default both)")
+    p.add_argument("--export-format", action="append", choices=FORMATS,
+                   help="export format (repeatable; default both)")
     p.add_argument("--rules", metavar="FILE", help="rules to judge the results with (default "
                    "alerts/mismatch_rules.yaml)")
     p.add_argument("--no-write", action="store_true", help="do not write the results to the store")
     add_run_arguments(p, "differing pairs", "layer")
+    add_format_argument(p)
     p.set_defaults(func=_mismatch)
 
 
@@ -127,7 +130,7 @@ def _mismatch(args: argparse.Namespace) -> int:
     tags = parse_tags(args.tag)
     location = store_location(args)
     token_ids = read_token_ids(args.token_ids) if args.token_ids else None
-    formats = tuple(dict.fromkeys(args.format or FORMATS))
+    formats = tuple(dict.fromkeys(args.export_format or FORMATS))
     pack = _rules(args.rules)
     if args.model is None:
         return _export_only(args, location, token_ids, formats)
@@ -140,19 +143,26 @@ def _mismatch(args: argparse.Namespace) -> int:
     report = mismatch(model, store=location, run=args.run, token_ids=token_ids, batch_size=args.batch_size,
                       max_sequences=args.max_sequences, max_listed=args.max_listed, layer_axis=args.layer_axis,
                       write=not args.no_write, run_id=args.run_id, tags=tags, progress=not args.quiet)
-    print(format_report(report, tokenizer, args.show))
+    from moescope.cli.output import mismatch_document, notes, wants_json, write_document
+
     fired = judge(report, pack)
-    for line in fired_lines(fired):
-        print(line)
+    if not wants_json(args):
+        print(format_report(report, tokenizer, args.show))
+        for line in fired_lines(fired):
+            print(line)
     if fired and report.run_id is not None:
         write_alerts(location, fired)
+    replay = None
     if args.export:
         from moescope.analyses.mismatch_replay import export_replay
 
         written = export_replay(report.replay, args.export, formats, layers=report.layers)
-        print(f"\nreplay: {len(report.replay)} sequences written to {written}")
+        replay = dict(sequences=len(report.replay), layers=report.layers, folder=written)
+        print(f"\nreplay: {len(report.replay)} sequences written to {written}", file=notes(args))
+    if wants_json(args):
+        write_document("mismatch", mismatch_document(report, fired, replay))
     if report.run_id is not None:
-        print(f"\n{written_line(location, report.run_id, 'Engine vs reference')}")
+        print(f"\n{written_line(location, report.run_id, 'Engine vs reference')}", file=notes(args))
     return 0
 
 
@@ -160,9 +170,14 @@ def _export_only(args: argparse.Namespace, location: Any, token_ids: Any, format
     from moescope.analyses.mismatch_replay import engine_replay, export_replay
 
     replay, layers = engine_replay(location, args.run, token_ids, args.max_sequences)
+    from moescope.cli.output import mismatch_document, notes, wants_json, write_document
+
     written = export_replay(replay, args.export, formats, layers=layers)
     print(f"replay: the engine's routing of {len(replay)} sequences ({len(layers)} layers, as the engine numbers "
-          f"them) written to {written}")
+          f"them) written to {written}", file=notes(args))
+    if wants_json(args):
+        write_document("mismatch", mismatch_document(None, (), dict(sequences=len(replay), layers=list(layers),
+                                                                     folder=written), args.run))
     return 0
 
 

@@ -15,7 +15,7 @@ import math
 import sys
 
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, positive_int, store_epilog, store_location
+from moescope.cli.arguments import add_format_argument, add_store_arguments, positive_int, store_epilog, store_location
 
 EXAMPLES = """\
 examples:
@@ -26,6 +26,7 @@ examples:
   moescope placement runs/ --placement moe_load_balancer.yaml --ranks 36 --dispatch trtllm
   moescope placement runs/ --ranks 32 --whatif --window 100 --redundant 32 --nodes 4 --groups 8 --save
   moescope placement runs/ --ranks 8 --whatif --window 100 --rebalance-every 10 --export eplb.json
+  moescope placement runs/ --ranks 8 --format json | jq '.layers[] | {layer, balancedness}'
 
 slots are kept top-k assignments (a token routed to k experts fills k); tokens count a token once per
 rank it reaches (from the routes rows, where the run kept them). A redundant expert's slots are split
@@ -48,6 +49,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
     p.add_argument("--top", type=positive_int, default=3, help="experts listed for the hottest rank (default 3)")
+    add_format_argument(p)
     p.add_argument("--dispatch", choices=list(DISPATCH_NAMES),
                    help="how a redundant expert's copy is picked: the engine's rule (default: the run's engine, "
                         "else even)")
@@ -158,6 +160,7 @@ def format_whatif(report, run_id: str) -> str:
 def _placement_command(args: argparse.Namespace) -> int:
     from moescope.analyses.placement import placement_report
     from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif, write_whatif
+    from moescope.cli.output import notes, placement_document, wants_json, write_document
     from moescope.ingest.importers.tables import parse_tags
     from moescope.metrics.placement import PlacementError
     from moescope.store import Store
@@ -171,30 +174,38 @@ def _placement_command(args: argparse.Namespace) -> int:
         run_id = store.check_run(args.run)
         report = placement_report(store, run_id, placement, args.window, tags, args.top, args.dispatch,
                                   progress=sys.stderr.isatty())
+        whatif = None
+        if args.whatif:
+            setup = WhatIfSetup(ranks=placement.ranks, nodes=args.nodes, groups=args.groups,
+                                redundant=args.redundant, fit_window=args.fit_window,
+                                rebalance_every=args.rebalance_every)
+            current = placement if args.placement is not None else None
+            whatif = placement_whatif(store, run_id, args.window or 100, setup, current, tags, args.dispatch)
+    if wants_json(args):
+        write_document("placement", placement_document(report, run_id, whatif))
+    else:
         print(format_report(report, run_id))
-        if not args.whatif:
-            return 0
-        setup = WhatIfSetup(ranks=placement.ranks, nodes=args.nodes, groups=args.groups, redundant=args.redundant,
-                            fit_window=args.fit_window, rebalance_every=args.rebalance_every)
-        current = placement if args.placement is not None else None
-        whatif = placement_whatif(store, run_id, args.window or 100, setup, current, tags, args.dispatch)
-    print(format_whatif(whatif, run_id))
+        if whatif is not None:
+            print(format_whatif(whatif, run_id))
+    if whatif is None:
+        return 0
     if args.save:
         rows = write_whatif(location, run_id, whatif)
-        print(f"\nwrote {rows} rows to the store's placement_whatif table (the dashboard's Placement page shows them)")
+        print(f"\nwrote {rows} rows to the store's placement_whatif table (the dashboard's Placement page shows them)",
+              file=notes(args))
     if args.export:
-        _export(args.export, whatif, args.rebalance_every)
+        _export(args.export, whatif, args.rebalance_every, notes(args))
     return 0
 
 
-def _export(path: str, whatif, rebalance_every: int | None) -> None:
+def _export(path: str, whatif, rebalance_every: int | None, stream=None) -> None:
     name = f"eplb-every-{rebalance_every}" if rebalance_every else "eplb"
-    write_placement(path, whatif.placements[name], name)
+    write_placement(path, whatif.placements[name], name, stream)
 
 
-def write_placement(path: str, placement, label: str) -> None:
+def write_placement(path: str, placement, label: str, stream=None) -> None:
     """Write `placement` to `path` in the format `--placement FILE` reads (JSON for a .json name, else
-    YAML), and say so, naming it `label`."""
+    YAML), and say so on `stream` (stdout), naming it `label`."""
     import json
 
     import yaml
@@ -202,4 +213,5 @@ def write_placement(path: str, placement, label: str) -> None:
     document = placement.document()
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(document) if path.lower().endswith(".json") else yaml.safe_dump(document, sort_keys=False))
-    print(f"wrote the {label} placement to {path} (moescope's placement format, docs/placement.md)")
+    print(f"wrote the {label} placement to {path} (moescope's placement format, docs/placement.md)",
+          file=stream or sys.stdout)

@@ -10,7 +10,7 @@ import argparse
 import math
 
 from moescope.cli import command_help
-from moescope.cli.arguments import positive_int, positive_number, store_epilog, store_location
+from moescope.cli.arguments import add_format_argument, positive_int, positive_number, store_epilog, store_location
 from moescope.cli.placement import add_placement_arguments, load_placement, write_placement
 
 EXAMPLES = """\
@@ -20,6 +20,7 @@ examples:
   moescope traffic runs/ --ranks 32 --max-nodes 4          what DeepSeek-V3's 4-node limit would change
   moescope traffic runs/ --ranks 16 --compare default,coselection,eplb --window 100 --tag phase=decode
   moescope traffic runs/ --ranks 16 --compare coselection --window 100 --export coselection.yaml
+  moescope traffic runs/ --ranks 16 --format json | jq '.layers[] | {layer, remote_ranks_mean}'
 
 per token: remote ranks are the GPUs other than its home that hold any of its kept experts (DeepEP
 sends a token once to each), remote nodes the nodes other than its home's (once each over RDMA).
@@ -75,6 +76,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", action="append", default=[], metavar="K=V",
                    help="only the steps with this tag (repeatable: all must hold)")
     p.add_argument("--matrix", action="store_true", help="print each row's rank x rank matrix")
+    add_format_argument(p)
     p.add_argument("--export", metavar="FILE",
                    help="write the co-selection placement (fitted on the last --window, else on the whole run) as a "
                         "placement file (JSON or YAML) that --placement reads back")
@@ -204,6 +206,7 @@ def _alternatives(names: str, store, run_id: str, placement, rank_node, tags, gr
 
 def _traffic_command(args: argparse.Namespace) -> int:
     from moescope.analyses import traffic
+    from moescope.cli.output import notes, traffic_document, wants_json, write_document
     from moescope.ingest.importers.tables import parse_tags
     from moescope.store import Store
 
@@ -230,12 +233,16 @@ def _traffic_command(args: argparse.Namespace) -> int:
             windowed, coselected = traffic.coselection_by_window(store, run_id, placement, setup, args.window, tags)
         if args.export and coselected is None:
             coselected = traffic.coselection_placement(store, run_id, placement, rank_node, tags)
-    print(format_report(report, run_id, args.matrix))
-    if comparison is not None:
-        print(format_comparison(comparison))
-    if windowed is not None and "co-selection" in placements:
-        print(format_windowed_coselection(windowed, report))
+    shown = windowed if "co-selection" in placements else None
+    if wants_json(args):
+        write_document("traffic", traffic_document(report, run_id, comparison, shown))
+    else:
+        print(format_report(report, run_id, args.matrix))
+        if comparison is not None:
+            print(format_comparison(comparison))
+        if shown is not None:
+            print(format_windowed_coselection(shown, report))
     if args.export:
-        print()
-        write_placement(args.export, coselected, "co-selection")
+        print(file=notes(args))
+        write_placement(args.export, coselected, "co-selection", notes(args))
     return 0

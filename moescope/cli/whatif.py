@@ -23,7 +23,7 @@ import pandas as pd
 
 from moescope.analyses.expert_cache import cache_report
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+from moescope.cli.arguments import add_format_argument, add_store_arguments, store_epilog, store_location
 from moescope.metrics.expert_cache import DEFAULT_MAX_TOKENS, MAX_EXPERTS, POLICIES
 
 
@@ -126,7 +126,8 @@ def add_subcommands(subparsers) -> None:
                     "grows with tokens x min(experts, largest C). Needs routes: probe.attach(..., routes=True)."
                     "\n\nexamples:\n"
                     "  moescope whatif cache runs/demo --layer 1 --tag domain=prose --plot cache.html\n"
-                    "  moescope whatif cache runs/demo --capacity 8,16,32",
+                    "  moescope whatif cache runs/demo --capacity 8,16,32\n"
+                    "  moescope whatif cache runs/demo --format json | jq '.curves[] | select(.policy == \"lru\")'",
         epilog=store_epilog("moescope whatif cache STORE --layer 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_store_arguments(p, what="the store given to moescope.attach(store=...): a folder or a URL "
@@ -148,6 +149,7 @@ def add_subcommands(subparsers) -> None:
                         f"{MAX_EXPERTS:,}; more usually means an expert id out of range in an import)")
     p.add_argument("--plot", metavar="FILE", help="also draw the curves to this file: FILE.html an interactive "
                    "page (works on any install), FILE.png an image (needs pip install \"moescope[plot]\")")
+    add_format_argument(p)
     p.set_defaults(func=_cache)
     whatif.set_defaults(func=lambda args: whatif.print_help() or 2)
 
@@ -162,14 +164,19 @@ def _cache(args: argparse.Namespace) -> int:
         run_id = args.run or store.latest_run()
         report = cache_report(store, run_id, args.layer, tags, _policies(args.policy), args.max_tokens,
                               capacities, args.max_experts)
-    print(format_report(report, run_id, tags))
+    from moescope.cli.output import notes, wants_json, whatif_cache_document, write_document
+
+    if wants_json(args):
+        write_document("whatif cache", whatif_cache_document(report, run_id, args.layer, tags))
+    else:
+        print(format_report(report, run_id, tags))
     if args.plot and not report.empty:
         try:
             backend = write_plot(report, args.plot, title=f"expert-cache hit rate, run {run_id}")
         except RuntimeError as error:
             print(f"moescope whatif cache: {error}", file=sys.stderr)
             return 1
-        print(f"\nplot written to {args.plot} ({backend})")
+        print(f"\nplot written to {args.plot} ({backend})", file=notes(args))
     return 0
 
 

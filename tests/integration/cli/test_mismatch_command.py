@@ -79,7 +79,7 @@ def test_the_engines_routing_alone_and_sglang_ids_from_a_file(setup, tmp_path, c
     ids_file.write_text("".join(json.dumps({"step": step, "sequence": 0, "token_ids": sequences[key]}) + "\n"
                                 for step, key in enumerate(keys)))
     assert main(["mismatch", store, "--run", "sg", "--token-ids", str(ids_file), "--export", str(tmp_path / "replay"),
-                 "--format", "npy"]) == 0
+                 "--export-format", "npy"]) == 0
     for step, key in enumerate(keys):
         np.testing.assert_array_equal(np.load(tmp_path / "replay" / f"{step}-0-0.npy"), engine[key])
     assert not (tmp_path / "replay" / "replay.parquet").exists()
