@@ -18,6 +18,12 @@ costs one connection per backoff, not one per row. Rows of receivers that are no
 `moescope alerts outbox list|drop` shows and drops them. Redirects are never followed: a 3xx is a
 failed attempt whose `last_error` says where it pointed.
 
+Each receiver has one deliverer at a time, so no row is ever posted by two: a round for a receiver
+holds its lock in this process (a `flush()` beside the `OutboxWorker`, as `session.flush()` does,
+skips the receiver the worker is sending to, and waits for it) and a lease in the file
+(`receiver_leases`: another process delivering the same file waits; the lease of a process that
+was killed lapses after `lease_s`, and the next outbox takes over).
+
 Receivers are stored by their `name`, which carries no secret (`alerts.notify.redact_url`); the
 URL with its token lives only in the notifier in memory.
 
@@ -44,6 +50,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Sequence
 
 from moescope.alerts.delivery import DeliveryReport, post
@@ -74,6 +81,11 @@ CREATE TABLE IF NOT EXISTS deliveries (
 );
 DROP INDEX IF EXISTS deliveries_due;
 CREATE INDEX IF NOT EXISTS deliveries_receiver_due ON deliveries (receiver, state, next_attempt_at);
+CREATE TABLE IF NOT EXISTS receiver_leases (
+    receiver TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
 
 
@@ -168,11 +180,18 @@ class Outbox(FlushableSink):
         self.batch_size = batch_size
         self.clock = clock
         self.persist_retry_s = persist_retry_s
+        # how long a receiver's lease outlives its holder: many attempts, so a live holder renews it
+        # long before, and a killed one's receivers wait at most this long for the next outbox
+        self.lease_s = 30.0 + 4 * timeout_s
         self.persistent = True  # False while the deliveries live in memory only
         self.unsaved_reason: str | None = None  # why the file cannot be written, while it cannot
         self.unsaved: dict[str, int] = {}  # after close(): {state: rows} that could not be saved
         self._last_persist_try = time.monotonic()
         self._lock = threading.Lock()
+        # One delivering owner per receiver: a thread of this process holds the receiver's lock, and
+        # the process holds its lease in the file (another process sharing the file waits for it)
+        self._delivering = {name: threading.Lock() for name in self.notifiers}
+        self._owner = uuid.uuid4().hex  # this outbox's leases, as the file names them
         self._db: sqlite3.Connection | None  # None once closed
         try:
             self._db = self._open_file()
@@ -255,6 +274,7 @@ class Outbox(FlushableSink):
             rows = self._connection().execute(f"SELECT {', '.join(_COLUMNS)} FROM deliveries ORDER BY id").fetchall()
             updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[3:])
             with _transaction(db):
+                db.execute("DELETE FROM receiver_leases WHERE owner = ?", (self._owner,))  # taken before the move
                 db.executemany(
                     f"INSERT INTO deliveries ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
                     f" ON CONFLICT (receiver, idempotency_key) DO UPDATE SET {updates}", rows)
@@ -351,7 +371,42 @@ class Outbox(FlushableSink):
                 totals[i] += n
         return DeliveryReport(*totals)
 
+    def _lease(self, name: str, now: float) -> bool:
+        """Take or extend this outbox's lease on delivering to `name`; False while another holds it.
+
+        The lease outlives one attempt (`timeout_s`) with room to spare, and is extended before each,
+        so it lapses only when its holder stopped (a killed process): then the next outbox takes over
+        within `lease_s`."""
+        return bool(self._write(lambda db: db.execute(
+            "INSERT INTO receiver_leases (receiver, owner, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (receiver) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
+            " WHERE receiver_leases.owner = excluded.owner OR receiver_leases.expires_at <= ?",
+            (name, self._owner, now + self.lease_s, now)).rowcount))
+
     def _deliver_to(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
+        """One round for one receiver, by its only deliverer: a round already under way for it (a
+        worker's beside a `flush()`, or another process's on the same file) makes this one a no-op."""
+        delivering = self._delivering[name]
+        if not delivering.acquire(blocking=False):
+            return 0, 0, 0
+        try:
+            with self._lock:
+                now = self.clock()
+                due = self._connection().execute(
+                    "SELECT 1 FROM deliveries WHERE receiver = ? AND state = ? AND next_attempt_at <= ? LIMIT 1",
+                    (name, PENDING, now)).fetchone()
+                if due is None or not self._lease(name, now):  # nothing to send needs no lease
+                    return 0, 0, 0
+            try:
+                return self._deliver_rows(name, notifier)
+            finally:
+                with self._lock:
+                    self._write(lambda db: db.execute("DELETE FROM receiver_leases WHERE receiver = ? AND owner = ?",
+                                                      (name, self._owner)))
+        finally:
+            delivering.release()
+
+    def _deliver_rows(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
         with self._lock:
             rows = self._connection().execute(
                 "SELECT id, idempotency_key, body, attempts, created_at FROM deliveries"
@@ -359,7 +414,13 @@ class Outbox(FlushableSink):
                 (name, PENDING, self.clock(), self.batch_size),
             ).fetchall()
         delivered = dead = 0
+        renew_at = self.clock() + self.lease_s / 2
         for row_id, key, body, attempts, created_at in rows:
+            if self.clock() >= renew_at:
+                renew_at = self.clock() + self.lease_s / 2
+                with self._lock:
+                    if not self._lease(name, self.clock()):  # it lapsed (this process stalled): its new holder sends
+                        return delivered, 0, dead
             try:
                 ok, permanent, error = post(notifier, key, bytes(body), self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - one receiver must never break the round for the others
