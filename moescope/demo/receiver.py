@@ -32,8 +32,9 @@ class WebhookReceiver:
     """A JSON webhook endpoint on a free local port; use as a context manager.
 
     `received` holds every alert taken (one document per alert, as `alerts_of` gives), `notifications`
-    every notification taken (a group counts once); `on_notification` gets each notification's new
-    alerts, in one call."""
+    every notification taken (a group counts once), `repeats` how many signed POSTs brought nothing
+    new (a resend: zero from an outbox whose every notification is posted once); `on_notification`
+    gets each notification's new alerts, in one call."""
 
     def __init__(self, on_notification: Callable[[list[dict]], None] | None = None, secret: str | None = None,
                  host: str = "127.0.0.1", port: int = 0):
@@ -42,6 +43,7 @@ class WebhookReceiver:
         self.received: list[dict] = []
         self.notifications: list[dict] = []
         self.rejected = 0
+        self.repeats = 0
         self._keys: set[str] = set()
         self._lock = threading.Lock()
         receiver = self
@@ -79,6 +81,8 @@ class WebhookReceiver:
                     if new:
                         receiver.notifications.append(document)
                         receiver.received.extend(new)
+                    else:
+                        receiver.repeats += 1
                 if new and receiver.on_notification is not None:
                     receiver.on_notification(new)
                 self.send_response(200)

@@ -361,6 +361,7 @@ def run(args: argparse.Namespace, program: str = "moescope") -> int:
     figures["alerts_delivered"] = [{"status": d["status"], "name": d["alert"]["name"], "step": d["alert"]["step"],
                                     "fingerprint": d["alert"]["fingerprint"]} for d in alerting.receiver.received]
     figures["notifications_received"] = len(alerting.receiver.notifications)
+    figures["notifications_repeated"] = alerting.receiver.repeats  # POSTs that brought nothing new: 0
     figures["seconds"] = time.perf_counter() - started
     with open(os.path.join(store_root, "demo_summary.json"), "w") as f:
         json.dump(figures, f, indent=2, default=float)

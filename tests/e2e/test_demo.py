@@ -334,6 +334,7 @@ def test_the_alerts_received_are_the_outbox_deliveries(demo):
     delivered = Counter(f"{a['status']}:{a['alert']['name']}" for a in alerts)
     assert Counter(summary["alerts_received"]) == delivered
     assert summary["notifications_received"] == len(bodies)
+    assert summary["notifications_repeated"] == 0  # each notification posted once (issue 50: 36 became 37-43)
     printed = Counter(f"{status}:{name}" for status, name in re.findall(r"webhook <- \[(\w+)\] (\w+)", out))
     notified = Counter(f"{b['status']}:{(b['alerts'][0] if 'alerts' in b else b)['alert']['name']}" for b in bodies)
     assert printed == notified  # a line per notification
