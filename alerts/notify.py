@@ -202,9 +202,11 @@ def transition_document(t: AlertTransition) -> dict:
 
 
 def transition_from_document(doc: dict) -> AlertTransition:
-    """The transition `transition_document` wrote."""
-    times = {name: None if doc[name] is None else dt.datetime.fromisoformat(doc[name]) for name in _TIMES}
-    return AlertTransition(**{**doc, **times})
+    """The transition `transition_document` wrote (by this or another version: fields it does not
+    know are left out, fields it lacks take their defaults)."""
+    known = {f.name for f in dataclasses.fields(AlertTransition)}
+    times = {name: None if doc.get(name) is None else dt.datetime.fromisoformat(doc[name]) for name in _TIMES}
+    return AlertTransition(**{**{k: v for k, v in doc.items() if k in known}, **times})
 
 
 def group_status(transitions: list[AlertTransition]) -> str:

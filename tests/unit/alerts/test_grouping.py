@@ -52,3 +52,19 @@ def test_group_labels_as_alertmanager_takes_them():
 def test_common_labels_are_those_every_alert_shares():
     assert common_labels([{"a": "1", "b": "2"}, {"a": "1", "b": "3"}, {"a": "1"}]) == {"a": "1"}
     assert common_labels([]) == {}
+
+
+def test_a_waiting_transition_is_stored_whole_and_read_back_by_another_version():
+    """The outbox keeps a grouped transition as JSON until its group is sent (maybe after a restart)."""
+    import dataclasses
+    import json
+
+    from moescope.alerts.notify import transition_document, transition_from_document
+    from tests.support.alert_delivery import transitions
+
+    for t in transitions((0, 1)):
+        doc = json.loads(json.dumps(transition_document(t)))
+        assert transition_from_document(doc) == t
+        assert transition_from_document({**doc, "field_of_a_later_version": 1}) == t
+        older = {k: v for k, v in doc.items() if k not in ("window_steps", "baseline_steps")}
+        assert transition_from_document(older) == dataclasses.replace(t, window_steps=None, baseline_steps=None)
