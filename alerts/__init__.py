@@ -32,14 +32,16 @@ _EXPORTS = {
     "CooldownConfig": "moescope.alerts.cooldown_policy",
     "CooldownPolicy": "moescope.alerts.cooldown_policy",
     "Outbox": "moescope.alerts.outbox",
+    "Grouping": "moescope.alerts.grouping",
 }
 
-__all__ = ["AlertEngine", "AlertTransition", "CooldownConfig", "CooldownPolicy", "EngineExporter", "Outbox",
-           "RulePack", "RulesError", "TrustPolicy", "TrustPolicyConfig", "default_rules", "load_rules"]
+__all__ = ["AlertEngine", "AlertTransition", "CooldownConfig", "CooldownPolicy", "EngineExporter", "Grouping",
+           "Outbox", "RulePack", "RulesError", "TrustPolicy", "TrustPolicyConfig", "default_rules", "load_rules"]
 
 if TYPE_CHECKING:
     from moescope.alerts.cooldown_policy import CooldownConfig, CooldownPolicy
     from moescope.alerts.engine import AlertEngine, AlertTransition, EngineExporter
+    from moescope.alerts.grouping import Grouping
     from moescope.alerts.outbox import Outbox
     from moescope.alerts.rules import RulePack, RulesError, default_rules, load_rules
     from moescope.alerts.trust_policy import TrustPolicy, TrustPolicyConfig

@@ -34,14 +34,32 @@ A notifier only *renders* (body at enqueue time, headers at send time); the outb
      The outbox resends a key after a lost answer, possibly hours later under a fresh
      timestamp, so keep seen keys for as long as you care about repeats (days, not minutes).
 
-`slack` — a Slack incoming webhook: `text` (the fallback shown in notifications) plus `blocks`.
+  With grouping (`alerts.grouping.Grouping`, a rules file's `grouping:` section), the transitions
+  of one group arrive as one notification, `moescope.alert-group/v1`, signed the same way::
+
+    {
+      "schema": "moescope.alert-group/v1",
+      "idempotency_key": "group:<hash of the group and its transitions>",
+      "status": "firing" | "resolved",          (firing while any of its alerts fires)
+      "group_labels": {"alertname": "...", "run_id": "..."},
+      "common_labels": {...},                   (the labels every alert has alike)
+      "alerts": [{"idempotency_key": "...", "status": "...", "alert": {...}}, ...]
+    }
+
+  each entry of `alerts` a `moescope.alert/v1` document without its schema. Deduplicate on the
+  group's key and on each alert's.
+
+`slack` — a Slack incoming webhook: `text` (the fallback shown in notifications) plus `blocks`;
+a group is one message with a line per alert (the first 20, then how many more).
 
 `alertmanager` — pushes to an existing Alertmanager's `POST /api/v2/alerts` (give the
 Alertmanager's base URL). Firing alerts carry `endsAt` = now + `firing_ttl_s`, so an alert whose
 engine died resolves by itself; resolved ones carry the resolve time.
 
 `alertmanager-webhook` — the Alertmanager webhook payload, version 4, POSTed to any receiver
-that understands Alertmanager's webhook_config (one alert per notification).
+that understands Alertmanager's webhook_config (one alert per notification, or a group's alerts
+with its `groupLabels` and `commonLabels`, as Alertmanager sends them). `alertmanager` is never
+grouped here: Alertmanager groups what it receives by its own route.
 
 A receiver's URL may hold secrets (a Slack token in the path, `user:password@`, `?token=`).
 The URL itself lives only in memory, in the notifier; everything that is stored or shown (the
@@ -52,6 +70,7 @@ so they must be given names of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import hmac
@@ -60,11 +79,13 @@ import re
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from moescope.alerts.engine import RESOLVED, AlertTransition
+from moescope.alerts.engine import FIRING, RESOLVED, AlertTransition
+from moescope.alerts.grouping import common_labels
 
 SCHEMA = "moescope.alert/v1"
+GROUP_SCHEMA = "moescope.alert-group/v1"
 SIGNATURE_HEADER = "X-Moescope-Signature"
 TIMESTAMP_HEADER = "X-Moescope-Timestamp"
 IDEMPOTENCY_HEADER = "X-Moescope-Idempotency-Key"
@@ -161,6 +182,38 @@ class Notifier(Protocol):
     def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]: ...
 
 
+@runtime_checkable
+class GroupNotifier(Notifier, Protocol):
+    """A notifier that can say several transitions in one notification (`alerts.grouping`)."""
+
+    def render_group(self, idempotency_key: str, group_labels: dict[str, str],
+                     transitions: list[AlertTransition]) -> bytes: ...
+
+
+_TIMES = ("at", "starts_at", "ends_at")
+
+
+def transition_document(t: AlertTransition) -> dict:
+    """A transition as JSON-ready data, every field kept (the outbox stores it until its group is sent)."""
+    doc = dataclasses.asdict(t)
+    for name in _TIMES:
+        doc[name] = _iso(doc[name])
+    return doc
+
+
+def transition_from_document(doc: dict) -> AlertTransition:
+    """The transition `transition_document` wrote (by this or another version: fields it does not
+    know are left out, fields it lacks take their defaults)."""
+    known = {f.name for f in dataclasses.fields(AlertTransition)}
+    times = {name: None if doc.get(name) is None else dt.datetime.fromisoformat(doc[name]) for name in _TIMES}
+    return AlertTransition(**{**{k: v for k, v in doc.items() if k in known}, **times})
+
+
+def group_status(transitions: list[AlertTransition]) -> str:
+    """A group's status, as Alertmanager's: firing while any of its alerts fires, else resolved."""
+    return FIRING if any(t.state != RESOLVED for t in transitions) else RESOLVED
+
+
 @dataclass
 class _Base:
     url: str
@@ -211,6 +264,19 @@ class WebhookNotifier(_Base):
         }
         return json.dumps(doc, sort_keys=True).encode()
 
+    def render_group(self, idempotency_key: str, group_labels: dict[str, str],
+                     transitions: list[AlertTransition]) -> bytes:
+        doc = {
+            "schema": GROUP_SCHEMA,
+            "idempotency_key": idempotency_key,
+            "status": group_status(transitions),
+            "group_labels": group_labels,
+            "common_labels": common_labels([t.labels for t in transitions]),
+            "alerts": [{"idempotency_key": t.idempotency_key(), "status": t.state, "alert": alert_document(t)}
+                       for t in transitions],
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
     def headers(self, body: bytes, idempotency_key: str) -> dict[str, str]:
         headers = super().headers(body, idempotency_key)
         if self.secret:
@@ -252,6 +318,33 @@ class SlackNotifier(_Base):
              "elements": [{"type": "mrkdwn", "text": f"step {t.step} at {_iso(t.at)} · {t.fingerprint}"}]},
         ]
         return json.dumps({"text": text, "blocks": blocks}).encode()
+
+    def render_group(self, idempotency_key: str, group_labels: dict[str, str],
+                     transitions: list[AlertTransition]) -> bytes:
+        firing = [t for t in transitions if t.state != RESOLVED]
+        icon = ":rotating_light:" if firing else ":white_check_mark:"
+        status = (f"FIRING:{len(firing)}" + (f", RESOLVED:{len(transitions) - len(firing)}"
+                                             if len(firing) < len(transitions) else "")) if firing else "RESOLVED"
+        first = transitions[0]
+        title = " ".join(f"{k}={v}" for k, v in group_labels.items())
+        text = f"{icon} [{status}] {title}: {_summary(first)}"
+        lines = []
+        for t in transitions[:_SLACK_LINES]:
+            expert = f" expert {t.labels['expert']}" if "expert" in t.labels else ""
+            values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.values.items())
+            lines.append(f"• {t.state} · layer {t.layer}{expert} · step {t.step}" + (f" · {values}" if values else ""))
+        if len(transitions) > _SLACK_LINES:
+            lines.append(f"… and {len(transitions) - _SLACK_LINES} more (the alerts table has them all)")
+        blocks = [
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"{icon} *[{status}] {title}*\n{_summary(first)}"}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(lines)}},
+            {"type": "context",
+             "elements": [{"type": "mrkdwn", "text": f"{len(transitions)} alerts · {idempotency_key}"}]},
+        ]
+        return json.dumps({"text": text, "blocks": blocks}).encode()
+
+
+_SLACK_LINES = 20  # a Slack section holds 3000 characters: the rest of a large group is counted
 
 
 def _am_alert(t: AlertTransition, ends_at: str) -> dict:
@@ -298,22 +391,31 @@ class AlertmanagerWebhookNotifier(_Base):
     kind = "alertmanager-webhook"
 
     def render(self, transition: AlertTransition) -> bytes:
-        t = transition
-        alert = _am_alert(t, _rfc3339(t.ends_at) if t.state == RESOLVED and t.ends_at else _ZERO_TIME)
-        alert["status"] = t.state
-        alert["fingerprint"] = t.fingerprint
-        group_labels = {"alertname": t.alertname}
+        return self._payload({"alertname": transition.alertname}, [transition])
+
+    def render_group(self, idempotency_key: str, group_labels: dict[str, str],
+                     transitions: list[AlertTransition]) -> bytes:
+        return self._payload(group_labels, transitions)
+
+    def _payload(self, group_labels: dict[str, str], transitions: list[AlertTransition]) -> bytes:
+        alerts = []
+        for t in transitions:
+            alert = _am_alert(t, _rfc3339(t.ends_at) if t.state == RESOLVED and t.ends_at else _ZERO_TIME)
+            alert["status"] = t.state
+            alert["fingerprint"] = t.fingerprint
+            alerts.append(alert)
+        annotations = [a["annotations"] for a in alerts]
         doc = {
             "version": "4",
             "groupKey": "{}:" + json.dumps(group_labels, sort_keys=True),
             "truncatedAlerts": 0,
-            "status": t.state,
+            "status": group_status(transitions),
             "receiver": self.receiver,
             "groupLabels": group_labels,
-            "commonLabels": t.labels,
-            "commonAnnotations": alert["annotations"],
+            "commonLabels": common_labels([t.labels for t in transitions]),
+            "commonAnnotations": common_labels(annotations),
             "externalURL": self.external_url,
-            "alerts": [alert],
+            "alerts": alerts,
         }
         return json.dumps(doc).encode()
 

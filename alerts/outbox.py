@@ -18,6 +18,20 @@ costs one connection per backoff, not one per row. Rows of receivers that are no
 `moescope alerts outbox list|drop` shows and drops them. Redirects are never followed: a 3xx is a
 failed attempt whose `last_error` says where it pointed.
 
+Each receiver has one deliverer at a time, so no row is ever posted by two: a round for a receiver
+holds its lock in this process (a `flush()` beside the `OutboxWorker`, as `session.flush()` does,
+skips the receiver the worker is sending to, and waits for it) and a lease in the file
+(`receiver_leases`: another process delivering the same file waits; the lease of a process that
+was killed lapses after `lease_s`, and the next outbox takes over).
+
+With a `grouping` (`alerts.grouping`), a transition for a receiver that takes groups (JSON, Slack,
+Alertmanager webhook payload) waits in a row of its own (role `member`, with its group's key) until
+its group is due; then, in one transaction, the group's waiting transitions become one row (role
+`group`, the rendered notification) that is delivered like any other, and they read as it does
+(delivered, retrying, dead). A crash before that transaction leaves them waiting, one after it
+leaves one notification to send: nothing is lost and nothing is posted twice. `counts`,
+`deliveries`, `receivers` and `pending` count transitions, never the group rows.
+
 Receivers are stored by their `name`, which carries no secret (`alerts.notify.redact_url`); the
 URL with its token lives only in the notifier in memory.
 
@@ -37,6 +51,8 @@ alerts/delivery.py's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import random
@@ -44,19 +60,29 @@ import sqlite3
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Sequence
 
 from moescope.alerts.delivery import DeliveryReport, post
-from moescope.alerts.engine import AlertTransition, FlushableSink
-from moescope.alerts.notify import Notifier, NotifierError, redact_receiver_name
+from moescope.alerts.engine import RESOLVED, AlertTransition, FlushableSink
+from moescope.alerts.grouping import Grouping
+from moescope.alerts.notify import (
+    GroupNotifier,
+    Notifier,
+    NotifierError,
+    redact_receiver_name,
+    transition_document,
+    transition_from_document,
+)
 from moescope.store.location import LOCAL_STATE, StoreLocation, open_location
 from moescope.store.location import state_dir as state_folder
 
 log = logging.getLogger(__name__)
 
 PENDING, DELIVERED, DEAD, DROPPED = "pending", "delivered", "dead", "dropped"
+SINGLE, MEMBER, GROUP = "single", "member", "group"  # a row's role: sent alone, in a group, or a group
 _COLUMNS = ("receiver", "idempotency_key", "body", "state", "attempts", "created_at", "next_attempt_at",
-            "delivered_at", "last_error")
+            "delivered_at", "last_error", "role", "group_key", "grouped_in")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS deliveries (
@@ -70,11 +96,23 @@ CREATE TABLE IF NOT EXISTS deliveries (
     next_attempt_at REAL NOT NULL,
     delivered_at REAL,
     last_error TEXT,
+    role TEXT NOT NULL DEFAULT 'single',
+    group_key TEXT,
+    grouped_in TEXT,
     UNIQUE (receiver, idempotency_key)
 );
 DROP INDEX IF EXISTS deliveries_due;
 CREATE INDEX IF NOT EXISTS deliveries_receiver_due ON deliveries (receiver, state, next_attempt_at);
+CREATE TABLE IF NOT EXISTS receiver_leases (
+    receiver TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
+
+
+_GROUP_KEY_PREFIX = "group:"  # a group notification's idempotency key; a transition's starts with its fingerprint
+_GROUP_COLUMNS = {"role": "TEXT NOT NULL DEFAULT 'single'", "group_key": "TEXT", "grouped_in": "TEXT"}
 
 
 def notifiers_by_name(notifiers: Sequence[Notifier]) -> dict[str, Notifier]:
@@ -109,6 +147,11 @@ def _redact_stored_names(db: sqlite3.Connection) -> None:
 def _prepare(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA secure_delete=ON")  # deleted or renamed rows leave no old bytes behind
     db.executescript(_SCHEMA)
+    have = {row[1] for row in db.execute("PRAGMA table_info(deliveries)")}
+    for column, declared in _GROUP_COLUMNS.items():  # an outbox written before grouping
+        if column not in have:
+            db.execute(f"ALTER TABLE deliveries ADD COLUMN {column} {declared}")
+    db.execute("CREATE INDEX IF NOT EXISTS deliveries_group ON deliveries (receiver, group_key, role)")
     _redact_stored_names(db)
 
 
@@ -142,6 +185,9 @@ class Outbox(FlushableSink):
         batch_size: the most deliveries tried per receiver per round (default 100).
         clock: the time source, in Unix seconds (tests pass their own).
         persist_retry_s: how often a move back to the file is tried while in memory (default 30 s).
+        grouping: how transitions for the JSON, Slack and Alertmanager-webhook receivers are grouped
+            into one notification (`alerts.grouping.Grouping`, e.g. a rule pack's `grouping`); None or
+            a `group_wait` of 0: one notification per transition.
 
     Raises:
         NotifierError: when two notifiers share a name.
@@ -158,6 +204,7 @@ class Outbox(FlushableSink):
         batch_size: int = 100,
         clock: Callable[[], float] = time.time,
         persist_retry_s: float = 30.0,
+        grouping: Grouping | None = None,
     ):
         self.path = path
         self.notifiers = notifiers_by_name(notifiers)
@@ -168,11 +215,20 @@ class Outbox(FlushableSink):
         self.batch_size = batch_size
         self.clock = clock
         self.persist_retry_s = persist_retry_s
+        self.grouping = grouping if grouping is not None and grouping.enabled else None
+        self._flushing = 0  # flush() calls under way: groups are sent at once, waits or not
+        # how long a receiver's lease outlives its holder: many attempts, so a live holder renews it
+        # long before, and a killed one's receivers wait at most this long for the next outbox
+        self.lease_s = 30.0 + 4 * timeout_s
         self.persistent = True  # False while the deliveries live in memory only
         self.unsaved_reason: str | None = None  # why the file cannot be written, while it cannot
         self.unsaved: dict[str, int] = {}  # after close(): {state: rows} that could not be saved
         self._last_persist_try = time.monotonic()
         self._lock = threading.Lock()
+        # One delivering owner per receiver: a thread of this process holds the receiver's lock, and
+        # the process holds its lease in the file (another process sharing the file waits for it)
+        self._delivering = {name: threading.Lock() for name in self.notifiers}
+        self._owner = uuid.uuid4().hex  # this outbox's leases, as the file names them
         self._db: sqlite3.Connection | None  # None once closed
         try:
             self._db = self._open_file()
@@ -255,6 +311,7 @@ class Outbox(FlushableSink):
             rows = self._connection().execute(f"SELECT {', '.join(_COLUMNS)} FROM deliveries ORDER BY id").fetchall()
             updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[3:])
             with _transaction(db):
+                db.execute("DELETE FROM receiver_leases WHERE owner = ?", (self._owner,))  # taken before the move
                 db.executemany(
                     f"INSERT INTO deliveries ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
                     f" ON CONFLICT (receiver, idempotency_key) DO UPDATE SET {updates}", rows)
@@ -273,7 +330,7 @@ class Outbox(FlushableSink):
 
     # -- producing ---------------------------------------------------------------------------
 
-    def enqueue(self, receiver: str, idempotency_key: str, body: bytes) -> bool:
+    def enqueue(self, receiver: str, idempotency_key: str, body: bytes, group_key: str | None = None) -> bool:
         """Store one delivery.
 
         A new delivery joins its receiver's schedule: while the receiver is in backoff, it waits with
@@ -282,7 +339,9 @@ class Outbox(FlushableSink):
         Args:
             receiver: a configured notifier's name.
             idempotency_key: what makes the delivery unique for this receiver.
-            body: the rendered notification.
+            body: the rendered notification; with `group_key`, the transition's document
+                (`alerts.notify.transition_document`), sent later in its group's notification.
+            group_key: the group it waits in (`alerts.grouping.Grouping.group_key`); None: sent alone.
 
         Returns:
             False if this receiver already has this key (a repeat), else True.
@@ -297,10 +356,11 @@ class Outbox(FlushableSink):
 
         def insert(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                "INSERT OR IGNORE INTO deliveries (receiver, idempotency_key, body, created_at, next_attempt_at)"
-                " VALUES (?, ?, ?, ?, max(?, coalesce((SELECT max(next_attempt_at) FROM deliveries"
-                " WHERE receiver = ? AND state = ?), 0)))",
-                (receiver, idempotency_key, body, now, now, receiver, PENDING),
+                "INSERT OR IGNORE INTO deliveries (receiver, idempotency_key, body, created_at, next_attempt_at,"
+                " role, group_key) VALUES (?, ?, ?, ?, max(?, coalesce((SELECT max(next_attempt_at) FROM deliveries"
+                " WHERE receiver = ? AND state = ?), 0)), ?, ?)",
+                (receiver, idempotency_key, body, now, now, receiver, PENDING,
+                 SINGLE if group_key is None else MEMBER, group_key),
             )
             return cur.rowcount == 1
 
@@ -308,7 +368,8 @@ class Outbox(FlushableSink):
             return bool(self._write(insert))
 
     def handle(self, transitions: Sequence[AlertTransition]) -> None:
-        """Enqueue each firing/resolved transition for every notifier (a TransitionSink).
+        """Enqueue each firing/resolved transition for every notifier (a TransitionSink); with
+        `grouping`, a receiver that takes groups gets it later, in its group's notification.
 
         Args:
             transitions: alert transitions; those that do not notify (pending, inactive) are skipped.
@@ -317,7 +378,11 @@ class Outbox(FlushableSink):
             if not t.notifies:
                 continue
             for notifier in self.notifiers.values():
-                self.enqueue(notifier.name, t.idempotency_key(), notifier.render(t))
+                if self.grouping is not None and isinstance(notifier, GroupNotifier):
+                    self.enqueue(notifier.name, t.idempotency_key(), json.dumps(transition_document(t)).encode(),
+                                 group_key=self.grouping.group_key(t.labels))
+                else:
+                    self.enqueue(notifier.name, t.idempotency_key(), notifier.render(t))
 
     # -- delivering --------------------------------------------------------------------------
 
@@ -351,15 +416,60 @@ class Outbox(FlushableSink):
                 totals[i] += n
         return DeliveryReport(*totals)
 
+    def _lease(self, name: str, now: float) -> bool:
+        """Take or extend this outbox's lease on delivering to `name`; False while another holds it.
+
+        The lease outlives one attempt (`timeout_s`) with room to spare, and is extended before each,
+        so it lapses only when its holder stopped (a killed process): then the next outbox takes over
+        within `lease_s`."""
+        return bool(self._write(lambda db: db.execute(
+            "INSERT INTO receiver_leases (receiver, owner, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (receiver) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at"
+            " WHERE receiver_leases.owner = excluded.owner OR receiver_leases.expires_at <= ?",
+            (name, self._owner, now + self.lease_s, now)).rowcount))
+
     def _deliver_to(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
+        """One round for one receiver, by its only deliverer: a round already under way for it (a
+        worker's beside a `flush()`, or another process's on the same file) makes this one a no-op."""
+        delivering = self._delivering[name]
+        if not delivering.acquire(blocking=False):
+            return 0, 0, 0
+        try:
+            with self._lock:
+                now = self.clock()
+                due = self._connection().execute(
+                    "SELECT 1 FROM deliveries WHERE receiver = ? AND state = ? AND role != ? AND next_attempt_at <= ?"
+                    " LIMIT 1", (name, PENDING, MEMBER, now)).fetchone()
+                grouper = notifier if isinstance(notifier, GroupNotifier) else None
+                groups = self._due_groups(self._connection(), name, now) if grouper is not None else []
+                if (due is None and not groups) or not self._lease(name, now):  # nothing to send needs no lease
+                    return 0, 0, 0
+                if grouper is not None and groups:
+                    self._write(lambda db: self._make_groups(db, name, grouper, now))
+            try:
+                return self._deliver_rows(name, notifier)
+            finally:
+                with self._lock:
+                    self._write(lambda db: db.execute("DELETE FROM receiver_leases WHERE receiver = ? AND owner = ?",
+                                                      (name, self._owner)))
+        finally:
+            delivering.release()
+
+    def _deliver_rows(self, name: str, notifier: Notifier) -> tuple[int, int, int]:
         with self._lock:
             rows = self._connection().execute(
                 "SELECT id, idempotency_key, body, attempts, created_at FROM deliveries"
-                " WHERE receiver = ? AND state = ? AND next_attempt_at <= ? ORDER BY id LIMIT ?",
-                (name, PENDING, self.clock(), self.batch_size),
+                " WHERE receiver = ? AND state = ? AND role != ? AND next_attempt_at <= ? ORDER BY id LIMIT ?",
+                (name, PENDING, MEMBER, self.clock(), self.batch_size),
             ).fetchall()
         delivered = dead = 0
+        renew_at = self.clock() + self.lease_s / 2
         for row_id, key, body, attempts, created_at in rows:
+            if self.clock() >= renew_at:
+                renew_at = self.clock() + self.lease_s / 2
+                with self._lock:
+                    if not self._lease(name, self.clock()):  # it lapsed (this process stalled): its new holder sends
+                        return delivered, 0, dead
             try:
                 ok, permanent, error = post(notifier, key, bytes(body), self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - one receiver must never break the round for the others
@@ -368,15 +478,14 @@ class Outbox(FlushableSink):
             now = self.clock()
             with self._lock:
                 if ok:
-                    self._write(lambda db: db.execute(
-                        "UPDATE deliveries SET state=?, attempts=?, delivered_at=?, last_error=NULL WHERE id=?",
-                        (DELIVERED, attempts, now, row_id)))
+                    self._write(lambda db: self._settle(
+                        db, name, row_id, key, "state=?, attempts=?, delivered_at=?, last_error=NULL",
+                        (DELIVERED, attempts, now)))
                     delivered += 1
                     continue
                 if permanent or now - created_at >= self.max_age_s:
-                    self._write(lambda db: db.execute(
-                        "UPDATE deliveries SET state=?, attempts=?, last_error=? WHERE id=?",
-                        (DEAD, attempts, error, row_id)))
+                    self._write(lambda db: self._settle(
+                        db, name, row_id, key, "state=?, attempts=?, last_error=?", (DEAD, attempts, error)))
                     log.warning("alerts outbox: gave up a notification to %s after %d attempts: %s",
                                 name, attempts, error)
                     dead += 1
@@ -384,8 +493,8 @@ class Outbox(FlushableSink):
                 delay = self.backoff_s(attempts)
 
                 def hold(db: sqlite3.Connection) -> None:
-                    db.execute("UPDATE deliveries SET attempts=?, next_attempt_at=?, last_error=? WHERE id=?",
-                               (attempts, now + delay, error, row_id))
+                    self._settle(db, name, row_id, key, "attempts=?, next_attempt_at=?, last_error=?",
+                                 (attempts, now + delay, error))
                     db.execute("UPDATE deliveries SET next_attempt_at=? WHERE receiver=? AND state=?"
                                " AND next_attempt_at < ?", (now + delay, name, PENDING, now + delay))
 
@@ -394,6 +503,68 @@ class Outbox(FlushableSink):
                         name, attempts, error, delay)
             return delivered, 1, dead
         return delivered, 0, dead
+
+    @staticmethod
+    def _settle(db: sqlite3.Connection, name: str, row_id: int, key: str, assignments: str, values: tuple) -> None:
+        """Update a sent row, and, for a group, the transitions it carries (they read as it does)."""
+        db.execute(f"UPDATE deliveries SET {assignments} WHERE id=?", (*values, row_id))
+        db.execute(f"UPDATE deliveries SET {assignments} WHERE receiver=? AND grouped_in=?", (*values, name, key))
+
+    def _due_groups(self, db: sqlite3.Connection, name: str, now: float) -> list[str]:
+        """The group keys of `name`'s waiting transitions whose notification is due (all of them
+        while a flush() runs): a new group `group_wait` after its first transition came, a group
+        that already notified `group_interval` after its last notification, as Alertmanager's."""
+        if self.grouping is None:
+            return []
+        waiting = db.execute(
+            "SELECT group_key, min(created_at) FROM deliveries WHERE receiver = ? AND role = ? AND state = ?"
+            " AND grouped_in IS NULL GROUP BY group_key ORDER BY min(id)", (name, MEMBER, PENDING)).fetchall()
+        if self._flushing:
+            return [key for key, _ in waiting]
+        due = []
+        for group_key, first_at in waiting:
+            last = db.execute("SELECT max(created_at) FROM deliveries WHERE receiver = ? AND role = ?"
+                              " AND group_key = ?", (name, GROUP, group_key)).fetchone()[0]
+            if last is not None and self._group_open(db, name, group_key):
+                due_at = last + self.grouping.group_interval_s
+            else:  # a new group, or one whose alerts all resolved: Alertmanager destroys it
+                due_at = first_at + self.grouping.group_wait_s
+            if due_at <= now:
+                due.append(group_key)
+        return due
+
+    @staticmethod
+    def _group_open(db: sqlite3.Connection, name: str, group_key: str) -> bool:
+        """Whether an alert of the group was last notified firing (the group still holds it)."""
+        last: dict[str, str] = {}  # fingerprint -> the status it was last notified with
+        rows = db.execute("SELECT idempotency_key FROM deliveries WHERE receiver = ? AND role = ? AND group_key = ?"
+                          " AND grouped_in IS NOT NULL ORDER BY id", (name, MEMBER, group_key))
+        for (key,) in rows:
+            last[key.partition(":")[0]] = key.rpartition(":")[2]  # <fingerprint>:<episode start>:<status>
+        return any(status != RESOLVED for status in last.values())
+
+    def _make_groups(self, db: sqlite3.Connection, name: str, notifier: GroupNotifier, now: float) -> int:
+        """Turn each due group's waiting transitions into one notification row, in this transaction:
+        a crash before its commit leaves them waiting, one after leaves one row to send; returns rows made."""
+        made = 0
+        for group_key in self._due_groups(db, name, now):
+            members = db.execute(
+                "SELECT idempotency_key, body FROM deliveries WHERE receiver = ? AND role = ? AND state = ?"
+                " AND group_key = ? AND grouped_in IS NULL ORDER BY id", (name, MEMBER, PENDING, group_key)).fetchall()
+            keys = [key for key, _ in members]
+            digest = hashlib.sha256("\n".join([group_key, *keys]).encode()).hexdigest()[:32]
+            key = _GROUP_KEY_PREFIX + digest
+            transitions = [transition_from_document(json.loads(body)) for _, body in members]
+            body = notifier.render_group(key, json.loads(group_key), transitions)
+            db.execute(
+                "INSERT INTO deliveries (receiver, idempotency_key, body, created_at, next_attempt_at, role, group_key)"
+                " VALUES (?, ?, ?, ?, max(?, coalesce((SELECT max(next_attempt_at) FROM deliveries"
+                " WHERE receiver = ? AND state = ? AND role != ?), 0)), ?, ?)",
+                (name, key, body, now, now, name, PENDING, MEMBER, GROUP, group_key))
+            db.executemany("UPDATE deliveries SET grouped_in = ? WHERE receiver = ? AND idempotency_key = ?",
+                           [(key, name, k) for k in keys])
+            made += 1
+        return made
 
     # -- reading and housekeeping ------------------------------------------------------------
 
@@ -404,7 +575,8 @@ class Outbox(FlushableSink):
             {state: deliveries}: pending, delivered, dead, dropped.
         """
         with self._lock:
-            return dict(self._connection().execute("SELECT state, count(*) FROM deliveries GROUP BY state").fetchall())
+            return dict(self._connection().execute(
+                "SELECT state, count(*) FROM deliveries WHERE role != ? GROUP BY state", (GROUP,)).fetchall())
 
     def pending(self) -> int:
         """How many deliveries to the configured receivers are still to be made.
@@ -417,8 +589,8 @@ class Outbox(FlushableSink):
         with self._lock:
             marks = ", ".join("?" * len(self.notifiers))
             return self._connection().execute(
-                f"SELECT count(*) FROM deliveries WHERE state = ? AND receiver IN ({marks})",
-                (PENDING, *self.notifiers)).fetchone()[0]
+                f"SELECT count(*) FROM deliveries WHERE state = ? AND role != ? AND receiver IN ({marks})",
+                (PENDING, GROUP, *self.notifiers)).fetchone()[0]
 
     def deliveries(self) -> list[dict]:
         """Every delivery, oldest first.
@@ -428,8 +600,8 @@ class Outbox(FlushableSink):
         """
         with self._lock:
             cur = self._connection().execute(
-                "SELECT receiver, idempotency_key, state, attempts, last_error FROM deliveries ORDER BY id"
-            )
+                "SELECT receiver, idempotency_key, state, attempts, last_error FROM deliveries WHERE role != ?"
+                " ORDER BY id", (GROUP,))
             names = [d[0] for d in cur.description]
             return [dict(zip(names, row)) for row in cur.fetchall()]
 
@@ -446,8 +618,8 @@ class Outbox(FlushableSink):
                 " min(CASE WHEN state = ? THEN created_at END),"
                 " (SELECT last_error FROM deliveries d2 WHERE d2.receiver = d.receiver AND last_error IS NOT NULL"
                 "  ORDER BY id DESC LIMIT 1)"
-                " FROM deliveries d GROUP BY receiver ORDER BY receiver",
-                (PENDING, DELIVERED, DEAD, DROPPED, PENDING),
+                " FROM deliveries d WHERE role != ? GROUP BY receiver ORDER BY receiver",
+                (PENDING, DELIVERED, DEAD, DROPPED, PENDING, GROUP),
             ).fetchall()
         keys = ("receiver", PENDING, DELIVERED, DEAD, DROPPED, "oldest_pending_at", "last_error")
         return [dict(zip(keys, row), configured=row[0] in self.notifiers) for row in rows]
@@ -478,12 +650,18 @@ class Outbox(FlushableSink):
             True when nothing is left pending for them.
         """
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.deliver_due()
-            if not self.pending():
-                return True
-            time.sleep(0.05)
-        return not self.pending()
+        with self._lock:
+            self._flushing += 1
+        try:
+            while time.monotonic() < deadline:
+                self.deliver_due()
+                if not self.pending():
+                    return True
+                time.sleep(0.05)
+            return not self.pending()
+        finally:
+            with self._lock:
+                self._flushing -= 1
 
     def close(self) -> None:
         """Save to the file if the outbox had moved to memory, and close; safe twice.
@@ -539,6 +717,8 @@ def read_deliveries(path: str | os.PathLike, fingerprints: Sequence[str] | None 
     wanted = None if fingerprints is None else set(fingerprints)
     out = []
     for receiver, key, state, attempts, created, delivered, error in rows:
+        if key.startswith(_GROUP_KEY_PREFIX):  # a group's notification: its transitions' rows read as it does
+            continue
         fp = key.split(":", 1)[0]
         if wanted is None or fp in wanted:
             out.append({"fingerprint": fp, "receiver": redact_receiver_name(receiver), "state": state,

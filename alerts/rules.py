@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from moescope.alerts.grouping import Grouping, parse_grouping
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser is the `tomli` package
@@ -106,7 +108,7 @@ _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _STEPS_RE = re.compile(r"(\d+)\s*steps?")
 
-_TOP_KEYS = {"version", "defaults", "baseline", "rules"}
+_TOP_KEYS = {"version", "defaults", "baseline", "rules", "grouping"}
 _DEFAULT_KEYS = {"window", "for", "cooldown", "severity"}
 _BASELINE_KEYS = {"run_id", "first_steps"}
 _RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels", "annotations"}
@@ -200,10 +202,12 @@ class RulePack:
         rules: the rules, in file order.
         baseline: what load the baseline signals compare with (a run's first steps).
         source: the file it was read from.
+        grouping: how notifications are grouped (the file's `grouping:` section; `alerts.grouping`).
     """
     rules: tuple[Rule, ...]
     baseline: Baseline
     source: str
+    grouping: Grouping = Grouping()
 
     def max_window_steps(self) -> int:
         """The longest window in steps among the rules (0 when every window is a time window).
@@ -511,8 +515,10 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
                 line=reader.lines.get(path),
             )
         )
+    grouping = reader.attempt(parse_grouping, doc.get("grouping"), ("grouping",), reader, default=Grouping())
     reader.raise_errors()
-    return RulePack(rules=tuple(rules), baseline=Baseline(run_id=run_id, first_steps=first_steps), source=reader.source)
+    return RulePack(rules=tuple(rules), baseline=Baseline(run_id=run_id, first_steps=first_steps), source=reader.source,
+                    grouping=grouping)
 
 
 def parse_rules(text: str, source: str = "<rules>", fmt: str = "yaml") -> RulePack:

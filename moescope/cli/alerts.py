@@ -49,7 +49,10 @@ URL> for a store on object storage, which cannot hold it), so a receiver that is
 alert when it comes back, once; receivers are stored by name, never by their secret URL, and
 `moescope alerts outbox list|drop` shows and drops what a receiver no longer configured is owed.
 Without --rules the default rule pack is used (alerts/default_rules.yaml); `moescope alerts
-check FILE` validates your own.
+check FILE` validates your own. What belongs together reaches the JSON, Slack and Alertmanager
+webhook receivers as one notification, as Alertmanager groups: by rule and run, after a 30 s
+group_wait, unless the rules file's `grouping:` section says otherwise (group_wait: 0 sends one
+notification per transition); Alertmanager itself gets every alert and groups them itself.
 
 On a full disk it keeps evaluating and delivering: the outbox moves to memory until the file can
 be written again, writes to the alerts table are retried every poll, and what could not be saved
@@ -157,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(outbox_path)), exist_ok=True)
         else:
             make_state_dir(location, args.state_dir)
-    outbox = Outbox(outbox_path, notifiers)
+    outbox = Outbox(outbox_path, notifiers, grouping=pack.grouping)
     try:
         runner = StoreAlertRunner(location, pack, sinks=[outbox], run_ids=args.run or None, placement=placement)
         if placement is not None:

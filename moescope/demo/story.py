@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -131,15 +131,29 @@ def _progress(iterable=None, **options: Any) -> tqdm:
     return tqdm(iterable, leave=False, disable=None, **options)
 
 
-def _alert_line(document: dict) -> None:
-    alert = document["alert"]
-    labels = alert.get("labels", {})
-    where = f"layer {alert['layer']}" + (f", expert {labels['expert']}" if "expert" in labels else "")
-    values = ", ".join(f"{k}={v:.3g}" for k, v in (alert.get("values") or {}).items()
+def _notification_line(alerts: list[dict]) -> None:
+    """One line per notification: its alert, or a group's rule, where its alerts are and how many."""
+    first = alerts[0]["alert"]
+    if len(alerts) > 1:
+        status = "firing" if any(a["status"] == "firing" for a in alerts) else "resolved"  # as the group's
+        if any("expert" in a["alert"].get("labels", {}) for a in alerts):
+            places = ", ".join(_where(a["alert"]) for a in alerts)
+        else:
+            places = "layers " + ", ".join(str(layer) for layer in sorted({a["alert"]["layer"] for a in alerts}))
+        steps = sorted({a["alert"]["step"] for a in alerts})
+        when = f"step {steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "")
+        _say(f"    webhook <- [{status}] {first['name']} ({places}, {when}): {len(alerts)} alerts, one notification")
+        return
+    values = ", ".join(f"{k}={v:.3g}" for k, v in (first.get("values") or {}).items()
                        if isinstance(v, (int, float)))
-    why = (alert.get("annotations") or {}).get("resolved_reason")
-    _say(f"    webhook <- [{document['status']}] {alert['name']} ({where}, step {alert['step']})"
+    why = (first.get("annotations") or {}).get("resolved_reason")
+    _say(f"    webhook <- [{alerts[0]['status']}] {first['name']} ({_where(first)}, step {first['step']})"
          + (f" {values}" if values else "") + (f" ({why})" if why else ""))
+
+
+def _where(alert: dict) -> str:
+    labels = alert.get("labels", {})
+    return f"layer {alert['layer']}" + (f" expert {labels['expert']}" if "expert" in labels else "")
 
 
 def _run_until(condition: Callable[[], bool], step: Callable[[], None], limit: int, desc: str,
@@ -183,12 +197,16 @@ class Alerting:
 
     def __init__(self, store_root: str):
         secret = secrets.token_hex(16)
-        self.receiver = WebhookReceiver(on_alert=_alert_line, secret=secret).start()
-        self.outbox = Outbox(outbox_path(store_root), [WebhookNotifier(self.receiver.url, secret=secret)],
-                             base_backoff_s=0.2)
-        self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
+        self.receiver = WebhookReceiver(on_notification=_notification_line, secret=secret).start()
         with resources.as_file(resources.files("moescope.demo").joinpath("rules.yaml")) as rules_path:
             rules = load_rules(rules_path)  # the packaged file (a temporary copy where it is in a zip)
+        # Grouped by the rules file's group_by, and sent when the story settles (a flush sends the groups
+        # held): what one act raises under one rule is one notification, on a fast machine or a loaded
+        # one, rather than whatever a wall-clock group_wait happened to gather
+        grouping = replace(rules.grouping, group_wait_s=24 * 3600.0)
+        self.outbox = Outbox(outbox_path(store_root), [WebhookNotifier(self.receiver.url, secret=secret)],
+                             base_backoff_s=0.2, grouping=grouping)
+        self.worker = OutboxWorker(self.outbox, interval_s=0.1).start()
         self.alert_table = AlertTableWriter(store_root)
         self.engine = EngineExporter(AlertEngine(rules), [self.outbox, self.alert_table])
         self.policy = TrustPolicy(sink=self.outbox)
@@ -246,7 +264,8 @@ class Story:
                 self.model.generate(**self.traffic.prompts(), max_new_tokens=12, do_sample=False,
                                     pad_token_id=self.tokenizer.pad_token_id)
         self.settle()
-        _say(f"   {self.session.step} forwards recorded, {len(self.alerting.receiver.received)} alerts so far "
+        _say(f"   {self.session.step} forwards recorded, {len(self.alerting.receiver.received)} alerts so far in "
+             f"{len(self.alerting.receiver.notifications)} notifications "
              "(an alert here is about the trained model itself, e.g. an expert it barely uses)")
         return {}
 
@@ -341,6 +360,8 @@ def run(args: argparse.Namespace, program: str = "moescope") -> int:
     figures["alerts_received"] = [f"{d['status']}:{d['alert']['name']}" for d in alerting.receiver.received]
     figures["alerts_delivered"] = [{"status": d["status"], "name": d["alert"]["name"], "step": d["alert"]["step"],
                                     "fingerprint": d["alert"]["fingerprint"]} for d in alerting.receiver.received]
+    figures["notifications_received"] = len(alerting.receiver.notifications)
+    figures["notifications_repeated"] = alerting.receiver.repeats  # POSTs that brought nothing new: 0
     figures["seconds"] = time.perf_counter() - started
     with open(os.path.join(store_root, "demo_summary.json"), "w") as f:
         json.dump(figures, f, indent=2, default=float)
@@ -368,7 +389,8 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str, program
     _say(f"  {figures['jitter']}")
     _say(f"    (the dashboard's Routing jitter page shows it for this run; measure it on your model: "
          f"{program} jitter MODEL_FOLDER --store runs/jitter)")
-    _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
+    _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} in "
+         f"{figures['notifications_received']} notifications, grouped by rule and run "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")
     _say("")

@@ -326,12 +326,18 @@ def test_the_alerts_received_are_the_outbox_deliveries(demo):
     root, out, summary = demo
     path = root / ".moescope" / "alerts-outbox.sqlite"
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        # the notifications posted: a transition sent alone, or a group's (its transitions wait in rows
+        # of their own, role 'member', and are posted inside it)
         bodies = [json.loads(body) for (body,) in db.execute(
-            "SELECT body FROM deliveries WHERE state = 'delivered' ORDER BY id")]
-    delivered = Counter(f"{b['status']}:{b['alert']['name']}" for b in bodies)
+            "SELECT body FROM deliveries WHERE state = 'delivered' AND role != 'member' ORDER BY id")]
+    alerts = [a for b in bodies for a in (b["alerts"] if b["schema"] == "moescope.alert-group/v1" else [b])]
+    delivered = Counter(f"{a['status']}:{a['alert']['name']}" for a in alerts)
     assert Counter(summary["alerts_received"]) == delivered
+    assert summary["notifications_received"] == len(bodies)
+    assert summary["notifications_repeated"] == 0  # each notification posted once (issue 50: 36 became 37-43)
     printed = Counter(f"{status}:{name}" for status, name in re.findall(r"webhook <- \[(\w+)\] (\w+)", out))
-    assert printed == delivered
+    notified = Counter(f"{b['status']}:{(b['alerts'][0] if 'alerts' in b else b)['alert']['name']}" for b in bodies)
+    assert printed == notified  # a line per notification
 
 
 def _figures(summary: dict) -> dict:
@@ -347,7 +353,7 @@ def _figures(summary: dict) -> dict:
         return value
 
     figures = {k: v for k, v in summary.items() if k not in ("store", "seconds", "alerts_received",
-                                                             "alerts_delivered")}
+                                                             "alerts_delivered", "notifications_received")}
     figures["alerts"] = sorted((d["status"], d["name"], d["step"]) for d in summary["alerts_delivered"])
     return rounded(figures)
 

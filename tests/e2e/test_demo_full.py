@@ -80,7 +80,8 @@ def test_each_webhook_line_is_a_line_of_its_own(full_demo):
     line printed while a bar is drawn lands inside it. Every webhook line must be whole and alone,
     and the receiver's lines must all be there."""
     lines = [line for line in full_demo.split("\n") if "webhook <-" in line]
-    whole = re.compile(r"    webhook <- \[(firing|resolved)\] \w+ \(layer \d+[^)\r]*step \d+\)[^\r]*")
+    whole = re.compile(r"    webhook <- \[(firing|resolved)\] \w+ \(layers? \d+[^)\r]*step [\d-]+\)[^\r]*")
     for line in lines:
         assert whole.fullmatch(line), repr(line)
-    assert len(lines) == int(re.search(r"alerts received by the webhook: (\d+)", full_demo).group(1))
+    notifications = re.search(r"alerts received by the webhook: \d+ in (\d+) notifications", full_demo)
+    assert len(lines) == int(notifications.group(1))

@@ -71,7 +71,9 @@ def test_alerts_run_starts_on_a_full_disk_delivers_and_says_what_it_could_not_pe
     runner = StoreAlertRunner(str(store), parse_rules(RULES), write_alerts=False)
     assert list(read_alerts(runner.store).state) == ["pending", "firing"]
     with sqlite3.connect(store / ".moescope" / "alerts-outbox.sqlite") as db:
-        assert db.execute("SELECT state FROM deliveries").fetchall() == [(DELIVERED,)]
+        # the firing, and the notification of its group (the rules file's default grouping)
+        assert db.execute("SELECT role, state FROM deliveries ORDER BY id").fetchall() == [
+            ("member", DELIVERED), ("group", DELIVERED)]
 
 
 def test_the_disk_filling_while_running_loses_no_transition_and_no_delivery(small_disk, receiver):
