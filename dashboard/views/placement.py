@@ -77,7 +77,7 @@ def traffic(ctx: common.PageContext, ranks: int) -> None:
     layers = ctx.layer_ids()
     if st.session_state.get(TRAFFIC_LAYER) not in layers:
         st.session_state[TRAFFIC_LAYER] = layers[0]
-    layer = int(right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER))
+    layer = int(right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER) or layers[0])
     frame = data.traffic(ctx.root, ctx.version, ctx.run_id, ranks, per_node, layer, ctx.tag)
     row = frame.iloc[0] if not frame.empty else None
     st.plotly_chart(fg.rank_matrix_heatmap(row), key="pl_traffic_matrix")

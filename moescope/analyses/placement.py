@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -109,7 +109,7 @@ def dispatch_of_run(store: Store, run_id: str) -> str:
 
 
 def _route_keys(placement: Placement, layer: int, num_experts: int, dispatch: str,
-                homes_known: bool) -> dict[str, object] | None:
+                homes_known: bool) -> dict[str, Any] | None:
     """What `slot_ranks` reads of a routes row besides its routing, as `Store.route_groups` keys: nothing
     where every expert has one copy (every rule sends a slot to it) or the copy is drawn apart from the
     token (even, SGLang dynamic, SGLang static of unknown homes); the recorded rank for SGLang static
@@ -145,6 +145,7 @@ def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Map
     for layer in tqdm(sorted(experts_of), desc="tokens per rank", unit="layer", disable=not progress,
                       leave=False):
         keys = _route_keys(placement, layer, experts_of[layer], dispatch, homes_known)
+        pages: Iterable[tuple[Any, np.ndarray, np.ndarray | None]]
         if keys is not None:
             pages = ((group.routes, group.window, group.count)
                      for group in store.route_groups(run_id, layer, window_steps, tags=tags, **keys))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -195,8 +196,9 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         if setup.max_nodes is None:
             # every figure is a sum over tokens of a function of (home, kept top-k): DuckDB counts the
             # rows per (window, home key, routing) and the fan-out is computed once per group
-            keys = {"recorded": dict(by_rank=True), "sequence": dict(sequence_modulo=layout.ranks),
-                    "token": dict(token_modulo=layout.ranks)}
+            keys: dict[str, dict[str, Any]] = {"recorded": dict(by_rank=True),
+                                               "sequence": dict(sequence_modulo=layout.ranks),
+                                               "token": dict(token_modulo=layout.ranks)}
             if setup.home not in keys:
                 wire.home_ranks(setup.home, layout.ranks, np.zeros(0), None, np.zeros(0))  # its error
             for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags,
@@ -209,12 +211,16 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                     pick = group.window == key
                     count(None if window_steps is None else int(key), home[pick], _select(fan, pick),
                           group.steps[step_window == key], None, group.count[pick])
-        for page in (store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True, logits=True)
-                     if setup.max_nodes is not None else ()):
+        max_nodes = setup.max_nodes
+        # node-limited routing reads each token's own gate weights and router logits: token by token
+        pages = (store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True, logits=True)
+                 if max_nodes is not None else ())
+        for page in pages:
+            assert max_nodes is not None
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
-            limited = _node_limited(layout, fan, home, page, weights, setup.max_nodes, row.family)
+            limited = _node_limited(layout, fan, home, page, weights, max_nodes, row.family)
             keys_of = np.zeros(len(home), dtype=np.int64) if window_steps is None else page.step // window_steps
             for key in np.unique(keys_of):
                 pick = keys_of == key
