@@ -17,6 +17,19 @@ them. Timed, `--repeat` times each (median wall and CPU seconds):
 
     python bench/traffic.py                       # 1 M rows, 3 runs each
     python bench/traffic.py --rows 200000 --repeat 1 --store
+
+With `--stores DIR,DIR,...` (stores bench/scale.py wrote and kept, smallest first: `python bench/scale.py
+--rows 5e6,50e6 --engines duckdb --root /tmp/scale --keep`) it times instead, per store, what an operator
+waits for at fleet size, wall and CPU seconds (every thread of the process) beside the load average:
+the store's open (a `Store`: the snapshot, every file's footer and pages checked once per reader);
+`moescope placement --ranks 8`'s report (slots, and distinct tokens per rank from the routes rows);
+`moescope traffic --ranks 8`'s report; the Placement page's data (its slots heatmap, the what-if over
+windows of 32 steps, the traffic of the layer it shows); and the token-by-token count the reports made
+before DuckDB counted the rows per group (`Store.routes_in_order` pages, `token_fanout` and a
+`TrafficTally` per page), on one layer, beside the grouped count of the same layer: the ratio is what
+counting where the data is buys. A table gives each figure's growth beside the growth in rows.
+
+    python bench/traffic.py --stores /tmp/scale/store-0-5000000,/tmp/scale/store-1-50000000
 """
 
 from __future__ import annotations
@@ -144,6 +157,73 @@ def store_report(ids: np.ndarray, weights: np.ndarray, per_rank, experts: int) -
         return time.perf_counter() - wall, time.process_time() - cpu, report.layers.iloc[0].to_dict()
 
 
+def fleet(roots: list[str], repeat: int) -> None:
+    """The fleet-size figures of `--stores` (module doc), a row per store, then their growth."""
+    from streamlit import logger as streamlit_logger
+
+    from moescope.analyses.placement import Placement, placement_report
+    from moescope.analyses.traffic import Wire, default_home, node_layout, traffic_report
+    from moescope.dashboard.data import _placement_report, _placement_whatif, _traffic
+    from moescope.metrics.placement import wire_layout
+    from moescope.store import Store
+
+    streamlit_logger.set_log_level("error")  # the page's caches warn when called outside a server, as here
+    names = ["open", "placement --ranks 8", "traffic --ranks 8", "Placement page data", "traffic, 1 layer",
+             "token by token, 1 layer"]
+    table: list[tuple[int, dict[str, tuple[float, float]]]] = []
+    for root in roots:
+        load = os.getloadavg()
+        wall, cpu = time.perf_counter(), time.process_time()
+        store = Store(root)
+        opened = (time.perf_counter() - wall, time.process_time() - cpu)
+        with store:
+            run = store.latest_run()
+            rows = int(store.sql("SELECT count(*) AS n FROM routes WHERE run_id = ?", [run]).n.iloc[0])
+            layer = int(store.layers(run).layer.iloc[0])
+            contiguous = Placement.contiguous(8)
+            setup = Wire(node_layout(8, 8), default_home(store, run), 4096)
+
+            def page() -> None:
+                _placement_report(store, run, 8, None, "even")
+                _placement_whatif(store, run, 8, 32, "even")
+                _traffic(store, run, 8, 8, layer)
+
+            def token_by_token() -> dict:
+                layout = wire_layout(contiguous, layer, int(store.layers(run).num_experts.iloc[0]),
+                                          setup.rank_node)
+                tally = wire.TrafficTally.for_layout(layout)
+                for chunk in store.routes_in_order(run, layer):
+                    home = wire.home_ranks(setup.home, 8, chunk.rank, chunk.sequence, chunk.token)
+                    tally.add(layout, home, wire.token_fanout(layout, home, chunk.expert_ids, chunk.kept), chunk.step)
+                return tally.figures(4096)
+
+            figures = {"open": opened}
+            for name, fn in [("placement --ranks 8", lambda: placement_report(store, run, contiguous)),
+                             ("traffic --ranks 8", lambda: traffic_report(store, run, contiguous, setup)),
+                             ("Placement page data", page),
+                             ("traffic, 1 layer", lambda: traffic_report(store, run, contiguous, setup,
+                                                                         layers=[layer])),
+                             ("token by token, 1 layer", token_by_token)]:
+                w, c, result = timed(fn, repeat)
+                figures[name] = (w, c)
+                if name == "traffic, 1 layer":
+                    grouped = result.layers.iloc[0].rank_matrix  # type: ignore[attr-defined]
+                elif name == "token by token, 1 layer":  # the same figures both ways
+                    assert (result["rank_matrix"] == grouped).all()  # type: ignore[index]
+        table.append((rows, figures))
+        print(f"\n{rows:,} route rows in {root} (load {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after; {os.cpu_count()} CPUs; median of {repeat})")
+        print(f"{'':<28}{'wall s':>9}{'cpu s':>9}")
+        for name in names:
+            print(f"{name:<28}{figures[name][0]:>9.2f}{figures[name][1]:>9.2f}")
+        ratio = figures["token by token, 1 layer"][1] / figures["traffic, 1 layer"][1]
+        print(f"token by token / grouped, one layer: {ratio:.1f}x the CPU")
+    if len(table) > 1:
+        print(f"\ngrowth from {table[0][0]:,} to {table[-1][0]:,} rows ({table[-1][0] / table[0][0]:.1f}x), CPU s:")
+        for name in names:
+            print(f"{name:<28}{table[-1][1][name][1] / max(table[0][1][name][1], 1e-9):>9.1f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="route rows of the layer (default 1 M)")
@@ -153,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-tokens", type=int, default=20_000, help="tokens for the per-token loop (0: skip)")
     parser.add_argument("--store", action="store_true", help="also time traffic_report over a store of the rows")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stores", help="time the fleet-size figures over these stores instead (module doc)")
     args = parser.parse_args(argv)
+    if args.stores:
+        fleet([part for part in args.stores.split(",") if part], args.repeat)
+        return 0
 
     ids, weights = routes(args.rows, args.experts, args.top_k, args.seed)
     per_rank, wl = layout(ids, args.experts)

@@ -296,14 +296,14 @@ def _placement_whatif(store: Store, run_id: str, ranks: int, window: int, dispat
         why_placements_coincide(experts, ranks, redundant)
 
 
-def _traffic(store: Store, run_id: str, ranks: int, per_node: int, tags: dict[str, str] | None = None
-             ) -> pd.DataFrame:
+def _traffic(store: Store, run_id: str, ranks: int, per_node: int, layer: int | None = None,
+             tags: dict[str, str] | None = None) -> pd.DataFrame:
     from moescope.analyses.placement import Placement
     from moescope.analyses.traffic import Wire, default_home, node_layout, traffic_report
 
     nodes = node_layout(ranks, per_node)
     frame = traffic_report(store, run_id, Placement.contiguous(ranks), Wire(nodes, default_home(store, run_id)),
-                           None, tags).layers
+                           None, tags, layers=None if layer is None else [int(layer)]).layers
     return frame.assign(node_of_rank=[nodes] * len(frame))
 
 
@@ -314,8 +314,9 @@ placement_report = _cached(_placement_report, tagged=True)
 # placement must coincide or None): the what-if `moescope placement --whatif --save` stored for the run (no tag
 # filter), else one computed with EPLB fitted on the first window of `window` steps
 placement_whatif = _cached(_placement_whatif, tagged=True)
-# (root, version, run_id, ranks, per_node, tag): `moescope.analyses.traffic.traffic_report`'s rows per layer under
-# the default layout, nodes of `per_node` consecutive ranks, with each rank's node (`node_of_rank`)
+# (root, version, run_id, ranks, per_node, layer, tag): `moescope.analyses.traffic.traffic_report`'s rows per layer
+# (of `layer` alone, a pass over its routes rows; None: every layer) under the default layout, nodes of
+# `per_node` consecutive ranks, with each rank's node (`node_of_rank`)
 traffic = _cached(_traffic, tagged=True)
 
 

@@ -44,6 +44,9 @@ class Selection:
 # Steps a selection covers: a row covers `forwards` forwards (a window; 1 in stores written before
 # windows existed), and every rank sees every step, so the forwards of all rows over the ranks.
 STEPS = "(sum(coalesce(forwards, 1)) / count(DISTINCT rank))::BIGINT"
+# routes rows `StoreQueries.route_groups` counts in one query: its memory bound where no two rows share a
+# group (2 M rows of top-8 are about 200 MB in Arrow and numpy together)
+GROUP_PAGE_ROWS = 1 << 21
 
 
 def where(run_id: str, layer: int | None = None, step_from: int | None = None, step_to: int | None = None,
@@ -83,6 +86,22 @@ class RoutePage:
     sequence: np.ndarray | None = None  # (rows,) int32 batch row, read with `weights=True`
     gate_weights: np.ndarray | None = None  # (rows, k) float32, 0 on padding, read with `weights=True`
     logits: np.ndarray | None = None  # (rows, E) float32 router logits, NaN where none was kept, `logits=True`
+
+
+@dataclass(frozen=True)
+class RouteGroups:
+    """A page of one layer's routes rows counted by group (`StoreQueries.route_groups`).
+
+    `routes` has one row per group: `step` holds the group's window (step // window_steps; 0 for the
+    whole run), `rank`, `token` and `sequence` the keys asked for (0 where not asked), `expert_ids` and
+    `kept` as `RoutePage` reads them; `count` (groups,) int64 the rows each group stands for; `steps`
+    the page's steps that hold rows of the layer (sorted), for the figures that count forwards.
+    """
+
+    window: np.ndarray
+    routes: RoutePage
+    count: np.ndarray
+    steps: np.ndarray
 
 
 def _padded(column: pa.ChunkedArray | pa.Array, fill: float, dtype: type) -> np.ndarray:
@@ -392,6 +411,69 @@ class StoreQueries:
                         WHERE {logits_clause} GROUP BY step, rank, token) l USING (step, rank, token)"""
                 page_params = [*page_params, *logits_params]
             yield _route_page(self.arrow(f"{query} ORDER BY step, rank, token", page_params))
+            first = last + 1
+
+    def route_groups(self, run_id: str, layer: int, window_steps: int | None = None, step_from: int | None = None,
+                     step_to: int | None = None, tags: dict[str, str] | None = None, by_rank: bool = False,
+                     token_modulo: int | None = None, sequence_modulo: int | None = None,
+                     page_rows: int | None = None) -> Iterator[RouteGroups]:
+        """One layer's routes rows counted by what a per-token figure reads of them, a page of steps at a time.
+
+        Rows that agree on their window (`step // window_steps`; 0 for None), `expert_ids`, `kept`
+        and the keys asked for (`by_rank`: the recorded rank; `token_modulo` m: token mod m;
+        `sequence_modulo` m: sequence mod m, null as 0) are one group; a figure that is a sum over
+        tokens of a function of those columns is the sum over groups of the function times the
+        group's count, so DuckDB counts the rows and Python sees a row per group (`RouteGroups`).
+        Pages hold whole steps, about `page_rows` rows each (None: `GROUP_PAGE_ROWS`; more when one
+        step holds more), and are counted in DuckDB one query each, so memory is bounded by the page
+        whatever the run's length; groups come sorted (by window, keys, routing), so sums over them
+        are the same at every call.
+        Yields nothing for an unknown run or a store without routes. Raises ValueError for
+        page_rows, window_steps or a modulo below 1.
+        """
+        page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        for name, value in (("window_steps", window_steps), ("token_modulo", token_modulo),
+                            ("sequence_modulo", sequence_modulo)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        counts = self.sql(f"""SELECT step, count(*)::BIGINT AS n, coalesce(max(len(expert_ids)), 0) AS k
+                              FROM routes WHERE {clause} GROUP BY step ORDER BY step""", params)
+        steps, sizes = counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64)
+        width = int(counts.k.max()) if len(counts) else 0
+        keys, key_params = ["0::BIGINT" if window_steps is None else "step // ?"], []
+        key_params += [] if window_steps is None else [int(window_steps)]
+        keys.append("rank" if by_rank else "0::INTEGER")
+        keys.append("0::INTEGER" if token_modulo is None else "token % ?")
+        key_params += [] if token_modulo is None else [int(token_modulo)]
+        keys.append("0::INTEGER" if sequence_modulo is None else "coalesce(sequence, 0) % ?")
+        key_params += [] if sequence_modulo is None else [int(sequence_modulo)]
+        # a slot per column (grouping on scalars is cheaper than on lists): a missing slot is NULL,
+        # read as padding (-1) and as kept where the source recorded no drops, as `RoutePage` reads lists
+        slots = "".join(f", expert_ids[{j + 1}] AS e{j}, kept[{j + 1}] AS k{j}" for j in range(width))
+        ends = np.cumsum(sizes)
+        first = 0
+        while first < len(steps):
+            # the last step whose rows still fit the page (the first step alone when it does not)
+            last = max(first, int(np.searchsorted(ends, ends[first] - sizes[first] + page_rows, side="right")) - 1)
+            page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
+            table = self.arrow(f"""
+                SELECT {keys[0]} AS w, {keys[1]} AS rank, {keys[2]} AS token, {keys[3]} AS sequence{slots},
+                       count(*)::BIGINT AS n
+                FROM routes WHERE {page_clause} GROUP BY ALL ORDER BY ALL""", [*key_params, *page_params])
+            ids = np.full((table.num_rows, width), -1, dtype=np.int64)
+            kept = np.ones((table.num_rows, width), dtype=bool)
+            for j in range(width):
+                ids[:, j] = table.column(f"e{j}").fill_null(-1).to_numpy().astype(np.int64)
+                kept[:, j] = table.column(f"k{j}").fill_null(True).to_numpy(zero_copy_only=False)
+            window = table.column("w").to_numpy().astype(np.int64)
+            yield RouteGroups(window, RoutePage(
+                step=window, rank=table.column("rank").to_numpy().astype(np.int32),
+                token=table.column("token").to_numpy().astype(np.int32), expert_ids=ids, kept=kept & (ids >= 0),
+                sequence=table.column("sequence").to_numpy().astype(np.int32)),
+                table.column("n").to_numpy().astype(np.int64), steps[first:last + 1])
             first = last + 1
 
     # -- breakdowns and comparisons ------------------------------------------------------------

@@ -16,14 +16,14 @@ cut (a row limit there dropped the last layers and part of a window's ranks, rea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from moescope.store.queries import STEPS, RoutePage, _route_page, _unnest_load, _vectors, where
+from moescope.store.queries import STEPS, _unnest_load, _vectors, where
 from moescope.store.schema import SCHEMAS
 
 MAX_BUCKETS = 240  # points on a step axis; more steps than this are summed into buckets
@@ -333,35 +333,6 @@ class ReportQueries:
                    sum(load)::BIGINT AS load
             FROM ({_unnest_load(clause)}) GROUP BY ALL ORDER BY layer, window_start, expert""",
             [w, w, w, w, *params])
-
-    def routes_by_layer(self, run_id: str, tags: dict[str, str] | None = None,
-                        max_rows: int = 1 << 20) -> Iterator[tuple[int, RoutePage]]:
-        """Every layer's routes rows as (layer, page): a layer whole per page, in recording order (step,
-        rank, token), layers in order. Layers are read several at a time, up to about `max_rows` rows per
-        query (a larger layer alone), so a run is scanned about rows / max_rows times, not once per
-        layer. Yields nothing for a run without routes. Raises ValueError for max_rows < 1."""
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be at least 1, not {max_rows}")
-        clause, params = where(run_id, tags=tags)
-        counts = self.sql(f"SELECT layer, count(*)::BIGINT AS n FROM routes WHERE {clause} GROUP BY layer "
-                          "ORDER BY layer", params)
-        groups: list[list[int]] = []
-        rows = 0
-        for layer, n in zip(counts.layer.to_numpy(np.int64), counts.n.to_numpy(np.int64)):
-            if not groups or rows + int(n) > max_rows:
-                groups.append([])
-                rows = 0
-            groups[-1].append(int(layer))
-            rows += int(n)
-        for group in groups:
-            table = self.arrow(f"""
-                SELECT layer, step, rank, token, expert_ids, kept FROM routes
-                WHERE {clause} AND layer BETWEEN ? AND ? ORDER BY layer, step, rank, token""",
-                [*params, group[0], group[-1]])
-            layers = table.column("layer").to_numpy()
-            bounds = np.flatnonzero(np.diff(layers)) + 1
-            for start, end in zip([0, *bounds.tolist()], [*bounds.tolist(), len(layers)]):
-                yield int(layers[start]), _route_page(table.slice(start, end - start))
 
     def placement_whatif(self, run_id: str) -> pd.DataFrame:
         """The latest placement what-if written for the run (`moescope placement --whatif --save`):

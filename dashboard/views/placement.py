@@ -80,14 +80,13 @@ def traffic(ctx: common.PageContext, ranks: int) -> None:
     left, right = st.columns(2)
     per_node = int(left.number_input("Ranks per node", min_value=1, max_value=max(1, ranks), key=NODE_KEY,
                                      help="Consecutive ranks share a node (NVLink); between nodes, RDMA."))
-    frame = data.traffic(ctx.root, ctx.version, ctx.run_id, ranks, per_node, ctx.tag)
-    row = None
-    if not frame.empty:
-        layers = [int(v) for v in frame.layer]
-        if st.session_state.get(TRAFFIC_LAYER) not in layers:
-            st.session_state[TRAFFIC_LAYER] = layers[0]
-        layer = right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER)
-        row = frame[frame.layer == layer].iloc[0]
+    # one layer's traffic at a time: each is a pass over that layer's routes rows
+    layers = ctx.layer_ids()
+    if st.session_state.get(TRAFFIC_LAYER) not in layers:
+        st.session_state[TRAFFIC_LAYER] = layers[0]
+    layer = int(right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER) or layers[0])
+    frame = data.traffic(ctx.root, ctx.version, ctx.run_id, ranks, per_node, layer, ctx.tag)
+    row = frame.iloc[0] if not frame.empty else None
     st.plotly_chart(fg.rank_matrix_heatmap(row), key="pl_traffic_matrix")
     st.plotly_chart(fg.fanout_histogram(row), key="pl_traffic_fanout")
     st.caption("A token is sent once to each GPU other than its home that holds any of its experts (DeepEP), "

@@ -16,10 +16,11 @@ engine and the Prometheus exporter read the same definition; the names that live
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -65,6 +66,8 @@ __all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run"
            "placement_report", "rank_tokens", "read_placement"]
 
 TOP_EXPERTS = 3
+MAX_TOKEN_PERIOD = 4096  # vLLM's copy cycle (lcm of copy counts) up to which its rows are grouped
+TOKEN_PAGE_ROWS = 1 << 21  # routes rows read at once where a dispatch is followed token by token
 
 
 def read_placement(path: str, ranks: int | None = None) -> Placement:
@@ -108,31 +111,63 @@ def dispatch_of_run(store: Store, run_id: str) -> str:
 
 
 
+def _route_keys(placement: Placement, layer: int, num_experts: int, dispatch: str,
+                homes_known: bool) -> dict[str, Any] | None:
+    """What `slot_ranks` reads of a routes row besides its routing, as `Store.route_groups` keys: nothing
+    where every expert has one copy (every rule sends a slot to it) or the copy is drawn apart from the
+    token (even, SGLang dynamic, SGLang static of unknown homes); the recorded rank for SGLang static
+    of known homes; the token's place modulo the copies' least common multiple for vLLM (its copy is
+    (token * k + slot) mod copies). None for TensorRT-LLM's rule, which counts the expert's earlier
+    slots in the token's block: read token by token."""
+    copies = np.bincount(placement.slots(layer, num_experts)[1], minlength=num_experts)
+    if int(copies.max(initial=1)) <= 1 or dispatch in ("even", "sglang-dynamic"):
+        return {}
+    if dispatch == "sglang-static":
+        return {"by_rank": True} if homes_known else {}
+    if dispatch == "vllm":
+        period = math.lcm(*(int(c) for c in np.unique(copies[copies > 0])))
+        return {"token_modulo": period} if period <= MAX_TOKEN_PERIOD else None
+    return None
+
+
 def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Mapping[int, int], dispatch: str,
                 window_steps: int | None = None, tags: dict[str, str] | None = None,
                 progress: bool = False) -> dict[int, dict]:
     """{layer: {window_start (None: the run): (tokens [R], slots [R])}} from the routes rows of the
     layers in `experts_of` ({layer: its routed experts}): the distinct tokens and the slots each rank
-    serves (`moescope.metrics.ranks.expected_rank_tokens`). Empty without routes; `progress` shows a bar."""
+    serves (`moescope.metrics.ranks.expected_rank_tokens`). DuckDB counts the rows per window and
+    routing (`Store.route_groups`, with the keys the dispatch reads: `_route_keys`) and the figures are
+    computed once per group; TensorRT-LLM's dispatch of redundant experts reads the rows token by
+    token, a page of steps at a time. Empty without routes; `progress` shows a bar."""
     from tqdm import tqdm
 
     out: dict[int, dict] = {}
     ranks = placement.ranks
     # the rows' ranks are the expert-parallel ranks when as many ranks recorded the run
     homes_known = ranks > 1 and int(store.step_totals(run_id).get("ranks") or 0) == ranks
-    bar = tqdm(total=len(experts_of), desc="tokens per rank", unit="layer", disable=not progress, leave=False)
-    for layer, page in store.routes_by_layer(run_id, tags):
-        bar.update()
-        if layer not in experts_of:
-            continue
-        found = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
-        windows = np.zeros(len(page.step), dtype=np.int64) if window_steps is None else page.step // window_steps
-        starts, group = np.unique(windows, return_inverse=True)
-        tokens, slots = expected_rank_tokens(found.row, found.rank, found.prob, ranks, group, len(starts),
-                                             found.unknown_home)
-        out[layer] = {None if window_steps is None else int(start) * window_steps: (tokens[i], slots[i])
-                      for i, start in enumerate(starts)}
-    bar.close()
+    for layer in tqdm(sorted(experts_of), desc="tokens per rank", unit="layer", disable=not progress,
+                      leave=False):
+        keys = _route_keys(placement, layer, experts_of[layer], dispatch, homes_known)
+        pages: Iterable[tuple[Any, np.ndarray, np.ndarray | None]]
+        if keys is not None:
+            pages = ((group.routes, group.window, group.count)
+                     for group in store.route_groups(run_id, layer, window_steps, tags=tags, **keys))
+        else:
+            pages = ((page, np.zeros(len(page.step), dtype=np.int64) if window_steps is None
+                      else page.step // window_steps, None)
+                     for page in store.routes_in_order(run_id, layer, tags=tags, page_rows=TOKEN_PAGE_ROWS))
+        sums: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+        for page, windows, counts in pages:
+            found = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
+            starts, group = np.unique(windows, return_inverse=True)
+            tokens, slots = expected_rank_tokens(found.row, found.rank, found.prob, ranks, group, len(starts),
+                                                 found.unknown_home, counts)
+            for i, start in enumerate(starts):
+                key = None if window_steps is None else int(start) * window_steps
+                before = sums.get(key, (0.0, 0.0))
+                sums[key] = (before[0] + tokens[i], before[1] + slots[i])
+        if sums:
+            out[layer] = dict(sorted(sums.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -182,30 +183,49 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
             continue
         layout = wire_layout(placement, layer, int(row.num_experts), setup.rank_node)
         tallies: dict[int | None, wire.TrafficTally] = {}
-        max_nodes = setup.max_nodes
-        limiting = max_nodes is not None
         slot_sends: dict[int | None, wire.TrafficTally] = {}  # low-latency mode: a send per remote slot
-        for page in store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True,
-                                          logits=limiting):
+
+        def count(key: int | None, home: np.ndarray, fan: wire.TokenFanout, steps: np.ndarray,
+                  limited: wire.NodeLimited | None, counts: np.ndarray | None) -> None:
+            tallies.setdefault(key, wire.TrafficTally.for_layout(layout)).add(layout, home, fan, steps, limited,
+                                                                              counts)
+            if setup.mode == "low-latency":
+                slot_sends.setdefault(key, wire.TrafficTally.for_layout(layout)).add(
+                    layout, *_per_slot(layout, home, fan, steps, counts))
+
+        if setup.max_nodes is None:
+            # every figure is a sum over tokens of a function of (home, kept top-k): DuckDB counts the
+            # rows per (window, home key, routing) and the fan-out is computed once per group
+            keys: dict[str, dict[str, Any]] = {"recorded": dict(by_rank=True),
+                                               "sequence": dict(sequence_modulo=layout.ranks),
+                                               "token": dict(token_modulo=layout.ranks)}
+            if setup.home not in keys:
+                wire.home_ranks(setup.home, layout.ranks, np.zeros(0), None, np.zeros(0))  # its error
+            for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags,
+                                            **keys[setup.home]):
+                page = group.routes
+                home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
+                fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
+                step_window = np.zeros_like(group.steps) if window_steps is None else group.steps // window_steps
+                for key in np.unique(group.window):
+                    pick = group.window == key
+                    count(None if window_steps is None else int(key), home[pick], _select(fan, pick),
+                          group.steps[step_window == key], None, group.count[pick])
+        max_nodes = setup.max_nodes
+        # node-limited routing reads each token's own gate weights and router logits: token by token
+        pages = (store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True, logits=True)
+                 if max_nodes is not None else ())
+        for page in pages:
+            assert max_nodes is not None
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
-            limited = (_node_limited(layout, fan, home, page, weights, max_nodes, row.family)
-                       if max_nodes is not None else None)
-            if window_steps is None:
-                keys = np.zeros(len(home), dtype=np.int64)
-            else:
-                keys = page.step // window_steps
-            for key in np.unique(keys):
-                pick = keys == key
-                tally = tallies.setdefault(None if window_steps is None else int(key),
-                                           wire.TrafficTally.for_layout(layout))
-                tally.add(layout, home[pick], _select(fan, pick), page.step[pick],
-                          None if limited is None else _select_limited(limited, pick))
-                if setup.mode == "low-latency":
-                    slot_sends.setdefault(None if window_steps is None else int(key),
-                                          wire.TrafficTally.for_layout(layout)).add(
-                        layout, *_per_slot(layout, home[pick], _select(fan, pick), page.step[pick]))
+            limited = _node_limited(layout, fan, home, page, weights, max_nodes, row.family)
+            keys_of = np.zeros(len(home), dtype=np.int64) if window_steps is None else page.step // window_steps
+            for key in np.unique(keys_of):
+                pick = keys_of == key
+                count(None if window_steps is None else int(key), home[pick], _select(fan, pick), page.step[pick],
+                      _select_limited(limited, pick), None)
         width = window_steps or 0
         for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             figures = tally.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
@@ -222,10 +242,10 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
                          placement.source, setup.home, mode=setup.mode)
 
 
-def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout,
-              steps: np.ndarray) -> tuple[np.ndarray, wire.TokenFanout, np.ndarray]:
-    """(home, fan-out, steps) with a row per kept slot instead of per token: DeepEP low-latency's sends,
-    one per slot, so a `TrafficTally` over them counts a send per remote slot."""
+def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout, steps: np.ndarray, counts: np.ndarray | None = None
+              ) -> tuple[np.ndarray, wire.TokenFanout, np.ndarray, None, np.ndarray | None]:
+    """(home, fan-out, steps, no node limit, counts) with a row per kept slot instead of per token: DeepEP
+    low-latency's sends, one per slot, so a `TrafficTally` over them counts a send per remote slot."""
     token, slot = np.nonzero(fan.dest >= 0)
     dest, home = fan.dest[token, slot], np.asarray(home, dtype=np.int64)[token]
     reached = np.zeros((len(dest), layout.ranks), dtype=bool)
@@ -233,7 +253,7 @@ def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout,
     node = layout.rank_node
     per_slot = wire.TokenFanout(dest[:, None], reached, (dest != home).astype(np.int64),
                                 (node[dest] != node[home]).astype(np.int64), np.ones(len(dest), dtype=np.int64))
-    return home, per_slot, np.asarray(steps)[token]
+    return home, per_slot, np.asarray(steps), None, None if counts is None else np.asarray(counts)[token]
 
 
 def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, weights: np.ndarray,

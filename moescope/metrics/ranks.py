@@ -63,7 +63,8 @@ def replica_shares(slot_rank: np.ndarray, slot_expert: np.ndarray, num_experts: 
 
 def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ranks: int,
                          row_group: np.ndarray | None = None, groups: int = 1,
-                         unknown_home: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                         unknown_home: tuple[np.ndarray, np.ndarray] | None = None,
+                         row_count: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Return (tokens, slots), each a (groups, R) float array: per group of rows and rank, the distinct
     tokens the rank serves and the slots it serves.
 
@@ -80,6 +81,9 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
     home, so a token's slots are not independent draws: its count on a rank is the mean over homes h of
     1 - prod(1 - p) over its slots that h does not hold, and a slot's share there is
     (1[rank holds it] + (R - copies' ranks) p) / R.
+
+    `row_count` (indexed by row) is the tokens each row stands for (rows grouped by routing,
+    `moescope.store.queries.RouteGroups`): its entries count that many times; None: once.
     """
     row = np.asarray(row, dtype=np.int64)
     rank = np.asarray(rank, dtype=np.int64)
@@ -90,6 +94,8 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
         return tokens, slots
     entry_group = np.zeros(row.size, dtype=np.int64) if row_group is None else np.asarray(row_group)[row]
     share = prob if unknown_home is None else _unknown_home_share(prob, unknown_home, ranks)
+    if row_count is not None:
+        share = share * np.asarray(row_count, dtype=np.float64)[row]
     slots += np.bincount(entry_group * ranks + rank, weights=share, minlength=groups * ranks).reshape(groups, ranks)
     key = row * ranks + rank
     if (int(row.max()) + 1) * ranks <= 4 * row.size:  # few (token, rank) cells: counted without a sort
@@ -106,6 +112,8 @@ def expected_rank_tokens(row: np.ndarray, rank: np.ndarray, prob: np.ndarray, ra
         token = _unknown_home_tokens(cell, prob, certain, unknown_home, ranks, np.where(present, token, 0.0))
     cell_row, cell_rank = keys // ranks, keys % ranks
     cell_group = np.zeros(cells, dtype=np.int64) if row_group is None else np.asarray(row_group)[cell_row]
+    if row_count is not None:
+        token = token * np.asarray(row_count, dtype=np.float64)[cell_row]
     tokens += np.bincount(cell_group * ranks + cell_rank, weights=token,
                           minlength=groups * ranks).reshape(groups, ranks)
     return tokens, slots

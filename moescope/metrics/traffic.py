@@ -422,19 +422,34 @@ class TrafficTally:
         return cls(layout.ranks, layout.nodes, layout.rank_node)
 
     def add(self, layout: WireLayout, home: np.ndarray, fanout: TokenFanout, steps: np.ndarray,
-            limited: NodeLimited | None = None) -> None:
-        """Count one page of tokens (their home ranks, fan-out and forwards)."""
+            limited: NodeLimited | None = None, counts: np.ndarray | None = None) -> None:
+        """Count one page of tokens (their home ranks, fan-out and forwards). `counts` (n,): the tokens
+        each row stands for (rows grouped by home and routing, `moescope.store.queries.RouteGroups`);
+        None: one each. Raises ValueError for counts with node-limited routing (it reads every
+        token's own weights)."""
         home = np.asarray(home, dtype=np.int64)
-        self.tokens += len(home)
-        self.remote_ranks_sum += int(fanout.remote_ranks.sum())
-        self.remote_nodes_sum += int(fanout.remote_nodes.sum())
+        if counts is not None and limited is not None:
+            raise ValueError("node-limited routing is counted token by token: give no counts with it")
+        weight = None if counts is None else np.asarray(counts, dtype=np.int64)
+
+        def total(values: np.ndarray) -> np.ndarray:
+            return values.sum() if weight is None else (values * weight).sum()
+
+        def tally(values: np.ndarray, width: int, where: np.ndarray | None = None) -> np.ndarray:
+            w = weight if weight is None or where is None else np.broadcast_to(weight[:, None], where.shape)[where]
+            out = np.bincount(values, weights=None if w is None else w.astype(np.float64), minlength=width)
+            return np.rint(out).astype(np.int64)  # integer counts below 2**53: exact in float64
+
+        self.tokens += len(home) if weight is None else int(weight.sum())
+        self.remote_ranks_sum += int(total(fanout.remote_ranks))
+        self.remote_nodes_sum += int(total(fanout.remote_nodes))
         floor_ranks, floor_nodes = floor_remote(layout, fanout.experts)
-        self.floor_ranks_sum += float(floor_ranks.sum())
-        self.floor_nodes_sum += float(floor_nodes.sum())
-        self.ranks_histogram += np.bincount(fanout.remote_ranks, minlength=self.ranks)[:self.ranks]
-        self.nodes_histogram += np.bincount(fanout.remote_nodes, minlength=self.nodes)[:self.nodes]
+        self.floor_ranks_sum += float(total(floor_ranks))
+        self.floor_nodes_sum += float(total(floor_nodes))
+        self.ranks_histogram += tally(fanout.remote_ranks, self.ranks)[:self.ranks]
+        self.nodes_histogram += tally(fanout.remote_nodes, self.nodes)[:self.nodes]
         pairs = home[:, None] * self.ranks + np.arange(self.ranks)[None, :]
-        self.rank_matrix += np.bincount(pairs[fanout.reached], minlength=self.ranks * self.ranks).reshape(
+        self.rank_matrix += tally(pairs[fanout.reached], self.ranks * self.ranks, fanout.reached).reshape(
             self.ranks, self.ranks)
         self.forwards.update(np.unique(steps).tolist())
         if limited is not None:

@@ -422,21 +422,6 @@ def test_whatif_saved_rows_and_printed_table(root, tmp_path, capsys):
     assert {layer: [list(r) for r in exported.rank_experts(layer, EXPERTS)] for layer in range(3)} == fitted
 
 
-@pytest.mark.parametrize("max_rows", [1, 40, 1 << 20])  # a layer per query, a few layers, all at once
-def test_routes_by_layer_reads_each_layer_whole_in_recording_order(root, max_rows):
-    raw = read_table(open_location(root), "routes").to_pylist()
-    with Store(root) as store:
-        pages = list(store.routes_by_layer("r", {"phase": "a"}, max_rows=max_rows))
-    assert [layer for layer, _ in pages] == list(range(LAYERS))
-    for layer, page in pages:
-        rows = sorted((r for r in raw if r["layer"] == layer and dict(r["tags"])["phase"] == "a"),
-                      key=lambda r: (r["step"], r["rank"], r["token"]))
-        assert page.step.tolist() == [r["step"] for r in rows]
-        assert page.token.tolist() == [r["token"] for r in rows]
-        assert page.expert_ids.tolist() == [r["expert_ids"] for r in rows]
-        assert page.kept.tolist() == [r["kept"] for r in rows]
-
-
 def test_the_command_offers_every_engines_dispatch(capsys):
     from moescope.cli.placement import DISPATCH_NAMES
     from moescope.metrics.dispatch import DISPATCH
