@@ -307,14 +307,15 @@ def _traffic(store: Store, run_id: str, ranks: int, per_node: int, tags: dict[st
 def _rebalance_curve(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
                      tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, float]:
     from moescope.analyses.rebalance import RebalanceSetup, rebalance_report
-    from moescope.metrics.rebalance import NEVER, EveryN, SglangPolicy, VllmPolicy
+    from moescope.metrics.rebalance import NEVER, EveryN, Policy, SglangPolicy, VllmPolicy
 
     totals = store.layer_totals(run_id, tags=tags)
     experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
                    for r in totals.itertuples()), default=ranks)
     redundant = -experts % ranks  # the fewest extra slots that split evenly over the ranks, as EPLB needs
     w = int(window)  # the page's window is the replay's step: every knob a multiple of it
-    policies = [EveryN(w), EveryN(4 * w), EveryN(16 * w), VllmPolicy(8 * w, 32 * w), SglangPolicy(32 * w), NEVER]
+    policies: list[Policy] = [EveryN(w), EveryN(4 * w), EveryN(16 * w), VllmPolicy(8 * w, 32 * w),
+                              SglangPolicy(32 * w), NEVER]
     report = rebalance_report(store, run_id, RebalanceSetup(ranks=ranks, redundant=redundant, window_steps=w),
                               policies, tags=tags, dispatch=dispatch)
     return report.curve(), report.staleness.staleness

@@ -178,7 +178,8 @@ def rebalance_report(store: Store, run_id: str, setup: RebalanceSetup, policies:
     live map's staleness.
 
     Args:
-        store: the store; run_id: the run.
+        store: the store.
+        run_id: the run.
         setup: ranks, nodes, groups, redundant slots, window and an expert's bytes.
         policies: `moescope.metrics.rebalance` policies, knobs in steps (`parse_policy` reads them).
         current: the live map (None: the engines' initial map on `setup.ranks`); it is also where every

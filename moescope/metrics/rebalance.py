@@ -244,8 +244,9 @@ def replay(loads: np.ndarray, initial: Placement, policy: Policy, layers: Sequen
         initial: the placement serving the first step (the engine's map at start).
         policy: `VllmPolicy`, `SglangPolicy` or `EveryN` (`NEVER`), knobs in steps of `loads`.
         layers: the layer number of each row of the layer axis.
-        nodes, groups, redundant: what EPLB fits with (`moescope.metrics.eplb.eplb`); the ranks are
-            `initial.ranks`.
+        nodes: server nodes (EPLB's hierarchical policy; the node figures); the ranks are `initial.ranks`.
+        groups: expert groups of the model (EPLB's).
+        redundant: extra physical slots EPLB fills with copies of hot experts.
         split: how a redundant expert's load is split over its copies ("even" or "local",
             `Placement.shares`).
         expert_bytes: the bytes of one expert's parameters (what a changed slot loads).
