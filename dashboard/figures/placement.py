@@ -123,4 +123,4 @@ def rebalance_curve_figure(curve: pd.DataFrame) -> go.Figure:
                       "%{customdata} rearrangement(s)<extra></extra>"))
     fig.update_xaxes(title="expert bytes moved per hour of traffic")
     fig.update_yaxes(title="mean balancedness (mean / max rank, all layers)")
-    return layout(fig, "When to rebalance: balancedness kept against bytes moved, per policy")
+    return layout(fig, "Balancedness kept against bytes moved, per policy")

@@ -180,19 +180,21 @@ def moved(old: Placement, new: Placement, layers: Sequence[int], experts: int) -
 
 def _rank_loads(loads: np.ndarray, shares: list[np.ndarray]) -> np.ndarray:
     """[steps, layers, ranks] from loads [steps, layers, experts] and each layer's (E, R) shares."""
-    return np.stack([loads[:, i, :] @ s for i, s in enumerate(shares)], axis=1)
+    return np.einsum("tle,ler->tlr", loads, np.stack(shares), optimize=True)  # every layer in one contraction
 
 
 def step_figures(rank_loads: np.ndarray, nodes: int) -> dict[str, np.ndarray]:
     """Per step of rank_loads [steps, layers, ranks]: balancedness, overload, node_balancedness,
     in_node_balancedness (the module's definitions; NaN where a step served nothing)."""
     steps, layers, ranks = rank_loads.shape
-    balanced = np.array([balancedness_over_layers(r) for r in rank_loads]) if steps else np.zeros(0)
     mean = rank_loads.mean(axis=2)
     peak = rank_loads.max(axis=2)
     with np.errstate(invalid="ignore", divide="ignore"):
+        balanced = np.asarray(balancedness_over_layers(rank_loads))  # one figure per step
         ratio = np.where(mean > 0, peak / np.where(mean > 0, mean, 1), np.nan)
-        overload = np.array([np.nanmean(row) if np.isfinite(row).any() else np.nan for row in ratio])
+        served = np.isfinite(ratio)  # the layers that served anything in the step
+        overload = np.where(served.any(axis=1),
+                            np.where(served, ratio, 0).sum(axis=1) / np.maximum(served.sum(axis=1), 1), np.nan)
         per_node = rank_loads.reshape(steps, layers, nodes, ranks // nodes)
         node_load = per_node.sum(axis=3)
         node_peak = node_load.max(axis=2).sum(axis=1)
