@@ -89,6 +89,9 @@ SIGNALS: dict[str, str] = {
     "mismatch_token_share": "tokens whose expert set differs in at least one layer / tokens compared "
                             "(moescope mismatch; R3's figure, the same for every layer)",
     "mismatch_pairs": "(token, layer) pairs the mismatch check compared in the layer (guards against small samples)",
+    # measured once by `moescope placement --rebalance` (alerts/placement_rules.yaml), likewise no data on steps
+    "placement_staleness": "1 - the live placement's mean/max slots per rank / a fresh EPLB fit's, on the run's "
+                           "latest window, per layer (moescope placement --rebalance)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {
@@ -590,6 +593,17 @@ def mismatch_rules() -> RulePack:
     """
     text = resources.files("moescope.alerts").joinpath("mismatch_rules.yaml").read_text(encoding="utf-8")
     return parse_rules(text, source="alerts/mismatch_rules.yaml")
+
+
+def placement_rules() -> RulePack:
+    """The rule pack `moescope placement --rebalance` judges the live placement's staleness with, shipped
+    in alerts/placement_rules.yaml (the rule there says why its threshold is what it is).
+
+    Returns:
+        The rule pack.
+    """
+    text = resources.files("moescope.alerts").joinpath("placement_rules.yaml").read_text(encoding="utf-8")
+    return parse_rules(text, source="alerts/placement_rules.yaml")
 
 
 def default_rules() -> RulePack:

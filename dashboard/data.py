@@ -307,6 +307,23 @@ def _traffic(store: Store, run_id: str, ranks: int, per_node: int, layer: int | 
     return frame.assign(node_of_rank=[nodes] * len(frame))
 
 
+def _rebalance_curve(store: Store, run_id: str, ranks: int, window: int, dispatch: str,
+                     tags: dict[str, str] | None = None) -> tuple[pd.DataFrame, float]:
+    from moescope.analyses.rebalance import RebalanceSetup, rebalance_report
+    from moescope.metrics.rebalance import NEVER, EveryN, Policy, SglangPolicy, VllmPolicy
+
+    totals = store.layer_totals(run_id, tags=tags)
+    experts = max((int(r.num_experts) if pd.notna(r.num_experts) else len(r.expert_load)
+                   for r in totals.itertuples()), default=ranks)
+    redundant = -experts % ranks  # the fewest extra slots that split evenly over the ranks, as EPLB needs
+    w = int(window)  # the page's window is the replay's step: every knob a multiple of it
+    policies: list[Policy] = [EveryN(w), EveryN(4 * w), EveryN(16 * w), VllmPolicy(8 * w, 32 * w),
+                              SglangPolicy(32 * w), NEVER]
+    report = rebalance_report(store, run_id, RebalanceSetup(ranks=ranks, redundant=redundant, window_steps=w),
+                              policies, tags=tags, dispatch=dispatch)
+    return report.curve(), report.staleness.staleness
+
+
 # (root, version, run_id, ranks, window, dispatch, tag): the placement report's rows per layer under the
 # default (contiguous) layout over `ranks` ranks
 placement_report = _cached(_placement_report, tagged=True)
@@ -314,6 +331,9 @@ placement_report = _cached(_placement_report, tagged=True)
 # placement must coincide or None): the what-if `moescope placement --whatif --save` stored for the run (no tag
 # filter), else one computed with EPLB fitted on the first window of `window` steps
 placement_whatif = _cached(_placement_whatif, tagged=True)
+# (root, version, run_id, ranks, window, dispatch, tag): (the rebalance replay's curve, the default layout's
+# staleness): every-N at 1, 4 and 16 windows, vLLM's and SGLang's schedules and never, each refit EPLB
+rebalance_curve = _cached(_rebalance_curve, tagged=True)
 # (root, version, run_id, ranks, per_node, layer, tag): `moescope.analyses.traffic.traffic_report`'s rows per layer
 # (of `layer` alone, a pass over its routes rows; None: every layer) under the default layout, nodes of
 # `per_node` consecutive ranks, with each rank's node (`node_of_rank`)

@@ -52,6 +52,7 @@ from moescope.dashboard.figures.placement import before_after_figure as before_a
 from moescope.dashboard.figures.placement import fanout_histogram as fanout_histogram
 from moescope.dashboard.figures.placement import rank_layer_heatmap as rank_layer_heatmap
 from moescope.dashboard.figures.placement import rank_matrix_heatmap as rank_matrix_heatmap
+from moescope.dashboard.figures.placement import rebalance_curve_figure as rebalance_curve_figure
 from moescope.dashboard.figures.training import expert_grad_heatmap as expert_grad_heatmap
 from moescope.dashboard.figures.training import training_figure as training_figure
 
@@ -64,5 +65,6 @@ __all__ = [
     "empty_figure", "entropy_figure", "expert_grad_heatmap", "fanout_histogram", "gate_history", "health_trend",
     "host_load_figure", "jitter_heatmap", "jitter_margin_figure", "layer_heatmap", "layer_share_heatmap",
     "layer_spread_figure", "load_heatmap", "margin_figure", "mismatch_heatmap", "rank_layer_heatmap",
-    "rank_matrix_heatmap", "specialisation_figure", "specialisation_figure_by_layer", "training_figure",
+    "rank_matrix_heatmap", "rebalance_curve_figure", "specialisation_figure", "specialisation_figure_by_layer",
+    "training_figure",
 ]

@@ -107,3 +107,20 @@ def fanout_histogram(row: pd.Series | None) -> go.Figure:
                         f"(floor {row['floor_remote_nodes']:.2f})", barmode="group")
 
 
+
+
+def rebalance_curve_figure(curve: pd.DataFrame) -> go.Figure:
+    """The operator's curve of a rebalance replay (`moescope.analyses.rebalance.RebalanceReport.curve`):
+    a point per policy, the expert bytes it moved per hour of the run's traffic across, the mean
+    balancedness it kept up; the policies up and to the left are the ones worth their moves."""
+    if curve.empty:
+        return empty_figure("no policy replayed")
+    fig = go.Figure(go.Scatter(
+        x=curve.moved_bytes_per_hour, y=curve.mean_balancedness, mode="markers+text", text=list(curve.policy),
+        textposition="top center", marker={"color": PALETTE[0], "size": 10},
+        customdata=np.asarray(curve.rearrangements),
+        hovertemplate="%{text}: %{y:.3f} mean balancedness, %{x:.3s}B moved per hour, "
+                      "%{customdata} rearrangement(s)<extra></extra>"))
+    fig.update_xaxes(title="expert bytes moved per hour of traffic")
+    fig.update_yaxes(title="mean balancedness (mean / max rank, all layers)")
+    return layout(fig, "Balancedness kept against bytes moved, per policy")

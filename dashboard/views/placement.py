@@ -5,7 +5,8 @@ Sections (each a function below; a new section is one more function called at th
 load per rank (rank x layer heatmap of `moescope.analyses.placement.placement_report`), balancedness
 over time per candidate placement and before/after for one
 (`moescope.analyses.placement.placement_whatif`: the rows `moescope placement --whatif --save` wrote,
-or computed here with the page's settings), and traffic on the wire
+or computed here with the page's settings), when to rebalance (`moescope.analyses.rebalance`: the
+policies' curve of balancedness against bytes moved), and traffic on the wire
 (`moescope.analyses.traffic.traffic_report`). Every frame comes through `moescope.dashboard.data`.
 """
 
@@ -71,6 +72,20 @@ def over_time_and_before_after(ctx: common.PageContext, ranks: int, window: int,
                     key="pl_before_after")
 
 
+def when_to_rebalance(ctx: common.PageContext, ranks: int, window: int, dispatch: str) -> None:
+    """The rebalance replay (`moescope.analyses.rebalance`): a point per policy, bytes moved per hour
+    against the mean balancedness it kept, from the default layout."""
+    st.subheader("When to rebalance")
+    curve, stale = data.rebalance_curve(ctx.root, ctx.version, ctx.run_id, ranks, window, dispatch, ctx.tag)
+    st.plotly_chart(fg.rebalance_curve_figure(curve), key="pl_rebalance_curve")
+    st.caption(f"Each policy replayed over the run from the default layout, every refit DeepSeek's EPLB, a step of "
+               f"the replay a window of {window} steps: every N windows, vLLM's and SGLang's schedules (knobs in "
+               f"windows of this page) and never. Up and left is balance bought with few moves. A fresh fit on the "
+               f"last 1000 steps would win back {stale:.1%} of the MoE time from the default layout (the "
+               "`PlacementStale` rule fires above 10%). An engine's own knobs and map, the bytes of its experts: "
+               "`moescope placement STORE --placement FILE --rebalance --policy vllm:1000:3000`.")
+
+
 def traffic(ctx: common.PageContext, ranks: int) -> None:
     """What the placement costs on the wire (docs/traffic.md): the tokens each home rank sends each
     other rank, and the tokens by the remote ranks and nodes they reach, of one layer."""
@@ -122,6 +137,7 @@ with common.guard():
     try:
         load_per_rank(ctx, ranks, dispatch)
         over_time_and_before_after(ctx, ranks, window, dispatch)
+        when_to_rebalance(ctx, ranks, window, dispatch)
     except PlacementError as e:  # a run this placement cannot describe: say what, draw what was drawn
         st.warning(f"The placement does not fit this run: {e}")
     traffic(ctx, ranks)

@@ -4,6 +4,8 @@ package's names (`from moescope.analyses.jitter import jitter`: several share th
 - `summary`: the per-layer summary of a run (`moescope summary`, the demo);
 - `placement`: the load per expert-parallel rank under a placement, and reading a placement file;
 - `placement_whatif`: the rebalance what-if (other placements fitted on one window, on every window);
+- `rebalance`: the engines' rebalancing policies replayed over a run (balancedness against bytes moved),
+  and how stale the live placement is;
 - `traffic`: what a placement costs on the wire, per layer, window and tag;
 - `expert_cache`: the expert-cache what-if;
 - `jitter`: does the same token go to the same experts when a server runs it differently;
@@ -15,4 +17,4 @@ package's names (`from moescope.analyses.jitter import jitter`: several share th
 """
 
 __all__ = ["expert_cache", "jitter", "mismatch", "mismatch_engine", "mismatch_replay", "placement", "placement_whatif",
-           "summary", "tokens", "traffic", "training_report"]
+           "rebalance", "summary", "tokens", "traffic", "training_report"]

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 __all__ = ["DOCUMENTS", "FORMATS", "SCHEMA_VERSION", "UNITS", "Document", "document", "document_keys",
-           "jitter_document", "jsonable", "mismatch_document", "notes", "placement_document", "summary_document",
-           "traffic_document", "wants_json", "whatif_cache_document", "write_document"]
+           "jitter_document", "jsonable", "mismatch_document", "notes", "placement_document", "rebalance_document",
+           "summary_document", "traffic_document", "wants_json", "whatif_cache_document", "write_document"]
 
 SCHEMA_VERSION = 1
 FORMATS = ("table", "json")
@@ -81,6 +81,14 @@ UNITS: dict[str, str] = {
     "token_share": "fraction of tokens", "sequences": "sequences", "inputs": "inputs",
     "batch_size": "inputs per batch", "dead_experts": "experts", "ranks": "ranks", "nodes": "nodes",
     "redundant": "slots", "groups": "expert groups", "rebalance_every": "windows", "top_k": "experts per token",
+    "hours": "hours", "expert_bytes": "bytes", "rearrangements": "refits", "skipped": "refits",
+    "rearrangement_steps": "steps", "mean_balancedness": "ratio (mean / max over ranks)",
+    "min_balancedness": "ratio (mean / max over ranks)", "mean_overload": "ratio (busiest / mean rank)",
+    "mean_node_balancedness": "ratio (mean / max over nodes)",
+    "mean_in_node_balancedness": "ratio (mean / max over a node's ranks)", "moved_slots": "slots",
+    "sent_slots": "slots", "moved_bytes": "bytes", "sent_bytes": "bytes", "moved_bytes_per_hour": "bytes per hour",
+    "staleness": "fraction of MoE time", "current_balancedness": "ratio (mean / max over ranks)",
+    "fresh_balancedness": "ratio (mean / max over ranks)", "layer_staleness": "fraction of MoE time",
 }
 
 
@@ -140,6 +148,10 @@ _MISMATCH_TOKEN = ("layer", "step", "engine_rank", "sequence", "position", "toke
                    "slots_changed", "topk_margin", "top1_margin", "reference_ids", "engine_ids", "reference_weights",
                    "context_ids", "context_start")
 
+_REBALANCE_POLICY = ("policy", "rearrangements", "skipped", "rearrangement_steps", "mean_balancedness",
+                     "min_balancedness", "mean_overload", "mean_node_balancedness", "mean_in_node_balancedness",
+                     "moved_slots", "sent_slots", "moved_bytes", "sent_bytes", "moved_bytes_per_hour", "balancedness")
+
 _HEAD = ("schema_version", "command", "units")
 
 DOCUMENTS: dict[str, Document] = {document.command: document for document in (
@@ -160,6 +172,14 @@ DOCUMENTS: dict[str, Document] = {document.command: document for document in (
         *_rows("whatif.layers", ("candidate", "window_start", "window_end", "layer", "fit_start", "rank_load",
                                  "balancedness", "imbalance"))),
         "moescope.analyses.placement.PlacementReport and moescope.analyses.placement_whatif.WhatIfReport"),
+    Document("placement rebalance", (
+        *_HEAD, "run_id", "ranks", "nodes", "groups", "redundant", "window_steps", "dispatch", "steps", "hours",
+        "expert_bytes", *_rows("policies", _REBALANCE_POLICY),
+        "staleness", *(f"staleness.{key}" for key in ("source", "window_start", "window_end", "staleness",
+                                                      "current_balancedness", "fresh_balancedness", "layers",
+                                                      "layer_staleness")),
+        *_rows("alerts", ("alertname", "severity", "layer", "values", "values[].signal", "values[].value"))),
+        "moescope.analyses.rebalance.RebalanceReport", ("steps",)),
     Document("traffic", (
         *_HEAD, "run_id", "ranks", "nodes", "source", "home", "replica_rule", "mode",
         *_rows("layers", _TRAFFIC_LAYER), *_rows("comparison", ("placement", *_TRAFFIC_LAYER)),
@@ -316,6 +336,22 @@ def jitter_document(report: Any, inputs: int) -> dict[str, Any]:
                 skipped=[dict(condition=c, reason=r) for c, r in report.skipped.items()])
 
 
+def _alerts(fired: Any) -> list[dict[str, Any]]:
+    """Alert transitions a command's rules fired, as rows (their values a list of (signal, value) rows)."""
+    return [dict(alertname=t.alertname, severity=t.severity, layer=t.layer,
+                 values=[dict(signal=s, value=v) for s, v in t.values.items()]) for t in fired]
+
+
+def rebalance_document(report: Any, fired: Any = ()) -> dict[str, Any]:
+    """`moescope placement --rebalance`'s keys from a `moescope.analyses.rebalance.RebalanceReport` and
+    the alerts its staleness rules fired."""
+    setup = report.setup
+    return dict(run_id=report.run_id, ranks=setup.ranks, nodes=setup.nodes, groups=setup.groups,
+                redundant=setup.redundant, window_steps=setup.window_steps, dispatch=report.dispatch,
+                steps=report.steps, hours=report.hours, expert_bytes=report.expert_bytes,
+                policies=report.policies, staleness=report.staleness, alerts=_alerts(fired))
+
+
 def mismatch_document(report: Any, fired: Any = (), replay: Mapping[str, Any] | None = None,
                       engine_run: str | None = None) -> dict[str, Any]:
     """`moescope mismatch`'s keys from a `MismatchReport` (None: `--export` without a model, the
@@ -325,8 +361,7 @@ def mismatch_document(report: Any, fired: Any = (), replay: Mapping[str, Any] | 
 
     fractions = ["set_changed_fraction", "top1_changed_fraction", "slots_changed_fraction",
                  "tokens_set_changed_fraction", "tokens_top1_changed_fraction"]
-    alerts = [dict(alertname=t.alertname, severity=t.severity, layer=t.layer,
-                   values=[dict(signal=s, value=v) for s, v in t.values.items()]) for t in fired]
+    alerts = _alerts(fired)
     if report is None:
         return dict(run_id=None, engine_run=engine_run, model_class=None, reference_dtype=None, top_k=None,
                     layers=None, decision_share=None, token_share=None, margin_edges=MARGIN_EDGES, groups=[],

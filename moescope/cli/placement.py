@@ -26,6 +26,7 @@ examples:
   moescope placement runs/ --placement moe_load_balancer.yaml --ranks 36 --dispatch trtllm
   moescope placement runs/ --ranks 32 --whatif --window 100 --redundant 32 --nodes 4 --groups 8 --save
   moescope placement runs/ --ranks 8 --whatif --window 100 --rebalance-every 10 --export eplb.json
+  moescope placement runs/ --placement eplb.json --rebalance --policy vllm:1000:3000 --policy every:500
   moescope placement runs/ --ranks 8 --format json | jq '.layers[] | {layer, balancedness}'
 
 slots are kept top-k assignments (a token routed to k experts fills k); tokens count a token once per
@@ -33,7 +34,9 @@ rank it reaches (from the routes rows, where the run kept them). A redundant exp
 as the engine splits them (--dispatch; default: the engine that recorded the run). balancedness is
 mean/max over ranks (vLLM's name; 1 is even), imbalance is (max - mean)/mean (TensorRT-LLM's; 0 is
 even). --whatif fits the default layout, DeepSeek's EPLB and the seeds' load-aware mapping on one
-window and evaluates them on every later one. See docs/placement.md.
+window and evaluates them on every later one. --rebalance replays the engines' rebalancing policies
+(--policy, knobs in steps) over the run and prints, per policy, the balancedness kept against the
+expert bytes moved, and how stale the live map is. See docs/placement.md.
 """
 
 
@@ -64,9 +67,32 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--redundant", type=int, default=0, metavar="S", help="extra slots EPLB may fill (default 0)")
     what.add_argument("--nodes", type=positive_int, default=1, help="server nodes (EPLB's hierarchical policy)")
     what.add_argument("--groups", type=positive_int, default=1, help="expert groups of the model (DeepSeek-V3: 8)")
-    what.add_argument("--save", action="store_true", help="write the what-if into the store (the dashboard shows it)")
+    what.add_argument("--save", action="store_true",
+                      help="write the what-if into the store (the dashboard shows it); with --rebalance, the "
+                           "staleness alerts that fire")
     what.add_argument("--export", metavar="FILE",
                       help="write the EPLB placement fitted last as a placement file (JSON or YAML)")
+    again = p.add_argument_group("rebalance policies (--rebalance)")
+    again.add_argument("--rebalance", action="store_true",
+                       help="replay the engines' rebalancing policies over the run (each refit DeepSeek's EPLB) "
+                            "from the live map (--placement, else the layout of --ranks) and say how stale it is")
+    again.add_argument("--policy", action="append", default=[], metavar="SPEC",
+                       help="vllm:WINDOW:INTERVAL, sglang:ITERATIONS[:BUFFER[:MIN_UTILIZATION]], every:N or never "
+                            "(repeatable; knobs in steps; default: vllm:1000:3000, sglang:1000 and never)")
+    again.add_argument("--expert-bytes", type=float, metavar="B",
+                       help="bytes of one expert's parameters (default: --model-config, else the run's recorded "
+                            "parameters x --bytes-per-param)")
+    again.add_argument("--model-config", metavar="FILE",
+                       help="a transformers config.json: an expert is 3 x hidden_size x moe_intermediate_size "
+                            "parameters of torch_dtype")
+    again.add_argument("--bytes-per-param", type=float, default=2.0,
+                       help="bytes per parameter with the run's recorded parameters (default 2: bf16)")
+    again.add_argument("--rules", metavar="FILE",
+                       help="rules to judge the live map's staleness with (default alerts/placement_rules.yaml: "
+                            "PlacementStale above 0.1); with --save a rule that holds goes to the store's alerts")
+    again.add_argument("--staleness-window", type=positive_int, default=1000, metavar="STEPS",
+                       help="the latest steps a fresh fit reads for the staleness figure (default 1000: vLLM's "
+                            "window)")
     p.set_defaults(func=_placement_command)
 
 
@@ -160,18 +186,35 @@ def format_whatif(report, run_id: str) -> str:
 def _placement_command(args: argparse.Namespace) -> int:
     from moescope.analyses.placement import placement_report
     from moescope.analyses.placement_whatif import WhatIfSetup, placement_whatif, write_whatif
-    from moescope.cli.output import notes, placement_document, wants_json, write_document
+    from moescope.cli.output import notes, placement_document, rebalance_document, wants_json, write_document
     from moescope.ingest.importers.tables import parse_tags
     from moescope.metrics.placement import PlacementError
     from moescope.store import Store
 
     tags = parse_tags(args.tag) or None
-    if args.whatif and args.ranks is None and args.placement is None:
-        raise PlacementError("--whatif places experts on --ranks R (or on the ranks of --placement FILE)")
+    if (args.whatif or args.rebalance) and args.ranks is None and args.placement is None:
+        flag = "--whatif" if args.whatif else "--rebalance"
+        raise PlacementError(f"{flag} places experts on --ranks R (or on the ranks of --placement FILE)")
     placement = load_placement(args.placement, args.ranks)
     location = store_location(args)
     with Store(location) as store:
         run_id = store.check_run(args.run)
+        if args.rebalance:
+            report = _rebalance(store, run_id, placement, args, tags)
+            from moescope.cli.mismatch import fired_lines, write_alerts
+
+            fired = judge_staleness(report, _placement_rules(args.rules))
+            if wants_json(args):
+                write_document("placement rebalance", rebalance_document(report, fired))
+            else:
+                print(format_rebalance(report))
+                for line in fired_lines(fired):
+                    print(line)
+            if fired and args.save:
+                write_alerts(location, fired)
+                print(f"\nwrote {len(fired)} alert(s) to the store's alerts table (source placement)",
+                      file=notes(args))
+            return 0
         report = placement_report(store, run_id, placement, args.window, tags, args.top, args.dispatch,
                                   progress=sys.stderr.isatty())
         whatif = None
@@ -196,6 +239,102 @@ def _placement_command(args: argparse.Namespace) -> int:
     if args.export:
         _export(args.export, whatif, args.rebalance_every, notes(args))
     return 0
+
+
+def _rebalance(store, run_id: str, placement, args: argparse.Namespace, tags):
+    from moescope.analyses.rebalance import (
+        DEFAULT_POLICIES,
+        RebalanceSetup,
+        expert_bytes_from_config,
+        rebalance_report,
+    )
+    from moescope.metrics.placement import PlacementError
+    from moescope.metrics.rebalance import parse_policy
+
+    try:
+        policies = [parse_policy(spec) for spec in args.policy] or list(DEFAULT_POLICIES)
+    except ValueError as e:
+        raise PlacementError(f"--policy: {e}") from e
+    expert_bytes = args.expert_bytes
+    if expert_bytes is None and args.model_config:
+        expert_bytes = expert_bytes_from_config(args.model_config)
+    setup = RebalanceSetup(ranks=placement.ranks, nodes=args.nodes, groups=args.groups, redundant=args.redundant,
+                           window_steps=args.window or 1, expert_bytes=expert_bytes,
+                           bytes_per_param=args.bytes_per_param, staleness_steps=args.staleness_window)
+    current = placement if args.placement is not None else None
+    return rebalance_report(store, run_id, setup, policies, current, tags, args.dispatch)
+
+
+def _placement_rules(path: str | None):
+    from moescope.alerts.rules import load_rules, placement_rules
+
+    return load_rules(path) if path else placement_rules()
+
+
+def judge_staleness(report, pack) -> list:
+    """The alert transitions (firing, source "placement") of the rules in `pack` that hold for a layer's
+    staleness in `report` (a `RebalanceReport`); a rule reading any other signal is left out."""
+    import datetime as dt
+
+    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+
+    now = dt.datetime.now(dt.timezone.utc)
+    stale = report.staleness
+    out = []
+    for layer, value in zip(stale.layers, stale.layer_staleness):
+        values = {"placement_staleness": float(value)}
+        for rule in pack.rules:
+            if not {c.signal for c in rule.conditions} <= set(values):
+                continue
+            if not all(c.holds(values[c.signal]) for c in rule.conditions):
+                continue
+            labels = {"alertname": rule.name, "severity": rule.severity, "run_id": report.run_id,
+                      "layer": str(layer), **rule.labels}
+            out.append(AlertTransition(
+                fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
+                step=int(stale.window_end) - 1, run_id=report.run_id, layer=int(layer), severity=rule.severity,
+                expr=rule.expr, labels=labels, annotations=dict(rule.annotations),
+                values={c.signal: values[c.signal] for c in rule.conditions}, starts_at=now, ends_at=None,
+                source="placement"))
+    return out
+
+
+def _bytes(value: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} TiB"
+
+
+def format_rebalance(report) -> str:
+    """The rebalance replay as text: per policy, the balancedness kept and the bytes moved, then the
+    live map's staleness."""
+    setup = report.setup
+    lines = [f"rebalance policies over run {report.run_id}: {setup.ranks} ranks, {setup.nodes} node(s), "
+             f"{setup.groups} group(s), {setup.redundant} redundant slot(s); {len(report.steps)} replayed step(s) "
+             f"of {setup.window_steps} recorded step(s); every refit DeepSeek's EPLB; an expert is "
+             f"{_bytes(report.expert_bytes)}; redundant copies split as {report.dispatch}",
+             f"  {'policy':<44}{'refits':>7}{'balanced':>9}{'worst':>7}{'overload':>9}{'nodes':>7}"
+             f"{'in-node':>8}{'moved':>12}{'sent':>12}{'per hour':>12}"]
+    for p in report.policies:
+        lines.append(f"  {p.policy:<44}{p.rearrangements:>7}{p.mean_balancedness:>9.3f}{p.min_balancedness:>7.3f}"
+                     f"{p.mean_overload:>9.3f}{p.mean_node_balancedness:>7.3f}{p.mean_in_node_balancedness:>8.3f}"
+                     f"{_bytes(p.moved_bytes):>12}{_bytes(p.sent_bytes):>12}{_bytes(p.moved_bytes_per_hour):>12}")
+        if p.skipped:
+            lines.append(f"    ({p.skipped} rebalance(s) skipped: utilisation above the threshold)")
+    lines.append("  balanced: mean over steps of mean/max rank (layers summed); worst: the lowest step; overload: "
+                 "busiest/mean rank per layer and step, averaged (Megatron's); nodes / in-node: mean/max across "
+                 "nodes / within them; moved: slots that loaded another expert x its bytes; sent: those whose "
+                 "GPU held no copy; per hour: moved over the run's span")
+    stale = report.staleness
+    lines.append(f"\nstaleness of the live map ({stale.source}) on steps {stale.window_start}-{stale.window_end - 1}: "
+                 f"{stale.staleness:.3f} (balancedness {stale.current_balancedness:.3f} now, "
+                 f"{stale.fresh_balancedness:.3f} with a fresh EPLB fit: a rearrangement now wins back "
+                 f"{max(stale.staleness, 0.0):.1%} of the MoE time)")
+    return "\n".join(lines)
 
 
 def _export(path: str, whatif, rebalance_every: int | None, stream=None) -> None:

@@ -12,10 +12,13 @@ the dashboard share one definition. A module per idea, and the modules are the p
   shares and wire layout) and `LayerPlacements`, the view the rules engine and the exporter read;
 - `dispatch`: how each engine picks the copy of a redundant expert, and where each routed slot runs;
 - `eplb`: placements fitted to loads (DeepSeek's EPLB, the seeds' load-aware mapping);
+- `rebalance`: the engines' rebalancing policies (vLLM, SGLang, every N steps, never) replayed over
+  recorded loads, the bytes each rearrangement moves, and how stale a placement is;
 - `traffic`: what a placement costs on the wire (dispatch fan-out per token);
 - `expert_cache`: the expert-cache replay (LRU, LFU, Belady).
 
 Numpy only (pandas where a frame is built); the package imports none of the other rooms.
 """
 
-__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "placement", "ranks", "signals", "traffic"]
+__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "placement", "ranks", "rebalance", "signals",
+           "traffic"]

@@ -154,9 +154,14 @@ def balancedness_over_layers(rank_loads: np.ndarray) -> float:
 
     `rank_loads` is [layers, ranks]. Every layer waits for its busiest rank, so this is the share of
     an expert-parallel forward's MoE time that does useful work (vLLM's balancedness of the whole
-    forward, layers weighted by their load); 1 is even. NaN when nothing was served.
+    forward, layers weighted by their load); 1 is even. NaN when nothing was served. Given
+    [steps, layers, ranks], the same per step: an np.ndarray of one figure per step.
     """
     arr = np.asarray(rank_loads, dtype=np.float64)
+    if arr.ndim == 3:
+        peaks = arr.max(axis=2).sum(axis=1) if arr.size else np.zeros(arr.shape[0])
+        means = arr.mean(axis=2).sum(axis=1) if arr.size else np.zeros(arr.shape[0])
+        return np.where(peaks > 0, means / np.where(peaks > 0, peaks, 1.0), np.nan)  # type: ignore[return-value]
     peak = arr.max(axis=1).sum() if arr.size else 0.0
     return float(arr.mean(axis=1).sum() / peak) if peak > 0 else float("nan")
 

@@ -86,6 +86,25 @@ def test_placement_with_the_whatif(root, capsys, tmp_path):
     assert json.loads(export.read_text()) == whatif.placements["eplb-every-2"].document()
 
 
+def test_placement_rebalance(root, capsys):
+    from moescope.analyses.rebalance import DEFAULT_POLICIES, RebalanceSetup, rebalance_report
+
+    doc = run_json(capsys, "placement", root, "--ranks", "3", "--rebalance", "--expert-bytes", "1000")
+    check_keys({k: v for k, v in doc.items() if k != "_stderr"})
+    assert doc["command"] == "placement rebalance"
+    with Store(root) as store:
+        report = rebalance_report(store, "r", RebalanceSetup(ranks=3, expert_bytes=1000), DEFAULT_POLICIES)
+    assert (doc["ranks"], doc["steps"], doc["dispatch"]) == (3, report.steps, report.dispatch)
+    same(doc["expert_bytes"], report.expert_bytes)
+    assert [p["policy"] for p in doc["policies"]] == [p.policy for p in report.policies]
+    for row, policy in zip(doc["policies"], report.policies):
+        for key in ("rearrangements", "mean_balancedness", "mean_overload", "moved_bytes", "moved_slots"):
+            same(row[key], getattr(policy, key))
+        same(row["balancedness"], policy.balancedness)
+    same(doc["staleness"]["staleness"], report.staleness.staleness)
+    assert doc["staleness"]["layers"] == report.staleness.layers
+
+
 def test_traffic_with_comparisons_and_nan_as_null(root, capsys):
     doc = run_json(capsys, "traffic", root, "--ranks", "3", "--nodes", "2,1", "--compare", "default,coselection",
                    "--window", "4", "--max-nodes", "1")

@@ -44,7 +44,10 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     at.number_input(key="pl_ranks").set_value(2).run()
     assert_clean(at)
     charts = at.get("plotly_chart")
-    assert len(charts) == 5  # and the traffic section's two (test_traffic_section_is_the_raw_routes_per_link)
+    assert len(charts) == 6  # and the traffic section's two (test_traffic_section_is_the_raw_routes_per_link)
+    curve = json.loads(next(c for c in charts if c.key == "pl_rebalance_curve").proto.spec)["data"][0]
+    points = dict(zip(curve["text"], _array(curve["x"])))
+    assert len(points) == 6 and points["never"] == 0  # a policy per point; never moves nothing
     heatmap = json.loads(next(c for c in charts if c.key == "pl_heatmap").proto.spec)["data"][0]
     rows = _layer_steps(recorded["root"], run_id)
     for column, layer in enumerate(heatmap["x"]):
