@@ -175,4 +175,5 @@ def test_every_analysis_command_takes_the_format():
                  ["jitter", "demo"], ["mismatch", "s", "--run", "r"]):
         assert parser.parse_args(argv).format == "table"
         assert parser.parse_args([*argv, "--format", "json"]).format == "json"
-    assert set(DOCUMENTS) == {"summary", "placement", "traffic", "whatif cache", "jitter", "mismatch"}
+    assert set(DOCUMENTS) == {"summary", "placement", "placement rebalance", "traffic", "whatif cache", "jitter",
+                              "mismatch"}
