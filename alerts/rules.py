@@ -87,6 +87,12 @@ SIGNALS: dict[str, str] = {
     "mismatch_token_share": "tokens whose expert set differs in at least one layer / tokens compared "
                             "(moescope mismatch; R3's figure, the same for every layer)",
     "mismatch_pairs": "(token, layer) pairs the mismatch check compared in the layer (guards against small samples)",
+    # measured once per check of an engine's trace by `moescope check` (moescope.ingest.trace_checks), the
+    # same for every layer: on a run's steps these are no data too
+    "trace_broken_share": "the largest share any trace check found broken: zero rows, repeated ids, rows missing "
+                          "or extra, zeroed final rows, physical ids, each over what it checked (moescope check; "
+                          "-1 rows, prefix-cache hits, are not counted)",
+    "trace_checked_rows": "token rows the trace checks read (moescope check)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {

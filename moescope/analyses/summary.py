@@ -151,6 +151,7 @@ def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -
                   f"{_cell(h['load_cv'], '.2f', 8)} {_cell(h['max_over_mean'], '.2f', 9)} "
                   f"{_cell(100 * h['dropped_rate'], '.2f', 7)}" for h in hosts]
         lines.append("  (load CV token-weighted over layers; max/mean of the host's most uneven layer)")
+    lines += trace_finding_lines(store, run_id, program, location)
     tags = store.tag_totals(run_id)
     if not tags.empty:
         lines += ["", "by tag:"]
@@ -165,3 +166,18 @@ def _summary(store: Store, location: StoreLocation, run_id: str, program: str) -
         "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
     ]
     return "\n".join(lines)
+
+
+def trace_finding_lines(store: Store, run_id: str, program: str, location: StoreLocation) -> list[str]:
+    """What the trace checks found in an engine's trace (`moescope.ingest.trace_checks`, the run's
+    `trace_findings` rows): a line per check, or nothing for a run without findings."""
+    findings = store.trace_findings(run_id)
+    if findings.empty:
+        return []
+    lines = ["", f"trace checks: {len(findings)} finding{'s' if len(findings) != 1 else ''} (do not replay or train "
+                 "on this trace before reading them):"]
+    lines += [f"  {r.check_name}: {int(r['count']):,} of {int(r.checked):,} ({r.origins}): {r.detail}"
+              for _, r in findings.iterrows()]
+    lines.append(f"  more: {program} check {store_arguments(location)} --run {run_id}")
+    return lines
+

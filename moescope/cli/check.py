@@ -10,13 +10,14 @@ replays a trace can stop on it), 1 on an error.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 from typing import Any
 
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 
-__all__ = ["FOUND_STATUS", "add_subcommands", "placement_logical_experts"]
+__all__ = ["FOUND_STATUS", "add_subcommands", "judge_trace", "placement_logical_experts"]
 
 FOUND_STATUS = 3  # the exit status when a check found something
 
@@ -69,12 +70,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--save", action="store_true",
                    help="write what the stored routes gave as the run's trace_findings rows (origin check), for "
                         "the dashboard, summary and alert rules")
+    p.add_argument("--rules", metavar="FILE",
+                   help="judge with this rule pack instead of alerts/mismatch_rules.yaml (its BrokenTrace rule reads "
+                        "trace_broken_share and trace_checked_rows)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
     p.set_defaults(func=_check)
 
 
 def _check(args: argparse.Namespace) -> int:
     from moescope.ingest.stored_trace import RECHECKED, check_stored_trace, findings_table
+    from moescope.ingest.trace_checks import broken_share
     from moescope.store import Store
     from moescope.store.writer import run_writer
 
@@ -100,9 +105,17 @@ def _check(args: argparse.Namespace) -> int:
         dict(check=f.check, count=f.count, checked=f.checked, expected=f.expected, sequences=f.sequences,
              rows=f.rows, detail=f.detail) for f in findings]
     rechecked = [c for c in RECHECKED if c != "physical_ids" or logical]
+    values = {"trace_broken_share": broken_share((f["check"], f["count"], f["checked"]) for f in recorded + again),
+              "trace_checked_rows": float(checks.rows)}
+    fired = judge_trace(run_id, int(layers.layer.min()) if not layers.empty else 0, values, _rules(args.rules))
+    if args.save and fired:
+        from moescope.cli.mismatch import write_alerts
+
+        write_alerts(location, fired)
     if args.format == "json":
         print(json.dumps({"run_id": run_id, "rows_checked": checks.rows, "rechecked": rechecked,
-                          "recorded": recorded, "stored_routes": again}, indent=2))
+                          "recorded": recorded, "stored_routes": again, "signals": values,
+                          "alerts": [t.alertname for t in fired]}, indent=2))
     else:
         print(f"run {run_id}: trace checks")
         print("  when recorded (import / proxy): " + ("no finding" if not recorded else ""))
@@ -110,7 +123,39 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  stored routes again ({checks.rows:,} token rows; {', '.join(rechecked)}): "
               + ("no finding" if not again else ""))
         _print_findings(again)
+        for t in fired:
+            print(f"ALERT {t.alertname} firing ({t.severity}): " + ", ".join(
+                f"{name} {value:.4g}" for name, value in t.values.items() if value is not None))
     return FOUND_STATUS if recorded or again else 0
+
+
+def _rules(path: str | None):
+    from moescope.alerts.rules import load_rules, mismatch_rules
+
+    return load_rules(path) if path else mismatch_rules()
+
+
+def judge_trace(run_id: str, layer: int, values: dict[str, float], pack: Any) -> list[Any]:
+    """The alert transitions (firing, source "trace_check") of the rules in `pack` that read only the
+    trace signals and hold for `values`. The trace is judged whole: its alert sits on the run's first
+    MoE layer (`layer`), labelled scope=trace."""
+    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+
+    now = dt.datetime.now(dt.timezone.utc)
+    out = []
+    for rule in pack.rules:
+        if not {c.signal for c in rule.conditions} <= set(values):
+            continue
+        if not all(c.holds(values[c.signal]) for c in rule.conditions):
+            continue
+        labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, "layer": str(layer),
+                  "scope": "trace", **rule.labels}
+        out.append(AlertTransition(
+            fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
+            step=0, run_id=run_id, layer=layer, severity=rule.severity, expr=rule.expr, labels=labels,
+            annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
+            starts_at=now, ends_at=None, source="trace_check"))
+    return out
 
 
 def _print_findings(findings: list[dict[str, Any]]) -> None:

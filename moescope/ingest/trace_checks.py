@@ -50,7 +50,11 @@ MAX_NAMED = 5
 # a count of all-zero rows within this many standard deviations of an honest k = 1 router's is no finding
 ZERO_ROWS_SIGMA = 3.0
 
-__all__ = ["CHECKS", "TraceChecks", "TraceFinding", "summary_line"]
+# the checks a trace is broken by (alerts/mismatch_rules.yaml's BrokenTrace); sentinel_rows is not one:
+# vLLM marks prefix-cache hits -1 on purpose
+BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids")
+
+__all__ = ["BROKEN", "CHECKS", "TraceChecks", "TraceFinding", "broken_share", "summary_line"]
 
 
 @dataclass
@@ -231,3 +235,11 @@ def summary_line(findings: list[TraceFinding], rows: int) -> str:
         return f"trace checks: no finding in {rows:,} token rows"
     return f"trace checks: {len(findings)} finding{'s' if len(findings) != 1 else ''}: " + \
         "; ".join(f.line() for f in findings) + " (moescope check STORE --run RUN says more)"
+
+
+def broken_share(findings: Iterable[tuple[str, int, int]]) -> float:
+    """The largest share any check in `BROKEN` found broken, over (check, count, checked) triples:
+    the `trace_broken_share` signal (0.0 when none found anything)."""
+    return max((count / checked if checked else 1.0 for check, count, checked in findings
+                if check in BROKEN and count > 0), default=0.0)
+

@@ -11,6 +11,7 @@ counted by a plain loop over the arrays exactly as each format sends them.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -20,7 +21,7 @@ from moescope.ingest.stored_trace import RECHECKED, check_stored_trace
 from moescope.store import Store
 from tests.support.engine_standin import sglang_responses, vllm_responses
 from tests.support.importing import parquet_rows
-from tests.support.trace_faults import FAULTS, FORMATS, final_row, sent, standin_trace
+from tests.support.trace_faults import FAULTS, FORMATS, final_row, sent, sentinel, standin_trace
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,25 @@ def test_the_check_command_shows_recorded_findings_and_exits_3(tmp_path, standin
     assert [words[:2] for words in found] == [["final_row_zero", "8"]] * 2  # when imported, and from the routes
     saved = parquet_rows(root, "trace_findings", summary.run_id).to_pylist()
     assert sorted(r["origin"] for r in saved) == ["check", "import"]
+    assert "ALERT BrokenTrace firing (critical): trace_broken_share" in out
+    [alert] = parquet_rows(root, "alerts", summary.run_id).to_pylist()
+    sequences = sum(len(generated) for _, generated in requests)
+    # the shipped rule reads the largest broken share: zeroed final rows of every sequence
+    assert alert["alertname"] == "BrokenTrace" and alert["source"] == "trace_check"
+    assert alert["signal_values"][0] == ("trace_broken_share", pytest.approx(sequences / sequences))
     (tmp_path / "clean").mkdir()
     clean_root, clean_summary = imported(tmp_path / "clean", "vllm", requests, clean, layers, k)
-    assert main(["check", clean_root, "--run", clean_summary.run_id]) == 0
+    assert main(["check", clean_root, "--run", clean_summary.run_id, "--save"]) == 0
+    assert parquet_rows(clean_root, "alerts").num_rows == 0
+
+
+def test_rows_vllm_did_not_compute_are_a_finding_but_do_not_make_the_trace_broken(tmp_path, standin, capsys):
+    requests, clean, layers, k, experts = standin
+    engine = copy.deepcopy(clean)
+    sentinel(requests, engine, experts)  # prefix-cache hits: vLLM marks them -1 on purpose
+    root, summary = imported(tmp_path, "vllm", requests, engine, layers, k)
+    capsys.readouterr()
+    assert main(["check", root, "--run", summary.run_id, "--format", "json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert [f["check"] for f in report["recorded"]] == ["sentinel_rows"] and report["stored_routes"] == []
+    assert report["signals"]["trace_broken_share"] == 0.0 and report["alerts"] == []
