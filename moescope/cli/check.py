@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace) -> int:
     location = store_location(args)
     with Store(location) as store:
         run_id = store.check_run(args.run) if args.run else store.latest_run()
-        stored = store.trace_findings(run_id, origins=("import", "proxy"))
+        stored = store.trace_findings(run_id, origins=("import", "proxy", "mismatch"))
         checks = check_stored_trace(store, run_id, logical)
         layers = store.layers(run_id)
     findings = checks.findings(num_experts=int(layers.num_experts.max()) if not layers.empty else None)
@@ -118,7 +118,7 @@ def _check(args: argparse.Namespace) -> int:
                           "alerts": [t.alertname for t in fired]}, indent=2))
     else:
         print(f"run {run_id}: trace checks")
-        print("  when recorded (import / proxy): " + ("no finding" if not recorded else ""))
+        print("  when recorded (import / proxy / mismatch): " + ("no finding" if not recorded else ""))
         _print_findings(recorded)
         print(f"  stored routes again ({checks.rows:,} token rows; {', '.join(rechecked)}): "
               + ("no finding" if not again else ""))

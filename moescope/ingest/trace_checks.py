@@ -50,9 +50,11 @@ MAX_NAMED = 5
 # a count of all-zero rows within this many standard deviations of an honest k = 1 router's is no finding
 ZERO_ROWS_SIGMA = 3.0
 
-# the checks a trace is broken by (alerts/mismatch_rules.yaml's BrokenTrace); sentinel_rows is not one:
-# vLLM marks prefix-cache hits -1 on purpose
-BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids")
+# the checks a trace is broken by (alerts/mismatch_rules.yaml's BrokenTrace), the model-based ones of
+# `moescope mismatch` (moescope.analyses.trace_check) included; sentinel_rows is not one: vLLM marks
+# prefix-cache hits -1 on purpose
+BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids", "chance_agreement", "shifted",
+          "large_margin_flips")
 
 __all__ = ["BROKEN", "CHECKS", "TraceChecks", "TraceFinding", "broken_share", "summary_line"]
 
