@@ -317,6 +317,9 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
     routed = _reference(model, layers, engine.sequences, batch_size, progress)
     report = _compare(engine, layers, compared, mapping, routed, max_listed)
     report.trace = _trace(report, layers, compared, routed)
+    from moescope.analyses.mismatch_replay import share_prompt_rows  # it imports this module
+
+    share_prompt_rows(report.replay)
     report.model_class = type(model).__name__
     report.reference_dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
     if write:

@@ -21,6 +21,7 @@ from moescope.demo.data import demo_model_path, domain_windows, load_demo_model
 from moescope.ingest.importers import import_files
 from tests.support.engine_standin import engine_standin, fed, routed, token_sequences, vllm_responses
 from tests.support.importing import parquet_rows
+from tests.support.jitter import near_tied_mixtral
 from tests.support.zoo import tiny_model
 
 
@@ -126,3 +127,20 @@ def test_a_clean_standin_trace_is_sound(tmp_path, mixtral):
     root, report = run_check(tmp_path, model, requests, clean)
     assert report.trace.verdict() == "sound" and report.trace.best_offset == 0
     assert parquet_rows(root, "trace_findings", "engine").num_rows == 0
+
+
+def test_the_replay_gives_later_choices_the_first_choices_result_on_the_shared_prompt(tmp_path):
+    model = near_tied_mixtral()  # its near-ties flip under bfloat16, prompt rows included
+    requests, _, engine, oracle = setup(model)
+    _, report = run_check(tmp_path, model, requests, engine)
+    replay = {(seq.step, seq.sequence): seq for seq in report.replay}
+    flipped = 0
+    for r, (prompt, generated) in enumerate(requests):
+        p = len(prompt)
+        expected = np.array([[set(engine[(r, 0)][t, layer].tolist()) != set(oracle[(r, 0)][0][t, layer].tolist())
+                              for layer in range(engine[(r, 0)].shape[1])] for t in range(p)])
+        flipped += int(expected.sum())
+        for c in range(len(generated)):
+            assert replay[(r, c)].own_from == (0 if c == 0 else p)
+            np.testing.assert_array_equal(replay[(r, c)].set_changed[:p], expected)
+    assert flipped > 0
