@@ -92,6 +92,12 @@ SIGNALS: dict[str, str] = {
     # measured once by `moescope placement --rebalance` (alerts/placement_rules.yaml), likewise no data on steps
     "placement_staleness": "1 - the live placement's mean/max slots per rank / a fresh EPLB fit's, on the run's "
                            "latest window, per layer (moescope placement --rebalance)",
+    # measured once per check of an engine's trace by `moescope check` (moescope.ingest.trace_checks), the
+    # same for every layer: on a run's steps these are no data too
+    "trace_broken_share": "the largest share any trace check found broken: zero rows, repeated ids, rows missing "
+                          "or extra, zeroed final rows, physical ids, each over what it checked (moescope check; "
+                          "-1 rows, prefix-cache hits, are not counted)",
+    "trace_checked_rows": "token rows the trace checks read (moescope check)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {

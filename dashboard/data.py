@@ -255,6 +255,7 @@ jitter_tokens = _cached(Store.jitter_tokens)
 mismatch_layers = _cached(Store.mismatch_layers)
 # (root, version, run_id, layer, limit, set_changed): its listed (token, layer) pairs, narrowest margin first
 mismatch_tokens = _cached(Store.mismatch_tokens)
+trace_findings = _cached(Store.trace_findings)
 
 
 # -- placement (moescope.analyses.placement, moescope.analyses.traffic) ------------------------------

@@ -92,8 +92,15 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
         "candidate": "`current`, `default`, `eplb`, `load-aware`, `eplb-every-N`",
         "rank_load": "slots per rank, a redundant expert's split by `dispatch`",
     }),
+    "trace_findings": ("check that found something in an engine's trace, per writing "
+                       "([Trace checks](../trace-checks.md))", {
+        "origin": "`import`, `proxy`, `check` (`moescope check --save`)",
+        "count": "what the check counts (token rows, (token, layer) rows, rows missing or extra, sequences, slots); "
+                 "the proxy writes a row per flush: sum them",
+        "expected": "what an honest router gives",
+    }),
     "alerts": ("alert transition, from every source", {
-        "source": "`rules`, `health`, `trust_gate`",
+        "source": "`rules`, `health`, `trust_gate`, `mismatch`, `trace_check`",
         "reason": "e.g. `run ended`",
     }),
 }

@@ -343,6 +343,50 @@ class ReportQueries:
             WHERE run_id = ? AND ts = (SELECT max(ts) FROM placement_whatif WHERE run_id = ?)
             ORDER BY candidate, window_start, layer""", [run_id, run_id])
 
+    def trace_findings(self, run_id: str, origins: Sequence[str] | None = None) -> pd.DataFrame:
+        """The trace checks' findings for the run (`moescope.ingest.trace_checks`), a row per check:
+        check_name, count and checked (summed over the rows written: the proxy writes one per flush),
+        expected (summed likewise), sequences and rows (the first five named), detail (the latest row's),
+        origins (what checked it, comma-separated). Of origin "check" (`moescope check --save`) only the
+        latest writing counts. `origins` keeps those origins' rows (None: all). Ordered by count,
+        largest first; empty for a run without findings."""
+        clause, params = "run_id = ?", [run_id]
+        if origins is not None:
+            clause += f" AND origin IN ({', '.join('?' for _ in origins) or 'NULL'})"
+            params += [str(o) for o in origins]
+        return self.sql(f"""
+            SELECT check_name, sum(count)::BIGINT AS count, sum(checked)::BIGINT AS checked,
+                   sum(expected) AS expected, flatten(list(sequences ORDER BY ts))[1:5] AS sequences,
+                   flatten(list(rows ORDER BY ts))[1:5] AS rows, arg_max(detail, ts) AS detail,
+                   string_agg(DISTINCT origin, ',' ORDER BY origin) AS origins
+            FROM trace_findings
+            WHERE {clause} AND (origin <> 'check' OR ts = (
+                SELECT max(ts) FROM trace_findings WHERE run_id = ? AND origin = 'check'))
+            GROUP BY check_name ORDER BY count DESC, check_name""", [*params, run_id])
+
+    def sequence_routes(self, run_id: str, page_rows: int = 262_144) -> Iterator[pa.Table]:
+        """Every layer's routes rows of the run, grouped as the engines return them: ordered by step,
+        rank, sequence, position, layer (null sequences read as 0), with columns step, rank, sequence,
+        position, layer, expert_ids. Pages hold whole steps, about `page_rows` rows each (more when
+        one step holds more), so a long run streams in bounded memory. Yields nothing for a run
+        without routes. Raises ValueError for page_rows < 1."""
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        counts = self.sql("SELECT step, count(*)::BIGINT AS n FROM routes WHERE run_id = ? GROUP BY step ORDER BY step",
+                          [run_id])
+        steps, sizes = counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64)
+        first = 0
+        while first < len(steps):
+            last, rows = first, int(sizes[first])
+            while last + 1 < len(steps) and rows + int(sizes[last + 1]) <= page_rows:
+                last += 1
+                rows += int(sizes[last])
+            yield self.arrow("""
+                SELECT step, rank, coalesce(sequence, 0) AS sequence, position, layer, expert_ids FROM routes
+                WHERE run_id = ? AND step BETWEEN ? AND ?
+                ORDER BY step, rank, sequence, position, layer""", [run_id, int(steps[first]), int(steps[last])])
+            first = last + 1
+
     def layer_buckets(self, run_id: str, tags: dict[str, str] | None = None,
                       max_buckets: int = MAX_BUCKETS) -> pd.DataFrame:
         """Per layer and step bucket (at most `max_buckets` per layer): layer, step_start, step_end

@@ -222,6 +222,19 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("rank_load", pa.list_(pa.float64())), ("balancedness", pa.float64()), ("imbalance", pa.float64()),
         ("rank", pa.int32()),
     ]),
+    # -- trace checks (moescope.ingest.trace_checks: the importers, the proxy, `moescope check --save`) --
+    # One row per (check that found something, writing) of an engine's routed-experts trace: check_name
+    # one of the checks ("zero_rows", "sentinel_rows", "repeated_ids", "row_count", "final_row_zero",
+    # "physical_ids"); count what it counts (token rows, (token, layer) rows, rows missing or extra,
+    # sequences, slots) out of `checked`; expected what an honest router gives; sequences and rows the
+    # first few where it was found; origin what checked it ("import", "proxy", "check"). The proxy
+    # writes a row per flush: a check's figures are the sums over its rows.
+    "trace_findings": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("origin", pa.string()), ("check_name", pa.string()),
+        ("count", pa.int64()), ("checked", pa.int64()), ("expected", pa.float64()),
+        ("sequences", pa.list_(pa.string())), ("rows", pa.list_(pa.string())), ("detail", pa.string()),
+        ("rank", pa.int32()),
+    ]),
     # -- alert transitions, from every source (alerts/storage.py writes them) --
     # One row per change of one alert's state: the rules engine's (source "rules"), the expert-
     # health policy's ExpertUnhealthy ("health") and the trust gate's TrustGateChanged ("trust_gate",
@@ -516,6 +529,46 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
         slots("kept", bool, pa.bool_()),
         tags, pa.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts)),
     ], schema=schema)
+
+
+class TraceFindingFacts(Protocol):
+    """One finding of the trace checks as its `trace_findings` row describes it
+    (`moescope.ingest.trace_checks.TraceFinding` is one)."""
+
+    @property
+    def check(self) -> str: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def checked(self) -> int: ...
+    @property
+    def expected(self) -> float: ...
+    @property
+    def sequences(self) -> list[str]: ...
+    @property
+    def rows(self) -> list[str]: ...
+    @property
+    def detail(self) -> str: ...
+
+
+def trace_findings_table(run_id: str, ts: dt.datetime, origin: str, findings: Sequence[TraceFindingFacts],
+                         rank: int = 0) -> pa.Table:
+    """The `trace_findings` rows of one check of a trace: the one builder of `trace_findings`.
+
+    Args:
+        run_id: the run whose trace was checked.
+        ts: when it was checked (UTC).
+        origin: what checked it: "import", "proxy" or "check".
+        findings: the checks that found something (none: an empty table).
+        rank: the rank the trace came from.
+
+    Returns:
+        A table of the `trace_findings` schema, a row per finding.
+    """
+    return pa.Table.from_pylist([
+        dict(run_id=run_id, ts=ts, origin=origin, check_name=f.check, count=int(f.count), checked=int(f.checked),
+             expected=float(f.expected), sequences=list(f.sequences), rows=list(f.rows), detail=f.detail, rank=rank)
+        for f in findings], schema=SCHEMAS["trace_findings"])
 
 
 def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written: Mapping[str, int],

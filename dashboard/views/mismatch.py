@@ -4,6 +4,8 @@ results of `moescope mismatch` / `moescope.mismatch(model, store=..., run=...)`,
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
@@ -18,8 +20,24 @@ if ctx is None:
     st.stop()
 
 
+def show_trace_findings(root: str, version: Any, run_id: str) -> None:
+    """What the trace checks found in the engine's trace (`Store.trace_findings`): an error box, a
+    row per check; nothing when they found nothing."""
+    findings = data.trace_findings(root, version, run_id)
+    if findings.empty:
+        return
+    st.error(f"The engine's trace (run `{run_id}`) failed {len(findings)} trace check"
+             f"{'s' if len(findings) != 1 else ''}: read them before comparing, replaying or training on it "
+             f"(`moescope check STORE --run {run_id}`).")
+    st.dataframe(pd.DataFrame({
+        "check": findings.check_name, "count": findings["count"], "of": findings.checked,
+        "honest router": findings.expected.round(3), "where (first rows)": ["; ".join(r) for r in findings.rows],
+        "what it means": findings.detail, "checked by": findings.origins}), hide_index=True, key="mm_trace_findings")
+
+
 with common.guard():
     rows = data.mismatch_layers(ctx.root, ctx.version, ctx.run_id)
+    show_trace_findings(ctx.root, ctx.version, ctx.run_id if rows.empty else str(rows.engine_run.iloc[0]))
     if rows.empty:
         st.info("No engine-vs-reference mismatch measured in this run. Measure it with `moescope mismatch STORE "
                 "--run ENGINE_RUN --model MODEL` or `moescope.mismatch(model, store=..., run=...)` on a run of an "

@@ -61,6 +61,7 @@ from moescope.analyses.routing_compare import (
     pad_id,
     top1_expert,
 )
+from moescope.analyses.trace_check import TraceAgreement, reference_pairs, trace_agreement, write_findings
 from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
@@ -131,6 +132,8 @@ class MismatchReport:
     model_class: str = ""
     skipped: dict[str, int] = field(default_factory=dict)
     run_id: str | None = None
+    # the engine's trace against the reference (offsets, chance, large-margin flips: `trace_check`)
+    trace: TraceAgreement | None = None
 
     def overall(self) -> pd.Series:
         """The every-layer row of the whole run (grouping "all", layer None)."""
@@ -155,10 +158,12 @@ class MismatchReport:
         flipped = self.tokens[self.tokens.set_changed] if not self.tokens.empty else self.tokens
         where = (f"; median reference top-k margin of the listed flips {flipped.topk_margin.median():.3g} logits"
                  if len(flipped) else "")
+        if self.trace is not None and self.trace.broken:  # not a mismatch: the trace is not the router's
+            return f"Engine vs reference ({self.engine_run}): {self.trace.line()}"
         return (f"Engine vs reference ({self.engine_run}): expert set differs for {row.set_changed_fraction:.2%} "
                 f"of {int(row.pairs):,} (token, layer) pairs, top-1 for {row.top1_changed_fraction:.2%}; "
                 f"{row.tokens_set_changed_fraction:.2%} of {int(row.tokens):,} tokens differ in at least one layer"
-                + where)
+                + where + (f"; {self.trace.line()}" if self.trace is not None else ""))
 
 
 # -- groups ------------------------------------------------------------------------------------
@@ -311,11 +316,27 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
                             f"top-{compared[0].top_k if compared else '?'}: is it the engine's model?")
     routed = _reference(model, layers, engine.sequences, batch_size, progress)
     report = _compare(engine, layers, compared, mapping, routed, max_listed)
+    report.trace = _trace(report, layers, compared, routed)
+    from moescope.analyses.mismatch_replay import share_prompt_rows  # it imports this module
+
+    share_prompt_rows(report.replay)
     report.model_class = type(model).__name__
     report.reference_dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
     if write:
         report.run_id = write_report(store, report, model, layers, run_id, tags)
+        write_findings(store, report.engine_run, report.trace.findings() if report.trace is not None else [])
     return report
+
+
+def _trace(report: MismatchReport, layers: Sequence[MoELayer], compared: Sequence[MoELayer],
+           routed: list[list[LayerRouting]]) -> TraceAgreement | None:
+    """The engine's trace against the reference (`trace_check.trace_agreement`), None when nothing ran."""
+    if not routed or not compared:
+        return None
+    position = {layer.index: i for i, layer in enumerate(layers)}
+    reference = reference_pairs(routed, [position[layer.index] for layer in compared])
+    return trace_agreement([r.expert_ids for r in report.replay], [r.own_from for r in report.replay], reference,
+                           int(routed[0][position[compared[0].index]].logits.shape[1]))
 
 
 def _reference(model: nn.Module, layers: Sequence[MoELayer], sequences: Sequence[EngineSequence], batch_size: int,

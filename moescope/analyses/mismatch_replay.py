@@ -93,3 +93,16 @@ def export_replay(replay: Sequence[ReplaySequence], folder: str | os.PathLike, f
                 for seq in replay]
         pq.write_table(pa.Table.from_pylist(rows, schema=schema), os.path.join(folder, PARQUET_NAME))
     return folder
+
+
+def share_prompt_rows(replay: Sequence[ReplaySequence]) -> None:
+    """Give a request's later choices the first choice's result on the prompt rows they copy: a shared
+    prompt (vLLM's n > 1) is compared once, in the sequence that routes it (`own_from` 0), and a later
+    choice's rows before its `own_from` are that prompt; their `set_changed` is set from it, in place."""
+    first = {(seq.step, seq.rank): seq for seq in replay if seq.own_from == 0}
+    for seq in replay:
+        source = first.get((seq.step, seq.rank))
+        if seq.own_from and source is not None and seq.set_changed is not None and source.set_changed is not None:
+            rows = min(seq.own_from, len(source.set_changed))
+            seq.set_changed[:rows] = source.set_changed[:rows]
+

@@ -127,6 +127,8 @@ class SummaryReport:
         run: the figures over every layer (`moescope.metrics.figures.RunFigures`).
         hosts: `host_rows`, per host that recorded the run.
         tags: per step tag (`Store.tag_totals`): key, value, steps (forwards), tokens, active_fraction.
+        trace_findings: what the trace checks found in an engine run's trace (`Store.trace_findings`): per
+            check, check_name, count, checked, expected, sequences, rows, detail, origins; empty for none.
     """
 
     run_id: str
@@ -139,6 +141,7 @@ class SummaryReport:
     run: RunFigures
     hosts: list[dict]
     tags: pd.DataFrame
+    trace_findings: pd.DataFrame
 
 
 def summary_report(store: Store, run_id: str) -> SummaryReport:
@@ -152,7 +155,7 @@ def summary_report(store: Store, run_id: str) -> SummaryReport:
         run_id=run_id, model_class=str(info["model_class"]), source=str(info.get("source") or "probe"),
         total_params=_count(info["total_params"]), active_params=active, counts=run_counts(steps),
         layers=[_layer_row(f) for f in figures], run=run_figures(figures), hosts=host_rows(store, run_id),
-        tags=store.tag_totals(run_id))
+        tags=store.tag_totals(run_id), trace_findings=store.trace_findings(run_id))
 
 
 def format_report(report: SummaryReport, location: StoreLocation, program: str = "moescope") -> str:
@@ -196,6 +199,7 @@ def format_report(report: SummaryReport, location: StoreLocation, program: str =
                   f"{_cell(h['load_cv'], '.2f', 8)} {_cell(h['max_over_mean'], '.2f', 9)} "
                   f"{_cell(100 * h['dropped_rate'], '.2f', 7)}" for h in hosts]
         lines.append("  (load CV token-weighted over layers; max/mean of the host's most uneven layer)")
+    lines += trace_finding_lines(report.trace_findings, run_id, program, location)
     tags = report.tags
     if not tags.empty:
         lines += ["", "by tag:"]
@@ -210,3 +214,17 @@ def format_report(report: SummaryReport, location: StoreLocation, program: str =
         "GROUP BY ALL ORDER BY 3 DESC LIMIT 10\"",
     ]
     return "\n".join(lines)
+
+
+def trace_finding_lines(findings: pd.DataFrame, run_id: str, program: str, location: StoreLocation) -> list[str]:
+    """What the trace checks found in an engine's trace (`moescope.ingest.trace_checks`, the run's
+    `trace_findings` rows, `Store.trace_findings`): a line per check, or nothing for a run without findings."""
+    if findings.empty:
+        return []
+    lines = ["", f"trace checks: {len(findings)} finding{'s' if len(findings) != 1 else ''} (do not replay or train "
+                 "on this trace before reading them):"]
+    lines += [f"  {r.check_name}: {int(r['count']):,} of {int(r.checked):,} ({r.origins}): {r.detail}"
+              for _, r in findings.iterrows()]
+    lines.append(f"  more: {program} check {store_arguments(location)} --run {run_id}")
+    return lines
+

@@ -47,6 +47,8 @@ COMMANDS: dict[str, Command] = {
                        "what a placement costs on the wire: remote ranks and nodes per token, links, bytes"),
     "jitter": Command("moescope.cli.jitter",
                       "does the same input go to the same experts when batched, padded, cast or repeated?"),
+    "check": Command("moescope.cli.check",
+                     "can an engine's routed-experts trace be trusted? zero rows, repeats, short traces, physical ids"),
     "mismatch": Command("moescope.cli.mismatch",
                         "engine vs reference routing per token and layer (RL rollouts); export it for replay"),
 }

@@ -105,6 +105,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name shown for the run (default: from the files)")
     p.add_argument("--in-order", action="store_true",
                    help="SGLang stat dumps: the buffer was unbounded (size -1), so a full buffer is still in order")
+    _add_trace_check_arguments(p)
     p.set_defaults(func=_import)
 
     p = subparsers.add_parser("proxy", help=command_help("proxy"),
@@ -145,13 +146,27 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_proxy)
 
 
+def _add_trace_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", metavar="FILE",
+                   help="the engine's placement map (as `moescope placement` reads): the trace checks report ids "
+                        "past its logical experts as physical_ids (see `moescope check`)")
+    p.add_argument("--ranks", type=int, help="expert-parallel size, for a --placement map that does not say it")
+
+
+def _logical_experts(args: argparse.Namespace) -> int | None:
+    from moescope.cli.check import placement_logical_experts
+
+    return placement_logical_experts(args.placement, args.ranks) if args.placement else None
+
+
 def _import(args: argparse.Namespace) -> int:
     from moescope.ingest.importers import import_files
     from moescope.ingest.importers.tables import parse_tags
 
     summary = import_files(args.kind, args.paths, store_location(args), run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
-                           model=args.model, in_order=args.in_order, max_experts=args.max_experts)
+                           model=args.model, in_order=args.in_order, max_experts=args.max_experts,
+                           logical_experts=_logical_experts(args))
     print(summary.report())
     return 0
 

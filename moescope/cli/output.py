@@ -81,6 +81,7 @@ UNITS: dict[str, str] = {
     "token_share": "fraction of tokens", "sequences": "sequences", "inputs": "inputs",
     "batch_size": "inputs per batch", "dead_experts": "experts", "ranks": "ranks", "nodes": "nodes",
     "redundant": "slots", "groups": "expert groups", "rebalance_every": "windows", "top_k": "experts per token",
+    "count": "token rows", "checked": "token rows", "expected": "token rows",
     "hours": "hours", "expert_bytes": "bytes", "rearrangements": "refits", "skipped": "refits",
     "rearrangement_steps": "steps", "mean_balancedness": "ratio (mean / max over ranks)",
     "min_balancedness": "ratio (mean / max over ranks)", "mean_overload": "ratio (busiest / mean rank)",
@@ -152,6 +153,8 @@ _REBALANCE_POLICY = ("policy", "rearrangements", "skipped", "rearrangement_steps
                      "min_balancedness", "mean_overload", "mean_node_balancedness", "mean_in_node_balancedness",
                      "moved_slots", "sent_slots", "moved_bytes", "sent_bytes", "moved_bytes_per_hour", "balancedness")
 
+_TRACE_FINDING = ("check_name", "count", "checked", "expected", "sequences", "rows", "detail", "origins")
+
 _HEAD = ("schema_version", "command", "units")
 
 DOCUMENTS: dict[str, Document] = {document.command: document for document in (
@@ -161,8 +164,9 @@ DOCUMENTS: dict[str, Document] = {document.command: document for document in (
         "all", *(f"all.{key}" for key in ("layer_tokens", "load_cv", "entropy", "entropy_norm", "dropped_tokens",
                                           "dropped_rate")),
         *_rows("hosts", ("host", "ranks", "forwards", "tokens", "load_cv", "max_over_mean", "dropped_rate")),
-        *_rows("tags", ("key", "value", "steps", "tokens", "active_fraction"))),
-        "moescope.analyses.summary.SummaryReport"),
+        *_rows("tags", ("key", "value", "steps", "tokens", "active_fraction")),
+        *_rows("trace_findings", _TRACE_FINDING)),
+        "moescope.analyses.summary.SummaryReport", ("trace_findings[].sequences",)),
     Document("placement", (
         *_HEAD, "run_id", "ranks", "source", "dispatch", *_rows("layers", _PLACEMENT_LAYER),
         "whatif", *(f"whatif.{key}" for key in ("ranks", "nodes", "groups", "redundant", "fit_window",
@@ -292,7 +296,8 @@ def summary_document(report: Any) -> dict[str, Any]:
                 total_params=report.total_params or None, active_params_per_token=report.active_params,
                 forwards=report.counts.forwards, tokens=report.counts.tokens, ranks=report.counts.ranks,
                 layers=report.layers, all=whole, hosts=report.hosts,
-                tags=report.tags[["key", "value", "steps", "tokens", "active_fraction"]])
+                tags=report.tags[["key", "value", "steps", "tokens", "active_fraction"]],
+                trace_findings=report.trace_findings[list(_TRACE_FINDING)] if len(report.trace_findings) else [])
 
 
 def placement_document(report: Any, run_id: str, whatif: Any = None) -> dict[str, Any]:

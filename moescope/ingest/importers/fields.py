@@ -67,7 +67,8 @@ def check_expert_ids(ids: np.ndarray, where: str, limit: ExpertLimit, axes: tupl
                              for n, (axis, i) in enumerate(zip(axes, index)))
         allowed = f"0..{limit.value - 1}" + (", or -1 for a row not computed" if not_computed else "")
         raise SourceFormatError(f"{where}: expert id {ids[index].item()} at {position} is outside {allowed} "
-                                f"({limit.name}); the file is damaged or written for another model")
+                                f"({limit.name}; check out_of_range): the id cannot be stored; the file is damaged, "
+                                "written for another model, or holds physical (post-EPLB) ids")
     return ids.astype(np.int64, copy=False)
 
 

@@ -14,7 +14,8 @@ layer axis counts every hidden layer, dense ones included.
 Alignment (both engines): row i of a sequence's routing is the token at position i, as the input of
 the forward that routed it. A prompt routes every token. The last generated token is returned but
 never fed back, so generated rows number the generated tokens or one fewer; with one fewer, that
-last token simply has no route. Any other count is an error. -1 rows (vLLM: prefix-cache hits,
+last token simply has no route. Any other count is imported with a `row_count` finding
+(`moescope.ingest.trace_checks`), which every sequence goes through as it is read. -1 rows (vLLM: prefix-cache hits,
 not computed in this request) are left out of loads and routes.
 """
 
@@ -40,6 +41,7 @@ from moescope.ingest.importers.fields import (
     json_token_ids,
 )
 from moescope.ingest.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
+from moescope.ingest.trace_checks import TraceChecks
 
 NPY_MAGIC = b"\x93NUMPY"
 NPY_MAGIC_B64 = base64.b64encode(NPY_MAGIC)  # b"k05VTVBZ": how base64 text of a .npy file starts
@@ -57,6 +59,9 @@ class RoutedSequence:
     first_position: int = 0
     token_ids: np.ndarray | None = None  # (rows,) the input token of each row, where the response has it
     first_row: int = 0  # the row of `ids[0]` in the whole sequence (a chunk of a longer one), for messages
+    # the row counts its engine returns for the sequence's tokens (None: the response does not say)
+    allowed_rows: tuple[int, ...] | None = None
+    ends: bool = True  # its last row is the sequence's last (False: a prompt whose choices follow)
 
 
 def decode_npy(raw: bytes, where: str) -> np.ndarray:
@@ -138,14 +143,13 @@ def sglang_array(value, num_layers: int | None, top_k: int | None, where: str) -
     return np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k)
 
 
-def _check_rows(rows: int, tokens: int | None, generated: bool, what: str, where: str) -> None:
+def _allowed_rows(tokens: int | None, generated: bool) -> tuple[int, ...] | None:
+    """The row counts an engine returns for `tokens` tokens: one per prompt token; a generated
+    token's row, the last one's optional (it never runs a forward). Another count is a `row_count`
+    finding, not an error: the rows are kept."""
     if tokens is None:
-        return
-    allowed = (tokens, tokens - 1) if generated else (tokens,)
-    if rows not in allowed:
-        raise SourceFormatError(f"{where}: {what} has {rows} rows for {tokens} tokens; expected "
-                                + (f"{tokens} or {tokens - 1} (the last generated token never runs a forward)"
-                                   if generated else f"{tokens}, one per token"))
+        return None
+    return (tokens, tokens - 1) if generated else (tokens,)
 
 
 def _ids_column(ids: np.ndarray | None, rows: int) -> np.ndarray | None:
@@ -215,11 +219,12 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
     first = 0
     if body.get("prompt_routed_experts") is not None:
         ids = vllm_array(body["prompt_routed_experts"], f"{where} prompt_routed_experts")
-        _check_rows(len(ids), prompt_tokens, False, "prompt_routed_experts", where)
         first = len(ids) if prompt_tokens is None else int(prompt_tokens)
-        if len(ids):
+        if len(ids) or prompt_tokens:
+            ends = not any(isinstance(c, dict) and c.get("routed_experts") is not None for c in choices)
             out.append(RoutedSequence(ids, sequence=0, first_position=0,
-                                      token_ids=_ids_column(prompt_ids, len(ids))))
+                                      token_ids=_ids_column(prompt_ids, len(ids)),
+                                      allowed_rows=_allowed_rows(prompt_tokens, False), ends=ends))
     elif prompt_tokens is not None:
         first = int(prompt_tokens)
     for choice in choices:
@@ -232,10 +237,10 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
             generated = json_token_ids(generated, f"choices[{index}].token_ids", where)
         tokens = len(generated) if generated is not None else (
             _count(usage, "completion_tokens", where) if len(choices) == 1 else None)
-        _check_rows(len(ids), tokens, True, f"choices[{index}].routed_experts", where)
-        if len(ids):
+        if len(ids) or tokens:
             out.append(RoutedSequence(ids, sequence=index, first_position=first,
-                                      token_ids=_ids_column(generated, len(ids))))
+                                      token_ids=_ids_column(generated, len(ids)),
+                                      allowed_rows=_allowed_rows(tokens, True)))
     return out
 
 
@@ -259,9 +264,8 @@ def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | No
         ids = sglang_array(meta["routed_experts"], num_layers, top_k, f"{where} meta_info.routed_experts")
         prompt, completion = (_count(meta, f, where) for f in ("prompt_tokens", "completion_tokens"))
         total = prompt + completion if prompt is not None and completion is not None else None
-        _check_rows(len(ids), total, True, "meta_info.routed_experts", where)
-        if len(ids):
-            out.append(RoutedSequence(ids, sequence=index, first_position=0))
+        if len(ids) or total:
+            out.append(RoutedSequence(ids, sequence=index, first_position=0, allowed_rows=_allowed_rows(total, True)))
     return out
 
 
@@ -299,18 +303,35 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
     return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped
 
 
+def check_sequence(checks: TraceChecks | None, seq: RoutedSequence, where: str, ids: np.ndarray | None = None,
+                   start: int = 0) -> None:
+    """Feed `checks` one sequence, or its chunk `ids` of rows from `start` (the row count is checked
+    with the first chunk); nothing when `checks` is None."""
+    if checks is None:
+        return
+    label = f"{where} sequence {seq.sequence}"
+    if start == 0 and seq.allowed_rows is not None:
+        checks.expect_rows(label, len(seq.ids), seq.allowed_rows)
+    chunk = np.asarray(seq.ids if ids is None else ids)
+    checks.add(chunk, label, first_row=seq.first_row + start, ends=seq.ends and start + len(chunk) >= len(seq.ids))
+
+
 def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime, where: str,
                     limit: ExpertLimit = DEFAULT_LIMIT, chunk_rows: int | None = None,
-                    ) -> Iterator[tuple[SourceStep, int]]:
+                    checks: TraceChecks | None = None) -> Iterator[tuple[SourceStep, int]]:
     """The step of these sequences in pieces of at most `chunk_rows` (default CHUNK_ROWS) token
     rows, in order (pieces of one step share its number); yields each piece and its rows left out
-    as not computed."""
+    as not computed. Each chunk goes through `checks` (the trace checks) first."""
     chunk_rows = chunk_rows or CHUNK_ROWS
     offset = 0
     for seq in sequences:
+        if not len(seq.ids):
+            check_sequence(checks, seq, where)
         for start in range(0, len(seq.ids), chunk_rows):
             end = min(start + chunk_rows, len(seq.ids))
-            chunk = RoutedSequence(np.asarray(seq.ids[start:end]), seq.sequence, seq.first_position + start,
+            ids = np.asarray(seq.ids[start:end])
+            check_sequence(checks, seq, where, ids, start)
+            chunk = RoutedSequence(ids, seq.sequence, seq.first_position + start,
                                    None if seq.token_ids is None else seq.token_ids[start:end], first_row=start)
             yield sequences_step([chunk], step, ts, where, limit=limit, first_token=offset + start)
         offset += len(seq.ids)

@@ -274,6 +274,7 @@ def _kind(path: str) -> str:
 def _steps(paths: list[str], num_layers: int | None, top_k: int | None, in_order: bool, num_experts: int | None,
            limit: ExpertLimit, data: SourceData) -> Iterator[SourceStep]:
     data.notes.clear()
+    data.checks.reset()
     kinds: set[str] = set()
 
     def found(kind: str) -> None:
@@ -338,7 +339,7 @@ def _responses(path: str, num_layers: int | None, top_k: int | None, first_step:
             continue
         sequences = sglang_sequences(bodies, num_layers, top_k, where, stream=not batch)
         produced = False
-        for step, skipped in sequence_pieces(sequences, number, file_time(path), where, limit):
+        for step, skipped in sequence_pieces(sequences, number, file_time(path), where, limit, checks=data.checks):
             if skipped:
                 data.notes[NOT_COMPUTED] += skipped
             produced = True

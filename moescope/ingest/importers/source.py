@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moescope.ingest.trace_checks import TraceChecks
+
 
 class SourceFormatError(ValueError):
     """A file is not in the layout its engine documents. Raised before anything is written."""
@@ -79,6 +81,8 @@ class SourceData:
     num_experts: int | None = None  # where the files state it
     top_k: int | None = None  # where the files state it
     notes: Counter = field(default_factory=Counter)  # what was left out or changed, and how often
+    # the model-free trace checks over the per-request routing read so far (moescope.ingest.trace_checks)
+    checks: TraceChecks = field(default_factory=TraceChecks)
 
 
 @dataclass(frozen=True)

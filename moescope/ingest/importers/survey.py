@@ -43,7 +43,8 @@ def survey(steps: Iterable[SourceStep], num_experts: int | None, top_k: int | No
     read after the pass, as readers learn them while reading), else the largest id seen + 1 (an
     expert never chosen above it would be missed; pass --num-experts to be exact). Raises
     SourceFormatError when a step appears twice, an id or count vector does not fit the experts,
-    top-k changes within a layer, a token chose an expert twice or a number does not fit the store;
+    top-k changes within a layer or a number does not fit the store (a token that chose an expert
+    twice is kept: the trace checks report it, `moescope.ingest.trace_checks`);
     ValueError when counted layers have no top-k or the experts exceed `max_experts`.
     """
     from moescope.ingest.importers.tables import check_tags  # tables imports this module
@@ -116,13 +117,8 @@ def _check_routes(step: SourceStep, layer: int, ids: np.ndarray, token: np.ndarr
     if num_experts is not None and top >= num_experts:
         row, slot = (int(i) for i in np.argwhere(ids >= num_experts)[0])
         raise SourceFormatError(f"{step.where}: expert id {int(ids[row, slot])} at token row {int(token[row])}, "
-                                f"layer {layer}, "
-                                f"slot {slot} is outside 0..{num_experts - 1} (--num-experts {num_experts})")
-    if k > 1:
-        ordered = np.sort(ids, axis=1)
-        if (ordered[:, 1:] == ordered[:, :-1]).any():
-            raise SourceFormatError(f"{step.where}: a token of layer {layer} in step {step.step} chose the same "
-                                    "expert twice; top-k ids of a token are distinct")
+                                f"layer {layer}, slot {slot} is outside 0..{num_experts - 1} (--num-experts "
+                                f"{num_experts}; check out_of_range)")
 
 
 def _shapes(widths: dict[int, int], largest: dict[int, int], counted: dict[int, int], stated: int | None,
@@ -145,7 +141,7 @@ def _shapes(widths: dict[int, int], largest: dict[int, int], counted: dict[int, 
         experts = stated if stated is not None else largest.get(layer, -1) + 1
         if largest.get(layer, -1) >= experts:
             raise SourceFormatError(f"{where}: layer {layer} routes to expert {largest[layer]}, but the model has "
-                                    f"{experts} experts (ids 0..{experts - 1})")
+                                    f"{experts} experts (ids 0..{experts - 1}; check out_of_range)")
         shapes[layer] = LayerShape(max(experts, 1), widths[layer])
     for layer in sorted(counted):
         assert k_stated is not None  # counted layers without a top-k were refused above

@@ -45,9 +45,10 @@ from moescope.ingest.importers.source import (  # noqa: F401 - the importers' an
     StepStream,
 )
 from moescope.ingest.importers.survey import DENSE, piece_rows, survey
+from moescope.ingest.trace_checks import TraceFinding, summary_line
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name
-from moescope.store.schema import SCHEMAS, LayerRow, layers_table, runs_table
+from moescope.store.schema import SCHEMAS, LayerRow, layers_table, runs_table, trace_findings_table
 from moescope.store.text import control_characters
 from moescope.store.writer import run_writer
 
@@ -201,11 +202,17 @@ class ImportSummary:
     routes: int  # per-token route rows written (0 for count-only sources)
     files: list[str]
     notes: Counter
+    # the trace checks' findings, written to the run's trace_findings rows (None: the source has no
+    # per-request routing to check, such as count-only dumps)
+    findings: list[TraceFinding] | None = None
+    checked_rows: int = 0  # token rows the trace checks read
 
     def report(self) -> str:
         lines = [f"imported {self.steps} steps of {self.layers} MoE layers ({self.ranks} rank"
                  f"{'s' if self.ranks != 1 else ''}, {self.tokens:,} layer-tokens, {self.routes:,} route rows) "
                  f"from {self.source} into run {self.run_id}"]
+        if self.findings is not None:
+            lines.append(summary_line(self.findings, self.checked_rows))
         lines += [f"  note: {note} ({count}x)" if count > 1 else f"  note: {note}"
                   for note, count in sorted(self.notes.items())]
         return "\n".join(lines)
@@ -236,6 +243,9 @@ def import_source(root: str | os.PathLike | StoreLocation, data: SourceData, sou
         found = survey(data.steps, num_experts, top_k, lambda: (data.num_experts, data.top_k), where,
                        max_experts=max_experts, progress=bar.update)
     notes = Counter(data.notes)  # the writing pass reads the files again: its notes are the same
+    checked_rows = data.checks.rows  # and its trace checks too: the first pass's findings are kept
+    widest = max((s.num_experts for s in found.shapes.values()), default=None)
+    findings = data.checks.findings(num_experts=widest) if checked_rows or data.checks.sequences else None
     if found.dense:
         notes[DENSE.format(len(found.dense))] += 1
     if not found.shapes:
@@ -253,7 +263,10 @@ def import_source(root: str | os.PathLike | StoreLocation, data: SourceData, sou
                 bar.update(piece_rows(step))
             yield from builder.finish()
 
-    files, written = write_run(root, run_id, parts(), run_tables(spec, found.shapes, sorted(found.ranks)))
+    last = run_tables(spec, found.shapes, sorted(found.ranks))
+    if findings:
+        last["trace_findings"] = trace_findings_table(run_id, dt.datetime.now(dt.timezone.utc), "import", findings)
+    files, written = write_run(root, run_id, parts(), last)
     return ImportSummary(run_id=run_id, source=source, steps=len(found.step_numbers), layers=len(found.shapes),
                          ranks=len(found.ranks), tokens=written["layer_tokens"], routes=written["routes"],
-                         files=files, notes=notes)
+                         files=files, notes=notes, findings=findings, checked_rows=checked_rows)

@@ -204,6 +204,7 @@ def read(paths: list[str], limit: ExpertLimit = DEFAULT_LIMIT) -> SourceData:
 
 def _steps(paths: list[str], limit: ExpertLimit, data: SourceData) -> Iterator[SourceStep]:
     data.notes.clear()
+    data.checks.reset()
     number = 0
     for path in paths:
         with open(path, "rb") as f:
@@ -284,7 +285,7 @@ def _b64(raw: bytes, path: str) -> bytes:
 def _pieces(data: SourceData, sequences: list[RoutedSequence], number: int, ts, where: str,
             limit: ExpertLimit) -> Iterator[SourceStep]:
     produced = False
-    for step, skipped in sequence_pieces(sequences, number, ts, where, limit):
+    for step, skipped in sequence_pieces(sequences, number, ts, where, limit, checks=data.checks):
         if skipped:
             data.notes[NOT_COMPUTED] += skipped
         produced = True

@@ -12,7 +12,8 @@ never stops the recorder. Should its thread end all the same, `RoutingRecorder.f
 `routes.token_id` (null) unless `record_token_ids` is set: with a tokenizer they give the user's
 text back. Responses not recorded are counted in `probe_stats` (table_name "steps", one row per
 reason), like the probe's own drops, and the run's writer writes its final counts when the recorder
-shuts down.
+shuts down. Every response's routing goes through the trace checks (`moescope.ingest.trace_checks`)
+as it is parsed; each flush writes what they found since the last as `trace_findings` rows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from moescope.core.pipeline import BatchProcessor
 from moescope.core.runs import current_host, new_run_id
 from moescope.ingest.importers.responses import (
     RoutedSequence,
+    check_sequence,
     is_sglang,
     is_vllm,
     merge_vllm_stream,
@@ -50,8 +52,10 @@ from moescope.ingest.importers.tables import (
     run_tables,
 )
 from moescope.ingest.proxy.limits import DEFAULT_MAX_QUEUE_BYTES
+from moescope.ingest.trace_checks import TraceChecks
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name
+from moescope.store.schema import trace_findings_table
 from moescope.store.writer import RunWriter, run_writer
 
 __all__ = ["Captured", "RoutingRecorder", "sse_events"]
@@ -162,6 +166,9 @@ class RoutingRecorder:
         self._first_pending_at: float | None = None
         self._next_step = 0
         self._failure: str | None = None
+        self.checks = TraceChecks()  # the trace checks since the last flush (the worker's)
+        self._findings: Counter[str] = Counter()  # every flush's findings, per check, for `report`
+        self._checked_rows = 0
         self.writer: RunWriter = run_writer(self.location, run_id)
         if not self.writer.write("runs", run_tables(self.spec, {}, [0])["runs"], retried=True):
             self.writer.release()
@@ -212,6 +219,7 @@ class RoutingRecorder:
                     sequence.token_ids = None
             step, _ = sequences_step(sequences, self._next_step, captured.ts, "response", tags=captured.tags)
             self._check(step)
+            self._trace_check(sequences)
         except (SourceFormatError, ValueError) as e:  # json errors are ValueErrors too
             log.warning("moescope proxy: a response's routing could not be read: %s", e)
             self.count("bad_routing")
@@ -249,7 +257,24 @@ class RoutingRecorder:
                 raise SourceFormatError(f"layer {layer} routes {k} experts per token, earlier responses {known.top_k}")
             if len(routes.expert_ids) and int(routes.expert_ids.max()) >= self.num_experts:
                 raise SourceFormatError(f"layer {layer} routes to expert {int(routes.expert_ids.max())}, outside "
-                                        f"--num-experts {self.num_experts}")
+                                        f"--num-experts {self.num_experts} (check out_of_range)")
+
+    def _trace_check(self, sequences: list[RoutedSequence]) -> None:
+        for sequence in sequences:
+            check_sequence(self.checks, sequence, f"response {self._next_step}")
+
+    def _trace_findings(self) -> dict:
+        """The trace checks' findings since the last flush as rows (none: {}), the checks then reset."""
+        findings = self.checks.findings(num_experts=self.num_experts)
+        self._checked_rows += self.checks.rows
+        self.checks.reset()
+        with self._lock:
+            for finding in findings:
+                self._findings[finding.check] += finding.count
+        if not findings:
+            return {}
+        return {"trace_findings": trace_findings_table(self.spec.run_id, dt.datetime.now(dt.timezone.utc), "proxy",
+                                                       findings)}
 
     def _due(self) -> bool:
         return len(self._pending) >= self.max_steps or (
@@ -263,6 +288,7 @@ class RoutingRecorder:
             new = {layer: LayerShape(self.num_experts, s.routes[layer].expert_ids.shape[1])
                    for s in steps for layer in s.routes if layer not in self._shapes}
             tables = build_step_tables(steps, self.spec, {**self._shapes, **new})
+            tables.update(self._trace_findings())
             if new:
                 tables["layers"] = run_tables(self.spec, new, [0])["layers"]
         except Exception:
@@ -297,8 +323,12 @@ class RoutingRecorder:
         recorder failed if it did."""
         counts = self.counts
         others = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()) if reason != "recorded" and n)
+        with self._lock:
+            found = ", ".join(f"{check} {n}" for check, n in sorted(self._findings.items()))
         return (f"moescope proxy: recorded {counts.get('recorded', 0)} responses into run {self.spec.run_id}"
                 + (f"; not recorded: {others}" if others else "")
+                + (f"; trace checks found: {found} (moescope check STORE --run RUN)" if found
+                   else f"; trace checks: no finding in {self._checked_rows:,} token rows")
                 + (f"; {why}" if (why := self.failed) else ""))
 
 

@@ -190,23 +190,27 @@ def test_uint8_completion_output_array_without_num_experts(tmp_path):
     assert positions == list(range(9))
 
 
-@pytest.mark.parametrize("gen_rows, prompt_rows, message", [
-    (2, 5, "has 2 rows for 4 tokens; expected 4 or 3"),
-    (3, 4, "prompt_routed_experts has 4 rows for 5 tokens"),
+@pytest.mark.parametrize("gen_rows, prompt_rows, sequence", [
+    (2, 5, "choice 0: 2 rows for 4 tokens, 4 or 3 expected"),
+    (3, 4, "the prompt: 4 rows for 5 tokens"),
 ])
-def test_rows_that_do_not_align_to_the_tokens_are_refused(tmp_path, gen_rows, prompt_rows, message):
+def test_rows_that_do_not_align_to_the_tokens_are_imported_with_a_row_count_finding(tmp_path, gen_rows, prompt_rows,
+                                                                                     sequence):
     rng = np.random.default_rng(1)
-    body = {"id": "x", "prompt_token_ids": [1, 2, 3, 4, 5], "prompt_routed_experts": routing(rng, prompt_rows,
-                                                                                             False).tolist(),
-            "choices": [{"index": 0, "token_ids": [6, 7, 8, 9], "routed_experts": routing(rng, gen_rows,
-                                                                                         False).tolist()}]}
+    prompt, generated = routing(rng, prompt_rows, False), routing(rng, gen_rows, False)
+    body = {"id": "x", "prompt_token_ids": [1, 2, 3, 4, 5], "prompt_routed_experts": prompt.tolist(),
+            "choices": [{"index": 0, "token_ids": [6, 7, 8, 9], "routed_experts": generated.tolist()}]}
     path = str(tmp_path / "resp.json")
     with open(path, "w") as f:
         json.dump(body, f)
     root = str(tmp_path / "store")
-    with pytest.raises(SourceFormatError, match=message):
-        import_files("vllm", [path], root)
-    assert store_files(root) == []
+    summary = import_files("vllm", [path], root)
+    # one row missing in either case (`sequence` says which), and the rows there are are kept
+    assert [(f.check, f.count) for f in summary.findings] == [("row_count", 1)], sequence
+    assert "row_count 1" in summary.report()
+    stored = parquet_rows(root, "trace_findings", summary.run_id).to_pylist()
+    assert [(r["check_name"], r["count"], r["origin"]) for r in stored] == [("row_count", 1, "import")]
+    assert summary.routes == (prompt_rows + gen_rows) * (L - 1)
 
 
 def _bad_files(folder: str) -> dict[str, str]:
