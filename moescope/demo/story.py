@@ -142,7 +142,10 @@ def _notification_line(alerts: list[dict]) -> None:
             places = "layers " + ", ".join(str(layer) for layer in sorted({a["alert"]["layer"] for a in alerts}))
         steps = sorted({a["alert"]["step"] for a in alerts})
         when = f"step {steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "")
-        _say(f"    webhook <- [{status}] {first['name']} ({places}, {when}): {len(alerts)} alerts, one notification")
+        reasons = {(a["alert"].get("annotations") or {}).get("resolved_reason") for a in alerts}
+        why = next(iter(reasons)) if len(reasons) == 1 else None  # said once when every alert says it
+        _say(f"    webhook <- [{status}] {first['name']} ({places}, {when}) {len(alerts)} alerts in one notification"
+             + (f" ({why})" if why else ""))
         return
     values = ", ".join(f"{k}={v:.3g}" for k, v in (first.get("values") or {}).items()
                        if isinstance(v, (int, float)))
