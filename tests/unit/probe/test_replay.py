@@ -11,6 +11,7 @@ router calls (bad input fails before the forward runs).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -379,3 +380,40 @@ def test_a_trust_gate_and_a_replay_are_not_both_taken():
     model = _model("mixtral")
     with pytest.raises(ValueError, match="not both"):
         moescope.attach(model, trust_gate="manual", replay=_other_routing(model))
+
+
+# -- where the routing comes from ------------------------------------------------------------------
+
+def test_a_run_moescope_recorded_replays_bit_for_bit_from_the_store_an_export_and_sequences(tmp_path):
+    from moescope.analyses.mismatch import ReplaySequence
+    from moescope.analyses.mismatch_replay import engine_replay, export_replay, npy_name
+
+    model = _model("qwen3_moe")
+    inputs = _inputs("qwen3_moe")
+    with torch.no_grad(), moescope.attach(model, store=tmp_path / "store", routes=True, window=1) as session:
+        bare = model(**inputs).logits
+        run = session.run.run_id
+    sequences, layers = engine_replay(tmp_path / "store", run)
+    assert layers == [0, 1] and len(sequences) == BATCH
+    both = export_replay(sequences, tmp_path / "both", layers=layers)
+    parquet = export_replay(sequences, tmp_path / "parquet", formats=["parquet"], layers=layers)
+    npy = export_replay(sequences, tmp_path / "npy", formats=["npy"], layers=layers)
+    sources = {(str(tmp_path / "store"), run): run, both: both, parquet: parquet, npy: npy}
+    for source, label in sources.items():
+        with torch.no_grad(), moescope.replay(model, source) as replay:
+            assert torch.equal(model(**inputs).logits, bare), source
+        assert replay.label == label
+    with torch.no_grad(), moescope.replay(model, sequences):
+        assert torch.equal(model(**inputs).logits, bare)
+    one = {k: v[1:] for k, v in inputs.items()}
+    with torch.no_grad():
+        alone = model(**one).logits
+        with moescope.replay(model, os.path.join(npy, npy_name(sequences[1]))):  # one sequence, batch 1
+            assert torch.equal(model(**one).logits, alone)
+    short = ReplaySequence(0, 0, 9, sequences[0].token_ids[:4], sequences[0].expert_ids[:4], None)
+    with pytest.raises(ReplayError, match="different shapes"):
+        with moescope.replay(model, [sequences[0], short]):
+            pass
+    with pytest.raises(ReplayError, match="neither replay.parquet nor"):
+        with moescope.replay(model, tmp_path / "store"):
+            pass
