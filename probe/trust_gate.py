@@ -15,6 +15,10 @@ the tests). Llama4 also needs a hook on its experts: every expert there processe
 score; the hook removes the masked experts' rows from the experts' output. DBRX routes inside its
 block, from the router's logits, so the gated logits are all it needs.
 
+The same rules serve routing replay (probe/replay.py): given a `Forced` choice, a rule replaces the
+family's selection step with it and weights the forced experts by the family's own rule;
+`BLOCK_CHOICE` does the same for DBRX, whose block chooses between its router and its experts.
+
 Sharp edges:
 - The router output the rest of the model (and the probe's records) sees is the gated one:
   logits + log(w) (masked: -1e4, finite so entropies stay finite), and the gated choice.
