@@ -16,7 +16,7 @@ cut (a row limit there dropped the last layers and part of a window's ranks, rea
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
