@@ -247,7 +247,7 @@ class Story:
                                     pad_token_id=self.tokenizer.pad_token_id)
         self.settle()
         _say(f"   {self.session.step} forwards recorded, {len(self.alerting.receiver.received)} alerts so far "
-             "(an alert here is about the trained model itself, e.g. an expert it barely uses)")
+             "(none expected: an expert is unhealthy for what it computes, and nothing here computes wrong)")
         return {}
 
     def shift(self) -> dict:
