@@ -19,11 +19,11 @@ it computes. Components (see `docs/health.md` for the defaults):
 - confidence (reported, weight 0 by default): mean gate weight when chosen, over the peers'
   median, `100 * min(1, ratio / floor)`.
 - output: 0 if any sampled output held a NaN/inf, else the mean L2 norm of its sampled outputs
-  against the median of the *other* experts' last measured norms and against its own baseline
-  (the larger of the two band scores). The sampler visits one or two experts per window, so the
-  peers are each expert's latest measurement, carried across windows, never the expert itself;
-  fewer than `min_output_peers` of them: no peer verdict (a median of three stands one faulty
-  expert, a median of two does not).
+  against the median of the *other* experts' last measured norms (`output_band` above them,
+  `output_low_band` below) and against its own baseline (the larger of the two band scores). The
+  sampler visits one or two experts per window, so the peers are each expert's latest measurement,
+  carried across windows, never the expert itself; fewer than `min_output_peers` of them: no peer
+  verdict (a median of three stands one faulty expert, a median of two does not).
 - weight: cosine of the weight sketch to the attach fingerprint, mapped linearly from
   `weight_cosine_floor` (0) to 1 (100), times `band_score(norm ratio, weight_norm_band)`;
   0 when non-finite.
@@ -74,6 +74,10 @@ class HealthConfig:
     min_expert_assignments: int = 4  # fewer for this expert: no confidence component
     confidence_floor: float = 0.5
     output_band: float = 4.0
+    # Below the peers the band is wider: a trained model's barely-routed expert computes an order of
+    # magnitude quieter than its peers (the demo's never-routed expert: 0.085x), which is the model
+    # as trained; a zeroed or vanishing expert sits at 0 or orders of magnitude below.
+    output_low_band: float = 16.0
     min_output_peers: int = 3  # other experts' measured norms needed to judge an output against peers
     output_baseline_band: float = 4.0
     weight_cosine_floor: float = 0.5
@@ -144,9 +148,11 @@ def output_component(norm_mean: float | np.ndarray, nonfinite: int | np.ndarray,
     norm = np.asarray(norm_mean, dtype=np.float64)
     reference = np.broadcast_to(np.asarray(peer_median, dtype=np.float64), norm.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = norm / reference
         # every other expert outputs zeros (e.g. zero-initialised) and so does this one: nothing stands out
         peers = np.where(np.isnan(reference), np.nan,
-                         np.where(reference > 0, band_score(norm / reference, config.output_band),
+                         np.where(reference > 0, np.where(norm >= reference, band_score(ratio, config.output_band),
+                                                          band_score(ratio, config.output_low_band)),
                                   np.where(norm <= 0, 100.0, 0.0)))
         if baseline is not None:
             base = np.asarray(baseline, dtype=np.float64)

@@ -44,6 +44,10 @@ def test_confidence_output_weight_grad_components():
     assert output_component(1000.0, 0, 1.0, None, CFG) == pytest.approx(0.4)
     assert output_component(3.0, 0, 1.0, None, CFG) == 100
     assert output_component(10.0, 0, 1.0, 10.0, CFG) == 100  # an outlier for peers, normal for itself
+    # below the peers the band is output_low_band (16): a quiet, barely-routed expert passes, a vanishing one not
+    assert output_component(0.085, 0, 1.0, None, CFG) == 100
+    assert output_component(0.01, 0, 1.0, None, CFG) == pytest.approx(100 * 16 * 0.01)
+    assert output_component(0.0, 0, 1.0, None, CFG) == 0
     assert weight_component(1.0, 1.0, CFG) == 100
     assert weight_component(0.75, 1.0, CFG) == pytest.approx(50.0)  # (0.75 - 0.5) / 0.5
     assert weight_component(1.0, 1000.0, CFG) == pytest.approx(0.15)
