@@ -6,15 +6,24 @@ turns it into components, each 0-100 (100 = healthy), then into one score:
     score = 100 * prod_i (c_i / 100) ** (w_i / sum_j w_j)      over the components present
 
 a weighted geometric mean, so one component at 0 (a NaN output, a thousandfold weight) takes the
-score to 0 whatever the others say. Components (see `docs/health.md` for the defaults):
+score to 0 whatever the others say. A component of weight 0 is measured and reported, not
+scored: by default load and confidence, which are what the router does with the expert. An
+expert whose load or gate weight fell because the traffic changed is routing news (the rules
+engine's drift and dead-expert alerts say it), not a sick expert: an expert is unhealthy for what
+it computes. Components (see `docs/health.md` for the defaults):
 
-- load: share of the layer's assignments r = load_e * E / sum(load), against peers
+- load (reported, weight 0 by default): share of the layer's assignments r = load_e * E / sum(load), against peers
   (`band_score(r, load_band)`) and, once the expert has a baseline, against its own baseline
   share (`band_score(r / r_base, load_baseline_band)`); the larger of the two counts, so an
   expert is a load anomaly only if it is unusual for the layer *and* for itself.
-- confidence: mean gate weight when chosen, over the peers' median, `100 * min(1, ratio / floor)`.
+- confidence (reported, weight 0 by default): mean gate weight when chosen, over the peers'
+  median, `100 * min(1, ratio / floor)`.
 - output: 0 if any sampled output held a NaN/inf, else the mean L2 norm of its sampled outputs
-  against the peers' median and against its own baseline (the larger of the two band scores).
+  against the median of the *other* experts' last measured norms (`output_band` above them,
+  `output_low_band` below) and against its own baseline (the larger of the two band scores). The
+  sampler visits one or two experts per window, so the peers are each expert's latest measurement,
+  carried across windows, never the expert itself; fewer than `min_output_peers` of them: no peer
+  verdict (a median of three stands one faulty expert, a median of two does not).
 - weight: cosine of the weight sketch to the attach fingerprint, mapped linearly from
   `weight_cosine_floor` (0) to 1 (100), times `band_score(norm ratio, weight_norm_band)`;
   0 when non-finite.
@@ -49,8 +58,12 @@ COMPONENTS = ("load", "confidence", "output", "weight", "grad")
 @dataclass(frozen=True)
 class HealthConfig:
     window_steps: int = 4
+    # Load and confidence are measured and reported but not scored (weight 0): they are what the
+    # router does with the expert, and a traffic shift moves both (an expert left idle, or still
+    # sent its share at a lower gate weight): routing news, which the rules' drift and dead-expert
+    # alerts say once. The score is what the expert itself computes. Give them a weight to score them.
     weights: dict[str, float] = field(default_factory=lambda: dict(
-        load=0.25, confidence=0.15, output=0.35, weight=0.25, grad=0.15))
+        load=0.0, confidence=0.0, output=0.35, weight=0.25, grad=0.15))
     load_band: float = 8.0
     load_baseline_band: float = 4.0
     min_window_assignments: int = 16  # fewer assignments in a layer's window: no load/confidence component
@@ -61,6 +74,11 @@ class HealthConfig:
     min_expert_assignments: int = 4  # fewer for this expert: no confidence component
     confidence_floor: float = 0.5
     output_band: float = 4.0
+    # Below the peers the band is wider: a trained model's barely-routed expert computes an order of
+    # magnitude quieter than its peers (the demo's never-routed expert: 0.085x), which is the model
+    # as trained; a zeroed or vanishing expert sits at 0 or orders of magnitude below.
+    output_low_band: float = 16.0
+    min_output_peers: int = 3  # other experts' measured norms needed to judge an output against peers
     output_baseline_band: float = 4.0
     weight_cosine_floor: float = 0.5
     weight_norm_band: float = 1.5
@@ -72,6 +90,8 @@ class HealthConfig:
     def __post_init__(self) -> None:
         if self.window_steps < 1:
             raise ValueError("window_steps must be at least 1")
+        if self.min_output_peers < 1:
+            raise ValueError("min_output_peers must be at least 1 (other experts an output is judged against)")
         unknown = set(self.weights) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"unknown health components {sorted(unknown)}; known: {', '.join(COMPONENTS)}")
@@ -116,20 +136,42 @@ def confidence_component(gate_mean: float | np.ndarray, peer_median: float,
     return _out(np.where(np.isfinite(gate), score, 0.0))
 
 
-def output_component(norm_mean: float | np.ndarray, nonfinite: int | np.ndarray, peer_median: float,
+def output_component(norm_mean: float | np.ndarray, nonfinite: int | np.ndarray, peer_median: float | np.ndarray,
                      baseline: float | np.ndarray | None, config: HealthConfig) -> float | np.ndarray:
-    """baseline: the expert's own baseline norm (None, NaN or <= 0: none yet)."""
+    """The output component: 0 for any non-finite sampled output, else the larger of the band
+    scores of the mean norm against `peer_median` and against `baseline`; NaN (not judged) when
+    neither reference exists.
+
+    peer_median: the median norm of the *other* experts (one for all, or one per expert; NaN: too
+    few measured to judge against); baseline: the expert's own baseline norm (None, NaN or <= 0:
+    none yet)."""
     norm = np.asarray(norm_mean, dtype=np.float64)
+    reference = np.broadcast_to(np.asarray(peer_median, dtype=np.float64), norm.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
-        peers = (np.asarray(band_score(norm / peer_median, config.output_band)) if peer_median > 0
-                 else np.zeros_like(norm))
+        ratio = norm / reference
+        # every other expert outputs zeros (e.g. zero-initialised) and so does this one: nothing stands out
+        peers = np.where(np.isnan(reference), np.nan,
+                         np.where(reference > 0, np.where(norm >= reference, band_score(ratio, config.output_band),
+                                                          band_score(ratio, config.output_low_band)),
+                                  np.where(norm <= 0, 100.0, 0.0)))
         if baseline is not None:
             base = np.asarray(baseline, dtype=np.float64)
             own = np.asarray(band_score(norm / base, config.output_baseline_band))
-            peers = np.where(np.isfinite(base) & (base > 0), np.maximum(peers, own), peers)
-    # every expert outputs zeros (e.g. zero-initialised): nothing stands out
-    score = np.where((peer_median <= 0) & (norm <= 0), 100.0, peers)
-    return _out(np.where((np.asarray(nonfinite) > 0) | ~np.isfinite(norm), 0.0, score))
+            peers = np.where(np.isfinite(base) & (base > 0), np.fmax(peers, own), peers)
+    return _out(np.where((np.asarray(nonfinite) > 0) | ~np.isfinite(norm), 0.0, peers))
+
+
+def others_median(values: np.ndarray, least: int) -> np.ndarray:
+    """Per entry, the median of the *other* entries' finite values; NaN where fewer than `least`
+    of them are finite. An expert is never its own peer."""
+    values = np.asarray(values, dtype=np.float64)
+    others = np.where(np.eye(values.size, dtype=bool), np.nan, np.broadcast_to(values, (values.size, values.size)))
+    counts = np.isfinite(others).sum(axis=1)
+    out = np.full(values.size, np.nan)
+    enough = counts >= least
+    if enough.any():
+        out[enough] = np.nanmedian(np.where(np.isfinite(others[enough]), others[enough], np.nan), axis=1)
+    return out
 
 
 def weight_component(cosine: float | np.ndarray, norm_ratio: float | np.ndarray,
@@ -254,6 +296,11 @@ class HealthScorer:
         self._baseline_share: dict[int, np.ndarray] = {}
         self._baseline_norm: dict[int, np.ndarray] = {}
         self._baseline_seen: dict[int, np.ndarray] = {}
+        self._baseline_norm_seen: dict[int, np.ndarray] = {}  # healthy windows with the output sampled
+        # Each expert's last measured mean output norm (NaN: never measured, or last non-finite): the
+        # peers an output is judged against, carried across windows because a window samples only
+        # one or two experts of a layer.
+        self._last_norm: dict[int, np.ndarray] = {}
         self._experts: dict[int, int] = {}
         # The last measured output and weight components per (layer, expert): the sampler visits
         # each expert's outputs every few forwards and its weights every `weight_every`, and an
@@ -282,15 +329,21 @@ class HealthScorer:
         self._count[layer] = index + 1
         experts = len(w.load)
         seen = self._baseline_seen.setdefault(layer, np.zeros(experts, dtype=np.int64))
-        peers = _Peers.of(w, self.config)
-        comps, reasons = self._components(layer, w, peers, seen >= self.config.baseline_windows)
+        norm_seen = self._baseline_norm_seen.setdefault(layer, np.zeros(experts, dtype=np.int64))
+        last = self._last_norm.setdefault(layer, np.full(experts, np.nan))
+        sampled = w.samples > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            last[sampled] = np.where(w.nonfinite[sampled] > 0, np.nan, w.norm_sum[sampled] / w.samples[sampled])
+        peers = _Peers.of(w, self.config, others_median(last, self.config.min_output_peers))
+        comps, reasons = self._components(layer, w, peers, seen >= self.config.baseline_windows,
+                                          norm_seen >= self.config.baseline_windows)
         scores = np.asarray(combine(comps, self.config.weights))
         rows = self._rows(run_id, index, layer, w, peers, comps, reasons, scores)
-        self._learn(layer, w, peers, scores)
+        self._learn(layer, w, peers, scores, comps["load"])
         return rows
 
-    def _components(self, layer: int, w: _Window, peers: _Peers,
-                    has_base: np.ndarray) -> tuple[dict[str, np.ndarray], list[list[str]]]:
+    def _components(self, layer: int, w: _Window, peers: _Peers, has_base: np.ndarray,
+                    has_norm_base: np.ndarray) -> tuple[dict[str, np.ndarray], list[list[str]]]:
         """Every expert's components (NaN: not measured) and the reasons of those below 50, in order.
 
         Output and weight are measured only when the sampler visited the expert; a window without a
@@ -309,7 +362,7 @@ class HealthScorer:
         sampled = w.samples > 0
         if sampled.any():
             norm = np.where(peers.good > 0, peers.norm_mean, np.nan)
-            baseline = None if base_norm is None else np.where(has_base, base_norm, np.nan)
+            baseline = None if base_norm is None else np.where(has_norm_base, base_norm, np.nan)
             comps["output"] = np.where(sampled, output_component(norm, w.nonfinite, peers.norm_median, baseline, cfg),
                                        np.nan)
         if w.cosine is not None and w.norm_ratio is not None:  # set together, by a weight check
@@ -327,7 +380,8 @@ class HealthScorer:
             for e in np.flatnonzero(sampled & ((w.nonfinite > 0) | (comps["output"] < 50))):
                 why[e]["output"] = (f"non-finite outputs: {int(w.nonfinite[e])}/{int(w.samples[e])} sampled"
                                     if w.nonfinite[e] > 0 else
-                                    f"output norm outlier: {peers.norm_mean[e]:.3g} vs median {peers.norm_median:.3g}")
+                                    f"output norm outlier: {peers.norm_mean[e]:.3g} vs the other experts' median "
+                                    f"{peers.norm_median[e]:.3g}")
             if w.cosine is not None and w.norm_ratio is not None:
                 for e in np.flatnonzero(comps["weight"] < 50):
                     why[e]["weight"] = (f"weights drifted: cosine {w.cosine[e]:.3f}, "
@@ -377,21 +431,27 @@ class HealthScorer:
             weight_cosine=cosine[e], weight_norm_ratio=norm_ratio[e], grad_norm=grad[e], trust_weight=trust[e],
             reasons="; ".join(reasons[e])) for e in range(len(w.load))]
 
-    def _learn(self, layer: int, w: _Window, peers: _Peers, scores: np.ndarray) -> None:
+    def _learn(self, layer: int, w: _Window, peers: _Peers, scores: np.ndarray, load: np.ndarray) -> None:
         """Learn the experts' baselines from healthy, ungated windows only, so a fault is never learnt."""
         cfg = self.config
         experts = len(w.load)
         seen = self._baseline_seen[layer]
+        norm_seen = self._baseline_norm_seen[layer]
         base_share = self._baseline_share.setdefault(layer, np.zeros(experts))
         base_norm = self._baseline_norm.setdefault(layer, np.zeros(experts))
         healthy = (scores >= cfg.baseline_min_score) & peers.ungated
         d = np.where(seen > 0, cfg.baseline_decay, 0.0)
         with np.errstate(invalid="ignore", over="ignore"):
-            if peers.routed:
-                base_share[:] = np.where(healthy, d * base_share + (1 - d) * peers.shares, base_share)
+            if peers.routed:  # a share is learnt only where the load was normal too, scored or not
+                learn = healthy & ~(load < cfg.baseline_min_score)
+                base_share[:] = np.where(learn, d * base_share + (1 - d) * peers.shares, base_share)
             norm = healthy & np.isfinite(peers.norm_mean) & (w.nonfinite == 0)
-            base_norm[:] = np.where(norm, d * base_norm + (1 - d) * peers.norm_mean, base_norm)
+            # the norm's own count: an expert's first sampled window starts its average, whatever
+            # windows without a sample came before
+            d_norm = np.where(norm_seen > 0, cfg.baseline_decay, 0.0)
+            base_norm[:] = np.where(norm, d_norm * base_norm + (1 - d_norm) * peers.norm_mean, base_norm)
         seen += healthy
+        norm_seen += norm
 
 
 @dataclass(frozen=True)
@@ -406,11 +466,11 @@ class _Peers:
     gate_median: float
     good: np.ndarray  # finite sampled outputs
     norm_mean: np.ndarray  # mean L2 norm of the finite sampled outputs (NaN: none)
-    norm_median: float
+    norm_median: np.ndarray  # per expert, the other experts' last measured norms' median (NaN: too few)
     grad_median: float
 
     @classmethod
-    def of(cls, w: _Window, cfg: HealthConfig) -> _Peers:
+    def of(cls, w: _Window, cfg: HealthConfig, norm_median: np.ndarray) -> _Peers:
         experts = len(w.load)
         ungated = w.trust >= 1.0
         total = w.load[ungated].sum()
@@ -422,10 +482,9 @@ class _Peers:
         trusted = ungated & (w.load >= cfg.min_expert_assignments)
         good = w.samples - w.nonfinite
         norm_mean = np.divide(w.norm_sum, good, out=np.full(experts, np.nan), where=good > 0)
-        finite_norms = norm_mean[np.isfinite(norm_mean) & (w.nonfinite == 0)]
         grads = w.grad[np.isfinite(w.grad)] if w.grad is not None else np.zeros(0)
         return cls(ungated=ungated, shares=shares, routed=routed, gate_mean=gate_mean, trusted=trusted,
                    gate_median=float(np.median(gate_mean[trusted])) if trusted.any() else float("nan"),
                    good=good, norm_mean=norm_mean,
-                   norm_median=float(np.median(finite_norms)) if finite_norms.size else 0.0,
+                   norm_median=norm_median,
                    grad_median=float(np.median(grads)) if grads.size else 0.0)

@@ -269,7 +269,8 @@ class Story:
         self.settle()
         _say(f"   {self.session.step} forwards recorded, {len(self.alerting.receiver.received)} alerts so far in "
              f"{len(self.alerting.receiver.notifications)} notifications "
-             "(an alert here is about the trained model itself, e.g. an expert it barely uses)")
+             "(none expected from the expert health score: an expert is unhealthy for what it computes, and "
+             "nothing here computes wrong; a load rule may speak about an expert the trained model barely uses)")
         return {}
 
     def shift(self) -> dict:

@@ -40,6 +40,12 @@ def test_both_incidents_reached_the_webhook(demo):
     assert received["firing:RoutingDriftFromBaseline"] >= 1
     assert received["firing:TrustGateChanged"] >= 1 and received["resolved:TrustGateChanged"] >= 1
     assert received["firing:ExpertUnhealthy"] >= 1
+    # an idle expert is not a sick one: the shift is the drift alert's news, and the one expert found
+    # unhealthy is the corrupted one (issue 50: the shift used to page 10 idle or shy experts)
+    alerts = _table(root, "alerts")
+    unhealthy = alerts[(alerts.alertname == "ExpertUnhealthy") & (alerts.state == "firing")]
+    corrupted = (summary["corrupted"]["layer"], summary["corrupted"]["expert"])
+    assert list(zip(unhealthy.layer, unhealthy.expert)) == [corrupted]
     assert "webhook <- [firing] RoutingDriftFromBaseline" in out
     assert "webhook <- [firing] TrustGateChanged" in out
 

@@ -211,3 +211,40 @@ def test_the_policy_keeps_only_the_latest_health_rows_in_memory(tmp_path):
     # the last rows scored: the final window's rows of every layer, the last layer first to go
     kept = {(r.window, r.layer) for r in policy.health_rows}
     assert max(w for w, _ in kept) == 9 and all((9, layer) in kept for layer in layers)
+
+
+@pytest.mark.parametrize("fault", ["scale", "nan"])
+def test_default_sampling_finds_a_broken_expert_on_a_tiny_qwen3_moe(fault):
+    """The default sampler (every 4th forward, two experts of one layer per visit) on 2 layers x 8
+    experts: each expert's output is measured every 32 forwards, and a window holds one or two
+    sampled experts. A thousandfold expert once scored 100 there, judged against a median of the
+    window's own samples (itself); a NaN expert was found. Both must be, within the sampling
+    interval plus the policy's windows; the fault comes after the first weight check, so only the
+    output sample can see it."""
+    model = tiny_model("qwen3_moe")
+    policy = TrustPolicy()
+    session = moescope.attach(model, trust_policy=policy, health=True, window=1)
+    layer, expert = session.layers[0], 3
+    g = torch.Generator().manual_seed(1)
+    interval = 4 * 8  # sample_every x visits to cover a layer's 8 experts, 2 a visit, layers in turn
+    with torch.no_grad():
+        for _ in range(10):
+            model(torch.randint(0, 128, (2, 16), generator=g))
+            session.flush()
+        for view in _expert_views(layer, expert):
+            view.mul_(1000.0) if fault == "scale" else view.fill_(float("nan"))
+        forwards = 0
+        while not policy.alerts and forwards < 60:
+            model(torch.randint(0, 128, (2, 16), generator=g))
+            session.flush()
+            forwards += 1
+    session.close()
+    fired = [(a.alertname, a.layer, a.expert) for a in policy.alerts if a.state == "firing"]
+    assert fired == [("ExpertUnhealthy", 0, expert)], f"after {forwards} forwards: {fired}"
+    assert forwards <= interval + 3 * WINDOW  # a visit, then gate_after=2 windows, plus the window it began in
+    measured = [r for r in policy.health_rows if r.layer == 0 and r.expert == expert and r.output_norm_mean is not None]
+    if fault == "scale":  # the sampled norm, against the other experts' own measured norms
+        others = [r.output_norm_mean for r in policy.health_rows
+                  if r.layer == 0 and r.expert != expert and r.output_norm_mean is not None]
+        assert measured[-1].output_norm_mean > 1e4 * float(np.median(others))
+        assert measured[-1].output < 1 and "output norm outlier" in measured[-1].reasons

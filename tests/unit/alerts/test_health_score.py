@@ -44,6 +44,10 @@ def test_confidence_output_weight_grad_components():
     assert output_component(1000.0, 0, 1.0, None, CFG) == pytest.approx(0.4)
     assert output_component(3.0, 0, 1.0, None, CFG) == 100
     assert output_component(10.0, 0, 1.0, 10.0, CFG) == 100  # an outlier for peers, normal for itself
+    # below the peers the band is output_low_band (16): a quiet, barely-routed expert passes, a vanishing one not
+    assert output_component(0.085, 0, 1.0, None, CFG) == 100
+    assert output_component(0.01, 0, 1.0, None, CFG) == pytest.approx(100 * 16 * 0.01)
+    assert output_component(0.0, 0, 1.0, None, CFG) == 0
     assert weight_component(1.0, 1.0, CFG) == 100
     assert weight_component(0.75, 1.0, CFG) == pytest.approx(50.0)  # (0.75 - 0.5) / 0.5
     assert weight_component(1.0, 1000.0, CFG) == pytest.approx(0.15)
@@ -84,7 +88,9 @@ def test_scorer_windows_components_and_gated_experts():
     rows = scorer.observe(_step(1, load, gate, cosine=[1, 1, 1, 1], ratio=[1, 1, 1, 1], **kw))
     assert [r.window for r in rows] == [0] * 4 and rows[0].step_start == 0 and rows[0].step_end == 1
     dead = rows[3]
-    assert dead.load == 0 and dead.score == 0 and "load dead" in dead.reasons and dead.confidence is None
+    # idle is routing news, not ill health: load is reported (and its reason kept), not scored
+    assert dead.load == 0 and dead.score == pytest.approx(100) and "load dead" in dead.reasons
+    assert dead.confidence is None
     assert rows[0].load_share_ratio == pytest.approx(4 / 3) and rows[0].gate_weight_mean == pytest.approx(0.5)
     assert rows[0].output_norm_mean == pytest.approx(1.0) and rows[0].score == pytest.approx(100)
     # gated: load and confidence are the gate's doing and are left out; NaN outputs count
@@ -122,6 +128,47 @@ def test_output_and_weight_verdicts_carry_over_windows_without_a_visit():
     later = scorer.observe(_step(1, load, gate, samples=[2, 0, 0, 0], norms=[2.0, 0, 0, 0], nonfinite=[0] * 4))
     assert later[2].output == 0 and later[2].weight == 0 and "(last measured)" in later[2].reasons
     assert later[1].output is None  # never measured: nothing to carry
-    healed = scorer.observe(_step(2, load, gate, samples=[0, 0, 2, 0], norms=[0, 0, 2.0, 0], nonfinite=[0] * 4,
+    # the other experts measured (its peers), then the expert healed
+    scorer.observe(_step(3, load, gate, samples=[0, 2, 0, 2], norms=[0, 2.0, 0, 2.0], nonfinite=[0] * 4))
+    healed = scorer.observe(_step(4, load, gate, samples=[0, 0, 2, 0], norms=[0, 0, 2.0, 0], nonfinite=[0] * 4,
                                   cosine=[1] * 4, ratio=[1] * 4))[2]
     assert healed.output == 100 and healed.weight == 100
+
+
+def test_an_output_is_judged_against_the_other_experts_never_itself():
+    """The sampler visits one or two experts of a layer per window: a window's own median of the
+    sampled norms would be the faulty expert itself (the old flaw, a x1000 expert scoring 100)."""
+    scorer = HealthScorer(HealthConfig(window_steps=1))
+    load, gate = [10] * 8, [5.0] * 8
+    healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.3, 0.7]  # each expert's own mean norm
+
+    def visit(step, experts, norms):
+        samples = [2 if e in experts else 0 for e in range(8)]
+        sums = [2 * norms[e] if e in experts else 0.0 for e in range(8)]
+        return scorer.observe(_step(step, load, gate, samples=samples, norms=sums, nonfinite=[0] * 8))
+
+    rows = visit(0, (0, 1), healthy)
+    assert rows[0].output is None and rows[1].output is None  # one peer each: not judged yet
+    visit(1, (2, 3), healthy)
+    rows = visit(2, (4, 5), healthy)
+    # peers: the other experts' last norms; expert 4 against the median of 0, 1, 2, 3, 5 = 1.0
+    assert rows[4].output == 100 and rows[5].output == 100
+    broken = list(healthy)
+    broken[6] = 1e7
+    rows = visit(3, (6, 7), broken)
+    others = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 0.7]  # 0-5 and 7 at its norm of this window
+    expected = 100 * CFG.output_band / (1e7 / float(np.median(others)))
+    assert rows[6].output == pytest.approx(expected) and rows[6].score < 1
+    assert "vs the other experts' median 1" in rows[6].reasons
+    # expert 7 is judged against 0-6, the broken one among them: the median stands one outlier
+    assert rows[7].output == 100
+
+
+def test_load_is_reported_not_scored_unless_weighted():
+    """An expert the traffic left idle scores on what it computes; a user who weights load gets the
+    old judgement back (any component at 0 takes the weighted geometric mean to 0)."""
+    load, gate = [12, 12, 12, 0], [6.0, 6.0, 6.0, 0.0]  # a fair share of 9 >= min_expected_per_expert
+    for weights, expected in ((None, 100.0), (dict(load=0.25, output=0.35, weight=0.25), 0.0)):
+        cfg = HealthConfig(window_steps=1) if weights is None else HealthConfig(window_steps=1, weights=weights)
+        row = HealthScorer(cfg).observe(_step(0, load, gate, cosine=[1] * 4, ratio=[1] * 4))[3]
+        assert row.load == 0 and row.weight == 100 and row.score == pytest.approx(expected)
