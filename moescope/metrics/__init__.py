@@ -13,9 +13,10 @@ the dashboard share one definition. A module per idea, and the modules are the p
 - `dispatch`: how each engine picks the copy of a redundant expert, and where each routed slot runs;
 - `eplb`: placements fitted to loads (DeepSeek's EPLB, the seeds' load-aware mapping);
 - `traffic`: what a placement costs on the wire (dispatch fan-out per token);
-- `expert_cache`: the expert-cache replay (LRU, LFU, Belady).
+- `expert_cache`: the expert-cache replay (LRU, LFU, Belady);
+- `logprob_gap`: the rollout/training log-prob gap (AReaL's k3 KL, |Δ|, Δ², extreme shares).
 
 Numpy only (pandas where a frame is built); the package imports none of the other rooms.
 """
 
-__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "placement", "ranks", "signals", "traffic"]
+__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "logprob_gap", "placement", "ranks", "signals", "traffic"]

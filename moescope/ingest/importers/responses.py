@@ -39,6 +39,13 @@ from moescope.ingest.importers.fields import (
     json_object,
     json_token_ids,
 )
+from moescope.ingest.importers.logprobs import (
+    join_vllm_logprobs,
+    sglang_logprobs,
+    vllm_choice_logprobs,
+    vllm_logprob_list,
+)
+from moescope.ingest.importers.source import SequenceLogprobs
 from moescope.ingest.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -57,6 +64,7 @@ class RoutedSequence:
     first_position: int = 0
     token_ids: np.ndarray | None = None  # (rows,) the input token of each row, where the response has it
     first_row: int = 0  # the row of `ids[0]` in the whole sequence (a chunk of a longer one), for messages
+    logprobs: SequenceLogprobs | None = None  # the generated tokens' log-probs, where the response has them
 
 
 def decode_npy(raw: bytes, where: str) -> np.ndarray:
@@ -174,17 +182,21 @@ def merge_vllm_stream(chunks: list[dict], where: str) -> dict:
             merged["prompt_routed_experts"] = vllm_array(chunk["prompt_routed_experts"], where)
         for choice in _choices(chunk, where):
             index = _choice_index(choice, where)
-            slot = choices.setdefault(index, {"index": index, "parts": [], "token_ids": []})
+            slot = choices.setdefault(index, {"index": index, "parts": [], "token_ids": [], "logprobs": []})
             if choice.get("routed_experts") is not None:
                 part = vllm_array(choice["routed_experts"], where)
                 if part.size:
                     slot["parts"].append(part)
             generated = json_token_ids(choice.get("token_ids"), f"choices[{index}].token_ids", where)
             slot["token_ids"] += [] if generated is None else generated.tolist()
+            values = vllm_logprob_list(choice.get("logprobs"), where)
+            if values is not None:
+                slot["logprobs"].append(values)
     for index in sorted(choices):
         slot = choices[index]
         merged["choices"].append({"index": index, "token_ids": slot["token_ids"] or None,
-                                  "routed_experts": np.concatenate(slot["parts"]) if slot["parts"] else None})
+                                  "routed_experts": np.concatenate(slot["parts"]) if slot["parts"] else None,
+                                  "logprobs": join_vllm_logprobs(slot["logprobs"])})
     return merged
 
 
@@ -233,9 +245,11 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
         tokens = len(generated) if generated is not None else (
             _count(usage, "completion_tokens", where) if len(choices) == 1 else None)
         _check_rows(len(ids), tokens, True, f"choices[{index}].routed_experts", where)
+        values = vllm_choice_logprobs(choice, tokens, prompt_tokens, f"{where} choices[{index}]")
+        logprobs = None if values is None else SequenceLogprobs(index, first, values, generated)
         if len(ids):
             out.append(RoutedSequence(ids, sequence=index, first_position=first,
-                                      token_ids=_ids_column(generated, len(ids))))
+                                      token_ids=_ids_column(generated, len(ids)), logprobs=logprobs))
     return out
 
 
@@ -260,8 +274,16 @@ def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | No
         prompt, completion = (_count(meta, f, where) for f in ("prompt_tokens", "completion_tokens"))
         total = prompt + completion if prompt is not None and completion is not None else None
         _check_rows(len(ids), total, True, "meta_info.routed_experts", where)
+        found = sglang_logprobs(meta, where)
+        logprobs = None
+        if found is not None:
+            if completion is not None and len(found[0]) != completion:
+                raise SourceFormatError(f"{where}: meta_info.output_token_logprobs holds {len(found[0])} entries for "
+                                        f"{completion} completion tokens")
+            first = prompt if prompt is not None else len(ids) + 1 - len(found[0])
+            logprobs = SequenceLogprobs(index, first, found[0], found[1])
         if len(ids):
-            out.append(RoutedSequence(ids, sequence=index, first_position=0))
+            out.append(RoutedSequence(ids, sequence=index, first_position=0, logprobs=logprobs))
     return out
 
 
@@ -273,6 +295,7 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
     per_layer: dict[int, list[tuple]] = {}
     skipped = 0
     offset = first_token
+    logprobs = [seq.logprobs for seq in sequences if seq.logprobs is not None]
     for seq in sequences:
         layers, not_computed = split_routed_rows(seq.ids, where, limit, first_row=seq.first_row)
         skipped += not_computed
@@ -296,7 +319,8 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
             token_ids = None if any(p[4] is None for p in parts) else np.concatenate([p[4] for p in parts])
         routes[layer] = LayerRoutes(expert_ids=ids, token=token, sequence=sequence, position=position,
                                     token_ids=token_ids)
-    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped
+    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where,
+                      logprobs=logprobs), skipped
 
 
 def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime, where: str,
@@ -311,6 +335,7 @@ def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime,
         for start in range(0, len(seq.ids), chunk_rows):
             end = min(start + chunk_rows, len(seq.ids))
             chunk = RoutedSequence(np.asarray(seq.ids[start:end]), seq.sequence, seq.first_position + start,
-                                   None if seq.token_ids is None else seq.token_ids[start:end], first_row=start)
+                                   None if seq.token_ids is None else seq.token_ids[start:end], first_row=start,
+                                   logprobs=seq.logprobs if start == 0 else None)
             yield sequences_step([chunk], step, ts, where, limit=limit, first_token=offset + start)
         offset += len(seq.ids)
