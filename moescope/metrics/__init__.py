@@ -19,4 +19,5 @@ the dashboard share one definition. A module per idea, and the modules are the p
 Numpy only (pandas where a frame is built); the package imports none of the other rooms.
 """
 
-__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "logprob_gap", "placement", "ranks", "signals", "traffic"]
+__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "logprob_gap", "placement", "ranks", "signals",
+           "traffic"]
