@@ -255,6 +255,8 @@ jitter_tokens = _cached(Store.jitter_tokens)
 mismatch_layers = _cached(Store.mismatch_layers)
 # (root, version, run_id, layer, limit, set_changed): its listed (token, layer) pairs, narrowest margin first
 mismatch_tokens = _cached(Store.mismatch_tokens)
+# (root, version, run_id): a mismatch run's log-prob gap rows, `Store.mismatch_logprob_gap`
+mismatch_logprob_gap = _cached(Store.mismatch_logprob_gap)
 
 
 # -- placement (moescope.analyses.placement, moescope.analyses.traffic) ------------------------------

@@ -29,7 +29,8 @@ be replayed).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,10 +170,29 @@ def _flip_bucket(flips: np.ndarray) -> np.ndarray:
     return out
 
 
-def _log_probs(model: nn.Module, batch: list[np.ndarray], targets: list[tuple[np.ndarray, np.ndarray]],
-               pad: int, device: torch.device, routes: np.ndarray | None) -> list[np.ndarray]:
-    """One right-padded forward (attention mask, `generate`'s position ids, no cache), under
-    `moescope.replay` of `routes` ([batch, tokens, layers, top_k], -1: the model routes itself) when
+@contextlib.contextmanager
+def _replayed(model: nn.Module, layers: Sequence[MoELayer], routes: np.ndarray | None) -> Iterator[None]:
+    """Routing replay of `routes` while the block runs (`moescope.probe.replay.RoutingReplay`, what
+    `moescope.replay` installs: the given experts, their weights by the family's rule from the
+    model's own router scores; a row of -1 routed by the model itself); nothing when None."""
+    if routes is None:
+        yield
+        return
+    from moescope.probe.replay import RoutingReplay
+
+    handles = RoutingReplay(list(layers), routes, label="mismatch").install(model)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _log_probs(model: nn.Module, layers: Sequence[MoELayer], batch: list[np.ndarray],
+               targets: list[tuple[np.ndarray, np.ndarray]], pad: int, device: torch.device,
+               routes: np.ndarray | None) -> list[np.ndarray]:
+    """One right-padded forward (attention mask, `generate`'s position ids, no cache), with the
+    routing `routes` replayed ([batch, tokens, layers, top_k], -1: the model routes itself) when
     given; per sequence, log_softmax(logits[p - 1])[token] of its (positions, tokens) targets."""
     from moescope.analyses.routing_compare import generate_position_ids
 
@@ -184,13 +204,8 @@ def _log_probs(model: nn.Module, batch: list[np.ndarray], targets: list[tuple[np
         mask[row, :len(ids)] = 1
     kwargs: dict[str, Any] = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                                   position_ids=generate_position_ids(mask).to(device), use_cache=False)
-    if routes is None:
+    with _replayed(model, layers, routes):
         logits = model(**kwargs).logits
-    else:
-        import moescope
-
-        with moescope.replay(model, routes):
-            logits = model(**kwargs).logits
     out = []
     for row, (positions, tokens) in enumerate(targets):
         rows = logits[row, torch.as_tensor(positions - 1, dtype=torch.long, device=logits.device)].float()
@@ -315,7 +330,7 @@ def logprob_gap(model: nn.Module, layers: Sequence[MoELayer], compared: Sequence
                         forced = routes.copy()
                         if left_out is not None:
                             forced[:, :, all_layers.index(left_out)] = -1
-                    results[(routing, left_out)] += _log_probs(model, batch, targets, pad, device, forced)
+                    results[(routing, left_out)] += _log_probs(model, layers, batch, targets, pad, device, forced)
                     bar.update(len(chunk))
     finally:
         model.train(was_training)

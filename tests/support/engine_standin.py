@@ -156,8 +156,8 @@ def standin_run(model, sequences: list[list[int]], generated_from: list[int], ch
             records, handles = _gate_hooks(model, choose)
             try:
                 ids = torch.tensor([seq])
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(len(seq))[None],
-                               use_cache=False).logits[0].float()
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               position_ids=torch.arange(len(seq))[None], use_cache=False).logits[0].float()
             finally:
                 for handle in handles:
                     handle.remove()
