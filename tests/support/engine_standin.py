@@ -14,6 +14,7 @@ import base64
 import copy
 import io
 import json
+import os
 
 import numpy as np
 import torch
@@ -182,3 +183,38 @@ def vllm_logprob_responses(requests, routing: dict[tuple[int, int], np.ndarray],
                                   "text_offset": [0] * len(values), "top_logprobs": None}
         lines.append(json.dumps(body))
     return "\n".join(lines) + "\n"
+
+
+def routing_sensitive_mixtral():
+    """The zoo's tiny Mixtral with its experts' weights times 8: which experts a token takes then
+    moves its log-probs by a few hundredths of a nat (k3 KL ~ 3e-3, the order R3 and AReaL report)."""
+    from tests.support.zoo import tiny_model
+
+    model = tiny_model("mixtral")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for weight in layer.mlp.experts.parameters():
+                weight.mul_(8)
+    return model
+
+
+def logprob_engine(model, tmp_path, choose=None, dtype=None):
+    """A store in `tmp_path` holding run "engine": an engine STAND-IN (`standin_run`: `model` with the
+    routers of `choose` replaced, or cast to `dtype`) over `token_sequences(seed=4, prompts=3)`, its
+    routing and log-probs written as vLLM completions responses and imported. Returns (root,
+    requests, full sequences, routing of the fed tokens, log-probs) keyed (request, choice)."""
+    requests = token_sequences(seed=4, prompts=3)
+    keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
+    full = {key: requests[key[0]][0] + requests[key[0]][1][key[1]] for key in keys}
+    runs = dict(zip(keys, standin_run(model, [full[k] for k in keys], [len(requests[k[0]][0]) for k in keys],
+                                      choose=choose, dtype=dtype)))
+    routing = {key: runs[key][0][:len(full[key]) - 1] for key in keys}  # the fed tokens': all but the last
+    logprobs = {key: runs[key][1].tolist() for key in keys}
+    path = os.path.join(tmp_path, "vllm.jsonl")
+    with open(path, "w") as f:
+        f.write(vllm_logprob_responses(requests, routing, logprobs))
+    root = os.path.join(tmp_path, "store")
+    from moescope.ingest.importers import import_files
+
+    import_files("vllm", [path], root, run_id="engine")
+    return root, requests, full, routing, logprobs

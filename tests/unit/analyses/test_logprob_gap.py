@@ -12,46 +12,16 @@ from the stand-in, k3 / |Δ| / Δ² / extreme shares by hand, compared with the 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 
 import moescope
-from moescope.ingest.importers import import_files
 from tests.support.deltafiles import snapshot_rows
-from tests.support.engine_standin import first_and_third, standin_run, token_sequences, vllm_logprob_responses
-from tests.support.zoo import tiny_model
+from tests.support.engine_standin import first_and_third, logprob_engine, routing_sensitive_mixtral, standin_run
 
 PERTURBED = 1  # the router layer the first stand-in perturbs
-
-
-def routing_sensitive_mixtral():
-    """The zoo's tiny Mixtral with its experts' weights times 8: which experts a token takes then
-    moves its log-probs by a few hundredths of a nat (k3 KL ~ 3e-3, the order R3 and AReaL report)."""
-    model = tiny_model("mixtral")
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for weight in layer.mlp.experts.parameters():
-                weight.mul_(8)
-    return model
-
-
-def _engine(model, tmp_path, choose=None, dtype=None):
-    requests = token_sequences(seed=4, prompts=3)
-    keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
-    full = {key: requests[key[0]][0] + requests[key[0]][1][key[1]] for key in keys}
-    runs = dict(zip(keys, standin_run(model, [full[k] for k in keys], [len(requests[k[0]][0]) for k in keys],
-                                      choose=choose, dtype=dtype)))
-    routing = {key: runs[key][0][:len(full[key]) - 1] for key in keys}  # the fed tokens': all but the last
-    logprobs = {key: runs[key][1].tolist() for key in keys}
-    path = os.path.join(tmp_path, "vllm.jsonl")
-    with open(path, "w") as f:
-        f.write(vllm_logprob_responses(requests, routing, logprobs))
-    root = os.path.join(tmp_path, "store")
-    import_files("vllm", [path], root, run_id="engine")
-    return root, requests, full, routing, logprobs
 
 
 def _reference(model, full, first):
@@ -82,7 +52,7 @@ def _rows(root, routing, left_out=None):
 def perturbed(tmp_path_factory):
     model = routing_sensitive_mixtral()
     tmp = tmp_path_factory.mktemp("perturbed")
-    root, requests, full, routing, logprobs = _engine(model, str(tmp), choose={PERTURBED: first_and_third})
+    root, requests, full, routing, logprobs = logprob_engine(model, str(tmp), choose={PERTURBED: first_and_third})
     first = {k: len(requests[k[0]][0]) for k in full}
     report = moescope.mismatch(model, store=root, run="engine", run_id="mm", per_layer=True,
                                batch_size=1)  # each sequence alone, as the oracle runs it
@@ -138,7 +108,7 @@ def test_precision_alone_replay_changes_nothing(tmp_path):
     with torch.no_grad():  # decisive routers: top-2 margins far beyond bfloat16's resolution
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(100)
-    root, requests, full, routing, logprobs = _engine(model, str(tmp_path), dtype=torch.bfloat16)
+    root, requests, full, routing, logprobs = logprob_engine(model, str(tmp_path), dtype=torch.bfloat16)
     first = {k: len(requests[k[0]][0]) for k in full}
     own = _reference(model, full, first)
     assert all(np.array_equal(np.sort(routing[k], -1), np.sort(own[k][0][:len(full[k]) - 1], -1)) for k in full), \
