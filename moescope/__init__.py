@@ -18,6 +18,7 @@ from moescope.core.lazy import lazy_exports
 # name -> the module that defines it
 _EXPORTS = {
     "attach": "moescope.attachment",
+    "replay": "moescope.attachment",
     "jitter": "moescope.analyses.jitter",
     "mismatch": "moescope.analyses.mismatch",
     "HealthSampling": "moescope.probe",
@@ -27,17 +28,18 @@ _EXPORTS = {
     "ProbeAttachError": "moescope.probe",
     "ProbeSession": "moescope.probe",
     "Recording": "moescope.probe",
+    "ReplayError": "moescope.probe.replay",
     "Store": "moescope.store",
     "StoreError": "moescope.store",
 }
 
 __all__ = ["HealthSampling", "MoESpec", "NoMoELayersError", "Pipeline", "ProbeAttachError", "ProbeSession", "Recording",
-           "Store", "StoreError", "attach", "jitter", "mismatch"]
+           "ReplayError", "Store", "StoreError", "attach", "jitter", "mismatch", "replay"]
 
 if TYPE_CHECKING:
     from moescope.analyses.jitter import jitter
     from moescope.analyses.mismatch import mismatch
-    from moescope.attachment import attach
+    from moescope.attachment import attach, replay
     from moescope.probe import (
         HealthSampling,
         MoESpec,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
         ProbeSession,
         Recording,
     )
+    from moescope.probe.replay import ReplayError
     from moescope.store import Store, StoreError
 else:
     __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

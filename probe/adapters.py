@@ -265,21 +265,24 @@ def topk_experts_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) 
 def switch_choice(args: tuple, kwargs: dict, logits: torch.Tensor | None) -> Choice:
     """Switch/NLLB-style: the experts get a one-hot dispatch mask with over-capacity slots zeroed.
 
-    The token's own choice is the router's argmax; the mask tells whether it was kept.
+    A kept token's choice is its mask's expert (the router's argmax, or the expert a routing replay
+    forced); a dropped token's, with an empty mask, the router's argmax.
     """
     mask, weights = experts_arguments(args, kwargs)
     mask = mask.reshape(-1, mask.shape[-1])
     assert logits is not None, "switch routing needs the router logits"
-    ids = logits.argmax(dim=-1, keepdim=True)
-    kept = mask.gather(1, ids) > 0
+    kept = mask.sum(dim=-1, keepdim=True) > 0
+    ids = torch.where(kept, mask.argmax(dim=-1, keepdim=True), logits.argmax(dim=-1, keepdim=True))
     return Choice(ids=ids, weights=weights.reshape(-1, 1).to(torch.float32), kept=kept)
 
 
 def dense_scores_choice(top_k: int) -> Callable[[Any, torch.Tensor], Choice]:
-    """Llama4-style: the router returns dense (tokens, E) scores that scale each expert's input."""
+    """Llama4-style: the router returns dense (tokens, E) scores that scale each expert's input, zero
+    where an expert is not chosen; the chosen are the top-k of the logits among the non-zero scores
+    (the router's own top-k, or the experts a routing replay forced)."""
     def read(output: Any, logits: torch.Tensor) -> Choice:
         scores = output[0].reshape(-1, logits.shape[-1])
-        ids = torch.topk(logits, top_k, dim=-1).indices
+        ids = torch.topk(logits.masked_fill(scores == 0, float("-inf")), top_k, dim=-1).indices
         return Choice(ids=ids, weights=scores.gather(1, ids))
     return read
 

@@ -39,6 +39,7 @@ from moescope.probe.forwards import forward_kind, kv_cache_layers, main_input
 from moescope.probe.health_sampling import HealthSampler
 from moescope.probe.options import HealthSampling, Pipeline, Recording
 from moescope.probe.reduction import ForwardRefs, count_forward, deferral_key, reduce_deferred, reduce_forward
+from moescope.probe.replay import RoutingReplay
 from moescope.probe.timing import ComputeTimer
 from moescope.probe.trust_gate import GatePolicy, TrustGate
 from moescope.probe.window import HostContext, PendingWindow, PinnedPool, Snapshot
@@ -112,19 +113,29 @@ class ProbeSession:
         health: expert-health sampling, or None (default) for none.
         gate: install the `TrustGate` (`session.gate`). Default False.
         tags: key=value tags on every record (values are kept as strings).
+        replay: a `RoutingReplay` to install (`session.replay`): every forward routes as it says,
+            and every record is tagged `replay=<its label>`. Default None.
         run_id: the run's id; by default `$MOESCOPE_RUN_ID`, else a new one (rank 0's under
             torch.distributed, a collective call: every rank must attach).
         all_layers: every MoE layer of the model when `layers` is a selection of them: the
             active-parameter figures count the unwatched ones' experts as k experts per token.
 
     Raises:
-        ValueError: for a pipeline policy other than "block" or "drop", or bad sampling options.
+        ValueError: for a pipeline policy other than "block" or "drop", bad sampling options, or a
+            trust gate together with a routing replay.
     """
 
     def __init__(self, model: nn.Module, layers: list[MoELayer], exporters: Sequence[Exporter[StepRecord]] = (),
                  recording: Recording = Recording(), pipeline: Pipeline = Pipeline(),
                  health: HealthSampling | None = None, gate: bool = False, tags: dict | None = None,
-                 run_id: str | None = None, all_layers: list[MoELayer] | None = None):
+                 run_id: str | None = None, all_layers: list[MoELayer] | None = None,
+                 replay: RoutingReplay | None = None):
+        if gate and replay is not None:
+            raise ValueError("a trust gate re-routes by the router's scores, a replay forces given experts: "
+                             "use one or the other")
+        if replay is not None:
+            tags = {**(tags or {}), "replay": replay.label}
+        self.replay = replay
         self.model = model
         self.layers = layers
         self.recording = recording
@@ -231,6 +242,8 @@ class ProbeSession:
                     self._experts_hook(layer), with_kwargs=True))
         if self.gate is not None:  # prepended to the routers: the recorder above sees the gated routing
             self._handles.extend(self.gate.install())
+        if self.replay is not None:  # prepended too: the recorder sees the forced routing
+            self._handles.extend(self.replay.install(self.model))
         if self.timer is not None:
             self._handles.extend(self.timer.install(_capturing))
 
@@ -664,7 +677,7 @@ def attach(model: nn.Module, exporters: Sequence[Exporter[StepRecord]] = (), *, 
            layers: str | Sequence[str] | Callable[[str], bool] | None = None, tags: dict | None = None,
            run_id: str | None = None, recording: Recording | None = None, pipeline: Pipeline | None = None,
            health: bool | HealthSampling = False, gate: bool = False, health_options: dict | None = None,
-           **options: Any) -> ProbeSession:
+           replay: RoutingReplay | None = None, **options: Any) -> ProbeSession:
     """Hook every MoE layer of `model` and hand its records to `exporters`.
 
     The low-level API: the probe only produces records. `moescope.attach(model, store=...)` wires
@@ -695,6 +708,8 @@ def attach(model: nn.Module, exporters: Sequence[Exporter[StepRecord]] = (), *, 
         gate: install the `TrustGate` (`session.gate`); with every weight at 1 it changes no bit of
             the output. Default False.
         health_options: a `HealthSampling`'s fields as a dict; when given, it replaces `health`.
+        replay: a `probe.replay.RoutingReplay` to install with the session (`moescope.attach(replay=...)`
+            builds it from an array, an export folder or a store); the records are tagged `replay=`.
         **options: the fields of `Recording` and `Pipeline`, one by one (`routes=True, window=1,
             policy="drop"`); they win over `recording` and `pipeline`.
 
@@ -724,7 +739,8 @@ def attach(model: nn.Module, exporters: Sequence[Exporter[StepRecord]] = (), *, 
         names = ", ".join(layer.name for layer in every)
         raise NoMoELayersError(f"layers={layers!r} matches none of the model's MoE blocks: {names}")
     return ProbeSession(model, moe_layers, exporters=list(exporters), recording=recording, pipeline=pipeline,
-                        health=health or None, gate=gate, tags=tags, run_id=run_id, all_layers=every)
+                        health=health or None, gate=gate, tags=tags, run_id=run_id, all_layers=every,
+                        replay=replay)
 
 
 def _configs(recording: Recording | None, pipeline: Pipeline | None,

@@ -91,21 +91,53 @@ def _module_function(module: nn.Module, name: str) -> Callable:
     return getattr(sys.modules[type(module).__module__], name)
 
 
-def _gated_logits(logits: torch.Tensor, state: _LayerState) -> torch.Tensor:
-    return logits + state.offset.to(logits.dtype)
+def _gated_logits(logits: torch.Tensor, state: _LayerState | None) -> torch.Tensor:
+    return logits if state is None else logits + state.offset.to(logits.dtype)
 
 
-# -- the family rules: router output in, gated router output out -------------------------------
-# Each rule gets (router, router args, router output, state) and returns the new output, built
-# exactly as the family's router builds it; with every weight at 1 it reproduces the router's
-# own output bit for bit (tests/unit/probe/test_trust_gate.py checks each family).
+@dataclass(frozen=True)
+class Forced:
+    """The experts a layer must choose (routing replay, probe/replay.py), as a rule receives them.
+
+    Attributes:
+        ids: (tokens, k) int64 expert ids on the router's device, rows batch-major as the router
+            sees its tokens; 0 in a row the model routes itself.
+        own: (tokens, 1) bool, true where the model's own choice stands (the replayed routing has
+            nothing for that token); None when every row is forced.
+    """
+
+    ids: torch.Tensor
+    own: torch.Tensor | None = None
+
+
+def _pick(forced: Forced, own: Callable[[], torch.Tensor], shape: torch.Size | None = None) -> torch.Tensor:
+    """The forced ids, the rule's own choice (`own()`, only computed when needed) where a row is not forced."""
+    ids = forced.ids if shape is None else forced.ids.view(shape)
+    if forced.own is None:
+        return ids
+    own_mask = forced.own if shape is None else forced.own.view(*shape[:-1], 1)
+    return torch.where(own_mask, own(), ids)
+
+
+# -- the family rules: router output in, gated (or replayed) router output out -----------------
+# Each rule gets (router, router args, router output, state, forced) and returns the new output,
+# built exactly as the family's router builds it; with every weight at 1 it reproduces the
+# router's own output bit for bit (tests/unit/probe/test_trust_gate.py checks each family). State
+# None: no gate. `forced` (routing replay): the family's selection step is replaced by the given
+# experts, and their weights come from the same scores by the same rule, so with the router's
+# own choice forced the output is again its own bit for bit (tests/unit/probe/test_replay.py).
 
 def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, sort: bool = True) -> Callable:
     """softmax over all experts, top-k, optional renormalisation of the top-k, optional scale."""
-    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+             forced: Forced | None = None) -> Any:
         logits = output[0]
-        probs = F.softmax(logits.float() + state.offset, dim=-1)
-        top_value, top_index = torch.topk(probs, router.top_k, dim=-1, sorted=sort)
+        probs = F.softmax(_gated_logits(logits.float(), state), dim=-1)
+        if forced is None:
+            top_value, top_index = torch.topk(probs, router.top_k, dim=-1, sorted=sort)
+        else:
+            top_index = _pick(forced, lambda: torch.topk(probs, router.top_k, dim=-1, sorted=sort)[1])
+            top_value = probs.gather(-1, top_index)
         renorm = getattr(router, norm) if isinstance(norm, str) else norm
         if renorm:
             top_value = top_value / top_value.sum(dim=-1, keepdim=True)
@@ -119,37 +151,58 @@ def _softmax_topk(norm: bool | str, cast: str | None, scale: str | None = None, 
     return rule
 
 
-def _deepseek_v2(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+def _deepseek_v2(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+                 forced: Forced | None = None) -> Any:
+    """Softmax scores; group-limited greedy masks the groups outside the top groups before the top-k.
+    Replayed: a forced expert's weight is its score, whichever group it is in (the group limit is
+    part of the selection the engine made)."""
     logits = output[0]
-    scores = (logits + state.offset).softmax(dim=-1, dtype=torch.float32)
-    if router.topk_method == "group_limited_greedy":
-        per_group = router.num_experts // router.num_group
-        group_scores = scores.view(-1, router.num_group, per_group).max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
-        scores = scores.masked_fill(~score_mask.bool(), 0.0)
-    top_value, top_index = torch.topk(scores, k=router.top_k, dim=-1, sorted=False)
+    scores = _gated_logits(logits, state).softmax(dim=-1, dtype=torch.float32)
+
+    def own() -> torch.Tensor:
+        limited = scores
+        if router.topk_method == "group_limited_greedy":
+            per_group = router.num_experts // router.num_group
+            group_scores = scores.view(-1, router.num_group, per_group).max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(
+                -1, router.num_experts)
+            limited = scores.masked_fill(~score_mask.bool(), 0.0)
+        return torch.topk(limited, k=router.top_k, dim=-1, sorted=False)[1]
+
+    top_index = own() if forced is None else _pick(forced, own)
+    top_value = scores.gather(-1, top_index)
     return (_gated_logits(logits, state), top_value * router.routed_scaling_factor, top_index)
 
 
-def _deepseek_v3(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
-    """Sigmoid scores scaled by w; bias correction, group limiting and top-k as the router does."""
+def _deepseek_v3(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+                 forced: Forced | None = None) -> Any:
+    """Sigmoid scores scaled by w; bias correction, group limiting and top-k as the router does.
+    Replayed: the forced experts' weights are their sigmoid scores (no bias), renormalised and
+    scaled as the router does."""
     logits = output[0]
-    scores = logits.sigmoid() * state.weight
-    for_choice = scores + router.e_score_correction_bias
-    per_group = router.num_experts // router.num_group
-    # A group's score is the sum of its best two *unmasked* experts; a group left with one counts
-    # it twice, so masking an expert does not starve the rest of its group.
-    group_top = for_choice.masked_fill(state.masked, float("-inf")).view(-1, router.num_group, per_group).topk(
-        2, dim=-1)[0]
-    group_scores = torch.where(torch.isinf(group_top), group_top[..., :1], group_top).sum(dim=-1)
-    for_choice = for_choice.masked_fill(state.masked, MASKED_LOGIT)
-    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
-    for_choice = for_choice.masked_fill(~score_mask.bool(), float("-inf"))
-    top_index = torch.topk(for_choice, k=router.top_k, dim=-1, sorted=False)[1]
+    scores = logits.sigmoid() if state is None else logits.sigmoid() * state.weight
+
+    def own() -> torch.Tensor:
+        for_choice = scores + router.e_score_correction_bias
+        per_group = router.num_experts // router.num_group
+        if state is None:
+            group_scores = for_choice.view(-1, router.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            # A group's score is the sum of its best two *unmasked* experts; a group left with one counts
+            # it twice, so masking an expert does not starve the rest of its group.
+            group_top = for_choice.masked_fill(state.masked, float("-inf")).view(
+                -1, router.num_group, per_group).topk(2, dim=-1)[0]
+            group_scores = torch.where(torch.isinf(group_top), group_top[..., :1], group_top).sum(dim=-1)
+            for_choice = for_choice.masked_fill(state.masked, MASKED_LOGIT)
+        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
+        for_choice = for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        return torch.topk(for_choice, k=router.top_k, dim=-1, sorted=False)[1]
+
+    top_index = own() if forced is None else _pick(forced, own)
     top_weight = scores.gather(1, top_index)
     if router.norm_topk_prob:
         top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
@@ -158,9 +211,14 @@ def _deepseek_v3(router: FamilyModule, args: tuple, output: Any, state: _LayerSt
 
 def _topk_softmax(cast_input: bool) -> Callable:
     """top-k over the logits, softmax over the k chosen (GPT-OSS, GraniteMoE)."""
-    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+    def rule(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+             forced: Forced | None = None) -> Any:
         logits = _gated_logits(output[0], state)
-        top_value, top_index = torch.topk(logits, router.top_k, dim=-1)
+        if forced is None:
+            top_value, top_index = torch.topk(logits, router.top_k, dim=-1)
+        else:
+            top_index = _pick(forced, lambda: torch.topk(logits, router.top_k, dim=-1)[1])
+            top_value = logits.gather(-1, top_index)
         weights = torch.softmax(top_value, dim=-1, dtype=top_value.dtype)
         if cast_input:
             weights = weights.type_as(args[0])
@@ -168,37 +226,86 @@ def _topk_softmax(cast_input: bool) -> Callable:
     return rule
 
 
-def _phimoe(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+def _sparsemixer_weight(scores: torch.Tensor, candidates: torch.Tensor, chosen: torch.Tensor,
+                        jitter_eps: float) -> torch.Tensor:
+    """PhiMoE's multiplier of one chosen expert (transformers' `sparsemixer`, eval branch): a softmax
+    over the candidates whose score lies within 2*eps (relative) of the chosen one's, at the chosen."""
+    with torch.no_grad():
+        threshold = candidates.gather(-1, chosen)
+        factor = scores.abs().clamp(min=threshold)
+        far = ((threshold - scores) / factor) > (2 * jitter_eps)
+    return torch.softmax(candidates.masked_fill(far, float("-inf")), dim=-1).gather(dim=-1, index=chosen)
+
+
+def _phimoe(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+            forced: Forced | None = None) -> Any:
+    """Sparsemixer on the (gated) logits. Replayed: each forced expert's multiplier is sparsemixer's
+    eval-mode one with the forced expert in place of the best (the second one's among the experts
+    without the first), also in training mode (no Heun estimator: the weights' gradient is the softmax's)."""
     logits = _gated_logits(output[0], state)
     sparsemixer = _module_function(router, "sparsemixer")
-    weights, index = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training,
-                                 top_k=router.top_k)
+    if forced is None:
+        weights, index = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=router.training,
+                                     top_k=router.top_k)
+        return (logits, weights, index)
+    index = _pick(forced, lambda: sparsemixer(logits, jitter_eps=router.router_jitter_noise,
+                                              training=router.training, top_k=router.top_k)[1])
+    first, second = index[:, :1], index[:, 1:2]
+    weights = torch.concat((
+        _sparsemixer_weight(logits, logits, first, router.router_jitter_noise),
+        _sparsemixer_weight(logits, torch.scatter(logits, -1, first, float("-inf")), second,
+                            router.router_jitter_noise)), dim=-1)
     return (logits, weights, index)
 
 
-def _llama4(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+def _llama4(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+            forced: Forced | None = None) -> Any:
     """Dense scores: sigmoid of the chosen logits, zero elsewhere; w scales the score."""
     _, raw = output
     logits = _gated_logits(raw, state)
-    top_index = torch.topk(logits, router.top_k, dim=1).indices
+    if forced is None:
+        top_index = torch.topk(logits, router.top_k, dim=1).indices
+    else:
+        top_index = _pick(forced, lambda: torch.topk(logits, router.top_k, dim=1).indices)
     scores = torch.full_like(raw, float("-inf")).scatter_(1, top_index, raw.gather(1, top_index))
     scores = torch.sigmoid(scores.float())
-    scores = (scores * state.weight).to(raw.dtype)
-    return (scores, logits)
+    if state is not None:
+        scores = scores * state.weight
+    return (scores.to(raw.dtype), logits)
 
 
-def _switch(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
-    """Top-1 of the softmax, then the capacity mask, recomputed from the gated logits."""
+def _switch(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+            forced: Forced | None = None) -> Any:
+    """Top-1 of the softmax, then the capacity mask, recomputed from the gated logits. Replayed: the
+    forced expert, its probability, and the same capacity mask (first come, first served per row)."""
     logits = _gated_logits(output[2], state)
     input_dtype = args[0].dtype
     probs = F.softmax(logits, dim=-1, dtype=router.dtype).to(input_dtype)
-    index = F.one_hot(torch.argmax(probs, dim=-1), num_classes=router.num_experts)
+    if forced is None:
+        chosen = torch.argmax(probs, dim=-1)
+        weight = probs.max(dim=-1).values.unsqueeze(-1)
+    else:
+        top = _pick(forced, lambda: torch.argmax(probs, dim=-1, keepdim=True), probs.shape[:-1] + (1,))
+        chosen, weight = top.squeeze(-1), probs.gather(-1, top)
+    index = F.one_hot(chosen, num_classes=router.num_experts)
     index = index * (torch.cumsum(index, dim=-2) <= router.expert_capacity)
-    return (index, probs.max(dim=-1).values.unsqueeze(-1), logits)
+    return (index, weight, logits)
 
 
-def _dbrx(router: FamilyModule, args: tuple, output: Any, state: _LayerState) -> Any:
+def _dbrx(router: FamilyModule, args: tuple, output: Any, state: _LayerState | None,
+          forced: Forced | None = None) -> Any:
     return _gated_logits(output, state)  # the block's own softmax/top-k/normalisation follow
+
+
+def _dbrx_choice(block: FamilyModule, logits: torch.Tensor, forced: Forced) -> tuple[torch.Tensor, torch.Tensor]:
+    """DBRX routes in its block (`route_tokens_to_experts`): softmax over all experts, top-k, p-norm.
+    Replayed: (ids, weights) for its experts module, the forced experts' probabilities normalised so."""
+    probs = F.softmax(logits, dim=1, dtype=logits.dtype)
+    ids = _pick(forced, lambda: torch.topk(probs, block.top_k, dim=-1)[1])
+    weights = probs.gather(-1, ids)
+    if block.moe_normalize_expert_weights is not None:
+        weights = weights / torch.norm(weights, p=block.moe_normalize_expert_weights, dim=-1, keepdim=True)
+    return ids, weights
 
 
 RULES: dict[str, Callable] = {
@@ -221,6 +328,12 @@ RULES: dict[str, Callable] = {
 # Families whose experts process every token whatever the routing says (dense dispatch): the
 # masked experts' output rows are removed after the experts ran.
 DENSE_EXPERTS = {"llama4", "llama4_text"}
+
+# Families that choose in their block, between the router and the experts: routing replay hands
+# their experts module the (ids, weights) these build from the router's logits.
+BLOCK_CHOICE: dict[str, Callable[[FamilyModule, torch.Tensor, Forced], tuple[torch.Tensor, torch.Tensor]]] = {
+    "dbrx": _dbrx_choice,
+}
 
 
 class TrustGate:
