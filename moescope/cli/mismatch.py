@@ -293,7 +293,9 @@ def judge_gap(report: Any, pack: Any) -> list[Any]:
                   "engine_run": report.engine_run, **rule.labels}
         out.append(AlertTransition(
             fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
-            step=0, run_id=run_id, layer=None, severity=rule.severity, expr=rule.expr, labels=labels,
+            # a figure of the whole check: no layer (the alerts table's layer column is nullable)
+            step=0, run_id=run_id, layer=None,  # type: ignore[arg-type]
+            severity=rule.severity, expr=rule.expr, labels=labels,
             annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
             starts_at=now, ends_at=None, source="mismatch"))
     return out
