@@ -1,16 +1,16 @@
 """The demo's rollout, as an inference engine would serve it, measured against the trainer's model.
 
 An RL loop samples with an engine and trains with another stack. The demo plays both on its own
-model: the "engine" is a STAND-IN (vLLM cannot run here) — the demo model cast to bfloat16, run on
-left-padded batches of `ENGINE_BATCH` sequences (another batch shape than the trainer's), that
+model: the "engine" is a STAND-IN (vLLM cannot run here): the demo model cast to bfloat16, run on
+left-padded batches of `ENGINE_BATCH` sequences (another batch shape than the trainer's). It
 samples (`generate`, every prompt in one batch) a few continuations of held-out prompts and
 returns what vLLM returns with `--enable-return-routed-experts` and `logprobs`: the prompt's and
 each completion's routed experts and the sampled tokens' log-probs, written as vLLM completions
 responses (JSON Lines) and imported with the real importer (`moescope import vllm`). The trainer
 is the float32 demo model: `moescope.mismatch` compares its routing with the engine's and
 measures the log-prob gap with its own routing and with the engine's replayed
-(`moescope.analyses.logprob_gap`), every layer left out in turn. The results are the store's engine run and mismatch run, which the Engine vs reference
-page shows.
+(`moescope.analyses.logprob_gap`), every layer left out in turn. The results are the store's
+engine run and mismatch run, which the Engine vs reference page shows.
 """
 
 from __future__ import annotations
