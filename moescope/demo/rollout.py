@@ -28,7 +28,9 @@ from torch import nn
 from moescope.probe.adapters import find_moe_layers
 from moescope.probe.capture import RoutingCapture
 
-ENGINE_RUN, MISMATCH_RUN = "demo-engine", "demo-mismatch"
+# the rollout's runs: `<new run id>-rollout-engine` and `-rollout-mismatch`, made before the story's run
+# starts, so they sort and start before it (the dashboard opens the story)
+ROLLOUT_SUFFIXES = ("-rollout-engine", "-rollout-mismatch")
 ENGINE_BATCH = 3  # sequences per engine forward, left-padded (the trainer runs its own batches, right-padded)
 PROMPT_TOKENS, NEW_TOKENS = 24, 16
 
@@ -37,6 +39,8 @@ PROMPT_TOKENS, NEW_TOKENS = 24, 16
 class Rollout:
     """What the demo's rollout measured: the mismatch line, the log-prob gap line, and the figures."""
 
+    engine_run: str
+    mismatch_run: str
     mismatch_line: str
     gap_line: str
     k3_reference: float
@@ -112,17 +116,21 @@ def play_rollout(model: nn.Module, prompts: list[list[int]], store_root: str, se
     """Sample the rollout with the engine stand-in, import it, and measure it against `model`
     (float32) with `moescope.mismatch`, per layer. Returns the figures the story prints."""
     from moescope.analyses.mismatch import mismatch
+    from moescope.core.runs import new_run_id
     from moescope.ingest.importers import import_files
+
+    stamp = new_run_id()
+    engine_run, mismatch_run = (stamp + suffix for suffix in ROLLOUT_SUFFIXES)
 
     path = os.path.join(store_root, "engine_rollout.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         f.write(engine_responses(model, prompts, seed, pad))
-    import_files("vllm", [path], store_root, run_id=ENGINE_RUN, tags={"phase": "rollout"})
-    report = mismatch(model, store=store_root, run=ENGINE_RUN, run_id=MISMATCH_RUN, per_layer=True)
+    import_files("vllm", [path], store_root, run_id=engine_run, tags={"phase": "rollout"})
+    report = mismatch(model, store=store_root, run=engine_run, run_id=mismatch_run, per_layer=True)
     gap = report.gap
     if gap is None:
         raise RuntimeError("the demo's engine stand-in returned no log-probs")
     own, replay = gap.figures("reference"), gap.figures("replay")
     assert own is not None and replay is not None  # a gap report holds both
-    return Rollout(report.line(), gap.line(), float(own.k3_mean), float(replay.k3_mean), gap.removed_share,
-                   int(own.tokens))
+    return Rollout(engine_run, mismatch_run, report.line(), gap.line(), float(own.k3_mean), float(replay.k3_mean),
+                   gap.removed_share, int(own.tokens))

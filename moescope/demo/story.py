@@ -38,7 +38,7 @@ from moescope.analyses.jitter import jitter
 from moescope.analyses.summary import format_summary
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
-from moescope.demo.rollout import MISMATCH_RUN, PROMPT_TOKENS, play_rollout
+from moescope.demo.rollout import PROMPT_TOKENS, play_rollout
 from moescope.metrics.signals import specialisation_by_layer
 from moescope.probe.session import ProbeSession
 from moescope.store import Store
@@ -384,8 +384,8 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str, program
     _say(f"  rollout (bfloat16 engine stand-in vs the float32 trainer, {rollout['tokens']} generated tokens): "
          f"{rollout['mismatch_line']}")
     _say(f"  {rollout['gap_line']}")
-    _say(f"    (the dashboard's Engine vs reference page shows it: pick run {MISMATCH_RUN} in the sidebar; on your "
-         f"engine's run: {program} mismatch STORE --run ENGINE_RUN --model MODEL_FOLDER --per-layer)")
+    _say(f"    (the dashboard's Engine vs reference page shows it: pick run {rollout['mismatch_run']} in the sidebar; "
+         f"on your engine's run: {program} mismatch STORE --run ENGINE_RUN --model MODEL_FOLDER --per-layer)")
     _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")
     _say(f"  finished in {figures['seconds']:.0f} s")
