@@ -227,7 +227,7 @@ def logprob_gap(model: nn.Module, layers: Sequence[MoELayer], compared: Sequence
         replay: the mismatch check's `ReplaySequence`s, one per engine sequence in order.
         logprobs: the engine's log-probs: the store's `engine_logprobs` rows, or (step, sequence) /
             (step, rank, sequence) -> (first generated position, log-probs).
-        tag_groups: per sequence key, its tag groups (`moescope.analyses.mismatch.tag_groups`).
+        tag_groups: per sequence key, its tag groups (`key=value` of its steps, as the mismatch check groups them).
         batch_size: sequences per forward.
         per_layer: also replay every layer but one, in turn (one more forward per compared layer).
         progress: show a progress bar.
