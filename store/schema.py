@@ -602,6 +602,7 @@ def engine_logprobs_table(run_id: str, pieces: Sequence[LogprobPiece]) -> pa.Tab
     ids = np.concatenate([np.zeros(len(p.logprob), dtype=np.int64) if p.token_ids is None else
                           np.asarray(p.token_ids, dtype=np.int64) for p in pieces])
     missing = np.concatenate([np.full(len(p.logprob), p.token_ids is None) for p in pieces])
+    values = np.concatenate([np.asarray(p.logprob, dtype=np.float64) for p in pieces])
     return pa.Table.from_arrays([
         pa.repeat(pa.scalar(run_id, pa.string()), total),
         pa.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)),
@@ -610,5 +611,5 @@ def engine_logprobs_table(run_id: str, pieces: Sequence[LogprobPiece]) -> pa.Tab
         pa.array(np.concatenate([np.arange(p.first_position, p.first_position + len(p.logprob), dtype=np.int32)
                                  for p in pieces])),
         pa.array(ids, mask=missing if missing.any() else None),
-        pa.array(np.concatenate([np.asarray(p.logprob, dtype=np.float64) for p in pieces])),
+        pa.array(values, mask=np.isnan(values)),  # NaN: not measured, null in the table
     ], schema=schema)
