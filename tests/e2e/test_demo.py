@@ -353,6 +353,10 @@ def _figures(summary: dict) -> dict:
     figures = {k: v for k, v in summary.items() if k not in ("store", "seconds", "alerts_received",
                                                              "alerts_delivered")}
     figures["alerts"] = sorted((d["status"], d["name"], d["step"]) for d in summary["alerts_delivered"])
+    # the rollout's figures, not its run ids (new ones each run)
+    figures["rollout"] = {k: v for k, v in summary["rollout"].items() if k not in ("engine_run", "mismatch_run")}
+    figures["rollout"]["mismatch_line"] = summary["rollout"]["mismatch_line"].replace(summary["rollout"]["engine_run"],
+                                                                                      "ENGINE")
     return rounded(figures)
 
 
