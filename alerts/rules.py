@@ -98,6 +98,12 @@ SIGNALS: dict[str, str] = {
                           "or extra, zeroed final rows, physical ids, each over what it checked (moescope check; "
                           "-1 rows, prefix-cache hits, are not counted)",
     "trace_checked_rows": "token rows the trace checks read (moescope check)",
+    # the log-prob gap (moescope mismatch with engine log-probs): one value for the whole check, judged once
+    "mismatch_logprob_k3": "mean k3 KL (AReaL's, nats per generated token) between the reference's log-probs, "
+                           "with its own routing, and the engine's (moescope mismatch with engine log-probs)",
+    "mismatch_logprob_k3_replay": "the same with the engine's routing replayed in every MoE layer",
+    "mismatch_logprob_removed": "share of the k3 KL that replaying the engine's routing removes",
+    "mismatch_logprob_tokens": "generated tokens whose log-prob gap was measured (guards against small samples)",
 }
 
 OPERATORS: dict[str, Callable[[float, float], bool]] = {

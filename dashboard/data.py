@@ -255,7 +255,10 @@ jitter_tokens = _cached(Store.jitter_tokens)
 mismatch_layers = _cached(Store.mismatch_layers)
 # (root, version, run_id, layer, limit, set_changed): its listed (token, layer) pairs, narrowest margin first
 mismatch_tokens = _cached(Store.mismatch_tokens)
+# (root, version, run_id): an engine run's trace findings, `Store.trace_findings`
 trace_findings = _cached(Store.trace_findings)
+# (root, version, run_id): a mismatch run's log-prob gap rows, `Store.mismatch_logprob_gap`
+mismatch_logprob_gap = _cached(Store.mismatch_logprob_gap)
 
 
 # -- placement (moescope.analyses.placement, moescope.analyses.traffic) ------------------------------

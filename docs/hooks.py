@@ -88,6 +88,15 @@ TABLE_NOTES: dict[str, tuple[str, dict[str, str]]] = {
         "grouping": "`all`, `position` (a position bucket) or `tag` (`key=value` of the engine's steps)",
     }),
     "mismatch_tokens": ("(token, layer) pair where engine and reference differ (bounded per layer)", {}),
+    "engine_logprobs": ("generated token whose log-prob an engine returned (vLLM `logprobs`, SGLang "
+                        "`output_token_logprobs`)", {
+        "position": "the sampled token's position in its sequence (the prompt's tokens first)",
+        "logprob": "the engine's log-prob of the sampled token; null: not measured (or clamped)",
+    }),
+    "mismatch_logprob_gap": ("(routing, group) of a mismatch check's log-prob gap", {
+        "routing": "`reference`, `replay`, `replay-but-layer` (every layer but `left_out_layer` replayed)",
+        "k3_mean": "mean AReaL k3 KL, exp(−Δ) − 1 + Δ, Δ = reference − engine log-prob",
+    }),
     "placement_whatif": ("candidate placement × window × layer of a placement what-if", {
         "candidate": "`current`, `default`, `eplb`, `load-aware`, `eplb-every-N`",
         "rank_load": "slots per rank, a redundant expert's split by `dispatch`",

@@ -548,6 +548,25 @@ class ReportQueries:
             SELECT step, rank, sequence, position, layer, token_id, expert_ids, tags FROM routes
             WHERE run_id = ? ORDER BY step, rank, sequence, position, layer LIMIT ?""", [run_id, int(max_rows)])
 
+    def engine_logprobs(self, run_id: str, max_rows: int = MAX_ENGINE_ROUTES) -> pd.DataFrame:
+        """A run's engine log-probs of its generated tokens: step, rank, sequence, position,
+        token_id (null where not recorded), logprob (null: not measured); ordered by step, rank,
+        sequence, position; at most `max_rows` rows (the first ones in that order). Empty for a run
+        whose engine returned none."""
+        return self.sql("""
+            SELECT step, rank, sequence, position, token_id, logprob FROM engine_logprobs
+            WHERE run_id = ? ORDER BY step, rank, sequence, position LIMIT ?""", [run_id, int(max_rows)])
+
+    def mismatch_logprob_gap(self, run_id: str) -> pd.DataFrame:
+        """A mismatch run's log-prob gap, one row per (routing, left-out layer, group): the
+        `mismatch_logprob_gap` columns but run_id, ts and rank ("reference" first, then "replay",
+        then "replay-but-layer" by layer; groups in order). Empty for a run that measured none."""
+        return self.sql("""
+            SELECT * EXCLUDE (run_id, ts, rank) FROM mismatch_logprob_gap WHERE run_id = ?
+            ORDER BY CASE routing WHEN 'reference' THEN 0 WHEN 'replay' THEN 1 ELSE 2 END, left_out_layer NULLS FIRST,
+                     CASE grouping WHEN 'all' THEN 0 WHEN 'flips' THEN 1 WHEN 'position' THEN 2 ELSE 3 END,
+                     group_order, group_name""", [run_id])
+
     def mismatch_layers(self, run_id: str, grouping: str | None = None) -> pd.DataFrame:
         """A mismatch run's figures, one row per (group, layer) (layer null: every layer together),
         in group order then layer order, every layer last: the `mismatch` columns but run_id, ts

@@ -208,6 +208,28 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("reference_weights", pa.list_(pa.float32())), ("context_ids", pa.list_(pa.int64())),
         ("context_start", pa.int32()), ("rank", pa.int32()),
     ]),
+    # -- the log-prob gap (moescope.analyses.logprob_gap): an engine's log-probs, and the reference's beside them --
+    # One row per generated token whose log-prob the engine returned (vLLM's `logprobs`, SGLang's
+    # `meta_info.output_token_logprobs`): step, rank and sequence as in routes, position the sampled
+    # token's in its sequence (the prompt's tokens first), token_id the sampled token (null where the
+    # response does not say), logprob the engine's log-prob of it (natural log).
+    "engine_logprobs": pa.schema([
+        ("run_id", pa.string()), ("step", pa.int64()), ("rank", pa.int32()), ("sequence", pa.int32()),
+        ("position", pa.int32()), ("token_id", pa.int64()), ("logprob", pa.float64()),
+    ]),
+    # One row per (routing, group) of a mismatch run that measured log-probs: Δ = reference − engine
+    # log-prob of each generated token, the reference run with its own routing ("reference"), the
+    # engine's routing replayed in every layer ("replay"), or in every layer but `left_out_layer`
+    # ("replay-but-layer", --per-layer). grouping "all", "flips" (group_name "0", "1", "2-3", "4+":
+    # layers whose expert set differs at the token), "position" (a position bucket) or "tag";
+    # tokens: generated tokens measured; AReaL's figures (moescope.metrics.logprob_gap): k3_mean,
+    # abs_mean, sq_mean, extreme_2 / extreme_5 (shares with |Δ| > ln 2 / ln 5); engine_run as run.
+    "mismatch_logprob_gap": pa.schema([
+        ("run_id", pa.string()), ("ts", TS), ("engine_run", pa.string()), ("routing", pa.string()),
+        ("left_out_layer", pa.int32()), ("grouping", pa.string()), ("group_name", pa.string()),
+        ("group_order", pa.int32()), ("tokens", pa.int64()), ("k3_mean", pa.float64()), ("abs_mean", pa.float64()),
+        ("sq_mean", pa.float64()), ("extreme_2", pa.float64()), ("extreme_5", pa.float64()), ("rank", pa.int32()),
+    ]),
     # -- placement what-if (moescope.analyses.placement.placement_whatif, `moescope placement --whatif --save`) --
     # One row per (candidate placement, window, layer): the slots each rank would have served
     # (rank_load, a redundant expert's split by `dispatch`), their balancedness (mean / max) and
@@ -608,3 +630,39 @@ def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str
         "tags": _tags(record.tags, n), "rank": _const(rank, n, pa.int32()),
     }
     return pa.Table.from_arrays([arrays[f.name] for f in SCHEMAS[name]], schema=SCHEMAS[name])
+
+
+class LogprobPiece(NamedTuple):
+    """The engine's log-probs of one sequence's generated tokens in one step: `logprob` (tokens,)
+    at positions `first_position`.., `token_ids` (tokens,) the sampled tokens or None."""
+
+    step: int
+    sequence: int
+    first_position: int
+    logprob: np.ndarray
+    token_ids: np.ndarray | None = None
+    rank: int = 0
+
+
+def engine_logprobs_table(run_id: str, pieces: Sequence[LogprobPiece]) -> pa.Table:
+    """The `engine_logprobs` rows of many pieces: the one builder of the table."""
+    schema = SCHEMAS["engine_logprobs"]
+    pieces = [p for p in pieces if len(p.logprob)]
+    if not pieces:
+        return schema.empty_table()
+    counts = np.array([len(p.logprob) for p in pieces], dtype=np.int64)
+    total = int(counts.sum())
+    ids = np.concatenate([np.zeros(len(p.logprob), dtype=np.int64) if p.token_ids is None else
+                          np.asarray(p.token_ids, dtype=np.int64) for p in pieces])
+    missing = np.concatenate([np.full(len(p.logprob), p.token_ids is None) for p in pieces])
+    values = np.concatenate([np.asarray(p.logprob, dtype=np.float64) for p in pieces])
+    return pa.Table.from_arrays([
+        pa.repeat(pa.scalar(run_id, pa.string()), total),
+        pa.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)),
+        pa.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts)),
+        pa.array(np.repeat(np.array([p.sequence for p in pieces], dtype=np.int32), counts)),
+        pa.array(np.concatenate([np.arange(p.first_position, p.first_position + len(p.logprob), dtype=np.int32)
+                                 for p in pieces])),
+        pa.array(ids, mask=missing if missing.any() else None),
+        pa.array(values, mask=np.isnan(values)),  # NaN: not measured, null in the table
+    ], schema=schema)

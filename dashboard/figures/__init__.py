@@ -38,6 +38,8 @@ from moescope.dashboard.figures.layout import HEIGHT as HEIGHT
 from moescope.dashboard.figures.layout import PALETTE as PALETTE
 from moescope.dashboard.figures.layout import empty_figure as empty_figure
 from moescope.dashboard.figures.mismatch import MISMATCH_FIGURES as MISMATCH_FIGURES
+from moescope.dashboard.figures.mismatch import gap_layers_figure as gap_layers_figure
+from moescope.dashboard.figures.mismatch import logprob_gap_figure as logprob_gap_figure
 from moescope.dashboard.figures.mismatch import mismatch_heatmap as mismatch_heatmap
 from moescope.dashboard.figures.overview import ENTROPY_PANELS as ENTROPY_PANELS
 from moescope.dashboard.figures.overview import active_by_position_figure as active_by_position_figure
@@ -62,9 +64,10 @@ __all__ = [
     "active_by_position_figure", "active_by_tag_figure", "active_fraction_figure", "alert_label", "alert_timeline",
     "balancedness_over_time_figure", "before_after_figure", "cache_hit_figure", "cluster_scatter",
     "compare_layers_figure", "compare_scalars_figure", "coselection_heatmap", "divergence_figure", "dropped_figure",
-    "empty_figure", "entropy_figure", "expert_grad_heatmap", "fanout_histogram", "gate_history", "health_trend",
+    "empty_figure", "entropy_figure", "expert_grad_heatmap", "fanout_histogram", "gap_layers_figure", "gate_history",
+    "health_trend",
     "host_load_figure", "jitter_heatmap", "jitter_margin_figure", "layer_heatmap", "layer_share_heatmap",
-    "layer_spread_figure", "load_heatmap", "margin_figure", "mismatch_heatmap", "rank_layer_heatmap",
-    "rank_matrix_heatmap", "rebalance_curve_figure", "specialisation_figure", "specialisation_figure_by_layer",
-    "training_figure",
+    "layer_spread_figure", "load_heatmap", "logprob_gap_figure", "margin_figure", "mismatch_heatmap",
+    "rank_layer_heatmap", "rank_matrix_heatmap", "rebalance_curve_figure", "specialisation_figure",
+    "specialisation_figure_by_layer", "training_figure",
 ]

@@ -11,6 +11,7 @@ import streamlit as st
 
 from moescope.dashboard import common, data, flips
 from moescope.dashboard import figures as fg
+from moescope.metrics.logprob_gap import removed_share
 
 FIGURE, LAYER, ONLY_SETS = "mm_figure", "mm_layer", "mm_only_sets"  # page-only session keys
 
@@ -33,6 +34,36 @@ def show_trace_findings(root: str, version: Any, run_id: str) -> None:
         "check": findings.check_name, "count": findings["count"], "of": findings.checked,
         "honest router": findings.expected.round(3), "where (first rows)": ["; ".join(r) for r in findings.rows],
         "what it means": findings.detail, "checked by": findings.origins}), hide_index=True, key="mm_trace_findings")
+
+
+def gap_section(ctx) -> None:
+    """The log-prob gap: is it the routing? (`moescope.analyses.logprob_gap`)"""
+    st.subheader("Log-prob gap: is it the routing?")
+    gap = data.mismatch_logprob_gap(ctx.root, ctx.version, ctx.run_id)
+    if gap.empty:
+        st.caption("No log-prob gap in this check: the engine returned no log-probs. Request them (vLLM `logprobs`, "
+                   "SGLang `return_logprob`) or give them with `moescope mismatch ... --logprobs FILE`.")
+        return
+    own = gap[(gap.routing == "reference") & (gap.grouping == "all")].iloc[0]
+    replay = gap[(gap.routing == "replay") & (gap.grouping == "all")]
+    first, second, third, fourth = st.columns(4)
+    first.metric("k3 KL, reference's routing", f"{own.k3_mean:.3g}",
+                 help="mean k3 KL per generated token between the reference's log-probs and the engine's "
+                      "(AReaL's estimator; AReaL's Moonlight R3 run: 0.00958 without replay)")
+    if not replay.empty:
+        after = replay.iloc[0]
+        second.metric("k3 KL, engine's routing replayed", f"{after.k3_mean:.3g}",
+                      help="the same with the engine's experts forced in every MoE layer (AReaL with R3: 0.000373)")
+        third.metric("Removed by replay", f"{removed_share(float(own.k3_mean), float(after.k3_mean)):.1%}",
+                     help="the share of the k3 KL that comes from routing; the rest is kernels, precision, batch shape")
+    fourth.metric("|Δ| > ln 2", f"{own.extreme_2:.2%}", help=f"of {int(own.tokens):,} generated tokens, reference's "
+                  "own routing: importance weights outside [1/2, 2]")
+    st.plotly_chart(fg.logprob_gap_figure(gap), key="mm_gap_chart")
+    if (gap.routing == "replay-but-layer").any():
+        st.plotly_chart(fg.gap_layers_figure(gap), key="mm_gap_layers")
+    st.caption("Δ = reference − engine log-prob of each generated token. A token is counted under the layers whose "
+               "expert set differs at the position that predicted it. What replay removes comes from routing (R3 "
+               "fixes it); what is left comes from kernels and precision (a precision fix, TIS/IcePop correct it).")
 
 
 with common.guard():
@@ -74,6 +105,8 @@ with common.guard():
                "its *top-1* when the engine's first slot is not the reference's chosen expert of highest router "
                "logit; *experts differ* counts the engine's experts the reference did not choose, of k per pair. "
                "Position buckets group tokens by their position in the sequence; tags are the engine's.")
+
+    gap_section(ctx)
 
     st.subheader("Where the flips sit")
     layer = flips.layer_choice(rows.layer.dropna().unique(), LAYER)

@@ -10,11 +10,12 @@ package's names (`from moescope.analyses.jitter import jitter`: several share th
 - `expert_cache`: the expert-cache what-if;
 - `jitter`: does the same token go to the same experts when a server runs it differently;
 - `mismatch`, `mismatch_engine`, `mismatch_replay`: engine vs reference routing, and its replay export;
+- `logprob_gap`: the rollout/training log-prob gap, with and without the engine's routing replayed;
 - `training_report`: a training run read back per optimizer step and layer;
 - `tokens`: token ids as text for people.
 
 `moescope.analyses.eplb` is an old name of `moescope.metrics.eplb`, kept for importers.
 """
 
-__all__ = ["expert_cache", "jitter", "mismatch", "mismatch_engine", "mismatch_replay", "placement", "placement_whatif",
-           "rebalance", "summary", "tokens", "traffic", "training_report"]
+__all__ = ["expert_cache", "jitter", "logprob_gap", "mismatch", "mismatch_engine", "mismatch_replay", "placement",
+           "placement_whatif", "rebalance", "summary", "tokens", "traffic", "training_report"]

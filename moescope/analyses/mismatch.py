@@ -66,6 +66,7 @@ from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
 if TYPE_CHECKING:
+    from moescope.analyses.logprob_gap import LogprobGapReport, LogprobsGiven
     from moescope.store.location import StoreLocation
 
 __all__ = ["GROUPINGS", "LAYER_AXES", "POSITION_EDGES", "MismatchError", "MismatchReport", "ReplaySequence",
@@ -120,6 +121,8 @@ class MismatchReport:
     replay: the engine's routing per sequence (`ReplaySequence`).
     layers: the reference MoE layers compared, in order (the replay arrays' layer axis).
     skipped: sequences not compared, per reason.
+    gap: the log-prob gap, with and without the engine's routing replayed, where the engine returned
+        log-probs (`moescope.analyses.logprob_gap`); else None.
     """
 
     groups: pd.DataFrame
@@ -134,6 +137,8 @@ class MismatchReport:
     run_id: str | None = None
     # the engine's trace against the reference (offsets, chance, large-margin flips: `trace_check`)
     trace: TraceAgreement | None = None
+    # the log-prob gap with and without the engine's routing replayed (`logprob_gap`), with engine log-probs
+    gap: LogprobGapReport | None = None
 
     def overall(self) -> pd.Series:
         """The every-layer row of the whole run (grouping "all", layer None)."""
@@ -265,7 +270,7 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
              token_ids: TokenIds | None = None, batch_size: int = 8, max_sequences: int | None = None,
              max_listed: int = 1000, layer_axis: str = "auto", specs: Sequence[MoESpec] = (),
              write: bool = True, run_id: str | None = None, tags: dict[str, str] | None = None,
-             progress: bool = False) -> MismatchReport:
+             progress: bool = False, logprobs: LogprobsGiven | None = None, per_layer: bool = False) -> MismatchReport:
     """Run `model` on engine run `run`'s token ids and compare its routing with the engine's, token by token.
 
     Args:
@@ -284,6 +289,11 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
         run_id: the results' run id (None: a new one).
         tags: key=value tags of the results' run (`engine_run` is added).
         progress: show a progress bar over the reference's forwards.
+        logprobs: the engine's log-probs of the generated tokens where the run's `engine_logprobs`
+            rows do not hold them: (step, sequence) or (step, rank, sequence) -> (position of the
+            first generated token, log-probs). With either, the log-prob gap is measured
+            (`moescope.analyses.logprob_gap`: the reference's own routing, then the engine's replayed).
+        per_layer: with log-probs, also replay every layer but one, in turn (L + 1 more forwards).
 
     Returns:
         A MismatchReport (`run_id` set when written).
@@ -308,6 +318,7 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
     with Store(store) as opened:
         run = opened.check_run(run)
         engine = engine_sequences(opened, run, token_ids, max_sequences)
+        engine_logprobs = opened.engine_logprobs(run) if logprobs is None else logprobs
     mapping = layer_map(engine.layers, layers, getattr(config, "num_hidden_layers", None), layer_axis)
     compared = [layer for layer in layers if layer.index in mapping]
     wrong_k = [layer.name for layer in compared if layer.top_k != engine.top_k]
@@ -322,6 +333,7 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
     share_prompt_rows(report.replay)
     report.model_class = type(model).__name__
     report.reference_dtype = str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch.")
+    report.gap = _gap(model, layers, report, engine, engine_logprobs, batch_size, per_layer, progress)
     if write:
         report.run_id = write_report(store, report, model, layers, run_id, tags)
         write_findings(store, report.engine_run, report.trace.findings() if report.trace is not None else [])
@@ -366,6 +378,19 @@ def _reference(model: nn.Module, layers: Sequence[MoELayer], sequences: Sequence
         model.train(was_training)
         bar.close()
     return out
+
+
+def _gap(model: nn.Module, layers: Sequence[MoELayer], report: MismatchReport, engine: EngineRun, logprobs: Any,
+         batch_size: int, per_layer: bool, progress: bool) -> LogprobGapReport | None:
+    """The log-prob gap of the sequences compared (`moescope.analyses.logprob_gap`), None without log-probs."""
+    from moescope.analyses.logprob_gap import logprob_gap
+
+    compared = {(r.step, r.rank, r.sequence) for r in report.replay}
+    return logprob_gap(model, layers, report.layers, EngineRun(engine.run_id, [s for s in engine.sequences
+                                                                               if s.key in compared],
+                                                                engine.layers, engine.top_k),
+                       report.replay, logprobs, _tag_groups(engine.sequences), batch_size=batch_size,
+                       per_layer=per_layer, progress=progress)
 
 
 def _compare(engine: EngineRun, layers: Sequence[MoELayer], compared: Sequence[MoELayer], mapping: dict[int, int],
@@ -500,5 +525,10 @@ def write_report(store: str | os.PathLike | StoreLocation, report: MismatchRepor
                        rank=0)
                   for row in report.groups[list(GROUP_COLUMNS)].to_dict("records")]
     token_rows = [dict(row, run_id=run.run_id, rank=0) for row in report.tokens.to_dict("records")]
-    write_check_run(store, run, "mismatch", [("mismatch", group_rows), ("mismatch_tokens", token_rows)])
+    gap_rows = [] if report.gap is None else [
+        dict(row, run_id=run.run_id, ts=run.started_at, engine_run=report.engine_run, rank=0,
+             left_out_layer=None if pd.isna(row["left_out_layer"]) else int(row["left_out_layer"]))
+        for row in report.gap.rows.to_dict("records")]
+    write_check_run(store, run, "mismatch", [("mismatch", group_rows), ("mismatch_tokens", token_rows),
+                                             ("mismatch_logprob_gap", gap_rows)])
     return run.run_id

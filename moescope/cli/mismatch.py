@@ -35,6 +35,7 @@ examples:
   moescope mismatch runs/ --run rollout-7 --export replay/                       the engine's routing only
   moescope import sglang generate.jsonl --store runs/ --run-id sg --num-layers 48 --top-k 8
   moescope mismatch runs/ --run sg --model ./my-moe --token-ids sent.jsonl       SGLang: the ids sent
+  moescope mismatch runs/ --run rollout-7 --model ./my-moe --per-layer           which layers carry the log-prob gap
   moescope mismatch runs/ --run rollout-7 --model ./my-moe --format json | jq .decision_share
 
 What is compared: every (token, layer) the engine routed, against the reference model (MODEL,
@@ -48,6 +49,13 @@ Qwen3-30B-A3B, with ~10% of decisions differing).
 Token ids: vLLM responses carry them; SGLang's /generate does not carry the prompt's, so give
 --token-ids FILE, JSON Lines of {"step": S, "sequence": N, "token_ids": [prompt..., generated...]}
 (S: the response's step in the import, 0-based in file order; N: its sequence, 0 for one request).
+
+Log-probs: where the engine returned them (vLLM `logprobs`, SGLang `return_logprob`; or --logprobs
+FILE), the check also measures the rollout/training log-prob gap of every generated token, Δ =
+reference − engine log-prob, with the reference's own routing and with the engine's routing replayed
+(moescope.replay): AReaL's figures (mean k3 KL, mean |Δ|, mean Δ², shares with |Δ| > ln 2 and ln 5)
+overall, per count of layers whose expert set differs (0, 1, 2-3, 4+), per position bucket and tag,
+and the share of the k3 KL replay removes. Two forwards; --per-layer adds one per MoE layer.
 
 The results are a run of their own (dashboard page "Engine vs reference"); the rules of
 alerts/mismatch_rules.yaml (or --rules FILE) judge each layer, and a rule that holds is written
@@ -86,9 +94,20 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--rules", metavar="FILE", help="rules to judge the results with (default "
                    "alerts/mismatch_rules.yaml)")
     p.add_argument("--no-write", action="store_true", help="do not write the results to the store")
+    add_gap_arguments(p)
     add_run_arguments(p, "differing pairs", "layer")
     add_format_argument(p)
     p.set_defaults(func=_mismatch)
+
+
+def add_gap_arguments(p: argparse.ArgumentParser) -> None:
+    """The log-prob gap's options (`moescope.analyses.logprob_gap`)."""
+    p.add_argument("--logprobs", metavar="FILE", help="JSON Lines of {\"step\", \"sequence\", \"position\", "
+                   "\"logprobs\": [...]}: the engine's log-probs of each sequence's generated tokens from position "
+                   "P (its prompt's length), for engines whose responses the import did not read them from")
+    p.add_argument("--per-layer", action="store_true", help="with log-probs: replay the engine's routing in every "
+                   "MoE layer but one, in turn, and say which layers carry the gap (L + 1 forwards more than the "
+                   "reference's own for L MoE layers, instead of 1)")
 
 
 def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
@@ -142,12 +161,15 @@ def _mismatch(args: argparse.Namespace) -> int:
         model = model.to(dtype)
     report = mismatch(model, store=location, run=args.run, token_ids=token_ids, batch_size=args.batch_size,
                       max_sequences=args.max_sequences, max_listed=args.max_listed, layer_axis=args.layer_axis,
-                      write=not args.no_write, run_id=args.run_id, tags=tags, progress=not args.quiet)
+                      write=not args.no_write, run_id=args.run_id, tags=tags, progress=not args.quiet,
+                      logprobs=_logprobs_file(args.logprobs), per_layer=args.per_layer)
     from moescope.cli.output import mismatch_document, notes, wants_json, write_document
 
-    fired = judge(report, pack)
+    fired = judge(report, pack) + judge_gap(report, pack)
     if not wants_json(args):
         print(format_report(report, tokenizer, args.show))
+        if report.gap is not None:
+            print("\n" + format_gap(report.gap))
         for line in fired_lines(fired):
             print(line)
     if fired and report.run_id is not None:
@@ -229,7 +251,8 @@ def judge(report: Any, pack: Any) -> list[Any]:
 def fired_lines(fired: list[Any]) -> list[str]:
     if not fired:
         return []
-    return ["", *(f"ALERT {t.alertname} firing on layer {t.layer} ({t.severity}): " + ", ".join(
+    return ["", *(f"ALERT {t.alertname} firing on {'the whole check' if t.layer is None else f'layer {t.layer}'} "
+                  f"({t.severity}): " + ", ".join(
         f"{name} {value:.4g}" for name, value in t.values.items()) for t in fired)]
 
 
@@ -245,6 +268,77 @@ def write_alerts(location: Any, fired: list[Any]) -> None:
             raise OSError(f"the store did not take the alerts rows ({writer.last_error or 'see the log'})")
     finally:
         writer.close()
+
+
+def _logprobs_file(path: str | None) -> Any:
+    if path is None:
+        return None
+    from moescope.analyses.logprob_gap import read_logprobs_file
+
+    return read_logprobs_file(path)
+
+
+def gap_values(report: Any) -> dict[str, float]:
+    """The log-prob gap signals (alerts.rules.SIGNALS) of the whole check; empty without log-probs."""
+    gap = report.gap
+    own = None if gap is None else gap.figures("reference")
+    if own is None:
+        return {}
+    replay = gap.figures("replay")
+    return {"mismatch_logprob_k3": float(own.k3_mean), "mismatch_logprob_tokens": float(own.tokens),
+            "mismatch_logprob_k3_replay": float("nan") if replay is None else float(replay.k3_mean),
+            "mismatch_logprob_removed": gap.removed_share}
+
+
+def judge_gap(report: Any, pack: Any) -> list[Any]:
+    """The firing transitions of the rules in `pack` that read only log-prob gap signals and hold
+    for the check (once, layer None: the gap is one figure of the whole run)."""
+    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+
+    values = gap_values(report)
+    now = dt.datetime.now(dt.timezone.utc)
+    run_id = report.run_id or report.engine_run
+    out = []
+    for rule in pack.rules:
+        if not values or not {c.signal for c in rule.conditions} <= set(values):
+            continue
+        if not all(c.holds(values[c.signal]) for c in rule.conditions):
+            continue
+        labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id,
+                  "engine_run": report.engine_run, **rule.labels}
+        out.append(AlertTransition(
+            fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
+            # a figure of the whole check: no layer (the alerts table's layer column is nullable)
+            step=0, run_id=run_id, layer=None,  # type: ignore[arg-type]
+            severity=rule.severity, expr=rule.expr, labels=labels,
+            annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
+            starts_at=now, ends_at=None, source="mismatch"))
+    return out
+
+
+def format_gap(gap: Any) -> str:
+    """The log-prob gap as text: its line, a table per routing and group, and with --per-layer the
+    layers that carry it."""
+    lines = [gap.line(), ""]
+    header = (f"{'routing':<18} {'group':<20} {'tokens':>8} {'k3 KL':>10} {'mean |Δ|':>10} {'mean Δ²':>10} "
+              f"{'|Δ|>ln2':>8} {'|Δ|>ln5':>8}")
+    lines += [header, "-" * len(header)]
+    for row in gap.rows.itertuples():
+        if row.routing == "replay-but-layer":
+            continue
+        name = "all" if row.grouping == "all" else f"{'flips' if row.grouping == 'flips' else row.grouping} " \
+            f"{row.group_name}"
+        lines.append(f"{row.routing:<18} {name:<20} {int(row.tokens):>8,} {row.k3_mean:>10.3g} {row.abs_mean:>10.3g} "
+                     f"{row.sq_mean:>10.3g} {_pct(row.extreme_2):>8} {_pct(row.extreme_5):>8}")
+    lines.append("(flips N: tokens predicted where N layers chose another expert set than the reference)")
+    carried = gap.carried()
+    if not carried.empty:
+        lines += ["", "layers that carry the gap (k3 KL with every layer but it replayed, minus full replay's):"]
+        lines += [f"  layer {int(r.layer):>3}  k3 {r.k3_mean:.3g}  carried {r.carried_k3:.3g}  "
+                  f"({_pct(r.carried_share)} of what replay removes)" for r in carried.itertuples()]
+    for reason, n in gap.skipped.items():
+        lines.append(f"left out {n} tokens: {reason}")
+    return "\n".join(lines)
 
 
 # -- printing ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ local webhook receiver. Everything lands in a store the dashboard can open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from moescope.analyses.jitter import jitter
 from moescope.analyses.summary import format_summary
 from moescope.demo.data import DOMAINS, demo_model_path, domain_texts, domain_windows, load_demo_model
 from moescope.demo.receiver import WebhookReceiver
+from moescope.demo.rollout import PROMPT_TOKENS, play_rollout
 from moescope.metrics.signals import specialisation_by_layer
 from moescope.probe.session import ProbeSession
 from moescope.store import Store
@@ -53,6 +55,11 @@ sequence, so the parameters a token uses vary), with no download:
   2. a traffic shift to one domain: routing drifts, the drift rule fires a webhook
   3. a corrupted expert (weights x1000): its health score falls, an alert fires, the
      trust gate masks it, outputs recover; weights restored: the gate lifts
+
+First, a small RL-style rollout: a bfloat16 copy of the model on other batch shapes plays
+the inference engine (written as vLLM responses with routed experts and log-probs, imported),
+and the float32 model, the trainer, measures how often it routes differently and how much of
+the log-prob gap replaying the engine's routing removes (the Engine vs reference page).
 
 Alerts go through the persistent outbox to a local webhook receiver that prints them.
 At the end: headline figures (the share of the parameters each domain used, and how it
@@ -341,11 +348,16 @@ def run(args: argparse.Namespace, program: str = "moescope") -> int:
          f"{getattr(model.config, 'num_layers', model.config.num_hidden_layers)} MoE layers x "
          f"{model.config.num_local_experts} experts{_zero_experts(model.config)}, "
          f"top-{model.config.num_experts_per_tok}{_capacity(model.config)} ({demo_model_path()})")
+    traffic = Traffic(tokenizer, args.seed)
+    # The rollout first: its engine and mismatch runs start before the story's, so the dashboard
+    # still opens on the story (the latest run); the Engine vs reference page shows the mismatch run.
+    prompts = [traffic.windows[d][-1 - i][:PROMPT_TOKENS].tolist() for d in DOMAINS for i in range(2)]
+    rollout = play_rollout(model, prompts, store_root, args.seed, pad=int(tokenizer.pad_token_id or 0))
     alerting = Alerting(store_root)
     _say(f"webhook receiver listening on {alerting.receiver.url} (HMAC-signed deliveries)")
     session = _attach(model, store_root, alerting)
-    story = Story(model, tokenizer, Traffic(tokenizer, args.seed), session, alerting, phases, store_root)
-    figures: dict = {"store": store_root}
+    story = Story(model, tokenizer, traffic, session, alerting, phases, store_root)
+    figures: dict = {"store": store_root, "rollout": dataclasses.asdict(rollout)}
     try:
         for act in (story.healthy, story.shift, story.incident):
             figures.update(act())
@@ -393,6 +405,12 @@ def _report(figures: dict, store_root: str, run_id: str, store_arg: str, program
     _say(f"  {figures['jitter']}")
     _say(f"    (the dashboard's Routing jitter page shows it for this run; measure it on your model: "
          f"{program} jitter MODEL_FOLDER --store runs/jitter)")
+    rollout = figures["rollout"]
+    _say(f"  rollout (bfloat16 engine stand-in vs the float32 trainer, {rollout['tokens']} generated tokens): "
+         f"{rollout['mismatch_line']}")
+    _say(f"  {rollout['gap_line']}")
+    _say(f"    (the dashboard's Engine vs reference page shows it: pick run {rollout['mismatch_run']} in the sidebar; "
+         f"on your engine's run: {program} mismatch STORE --run ENGINE_RUN --model MODEL_FOLDER --per-layer)")
     _say(f"  alerts received by the webhook: {len(figures['alerts_received'])} in "
          f"{figures['notifications_received']} notifications, grouped by rule and run "
          f"({', '.join(sorted(set(figures['alerts_received'])))})")

@@ -15,10 +15,11 @@ the dashboard share one definition. A module per idea, and the modules are the p
 - `rebalance`: the engines' rebalancing policies (vLLM, SGLang, every N steps, never) replayed over
   recorded loads, the bytes each rearrangement moves, and how stale a placement is;
 - `traffic`: what a placement costs on the wire (dispatch fan-out per token);
-- `expert_cache`: the expert-cache replay (LRU, LFU, Belady).
+- `expert_cache`: the expert-cache replay (LRU, LFU, Belady);
+- `logprob_gap`: the rollout/training log-prob gap (AReaL's k3 KL, |Δ|, Δ², extreme shares).
 
 Numpy only (pandas where a frame is built); the package imports none of the other rooms.
 """
 
-__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "placement", "ranks", "rebalance", "signals",
-           "traffic"]
+__all__ = ["capacity", "dispatch", "eplb", "expert_cache", "figures", "logprob_gap", "placement", "ranks", "rebalance",
+           "signals", "traffic"]

@@ -14,6 +14,7 @@ import base64
 import copy
 import io
 import json
+import os
 
 import numpy as np
 import torch
@@ -112,3 +113,108 @@ def sglang_responses(requests, routing: dict[tuple[int, int], np.ndarray]) -> st
                 "id": f"req-{number}-{c}", "prompt_tokens": len(prompt), "completion_tokens": len(gen),
                 "routed_experts": base64.b64encode(ids.tobytes()).decode()}}))
     return "\n".join(lines) + "\n"
+
+
+# -- log-probs: engine STAND-INs whose only difference from the reference is known -------------
+
+def _gate_hooks(model, choose=None):
+    """Forward hooks on every Mixtral router (`mlp.gate`): record its chosen experts per forward and,
+    where `choose[layer]` is given, replace its choice by `choose[layer](probs)` with the weights by
+    Mixtral's own rule (softmax over every expert, the chosen ones' probabilities renormalised)."""
+    records: dict[int, list] = {}
+    handles = []
+    for index, layer in enumerate(model.model.layers):
+        def hook(module, args, output, index=index):
+            logits = output[0]
+            if choose and index in choose:
+                probs = torch.softmax(logits.float(), dim=-1)
+                ids = choose[index](probs)
+                weights = probs.gather(-1, ids)
+                output = (logits, weights / weights.sum(dim=-1, keepdim=True), ids)
+            records.setdefault(index, []).append(output[2].detach().clone())
+            return output
+        handles.append(layer.mlp.gate.register_forward_hook(hook))
+    return records, handles
+
+
+def first_and_third(probs):
+    """A perturbed router's choice: its first and third expert in place of its top-2 (what a bias on
+    the selection does to near-ties), for every token."""
+    order = torch.topk(probs, 3, dim=-1).indices
+    return order[:, [0, 2]]
+
+
+def standin_run(model, sequences: list[list[int]], generated_from: list[int], choose=None,
+                dtype: torch.dtype | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """An engine STAND-IN run, each sequence alone: the reference model (cast to `dtype` where
+    given) with the routers of `choose` replaced (`_gate_hooks`). Per sequence: (expert ids (tokens,
+    layers, k), log-probs of tokens generated_from.. in float32 from its logits)."""
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+    out = []
+    with torch.no_grad():
+        for seq, first in zip(sequences, generated_from):
+            records, handles = _gate_hooks(model, choose)
+            try:
+                ids = torch.tensor([seq])
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                               position_ids=torch.arange(len(seq))[None], use_cache=False).logits[0].float()
+            finally:
+                for handle in handles:
+                    handle.remove()
+            routing = torch.stack([records[i][0] for i in sorted(records)], dim=1).numpy().astype(np.int64)
+            logp = torch.log_softmax(logits, dim=-1)
+            positions = range(first, len(seq))
+            out.append((routing, np.array([float(logp[p - 1, seq[p]]) for p in positions])))
+    return out
+
+
+def vllm_logprob_responses(requests, routing: dict[tuple[int, int], np.ndarray],
+                           logprobs: dict[tuple[int, int], list[float]]) -> str:
+    """`vllm_responses` with each choice's `logprobs` as vLLM's completions server writes them
+    (`CompletionLogProbs`: token_logprobs one per generated token, tokens, text_offset, top_logprobs)."""
+    lines = []
+    for line in vllm_responses(requests, routing).splitlines():
+        body = json.loads(line)
+        number = int(body["id"].split("-")[1])
+        for choice in body["choices"]:
+            values = logprobs[(number, choice["index"])]
+            choice["logprobs"] = {"token_logprobs": values, "tokens": [""] * len(values),
+                                  "text_offset": [0] * len(values), "top_logprobs": None}
+        lines.append(json.dumps(body))
+    return "\n".join(lines) + "\n"
+
+
+def routing_sensitive_mixtral():
+    """The zoo's tiny Mixtral with its experts' weights times 8: which experts a token takes then
+    moves its log-probs by a few hundredths of a nat (k3 KL ~ 3e-3, the order R3 and AReaL report)."""
+    from tests.support.zoo import tiny_model
+
+    model = tiny_model("mixtral")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for weight in layer.mlp.experts.parameters():
+                weight.mul_(8)
+    return model
+
+
+def logprob_engine(model, tmp_path, choose=None, dtype=None):
+    """A store in `tmp_path` holding run "engine": an engine STAND-IN (`standin_run`: `model` with the
+    routers of `choose` replaced, or cast to `dtype`) over `token_sequences(seed=4, prompts=3)`, its
+    routing and log-probs written as vLLM completions responses and imported. Returns (root,
+    requests, full sequences, routing of the fed tokens, log-probs) keyed (request, choice)."""
+    requests = token_sequences(seed=4, prompts=3)
+    keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
+    full = {key: requests[key[0]][0] + requests[key[0]][1][key[1]] for key in keys}
+    runs = dict(zip(keys, standin_run(model, [full[k] for k in keys], [len(requests[k[0]][0]) for k in keys],
+                                      choose=choose, dtype=dtype)))
+    routing = {key: runs[key][0][:len(full[key]) - 1] for key in keys}  # the fed tokens': all but the last
+    logprobs = {key: runs[key][1].tolist() for key in keys}
+    path = os.path.join(tmp_path, "vllm.jsonl")
+    with open(path, "w") as f:
+        f.write(vllm_logprob_responses(requests, routing, logprobs))
+    root = os.path.join(tmp_path, "store")
+    from moescope.ingest.importers import import_files
+
+    import_files("vllm", [path], root, run_id="engine")
+    return root, requests, full, routing, logprobs

@@ -40,6 +40,13 @@ from moescope.ingest.importers.fields import (
     json_object,
     json_token_ids,
 )
+from moescope.ingest.importers.logprobs import (
+    join_vllm_logprobs,
+    sglang_logprobs,
+    vllm_choice_logprobs,
+    vllm_logprob_list,
+)
+from moescope.ingest.importers.source import SequenceLogprobs
 from moescope.ingest.importers.tables import LayerRoutes, SourceFormatError, SourceStep, split_routed_rows
 from moescope.ingest.trace_checks import TraceChecks
 
@@ -62,6 +69,7 @@ class RoutedSequence:
     # the row counts its engine returns for the sequence's tokens (None: the response does not say)
     allowed_rows: tuple[int, ...] | None = None
     ends: bool = True  # its last row is the sequence's last (False: a prompt whose choices follow)
+    logprobs: SequenceLogprobs | None = None  # the generated tokens' log-probs, where the response has them
 
 
 def decode_npy(raw: bytes, where: str) -> np.ndarray:
@@ -178,17 +186,21 @@ def merge_vllm_stream(chunks: list[dict], where: str) -> dict:
             merged["prompt_routed_experts"] = vllm_array(chunk["prompt_routed_experts"], where)
         for choice in _choices(chunk, where):
             index = _choice_index(choice, where)
-            slot = choices.setdefault(index, {"index": index, "parts": [], "token_ids": []})
+            slot = choices.setdefault(index, {"index": index, "parts": [], "token_ids": [], "logprobs": []})
             if choice.get("routed_experts") is not None:
                 part = vllm_array(choice["routed_experts"], where)
                 if part.size:
                     slot["parts"].append(part)
             generated = json_token_ids(choice.get("token_ids"), f"choices[{index}].token_ids", where)
             slot["token_ids"] += [] if generated is None else generated.tolist()
+            values = vllm_logprob_list(choice.get("logprobs"), where)
+            if values is not None:
+                slot["logprobs"].append(values)
     for index in sorted(choices):
         slot = choices[index]
         merged["choices"].append({"index": index, "token_ids": slot["token_ids"] or None,
-                                  "routed_experts": np.concatenate(slot["parts"]) if slot["parts"] else None})
+                                  "routed_experts": np.concatenate(slot["parts"]) if slot["parts"] else None,
+                                  "logprobs": join_vllm_logprobs(slot["logprobs"])})
     return merged
 
 
@@ -237,10 +249,12 @@ def vllm_sequences(body: dict, where: str) -> list[RoutedSequence]:
             generated = json_token_ids(generated, f"choices[{index}].token_ids", where)
         tokens = len(generated) if generated is not None else (
             _count(usage, "completion_tokens", where) if len(choices) == 1 else None)
+        values = vllm_choice_logprobs(choice, tokens, prompt_tokens, f"{where} choices[{index}]")
+        logprobs = None if values is None else SequenceLogprobs(index, first, values, generated)
         if len(ids) or tokens:
             out.append(RoutedSequence(ids, sequence=index, first_position=first,
                                       token_ids=_ids_column(generated, len(ids)),
-                                      allowed_rows=_allowed_rows(tokens, True)))
+                                      allowed_rows=_allowed_rows(tokens, True), logprobs=logprobs))
     return out
 
 
@@ -264,8 +278,17 @@ def sglang_sequences(bodies: list[dict], num_layers: int | None, top_k: int | No
         ids = sglang_array(meta["routed_experts"], num_layers, top_k, f"{where} meta_info.routed_experts")
         prompt, completion = (_count(meta, f, where) for f in ("prompt_tokens", "completion_tokens"))
         total = prompt + completion if prompt is not None and completion is not None else None
+        found = sglang_logprobs(meta, where)
+        logprobs = None
+        if found is not None:
+            if completion is not None and len(found[0]) != completion:
+                raise SourceFormatError(f"{where}: meta_info.output_token_logprobs holds {len(found[0])} entries for "
+                                        f"{completion} completion tokens")
+            first = prompt if prompt is not None else len(ids) + 1 - len(found[0])
+            logprobs = SequenceLogprobs(index, first, found[0], found[1])
         if len(ids) or total:
-            out.append(RoutedSequence(ids, sequence=index, first_position=0, allowed_rows=_allowed_rows(total, True)))
+            out.append(RoutedSequence(ids, sequence=index, first_position=0, allowed_rows=_allowed_rows(total, True),
+                                      logprobs=logprobs))
     return out
 
 
@@ -277,6 +300,7 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
     per_layer: dict[int, list[tuple]] = {}
     skipped = 0
     offset = first_token
+    logprobs = [seq.logprobs for seq in sequences if seq.logprobs is not None]
     for seq in sequences:
         layers, not_computed = split_routed_rows(seq.ids, where, limit, first_row=seq.first_row)
         skipped += not_computed
@@ -300,7 +324,8 @@ def sequences_step(sequences: list[RoutedSequence], step: int, ts: dt.datetime, 
             token_ids = None if any(p[4] is None for p in parts) else np.concatenate([p[4] for p in parts])
         routes[layer] = LayerRoutes(expert_ids=ids, token=token, sequence=sequence, position=position,
                                     token_ids=token_ids)
-    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where), skipped
+    return SourceStep(step=step, ts=ts, rank=rank, tags=dict(tags or {}), routes=routes, where=where,
+                      logprobs=logprobs), skipped
 
 
 def check_sequence(checks: TraceChecks | None, seq: RoutedSequence, where: str, ids: np.ndarray | None = None,
@@ -332,6 +357,7 @@ def sequence_pieces(sequences: list[RoutedSequence], step: int, ts: dt.datetime,
             ids = np.asarray(seq.ids[start:end])
             check_sequence(checks, seq, where, ids, start)
             chunk = RoutedSequence(ids, seq.sequence, seq.first_position + start,
-                                   None if seq.token_ids is None else seq.token_ids[start:end], first_row=start)
+                                   None if seq.token_ids is None else seq.token_ids[start:end], first_row=start,
+                                   logprobs=seq.logprobs if start == 0 else None)
             yield sequences_step([chunk], step, ts, where, limit=limit, first_token=offset + start)
         offset += len(seq.ids)

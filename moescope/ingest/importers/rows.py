@@ -14,7 +14,15 @@ import numpy as np
 import pyarrow as pa
 
 from moescope.ingest.importers.source import LayerShape, RunSpec, SourceStep
-from moescope.store.schema import SCHEMAS, TAGS, RoutePiece, routes_table, table_from_columns
+from moescope.store.schema import (
+    SCHEMAS,
+    TAGS,
+    LogprobPiece,
+    RoutePiece,
+    engine_logprobs_table,
+    routes_table,
+    table_from_columns,
+)
 
 # The probe's limit for co-selection (E x E counts per layer and step), kept for imports too.
 COSELECTION_MAX_EXPERTS = 64
@@ -82,6 +90,7 @@ class TableBuilder:
         self.route_rows, self.layer_rows = route_rows or ROUTE_ROWS_PER_PART, layer_rows or LAYER_ROWS_PER_PART
         self._current: _StepSums | None = None
         self._pieces: list[RoutePiece] = []
+        self._logprobs: list[LogprobPiece] = []
         self._pending_routes = 0
         self._steps: list[dict] = []
         self._layer_steps: list[dict] = []
@@ -97,6 +106,10 @@ class TableBuilder:
             if len(routes.expert_ids):
                 self._pieces.append(RoutePiece(piece.step, layer, tags, routes, piece.rank))
                 self._pending_routes += len(routes.expert_ids)
+        for seq in piece.logprobs:
+            self._logprobs.append(LogprobPiece(piece.step, seq.sequence, seq.first_position, seq.logprob,
+                                               seq.token_ids, piece.rank))
+            self._pending_routes += len(seq.logprob)
         if self._pending_routes >= self.route_rows:
             yield from self._flush_routes()
 
@@ -110,6 +123,9 @@ class TableBuilder:
         if self._pieces:
             pieces, self._pieces, self._pending_routes = self._pieces, [], 0
             yield "routes", routes_table(self.spec.run_id, pieces)
+        if self._logprobs:
+            logprobs, self._logprobs, self._pending_routes = self._logprobs, [], 0
+            yield "engine_logprobs", engine_logprobs_table(self.spec.run_id, logprobs)
 
     def _close_step(self) -> Iterator[tuple[str, pa.Table]]:
         step, self._current = self._current, None

@@ -40,6 +40,18 @@ class LayerRoutes:
 
 
 @dataclass
+class SequenceLogprobs:
+    """The engine's log-probs of one sequence's generated tokens (`logprobs` module): `logprob`
+    (tokens,) float64, NaN where not measured, at positions from `first_position`; `token_ids` the
+    sampled tokens where the response gives them."""
+
+    sequence: int
+    first_position: int
+    logprob: np.ndarray
+    token_ids: np.ndarray | None = None
+
+
+@dataclass
 class SourceStep:
     """One step of a source, or one piece of it: a forward pass, a request, a training iteration
     or a window of them.
@@ -56,6 +68,7 @@ class SourceStep:
     routes: dict[int, LayerRoutes] = field(default_factory=dict)
     counts: dict[int, np.ndarray] = field(default_factory=dict)
     where: str = "the source"
+    logprobs: list[SequenceLogprobs] = field(default_factory=list)  # where the engine returned them
 
     def key(self) -> tuple:
         return self.step, self.rank, tuple(sorted(self.tags.items()))

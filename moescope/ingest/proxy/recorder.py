@@ -217,6 +217,8 @@ class RoutingRecorder:
             if not self.record_token_ids:  # the prompt's text, given a tokenizer: kept only when asked
                 for sequence in sequences:
                     sequence.token_ids = None
+                    if sequence.logprobs is not None:
+                        sequence.logprobs.token_ids = None
             step, _ = sequences_step(sequences, self._next_step, captured.ts, "response", tags=captured.tags)
             self._check(step)
             self._trace_check(sequences)
