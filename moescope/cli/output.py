@@ -81,6 +81,11 @@ UNITS: dict[str, str] = {
     "token_share": "fraction of tokens", "sequences": "sequences", "inputs": "inputs",
     "batch_size": "inputs per batch", "dead_experts": "experts", "ranks": "ranks", "nodes": "nodes",
     "redundant": "slots", "groups": "expert groups", "rebalance_every": "windows", "top_k": "experts per token",
+    "chance": "fraction of the top-k (k / E)", "agreement": "fraction of the top-k", "flips": "pairs",
+    "large_margin_flips": "pairs", "margin_threshold": "logits", "offset": "tokens",
+    "removed_share": "fraction of the k3 KL", "k3_mean": "nats per generated token",
+    "abs_mean": "nats per generated token", "sq_mean": "nats squared per generated token",
+    "extreme_2": "fraction of tokens (|Δ| > ln 2)", "extreme_5": "fraction of tokens (|Δ| > ln 5)",
     "count": "token rows", "checked": "token rows", "expected": "token rows",
     "hours": "hours", "expert_bytes": "bytes", "rearrangements": "refits", "skipped": "refits",
     "rearrangement_steps": "steps", "mean_balancedness": "ratio (mean / max over ranks)",
@@ -153,6 +158,8 @@ _REBALANCE_POLICY = ("policy", "rearrangements", "skipped", "rearrangement_steps
                      "min_balancedness", "mean_overload", "mean_node_balancedness", "mean_in_node_balancedness",
                      "moved_slots", "sent_slots", "moved_bytes", "sent_bytes", "moved_bytes_per_hour", "balancedness")
 
+_GAP_ROW = ("routing", "left_out_layer", "grouping", "group_name", "group_order", "tokens", "k3_mean", "abs_mean",
+            "sq_mean", "extreme_2", "extreme_5")
 _TRACE_FINDING = ("check_name", "count", "checked", "expected", "sequences", "rows", "detail", "origins")
 
 _HEAD = ("schema_version", "command", "units")
@@ -202,7 +209,11 @@ DOCUMENTS: dict[str, Document] = {document.command: document for document in (
         "token_share", "margin_edges", *_rows("groups", _MISMATCH_GROUP), *_rows("tokens", _MISMATCH_TOKEN),
         *_rows("skipped", ("reason", "sequences")),
         *_rows("alerts", ("alertname", "severity", "layer", "values", "values[].signal", "values[].value")),
-        "replay", "replay.sequences", "replay.layers", "replay.folder"),
+        "replay", "replay.sequences", "replay.layers", "replay.folder",
+        "trace", *(f"trace.{key}" for key in ("verdict", "chance", "flips", "large_margin_flips", "margin_threshold")),
+        *_rows("trace.offsets", ("offset", "agreement", "pairs")),
+        "gap", "gap.removed_share", "gap.layers", *_rows("gap.rows", _GAP_ROW),
+        *_rows("gap.skipped", ("reason", "sequences"))),
         "moescope.analyses.mismatch.MismatchReport", ("tokens[].set_changed", "tokens[].top1_changed")),
 )}
 
@@ -370,10 +381,21 @@ def mismatch_document(report: Any, fired: Any = (), replay: Mapping[str, Any] | 
     if report is None:
         return dict(run_id=None, engine_run=engine_run, model_class=None, reference_dtype=None, top_k=None,
                     layers=None, decision_share=None, token_share=None, margin_edges=MARGIN_EDGES, groups=[],
-                    tokens=[], skipped=[], alerts=alerts, replay=replay)
+                    tokens=[], skipped=[], alerts=alerts, replay=replay, trace=None, gap=None)
+    trace = report.trace
+    gap = report.gap
     return dict(run_id=report.run_id, engine_run=report.engine_run, model_class=report.model_class,
                 reference_dtype=report.reference_dtype, top_k=report.top_k, layers=report.layers,
                 decision_share=report.decision_share, token_share=report.token_share, margin_edges=MARGIN_EDGES,
                 groups=report.groups[[*GROUP_COLUMNS, *fractions]],
                 tokens=report.tokens[list(TOKEN_COLUMNS)] if len(report.tokens) else [],
-                skipped=[dict(reason=r, sequences=n) for r, n in report.skipped.items()], alerts=alerts, replay=replay)
+                skipped=[dict(reason=r, sequences=n) for r, n in report.skipped.items()], alerts=alerts, replay=replay,
+                trace=None if trace is None else dict(
+                    verdict=trace.verdict(), chance=trace.chance, flips=trace.flips,
+                    large_margin_flips=trace.large_margin_flips, margin_threshold=trace.threshold,
+                    offsets=[dict(offset=d, agreement=trace.agreement[d], pairs=trace.pairs.get(d, 0))
+                             for d in sorted(trace.agreement)]),
+                gap=None if gap is None else dict(
+                    removed_share=gap.removed_share, layers=gap.layers,
+                    rows=gap.rows[list(_GAP_ROW)],
+                    skipped=[dict(reason=r, sequences=n) for r, n in gap.skipped.items()]))

@@ -82,6 +82,12 @@ def test_mismatch(engine_run, capsys, tmp_path):
     assert all(a["alertname"] == "AnyMismatch" for a in doc["alerts"])
     assert doc["replay"] == {"sequences": len(report.replay), "layers": report.layers,
                              "folder": str(tmp_path / "replay")}
+    trace = report.trace  # the model-based trace checks (issue 49) ride in the same document
+    assert doc["trace"]["verdict"] == trace.verdict() and doc["trace"]["flips"] == trace.flips
+    assert [(o["offset"], o["pairs"]) for o in doc["trace"]["offsets"]] == [(d, trace.pairs.get(d, 0))
+                                                                            for d in sorted(trace.agreement)]
+    same([o["agreement"] for o in doc["trace"]["offsets"]], [trace.agreement[d] for d in sorted(trace.agreement)])
+    assert doc["gap"] is None and report.gap is None  # the stand-in's responses carry no log-probs
 
 
 def test_mismatch_export_alone(engine_run, capsys, tmp_path):
