@@ -10,11 +10,16 @@ reference: the trainer's model) on the same token ids with the same position ids
 every (token, layer) the engine routed:
 
 - set changed: the k experts differ as sets;
-- top-1 changed: the engine's slot 0 (its top-1) is not the reference's chosen expert of highest
-  router logit (`moescope.analyses.routing_compare.top1_expert`);
+- top-1 changed: the engine's top-1 is not the reference's chosen expert of highest router logit
+  (`moescope.analyses.routing_compare.top1_expert`). The engine's top-1 is its slot 0 where its
+  router returns a sorted top-k (Mixtral, Qwen); for a grouped or biased router (DeepSeek-V2/V3
+  style), whose engines return the top-k in the kernel's order, it is the engine's chosen expert of
+  highest reference logit (`routing_compare.engine_top1`, `RouterRule.ranked`);
 - slots changed: how many of the engine's k experts the reference did not choose (0..k);
-- the reference's top-k margin, in router logits (the k-th largest minus the (k+1)-th,
-  `moescope.analyses.routing_compare.margins`), histogrammed for the pairs whose set changed and for the rest.
+- the reference's top-k decision margin (`moescope.analyses.routing_compare.decision_margin`): the
+  k-th largest router logit minus the (k+1)-th, or for a DeepSeek-V3-style router the k-th minus the
+  (k+1)-th of its sigmoid scores plus correction bias within its kept groups
+  (`MismatchReport.margin_kind`), histogrammed for the pairs whose set changed and for the rest.
 
 Figures come per MoE layer and for every layer together, overall, per position bucket
 (`POSITION_EDGES`) and per tag of the engine's steps (`key=value`, at most `MAX_TAG_GROUPS`
@@ -55,13 +60,23 @@ from moescope.analyses.routing_compare import (
     CONTEXT_BEFORE,
     MARGIN_EDGES,
     MARGIN_KIND,
+    RouterRule,
+    decision_margin,
+    engine_top1,
     forward_routing,
     margin_histogram,
     margins,
     pad_id,
+    router_rule,
     top1_expert,
 )
-from moescope.analyses.trace_check import TraceAgreement, reference_pairs, trace_agreement, write_findings
+from moescope.analyses.trace_check import (
+    TraceAgreement,
+    large_margin,
+    reference_pairs,
+    trace_agreement,
+    write_findings,
+)
 from moescope.probe.adapters import MoELayer, MoESpec, find_moe_layers
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
@@ -116,8 +131,9 @@ class MismatchReport:
         pairs), slots_changed_fraction (of pairs x k), tokens_set_changed_fraction,
         tokens_top1_changed_fraction (of tokens).
     tokens: one row per listed pair that differs: layer, step, engine_rank, sequence, position,
-        token_id, set_changed, top1_changed, slots_changed, topk_margin, top1_margin (reference
-        logits), reference_ids, engine_ids, reference_weights, context_ids, context_start.
+        token_id, set_changed, top1_changed, slots_changed, topk_margin (the reference's decision
+        margin, in `margin_kind`), top1_margin (reference logits), reference_ids, engine_ids,
+        reference_weights, context_ids, context_start.
     replay: the engine's routing per sequence (`ReplaySequence`).
     layers: the reference MoE layers compared, in order (the replay arrays' layer axis).
     skipped: sequences not compared, per reason.
@@ -139,6 +155,7 @@ class MismatchReport:
     trace: TraceAgreement | None = None
     # the log-prob gap with and without the engine's routing replayed (`logprob_gap`), with engine log-probs
     gap: LogprobGapReport | None = None
+    margin_kind: str = MARGIN_KIND  # the unit of the top-k margins: "logit" or "biased score"
 
     def overall(self) -> pd.Series:
         """The every-layer row of the whole run (grouping "all", layer None)."""
@@ -161,7 +178,8 @@ class MismatchReport:
         """One line for a person: both shares, the top-1 share, and where the flips sit."""
         row = self.overall()
         flipped = self.tokens[self.tokens.set_changed] if not self.tokens.empty else self.tokens
-        where = (f"; median reference top-k margin of the listed flips {flipped.topk_margin.median():.3g} logits"
+        unit = "logits" if self.margin_kind == MARGIN_KIND else self.margin_kind
+        where = (f"; median reference top-k margin of the listed flips {flipped.topk_margin.median():.3g} {unit}"
                  if len(flipped) else "")
         if self.trace is not None and self.trace.broken:  # not a mismatch: the trace is not the router's
             return f"Engine vs reference ({self.engine_run}): {self.trace.line()}"
@@ -326,8 +344,9 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
         raise MismatchError(f"the engine routed top-{engine.top_k} but {', '.join(wrong_k)} of the reference route "
                             f"top-{compared[0].top_k if compared else '?'}: is it the engine's model?")
     routed = _reference(model, layers, engine.sequences, batch_size, progress)
-    report = _compare(engine, layers, compared, mapping, routed, max_listed)
-    report.trace = _trace(report, layers, compared, routed)
+    rules = {layer.index: router_rule(layer.router) for layer in compared}
+    report = _compare(engine, layers, compared, mapping, routed, max_listed, rules)
+    report.trace = _trace(report, layers, compared, routed, rules)
     from moescope.analyses.mismatch_replay import share_prompt_rows  # it imports this module
 
     share_prompt_rows(report.replay)
@@ -341,14 +360,16 @@ def mismatch(model: nn.Module, *, store: str | os.PathLike | StoreLocation, run:
 
 
 def _trace(report: MismatchReport, layers: Sequence[MoELayer], compared: Sequence[MoELayer],
-           routed: list[list[LayerRouting]]) -> TraceAgreement | None:
+           routed: list[list[LayerRouting]], rules: dict[int, RouterRule]) -> TraceAgreement | None:
     """The engine's trace against the reference (`trace_check.trace_agreement`), None when nothing ran."""
     if not routed or not compared:
         return None
     position = {layer.index: i for i, layer in enumerate(layers)}
-    reference = reference_pairs(routed, [position[layer.index] for layer in compared])
+    reference = reference_pairs(routed, [position[layer.index] for layer in compared],
+                                [rules[layer.index] for layer in compared])
     return trace_agreement([r.expert_ids for r in report.replay], [r.own_from for r in report.replay], reference,
-                           int(routed[0][position[compared[0].index]].logits.shape[1]))
+                           int(routed[0][position[compared[0].index]].logits.shape[1]),
+                           large_margin(report.margin_kind), report.margin_kind)
 
 
 def _reference(model: nn.Module, layers: Sequence[MoELayer], sequences: Sequence[EngineSequence], batch_size: int,
@@ -394,7 +415,7 @@ def _gap(model: nn.Module, layers: Sequence[MoELayer], report: MismatchReport, e
 
 
 def _compare(engine: EngineRun, layers: Sequence[MoELayer], compared: Sequence[MoELayer], mapping: dict[int, int],
-             routed: list[list[LayerRouting]], max_listed: int) -> MismatchReport:
+             routed: list[list[LayerRouting]], max_listed: int, rules: dict[int, RouterRule]) -> MismatchReport:
     k = engine.top_k
     tag_groups = _tag_groups(engine.sequences)
     counts: dict[tuple[str, str, int, int | None], _Counts] = {}
@@ -429,8 +450,9 @@ def _compare(engine: EngineRun, layers: Sequence[MoELayer], compared: Sequence[M
             same = (e_ids[:, :, None] == r_ids[:, None, :]).any(axis=2)
             slots = (k - same.sum(axis=1)).astype(np.int64)
             set_changed = slots > 0
-            top1_changed = e_ids[:, 0] != top1_expert(logits, r_ids)
-            topk_margin, top1_margin = margins(logits, k)
+            rule = rules[layer.index]
+            top1_changed = engine_top1(e_ids, logits, rule) != top1_expert(logits, r_ids)
+            topk_margin, top1_margin = decision_margin(logits, k, rule), margins(logits, k)[1]
             set_matrix[rows, column] = set_changed
             any_set[valid] |= set_changed
             any_top1[valid] |= top1_changed
@@ -484,8 +506,12 @@ def _compare(engine: EngineRun, layers: Sequence[MoELayer], compared: Sequence[M
     frame["slots_changed_fraction"] = frame.slots_changed / (frame.pairs * k).where(frame.pairs > 0)
     frame["tokens_set_changed_fraction"] = frame.tokens_set_changed / frame.tokens.where(frame.tokens > 0)
     frame["tokens_top1_changed_fraction"] = frame.tokens_top1_changed / frame.tokens.where(frame.tokens > 0)
+    kinds = {rule.margin_kind for rule in rules.values()} or {MARGIN_KIND}
+    if len(kinds) > 1:
+        raise MismatchError(f"the reference's MoE layers decide on different scores ({', '.join(sorted(kinds))}); "
+                            "a run's margins share one unit, and the check does not support a model that mixes them")
     return MismatchReport(frame, pd.DataFrame(listed, columns=list(TOKEN_COLUMNS)), replay, engine.run_id, k,
-                          [layer.index for layer in compared], skipped=dict(engine.skipped))
+                          [layer.index for layer in compared], skipped=dict(engine.skipped), margin_kind=kinds.pop())
 
 
 def _group_sort(column: pd.Series) -> pd.Series:
@@ -520,7 +546,7 @@ def write_report(store: str | os.PathLike | StoreLocation, report: MismatchRepor
     run = model_run(model, layers, run_id or new_run_id(), dt.datetime.now(dt.timezone.utc),
                     {**(tags or {}), "engine_run": report.engine_run})
     group_rows = [dict(row, run_id=run.run_id, ts=run.started_at, engine_run=report.engine_run,
-                       layer=None if pd.isna(row["layer"]) else int(row["layer"]), margin_kind=MARGIN_KIND,
+                       layer=None if pd.isna(row["layer"]) else int(row["layer"]), margin_kind=report.margin_kind,
                        margin_edges=list(MARGIN_EDGES), top_k=report.top_k, reference_dtype=report.reference_dtype,
                        rank=0)
                   for row in report.groups[list(GROUP_COLUMNS)].to_dict("records")]

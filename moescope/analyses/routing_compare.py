@@ -6,14 +6,17 @@ mask, position ids from `generate_position_ids`, the pad id of `pad_id`, no cach
 token's chosen experts and router logits (`moescope.probe.capture.RoutingCapture`). They compare
 with the same rules: a token's top-1 is its chosen expert of highest router logit (`top1_expert`),
 its margin is in router logits (`margins`), and margins are counted per bin of `MARGIN_EDGES`
-(`margin_histogram`). A listed token keeps `CONTEXT_BEFORE` and `CONTEXT_AFTER` neighbours, and its
-expert sets read as `expert_change` writes them.
+(`margin_histogram`). Against an engine's trace, the reference router's own rule (`RouterRule`,
+read from its module by `router_rule`) says whether the engine's slot 0 is its top-1
+(`engine_top1`) and on what the router decides (`decision_margin`). A listed token keeps
+`CONTEXT_BEFORE` and `CONTEXT_AFTER` neighbours, and its expert sets read as `expert_change` writes them.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,13 +26,15 @@ from torch import nn
 from moescope.probe.capture import LayerRouting, RoutingCapture
 
 __all__ = [
-    "CONTEXT_AFTER", "CONTEXT_BEFORE", "MARGIN_EDGES", "MARGIN_KIND", "RoutingError", "expert_change",
-    "forward_routing", "generate_position_ids", "margin_histogram", "margins", "pad_id", "top1_expert",
+    "BIASED_SCORE_KIND", "CONTEXT_AFTER", "CONTEXT_BEFORE", "MARGIN_EDGES", "MARGIN_KIND", "RouterRule", "RoutingError",
+    "decision_margin", "engine_top1", "expert_change", "forward_routing", "generate_position_ids", "margin_histogram",
+    "margins", "pad_id", "router_rule", "top1_expert",
 ]
 
 # Lower edges of the margin histogram's bins, in router logits (the last bin is open).
 MARGIN_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 MARGIN_KIND = "logit"
+BIASED_SCORE_KIND = "biased score"  # DeepSeek-V3-style: sigmoid(logit) + correction bias
 CONTEXT_BEFORE, CONTEXT_AFTER = 8, 4  # neighbours kept beside a listed token
 
 
@@ -122,6 +127,74 @@ def margins(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     topk = ordered[:, k - 1] - ordered[:, k] if width > k else np.full(len(ordered), np.inf)
     top1 = ordered[:, 0] - ordered[:, 1] if width > 1 else np.full(len(ordered), np.inf)
     return topk, top1
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """What comparing an engine's trace needs of the reference layer's routing rule.
+
+    Attributes:
+        ranked: the engine's slot 0 is its top-1. True for a plain top-k (Mixtral, Qwen: vLLM's
+            `fused_topk` and SGLang's `fused_topk` return the top-k in score order). False for a
+            grouped or biased router (DeepSeek-V2/V3 style): vLLM's `grouped_topk` and its biased
+            top-k call `torch.topk(..., sorted=VLLM_BATCH_INVARIANT)`, off by default, and SGLang's
+            `grouped_topk` and `biased_grouped_topk` sort only with fused shared experts
+            (`sorted=num_fused_shared_experts > 0`): their slot order is the kernel's, not the scores'.
+        bias: the router's `e_score_correction_bias` (E,), or None: the choice is then on the logits.
+        groups: expert groups (`n_group`); the choice is made among the experts of the best `topk_group`.
+        topk_group: groups kept per token.
+    """
+
+    ranked: bool = True
+    bias: np.ndarray | None = None
+    groups: int = 1
+    topk_group: int = 1
+
+    @property
+    def margin_kind(self) -> str:
+        """The unit of `decision_margin`: "logit", or "biased score" for a biased router."""
+        return MARGIN_KIND if self.bias is None else BIASED_SCORE_KIND
+
+
+def router_rule(router: nn.Module) -> RouterRule:
+    """The rule of a router module, read from what transformers' grouped and biased routers hold
+    (DeepSeek-V2/V3, GLM-4-MoE, dots1: `num_group`, `topk_group`, `e_score_correction_bias`)."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    groups = getattr(router, "num_group", getattr(router, "n_group", None))
+    if bias is None and groups is None:
+        return RouterRule()
+    values = None if bias is None else bias.detach().float().cpu().numpy().astype(np.float64)
+    return RouterRule(ranked=False, bias=values, groups=int(groups or 1),
+                      topk_group=int(getattr(router, "topk_group", None) or 1))
+
+
+def engine_top1(engine_ids: np.ndarray, logits: np.ndarray, rule: RouterRule) -> np.ndarray:
+    """The engine's top-1 per token: its slot 0 where the rule promises a sorted top-k, else, of the
+    engine's chosen experts, the one with the highest reference logit (`top1_expert`): an engine
+    whose slots are a permutation of the reference's set then has the reference's top-1."""
+    return engine_ids[:, 0] if rule.ranked else top1_expert(logits, engine_ids)
+
+
+def decision_margin(logits: np.ndarray, k: int, rule: RouterRule) -> np.ndarray:
+    """The router's top-k decision margin per token: `margins`' top-k margin in logits for a router
+    that chooses on its logits; for a biased router (DeepSeek-V3's `DeepseekV3TopkRouter`), on what
+    it chooses by: scores sigmoid(logit) + bias, groups ranked by the sum of their two best scores,
+    the best `topk_group` groups kept, and the margin the k-th minus the (k+1)-th score among the
+    kept groups' experts (inf where they hold only k experts)."""
+    if rule.bias is None:
+        return margins(logits, k)[0]
+    scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + rule.bias
+    tokens, experts = scores.shape
+    per_group = scores.reshape(tokens, rule.groups, experts // rule.groups)
+    group_score = -np.sort(-per_group, axis=2)[:, :, :2].sum(axis=2)
+    kept = np.argsort(-group_score, axis=1, kind="stable")[:, :rule.topk_group]
+    mask = np.zeros((tokens, rule.groups), dtype=bool)
+    np.put_along_axis(mask, kept, True, axis=1)
+    candidates = np.where(np.repeat(mask, experts // rule.groups, axis=1), scores, -np.inf)
+    ordered = -np.sort(-candidates, axis=1)
+    if ordered.shape[1] <= k:
+        return np.full(tokens, np.inf)
+    return ordered[:, k - 1] - ordered[:, k]  # -inf - x: inf where the kept groups hold only k experts
 
 
 def margin_histogram(values: np.ndarray) -> np.ndarray:

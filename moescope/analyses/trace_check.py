@@ -22,7 +22,12 @@ this model's router would not give, on the tokens the engine routed:
   percentile 0.13, 27 flips of 6144 pairs, measured with the stand-in engine of the tests). A
   margin of 1 logit is seven times that, and a probability ratio of e = 2.7 between the k-th and
   the (k+1)-th expert, which rounding does not reverse: a flip there is a plumbing or placement
-  bug (physical ids under a permutation map, a row from another token), not noise.
+  bug (physical ids under a permutation map, a row from another token), not noise. The margin is
+  the router's decision margin (`routing_compare.decision_margin`): a DeepSeek-V3-style router
+  chooses on sigmoid(logit) + correction bias within its kept groups, so its margin is in those
+  biased scores, and its threshold is `LARGE_SCORE_MARGIN` = 0.25: a sigmoid's slope is at most
+  1/4, so closing a gap of 0.25 between two biased scores (the bias is a constant) takes the two
+  logits moving by 1 logit together at least, the same evidence as `LARGE_MARGIN`.
 
 Each check that finds something gives a finding of the engine run (`ModelFinding`), written as its
 `trace_findings` rows (origin "mismatch") beside the import's and the proxy's.
@@ -36,15 +41,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moescope.analyses.routing_compare import margins
+from moescope.analyses.routing_compare import MARGIN_KIND, RouterRule, decision_margin
 
 OFFSETS = (-2, -1, 0, 1, 2)
 LARGE_MARGIN = 1.0  # logits; see the module doc
+LARGE_SCORE_MARGIN = LARGE_MARGIN / 4  # biased scores: a sigmoid's slope is at most 1/4 (module doc)
 BROKEN_FRACTION = 0.25  # of the way from chance (k/E) to full agreement
 SHIFT_SIGMA = 3.0  # standard errors an offset's agreement must beat offset 0's by
 
-__all__ = ["BROKEN_FRACTION", "LARGE_MARGIN", "OFFSETS", "SHIFT_SIGMA", "ModelFinding", "TraceAgreement",
-           "trace_agreement"]
+__all__ = ["BROKEN_FRACTION", "LARGE_MARGIN", "LARGE_SCORE_MARGIN", "OFFSETS", "SHIFT_SIGMA", "ModelFinding",
+           "TraceAgreement", "large_margin", "trace_agreement"]
+
+
+def large_margin(kind: str) -> float:
+    """The margin of a large-margin flip in a margin kind's unit: `LARGE_MARGIN` logits, or
+    `LARGE_SCORE_MARGIN` for a biased router's scores."""
+    return LARGE_MARGIN if kind == MARGIN_KIND else LARGE_SCORE_MARGIN
 
 
 @dataclass
@@ -70,8 +82,9 @@ class TraceAgreement:
         pairs: per offset, the (token, layer) pairs compared there.
         chance: k / E, the agreement of unrelated top-k sets.
         flips: pairs at offset 0 whose expert set differs.
-        large_margin_flips: those whose reference top-k margin is at least `threshold` logits.
-        threshold: the margin of a large-margin flip, in logits.
+        large_margin_flips: those whose reference decision margin is at least `threshold`.
+        threshold: the margin of a large-margin flip, in `margin_kind`.
+        margin_kind: "logit", or "biased score" for a DeepSeek-V3-style router.
     """
 
     agreement: dict[int, float]
@@ -80,6 +93,12 @@ class TraceAgreement:
     flips: int
     large_margin_flips: int
     threshold: float = LARGE_MARGIN
+    margin_kind: str = MARGIN_KIND
+
+    @property
+    def unit(self) -> str:
+        """The margins' unit, as a line says it."""
+        return "logits" if self.margin_kind == MARGIN_KIND else self.margin_kind
 
     @property
     def best_offset(self) -> int:
@@ -113,7 +132,8 @@ class TraceAgreement:
         """One line: the verdict, the agreement per offset, the large-margin flips."""
         shares = ", ".join(f"{d:+d}: {self.agreement[d]:.3f}" for d in sorted(self.agreement))
         return (f"trace {self.verdict()} (agreement by token offset {shares}; chance {self.chance:.3f}); "
-                f"{self.large_margin_flips} of {self.flips} flips at a reference margin >= {self.threshold:g} logits")
+                f"{self.large_margin_flips} of {self.flips} flips at a reference margin >= {self.threshold:g} "
+                f"{self.unit}")
 
     def findings(self) -> list[ModelFinding]:
         """The findings of the engine run: chance_agreement, shifted, large_margin_flips."""
@@ -131,22 +151,23 @@ class TraceAgreement:
         if self.large_margin_flips and self.verdict() == "sound":  # a shift or a broken trace explains them
             out.append(ModelFinding("large_margin_flips", self.large_margin_flips, compared, 0.0, detail=(
                 f"{self.large_margin_flips} (token, layer) pairs differ although the reference's top-k margin is at "
-                f"least {self.threshold:g} logits: a plumbing or placement bug, not rounding")))
+                f"least {self.threshold:g} {self.unit}: a plumbing or placement bug, not rounding")))
         return out
 
 
 def trace_agreement(engine_ids: Sequence[np.ndarray], own_from: Sequence[int],
                     reference: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], num_experts: int,
-                    threshold: float = LARGE_MARGIN) -> TraceAgreement:
+                    threshold: float = LARGE_MARGIN, margin_kind: str = MARGIN_KIND) -> TraceAgreement:
     """Agreement at each of `OFFSETS` and the large-margin flips, over every compared sequence.
 
     Args:
         engine_ids: per sequence, (tokens, layers, k) the engine's ids (-1: not routed).
         own_from: per sequence, its first own position (before it: a shared prompt, compared once).
         reference: per sequence, per layer (the engine's layer order), the reference's (ids (tokens,
-            k), router logits (tokens, E)).
+            k), decision margins (tokens,), `routing_compare.decision_margin`).
         num_experts: E, for chance (k/E).
-        threshold: the margin of a large-margin flip, in logits.
+        threshold: the margin of a large-margin flip, in `margin_kind`.
+        margin_kind: the margins' unit.
 
     Returns:
         A TraceAgreement.
@@ -157,7 +178,7 @@ def trace_agreement(engine_ids: Sequence[np.ndarray], own_from: Sequence[int],
     k = 1
     for ids, first, per_layer in zip(engine_ids, own_from, reference):
         tokens = len(ids)
-        for layer, (ref_ids, logits) in enumerate(per_layer):
+        for layer, (ref_ids, margin) in enumerate(per_layer):
             k = ref_ids.shape[1]
             own = np.arange(first, tokens)
             engine = ids[own, layer]
@@ -170,16 +191,19 @@ def trace_agreement(engine_ids: Sequence[np.ndarray], own_from: Sequence[int],
                 overlap[d] += int(shared)
                 pairs[d] += int(inside.sum())
             changed = ~(engine[:, :, None] == ref_ids[own][:, None, :]).any(axis=2).all(axis=1)
-            topk_margin, _ = margins(logits[own], k)
             flips += int(changed.sum())
-            large += int((changed & (topk_margin >= threshold)).sum())
+            large += int((changed & (margin[own] >= threshold)).sum())
     agreement = {d: overlap[d] / (pairs[d] * k) for d in OFFSETS if pairs[d]}
-    return TraceAgreement(agreement, {d: n for d, n in pairs.items() if n}, k / num_experts, flips, large, threshold)
+    return TraceAgreement(agreement, {d: n for d, n in pairs.items() if n}, k / num_experts, flips, large, threshold,
+                          margin_kind)
 
 
-def reference_pairs(routed: Sequence[Sequence], positions: Sequence[int]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """Per sequence, the reference's (ids, logits) of the layers at `positions` (its MoE-layer order)."""
-    return [[(per_layer[i].ids, per_layer[i].logits) for i in positions] for per_layer in routed]
+def reference_pairs(routed: Sequence[Sequence], positions: Sequence[int],
+                    rules: Sequence[RouterRule]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per sequence, the reference's (ids, decision margins) of the layers at `positions` (its MoE-layer
+    order), each layer's margins by its router's rule (`rules`, in the order of `positions`)."""
+    return [[(per_layer[i].ids, decision_margin(per_layer[i].logits, per_layer[i].ids.shape[1], rule))
+             for i, rule in zip(positions, rules)] for per_layer in routed]
 
 
 def write_findings(store, engine_run: str, findings: Sequence[ModelFinding]) -> None:

@@ -296,11 +296,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "issue 46 part 6)"),
     Mutation(
         "mismatch-reference-top1-slot-0", "moescope/analyses/mismatch.py",
-        "top1_changed = e_ids[:, 0] != top1_expert(logits, r_ids)",
-        "top1_changed = e_ids[:, 0] != r_ids[:, 0]",
-        ("tests/unit/analyses/test_mismatch_top1.py",),
+        "top1_changed = engine_top1(e_ids, logits, rule) != top1_expert(logits, r_ids)",
+        "top1_changed = engine_top1(e_ids, logits, rule) != r_ids[:, 0]",
+        ("tests/unit/analyses/test_mismatch_top1.py", "-k", "flip_no_top1"),
         "the reference's top-1 is its slot 0, not its chosen expert of highest router logit (equal on Mixtral, "
         "wrong on DeepSeek-V3 with a correction bias; issue 46 part 6)"),
+    Mutation(
+        "mismatch-engine-top1-slot-0", "moescope/analyses/routing_compare.py",
+        "return engine_ids[:, 0] if rule.ranked else top1_expert(logits, engine_ids)",
+        "return engine_ids[:, 0]",
+        ("tests/unit/analyses/test_mismatch_top1.py", "-k", "flip_no_top1"),
+        "the engine's top-1 is its slot 0 although a grouped or biased router's engine returns its top-k "
+        "unsorted (issue 49 part 2)"),
+    Mutation(
+        "decision-margin-on-logits", "moescope/analyses/routing_compare.py",
+        "scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + rule.bias",
+        "scores = logits.astype(np.float64)",
+        ("tests/unit/analyses/test_mismatch_top1.py", "-k", "margin"),
+        "a DeepSeek-V3-style router's margin is taken on its logits, not on sigmoid scores plus the correction "
+        "bias it decides by (issue 49 part 2)"),
     Mutation(
         "mismatch-slots-fraction-over-pairs", "moescope/analyses/mismatch.py",
         'frame["slots_changed_fraction"] = frame.slots_changed / (frame.pairs * k).where(frame.pairs > 0)',
