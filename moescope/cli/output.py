@@ -72,7 +72,8 @@ UNITS: dict[str, str] = {
     "set_changed": "pairs", "top1_changed": "pairs", "kept_changed": "pairs", "slots_changed": "slots",
     "max_weight_change": "gate weight", "changed_by_margin": "pairs per margin bin",
     "unchanged_by_margin": "pairs per margin bin", "changed_by_count": "pairs per count of differing experts",
-    "margin_edges": "logits (lower bin edges)", "topk_margin": "logits", "top1_margin": "logits",
+    "margin_edges": "logits (lower bin edges)", "topk_margin": "logits (in mismatch: the unit margin_kind names)",
+    "top1_margin": "logits",
     "listed": "pairs", "pairs": "(token, layer) pairs", "tokens_set_changed": "tokens",
     "tokens_top1_changed": "tokens",
     "set_changed_fraction": "fraction of pairs", "top1_changed_fraction": "fraction of pairs",
@@ -82,7 +83,8 @@ UNITS: dict[str, str] = {
     "batch_size": "inputs per batch", "dead_experts": "experts", "ranks": "ranks", "nodes": "nodes",
     "redundant": "slots", "groups": "expert groups", "rebalance_every": "windows", "top_k": "experts per token",
     "chance": "fraction of the top-k (k / E)", "agreement": "fraction of the top-k", "flips": "pairs",
-    "large_margin_flips": "pairs", "margin_threshold": "logits", "offset": "tokens",
+    "large_margin_flips": "pairs", "margin_threshold": "margin_kind's unit (logits or biased scores)",
+    "offset": "tokens",
     "removed_share": "fraction of the k3 KL", "k3_mean": "nats per generated token",
     "abs_mean": "nats per generated token", "sq_mean": "nats squared per generated token",
     "extreme_2": "fraction of tokens (|Δ| > ln 2)", "extreme_5": "fraction of tokens (|Δ| > ln 5)",
@@ -210,6 +212,7 @@ DOCUMENTS: dict[str, Document] = {document.command: document for document in (
         *_rows("skipped", ("reason", "sequences")),
         *_rows("alerts", ("alertname", "severity", "layer", "values", "values[].signal", "values[].value")),
         "replay", "replay.sequences", "replay.layers", "replay.folder",
+        "margin_kind",
         "trace", *(f"trace.{key}" for key in ("verdict", "chance", "flips", "large_margin_flips", "margin_threshold")),
         *_rows("trace.offsets", ("offset", "agreement", "pairs")),
         "gap", "gap.removed_share", "gap.layers", *_rows("gap.rows", _GAP_ROW),
@@ -381,7 +384,7 @@ def mismatch_document(report: Any, fired: Any = (), replay: Mapping[str, Any] | 
     if report is None:
         return dict(run_id=None, engine_run=engine_run, model_class=None, reference_dtype=None, top_k=None,
                     layers=None, decision_share=None, token_share=None, margin_edges=MARGIN_EDGES, groups=[],
-                    tokens=[], skipped=[], alerts=alerts, replay=replay, trace=None, gap=None)
+                    tokens=[], skipped=[], alerts=alerts, replay=replay, margin_kind=None, trace=None, gap=None)
     trace = report.trace
     gap = report.gap
     return dict(run_id=report.run_id, engine_run=report.engine_run, model_class=report.model_class,
@@ -390,7 +393,7 @@ def mismatch_document(report: Any, fired: Any = (), replay: Mapping[str, Any] | 
                 groups=report.groups[[*GROUP_COLUMNS, *fractions]],
                 tokens=report.tokens[list(TOKEN_COLUMNS)] if len(report.tokens) else [],
                 skipped=[dict(reason=r, sequences=n) for r, n in report.skipped.items()], alerts=alerts, replay=replay,
-                trace=None if trace is None else dict(
+                margin_kind=report.margin_kind, trace=None if trace is None else dict(
                     verdict=trace.verdict(), chance=trace.chance, flips=trace.flips,
                     large_margin_flips=trace.large_margin_flips, margin_threshold=trace.threshold,
                     offsets=[dict(offset=d, agreement=trace.agreement[d], pairs=trace.pairs.get(d, 0))
