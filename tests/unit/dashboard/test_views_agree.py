@@ -16,6 +16,7 @@ import os
 import re
 
 import numpy as np
+import pandas as pd
 import pyarrow.dataset as ds
 import pytest
 import torch
@@ -259,14 +260,16 @@ def test_the_webhooks_drift_values_equal_the_raw_rows(demo):
     from scipy.stats import entropy
 
     root, _, _ = demo
-    alerts = ds.dataset(os.path.join(root, "alerts"), format="parquet").to_table().to_pandas()
-    layer_steps = ds.dataset(os.path.join(root, "layer_steps"), format="parquet").to_table().to_pandas()
-    layers = ds.dataset(os.path.join(root, "layers"), format="parquet").to_table().to_pandas()
+    def table(name: str) -> pd.DataFrame:  # the run id from the folder: the store also holds the rollout's runs
+        return ds.dataset(os.path.join(root, name), format="parquet", partitioning="hive").to_table().to_pandas()
+
+    alerts, layer_steps, layers = table("alerts"), table("layer_steps"), table("layers")
     experts = int(layers.num_experts.iloc[0])
     fired = alerts[(alerts.alertname == "RoutingDriftFromBaseline") & (alerts.state == "firing")]
     assert len(fired)
     for alert in fired.itertuples():
-        rows = layer_steps[layer_steps.layer == alert.layer].sort_values("step")
+        rows = layer_steps[(layer_steps.layer == alert.layer) & (layer_steps.run_id == alert.run_id)]
+        rows = rows.sort_values("step")
         covered, base = 0, []
         for row in rows.itertuples():
             if covered >= alert.baseline_steps:
