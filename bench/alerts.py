@@ -307,7 +307,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    everything: list[Outcome] = []
+    everything: list[Score] = []
     for name in args.models:
         model = MODELS[name]()
         outcomes = []
@@ -319,11 +319,15 @@ def main() -> None:
             print(f"{name:10s} {scenario:18s} {o.seconds:5.0f} s  {fired or 'nothing fired'}", flush=True)
             outcomes.append(o)
         warnings = ", ".join(sorted(standing(outcomes))) or "none"
+        scores = score(outcomes)  # a model's standing warnings are its own, not the other model's
         print(f"\n{name} (warnings about the model itself, before every onset: {warnings})\n"
-              f"{table(score(outcomes))}\n", flush=True)
-        everything.extend(outcomes)
+              f"{table(scores)}\n", flush=True)
+        everything.extend(scores)
     if len(args.models) > 1:
-        print(f"all models\n{table(score(everything))}\n")
+        summed = [Score(rule, sum(s.labelled for s in mine), sum(s.fired for s in mine),
+                        sum(s.true_positives for s in mine), [x for s in mine for x in s.latency])
+                  for rule in LABELS for mine in [[s for s in everything if s.rule == rule]]]
+        print(f"all models\n{table(summed)}\n")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
