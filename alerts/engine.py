@@ -160,7 +160,7 @@ BaselineLoader = Callable[[str, int, int], "np.ndarray | None"]  # (baseline run
 @dataclass
 class _RunState:
     history: dict[int, LayerHistory] = field(default_factory=dict)
-    baseline_parts: dict[int, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
+    baseline_parts: dict[int, list[LayerObservation]] = field(default_factory=lambda: defaultdict(list))
     baseline_forwards: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
@@ -206,7 +206,7 @@ class AlertEngine:
         history.append(obs)
         parts = run.baseline_parts[obs.layer]
         if self.pack.baseline.run_id is None and run.baseline_forwards[obs.layer] < self.pack.baseline.first_steps:
-            parts.append(obs.expert_load)  # the baseline is the first rows covering first_steps forwards
+            parts.append(obs)  # the baseline is the first rows covering first_steps forwards
             run.baseline_forwards[obs.layer] += max(int(obs.forwards), 1)
 
     def baseline(self, run_id: str, layer: int) -> np.ndarray | None:
@@ -234,7 +234,21 @@ class AlertEngine:
         run = self._runs[run_id]
         if run.baseline_forwards.get(layer, 0) < spec.first_steps:
             return None
-        return np.sum(run.baseline_parts[layer], axis=0)
+        return np.sum([o.expert_load for o in run.baseline_parts[layer]], axis=0)
+
+    def baseline_rows(self, run_id: str, layer: int) -> list[LayerObservation] | None:
+        """The run's own baseline rows for a layer (its first rows covering the baseline's `first_steps`
+        forwards); None while they do not cover them yet, or when the pack's baseline is another run
+        (whose load alone is loaded).
+
+        Raises:
+            KeyError: for a run not observed.
+        """
+        run = self._runs[run_id]
+        spec = self.pack.baseline
+        if spec.run_id is not None or run.baseline_forwards.get(layer, 0) < spec.first_steps:
+            return None
+        return run.baseline_parts[layer]
 
     # -- evaluation -------------------------------------------------------------------------
 
@@ -255,7 +269,8 @@ class AlertEngine:
         window = self._runs[run_id].history[layer].window(rule.window)
         return compute_signals(window, rule.signals, self.baseline(run_id, layer), self.routed_experts.get(layer),
                                self.rank_shares(layer, window),
-                               self.wire_layout(layer, window) if TRAFFIC_SIGNALS.keys() & set(rule.signals) else None)
+                               self.wire_layout(layer, window) if TRAFFIC_SIGNALS.keys() & set(rule.signals) else None,
+                               self.baseline_rows(run_id, layer))
 
     @property
     def rank_node(self) -> np.ndarray | None:

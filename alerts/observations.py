@@ -184,6 +184,7 @@ def compute_signals(
     num_experts: int | None = None,
     rank_shares: np.ndarray | None = None,
     wire_layout: wire.WireLayout | None = None,
+    baseline: Sequence[LayerObservation] | None = None,
 ) -> dict[str, float]:
     """Return {signal: value} over the observations (one layer, oldest first).
 
@@ -196,7 +197,9 @@ def compute_signals(
     placement with its ranks' nodes, `metrics.traffic.WireLayout`) is what the traffic signals count
     with, a token's home rank by the rule every view defaults to (`metrics.traffic.default_home`:
     the recording rank where several ranks recorded the rows, else the row in its forward's batch
-    modulo the ranks); None, or no routes: they are no data.
+    modulo the ranks); None, or no routes: they are no data. `baseline` (the run's own baseline
+    rows) is what the `_rise` signals compare with; None (a baseline from another run, whose load
+    alone is loaded): they are no data.
     """
     wanted = set(SIGNALS if names is None else names)
     unknown = wanted - set(SIGNALS)
@@ -228,6 +231,7 @@ def compute_signals(
         if baseline_load is not None and np.size(baseline_load) == experts and np.sum(baseline_load) > 0:
             table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
             table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
+            table["lost_expert_fraction"] = lambda: sig.lost_expert_fraction(load, baseline_load)
         if rank_shares is not None and np.shape(rank_shares)[0] == experts:
             rank_load = sig.rank_load(load, rank_shares)  # slots per rank
             table["rank_balancedness"] = lambda: sig.balancedness(rank_load)
@@ -235,11 +239,21 @@ def compute_signals(
         for name, fn in table.items():
             if name in wanted:
                 out[name] = fn()
+    def router_entropy(rows: Sequence[LayerObservation]) -> float:
+        return _token_weighted((sig.normalized_entropy(o.router_entropy_mean, width), o.tokens) for o in rows)
+
+    def dropped_rate(rows: Sequence[LayerObservation]) -> float:
+        routed = sum(o.tokens for o in rows)
+        return sig.dropped_token_rate(sum(o.dropped_tokens for o in rows), routed) if routed > 0 else float("nan")
     if "router_entropy" in wanted:
-        out["router_entropy"] = _token_weighted(
-            (sig.normalized_entropy(o.router_entropy_mean, width), o.tokens) for o in observations)
-    if "dropped_token_rate" in wanted and tokens > 0:
-        out["dropped_token_rate"] = sig.dropped_token_rate(sum(o.dropped_tokens for o in observations), tokens)
+        out["router_entropy"] = router_entropy(observations)
+    if "dropped_token_rate" in wanted:
+        out["dropped_token_rate"] = dropped_rate(observations)
+    if baseline:
+        if "router_entropy_rise" in wanted:
+            out["router_entropy_rise"] = router_entropy(observations) - router_entropy(baseline)
+        if "dropped_token_rate_rise" in wanted:
+            out["dropped_token_rate_rise"] = dropped_rate(observations) - dropped_rate(baseline)
     if "capacity_use" in wanted:
         out["capacity_use"] = _nanmax(o.capacity_use for o in observations)  # the fullest forward
     if "active_param_fraction" in wanted:

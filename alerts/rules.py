@@ -64,6 +64,12 @@ SIGNALS: dict[str, str] = {
     "js_baseline": "Jensen-Shannon divergence of the load against the baseline, nats",
     "router_entropy": "mean per-token router entropy / ln(experts), averaged over the window",
     "dead_expert_fraction": "fraction of experts with no token over the window",
+    "lost_expert_fraction": "fraction of experts with no token over the window although their baseline share "
+                            "predicted at least 16 of its slots (an expert always barely routed is not newly dead)",
+    "router_entropy_rise": "router_entropy over the window minus the same over the layer's baseline rows "
+                           "(fractions of ln experts; needs a baseline from the run's own first steps)",
+    "dropped_token_rate_rise": "dropped_token_rate over the window minus the same over the layer's baseline rows "
+                               "(needs a baseline from the run's own first steps)",
     "dropped_token_rate": "dropped tokens / tokens over the window",
     "capacity_use": "fullest expert's load / capacity, averaged over the window",
     "active_param_fraction": "this layer's routed-expert parameters used per token / model parameters",

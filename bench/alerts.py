@@ -60,7 +60,8 @@ EXPERT_FAULTS = ("expert_scale", "expert_nan", "expert_zero")
 ROUTER_FAULTS = ("router_collapse", "router_hot", "dead_expert", "capacity_overflow")
 SCENARIOS = HEALTHY + SHIFTS + EXPERT_FAULTS + ROUTER_FAULTS
 
-# Which scenarios each rule should fire on; docs/alerts.md gives the reason for each.
+# Which scenarios each rule should fire on; docs/alerts.md gives the reason for each. A rule on a
+# signal the model does not have (drops, on a dropless family) is labelled for nothing there.
 LABELS: dict[str, frozenset[str]] = {
     HEALTH_RULE: frozenset(EXPERT_FAULTS),
     "RoutingDriftFromBaseline": frozenset({"domain_shift", "expert_nan", "router_collapse", "router_hot",
@@ -68,12 +69,14 @@ LABELS: dict[str, frozenset[str]] = {
     "DeadExpert": frozenset({"dead_expert"}),
     "ExpertLoadSkew": frozenset({"expert_nan", "router_collapse"}),
     "LoadBiasedAgainstUniform": frozenset({"expert_nan"}),
-    "DroppedTokens": frozenset({"capacity_overflow"}),
+    "DroppedTokens": frozenset({"capacity_overflow", "router_collapse", "expert_nan"}),
+    "RouterEntropyRise": frozenset({"router_hot"}),
     "RoutingCooldown": frozenset(),
     "RoutingDriftRate": frozenset(),  # needs per-token routes, which these runs do not record
     "RankImbalance": frozenset(),
     "WideExpertDispatch": frozenset(),
 }
+CAPACITY_RULES = frozenset({"DroppedTokens"})  # no data on a model without an expert capacity
 
 
 def bench_rules() -> RulePack:
@@ -164,6 +167,7 @@ class Outcome:
     fault_expert_fired: bool  # ExpertUnhealthy fired for the faulty (layer 0, EXPERT) itself
     seconds: float
     root: str  # the run's store
+    capacity: bool = True  # the model has an expert capacity (tokens can drop)
 
 
 def play(model: Model, scenario: str, seed: int = 0, warm: int = WARM, after: int = AFTER) -> Outcome:
@@ -220,10 +224,10 @@ def play(model: Model, scenario: str, seed: int = 0, warm: int = WARM, after: in
             handle.remove()
         session.close()  # the policy's alerts reach the table; the engine's resolve ("run ended")
         table.close()
-    return read_outcome(root, scenario, time.perf_counter() - started)
+    return read_outcome(root, scenario, time.perf_counter() - started, model.capacity)
 
 
-def read_outcome(root: str, scenario: str, seconds: float = 0.0) -> Outcome:
+def read_outcome(root: str, scenario: str, seconds: float = 0.0, capacity: bool = True) -> Outcome:
     """A played scenario's firings, from its store's `alerts` table."""
     with Store(root) as store:
         rows = store.sql("SELECT alertname, step, layer, expert FROM alerts WHERE state = 'firing' ORDER BY step")
@@ -231,7 +235,7 @@ def read_outcome(root: str, scenario: str, seconds: float = 0.0) -> Outcome:
     for name, step in zip(rows.alertname, rows.step):
         firings.setdefault(str(name), []).append(int(step))
     faulty = bool(((rows.alertname == HEALTH_RULE) & (rows.layer == 0) & (rows.expert == EXPERT)).any())
-    return Outcome(scenario, firings, faulty, seconds, root)
+    return Outcome(scenario, firings, faulty, seconds, root, capacity)
 
 
 @dataclass
@@ -270,7 +274,7 @@ def score(outcomes: list[Outcome], warm: int = WARM) -> list[Score]:
             steps = o.firings.get(rule, [])
             if rule in model_warnings:
                 steps = [s for s in steps if s >= warm]
-            positive = o.scenario in positives
+            positive = o.scenario in positives and (o.capacity or rule not in CAPACITY_RULES)
             labelled += positive
             fired += bool(steps)
             after = [s for s in steps if s >= warm]
@@ -303,7 +307,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    everything: list[Outcome] = []
+    everything: list[Score] = []
     for name in args.models:
         model = MODELS[name]()
         outcomes = []
@@ -315,11 +319,15 @@ def main() -> None:
             print(f"{name:10s} {scenario:18s} {o.seconds:5.0f} s  {fired or 'nothing fired'}", flush=True)
             outcomes.append(o)
         warnings = ", ".join(sorted(standing(outcomes))) or "none"
+        scores = score(outcomes)  # a model's standing warnings are its own, not the other model's
         print(f"\n{name} (warnings about the model itself, before every onset: {warnings})\n"
-              f"{table(score(outcomes))}\n", flush=True)
-        everything.extend(outcomes)
+              f"{table(scores)}\n", flush=True)
+        everything.extend(scores)
     if len(args.models) > 1:
-        print(f"all models\n{table(score(everything))}\n")
+        summed = [Score(rule, sum(s.labelled for s in mine), sum(s.fired for s in mine),
+                        sum(s.true_positives for s in mine), [x for s in mine for x in s.latency])
+                  for rule in LABELS for mine in [[s for s in everything if s.rule == rule]]]
+        print(f"all models\n{table(summed)}\n")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

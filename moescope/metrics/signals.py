@@ -62,7 +62,8 @@ __all__ = [
     "balancedness", "coefficient_of_variation", "dead_expert_count", "dead_expert_fraction", "DEFAULT_SMOOTHING",
     "divergence_over_time", "dropped_token_rate", "expert_tag_contingency", "extreme_experts", "imbalance",
     "jain_fairness", "js_divergence", "kl_divergence", "load_balancing_loss", "load_distribution", "load_entropy",
-    "load_spread", "LoadSpread", "max_mean_ratio", "normalized_entropy", "normalized_mutual_information",
+    "load_spread", "LoadSpread", "LOST_EXPERT_MIN_EXPECTED", "lost_expert_fraction", "max_mean_ratio",
+    "normalized_entropy", "normalized_mutual_information",
     "routed_load", "router_entropy", "router_z_loss", "RouterEntropy", "routing_drift_rate",
     "specialisation_by_layer", "switch_entropy", "token_weighted_mean", "uniform_load", "zero_expert_share",
 ]
@@ -251,6 +252,27 @@ def dead_expert_fraction(load: np.ndarray) -> float:
     (`dead_expert_count` / experts). NaN when the window holds no token at all."""
     arr = _as_load(load)
     return dead_expert_count(arr) / arr.size
+
+
+# Expected tokens under which an expert's empty window is not news: a Poisson count of mean 16 is 0
+# with probability e^-16, about 1e-7.
+LOST_EXPERT_MIN_EXPECTED = 16.0
+
+
+def lost_expert_fraction(load: np.ndarray, baseline_load: np.ndarray,
+                         min_expected: float = LOST_EXPERT_MIN_EXPECTED) -> float:
+    """Return the fraction of experts that received no token in the window although their baseline
+    share predicted at least `min_expected` of the window's slots.
+
+    An expert the baseline barely routed to (expected count under `min_expected`) is not newly dead
+    when a window leaves it empty: under the baseline's own routing that happens by chance. NaN when
+    the window or the baseline holds no token, or their sizes differ.
+    """
+    arr, base = _as_load(load), np.asarray(baseline_load, dtype=np.float64).reshape(-1)
+    if arr.size != base.size or arr.sum() <= 0 or base.sum() <= 0:
+        return float("nan")
+    expected = base / base.sum() * arr.sum()
+    return float(np.count_nonzero((arr == 0) & (expected >= min_expected))) / arr.size
 
 
 def jain_fairness(load: np.ndarray) -> float:

@@ -108,7 +108,15 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
     "router_entropy": ("moescope_layer_router_entropy_ratio",
                        "Mean per-token router entropy / ln(experts) over the window"),
     "dead_expert_fraction": ("moescope_layer_dead_expert_ratio", "Fraction of experts with no token over the window"),
+    "lost_expert_fraction": ("moescope_layer_lost_expert_ratio",
+                             "Fraction of experts with no token over the window whose baseline share predicted "
+                             "at least 16 of its slots"),
     "dropped_token_rate": ("moescope_layer_dropped_token_ratio", "Dropped tokens / tokens over the window"),
+    "window_tokens": ("moescope_layer_window_tokens", "Tokens the layer routed over the window"),
+    "router_entropy_rise": ("moescope_layer_router_entropy_rise_ratio",
+                            "Router entropy / ln(experts) over the window minus over the run's baseline rows"),
+    "dropped_token_rate_rise": ("moescope_layer_dropped_token_rise_ratio",
+                                "Dropped-token rate over the window minus over the run's baseline rows"),
     "capacity_use": ("moescope_layer_capacity_use_ratio",
                      "Fullest expert's load / capacity, at the fullest forward of the window"),
     "active_param_fraction": (
@@ -160,7 +168,7 @@ class _Layer:
         self.window_load: np.ndarray | None = None  # the window's summed expert_load, zero experts included
         self.shown: dict[int, float] = {}  # expert -> last event time (s) it was among the hottest / coldest
         self.extremes: frozenset[int] = frozenset()  # the hottest and coldest of the current window
-        self.baseline_parts: list[np.ndarray] = []
+        self.baseline_parts: list[LayerObservation] = []
         self.baseline_forwards = 0
         self.compute_buckets = np.zeros(len(COMPUTE_BUCKETS) + 1, dtype=np.int64)  # last: above every bound
         self.compute_sum_s = 0.0
@@ -292,7 +300,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
             layer.window_load += obs.expert_load
             layer.window_load -= evicted.expert_load
         if layer.baseline_forwards < self.baseline_steps:  # the first rows covering baseline_steps forwards
-            layer.baseline_parts.append(obs.expert_load)
+            layer.baseline_parts.append(obs)
             layer.baseline_forwards += max(int(obs.forwards), 1)
 
     def _update_shown(self, observations: Sequence[LayerObservation], now: float) -> None:
@@ -403,8 +411,10 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
             layers = {}
             for index, layer in self._layers.items():
                 baseline = self._baselines.get(index)
+                baseline_rows = None  # the `_rise` signals compare with the run's own baseline rows only
                 if baseline is None and layer.baseline_forwards >= self.baseline_steps:
-                    baseline = np.sum(layer.baseline_parts, axis=0)
+                    baseline_rows = list(layer.baseline_parts)
+                    baseline = np.sum([o.expert_load for o in baseline_rows], axis=0)
                 layers[index] = {
                     "window": list(layer.history.items),
                     "tokens_total": layer.tokens_total,
@@ -412,6 +422,7 @@ class PrometheusExporter(Exporter, AttachListener, ProbeStatsReader):
                     "window_load": None if layer.window_load is None else layer.window_load.copy(),
                     "shown": sorted(layer.shown),
                     "baseline": baseline,
+                    "baseline_rows": baseline_rows,
                     "routed_experts": self._routed_experts.get(index),
                     "compute_buckets": layer.compute_buckets.copy(),
                     "compute_sum_s": layer.compute_sum_s,
@@ -461,7 +472,8 @@ class _RoutingCollector(Collector):
             tokens.add_metric(label, layer["tokens_total"])
             dropped.add_metric(label, layer["dropped_total"])
             values = compute_signals(layer["window"], SIGNAL_METRICS, layer["baseline"], layer["routed_experts"],
-                                     self._rank_shares(index, layer), self._wire_layout(index, layer))
+                                     self._rank_shares(index, layer), self._wire_layout(index, layer),
+                                     layer["baseline_rows"])
             for signal, family in gauges.items():
                 if not math.isnan(values[signal]):  # no data: no sample, so alerts neither fire nor resolve
                     family.add_metric(label, values[signal])

@@ -38,9 +38,10 @@ def skewed_model():
 
 
 def forwards(model, steps):
+    """Forwards of 1024 tokens: a window of any length holds what ExpertLoadSkew asks for."""
     with torch.no_grad():
         for _ in range(steps):
-            model(input_ids=torch.randint(0, 128, (2, 16)))
+            model(input_ids=torch.randint(0, 128, (16, 64)))
 
 
 def record_skewed_run(store_dir, steps=6):

@@ -222,8 +222,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a two-condition rule's PromQL fires when either condition holds"),
     Mutation(
         "promql-wrong-metric", "moescope/prometheus/exporter.py",
-        '"dead_expert_fraction": ("moescope_layer_dead_expert_ratio",',
-        '"dead_expert_fraction": ("moescope_layer_dropped_token_ratio",',
+        '"lost_expert_fraction": ("moescope_layer_lost_expert_ratio",',
+        '"lost_expert_fraction": ("moescope_layer_dropped_token_ratio",',
         ("tests/integration/prometheus/test_prometheus_rules.py",),
         "DeadExpert's PromQL reads another gauge"),
     Mutation(

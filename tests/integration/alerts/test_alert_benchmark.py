@@ -94,3 +94,37 @@ def test_labels_hold_on_the_tiny_qwen3_moe(bench, outcomes):
     assert {s for _, s in unlabelled} <= {"domain_shift"}, unlabelled
     health = scores[bench.HEALTH_RULE]
     assert health.precision == 1.0 and max(health.latency) <= 4 * 8 + 12  # the promised window, E = 8
+
+
+def _baseline_rise(root: str, column: str, warm: int, end: int) -> float:
+    """Per layer, the largest rise of a token-weighted per-step figure over 32 forwards after the onset
+    against the first 32 forwards, from the raw layer_steps rows."""
+    rows = _rows(root, "layer_steps")
+    rises = []
+    for _, layer in rows.groupby("layer"):
+        value = layer[column].to_numpy(float) if column != "dropped_tokens" else \
+            layer.dropped_tokens.to_numpy(float) / layer.tokens.to_numpy(float)
+        tokens, step = layer.tokens.to_numpy(float), layer.step.to_numpy()
+        def mean(first, last, value=value, tokens=tokens, step=step):
+            keep = (step >= first) & (step < last)
+            return float((value[keep] * tokens[keep]).sum() / tokens[keep].sum())
+        rises.append(max(mean(s, s + 32) for s in range(warm, end - 31)) - mean(0, 32))
+    return max(rises)
+
+
+def test_the_demo_models_router_and_capacity_faults_and_their_labels(bench):
+    """On the demo model (a trained router, a capacity): the near-uniform router raises the per-token
+    entropy, the overflow raises the drop rate, both against the run's own first 32 forwards (raw rows),
+    healthy traffic raises neither; and the rules labelled for them fire, nothing else after the onset."""
+    torch.set_num_threads(1)
+    model = bench.demo_model()
+    played = {s: bench.play(model, s) for s in ("healthy_forward", "router_hot", "capacity_overflow")}
+    warm, end = bench.WARM, bench.WARM + bench.AFTER
+    ln_e = np.log(8)
+    assert _baseline_rise(played["router_hot"].root, "router_entropy_mean", warm, end) / ln_e > 0.5
+    assert _baseline_rise(played["capacity_overflow"].root, "dropped_tokens", warm, end) > 0.3
+    assert _baseline_rise(played["healthy_forward"].root, "router_entropy_mean", warm, end) / ln_e < 0.05
+    assert _baseline_rise(played["healthy_forward"].root, "dropped_tokens", warm, end) < 0.05
+    after = {s: {r for r, steps in o.firings.items() if max(steps) >= warm} for s, o in played.items()}
+    assert after == {"healthy_forward": set(), "router_hot": {"RouterEntropyRise"},
+                     "capacity_overflow": {"DroppedTokens"}}, after

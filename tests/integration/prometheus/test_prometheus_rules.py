@@ -25,7 +25,8 @@ from tests.support.fixtures.servers import http_get_json, start_prometheus, wait
 
 pytestmark = pytest.mark.integration
 
-STEPS, WINDOW, BASELINE = 6, 4, 2  # the exporter's window: the last 4 steps; baseline: the first 2
+# the exporter's window: the last 8 steps (8 x 128 = 1024 tokens, what ExpertLoadSkew asks for); baseline: the first 2
+STEPS, WINDOW, BASELINE = 10, 8, 2
 BIASED = [31, 31, 31, 31, 1, 1, 1, 1]  # KL(load || uniform) = 0.54 > 0.5; max/mean = 1.94 < 2
 DRIFTED = [24, 24, 24, 24, 8, 8, 8, 8]  # KL against the balanced baseline = 0.13 > 0.1; vs uniform 0.13 < 0.5
 DEAD = [18, 18, 18, 18, 18, 18, 20, 0]  # one expert of 8 never chosen; max/mean 1.25, KL 0.13
@@ -51,25 +52,30 @@ def _layers(step: int) -> list:
         layer_step(0, BALANCED, **healthy),  # nothing
         layer_step(1, BIASED, **healthy),
         layer_step(2, BALANCED if step < BASELINE else DRIFTED, **healthy),
-        layer_step(3, DEAD, **healthy),
+        # an expert with a real baseline share (1/8) that gets nothing: lost; the load moved, KL 0.13 > 0.1
+        layer_step(3, BALANCED if step < BASELINE else DEAD, **healthy),
         layer_step(4, BALANCED, entropy=0.3, capacity_use=0.97),  # 0.3 / ln 8 = 0.14 < 0.25, and 0.97 > 0.95
         layer_step(5, BALANCED, entropy=0.3, capacity_use=0.5),  # collapsed entropy alone: no cooldown
         layer_step(6, BALANCED, entropy=1.5, capacity_use=0.97),  # full experts alone: no cooldown
-        layer_step(7, BALANCED, dropped=2, **healthy),  # 2 of 128 tokens dropped: 1.6% > 1%
+        # 2 of 128 tokens dropped in the baseline, 22 after it: the rate rose by 0.16 > 0.1
+        layer_step(7, BALANCED, dropped=2 if step < BASELINE else 22, **healthy),
         dataclasses.replace(layer_step(8, BALANCED, **healthy), routes=_no_locality()),  # 1000 > 900
         dataclasses.replace(layer_step(9, BALANCED, **healthy), routes=routes_for(np.array(BALANCED), sticky=True)),
         layer_step(10, SKEWED, **healthy),  # max/mean 4.5 > 2, and KL vs uniform 0.54 > 0.5
         layer_step(11, DRIFTED, **healthy),  # ranks 96 / 32 (PLACEMENT): balancedness 0.67 < 0.8; nothing else
+        # per-token entropy 0.3 -> 1.9 nats: (1.9 - 0.3) / ln 8 = 0.77 of ln E over the baseline > 0.25
+        layer_step(12, BALANCED, entropy=0.3 if step < BASELINE else 1.9, capacity_use=0.5),
     ]
 
 
 EXPECTED = {
     ("ExpertLoadSkew", "10"),
     ("LoadBiasedAgainstUniform", "1"), ("LoadBiasedAgainstUniform", "10"),
-    ("RoutingDriftFromBaseline", "2"),
+    ("RoutingDriftFromBaseline", "2"), ("RoutingDriftFromBaseline", "3"),
     ("DeadExpert", "3"),
     ("RoutingCooldown", "4"),
     ("DroppedTokens", "7"),
+    ("RouterEntropyRise", "12"),
     ("RoutingDriftRate", "8"),
     ("RankImbalance", "11"),
 }

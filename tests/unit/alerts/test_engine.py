@@ -170,3 +170,29 @@ def test_engine_exporter_on_the_live_stream_survives_a_broken_sink():
     assert ended.ends_at == ended.at == records[4].ts and ended.starts_at == sink.got[1].starts_at
     assert ended.annotations["resolved_reason"] == "run ended" and ended.fingerprint == sink.got[1].fingerprint
     assert exporter.sink_errors == 3  # the broken sink failed on the resolve too; the good one got it
+
+
+def test_rise_signals_and_lost_experts_compare_with_the_runs_own_baseline_rows():
+    pack = parse_rules(PACK.replace("load_max_mean > 2.0",
+                                    "router_entropy_rise > 0.25 and dropped_token_rate_rise > 0.1 "
+                                    "and lost_expert_fraction > 0"))
+    engine = AlertEngine(pack)
+    rare = [100, 100, 100, 100, 100, 100, 100, 1]  # expert 7: 1 slot in 701 in the baseline
+    lost = [0, 200, 100, 100, 100, 100, 100, 0]   # expert 0 lost (expected 100 of 700), expert 7 empty by chance
+    steps = [layer_step(0, rare, entropy=0.5, dropped=7)] * 3 + [layer_step(0, lost, entropy=1.5, dropped=140)] * 2
+    for step, ls in enumerate(steps):
+        engine.ingest(observations_from_record(step_record(step, [ls])))
+    vals = engine.signals(pack.rules[0], "run-a", 0)
+    # by hand: entropies are equal per row, so the token-weighted means are the rows' own
+    assert vals["router_entropy_rise"] == pytest.approx((1.5 - 0.5) / np.log(8))
+    assert vals["dropped_token_rate_rise"] == pytest.approx(280 / 1400 - 21 / 2103)
+    # expert 0's baseline share predicts 1400 * 100/701 = 200 slots: lost; expert 7's 2 slots: not news
+    assert vals["lost_expert_fraction"] == pytest.approx(1 / 8)
+    # a baseline from another run holds its load alone: the rises are no data, the lost experts are not
+    golden = PACK.replace("{first_steps: 3}", "{run_id: golden, first_steps: 3}").replace(
+        "load_max_mean > 2.0", "router_entropy_rise > 0.25 and lost_expert_fraction > 0")
+    engine2 = AlertEngine(parse_rules(golden), baseline_loader=lambda run_id, layer, steps: np.array(rare) * 3)
+    for step, ls in enumerate(steps):
+        engine2.ingest(observations_from_record(step_record(step, [ls])))
+    vals2 = engine2.signals(engine2.pack.rules[0], "run-a", 0)
+    assert np.isnan(vals2["router_entropy_rise"]) and vals2["lost_expert_fraction"] == pytest.approx(1 / 8)

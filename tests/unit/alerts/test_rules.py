@@ -47,6 +47,7 @@ def test_default_pack_has_the_issue_rules():
         "DeadExpert",
         "RoutingCooldown",
         "DroppedTokens",
+        "RouterEntropyRise",
         "RoutingDriftRate",
         "RankImbalance",
         "WideExpertDispatch",
