@@ -66,7 +66,7 @@ At the end: headline figures (the share of the parameters each domain used, and 
 drifts with the position in the input) and how to open the dashboard on the store.
 
 examples:
-  moescope demo                      # well under a minute on 2 CPU cores
+  moescope demo                      # about a minute on 2 CPU cores
   moescope demo --store runs/mine    # keep the store somewhere else
   moescope demo --quick              # shorter phases, for tests
 """
