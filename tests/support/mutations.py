@@ -69,8 +69,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the Expert health page shows each expert's first window, not its latest"),
     Mutation(
         "gate-sqrt-w", "probe/trust_gate.py",
-        "scores = (logits + state.offset).softmax(dim=-1, dtype=torch.float32)",
-        "scores = (logits + state.offset / 2).softmax(dim=-1, dtype=torch.float32)",
+        "scores = _gated_logits(logits, state).softmax(dim=-1, dtype=torch.float32)",
+        "scores = (logits if state is None else logits + state.offset.to(logits.dtype) / 2).softmax(dim=-1, "
+        "dtype=torch.float32)",
         ("tests/unit/probe/test_trust_gate.py", "-k", "rerouting"),
         "DeepSeek-V2's gate scales by sqrt(w) instead of w (issue 16, mutation 2)"),
     Mutation(
