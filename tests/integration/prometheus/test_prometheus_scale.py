@@ -2,14 +2,14 @@
 the per-expert ones name exactly the experts the model's own routers made hottest and coldest.
 
 Series in all: 1396. 48 layers x 29 = 1392 carry a `layer` label, whatever the experts and ranks,
-and 4 describe the run (run info, forwards, the last forward's time, active parameters; a probe
-with no store writes no rows, so no row counters). Per layer: 2 counters (tokens, dropped tokens),
-13 signal gauges with data (load cv, max/mean, balancedness, KL from uniform and from the baseline,
-router entropy and its rise over the baseline, dead, lost-expert and dropped ratios and the drop rate's
-rise, the window's tokens, active parameters; this run records no capacity and no routes), the dead-expert count, Jain's fairness index, 4 rank figures under a placement on 8 ranks
-(balancedness, imbalance, the hottest rank and its share),
-and 2K = 8 expert series for K = 4. The mechanism it replaced, a counter per expert, would have
-added 64 x 48 = 3072.
+and 4 describe the run (run info, forwards, the last forward's time, active parameters; a probe with
+no store writes no rows, so no row counters). Per layer: 2 counters (tokens, dropped tokens), 13
+signal gauges with data (load cv, max/mean, balancedness, KL from uniform and from the baseline,
+router entropy and its rise over the baseline, dead, lost-expert and dropped ratios and the drop
+rate's rise, the window's tokens, active parameters; this run records no capacity and no routes),
+the dead-expert count, Jain's fairness index, 4 rank figures under a placement on 8 ranks
+(balancedness, imbalance, the hottest rank and its share), and 2K = 8 expert series for K = 4. The
+mechanism it replaced, a counter per expert, would have added 64 x 48 = 3072.
 """
 
 from __future__ import annotations
