@@ -123,6 +123,32 @@ class AlertTransition:
         return f"{self.fingerprint}:{self.starts_at.isoformat()}:{self.state}"
 
 
+def fire_once(pack: RulePack, values: dict[str, float], *, run_id: str, layer: int | None, source: str,
+              step: int = 0, labels: dict[str, str] | None = None) -> list[AlertTransition]:
+    """The firing transitions of the rules in `pack` that read only signals in `values` and hold for
+    them: a figure judged once, with no window and no pending (`moescope mismatch`, `check`,
+    `placement --rebalance`). A rule reading a signal `values` lacks is left out. `layer` None: a
+    figure of the whole run (no layer label; the alerts table's layer column is nullable). `labels`
+    go after run_id and layer, before the rule's own."""
+    now = dt.datetime.now(dt.timezone.utc)
+    out = []
+    for rule in pack.rules:
+        if not values or not {c.signal for c in rule.conditions} <= set(values):
+            continue
+        if not all(c.holds(values[c.signal]) for c in rule.conditions):
+            continue
+        where = {} if layer is None else {"layer": str(layer)}
+        names = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, **where, **(labels or {}),
+                 **rule.labels}
+        out.append(AlertTransition(
+            fingerprint=fingerprint(names), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
+            step=step, run_id=run_id, layer=layer,  # type: ignore[arg-type]
+            severity=rule.severity, expr=rule.expr, labels=names, annotations=dict(rule.annotations),
+            values={c.signal: values[c.signal] for c in rule.conditions}, starts_at=now, ends_at=None,
+            source=source))
+    return out
+
+
 @dataclass
 class _AlertState:
     state: str = INACTIVE

@@ -10,7 +10,6 @@ replays a trace can stop on it), 1 on an error.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 from typing import Any
 
@@ -139,23 +138,9 @@ def judge_trace(run_id: str, layer: int, values: dict[str, float], pack: Any) ->
     """The alert transitions (firing, source "trace_check") of the rules in `pack` that read only the
     trace signals and hold for `values`. The trace is judged whole: its alert sits on the run's first
     MoE layer (`layer`), labelled scope=trace."""
-    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+    from moescope.alerts.engine import fire_once
 
-    now = dt.datetime.now(dt.timezone.utc)
-    out = []
-    for rule in pack.rules:
-        if not {c.signal for c in rule.conditions} <= set(values):
-            continue
-        if not all(c.holds(values[c.signal]) for c in rule.conditions):
-            continue
-        labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, "layer": str(layer),
-                  "scope": "trace", **rule.labels}
-        out.append(AlertTransition(
-            fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
-            step=0, run_id=run_id, layer=layer, severity=rule.severity, expr=rule.expr, labels=labels,
-            annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
-            starts_at=now, ends_at=None, source="trace_check"))
-    return out
+    return fire_once(pack, values, run_id=run_id, layer=layer, source="trace_check", labels={"scope": "trace"})
 
 
 def _print_findings(findings: list[dict[str, Any]]) -> None:

@@ -5,7 +5,6 @@ engine's routing exported for replay (`moescope.analyses.mismatch_replay`)."""
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 from typing import Any
 
@@ -227,25 +226,12 @@ def _missing(value: Any) -> bool:
 def judge(report: Any, pack: Any) -> list[Any]:
     """The alert transitions (firing, source "mismatch") of the rules in `pack` that hold for a
     layer of `report`; a rule that reads any signal the check does not measure is left out."""
-    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+    from moescope.alerts.engine import fire_once
 
-    now = dt.datetime.now(dt.timezone.utc)
     run_id = report.run_id or report.engine_run
-    out = []
-    for layer, values in sorted(rule_values(report).items()):
-        for rule in pack.rules:
-            if not {c.signal for c in rule.conditions} <= set(values):
-                continue
-            if not all(c.holds(values[c.signal]) for c in rule.conditions):
-                continue
-            labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, "layer": str(layer),
-                      "engine_run": report.engine_run, **rule.labels}
-            out.append(AlertTransition(
-                fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
-                step=0, run_id=run_id, layer=layer, severity=rule.severity, expr=rule.expr, labels=labels,
-                annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
-                starts_at=now, ends_at=None, source="mismatch"))
-    return out
+    return [t for layer, values in sorted(rule_values(report).items())
+            for t in fire_once(pack, values, run_id=run_id, layer=layer, source="mismatch",
+                               labels={"engine_run": report.engine_run})]
 
 
 def fired_lines(fired: list[Any]) -> list[str]:
@@ -293,27 +279,10 @@ def gap_values(report: Any) -> dict[str, float]:
 def judge_gap(report: Any, pack: Any) -> list[Any]:
     """The firing transitions of the rules in `pack` that read only log-prob gap signals and hold
     for the check (once, layer None: the gap is one figure of the whole run)."""
-    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
+    from moescope.alerts.engine import fire_once
 
-    values = gap_values(report)
-    now = dt.datetime.now(dt.timezone.utc)
-    run_id = report.run_id or report.engine_run
-    out = []
-    for rule in pack.rules:
-        if not values or not {c.signal for c in rule.conditions} <= set(values):
-            continue
-        if not all(c.holds(values[c.signal]) for c in rule.conditions):
-            continue
-        labels = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id,
-                  "engine_run": report.engine_run, **rule.labels}
-        out.append(AlertTransition(
-            fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
-            # a figure of the whole check: no layer (the alerts table's layer column is nullable)
-            step=0, run_id=run_id, layer=None,  # type: ignore[arg-type]
-            severity=rule.severity, expr=rule.expr, labels=labels,
-            annotations=dict(rule.annotations), values={c.signal: values[c.signal] for c in rule.conditions},
-            starts_at=now, ends_at=None, source="mismatch"))
-    return out
+    return fire_once(pack, gap_values(report), run_id=report.run_id or report.engine_run, layer=None,
+                     source="mismatch", labels={"engine_run": report.engine_run})
 
 
 def format_gap(gap: Any) -> str:

@@ -274,29 +274,12 @@ def _placement_rules(path: str | None):
 def judge_staleness(report, pack) -> list:
     """The alert transitions (firing, source "placement") of the rules in `pack` that hold for a layer's
     staleness in `report` (a `RebalanceReport`); a rule reading any other signal is left out."""
-    import datetime as dt
+    from moescope.alerts.engine import fire_once
 
-    from moescope.alerts.engine import FIRING, INACTIVE, AlertTransition, fingerprint
-
-    now = dt.datetime.now(dt.timezone.utc)
     stale = report.staleness
-    out = []
-    for layer, value in zip(stale.layers, stale.layer_staleness):
-        values = {"placement_staleness": float(value)}
-        for rule in pack.rules:
-            if not {c.signal for c in rule.conditions} <= set(values):
-                continue
-            if not all(c.holds(values[c.signal]) for c in rule.conditions):
-                continue
-            labels = {"alertname": rule.name, "severity": rule.severity, "run_id": report.run_id,
-                      "layer": str(layer), **rule.labels}
-            out.append(AlertTransition(
-                fingerprint=fingerprint(labels), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
-                step=int(stale.window_end) - 1, run_id=report.run_id, layer=int(layer), severity=rule.severity,
-                expr=rule.expr, labels=labels, annotations=dict(rule.annotations),
-                values={c.signal: values[c.signal] for c in rule.conditions}, starts_at=now, ends_at=None,
-                source="placement"))
-    return out
+    return [t for layer, value in zip(stale.layers, stale.layer_staleness)
+            for t in fire_once(pack, {"placement_staleness": float(value)}, run_id=report.run_id, layer=int(layer),
+                               source="placement", step=int(stale.window_end) - 1)]
 
 
 def _bytes(value: float) -> str:
