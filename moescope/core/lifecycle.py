@@ -125,6 +125,7 @@ class GracefulStop:
         self._requested_at: float | None = None
         self._watchdog: threading.Timer | None = None
         self._lock = threading.Lock()
+        self._exiting = threading.Event()  # a forced exit has begun: its status, not the caller's, ends the process
 
     def install(self) -> GracefulStop:
         """Handle the signals from now on (main thread only; elsewhere a no-op); returns self."""
@@ -194,6 +195,10 @@ class GracefulStop:
                       "what was still queued is lost")
 
     def _exit(self, status: int, message: str) -> None:
+        # Set before on_exit runs: on_exit typically kills what the main thread waits for, and the
+        # main thread must not then return its own status (0 for a stop that was asked for) while
+        # this thread is still on its way to os._exit.
+        self._exiting.set()
         _say(message)
         if self.on_exit is not None:
             try:
@@ -206,4 +211,7 @@ class GracefulStop:
         return self.install()
 
     def __exit__(self, *exc: object) -> None:
+        if self._exiting.is_set() and self._watchdog is not None and threading.current_thread() is not self._watchdog:
+            # The watchdog is ending the process with status 1; leaving here would race it to exit 0.
+            threading.Event().wait()
         self.restore()

@@ -91,6 +91,31 @@ def test_a_drain_past_the_grace_period_exits_1_at_its_end(how):
         assert "svc: could not drain within the 1.5 s grace period" in child.err[-1]
 
 
+# The dashboard's shape: on_exit kills the child the main thread waits for, so the main thread's
+# wait returns while the watchdog is still on its way to os._exit. The forced exit's status must win.
+KILLED_WAIT = textwrap.dedent("""
+    import sys, threading, time
+    from moescope.core.lifecycle import GracefulStop
+
+    child_gone = threading.Event()
+
+    def on_exit(status):
+        child_gone.set()  # as kill_child's kill() would end the main thread's wait
+        time.sleep(1.0)   # and its wait(5) holds this thread back from os._exit meanwhile
+
+    with GracefulStop(on_exit=on_exit, grace_s=0.5, what="svc") as stop:
+        stop.request()
+        child_gone.wait()
+    sys.exit(0)  # a stop that was asked for, had the child ended by itself
+""")
+
+
+def test_a_forced_exit_under_way_wins_over_the_main_threads_own_return():
+    with started([sys.executable, "-c", KILLED_WAIT]) as child:
+        assert child.exit_status(30) == 1, child.output()
+        assert "svc: could not drain within the 0.5 s grace period" in child.err[-1]
+
+
 def test_grace_period_from_argument_environment_or_default(monkeypatch):
     monkeypatch.delenv("MOESCOPE_GRACE_PERIOD_S", raising=False)
     assert grace_period_s() == DEFAULT_GRACE_S == 10.0
