@@ -3,9 +3,9 @@
 
 The rollout is the demo's (`moescope.demo.rollout`): a bfloat16 copy of the demo model samples
 `--new-tokens` tokens for `--prompts` held-out prompts and returns vLLM responses with routed
-experts and log-probs, imported once into a store. Then, side by side in one process, each
-`--repeat` times (median; the process CPU time beside the wall time, since wall time on a shared
-machine moves with its load):
+experts and log-probs, imported once into a store. Then, side by side in one process, after one
+untimed call of each, `--repeat` rounds that run every variant once in a rotating order (median; the
+process CPU time beside the wall time, since wall time on a shared machine moves with its load):
 
 - routing only: the same run with its `engine_logprobs` withheld (`logprobs={}`), the check as it
   was before log-probs (one reference forward per batch);
@@ -16,8 +16,8 @@ machine moves with its load):
 Nothing is written to the store (`write=False`): the rows are a few dozen and the cost is the
 forwards. Printed: seconds per 1 000 generated tokens for each, and the ratios to routing only.
 
-    python bench/mismatch.py                       # 6 prompts x 16 new tokens, 3 runs each
-    python bench/mismatch.py --prompts 12 --new-tokens 32 --repeat 1
+    python bench/mismatch.py                       # 12 prompts x 32 new tokens, 6 rounds
+    python bench/mismatch.py --prompts 6 --new-tokens 16 --repeat 2   # quicker
 """
 
 from __future__ import annotations
@@ -37,21 +37,29 @@ from moescope.demo.data import DOMAINS, domain_windows, load_demo_model
 from moescope.ingest.importers import import_files
 
 
-def _timed(run, repeat: int) -> tuple[float, float]:
-    walls, cpus = [], []
-    for _ in range(repeat):
-        wall, cpu = time.perf_counter(), time.process_time()
+def _timed(variants: dict, repeat: int) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU seconds of each variant: one untimed call of each first (imports, the
+    allocator's first pages), then `repeat` rounds, each running every variant once in a rotating
+    order, so that a slow minute of a shared machine falls on all of them alike."""
+    for run in variants.values():
         run()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus)
+    names = list(variants)
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeat):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            variants[name]()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in names}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=6, help="held-out prompts (default 6)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens sampled per prompt (default 16)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each variant (default 3)")
+    parser.add_argument("--prompts", type=int, default=12, help="held-out prompts (default 12)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens sampled per prompt (default 32)")
+    parser.add_argument("--repeat", type=int, default=6, help="rounds; each runs every variant once (default 6)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2, as the demo)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -74,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         "with log-probs": lambda: mismatch(model, store=root, run="engine", write=False),
         "with --per-layer": lambda: mismatch(model, store=root, run="engine", write=False, per_layer=True),
     }
-    measured = {name: _timed(run, args.repeat) for name, run in variants.items()}
+    measured = _timed(variants, args.repeat)
     base_wall, base_cpu = measured["routing only"]
     print(f"demo model, {args.prompts} prompts x {args.new_tokens} generated tokens ({generated} generated, "
-          f"{args.repeat} runs each, median; torch threads {args.threads}; load average "
+          f"{args.repeat} rounds, median; torch threads {args.threads}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     for name, (wall, cpu) in measured.items():
         print(f"  {name:<18} {1000 * wall / generated:8.2f} s wall per 1 000 generated tokens "
