@@ -124,32 +124,19 @@ def read_logprobs_file(path: str) -> dict[tuple[int, int, int], tuple[int, list[
     """--logprobs FILE: JSON Lines of {"step": S, "sequence": N, "position": P, "logprobs": [...]}
     ("rank" optional, 0): the engine's log-probs of a sequence's generated tokens from position P (its
     prompt's length). Raises ValueError naming the line for anything else."""
-    import json
     import math
 
-    out: dict[tuple[int, int, int], tuple[int, list[float]]] = {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = list(fh)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read --logprobs {path!r}: {e}") from e
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-            key = (int(value["step"]), int(value.get("rank", 0)), int(value.get("sequence", 0)))
-            first = int(value["position"])
-            values = [math.nan if v is None else float(v) for v in value["logprobs"]]
-            if first < 1 or any(v > 0 for v in values):
-                raise ValueError("position must be at least 1 and log-probs at most 0")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}:{number}: expected {{\"step\": S, \"sequence\": N, \"position\": P, "
-                             f"\"logprobs\": [...]}} ({type(e).__name__}: {e})") from e
-        if key in out:
-            raise ValueError(f"{path}:{number}: step {key[0]} sequence {key[2]} is given twice")
-        out[key] = (first, values)
-    return out
+    from moescope.core.sequence_file import read_sequence_file
+
+    def value_of(record: dict) -> tuple[int, list[float]]:
+        first = int(record["position"])
+        values = [math.nan if v is None else float(v) for v in record["logprobs"]]
+        if first < 1 or any(v > 0 for v in values):
+            raise ValueError("position must be at least 1 and log-probs at most 0")
+        return first, values
+
+    return read_sequence_file(path, "--logprobs", '{"step": S, "sequence": N, "position": P, "logprobs": [...]}',
+                              value_of)
 
 
 def _given_frame(given: LogprobsGiven) -> pd.DataFrame:

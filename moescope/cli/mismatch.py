@@ -5,7 +5,6 @@ engine's routing exported for replay (`moescope.analyses.mismatch_replay`)."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
@@ -109,31 +108,18 @@ def add_gap_arguments(p: argparse.ArgumentParser) -> None:
                    "reference's own for L MoE layers, instead of 1)")
 
 
-def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
+def read_token_ids(path: str) -> dict[tuple[int, int, int], list[int]]:
     """--token-ids FILE: {(step, sequence) or (step, rank, sequence): ids}. Raises ValueError naming
     the line for anything else."""
-    out: dict[tuple[int, ...], list[int]] = {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = list(fh)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read --token-ids {path!r}: {e}") from e
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-            ids = value["token_ids"]
-            key = (int(value["step"]), int(value.get("rank", 0)), int(value.get("sequence", 0)))
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TypeError("token_ids must be a list of integers")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}:{number}: expected {{\"step\": S, \"sequence\": N, \"token_ids\": [...]}} "
-                             f"({type(e).__name__}: {e})") from e
-        if key in out:
-            raise ValueError(f"{path}:{number}: step {key[0]} sequence {key[2]} is given twice")
-        out[key] = ids
-    return out
+    from moescope.core.sequence_file import read_sequence_file
+
+    def value_of(record: dict) -> list[int]:
+        ids = record["token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("token_ids must be a list of integers")
+        return ids
+
+    return read_sequence_file(path, "--token-ids", '{"step": S, "sequence": N, "token_ids": [...]}', value_of)
 
 
 def _mismatch(args: argparse.Namespace) -> int:

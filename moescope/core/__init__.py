@@ -3,7 +3,8 @@
 The record types every producer emits (`records`), the one write pipeline (`pipeline`: a bounded
 batching processor; `exporters`: the protocols between it and what consumes its records, and an
 in-memory exporter), run ids and the host a row records (`runs`), the one at-fork registry
-(`forking`), how a long-running process stops on SIGTERM (`lifecycle`) and re-exports imported on
+(`forking`), how a long-running process stops on SIGTERM (`lifecycle`), the JSON Lines reader of
+per-sequence files given beside a store (`sequence_file`) and re-exports imported on
 first use (`lazy`). The names below are imported on first use, so a module that needs one of core's
 leaves (`moescope.core.runs`, the standard library only) does not load numpy with the records.
 """
