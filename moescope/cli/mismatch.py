@@ -108,7 +108,7 @@ def add_gap_arguments(p: argparse.ArgumentParser) -> None:
                    "reference's own for L MoE layers, instead of 1)")
 
 
-def read_token_ids(path: str) -> dict[tuple[int, int, int], list[int]]:
+def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
     """--token-ids FILE: {(step, sequence) or (step, rank, sequence): ids}. Raises ValueError naming
     the line for anything else."""
     from moescope.core.sequence_file import read_sequence_file
@@ -119,7 +119,9 @@ def read_token_ids(path: str) -> dict[tuple[int, int, int], list[int]]:
             raise TypeError("token_ids must be a list of integers")
         return ids
 
-    return read_sequence_file(path, "--token-ids", '{"step": S, "sequence": N, "token_ids": [...]}', value_of)
+    ids: dict[tuple[int, ...], list[int]] = dict(
+        read_sequence_file(path, "--token-ids", '{"step": S, "sequence": N, "token_ids": [...]}', value_of))
+    return ids
 
 
 def _mismatch(args: argparse.Namespace) -> int:
