@@ -119,9 +119,8 @@ def read_token_ids(path: str) -> dict[tuple[int, ...], list[int]]:
             raise TypeError("token_ids must be a list of integers")
         return ids
 
-    ids: dict[tuple[int, ...], list[int]] = dict(
-        read_sequence_file(path, "--token-ids", '{"step": S, "sequence": N, "token_ids": [...]}', value_of))
-    return ids
+    given = read_sequence_file(path, "--token-ids", '{"step": S, "sequence": N, "token_ids": [...]}', value_of)
+    return {key: ids for key, ids in given.items()}  # keyed as mismatch() takes them
 
 
 def _mismatch(args: argparse.Namespace) -> int:
