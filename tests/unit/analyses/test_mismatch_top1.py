@@ -201,14 +201,27 @@ def test_a_biased_routers_large_margin_flips_are_counted_on_its_decision_margin(
     assert 0 < large < flipped
 
 
-@pytest.fixture(scope="module")
-def routed_by_deepseek_v2():
-    """A tiny DeepSeek-V2 with group-limited greedy routing (16 experts in 4 groups, the best 2 kept,
-    top-4: more experts chosen than groups kept, as DeepSeek-V2's 6 of 3 groups, so a dropped group's
-    second expert can outscore a chosen one), its router weights scaled up so that its margins spread
-    over the large-margin threshold."""
-    model = tiny_model("deepseek_v2", n_group=4, topk_group=2, topk_method="group_limited_greedy",
-                       n_routed_experts=16, num_experts_per_tok=4)
+def top2_probability(log_probability: list[float]) -> float:
+    """Mistral 4's group score, the sum of its two best probabilities, as a log."""
+    return float(np.logaddexp(*sorted(log_probability, reverse=True)[:2]))
+
+
+# the softmax routers that choose within groups: (family, topk_method, the group score on log-probabilities)
+SOFTMAX_GROUPED = {"deepseek_v2": ("group_limited_greedy", max, "max"),
+                   "mistral4": (None, top2_probability, "top2")}
+
+
+@pytest.fixture(scope="module", params=sorted(SOFTMAX_GROUPED))
+def routed_by_grouped_softmax(request):
+    """A tiny group-limited softmax router (DeepSeek-V2's group-limited greedy, which ranks a group by
+    its best probability; Mistral 4's, by its two best): 16 experts in 4 groups, the best 2 kept, top-4
+    (more experts chosen than groups kept, as DeepSeek-V2's 6 of 3 groups, so a dropped group's second
+    expert can outscore a chosen one), its router weights scaled up so that its margins spread over
+    the large-margin threshold."""
+    family = request.param
+    method = SOFTMAX_GROUPED[family][0]
+    model = tiny_model(family, n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=4,
+                       **({"topk_method": method} if method else {}))
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.endswith("mlp.gate"):
@@ -216,28 +229,31 @@ def routed_by_deepseek_v2():
     requests = token_sequences(seed=3, prompts=3)
     keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
     routing = {key: own_routing(model, fed(requests[key[0]][0], requests[key[0]][1][key[1]])) for key in keys}
-    return model, requests, routing
+    return family, model, requests, routing
 
 
-def v2_margin(logits: np.ndarray, chosen: np.ndarray, groups: int, kept: int) -> float:
-    """DeepSeek-V2's decision margin by brute force, in logits: the router ranks groups by their best
-    softmax probability and chooses on probabilities, and a gap of log-probabilities is one of logits."""
+def log_probabilities(logits: np.ndarray) -> list[float]:
     shifted = np.exp(logits - logits.max())
-    probability = (shifted / shifted.sum()).tolist()
-    log_probability = [float(np.log(p)) for p in probability]
-    return brute_grouped_margin(log_probability, chosen, groups, kept, max)
+    return [float(np.log(p)) for p in (shifted / shifted.sum()).tolist()]
 
 
-def test_a_group_limited_softmax_routers_margin_is_taken_where_it_decides(routed_by_deepseek_v2):
-    model, _, routing = routed_by_deepseek_v2
+def softmax_margin(family: str, logits: np.ndarray, chosen: np.ndarray, groups: int, kept: int) -> float:
+    """A softmax router's grouped decision margin by brute force, in logits: the router ranks groups and
+    chooses on probabilities, and a gap of log-probabilities is one of logits."""
+    return brute_grouped_margin(log_probabilities(logits), chosen, groups, kept, SOFTMAX_GROUPED[family][1])
+
+
+def test_a_group_limited_softmax_routers_margin_is_taken_where_it_decides(routed_by_grouped_softmax):
+    family, model, _, routing = routed_by_grouped_softmax
     gates = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
     config = model.config
     rules = [router_rule(gate) for gate in gates]
-    assert all(rule.margin_kind == "logit" and not rule.ranked and rule.group_score == "max" for rule in rules)
+    assert all(rule.margin_kind == "logit" and not rule.ranked and rule.group_score == SOFTMAX_GROUPED[family][2]
+               for rule in rules)
     differs = 0
     for ids, logits in routing.values():
         for layer, rule in enumerate(rules):
-            expected = [v2_margin(logits[t, layer], ids[t, layer], config.n_group, config.topk_group)
+            expected = [softmax_margin(family, logits[t, layer], ids[t, layer], config.n_group, config.topk_group)
                         for t in range(len(ids))]
             got = decision_margin(logits[:, layer], config.num_experts_per_tok, rule)
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
@@ -245,10 +261,11 @@ def test_a_group_limited_softmax_routers_margin_is_taken_where_it_decides(routed
     assert differs  # the raw logits' margin is not the decision margin here
 
 
-def test_a_flip_to_an_expert_of_a_dropped_group_is_no_near_tie_for_its_close_logit(routed_by_deepseek_v2, tmp_path):
+def test_a_flip_to_an_expert_of_a_dropped_group_is_no_near_tie_for_its_close_logit(routed_by_grouped_softmax,
+                                                                                   tmp_path):
     """The engine swaps a chosen expert for the unchosen expert of closest logit: where that expert's
     group was dropped, the flip is large-margin by the router's decision though the logits are close."""
-    model, requests, routing = routed_by_deepseek_v2
+    family, model, requests, routing = routed_by_grouped_softmax
     config = model.config
     size = config.n_routed_experts // config.n_group
     engine, flipped, large, close_but_large = {}, 0, 0, 0
@@ -264,9 +281,10 @@ def test_a_flip_to_an_expert_of_a_dropped_group_is_no_near_tie_for_its_close_log
                 closest = min(unchosen, key=lambda e: row[weakest] - row[e])
                 ids[position, layer, list(chosen).index(weakest)] = closest
                 flipped += 1
-                margin = v2_margin(row, chosen, config.n_group, config.topk_group)
+                margin = softmax_margin(family, row, chosen, config.n_group, config.topk_group)
                 large += margin >= LARGE_MARGIN
-                kept = grouped_choice(row.tolist(), config.n_group, config.topk_group, len(chosen), max)[0]
+                kept = grouped_choice(log_probabilities(row), config.n_group, config.topk_group, len(chosen),
+                                      SOFTMAX_GROUPED[family][1])[0]
                 close_but_large += (margin >= LARGE_MARGIN and row[weakest] - row[closest] < LARGE_MARGIN
                                     and closest // size not in kept)
         engine[(r, c)] = ids
