@@ -93,8 +93,8 @@ def load_evidence(counts: np.ndarray, physical_to_logical: np.ndarray, load: np.
     p with the recorded share of physical slot p (a load per logical expert split evenly over its
     copies). Each recorded count gets half a token (Jeffreys' prior), so no id is impossible under
     either for lack of a record. Where the trace is drawn from the recorded load and its ids are
-    logical, the ratio's expectation is 1, so it reaches odds O with probability at most 1/O
-    (Markov's inequality): the check calls a layer physical at `LOAD_ODDS` x layers. A trace from
+    logical, the likelihood ratio's expectation is 1, so it reaches odds O with probability at most
+    1/O (Markov's inequality): the check calls a layer physical at `LOAD_ODDS` x layers. A trace from
     other traffic than the load's is judged by which of the two it is nearer (in Kullback-Leibler
     divergence: the ratio per slot is the difference of the two), so the load must be recorded over
     comparable traffic. -inf where an id has no physical slot.
