@@ -17,9 +17,10 @@ every (token, layer) the engine routed:
   highest reference logit (`routing_compare.engine_top1`, `RouterRule.ranked`);
 - slots changed: how many of the engine's k experts the reference did not choose (0..k);
 - the reference's top-k decision margin (`moescope.analyses.routing_compare.decision_margin`): the
-  k-th largest router logit minus the (k+1)-th, or for a DeepSeek-V3-style router the k-th minus the
-  (k+1)-th of its sigmoid scores plus correction bias within its kept groups
-  (`MismatchReport.margin_kind`), histogrammed for the pairs whose set changed and for the rest.
+  k-th largest router logit minus the (k+1)-th; for a grouped router (DeepSeek-V2's group-limited
+  greedy, Mistral 4, DeepSeek-V3) the smaller of its margins within its kept groups and between a
+  kept and a dropped group, on its logits or, DeepSeek-V3-style, its sigmoid scores plus correction
+  bias (`MismatchReport.margin_kind`), histogrammed for the pairs whose set changed and for the rest.
 
 Figures come per MoE layer and for every layer together, overall, per position bucket
 (`POSITION_EDGES`) and per tag of the engine's steps (`key=value`, at most `MAX_TAG_GROUPS`

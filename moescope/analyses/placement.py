@@ -39,8 +39,10 @@ from moescope.metrics.placement import (
     Placement,
     PlacementError,
     RankExperts,  # noqa: F401
+    RecordedMap,
     contiguous_layout,  # noqa: F401
-    parse_placement,
+    parse_placement,  # noqa: F401
+    parse_recorded_map,
 )
 from moescope.metrics.ranks import expected_rank_tokens
 from moescope.store import Store
@@ -63,7 +65,7 @@ else:  # the what-if's names, loaded on first use: its module imports this one
     __getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(_WHATIF, "moescope.analyses.placement_whatif"))
 
 __all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run", "placement_for_run",
-           "placement_report", "rank_tokens", "read_placement"]
+           "placement_report", "rank_tokens", "read_placement", "read_recorded_map"]
 
 TOP_EXPERTS = 3
 MAX_TOKEN_PERIOD = 4096  # vLLM's copy cycle (lcm of copy counts) up to which its rows are grouped
@@ -74,6 +76,12 @@ def read_placement(path: str, ranks: int | None = None) -> Placement:
     """A placement file: JSON (.json) or YAML (anything else), in one of `parse_placement`'s shapes
     (`ranks`: the expert-parallel size, for an engine's map that does not say it).
     Raises PlacementError for a file that cannot be read or parsed, or a bad placement."""
+    return read_recorded_map(path, ranks).placement
+
+
+def read_recorded_map(path: str, ranks: int | None = None) -> RecordedMap:
+    """A placement file as `read_placement` reads it, with the load an engine's map carries beside it
+    (`moescope.metrics.placement.ENGINE_LOADS`). Raises PlacementError as `read_placement` does."""
     import yaml  # JSON is YAML too, but a JSON error reads better from json
 
     try:
@@ -86,10 +94,10 @@ def read_placement(path: str, ranks: int | None = None) -> Placement:
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise PlacementError(f"{path}: not valid {'JSON' if path.lower().endswith('.json') else 'YAML'}: "
                              f"{str(e).splitlines()[0]}") from e
-    placement = parse_placement(document, os.path.basename(path), ranks)
-    if ranks is not None and ranks != placement.ranks:
-        raise PlacementError(f"{path} places experts on {placement.ranks} ranks, but --ranks is {ranks}")
-    return placement
+    recorded = parse_recorded_map(document, os.path.basename(path), ranks)
+    if ranks is not None and ranks != recorded.placement.ranks:
+        raise PlacementError(f"{path} places experts on {recorded.placement.ranks} ranks, but --ranks is {ranks}")
+    return recorded
 
 
 def placement_for_run(store: Store, run_id: str, placement: Placement) -> Placement:

@@ -140,15 +140,20 @@ class RouterRule:
             top-k call `torch.topk(..., sorted=VLLM_BATCH_INVARIANT)`, off by default, and SGLang's
             `grouped_topk` and `biased_grouped_topk` sort only with fused shared experts
             (`sorted=num_fused_shared_experts > 0`): their slot order is the kernel's, not the scores'.
-        bias: the router's `e_score_correction_bias` (E,), or None: the choice is then on the logits.
+        bias: the router's `e_score_correction_bias` (E,), or None: the choice is then on the logits
+            (a softmax router: softmax keeps the logits' order within a token).
         groups: expert groups (`n_group`); the choice is made among the experts of the best `topk_group`.
         topk_group: groups kept per token.
+        group_score: how a group is ranked: "top2", the sum of its two best scores (DeepSeek-V3 and
+            the biased routers after it; Mistral 4's softmax router, on probabilities), or "max", its
+            best score (DeepSeek-V2's `group_limited_greedy`).
     """
 
     ranked: bool = True
     bias: np.ndarray | None = None
     groups: int = 1
     topk_group: int = 1
+    group_score: str = "top2"
 
     @property
     def margin_kind(self) -> str:
@@ -158,14 +163,20 @@ class RouterRule:
 
 def router_rule(router: nn.Module) -> RouterRule:
     """The rule of a router module, read from what transformers' grouped and biased routers hold
-    (DeepSeek-V2/V3, GLM-4-MoE, dots1: `num_group`, `topk_group`, `e_score_correction_bias`)."""
+    (DeepSeek-V2/V3, GLM-4-MoE, dots1, Mistral 4: `num_group`, `topk_group`, `e_score_correction_bias`,
+    DeepSeek-V2's `topk_method`: "greedy" ignores the groups, "group_limited_greedy" ranks them by
+    their best score)."""
     bias = getattr(router, "e_score_correction_bias", None)
     groups = getattr(router, "num_group", getattr(router, "n_group", None))
     if bias is None and groups is None:
         return RouterRule()
     values = None if bias is None else bias.detach().float().cpu().numpy().astype(np.float64)
+    method = getattr(router, "topk_method", None)
+    if method == "greedy":  # DeepSeek-V2's plain top-k over the softmax: n_group is not read
+        groups = 1
     return RouterRule(ranked=False, bias=values, groups=int(groups or 1),
-                      topk_group=int(getattr(router, "topk_group", None) or 1))
+                      topk_group=int(getattr(router, "topk_group", None) or 1),
+                      group_score="max" if method == "group_limited_greedy" else "top2")
 
 
 def engine_top1(engine_ids: np.ndarray, logits: np.ndarray, rule: RouterRule) -> np.ndarray:
@@ -176,25 +187,64 @@ def engine_top1(engine_ids: np.ndarray, logits: np.ndarray, rule: RouterRule) ->
 
 
 def decision_margin(logits: np.ndarray, k: int, rule: RouterRule) -> np.ndarray:
-    """The router's top-k decision margin per token: `margins`' top-k margin in logits for a router
-    that chooses on its logits; for a biased router (DeepSeek-V3's `DeepseekV3TopkRouter`), on what
-    it chooses by: scores sigmoid(logit) + bias, groups ranked by the sum of their two best scores,
-    the best `topk_group` groups kept, and the margin the k-th minus the (k+1)-th score among the
-    kept groups' experts (inf where they hold only k experts)."""
-    if rule.bias is None:
-        return margins(logits, k)[0]
-    scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + rule.bias
+    """The router's top-k decision margin per token, on what it chooses by: its logits (a softmax
+    router: softmax keeps their order), or sigmoid(logit) + bias for a biased router
+    (DeepSeek-V3's `DeepseekV3TopkRouter`). An ungrouped router's margin is the k-th score minus the
+    (k+1)-th (`margins`' top-k margin for logits). A grouped router (`RouterRule.groups` > 1) ranks
+    its groups (`RouterRule.group_score`; a softmax router's sum of two probabilities in logits is
+    the log of the sum of their exponentials: the softmax's denominator cancels between groups),
+    keeps the best `topk_group` and takes its top-k among their experts, so two decisions can flip
+    its choice, and the margin is the smaller of their gaps:
+
+    - within the kept groups: the k-th score minus the best unchosen one (inf where they hold only
+      k experts);
+    - between groups: a kept group's score minus a dropped group's, for each pair whose exchange
+      (the dropped group kept instead) changes the chosen experts. A flip to an expert of a group
+      that is far from being kept is no near-tie, however close its score to a chosen one's.
+    """
+    scores = logits.astype(np.float64)
+    if rule.bias is not None:
+        scores = 1.0 / (1.0 + np.exp(-scores)) + rule.bias
     tokens, experts = scores.shape
-    per_group = scores.reshape(tokens, rule.groups, experts // rule.groups)
-    group_score = -np.sort(-per_group, axis=2)[:, :, :2].sum(axis=2)
-    kept = np.argsort(-group_score, axis=1, kind="stable")[:, :rule.topk_group]
-    mask = np.zeros((tokens, rule.groups), dtype=bool)
+    if rule.groups <= 1 or rule.topk_group >= rule.groups:
+        ordered = -np.sort(-scores, axis=1)
+        return ordered[:, k - 1] - ordered[:, k] if experts > k else np.full(tokens, np.inf)
+    size = experts // rule.groups
+    per_group = -np.sort(-scores.reshape(tokens, rule.groups, size), axis=2)
+    if rule.group_score == "max":
+        group = per_group[:, :, 0]
+    elif rule.bias is None:  # softmax probabilities, in logits
+        group = np.logaddexp(per_group[:, :, 0], per_group[:, :, 1]) if size > 1 else per_group[:, :, 0]
+    else:
+        group = per_group[:, :, :2].sum(axis=2)
+    ranked = np.argsort(-group, axis=1, kind="stable")
+    kept = ranked[:, :rule.topk_group]
+    chosen, within = _top_within(scores, kept, rule.groups, k)
+    margin = within
+    rows = np.arange(tokens)
+    for i in range(rule.topk_group):
+        for j in range(rule.topk_group, rule.groups):
+            exchanged = kept.copy()
+            exchanged[:, i] = ranked[:, j]
+            changes = (_top_within(scores, exchanged, rule.groups, k)[0] != chosen).any(axis=1)
+            gap = group[rows, kept[:, i]] - group[rows, ranked[:, j]]
+            margin = np.where(changes, np.minimum(margin, gap), margin)
+    return margin
+
+
+def _top_within(scores: np.ndarray, kept: np.ndarray, groups: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the k chosen experts, sorted; the k-th score minus the (k+1)-th) among the experts of the
+    `kept` groups of each token (inf where they hold only k experts)."""
+    tokens, experts = scores.shape
+    mask = np.zeros((tokens, groups), dtype=bool)
     np.put_along_axis(mask, kept, True, axis=1)
-    candidates = np.where(np.repeat(mask, experts // rule.groups, axis=1), scores, -np.inf)
-    ordered = -np.sort(-candidates, axis=1)
-    if ordered.shape[1] <= k:
-        return np.full(tokens, np.inf)
-    return ordered[:, k - 1] - ordered[:, k]  # -inf - x: inf where the kept groups hold only k experts
+    candidates = np.where(np.repeat(mask, experts // groups, axis=1), scores, -np.inf)
+    order = np.argsort(-candidates, axis=1, kind="stable")
+    chosen = np.sort(order[:, :k], axis=1)
+    ordered = np.take_along_axis(candidates, order, axis=1)
+    if experts <= k:
+        return chosen, np.full(tokens, np.inf)
+    return chosen, ordered[:, k - 1] - ordered[:, k]  # -inf - x: inf where the kept groups hold only k experts
 
 
 def margin_histogram(values: np.ndarray) -> np.ndarray:

@@ -23,11 +23,14 @@ this model's router would not give, on the tokens the engine routed:
   margin of 1 logit is seven times that, and a probability ratio of e = 2.7 between the k-th and
   the (k+1)-th expert, which rounding does not reverse: a flip there is a plumbing or placement
   bug (physical ids under a permutation map, a row from another token), not noise. The margin is
-  the router's decision margin (`routing_compare.decision_margin`): a DeepSeek-V3-style router
-  chooses on sigmoid(logit) + correction bias within its kept groups, so its margin is in those
-  biased scores, and its threshold is `LARGE_SCORE_MARGIN` = 0.25: a sigmoid's slope is at most
-  1/4, so closing a gap of 0.25 between two biased scores (the bias is a constant) takes the two
-  logits moving by 1 logit together at least, the same evidence as `LARGE_MARGIN`.
+  the router's decision margin (`routing_compare.decision_margin`), taken where it decides: a
+  grouped router (DeepSeek-V2's group-limited greedy, Mistral 4, DeepSeek-V3) chooses within its
+  kept groups, so its margin is the smaller of its two decisions' (within the kept groups, and
+  between a kept and a dropped group where exchanging them changes the choice). A DeepSeek-V3-style
+  router chooses on sigmoid(logit) + correction bias, so its margin is in those biased scores, and
+  its threshold is `LARGE_SCORE_MARGIN` = 0.25: a sigmoid's slope is at most 1/4, so closing a gap
+  of 0.25 between two biased scores (the bias is a constant) takes the two logits moving by 1 logit
+  together at least, the same evidence as `LARGE_MARGIN`.
 
 Each check that finds something gives a finding of the engine run (`ModelFinding`), written as its
 `trace_findings` rows (origin "mismatch") beside the import's and the proxy's.

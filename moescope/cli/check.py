@@ -16,7 +16,7 @@ from typing import Any
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
 
-__all__ = ["FOUND_STATUS", "add_subcommands", "judge_trace", "placement_logical_experts"]
+__all__ = ["FOUND_STATUS", "add_subcommands", "judge_trace", "read_engine_map"]
 
 FOUND_STATUS = 3  # the exit status when a check found something
 
@@ -31,7 +31,11 @@ trace checks found when the run was imported or proxied, and checks its stored r
   repeated_ids    (token, layer) rows naming one expert twice
   row_count       sequences whose rows differ from prompt + generated - 1; import and proxy only
   final_row_zero  sequences ending in an all-zero row (verl PR 7075): a fake hot expert 0
-  physical_ids    ids past the logical experts of --placement's map (physical, post-EPLB ids)
+  physical_ids    slots holding physical (post-EPLB) ids under --placement's map: layers naming ids
+                  past its logical experts, or whose counts per id match the load the engine
+                  recorded per physical slot better than per logical expert (a vLLM map with its
+                  expert_load_window, an SGLang recorder dump); a permutation map without a
+                  recorded load is not identifiable from the trace
 
 An id that cannot be stored (out_of_range) was refused at import, naming the check. What each
 finding means and what usually causes it: the manual's "Trace checks" page. Exit status 3 when a
@@ -42,17 +46,16 @@ example:  moescope check runs/ --run vllm-rollout-7
 """
 
 
-def placement_logical_experts(path: str, ranks: int | None = None) -> int:
-    """The logical experts of a placement file (`moescope placement`'s formats): the largest logical
-    id in any layer + 1. Raises PlacementError (a ValueError) for a file that cannot be read."""
-    from moescope.analyses.placement import read_placement
+def read_engine_map(path: str, ranks: int | None = None):
+    """An engine's map for the physical_ids check, from any placement source of `moescope placement`
+    (a placement file, an engine's `physical_to_logical_map` with the load it recorded beside it, an
+    SGLang recorder dump): a `moescope.metrics.placement.RecordedMap`. Raises PlacementError (a
+    ValueError) for a file that cannot be read or a map that lists no expert."""
+    from moescope.cli.placement import load_recorded_map
 
-    placement = read_placement(path, ranks)
-    lists = [*placement.layers.values(), *placement.moe_rows] + ([placement.default] if placement.default else [])
-    largest = max((int(e) for rank_lists in lists for slots in rank_lists for e in slots), default=-1)
-    if largest < 0:
-        raise ValueError(f"{path}: the placement lists no expert, so it says nothing of the logical experts")
-    return largest + 1
+    recorded = load_recorded_map(path, ranks)
+    recorded.logical_experts  # noqa: B018 - a map that lists no expert is refused before anything is read
+    return recorded
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -63,8 +66,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     add_store_arguments(p, what="the store holding the run: a folder or a URL (s3://BUCKET/PREFIX, ...)")
     p.add_argument("--run", help="run id (default: the most recently started run)")
     p.add_argument("--placement", metavar="FILE",
-                   help="the engine's placement map (JSON or YAML, as `moescope placement` reads): ids past its "
-                        "logical experts are physical_ids")
+                   help="the engine's map (JSON or YAML as `moescope placement` reads, with the load the engine "
+                        "recorded beside it where it has one, or an SGLang recorder dump .pt), for physical_ids")
     p.add_argument("--ranks", type=int, help="expert-parallel size, for a map that does not say it")
     p.add_argument("--save", action="store_true",
                    help="write what the stored routes gave as the run's trace_findings rows (origin check), for "
@@ -82,12 +85,12 @@ def _check(args: argparse.Namespace) -> int:
     from moescope.store import Store
     from moescope.store.writer import run_writer
 
-    logical = placement_logical_experts(args.placement, args.ranks) if args.placement else None
+    engine_map = read_engine_map(args.placement, args.ranks) if args.placement else None
     location = store_location(args)
     with Store(location) as store:
         run_id = store.check_run(args.run) if args.run else store.latest_run()
         stored = store.trace_findings(run_id, origins=("import", "proxy", "mismatch"))
-        checks = check_stored_trace(store, run_id, logical)
+        checks = check_stored_trace(store, run_id, engine_map)
         layers = store.layers(run_id)
     findings = checks.findings(num_experts=int(layers.num_experts.max()) if not layers.empty else None)
     if args.save:
@@ -103,7 +106,7 @@ def _check(args: argparse.Namespace) -> int:
     again: list[dict[str, Any]] = [
         dict(check=f.check, count=f.count, checked=f.checked, expected=f.expected, sequences=f.sequences,
              rows=f.rows, detail=f.detail) for f in findings]
-    rechecked = [c for c in RECHECKED if c != "physical_ids" or logical]
+    rechecked = [c for c in RECHECKED if c != "physical_ids" or engine_map]
     values = {"trace_broken_share": broken_share((f["check"], f["count"], f["checked"]) for f in recorded + again),
               "trace_checked_rows": float(checks.rows)}
     fired = judge_trace(run_id, int(layers.layer.min()) if not layers.empty else 0, values, _rules(args.rules))

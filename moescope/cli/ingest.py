@@ -148,15 +148,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_trace_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", metavar="FILE",
-                   help="the engine's placement map (as `moescope placement` reads): the trace checks report ids "
-                        "past its logical experts as physical_ids (see `moescope check`)")
+                   help="the engine's map (as `moescope placement` reads, with the load the engine recorded beside "
+                        "it where it has one): the trace checks report physical ids under it (see `moescope check`)")
     p.add_argument("--ranks", type=int, help="expert-parallel size, for a --placement map that does not say it")
 
 
-def _logical_experts(args: argparse.Namespace) -> int | None:
-    from moescope.cli.check import placement_logical_experts
+def _engine_map(args: argparse.Namespace):
+    from moescope.cli.check import read_engine_map
 
-    return placement_logical_experts(args.placement, args.ranks) if args.placement else None
+    return read_engine_map(args.placement, args.ranks) if args.placement else None
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -166,7 +166,7 @@ def _import(args: argparse.Namespace) -> int:
     summary = import_files(args.kind, args.paths, store_location(args), run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
                            model=args.model, in_order=args.in_order, max_experts=args.max_experts,
-                           logical_experts=_logical_experts(args))
+                           engine_map=_engine_map(args))
     print(summary.report())
     return 0
 

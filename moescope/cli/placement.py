@@ -111,27 +111,42 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_placement(path: str | None, ranks: int | None):
     """The placement the arguments name. Raises PlacementError (a ValueError) for a missing or bad one."""
-    from moescope.analyses.placement import read_placement
     from moescope.metrics.placement import Placement, PlacementError
 
     if path is None:
         if ranks is None:
             raise PlacementError("give --ranks R (the contiguous layout) or --placement FILE")
         return Placement.contiguous(ranks)
-    if path.endswith(".pt"):
-        from moescope.ingest.importers.sglang import load_pt
-        from moescope.ingest.importers.tables import SourceFormatError
+    return load_recorded_map(path, ranks).placement
 
-        if ranks is None:
-            raise PlacementError(f"{path}: an SGLang dump does not say the expert-parallel size; give --ranks R")
-        try:
-            payload = load_pt(path)
-            mapping = payload["last_physical_to_logical_map"]
-        except (SourceFormatError, KeyError) as e:
-            raise PlacementError(f"{path}: no physical-to-logical map (a per_pass or per_token dump has "
-                                 f"last_physical_to_logical_map): {e}") from e
-        return Placement.from_physical_to_logical(mapping.numpy(), ranks, source=path)
-    return read_placement(path, ranks)
+
+def load_recorded_map(path: str, ranks: int | None):
+    """An engine's map file (`moescope.analyses.placement.read_recorded_map`) or SGLang recorder dump
+    (.pt: its `last_physical_to_logical_map`, and the `global_physical_count` of its records summed,
+    the load it recorded per physical slot) as a `moescope.metrics.placement.RecordedMap`.
+    Raises PlacementError (a ValueError) for a missing or bad one."""
+    from moescope.analyses.placement import read_recorded_map
+    from moescope.metrics.placement import Placement, PlacementError, RecordedMap
+
+    if not path.endswith(".pt"):
+        return read_recorded_map(path, ranks)
+    import numpy as np
+
+    from moescope.ingest.importers.sglang import load_pt
+    from moescope.ingest.importers.tables import SourceFormatError
+
+    if ranks is None:
+        raise PlacementError(f"{path}: an SGLang dump does not say the expert-parallel size; give --ranks R")
+    try:
+        payload = load_pt(path)
+        mapping = payload["last_physical_to_logical_map"].numpy()
+    except (SourceFormatError, KeyError) as e:
+        raise PlacementError(f"{path}: no physical-to-logical map (a per_pass or per_token dump has "
+                             f"last_physical_to_logical_map): {e}") from e
+    placement = Placement.from_physical_to_logical(mapping, ranks, source=path)
+    records = [r.get("global_physical_count") for r in payload.get("records") or [] if isinstance(r, dict)]
+    counts: list[np.ndarray] = [c.numpy() for c in records if c is not None and tuple(c.shape) == mapping.shape]
+    return RecordedMap(placement, np.sum(counts, axis=0).astype(np.float64) if counts else None, "physical")
 
 
 def _number(value: float) -> str:

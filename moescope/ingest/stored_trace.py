@@ -14,7 +14,7 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 
-from moescope.ingest.trace_checks import TraceChecks, TraceFinding
+from moescope.ingest.trace_checks import EngineMap, TraceChecks, TraceFinding
 from moescope.store import Store
 from moescope.store.schema import trace_findings_table
 
@@ -24,14 +24,14 @@ RECHECKED = ("zero_rows", "repeated_ids", "final_row_zero", "physical_ids")
 __all__ = ["RECHECKED", "check_stored_trace", "findings_table"]
 
 
-def check_stored_trace(store: Store, run_id: str, logical_experts: int | None = None,
+def check_stored_trace(store: Store, run_id: str, engine_map: EngineMap | None = None,
                        page_rows: int = 262_144) -> TraceChecks:
     """Run the trace checks over a stored run's routes, a page of whole steps at a time.
 
     Args:
         store: the store, open.
         run_id: a run of it (`Store.check_run` names the runs when it is not one).
-        logical_experts: the logical experts of the engine's placement map, for `physical_ids`.
+        engine_map: the engine's map (with the load it recorded, where it has one), for `physical_ids`.
         page_rows: routes rows read at a time (whole steps).
 
     Returns:
@@ -41,7 +41,7 @@ def check_stored_trace(store: Store, run_id: str, logical_experts: int | None = 
         ValueError: an unknown run (from `Store.check_run`).
     """
     run_id = store.check_run(run_id)
-    checks = TraceChecks(logical_experts)
+    checks = TraceChecks(engine_map)
     for page in store.sequence_routes(run_id, page_rows):
         _add_page(checks, page)
     return checks
@@ -62,7 +62,8 @@ def _add_page(checks: TraceChecks, page: pa.Table) -> None:
     values = lists.flatten().to_numpy(zero_copy_only=False)
     rows = np.repeat(np.arange(page.num_rows), widths)
     ids[rows, np.arange(values.size) - np.repeat(np.cumsum(widths) - widths, widths)] = values
-    layers = {int(v): i for i, v in enumerate(np.unique(layer))}
+    numbers = np.unique(layer)
+    layers = {int(v): i for i, v in enumerate(numbers)}
     column = np.array([layers[int(v)] for v in layer]) if len(layers) > 1 else np.zeros(len(layer), dtype=np.int64)
     keys = np.stack([step, rank.astype(np.int64), sequence], axis=1)
     bounds = np.flatnonzero((keys[1:] != keys[:-1]).any(axis=1)) + 1
@@ -73,7 +74,7 @@ def _add_page(checks: TraceChecks, page: pa.Table) -> None:
         trace[at - first, column[start:end]] = ids[start:end]
         kept = np.unique(at - first)  # positions the store holds (rows not computed were left out)
         label = f"step {int(step[start])} rank {int(rank[start])} sequence {int(sequence[start])}"
-        checks.add(trace[kept], label, first_row=first)
+        checks.add(trace[kept], label, first_row=first, layer_numbers=numbers.tolist())
 
 
 def findings_table(run_id: str, findings: list[TraceFinding]) -> pa.Table:

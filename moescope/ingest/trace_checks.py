@@ -21,10 +21,15 @@ names its check:
   generated tokens or one fewer); the count is the rows missing or extra.
 - `final_row_zero`: sequences whose last row is all zero, the verl signature: it makes expert 0
   look hot by about E x these sequences / routed rows (E / mean length when every sequence has it).
-- `physical_ids`: given the logical experts of an engine's physical-to-logical map (the placement
-  files of `moescope placement`), slots holding an id past them: a physical, post-EPLB id where
-  training needs a logical one. A map without redundant slots (a permutation) gives no such id and
-  is not found here: the model-based checks of `moescope mismatch` are the ones that see it.
+- `physical_ids`: given an engine's physical-to-logical map (`EngineMap`: the placement sources of
+  `moescope placement`), the slots a logical reading gets wrong (an id p whose physical slot holds
+  another logical expert than p) in the layers whose ids are physical, post-EPLB ones where training
+  needs logical ones. A layer's ids are physical when some pass the map's logical experts (only a
+  physical slot, a redundant copy, has such an id), or, where the map comes with the load the
+  engine recorded under it, when the ids' counts are likelier under "ids are physical slots" than
+  under "ids are logical experts" by `load_evidence` (the odds in the module's `LOAD_ODDS`). A
+  permutation map without a recorded load is not identifiable from a trace: any count per id is as
+  likely logical as permuted.
 - `out_of_range`: an id that cannot be stored (negative other than -1, past the column or
   `--num-experts`): the import is refused, its message naming this check.
 
@@ -35,8 +40,9 @@ whole; `TraceChecks.findings` turns the sums into `TraceFinding`s.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +55,10 @@ COUNTS = {"zero_rows": "token rows", "sentinel_rows": "token rows", "repeated_id
 MAX_NAMED = 5
 # a count of all-zero rows within this many standard deviations of an honest k = 1 router's is no finding
 ZERO_ROWS_SIGMA = 3.0
+# physical_ids by load: the odds (physical against logical) a trace's MoE layers must reach together; a
+# layer needs LOAD_ODDS x layers (load_evidence)
+LOAD_ODDS = 1000.0
+SAMPLE_ROWS = 4 * MAX_NAMED  # rows kept per layer to name a layer found physical by its load
 
 # the checks a trace is broken by (alerts/mismatch_rules.yaml's BrokenTrace), the model-based ones of
 # `moescope mismatch` (moescope.analyses.trace_check) included; sentinel_rows is not one: vLLM marks
@@ -56,7 +66,65 @@ ZERO_ROWS_SIGMA = 3.0
 BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids", "chance_agreement", "shifted",
           "large_margin_flips")
 
-__all__ = ["BROKEN", "CHECKS", "TraceChecks", "TraceFinding", "broken_share", "summary_line"]
+__all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFinding", "broken_share", "load_evidence",
+           "summary_line"]
+
+
+class EngineMap(Protocol):
+    """What the physical_ids check reads of an engine's map (`moescope.metrics.placement.RecordedMap`
+    is one): where it came from, its logical experts, and per MoE layer of a trace, (the logical
+    expert of each physical slot, the load the engine recorded under it or None, what that load
+    counts per: "physical" slot or "logical" expert)."""
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def logical_experts(self) -> int: ...
+
+    def layer_maps(self, layer_ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None, str]]: ...
+
+
+def load_evidence(counts: np.ndarray, physical_to_logical: np.ndarray, load: np.ndarray, load_per: str) -> float:
+    """The log-likelihood ratio, in nats, of a layer's id counts under "ids are physical slots" against
+    "ids are logical experts", given the load the engine recorded under its map.
+
+    Under "logical", id e is drawn with the recorded share of logical expert e; under "physical", id
+    p with the recorded share of physical slot p (a load per logical expert split evenly over its
+    copies). Each recorded count gets half a token (Jeffreys' prior), so no id is impossible under
+    either for lack of a record. Where the trace is drawn from the recorded load and its ids are
+    logical, the likelihood ratio's expectation is 1, so it reaches odds O with probability at most
+    1/O (Markov's inequality): the check calls a layer physical at `LOAD_ODDS` x layers. A trace from
+    other traffic than the load's is judged by which of the two it is nearer (in Kullback-Leibler
+    divergence: the ratio per slot is the difference of the two), so the load must be recorded over
+    comparable traffic. -inf where an id has no physical slot.
+
+    Args:
+        counts: (ids,) how often the trace names each id in the layer.
+        physical_to_logical: (physical slots,) the logical expert each slot holds.
+        load: the recorded load per physical slot (`load_per` "physical") or logical expert ("logical").
+        load_per: what `load` counts per.
+    """
+    p2l = np.asarray(physical_to_logical, dtype=np.int64)
+    load = np.asarray(load, dtype=np.float64) + 0.5
+    experts = max(int(p2l.max()) + 1, len(load) if load_per == "logical" else 0)
+    if load_per == "physical":
+        physical = load
+        logical = np.bincount(p2l, weights=physical, minlength=experts)
+    else:
+        logical = np.concatenate([load, np.full(experts - len(load), 0.5)])
+        physical = logical[p2l] / np.bincount(p2l, minlength=experts)[p2l]
+    counts = np.asarray(counts, dtype=np.float64)
+    ids = np.flatnonzero(counts)
+    if not len(ids):
+        return 0.0
+    if ids[-1] >= len(physical):
+        return -math.inf
+    if ids[-1] >= len(logical):
+        return math.inf
+    q_physical = physical[ids] / physical.sum()
+    q_logical = logical[ids] / logical.sum()
+    return float(np.sum(counts[ids] * (np.log(q_physical) - np.log(q_logical))))
 
 
 @dataclass
@@ -103,14 +171,12 @@ class TraceChecks:
     """Sums of the model-free checks over the sequences of a trace, fed a chunk at a time.
 
     Args:
-        logical_experts: the logical experts of the engine's placement map, for `physical_ids`
-            (None: not checked).
+        engine_map: the engine's physical-to-logical map, for `physical_ids` (None: not checked).
     """
 
-    def __init__(self, logical_experts: int | None = None):
-        if logical_experts is not None and logical_experts < 1:
-            raise ValueError(f"logical experts must be positive, not {logical_experts}")
-        self.logical_experts = logical_experts
+    def __init__(self, engine_map: EngineMap | None = None):
+        self.engine_map = engine_map
+        self.logical_experts = None if engine_map is None else int(engine_map.logical_experts)
         self.reset()
 
     def reset(self) -> None:
@@ -123,8 +189,12 @@ class TraceChecks:
         self.largest = -1  # the largest id seen: experts = largest + 1 where nothing says more
         self.tallies = {check: _Tally() for check in CHECKS}
         self._zero_share: dict[int, list[int]] = {}  # layer -> [rows choosing 0, rows] among routed rows
+        self._counts: dict[int, np.ndarray] = {}  # layer -> how often each id was named (engine map given)
+        self._sample: dict[int, list[tuple[str, int, np.ndarray]]] = {}  # layer -> its first routed rows
+        self._physical: tuple[int, str] | None = None  # physical_ids' (count, detail), once judged
 
-    def add(self, ids: np.ndarray, label: str, first_row: int = 0, ends: bool = True) -> None:
+    def add(self, ids: np.ndarray, label: str, first_row: int = 0, ends: bool = True,
+            layer_numbers: Sequence[int] | None = None) -> None:
         """Check one sequence's rows `first_row ..` (a chunk of it, or all of it).
 
         Args:
@@ -132,6 +202,8 @@ class TraceChecks:
             label: names the sequence in findings (file, response, sequence).
             first_row: the row of `ids[0]` in the sequence.
             ends: whether the sequence's last row is in this chunk (its last row is `ids[-1]`).
+            layer_numbers: the layer of each column of `ids` (default 0, 1, ...: the engines' arrays have
+                a column per hidden layer).
         """
         ids = np.asarray(ids)
         self.sequences += bool(ends)  # each sequence ends once, whatever its chunks
@@ -171,9 +243,24 @@ class TraceChecks:
                 share[1] += len(layer_ids)
         self.slots += int(np.count_nonzero(live)) * k
         if self.logical_experts is not None:
+            self._physical = None
             beyond = (layer_ids >= self.logical_experts) & live[:, :, None]
             which = numbers[routed][beyond.any(axis=(1, 2))]
-            self.tallies["physical_ids"].add(label, which, int(np.count_nonzero(beyond)))
+            self.tallies["physical_ids"].add(label, which, len(which))  # names the rows; the count is judged
+            for column, layer in enumerate(range(layers) if layer_numbers is None else layer_numbers):
+                at = np.flatnonzero(live[:, column])
+                if not len(at):
+                    continue
+                named = layer_ids[at, column].reshape(-1)
+                counts = np.bincount(named[named >= 0], minlength=1)
+                known = self._counts.get(int(layer), np.zeros(0, dtype=np.int64))
+                if len(known) < len(counts):
+                    known = np.concatenate([known, np.zeros(len(counts) - len(known), dtype=np.int64)])
+                known[:len(counts)] += counts
+                self._counts[int(layer)] = known
+                sample = self._sample.setdefault(int(layer), [])
+                for row in at[:SAMPLE_ROWS - len(sample)]:
+                    sample.append((label, int(numbers[routed][row]), layer_ids[row, column].copy()))
 
     def expect_rows(self, label: str, rows: int, allowed: tuple[int, ...]) -> None:
         """Check a sequence's row count against what its engine returns for its tokens (`allowed`)."""
@@ -200,6 +287,15 @@ class TraceChecks:
         checked = {"zero_rows": self.rows, "sentinel_rows": self.rows, "repeated_ids": self.layer_rows,
                    "row_count": self.rows, "final_row_zero": self.sequences, "physical_ids": self.slots}
         for check, tally in self.tallies.items():
+            if check == "physical_ids":  # its tally names rows past the logical experts; the layers are judged
+                if self.engine_map is None:
+                    continue
+                count, detail = self._judge_physical()
+                if count:
+                    named = self.tallies[check]
+                    out.append(TraceFinding(check, count, checked[check], 0.0, list(named.sequences),
+                                            list(named.rows), detail))
+                continue
             if not tally.count:
                 continue
             expected = expected_zero if check == "zero_rows" else 0.0
@@ -208,6 +304,50 @@ class TraceChecks:
             out.append(TraceFinding(check, tally.count, checked[check], expected, list(tally.sequences),
                                     list(tally.rows), self._detail(check, tally.count, expected, num_experts)))
         return out
+
+    def _judge_physical(self) -> tuple[int, str]:
+        """physical_ids' (count, detail): the layers whose ids are physical, by range or by load, and in
+        them the slots whose id's physical slot holds another logical expert; the rows of the layers
+        found by load are named from their first rows (`SAMPLE_ROWS`)."""
+        if self._physical is not None or self.engine_map is None:
+            return self._physical or (0, "")
+        experts = int(self.logical_experts or 0)
+        maps = self.engine_map.layer_maps(sorted(self._counts)) if self._counts else {}
+        threshold = math.log(LOAD_ODDS * max(len(maps), 1))
+        count, by_range, by_load, loads = 0, [], [], 0
+        named = self.tallies["physical_ids"]
+        for layer, (p2l, load, per) in maps.items():
+            counts = self._counts[layer]
+            loads += load is not None
+            if len(counts) > experts and counts[experts:].any():
+                by_range.append(layer)
+            elif load is not None and load_evidence(counts, p2l, load, per) >= threshold:
+                by_load.append(layer)
+            else:
+                continue
+            ids = np.arange(len(counts))
+            moved = (ids >= len(p2l)) | (np.asarray(p2l)[np.minimum(ids, len(p2l) - 1)] != ids)
+            count += int(counts[moved].sum())
+            if layer in by_load:
+                for label, row, chosen in self._sample.get(layer, []):
+                    if moved[chosen[chosen >= 0]].any() and f"{label} row {row}" not in named.rows:
+                        if len(named.rows) < MAX_NAMED:
+                            named.rows.append(f"{label} row {row}")
+                        if label not in named.sequences and len(named.sequences) < MAX_NAMED:
+                            named.sequences.append(label)
+        if not count:
+            self._physical = (0, "")
+            return self._physical
+        parts = []
+        if by_range:
+            parts.append(f"{len(by_range)} layers name ids past the map's {experts} logical experts")
+        if by_load:
+            parts.append(f"the counts of {len(by_load)} layers are likelier under the map's physical slots than "
+                         f"under its logical experts by odds over {LOAD_ODDS:g} x layers")
+        self._physical = (count, f"{count} slots hold physical (post-EPLB) ids a logical reading gets wrong (vLLM "
+                          f"PR 33013): {'; '.join(parts)} ({self.engine_map.source}; {loads} of {len(maps)} layers "
+                          "with a recorded load)")
+        return self._physical
 
     def _detail(self, check: str, count: int, expected: float, num_experts: int | None) -> str:
         if check == "zero_rows":
@@ -225,9 +365,6 @@ class TraceChecks:
             excess = count * (num_experts or self.largest + 1 or 1) / max(self.rows, 1)
             return (f"{count} sequences end in an all-zero row (verl PR 7075): expert 0 looks hot by about "
                     f"E x {count} / {self.rows} rows = {excess:.3g} of a mean expert's load")
-        if check == "physical_ids":
-            return (f"{count} slots hold ids past the {self.logical_experts} logical experts of the placement map: "
-                    "physical (post-EPLB) ids where training needs logical ones (vLLM PR 33013)")
         return ""
 
 

@@ -34,6 +34,12 @@ from moescope.metrics.ranks import replica_shares
 log = logging.getLogger(__name__)
 
 DEFAULT_KEY = "*"  # the file's entry for every layer not listed
+# the loads an engine records beside its map, by the engine's own name, and what each counts: per
+# physical slot (vLLM's EplbState `expert_load_window` [window, MoE layers, physical] and
+# `expert_load_pass`; SGLang's recorder `global_physical_count`) or per logical expert (SGLang's
+# `logical_count`, which `--init-expert-location` also reads)
+ENGINE_LOADS = {"expert_load_window": "physical", "expert_load_pass": "physical",
+                "global_physical_count": "physical", "logical_count": "logical"}
 
 RankExperts = tuple[tuple[int, ...], ...]  # per rank, the logical expert of each of its slots
 
@@ -99,18 +105,8 @@ class Placement:
         Raises PlacementError for a map with another number of rows, naming both counts."""
         if not self.moe_rows:
             return self
-        ids = sorted({int(v) for v in layer_ids})
-        rows = len(self.moe_rows)
-        if rows == len(ids):
-            placed = dict(zip(ids, self.moe_rows))
-        elif ids and rows == ids[-1] + 1:
-            placed = {layer: self.moe_rows[layer] for layer in ids}
-        else:
-            shown = f"{ids[0]}..{ids[-1]}" if ids else "none"
-            raise PlacementError(f"{self.source}: the map has {rows} rows, but the run has {len(ids)} MoE layers "
-                                 f"(layers {shown}); a vLLM map has one row per MoE layer (an SGLang one a row "
-                                 f"per layer, {ids[-1] + 1 if ids else 0} here): give the map of the model this "
-                                 "run served")
+        placed = {layer: self.moe_rows[row] for layer, row in moe_row_layers(len(self.moe_rows), layer_ids,
+                                                                              self.source).items()}
         return Placement(self.ranks, placed, source=self.source)
 
     def rank_experts(self, layer: int, num_experts: int) -> RankExperts:
@@ -179,6 +175,23 @@ def contiguous_layout(num_experts: int, ranks: int) -> RankExperts:
     return tuple(out)
 
 
+def moe_row_layers(rows: int, layer_ids: Sequence[int], source: str = "the map") -> dict[int, int]:
+    """The row of an engine's map that each of a run's MoE layers (`layer_ids`) reads: in order when
+    the map has one row per MoE layer (vLLM's `[num_moe_layers, physical]`), row i for layer i when it
+    has a row for every layer up to the last MoE one (SGLang's, dense layers included). Raises
+    PlacementError for any other number of rows, naming both counts."""
+    ids = sorted({int(v) for v in layer_ids})
+    if rows == len(ids):
+        return dict(zip(ids, range(rows)))
+    if ids and rows == ids[-1] + 1:
+        return {layer: layer for layer in ids}
+    shown = f"{ids[0]}..{ids[-1]}" if ids else "none"
+    raise PlacementError(f"{source}: the map has {rows} rows, but the run has {len(ids)} MoE layers "
+                         f"(layers {shown}); a vLLM map has one row per MoE layer (an SGLang one a row "
+                         f"per layer, {ids[-1] + 1 if ids else 0} here): give the map of the model this "
+                         "run served")
+
+
 def _rank_lists(value: object, ranks: int, where: str) -> RankExperts:
     if not isinstance(value, list) or not all(isinstance(r, list) for r in value):
         raise PlacementError(f"{where}: give a list with one list of logical expert ids per rank, "
@@ -212,7 +225,7 @@ def _engine_map(document: dict, ranks: int | None, where: str) -> Placement:
             raise PlacementError(f"{where}: every layer of initial_global_assignments must list num_slots "
                                  f"({slots}) expert ids, one per slot")
     elif "physical_to_logical_map" in document:  # vLLM's EplbState / SGLang's ExpertLocationMetadata
-        unknown = set(document) - {"physical_to_logical_map", "ranks"}
+        unknown = set(document) - {"physical_to_logical_map", "ranks", *ENGINE_LOADS}
         rows = document["physical_to_logical_map"]
         if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
             raise PlacementError(f"{where}: physical_to_logical_map is [layers][physical slots] of expert ids")
@@ -295,6 +308,100 @@ def parse_placement(document: object, where: str = "placement", ranks: int | Non
         if default is not None:
             Placement(ranks, {}, default, f"{where}, layers[\"*\"]").shares(0, num_experts)
     return placement
+
+
+@dataclass(frozen=True)
+class RecordedMap:
+    """An engine's map with the load the engine recorded under it: what the trace checks' physical_ids
+    check reads (`moescope.ingest.trace_checks.EngineMap`).
+
+    Attributes:
+        placement: the map.
+        load: per row of the map, the load recorded per physical slot (`load_per` "physical") or per
+            logical expert ("logical"); None where the map came without one.
+        load_per: what `load` counts per.
+    """
+
+    placement: Placement
+    load: np.ndarray | None = None
+    load_per: str = "physical"
+
+    @property
+    def source(self) -> str:
+        """Where the map came from."""
+        return self.placement.source
+
+    @property
+    def logical_experts(self) -> int:
+        """The largest logical id in any layer of the map + 1. Raises PlacementError for a map that
+        lists no expert (the contiguous layout of `--ranks`)."""
+        p = self.placement
+        lists = [*p.layers.values(), *p.moe_rows] + ([p.default] if p.default else [])
+        largest = max((int(e) for rank_lists in lists for slots in rank_lists for e in slots), default=-1)
+        if largest < 0:
+            raise PlacementError(f"{self.source}: the placement lists no expert, so it says nothing of the "
+                                 "logical experts")
+        return largest + 1
+
+    def layer_maps(self, layer_ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None, str]]:
+        """Per MoE layer of a run (`layer_ids`): (the logical expert of each physical slot, the load
+        recorded for that layer or None, `load_per`), the map's rows placed as `Placement.on_layers`
+        places them. Raises PlacementError for a map of another row count."""
+        ids = sorted({int(v) for v in layer_ids})
+        placed = self.placement.on_layers(ids)
+        experts = self.logical_experts
+        if self.load is None:
+            row_of: dict[int, int] = {}
+        elif self.placement.moe_rows:
+            row_of = moe_row_layers(len(self.placement.moe_rows), ids, self.source)
+        else:  # a map keyed by layer (SGLang's dump): its load rows are its layers
+            row_of = {layer: layer for layer in ids if layer < len(self.load)}
+        return {layer: (placed.slots(layer, experts)[1],
+                        None if self.load is None or layer not in row_of else self.load[row_of[layer]],
+                        self.load_per) for layer in ids}
+
+
+def recorded_load(document: dict, rows: int, slots: int, where: str) -> tuple[np.ndarray | None, str]:
+    """The load an engine's map document carries (`ENGINE_LOADS`, at most one key) as (rows of the
+    map, slots or logical experts), summed over a window axis; (None, "physical") when it has none.
+    Raises PlacementError for a load that is not one count per row and slot (or logical expert)."""
+    keys = [key for key in ENGINE_LOADS if key in document]
+    if not keys:
+        return None, "physical"
+    if len(keys) > 1:
+        raise PlacementError(f"{where}: give one recorded load, not {' and '.join(keys)}")
+    key, per = keys[0], ENGINE_LOADS[keys[0]]
+    shape = "[layers][physical slots]" if per == "physical" else "[layers][logical experts]"
+    try:
+        load = np.asarray(document[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PlacementError(f"{where}: {key} must be counts, {shape} or [window]{shape}") from None
+    if load.ndim == 3:
+        load = load.sum(axis=0)
+    if load.ndim != 2 or not np.isfinite(load).all() or (load < 0).any():
+        raise PlacementError(f"{where}: {key} must be counts (0 or more), {shape} or [window]{shape}")
+    if len(load) != rows:
+        raise PlacementError(f"{where}: {key} has {len(load)} rows, but the map has {rows}: give the load "
+                             "recorded under this map")
+    if per == "physical" and load.shape[1] != slots:
+        raise PlacementError(f"{where}: {key} counts {load.shape[1]} physical slots, but the map has {slots}")
+    return load, per
+
+
+def parse_recorded_map(document: object, where: str = "placement", ranks: int | None = None) -> RecordedMap:
+    """`parse_placement`'s placement and the load an engine's map carries beside it (`ENGINE_LOADS`:
+    `physical_to_logical_map` documents only). Raises PlacementError as those two do, and for a
+    logical load that does not cover the map's experts."""
+    placement = parse_placement(document, where, ranks)
+    if not isinstance(document, dict) or "physical_to_logical_map" not in document:
+        return RecordedMap(placement)
+    rows = document["physical_to_logical_map"]
+    load, per = recorded_load(document, len(rows), len(rows[0]), where)
+    recorded = RecordedMap(placement, load, per)
+    if load is not None and per == "logical" and load.shape[1] < recorded.logical_experts:
+        raise PlacementError(f"{where}: logical_count counts {load.shape[1]} experts, but the map places "
+                             f"{recorded.logical_experts}")
+    return recorded
 
 
 def wire_layout(placement: Placement, layer: int, num_experts: int, rank_node: np.ndarray) -> wire.WireLayout:

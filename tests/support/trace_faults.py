@@ -63,6 +63,12 @@ def truncated(requests, engine, experts):
     return "row_count", lambda arrays: 2
 
 
+def redundant_map(experts: int, layers: int) -> list[list[int]]:
+    """The map `physical` returns ids under, one row per MoE layer (vLLM's shape): slots 0..E-1 hold
+    their own expert, slot E a copy of expert 0 and E + 1 one of expert 1."""
+    return [[*range(experts), 0, 1] for _ in range(layers)]
+
+
 def physical(requests, engine, experts):
     # an EPLB map with two redundant slots: physical E is a replica of expert 0, E + 1 of expert 1;
     # the engine returned the physical slot of every other token routed to experts 0 and 1
@@ -73,3 +79,59 @@ def physical(requests, engine, experts):
 
 
 FAULTS = [zero_rows, sentinel, final_row, repeated, truncated, physical]
+
+
+def load_sorted_map(arrays: list[np.ndarray], experts: int, redundant: int = 0) -> list[list[int]]:
+    """A map as an EPLB rearrangement makes one from the load, a row per MoE layer: slot p holds the
+    expert of p-th largest load in `arrays` (ties to the lower id), then `redundant` slots holding
+    copies of the hottest experts. It moves experts whose loads differ, which is what makes physical
+    ids tell in their counts."""
+    load = np.array(slot_loads(arrays, experts))
+    rows = []
+    for layer_load in load:
+        hottest = sorted(range(experts), key=lambda e: (-layer_load[e], e))
+        rows.append(hottest + hottest[:redundant])
+    return rows
+
+
+def to_physical(ids: np.ndarray, mapping: list[list[int]]) -> np.ndarray:
+    """A trace's logical ids as an engine returns physical ones under `mapping`: each routed (row,
+    layer, slot) goes to a copy of its expert, the copies taken in turn by (row x k + slot) as vLLM
+    picks them; all-zero and -1 rows stay as they are."""
+    out = ids.copy()
+    rows, layers, k = ids.shape
+    for layer in range(layers):
+        copies: dict[int, list[int]] = {}
+        for slot, expert in enumerate(mapping[layer]):
+            copies.setdefault(expert, []).append(slot)
+        for row in range(rows):
+            if ids[row, layer].any() and (ids[row, layer] >= 0).all():
+                for slot in range(k):
+                    mine = copies[int(ids[row, layer, slot])]
+                    out[row, layer, slot] = mine[(row * k + slot) % len(mine)]
+    return out
+
+
+def slot_loads(arrays: list[np.ndarray], slots: int) -> list[list[int]]:
+    """Per layer, how often each id is named over the routed rows of `arrays`: what an engine counts
+    per physical slot (vLLM's expert_load_window, SGLang's global_physical_count) over its trace."""
+    layers = arrays[0].shape[1]
+    load = np.zeros((layers, slots), dtype=np.int64)
+    for a in arrays:
+        for row in a:
+            for layer in range(layers):
+                if row[layer].any() and (row[layer] >= 0).all():
+                    for expert in row[layer]:
+                        load[layer, int(expert)] += 1
+    return load.tolist()
+
+
+def misread_slots(arrays: list[np.ndarray], mapping: list[list[int]]) -> int:
+    """Slots of routed rows whose id names a physical slot holding another logical expert."""
+    count = 0
+    for a in arrays:
+        for row in a:
+            for layer in range(a.shape[1]):
+                if row[layer].any() and (row[layer] >= 0).all():
+                    count += sum(1 for e in row[layer] if mapping[layer][int(e)] != int(e))
+    return count

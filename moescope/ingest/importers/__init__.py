@@ -15,7 +15,7 @@ from typing import Any
 
 from moescope.ingest.importers.fields import MAX_EXPERTS, ExpertLimit, check_max_experts
 from moescope.ingest.importers.tables import ImportSummary, SourceData, SourceFormatError, import_source
-from moescope.ingest.trace_checks import TraceChecks
+from moescope.ingest.trace_checks import EngineMap, TraceChecks
 from moescope.store.location import StoreLocation, open_location
 
 KINDS = ("vllm", "sglang", "trtllm", "megatron")
@@ -61,13 +61,13 @@ def _sha256(path: str) -> str:
 
 def read_source(kind: str, paths: list[str], num_layers: int | None = None, top_k: int | None = None,
                 in_order: bool = False, num_experts: int | None = None, max_experts: int = MAX_EXPERTS,
-                logical_experts: int | None = None) -> SourceData:
+                engine_map: EngineMap | None = None) -> SourceData:
     """What the files of one engine hold, read lazily: each pass over `.steps` reads and checks them
-    again, the trace checks (`SourceData.checks`; `logical_experts`: the placement map's, for
-    `physical_ids`) included. Raises SourceFormatError, ValueError (options, a file given twice) or
+    again, the trace checks (`SourceData.checks`; `engine_map`: the engine's map, for `physical_ids`)
+    included. Raises SourceFormatError, ValueError (options, a file given twice) or
     FileNotFoundError."""
     data = _read_source(kind, paths, num_layers, top_k, in_order, num_experts, max_experts)
-    data.checks = TraceChecks(logical_experts)
+    data.checks = TraceChecks(engine_map)
     return data
 
 
@@ -101,21 +101,21 @@ def import_files(kind: str, paths: list[str], store: str | os.PathLike | StoreLo
                  tags: dict[str, str] | None = None, num_experts: int | None = None, top_k: int | None = None,
                  num_layers: int | None = None, model: str | None = None, in_order: bool = False,
                  storage_options: Mapping[str, Any] | None = None, max_experts: int = MAX_EXPERTS,
-                 logical_experts: int | None = None) -> ImportSummary:
+                 engine_map: EngineMap | None = None) -> ImportSummary:
     """Read every file, check everything, then write one new run into `store`; returns what was written.
 
     `store` is a folder or a URL (`s3://bucket/prefix`, ...; `storage_options` as `moescope.attach`
     takes them). `max_experts` bounds expert ids and counts (65 536 unless raised). The trace checks
     (`moescope.ingest.trace_checks`) run over per-request routing; their findings are written as the
-    run's `trace_findings` rows and in the summary (`logical_experts`: the logical experts of the
-    engine's placement map, for the `physical_ids` check). Raises
+    run's `trace_findings` rows and in the summary (`engine_map`: the engine's map, with the load it
+    recorded where it has one, for the `physical_ids` check). Raises
     SourceFormatError (a file is not in its engine's layout), ValueError (options, run id, a file
     given twice, a store URL that cannot be used) or FileNotFoundError, in each case before anything
     is written.
     """
     location = open_location(store, storage_options)
     data = read_source(kind, list(paths), num_layers=num_layers, top_k=top_k, in_order=in_order,
-                       num_experts=num_experts, max_experts=max_experts, logical_experts=logical_experts)
+                       num_experts=num_experts, max_experts=max_experts, engine_map=engine_map)
     where = paths[0] if len(paths) == 1 else f"the {len(paths)} {kind} files"
     return import_source(location, data, kind, run_id=run_id, tags=tags, num_experts=num_experts, top_k=top_k,
                          model=model, where=where, max_experts=max_experts)

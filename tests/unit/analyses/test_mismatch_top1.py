@@ -8,23 +8,23 @@ only with fused shared experts. Neither side's slot 0 is its top-1, so the check
 engine's chosen expert of highest reference logit; a Mixtral engine's top-k is sorted, and its slot 0
 stays its top-1.
 
-The reference is a tiny DeepSeek-V3 (random-initialised, with a non-zero correction bias) and the
-"engine" the same model's own router outputs, read by hooks of the test's on each gate, written in
-vLLM's response format with the slots permuted on a known set of pairs. The margin's oracle is a
-brute force over every choice of groups and the router's own chosen ids.
+The references are a tiny DeepSeek-V3 (random-initialised, with a non-zero correction bias) and a
+tiny DeepSeek-V2 with group-limited greedy routing, and the "engine" the same model's own router
+outputs, read by hooks of the test's on each gate, written in vLLM's response format with the slots
+permuted on a known set of pairs. The margin's oracle is the router re-derived as transformers
+writes it (checked against the router's own chosen ids) and a brute force over its two decisions:
+within the kept groups, and every exchange of a kept and a dropped group.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
 import torch
 
 from moescope.analyses.mismatch import mismatch
-from moescope.analyses.routing_compare import decision_margin, router_rule
-from moescope.analyses.trace_check import LARGE_SCORE_MARGIN
+from moescope.analyses.routing_compare import decision_margin, margins, router_rule
+from moescope.analyses.trace_check import LARGE_MARGIN, LARGE_SCORE_MARGIN
 from moescope.ingest.importers import import_files
 from tests.support.engine_standin import fed, routed, token_sequences, vllm_responses
 from tests.support.zoo import tiny_model
@@ -50,7 +50,13 @@ def own_routing(model, sequence: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def routed_by_deepseek():
+    """A tiny DeepSeek-V3 with a correction bias, its router weights scaled up so that its sigmoid
+    scores spread as much as the bias does and its margins over the large-margin threshold."""
     model = tiny_model("deepseek_v3", correction_bias=0.3)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.weight.mul_(10.0)
     requests = token_sequences(seed=3, prompts=3)
     keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
     routing = {key: own_routing(model, fed(requests[key[0]][0], requests[key[0]][1][key[1]])) for key in keys}
@@ -108,18 +114,44 @@ def test_a_sorted_routers_engine_slot_0_stays_its_top1(tmp_path):
     assert listed == swapped and report.tokens.top1_changed.all()
 
 
-def brute_margin(logits: np.ndarray, chosen: np.ndarray, bias: np.ndarray, groups: int, kept: int) -> float:
-    """One token's decision margin by brute force: the groups kept are the best of every choice of
-    `kept` groups by the sum of each group's two best biased scores; the margin is the router's
-    weakest chosen expert's biased score minus the best unchosen one's within those groups."""
-    score = [1 / (1 + np.exp(-x)) + b for x, b in zip(logits.tolist(), bias.tolist())]
+def grouped_choice(score: list[float], groups: int, kept: int, k: int, group_of) -> tuple[list[int], list[int]]:
+    """A grouped router as transformers writes it (DeepSeek-V2's `group_limited_greedy`, DeepSeek-V3's
+    biased top-k): the `kept` groups of best `group_of(their scores)`, then the k best scores among
+    their experts. Returns (kept groups, chosen experts), each sorted."""
     size = len(score) // groups
-    best_two = [sum(sorted(score[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(groups)]
-    best = max(itertools.combinations(range(groups), kept), key=lambda c: sum(best_two[g] for g in c))
+    best = sorted(sorted(range(groups), key=lambda g: -group_of(score[g * size:(g + 1) * size]))[:kept])
+    return best, chosen_among(score, best, size, k)
+
+
+def chosen_among(score: list[float], kept, size: int, k: int) -> list[int]:
+    candidates = [e for g in kept for e in range(g * size, (g + 1) * size)]
+    return sorted(sorted(candidates, key=lambda e: -score[e])[:k])
+
+
+def brute_grouped_margin(score: list[float], chosen: np.ndarray, groups: int, kept: int, group_of) -> float:
+    """One token's decision margin by brute force over the router's two decisions: within the kept
+    groups, the weakest chosen score minus the best unchosen one; between groups, for every kept group
+    and every dropped one whose exchange changes the chosen experts, the gap of their group scores."""
+    k = len(chosen)
+    size = len(score) // groups
+    best, mine = grouped_choice(score, groups, kept, k, group_of)
+    assert mine == sorted(chosen.tolist())  # the router chose what this re-derivation chooses
     candidates = [e for g in best for e in range(g * size, (g + 1) * size)]
-    assert set(chosen.tolist()) <= set(candidates)  # the router chose within the groups found here
-    rest = [score[e] for e in candidates if e not in set(chosen.tolist())]
-    return min(score[e] for e in chosen.tolist()) - max(rest) if rest else float("inf")
+    rest = [score[e] for e in candidates if e not in mine]
+    margin = min(score[e] for e in mine) - max(rest) if rest else float("inf")
+    group = [group_of(score[g * size:(g + 1) * size]) for g in range(groups)]
+    for g in best:
+        for h in (h for h in range(groups) if h not in best):
+            if chosen_among(score, [h if x == g else x for x in best], size, k) != mine:
+                margin = min(margin, group[g] - group[h])
+    return margin
+
+
+def brute_margin(logits: np.ndarray, chosen: np.ndarray, bias: np.ndarray, groups: int, kept: int) -> float:
+    """DeepSeek-V3's decision margin by brute force: biased scores sigmoid(logit) + bias, groups ranked
+    by the sum of their two best."""
+    score = [1 / (1 + np.exp(-x)) + b for x, b in zip(logits.tolist(), bias.tolist())]
+    return brute_grouped_margin(score, chosen, groups, kept, lambda s: sum(sorted(s, reverse=True)[:2]))
 
 
 def test_a_biased_routers_margin_is_in_biased_scores_within_its_kept_groups(routed_by_deepseek):
@@ -167,3 +199,96 @@ def test_a_biased_routers_large_margin_flips_are_counted_on_its_decision_margin(
     assert report.trace.threshold == LARGE_SCORE_MARGIN == 0.25
     assert (report.trace.flips, report.trace.large_margin_flips) == (flipped, large)
     assert 0 < large < flipped
+
+
+def top2_probability(log_probability: list[float]) -> float:
+    """Mistral 4's group score, the sum of its two best probabilities, as a log."""
+    return float(np.logaddexp(*sorted(log_probability, reverse=True)[:2]))
+
+
+# the softmax routers that choose within groups: (family, topk_method, the group score on log-probabilities)
+SOFTMAX_GROUPED = {"deepseek_v2": ("group_limited_greedy", max, "max"),
+                   "mistral4": (None, top2_probability, "top2")}
+
+
+@pytest.fixture(scope="module", params=sorted(SOFTMAX_GROUPED))
+def routed_by_grouped_softmax(request):
+    """A tiny group-limited softmax router (DeepSeek-V2's group-limited greedy, which ranks a group by
+    its best probability; Mistral 4's, by its two best): 16 experts in 4 groups, the best 2 kept, top-4
+    (more experts chosen than groups kept, as DeepSeek-V2's 6 of 3 groups, so a dropped group's second
+    expert can outscore a chosen one), its router weights scaled up so that its margins spread over
+    the large-margin threshold."""
+    family = request.param
+    method = SOFTMAX_GROUPED[family][0]
+    model = tiny_model(family, n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=4,
+                       **({"topk_method": method} if method else {}))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.weight.mul_(40.0)
+    requests = token_sequences(seed=3, prompts=3)
+    keys = [(r, c) for r, (_, gens) in enumerate(requests) for c in range(len(gens))]
+    routing = {key: own_routing(model, fed(requests[key[0]][0], requests[key[0]][1][key[1]])) for key in keys}
+    return family, model, requests, routing
+
+
+def log_probabilities(logits: np.ndarray) -> list[float]:
+    shifted = np.exp(logits - logits.max())
+    return [float(np.log(p)) for p in (shifted / shifted.sum()).tolist()]
+
+
+def softmax_margin(family: str, logits: np.ndarray, chosen: np.ndarray, groups: int, kept: int) -> float:
+    """A softmax router's grouped decision margin by brute force, in logits: the router ranks groups and
+    chooses on probabilities, and a gap of log-probabilities is one of logits."""
+    return brute_grouped_margin(log_probabilities(logits), chosen, groups, kept, SOFTMAX_GROUPED[family][1])
+
+
+def test_a_group_limited_softmax_routers_margin_is_taken_where_it_decides(routed_by_grouped_softmax):
+    family, model, _, routing = routed_by_grouped_softmax
+    gates = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
+    config = model.config
+    rules = [router_rule(gate) for gate in gates]
+    assert all(rule.margin_kind == "logit" and not rule.ranked and rule.group_score == SOFTMAX_GROUPED[family][2]
+               for rule in rules)
+    differs = 0
+    for ids, logits in routing.values():
+        for layer, rule in enumerate(rules):
+            expected = [softmax_margin(family, logits[t, layer], ids[t, layer], config.n_group, config.topk_group)
+                        for t in range(len(ids))]
+            got = decision_margin(logits[:, layer], config.num_experts_per_tok, rule)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
+            differs += int((np.abs(margins(logits[:, layer], config.num_experts_per_tok)[0] - expected) > 1e-3).sum())
+    assert differs  # the raw logits' margin is not the decision margin here
+
+
+def test_a_flip_to_an_expert_of_a_dropped_group_is_no_near_tie_for_its_close_logit(routed_by_grouped_softmax,
+                                                                                   tmp_path):
+    """The engine swaps a chosen expert for the unchosen expert of closest logit: where that expert's
+    group was dropped, the flip is large-margin by the router's decision though the logits are close."""
+    family, model, requests, routing = routed_by_grouped_softmax
+    config = model.config
+    size = config.n_routed_experts // config.n_group
+    engine, flipped, large, close_but_large = {}, 0, 0, 0
+    for (r, c), (ids, logits) in routing.items():
+        ids = ids.copy()
+        first = 0 if c == 0 else len(requests[r][0])
+        for position in range(first, len(ids)):
+            for layer in range(ids.shape[1]):
+                chosen = ids[position, layer].copy()
+                row = logits[position, layer]
+                weakest = chosen[np.argmin(row[chosen])]
+                unchosen = [e for e in range(config.n_routed_experts) if e not in chosen]
+                closest = min(unchosen, key=lambda e: row[weakest] - row[e])
+                ids[position, layer, list(chosen).index(weakest)] = closest
+                flipped += 1
+                margin = softmax_margin(family, row, chosen, config.n_group, config.topk_group)
+                large += margin >= LARGE_MARGIN
+                kept = grouped_choice(log_probabilities(row), config.n_group, config.topk_group, len(chosen),
+                                      SOFTMAX_GROUPED[family][1])[0]
+                close_but_large += (margin >= LARGE_MARGIN and row[weakest] - row[closest] < LARGE_MARGIN
+                                    and closest // size not in kept)
+        engine[(r, c)] = ids
+    report = run(model, requests, engine, tmp_path)
+    assert report.margin_kind == "logit" and report.trace.threshold == LARGE_MARGIN
+    assert (report.trace.flips, report.trace.large_margin_flips) == (flipped, large)
+    assert 0 < large < flipped and close_but_large  # the raw logits would call these near-ties
