@@ -128,11 +128,12 @@ class RouteGroups:
     `kept` as `RoutePage` reads them, `copy` each slot's copy number where `SlotCopies` were asked for;
     `count` (groups,) int64 the rows each group stands for; `steps` the page's steps that hold rows of
     the layer (sorted), for the figures that count forwards. With `logits_key`: `routes.has_logits`, the
-    group's rows have router logits stored (a key too), and `key` (groups,) int64 the group's key apart
-    from its window, by which `StoreQueries.rows_of_groups` reads a group's rows back one by one.
+    group's rows have router logits stored (a key too). With `keyed` or `logits_key`: `key` (groups,)
+    int64 the group's key apart from its window, by which `StoreQueries.rows_of_groups` reads a group's
+    rows back one by one.
     With `weight_order`: `weight_rank` (groups, k) int64, each slot's place among the row's kept slots of
-    experts 0..E-1 by gate weight (1: the heaviest; equal weights, equal places; a NaN or missing weight
-    is 0; 0 for the other slots), a key too; and `weight_share` (groups, k) float64, the sum over the
+    experts 0..E-1 by gate weight (1 + the slots heavier: equal weights, equal places; a NaN or missing
+    weight is 0; 0 for the other slots), a key too; and `weight_share` (groups, k) float64, the sum over the
     group's rows of each such slot's share of the row's weight on them (0 where that is 0).
     """
 
@@ -209,7 +210,8 @@ class _GroupKeys:
         return f"(hash({', '.join([*keys, *slots])}) >> 1)::BIGINT"
 
     def query(self, width: int, clause: str, params: list, slot_copies: SlotCopies | None,
-              logits: tuple[str, list] | None, weight_order: int | None = None) -> tuple[str, list]:
+              logits: tuple[str, list] | None, weight_order: int | None = None,
+              keyed: bool = False) -> tuple[str, list]:
         """The grouping query over one page's rows under `clause` (with `params`), and all its parameters;
         `logits`: the clause (and parameters) of the `router_logits` rows that mark a row's logits stored;
         `weight_order` E: the gate weights' order as keys, their shares as sums (`RouteGroups`)."""
@@ -234,51 +236,64 @@ class _GroupKeys:
                                         AND {experts - 1} AND cp.copies[expert_ids[{j + 1}] + 1] > 1
                                    THEN (token * {width} + {j}) % cp.copies[expert_ids[{j + 1}] + 1] ELSE 0 END
                                    AS c{j}""" for j in range(width))
-            key = "" if logits is None else f", {self.hash(['rk', 'tk', 'sk'], width, ids, kept)} AS key"
-            sums = ""
+            key = "" if not keyed else f", {self.hash(['rk', 'tk', 'sk'], width, ids, kept)} AS key"
+            sums, source = "", "r"
             if weight_order is not None:
-                # a slot's weight where it counts (a kept slot of a routed expert; NaN or missing: 0), else NULL
-                weight = [f"""(CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0
+                # a slot's weight where it counts (a kept slot of a routed expert; NaN or missing: 0), else NULL,
+                # once per row (v{j}), and their sum (vt)
+                weight = ", ".join(f"""(CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0
                                     AND {int(weight_order) - 1} THEN CASE WHEN isnan(coalesce(gate_weights[{j + 1}], 0))
-                                    THEN 0 ELSE coalesce(gate_weights[{j + 1}], 0) END::DOUBLE END)"""
-                          for j in range(width)]
-                total = " + ".join(f"coalesce({w}, 0)" for w in weight) or "0"
+                                    THEN 0 ELSE coalesce(gate_weights[{j + 1}], 0) END::DOUBLE END) AS v{j}"""
+                                   for j in range(width))
+                total = " + ".join(f"coalesce(v{j}, 0)" for j in range(width)) or "0"
+                source = (f"(SELECT *, {total} AS vt FROM (SELECT *{', ' if width else ''}{weight} FROM r))")
+                # its place: 1 + the slots heavier than it (equal weights, equal places; the order is all
+                # that counts, so places need not be consecutive)
                 slots += "".join(
-                    f", CASE WHEN {weight[j]} IS NULL THEN 0 ELSE 1 + len(list_distinct(["
-                    + ", ".join(f"CASE WHEN {weight[i]} > {weight[j]} THEN {weight[i]} END" for i in range(width))
-                    + f"])) END AS o{j}" for j in range(width))
-                sums = "".join(f", sum(CASE WHEN ({total}) > 0 THEN coalesce({weight[j]}, 0) / ({total}) ELSE 0 END)"
-                               f" AS s{j}" for j in range(width))
+                    f", CASE WHEN v{j} IS NULL THEN 0 ELSE 1"
+                    + "".join(f" + coalesce((v{i} > v{j})::INTEGER, 0)" for i in range(width) if i != j)
+                    + f" END AS o{j}" for j in range(width))
+                sums = "".join(f", sum(CASE WHEN vt > 0 THEN coalesce(v{j}, 0) / vt ELSE 0 END) AS s{j}"
+                               for j in range(width))
             return (f"""WITH cp AS (SELECT ?::INTEGER[] AS copies), {rows}
                         SELECT w, rk AS rank, tk AS token, sk AS sequence{slots}, lg AS logits{key}{sums},
                                count(*)::BIGINT AS n
-                        FROM r, cp GROUP BY ALL ORDER BY ALL""", head)
+                        FROM {source}, cp GROUP BY ALL ORDER BY ALL""", head)
         if weight_order is not None:
             raise ValueError("weight_order goes with the position counter or none")
         # the block counter: a slot's place among the earlier kept slots of its expert in its (step, rank,
-        # block), a window over the rows' slots; then a row per (step, rank, token) again
+        # block), a window over the slots of the experts with copies alone; a row without one is grouped
+        # as it is, a row with one is a row again after the window (a row per (step, rank, token))
         offset = "0" if slot_copies.rank_modulo is None else f"rank % {int(slot_copies.rank_modulo)}"
-        pivot = "".join(f", any_value(e) FILTER (WHERE j = {j}) AS e{j}, any_value(kp) FILTER (WHERE j = {j}) AS k{j}"
-                        f", any_value(c) FILTER (WHERE j = {j}) AS c{j}" for j in range(width))
-        slots = "".join(f", e{j}, k{j}, c{j}" for j in range(width))
-        key = "" if logits is None else f", {self.hash(['rk', 'tk', 'sk'], width, 'e{j}', 'k{j}')} AS key"
+        copies_of = [f"""CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0 AND {experts - 1}
+                          THEN cp.copies[expert_ids[{j + 1}] + 1] ELSE 0 END""" for j in range(width)]
+        scalars = "".join(f", expert_ids[{j + 1}] AS e{j}, kept[{j + 1}] AS k{j}, {copies_of[j]} AS n{j}"
+                          for j in range(width))
+        keys = "w, rk, tk, sk, lg" + "".join(f", e{j}, k{j}" for j in range(width))
+
+        def slot(name: str) -> str:  # the slot's own of the row's per-slot columns
+            return "CASE j " + " ".join(f"WHEN {j} THEN {name}{j}" for j in range(width)) + " END"
+        pivot = "".join(f", any_value(e{j}) AS e{j}, any_value(k{j}) AS k{j}, max(c) FILTER (WHERE j = {j}) AS c{j}"
+                        for j in range(width))
+        slots = "".join(f", e{j}, k{j}, coalesce(c{j}, 0) AS c{j}" for j in range(width))
+        key = "" if not keyed else f", {self.hash(['rk', 'tk', 'sk'], width, 'e{j}', 'k{j}')} AS key"
         return (f"""
             WITH cp AS (SELECT ?::INTEGER[] AS copies), {rows},
-                 s AS (SELECT step, rank, token, w, rk, tk, sk, lg,
-                              unnest(range(greatest(coalesce(len(expert_ids), 0), 1))) AS j,
-                              unnest(CASE WHEN coalesce(len(expert_ids), 0) = 0 THEN [NULL::INTEGER]
-                                          ELSE expert_ids END) AS e,
-                              unnest(kept) AS kp FROM r),
-                 v AS (SELECT s.*, CASE WHEN j IS NOT NULL AND coalesce(kp, true) AND e BETWEEN 0 AND {experts - 1}
-                                        THEN cp.copies[e + 1] ELSE 0 END AS ne,
-                              (token * {width} + j) // {int(slot_copies.block_slots)} AS block FROM s, cp),
-                 c AS (SELECT *, CASE WHEN ne > 1 THEN (block + {offset} + row_number() OVER (
-                                          PARTITION BY step, rank, block, e, ne > 1 ORDER BY token, j) - 1) % ne
-                                      ELSE 0 END AS c FROM v),
+                 x AS (SELECT step, rank, token, w, rk, tk, sk, lg{scalars} FROM r, cp),
+                 s AS (SELECT *, unnest(range({width})) AS j FROM x
+                       WHERE greatest({", ".join(f"n{j}" for j in range(width)) or "0"}, 0) > 1),
+                 v AS (SELECT *, {slot("n")} AS ne, (token * {width} + j) // {int(slot_copies.block_slots)} AS block,
+                              {slot("e")} AS e FROM s),
+                 c AS (SELECT *, (block + {offset} + row_number() OVER (
+                                  PARTITION BY step, rank, block, e ORDER BY token, j) - 1) % ne AS c
+                       FROM v WHERE ne > 1),
                  t AS (SELECT any_value(w) AS w, any_value(rk) AS rk, any_value(tk) AS tk, any_value(sk) AS sk,
-                              any_value(lg) AS lg{pivot} FROM c GROUP BY step, rank, token)
+                              any_value(lg) AS lg{pivot} FROM c GROUP BY step, rank, token),
+                 u AS (SELECT {keys}{"".join(f", NULL::BIGINT AS c{j}" for j in range(width))} FROM x
+                       WHERE greatest({", ".join(f"n{j}" for j in range(width)) or "0"}, 0) <= 1
+                       UNION ALL BY NAME SELECT * FROM t)
             SELECT w, rk AS rank, tk AS token, sk AS sequence{slots}, lg AS logits{key}, count(*)::BIGINT AS n
-            FROM t GROUP BY ALL ORDER BY ALL""", head)
+            FROM u GROUP BY ALL ORDER BY ALL""", head)
 
 
 def _route_page(table: pa.Table) -> RoutePage:
@@ -580,7 +595,8 @@ class StoreQueries:
                      step_to: int | None = None, tags: dict[str, str] | None = None, by_rank: bool = False,
                      token_modulo: int | None = None, sequence_modulo: int | None = None,
                      page_rows: int | None = None, slot_copies: SlotCopies | None = None,
-                     logits_key: bool = False, weight_order: int | None = None) -> Iterator[RouteGroups]:
+                     logits_key: bool = False, keyed: bool = False,
+                     weight_order: int | None = None) -> Iterator[RouteGroups]:
         """One layer's routes rows counted by what a per-token figure reads of them, a page of steps at a time.
 
         Rows that agree on their window (`step // window_steps`; 0 for None), `expert_ids`, `kept`
@@ -588,9 +604,9 @@ class StoreQueries:
         `sequence_modulo` m: sequence mod m, null as 0; `slot_copies`: each slot's copy number, an
         engine's choice of copy counted in the store; `logits_key`: whether the row's router logits are
         stored; `weight_order` E: the order of the gate weights of its kept slots of experts 0..E-1) are
-        one group; a figure that is a sum over tokens of a function of those columns is the
-        sum over groups of the function times the group's count, so DuckDB counts the rows and Python
-        sees a row per group (`RouteGroups`).
+        one group (with `RouteGroups.key` where `keyed` or `logits_key`); a figure that is a sum over
+        tokens of a function of those columns is the sum over groups of the function times the group's
+        count, so DuckDB counts the rows and Python sees a row per group (`RouteGroups`).
         Pages hold whole steps, about `page_rows` rows each (None: `GROUP_PAGE_ROWS`; more when one
         step holds more), and are counted in DuckDB one query each, so memory is bounded by the page
         whatever the run's length; groups come sorted (by window, keys, routing), so sums over them
@@ -608,7 +624,8 @@ class StoreQueries:
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
             logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
             query, query_params = keys.query(width, page_clause, page_params, slot_copies,
-                                             (logits_clause, logits_params) if logits_key else None, weight_order)
+                                             (logits_clause, logits_params) if logits_key else None, weight_order,
+                                             keyed or logits_key)
             table = self.arrow(query, query_params)
             ids = np.full((table.num_rows, width), -1, dtype=np.int64)
             kept = np.ones((table.num_rows, width), dtype=bool)
@@ -631,8 +648,16 @@ class StoreQueries:
                 sequence=table.column("sequence").to_numpy().astype(np.int32), copy=copy,
                 has_logits=table.column("logits").to_numpy(zero_copy_only=False).astype(bool) if logits_key
                 else None), table.column("n").to_numpy().astype(np.int64), steps[first:last + 1],
-                table.column("key").to_numpy().astype(np.int64) if logits_key else None,
+                table.column("key").to_numpy().astype(np.int64) if keyed or logits_key else None,
                 *(order or (None, None)))
+
+    def has_router_logits(self, run_id: str, layer: int, step_from: int | None = None,
+                          step_to: int | None = None) -> bool:
+        """Whether the run stored router logits of `layer` in steps `step_from` <= step < `step_to`."""
+        clause, params = where(run_id, layer, step_from, step_to)
+        found = self.sql(f"SELECT EXISTS (SELECT 1 FROM router_logits WHERE {clause} AND logits IS NOT NULL) AS x",
+                         params)
+        return bool(found.x.iloc[0])
 
     def rows_of_groups(self, run_id: str, layer: int, group_keys: Sequence[int], step_from: int | None = None,
                        step_to: int | None = None, tags: dict[str, str] | None = None, by_rank: bool = False,

@@ -208,19 +208,24 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         # is counted with its group; the others read their own gate weights and logits (`rows_of_groups`)
         # (as are those whose limited routing their gate weights' order decides, for a top-k of at most
         # WEIGHT_ORDER_TOP_K: the weights' order is then a key of the groups)
+        # (no token spans more than M nodes where the layout has at most M)
         one_by_one: list[int] = []
-        ordered = max_nodes is not None and pd.notna(row.top_k) and int(row.top_k) <= WEIGHT_ORDER_TOP_K
-        for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags,
-                                        logits_key=max_nodes is not None,
+        over = max_nodes is not None and layout.nodes > max_nodes
+        ordered = over and pd.notna(row.top_k) and int(row.top_k) <= WEIGHT_ORDER_TOP_K
+        logits_key = max_nodes is not None and store.has_router_logits(run_id, layer, step_from, step_to)
+        for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags, logits_key=logits_key,
+                                        keyed=over,
                                         weight_order=int(row.num_experts) if ordered else None, **keys[setup.home]):
             page = group.routes
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
             apart = np.zeros(len(home), dtype=bool)
             if max_nodes is not None:
-                assert page.has_logits is not None and group.key is not None
-                limited, apart = _limited_by_group(layout, group, home, fan, max_nodes)
-                one_by_one += group.key[apart].tolist()
+                has_logits = page.has_logits if page.has_logits is not None else np.zeros(len(home), dtype=bool)
+                limited, apart = _limited_by_group(layout, group, home, fan, has_logits, max_nodes)
+                if apart.any():
+                    assert group.key is not None  # a group is read apart only where it has a key
+                    one_by_one += group.key[apart].tolist()
             step_window = np.zeros_like(group.steps) if window_steps is None else group.steps // window_steps
             for key, pick in windows(group.window):
                 steps = group.steps[step_window == (key or 0)]
@@ -299,7 +304,7 @@ def _read_apart(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray
 
 
 def _limited_by_group(layout: wire.WireLayout, group, home: np.ndarray, fan: wire.TokenFanout,
-                      max_nodes: int) -> tuple[wire.NodeLimited, np.ndarray]:
+                      has_logits: np.ndarray, max_nodes: int) -> tuple[wire.NodeLimited, np.ndarray]:
     """(node-limited routing of a page of groups, the groups whose rows are read one by one instead:
     `_read_apart`). A group the order of its gate weights (`weight_rank`) decides moves the group's
     summed shares of the slots it loses."""
@@ -308,7 +313,7 @@ def _limited_by_group(layout: wire.WireLayout, group, home: np.ndarray, fan: wir
     valid = fan.dest >= 0
     ids = np.where(valid, page.expert_ids, -1)
     unchanged = wire.NodeLimited(np.zeros(n, dtype=bool), np.zeros(n), fan.remote_nodes, ids)
-    apart, decided = _read_apart(layout, fan, home, page.has_logits, max_nodes, group.weight_rank is not None)
+    apart, decided = _read_apart(layout, fan, home, has_logits, max_nodes, group.weight_rank is not None)
     if not decided.any():
         return unchanged, apart
     # weights in the same order, ties kept: the rule's choice of nodes is the same as on the rows' own
