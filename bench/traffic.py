@@ -27,7 +27,11 @@ the store's open (a `Store`: the snapshot, every file's footer and pages checked
 windows of 32 steps, the traffic of the layer it shows); and the token-by-token count the reports made
 before DuckDB counted the rows per group (`Store.routes_in_order` pages, `token_fanout` and a
 `TrafficTally` per page), on one layer, beside the grouped count of the same layer: the ratio is what
-counting where the data is buys. A table gives each figure's growth beside the growth in rows.
+counting where the data is buys; then the modes counted the same way since: the placement report under
+DeepSeek's EPLB with 8 redundant slots, with vLLM's and TensorRT-LLM's choice of copy (numbered in the
+store), and the traffic report under node-limited routing, at M = 1 on the one node of 8 ranks and on
+16 ranks in 2 nodes at M = 1 and 2 (the tokens over M nodes read row by row). A table gives each
+figure's growth beside the growth in rows.
 
     python bench/traffic.py --stores /tmp/scale/store-0-5000000,/tmp/scale/store-1-50000000
 """
@@ -162,14 +166,15 @@ def fleet(roots: list[str], repeat: int) -> None:
     from streamlit import logger as streamlit_logger
 
     from moescope.analyses.placement import Placement, placement_report
-    from moescope.analyses.traffic import Wire, default_home, node_layout, traffic_report
+    from moescope.analyses.traffic import Wire, default_home, eplb_placement, node_layout, traffic_report
     from moescope.dashboard.data import _placement_report, _placement_whatif, _traffic
     from moescope.metrics.placement import wire_layout
     from moescope.store import Store
 
     streamlit_logger.set_log_level("error")  # the page's caches warn when called outside a server, as here
     names = ["open", "placement --ranks 8", "traffic --ranks 8", "Placement page data", "traffic, 1 layer",
-             "token by token, 1 layer"]
+             "token by token, 1 layer", "placement, EPLB+8, vllm", "placement, EPLB+8, trtllm",
+             "traffic --max-nodes 1", "traffic 2 nodes, max 1", "traffic 2 nodes, max 2"]
     table: list[tuple[int, dict[str, tuple[float, float]]]] = []
     for root in roots:
         load = os.getloadavg()
@@ -197,13 +202,27 @@ def fleet(roots: list[str], repeat: int) -> None:
                     tally.add(layout, home, wire.token_fanout(layout, home, chunk.expert_ids, chunk.kept), chunk.step)
                 return tally.figures(4096)
 
+            # EPLB with 8 redundant slots on the 8 ranks: vLLM's and TensorRT-LLM's copy counted in the store
+            fitted = eplb_placement(store, run, 8, node_layout(8, 8), redundant=8)
+
+            def limited(ranks: int, max_nodes: int) -> Wire:  # node-limited routing, nodes of 8 ranks
+                return Wire(node_layout(ranks, 8), default_home(store, run), 4096, max_nodes=max_nodes)
+
             figures = {"open": opened}
             for name, fn in [("placement --ranks 8", lambda: placement_report(store, run, contiguous)),
                              ("traffic --ranks 8", lambda: traffic_report(store, run, contiguous, setup)),
                              ("Placement page data", page),
                              ("traffic, 1 layer", lambda: traffic_report(store, run, contiguous, setup,
                                                                          layers=[layer])),
-                             ("token by token, 1 layer", token_by_token)]:
+                             ("token by token, 1 layer", token_by_token),
+                             ("placement, EPLB+8, vllm", lambda: placement_report(store, run, fitted, dispatch="vllm")),
+                             ("placement, EPLB+8, trtllm",
+                              lambda: placement_report(store, run, fitted, dispatch="trtllm")),
+                             ("traffic --max-nodes 1", lambda: traffic_report(store, run, contiguous, limited(8, 1))),
+                             ("traffic 2 nodes, max 1", lambda: traffic_report(store, run, Placement.contiguous(16),
+                                                                               limited(16, 1))),
+                             ("traffic 2 nodes, max 2", lambda: traffic_report(store, run, Placement.contiguous(16),
+                                                                               limited(16, 2)))]:
                 w, c, result = timed(fn, repeat)
                 figures[name] = (w, c)
                 if name == "traffic, 1 layer":
@@ -215,7 +234,7 @@ def fleet(roots: list[str], repeat: int) -> None:
               f"{os.getloadavg()[0]:.1f} after; {os.cpu_count()} CPUs; median of {repeat})")
         print(f"{'':<28}{'wall s':>9}{'cpu s':>9}")
         for name in names:
-            print(f"{name:<28}{figures[name][0]:>9.2f}{figures[name][1]:>9.2f}")
+            print(f"{name:<28}{figures[name][0]:>9.2f}{figures[name][1]:>9.2f}", flush=True)
         ratio = figures["token by token, 1 layer"][1] / figures["traffic, 1 layer"][1]
         print(f"token by token / grouped, one layer: {ratio:.1f}x the CPU")
     if len(table) > 1:

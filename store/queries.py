@@ -14,7 +14,7 @@ an E x E matrix). Conventions shared by every query:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -86,6 +86,37 @@ class RoutePage:
     sequence: np.ndarray | None = None  # (rows,) int32 batch row, read with `weights=True`
     gate_weights: np.ndarray | None = None  # (rows, k) float32, 0 on padding, read with `weights=True`
     logits: np.ndarray | None = None  # (rows, E) float32 router logits, NaN where none was kept, `logits=True`
+    copy: np.ndarray | None = None  # (rows, k) int64 copy number of each slot's expert, `SlotCopies`
+    has_logits: np.ndarray | None = None  # (rows,) bool: a `router_logits` row holds the row's logits
+
+
+@dataclass(frozen=True)
+class SlotCopies:
+    """Which copy of its expert each slot of a routes row takes, numbered where the rows are
+    (`StoreQueries.route_groups`): copy number = counter mod copies[expert] for a kept slot whose
+    expert (0 <= e < len(copies)) has more than one copy; 0 for every other slot.
+
+    The counters, each an engine's (`moescope.metrics.dispatch.COPY_COUNTERS` names which):
+    "position", the slot's flat place in its forward's top-k ids, token * k + slot (k: the layer's
+    top-k, its longest `expert_ids`); "block", block + n, plus the row's rank mod `rank_modulo` where
+    given, with block = (token * k + slot) // `block_slots` and n the number of kept slots of the same
+    expert before it in its (step, rank, block), in (token, slot) order (a window over the page's slots,
+    after which a row is a (step, rank, token) again: a layer records one row per token of a forward
+    and rank).
+    """
+
+    copies: tuple[int, ...]
+    counter: str = "position"
+    block_slots: int = 1024
+    rank_modulo: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.counter not in ("position", "block"):
+            raise ValueError(f"unknown copy counter {self.counter!r}: position or block")
+        if self.block_slots < 1 or (self.rank_modulo is not None and self.rank_modulo < 1):
+            raise ValueError("block_slots and rank_modulo must be at least 1")
+        if any(int(c) < 0 for c in self.copies):
+            raise ValueError("copy counts cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -94,14 +125,25 @@ class RouteGroups:
 
     `routes` has one row per group: `step` holds the group's window (step // window_steps; 0 for the
     whole run), `rank`, `token` and `sequence` the keys asked for (0 where not asked), `expert_ids` and
-    `kept` as `RoutePage` reads them; `count` (groups,) int64 the rows each group stands for; `steps`
-    the page's steps that hold rows of the layer (sorted), for the figures that count forwards.
+    `kept` as `RoutePage` reads them, `copy` each slot's copy number where `SlotCopies` were asked for;
+    `count` (groups,) int64 the rows each group stands for; `steps` the page's steps that hold rows of
+    the layer (sorted), for the figures that count forwards. With `logits_key`: `routes.has_logits`, the
+    group's rows have router logits stored (a key too). With `keyed` or `logits_key`: `key` (groups,)
+    int64 the group's key apart from its window, by which `StoreQueries.rows_of_groups` reads a group's
+    rows back one by one.
+    With `weight_order`: `weight_rank` (groups, k) int64, each slot's place among the row's kept slots of
+    experts 0..E-1 by gate weight (1 + the slots heavier: equal weights, equal places; a NaN or missing
+    weight is 0; 0 for the other slots), a key too; and `weight_share` (groups, k) float64, the sum over the
+    group's rows of each such slot's share of the row's weight on them (0 where that is 0).
     """
 
     window: np.ndarray
     routes: RoutePage
     count: np.ndarray
     steps: np.ndarray
+    key: np.ndarray | None = None
+    weight_rank: np.ndarray | None = None
+    weight_share: np.ndarray | None = None
 
 
 def _padded(column: pa.ChunkedArray | pa.Array, fill: float, dtype: type) -> np.ndarray:
@@ -116,6 +158,142 @@ def _padded(column: pa.ChunkedArray | pa.Array, fill: float, dtype: type) -> np.
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         out[rows, np.arange(values.size) - starts] = values
     return out
+
+
+def _step_pages(sizes: np.ndarray, page_rows: int) -> Iterator[tuple[int, int]]:
+    """(first, last) indexes of consecutive steps holding about `page_rows` rows together (a step alone
+    when it holds more)."""
+    ends = np.cumsum(sizes)
+    first = 0
+    while first < len(sizes):
+        last = max(first, int(np.searchsorted(ends, ends[first] - sizes[first] + page_rows, side="right")) - 1)
+        yield first, last
+        first = last + 1
+
+
+@dataclass(frozen=True)
+class _GroupKeys:
+    """The SQL of `StoreQueries.route_groups`' keys: the window, then the recorded rank, token and sequence
+    keys asked for (0 where not); `params` are the values of their placeholders, in that order."""
+
+    window_steps: int | None
+    by_rank: bool
+    token_modulo: int | None
+    sequence_modulo: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("window_steps", "token_modulo", "sequence_modulo"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
+
+    @property
+    def window(self) -> str:
+        return "0::BIGINT" if self.window_steps is None else "step // ?"
+
+    @property
+    def others(self) -> list[str]:
+        """The rank, token and sequence keys' expressions."""
+        return ["rank" if self.by_rank else "0::INTEGER",
+                "0::INTEGER" if self.token_modulo is None else "token % ?",
+                "0::INTEGER" if self.sequence_modulo is None else "coalesce(sequence, 0) % ?"]
+
+    @property
+    def params(self) -> list[int]:
+        return [int(v) for v in (self.window_steps, self.token_modulo, self.sequence_modulo) if v is not None]
+
+    @staticmethod
+    def hash(keys: list[str], width: int, ids: str, kept: str) -> str:
+        """A group's key apart from its window: a 63-bit hash of its rank, token and sequence keys and its
+        slots (`ids` and `kept` format slot `{j}`, 0-based, and `{j1}`, 1-based)."""
+        slots = [part.format(j=j, j1=j + 1) for j in range(width) for part in (ids, kept)]
+        return f"(hash({', '.join([*keys, *slots])}) >> 1)::BIGINT"
+
+    def query(self, width: int, clause: str, params: list, slot_copies: SlotCopies | None,
+              logits: tuple[str, list] | None, weight_order: int | None = None,
+              keyed: bool = False) -> tuple[str, list]:
+        """The grouping query over one page's rows under `clause` (with `params`), and all its parameters;
+        `logits`: the clause (and parameters) of the `router_logits` rows that mark a row's logits stored;
+        `weight_order` E: the gate weights' order as keys, their shares as sums (`RouteGroups`)."""
+        rank_key, token_key, sequence_key = self.others
+        mark, mark_params = "", []
+        if logits is not None:
+            mark = f"""LEFT JOIN (SELECT DISTINCT step, rank, token, true AS lg FROM router_logits
+                                  WHERE {logits[0]} AND logits IS NOT NULL) l USING (step, rank, token)"""
+            mark_params = logits[1]
+        rows = f"""r AS (SELECT step, rank, token, {self.window} AS w, {rank_key} AS rk, {token_key} AS tk,
+                               {sequence_key} AS sk, expert_ids, kept, gate_weights,
+                               {"coalesce(lg, false)" if logits is not None else "false"} AS lg
+                        FROM routes {mark} WHERE {clause})"""
+        head = [[int(c) for c in (slot_copies.copies if slot_copies is not None else ())],
+                *self.params, *mark_params, *params]
+        experts = 0 if slot_copies is None else len(slot_copies.copies)
+        if slot_copies is None or slot_copies.counter == "position":
+            ids, kept = "expert_ids[{j1}]", "kept[{j1}]"
+            slots = "".join(f", {ids.format(j1=j + 1)} AS e{j}, {kept.format(j1=j + 1)} AS k{j}" for j in range(width))
+            if slot_copies is not None:
+                slots += "".join(f""", CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0
+                                        AND {experts - 1} AND cp.copies[expert_ids[{j + 1}] + 1] > 1
+                                   THEN (token * {width} + {j}) % cp.copies[expert_ids[{j + 1}] + 1] ELSE 0 END
+                                   AS c{j}""" for j in range(width))
+            key = "" if not keyed else f", {self.hash(['rk', 'tk', 'sk'], width, ids, kept)} AS key"
+            sums, source = "", "r"
+            if weight_order is not None:
+                # a slot's weight where it counts (a kept slot of a routed expert; NaN or missing: 0), else NULL,
+                # once per row (v{j}), and their sum (vt)
+                weight = ", ".join(f"""(CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0
+                                    AND {int(weight_order) - 1} THEN CASE WHEN isnan(coalesce(gate_weights[{j + 1}], 0))
+                                    THEN 0 ELSE coalesce(gate_weights[{j + 1}], 0) END::DOUBLE END) AS v{j}"""
+                                   for j in range(width))
+                total = " + ".join(f"coalesce(v{j}, 0)" for j in range(width)) or "0"
+                source = (f"(SELECT *, {total} AS vt FROM (SELECT *{', ' if width else ''}{weight} FROM r))")
+                # its place: 1 + the slots heavier than it (equal weights, equal places; the order is all
+                # that counts, so places need not be consecutive)
+                slots += "".join(
+                    f", CASE WHEN v{j} IS NULL THEN 0 ELSE 1"
+                    + "".join(f" + coalesce((v{i} > v{j})::INTEGER, 0)" for i in range(width) if i != j)
+                    + f" END AS o{j}" for j in range(width))
+                sums = "".join(f", sum(CASE WHEN vt > 0 THEN coalesce(v{j}, 0) / vt ELSE 0 END) AS s{j}"
+                               for j in range(width))
+            return (f"""WITH cp AS (SELECT ?::INTEGER[] AS copies), {rows}
+                        SELECT w, rk AS rank, tk AS token, sk AS sequence{slots}, lg AS logits{key}{sums},
+                               count(*)::BIGINT AS n
+                        FROM {source}, cp GROUP BY ALL ORDER BY ALL""", head)
+        if weight_order is not None:
+            raise ValueError("weight_order goes with the position counter or none")
+        # the block counter: a slot's place among the earlier kept slots of its expert in its (step, rank,
+        # block), a window over the slots of the experts with copies alone; a row without one is grouped
+        # as it is, a row with one is a row again after the window (a row per (step, rank, token))
+        offset = "0" if slot_copies.rank_modulo is None else f"rank % {int(slot_copies.rank_modulo)}"
+        copies_of = [f"""CASE WHEN coalesce(kept[{j + 1}], true) AND expert_ids[{j + 1}] BETWEEN 0 AND {experts - 1}
+                          THEN cp.copies[expert_ids[{j + 1}] + 1] ELSE 0 END""" for j in range(width)]
+        scalars = "".join(f", expert_ids[{j + 1}] AS e{j}, kept[{j + 1}] AS k{j}, {copies_of[j]} AS n{j}"
+                          for j in range(width))
+        keys = "w, rk, tk, sk, lg" + "".join(f", e{j}, k{j}" for j in range(width))
+
+        def slot(name: str) -> str:  # the slot's own of the row's per-slot columns
+            return "CASE j " + " ".join(f"WHEN {j} THEN {name}{j}" for j in range(width)) + " END"
+        pivot = "".join(f", any_value(e{j}) AS e{j}, any_value(k{j}) AS k{j}, max(c) FILTER (WHERE j = {j}) AS c{j}"
+                        for j in range(width))
+        slots = "".join(f", e{j}, k{j}, coalesce(c{j}, 0) AS c{j}" for j in range(width))
+        key = "" if not keyed else f", {self.hash(['rk', 'tk', 'sk'], width, 'e{j}', 'k{j}')} AS key"
+        return (f"""
+            WITH cp AS (SELECT ?::INTEGER[] AS copies), {rows},
+                 x AS (SELECT step, rank, token, w, rk, tk, sk, lg{scalars} FROM r, cp),
+                 s AS (SELECT *, unnest(range({width})) AS j FROM x
+                       WHERE greatest({", ".join(f"n{j}" for j in range(width)) or "0"}, 0) > 1),
+                 v AS (SELECT *, {slot("n")} AS ne, (token * {width} + j) // {int(slot_copies.block_slots)} AS block,
+                              {slot("e")} AS e FROM s),
+                 c AS (SELECT *, (block + {offset} + row_number() OVER (
+                                  PARTITION BY step, rank, block, e ORDER BY token, j) - 1) % ne AS c
+                       FROM v WHERE ne > 1),
+                 t AS (SELECT any_value(w) AS w, any_value(rk) AS rk, any_value(tk) AS tk, any_value(sk) AS sk,
+                              any_value(lg) AS lg{pivot} FROM c GROUP BY step, rank, token),
+                 u AS (SELECT {keys}{"".join(f", NULL::BIGINT AS c{j}" for j in range(width))} FROM x
+                       WHERE greatest({", ".join(f"n{j}" for j in range(width)) or "0"}, 0) <= 1
+                       UNION ALL BY NAME SELECT * FROM t)
+            SELECT w, rk AS rank, tk AS token, sk AS sequence{slots}, lg AS logits{key}, count(*)::BIGINT AS n
+            FROM u GROUP BY ALL ORDER BY ALL""", head)
 
 
 def _route_page(table: pa.Table) -> RoutePage:
@@ -416,14 +594,19 @@ class StoreQueries:
     def route_groups(self, run_id: str, layer: int, window_steps: int | None = None, step_from: int | None = None,
                      step_to: int | None = None, tags: dict[str, str] | None = None, by_rank: bool = False,
                      token_modulo: int | None = None, sequence_modulo: int | None = None,
-                     page_rows: int | None = None) -> Iterator[RouteGroups]:
+                     page_rows: int | None = None, slot_copies: SlotCopies | None = None,
+                     logits_key: bool = False, keyed: bool = False,
+                     weight_order: int | None = None) -> Iterator[RouteGroups]:
         """One layer's routes rows counted by what a per-token figure reads of them, a page of steps at a time.
 
         Rows that agree on their window (`step // window_steps`; 0 for None), `expert_ids`, `kept`
         and the keys asked for (`by_rank`: the recorded rank; `token_modulo` m: token mod m;
-        `sequence_modulo` m: sequence mod m, null as 0) are one group; a figure that is a sum over
-        tokens of a function of those columns is the sum over groups of the function times the
-        group's count, so DuckDB counts the rows and Python sees a row per group (`RouteGroups`).
+        `sequence_modulo` m: sequence mod m, null as 0; `slot_copies`: each slot's copy number, an
+        engine's choice of copy counted in the store; `logits_key`: whether the row's router logits are
+        stored; `weight_order` E: the order of the gate weights of its kept slots of experts 0..E-1) are
+        one group (with `RouteGroups.key` where `keyed` or `logits_key`); a figure that is a sum over
+        tokens of a function of those columns is the sum over groups of the function times the group's
+        count, so DuckDB counts the rows and Python sees a row per group (`RouteGroups`).
         Pages hold whole steps, about `page_rows` rows each (None: `GROUP_PAGE_ROWS`; more when one
         step holds more), and are counted in DuckDB one query each, so memory is bounded by the page
         whatever the run's length; groups come sorted (by window, keys, routing), so sums over them
@@ -434,47 +617,87 @@ class StoreQueries:
         page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
         if page_rows < 1:
             raise ValueError(f"page_rows must be at least 1, not {page_rows}")
-        for name, value in (("window_steps", window_steps), ("token_modulo", token_modulo),
-                            ("sequence_modulo", sequence_modulo)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value}")
+        keys = _GroupKeys(window_steps, by_rank, token_modulo, sequence_modulo)
         clause, params = where(run_id, layer, step_from, step_to, tags)
-        counts = self.sql(f"""SELECT step, count(*)::BIGINT AS n, coalesce(max(len(expert_ids)), 0) AS k
-                              FROM routes WHERE {clause} GROUP BY step ORDER BY step""", params)
-        steps, sizes = counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64)
-        width = int(counts.k.max()) if len(counts) else 0
-        keys, key_params = ["0::BIGINT" if window_steps is None else "step // ?"], []
-        key_params += [] if window_steps is None else [int(window_steps)]
-        keys.append("rank" if by_rank else "0::INTEGER")
-        keys.append("0::INTEGER" if token_modulo is None else "token % ?")
-        key_params += [] if token_modulo is None else [int(token_modulo)]
-        keys.append("0::INTEGER" if sequence_modulo is None else "coalesce(sequence, 0) % ?")
-        key_params += [] if sequence_modulo is None else [int(sequence_modulo)]
-        # a slot per column (grouping on scalars is cheaper than on lists): a missing slot is NULL,
-        # read as padding (-1) and as kept where the source recorded no drops, as `RoutePage` reads lists
-        slots = "".join(f", expert_ids[{j + 1}] AS e{j}, kept[{j + 1}] AS k{j}" for j in range(width))
-        ends = np.cumsum(sizes)
-        first = 0
-        while first < len(steps):
-            # the last step whose rows still fit the page (the first step alone when it does not)
-            last = max(first, int(np.searchsorted(ends, ends[first] - sizes[first] + page_rows, side="right")) - 1)
+        steps, sizes, width = self._step_sizes(clause, params)
+        for first, last in _step_pages(sizes, page_rows):
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
-            table = self.arrow(f"""
-                SELECT {keys[0]} AS w, {keys[1]} AS rank, {keys[2]} AS token, {keys[3]} AS sequence{slots},
-                       count(*)::BIGINT AS n
-                FROM routes WHERE {page_clause} GROUP BY ALL ORDER BY ALL""", [*key_params, *page_params])
+            logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
+            query, query_params = keys.query(width, page_clause, page_params, slot_copies,
+                                             (logits_clause, logits_params) if logits_key else None, weight_order,
+                                             keyed or logits_key)
+            table = self.arrow(query, query_params)
             ids = np.full((table.num_rows, width), -1, dtype=np.int64)
             kept = np.ones((table.num_rows, width), dtype=bool)
+            copy = np.zeros((table.num_rows, width), dtype=np.int64) if slot_copies is not None else None
             for j in range(width):
                 ids[:, j] = table.column(f"e{j}").fill_null(-1).to_numpy().astype(np.int64)
                 kept[:, j] = table.column(f"k{j}").fill_null(True).to_numpy(zero_copy_only=False)
+                if copy is not None:
+                    copy[:, j] = table.column(f"c{j}").fill_null(0).to_numpy().astype(np.int64)
             window = table.column("w").to_numpy().astype(np.int64)
+            order = None
+            if weight_order is not None:
+                order = (np.zeros((table.num_rows, width), dtype=np.int64), np.zeros((table.num_rows, width)))
+                for j in range(width):
+                    order[0][:, j] = table.column(f"o{j}").to_numpy().astype(np.int64)
+                    order[1][:, j] = table.column(f"s{j}").to_numpy().astype(np.float64)
             yield RouteGroups(window, RoutePage(
                 step=window, rank=table.column("rank").to_numpy().astype(np.int32),
                 token=table.column("token").to_numpy().astype(np.int32), expert_ids=ids, kept=kept & (ids >= 0),
-                sequence=table.column("sequence").to_numpy().astype(np.int32)),
-                table.column("n").to_numpy().astype(np.int64), steps[first:last + 1])
-            first = last + 1
+                sequence=table.column("sequence").to_numpy().astype(np.int32), copy=copy,
+                has_logits=table.column("logits").to_numpy(zero_copy_only=False).astype(bool) if logits_key
+                else None), table.column("n").to_numpy().astype(np.int64), steps[first:last + 1],
+                table.column("key").to_numpy().astype(np.int64) if keyed or logits_key else None,
+                *(order or (None, None)))
+
+    def has_router_logits(self, run_id: str, layer: int, step_from: int | None = None,
+                          step_to: int | None = None) -> bool:
+        """Whether the run stored router logits of `layer` in steps `step_from` <= step < `step_to`."""
+        clause, params = where(run_id, layer, step_from, step_to)
+        found = self.sql(f"SELECT EXISTS (SELECT 1 FROM router_logits WHERE {clause} AND logits IS NOT NULL) AS x",
+                         params)
+        return bool(found.x.iloc[0])
+
+    def rows_of_groups(self, run_id: str, layer: int, group_keys: Sequence[int], step_from: int | None = None,
+                       step_to: int | None = None, tags: dict[str, str] | None = None, by_rank: bool = False,
+                       token_modulo: int | None = None, sequence_modulo: int | None = None,
+                       page_rows: int | None = None) -> Iterator[RoutePage]:
+        """The routes rows of the groups `route_groups(logits_key=True)` gave the keys `group_keys`
+        (`RouteGroups.key`, with the same keys asked for), and every row whose router logits are stored,
+        one by one with their gate weights, sequence and logits (as `routes_in_order(weights=True,
+        logits=True)` reads them; `RoutePage.has_logits` too), in no set order, a page of steps at a time.
+        A row of another group may come too where two keys collide (the key is a 63-bit hash): a caller
+        tells its rows by their routing. Raises ValueError for page_rows or a modulo below 1."""
+        page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        keys = _GroupKeys(None, by_rank, token_modulo, sequence_modulo)
+        clause, params = where(run_id, layer, step_from, step_to, tags)
+        steps, sizes, width = self._step_sizes(clause, params)
+        wanted = [int(k) for k in group_keys]
+        for first, last in _step_pages(sizes, page_rows):
+            page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
+            logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
+            table = self.arrow(f"""
+                WITH r AS (SELECT step, rank, token, expert_ids, kept, coalesce(sequence, 0) AS sequence, gate_weights,
+                                  {keys.hash(keys.others, width, "expert_ids[{j1}]", "kept[{j1}]")} AS key
+                           FROM routes WHERE {page_clause}),
+                     l AS (SELECT step, rank, token, any_value(logits) AS logits FROM router_logits
+                           WHERE {logits_clause} AND logits IS NOT NULL GROUP BY step, rank, token)
+                SELECT r.step, r.rank, r.token, r.expert_ids, r.kept, r.sequence, r.gate_weights, l.logits
+                FROM r LEFT JOIN l USING (step, rank, token)
+                WHERE l.logits IS NOT NULL OR r.key IN (SELECT unnest(?::BIGINT[]))""",
+                [*keys.params, *page_params, *logits_params, wanted])
+            yield replace(_route_page(table), has_logits=table.column("logits").is_valid().to_numpy(
+                zero_copy_only=False))
+
+    def _step_sizes(self, clause: str, params: list) -> tuple[np.ndarray, np.ndarray, int]:
+        """(steps, rows of each, the longest expert_ids list) of the routes rows under `clause`."""
+        counts = self.sql(f"""SELECT step, count(*)::BIGINT AS n, coalesce(max(len(expert_ids)), 0) AS k
+                              FROM routes WHERE {clause} GROUP BY step ORDER BY step""", params)
+        width = int(counts.k.max()) if len(counts) else 0
+        return counts.step.to_numpy(np.int64), counts.n.to_numpy(np.int64), width
 
     # -- breakdowns and comparisons ------------------------------------------------------------
 

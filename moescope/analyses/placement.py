@@ -16,9 +16,8 @@ engine and the Prometheus exporter read the same definition; the names that live
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,14 +27,15 @@ import pandas as pd
 from moescope.core.lazy import lazy_exports
 from moescope.metrics import signals
 from moescope.metrics.dispatch import (
+    COPY_COUNTERS,
     DISPATCH,
     ENGINE_OF_SOURCE,
-    TRTLLM_BLOCK_SLOTS,  # noqa: F401  (here before issue 46, as are the three below)
+    TRTLLM_BLOCK_SLOTS,
     check_dispatch,
     slot_ranks,
 )
 from moescope.metrics.placement import (
-    DEFAULT_KEY,  # noqa: F401
+    DEFAULT_KEY,  # noqa: F401  (here before issue 46, as are the two below)
     Placement,
     PlacementError,
     RankExperts,  # noqa: F401
@@ -46,6 +46,7 @@ from moescope.metrics.placement import (
 )
 from moescope.metrics.ranks import expected_rank_tokens
 from moescope.store import Store
+from moescope.store.queries import SlotCopies
 
 _WHATIF = ("CANDIDATES", "WHATIF_COLUMNS", "WhatIfReport", "WhatIfSetup", "default_ranks", "placement_whatif",
            "why_placements_coincide", "write_whatif")
@@ -68,8 +69,6 @@ __all__ = ["REPORT_COLUMNS", "TOP_EXPERTS", "PlacementReport", "dispatch_of_run"
            "placement_report", "rank_tokens", "read_placement", "read_recorded_map"]
 
 TOP_EXPERTS = 3
-MAX_TOKEN_PERIOD = 4096  # vLLM's copy cycle (lcm of copy counts) up to which its rows are grouped
-TOKEN_PAGE_ROWS = 1 << 21  # routes rows read at once where a dispatch is followed token by token
 
 
 def read_placement(path: str, ranks: int | None = None) -> Placement:
@@ -120,22 +119,20 @@ def dispatch_of_run(store: Store, run_id: str) -> str:
 
 
 def _route_keys(placement: Placement, layer: int, num_experts: int, dispatch: str,
-                homes_known: bool) -> dict[str, Any] | None:
+                homes_known: bool) -> dict[str, Any]:
     """What `slot_ranks` reads of a routes row besides its routing, as `Store.route_groups` keys: nothing
     where every expert has one copy (every rule sends a slot to it) or the copy is drawn apart from the
     token (even, SGLang dynamic, SGLang static of unknown homes); the recorded rank for SGLang static
-    of known homes; the token's place modulo the copies' least common multiple for vLLM (its copy is
-    (token * k + slot) mod copies). None for TensorRT-LLM's rule, which counts the expert's earlier
-    slots in the token's block: read token by token."""
+    of known homes; each slot's copy number, counted in the store, for vLLM and TensorRT-LLM
+    (`COPY_COUNTERS`)."""
     copies = np.bincount(placement.slots(layer, num_experts)[1], minlength=num_experts)
     if int(copies.max(initial=1)) <= 1 or dispatch in ("even", "sglang-dynamic"):
         return {}
     if dispatch == "sglang-static":
         return {"by_rank": True} if homes_known else {}
-    if dispatch == "vllm":
-        period = math.lcm(*(int(c) for c in np.unique(copies[copies > 0])))
-        return {"token_modulo": period} if period <= MAX_TOKEN_PERIOD else None
-    return None
+    counter, by_rank = COPY_COUNTERS[dispatch]
+    return {"slot_copies": SlotCopies(tuple(int(c) for c in copies), counter, TRTLLM_BLOCK_SLOTS,
+                                      placement.ranks if by_rank else None)}
 
 
 def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Mapping[int, int], dispatch: str,
@@ -144,9 +141,9 @@ def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Map
     """{layer: {window_start (None: the run): (tokens [R], slots [R])}} from the routes rows of the
     layers in `experts_of` ({layer: its routed experts}): the distinct tokens and the slots each rank
     serves (`moescope.metrics.ranks.expected_rank_tokens`). DuckDB counts the rows per window and
-    routing (`Store.route_groups`, with the keys the dispatch reads: `_route_keys`) and the figures are
-    computed once per group; TensorRT-LLM's dispatch of redundant experts reads the rows token by
-    token, a page of steps at a time. Empty without routes; `progress` shows a bar."""
+    routing (`Store.route_groups`, with the keys the dispatch reads: `_route_keys`, each slot's copy
+    number for vLLM and TensorRT-LLM) and the figures are computed once per group. Empty without
+    routes; `progress` shows a bar."""
     from tqdm import tqdm
 
     out: dict[int, dict] = {}
@@ -156,20 +153,12 @@ def rank_tokens(store: Store, run_id: str, placement: Placement, experts_of: Map
     for layer in tqdm(sorted(experts_of), desc="tokens per rank", unit="layer", disable=not progress,
                       leave=False):
         keys = _route_keys(placement, layer, experts_of[layer], dispatch, homes_known)
-        pages: Iterable[tuple[Any, np.ndarray, np.ndarray | None]]
-        if keys is not None:
-            pages = ((group.routes, group.window, group.count)
-                     for group in store.route_groups(run_id, layer, window_steps, tags=tags, **keys))
-        else:
-            pages = ((page, np.zeros(len(page.step), dtype=np.int64) if window_steps is None
-                      else page.step // window_steps, None)
-                     for page in store.routes_in_order(run_id, layer, tags=tags, page_rows=TOKEN_PAGE_ROWS))
         sums: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
-        for page, windows, counts in pages:
-            found = slot_ranks(page, placement, layer, experts_of[layer], dispatch, homes_known)
-            starts, group = np.unique(windows, return_inverse=True)
-            tokens, slots = expected_rank_tokens(found.row, found.rank, found.prob, ranks, group, len(starts),
-                                                 found.unknown_home, counts)
+        for group in store.route_groups(run_id, layer, window_steps, tags=tags, **keys):
+            found = slot_ranks(group.routes, placement, layer, experts_of[layer], dispatch, homes_known)
+            starts, index = np.unique(group.window, return_inverse=True)
+            tokens, slots = expected_rank_tokens(found.row, found.rank, found.prob, ranks, index, len(starts),
+                                                 found.unknown_home, group.count)
             for i, start in enumerate(starts):
                 key = None if window_steps is None else int(start) * window_steps
                 before = sums.get(key, (0.0, 0.0))

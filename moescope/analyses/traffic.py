@@ -13,7 +13,7 @@ records) and any other `Placement` (the EPLB what-if).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,9 @@ from moescope.metrics.placement import Placement, PlacementError, contiguous_lay
 from moescope.store import Store
 
 DEFAULT_RANKS_PER_NODE = wire.DEFAULT_RANKS_PER_NODE
+# node-limited routing: the largest top-k whose gate weights' order is a key of the routes groups (k!
+# orders at most: beyond, the groups would stand for few rows each)
+WEIGHT_ORDER_TOP_K = 4
 # bytes per element of the hidden state by the model config's torch_dtype
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
 # DeepEP's fp8 dispatch sends with each token one float32 scale per 128 elements of its hidden state
@@ -185,50 +188,73 @@ def traffic_report(store: Store, run_id: str, placement: Placement, setup: Wire,
         tallies: dict[int | None, wire.TrafficTally] = {}
         slot_sends: dict[int | None, wire.TrafficTally] = {}  # low-latency mode: a send per remote slot
 
-        def count(key: int | None, home: np.ndarray, fan: wire.TokenFanout, steps: np.ndarray,
-                  limited: wire.NodeLimited | None, counts: np.ndarray | None) -> None:
-            tallies.setdefault(key, wire.TrafficTally.for_layout(layout)).add(layout, home, fan, steps, limited,
-                                                                              counts)
-            if setup.mode == "low-latency":
-                slot_sends.setdefault(key, wire.TrafficTally.for_layout(layout)).add(
-                    layout, *_per_slot(layout, home, fan, steps, counts))
+        def tally(key: int | None) -> wire.TrafficTally:
+            return tallies.setdefault(key, wire.TrafficTally.for_layout(layout))
 
-        if setup.max_nodes is None:
-            # every figure is a sum over tokens of a function of (home, kept top-k): DuckDB counts the
-            # rows per (window, home key, routing) and the fan-out is computed once per group
-            keys: dict[str, dict[str, Any]] = {"recorded": dict(by_rank=True),
-                                               "sequence": dict(sequence_modulo=layout.ranks),
-                                               "token": dict(token_modulo=layout.ranks)}
-            if setup.home not in keys:
-                wire.home_ranks(setup.home, layout.ranks, np.zeros(0), None, np.zeros(0))  # its error
-            for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags,
-                                            **keys[setup.home]):
-                page = group.routes
-                home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
-                fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
-                step_window = np.zeros_like(group.steps) if window_steps is None else group.steps // window_steps
-                for key in np.unique(group.window):
-                    pick = group.window == key
-                    count(None if window_steps is None else int(key), home[pick], _select(fan, pick),
-                          group.steps[step_window == key], None, group.count[pick])
+        def windows(keys_of: np.ndarray) -> Iterator[tuple[int | None, np.ndarray]]:
+            for key in np.unique(keys_of):
+                yield None if window_steps is None else int(key), keys_of == key
+
+        # every figure is a sum over tokens of a function of (home, kept top-k): DuckDB counts the rows
+        # per (window, home key, routing) and the fan-out is computed once per group
+        keys: dict[str, dict[str, Any]] = {"recorded": dict(by_rank=True),
+                                           "sequence": dict(sequence_modulo=layout.ranks),
+                                           "token": dict(token_modulo=layout.ranks)}
+        if setup.home not in keys:
+            wire.home_ranks(setup.home, layout.ranks, np.zeros(0), None, np.zeros(0))  # its error
         max_nodes = setup.max_nodes
-        # node-limited routing reads each token's own gate weights and router logits: token by token
-        pages = (store.routes_in_order(run_id, layer, step_from, step_to, tags=tags, weights=True, logits=True)
-                 if max_nodes is not None else ())
-        for page in pages:
-            assert max_nodes is not None
+        # node-limited routing: a token whose kept experts span at most M nodes and whose router logits
+        # were not stored keeps its routing (the kept-weights rule changes only tokens over M nodes), so it
+        # is counted with its group; the others read their own gate weights and logits (`rows_of_groups`)
+        # (as are those whose limited routing their gate weights' order decides, for a top-k of at most
+        # WEIGHT_ORDER_TOP_K: the weights' order is then a key of the groups)
+        # (no token spans more than M nodes where the layout has at most M)
+        one_by_one: list[int] = []
+        over = max_nodes is not None and layout.nodes > max_nodes
+        ordered = over and pd.notna(row.top_k) and int(row.top_k) <= WEIGHT_ORDER_TOP_K
+        logits_key = max_nodes is not None and store.has_router_logits(run_id, layer, step_from, step_to)
+        for group in store.route_groups(run_id, layer, window_steps, step_from, step_to, tags, logits_key=logits_key,
+                                        keyed=over,
+                                        weight_order=int(row.num_experts) if ordered else None, **keys[setup.home]):
+            page = group.routes
             home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
             fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
-            weights = page.gate_weights if page.gate_weights is not None else np.zeros(page.expert_ids.shape)
-            limited = _node_limited(layout, fan, home, page, weights, max_nodes, row.family)
-            keys_of = np.zeros(len(home), dtype=np.int64) if window_steps is None else page.step // window_steps
-            for key in np.unique(keys_of):
-                pick = keys_of == key
-                count(None if window_steps is None else int(key), home[pick], _select(fan, pick), page.step[pick],
-                      _select_limited(limited, pick), None)
+            apart = np.zeros(len(home), dtype=bool)
+            if max_nodes is not None:
+                has_logits = page.has_logits if page.has_logits is not None else np.zeros(len(home), dtype=bool)
+                limited, apart = _limited_by_group(layout, group, home, fan, has_logits, max_nodes)
+                if apart.any():
+                    assert group.key is not None  # a group is read apart only where it has a key
+                    one_by_one += group.key[apart].tolist()
+            step_window = np.zeros_like(group.steps) if window_steps is None else group.steps // window_steps
+            for key, pick in windows(group.window):
+                steps = group.steps[step_window == (key or 0)]
+                tally(key).add(layout, home[pick], _select(fan, pick), steps, None, group.count[pick])
+                if setup.mode == "low-latency":
+                    slot_sends.setdefault(key, wire.TrafficTally.for_layout(layout)).add(
+                        layout, *_per_slot(layout, home[pick], _select(fan, pick), steps, group.count[pick]))
+                if max_nodes is not None:
+                    grouped = pick & ~apart
+                    tally(key).add_limited(layout, home[grouped], _select_limited(limited, grouped),
+                                           group.count[grouped])
+        if max_nodes is not None and one_by_one:
+            for page in store.rows_of_groups(run_id, layer, sorted(set(one_by_one)), step_from, step_to, tags,
+                                             **keys[setup.home]):
+                home = wire.home_ranks(setup.home, layout.ranks, page.rank, page.sequence, page.token)
+                fan = wire.token_fanout(layout, home, page.expert_ids, page.kept)
+                assert page.has_logits is not None
+                mine = _read_apart(layout, fan, home, page.has_logits, max_nodes, ordered)[0]  # not in a group
+                keys_of = np.zeros(len(home), dtype=np.int64) if window_steps is None else page.step // window_steps
+                for rule, which in _limit_rules(layout, page, mine).items():
+                    if not which.any():
+                        continue
+                    limited = _node_limited(layout, _select(fan, which), home[which], page, which, max_nodes,
+                                            row.family, rule)
+                    for key, pick in windows(keys_of[which]):
+                        tally(key).add_limited(layout, home[which][pick], _select_limited(limited, pick))
         width = window_steps or 0
-        for key, tally in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-            figures = tally.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
+        for key, counted in sorted(tallies.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            figures = counted.figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
             if key in slot_sends:
                 sent = slot_sends[key].figures(setup.hidden_size, setup.dispatch_wire_bytes, setup.combine_bytes)
                 figures.update({name: sent[name] for name in SEND_COLUMNS})
@@ -256,16 +282,81 @@ def _per_slot(layout, home: np.ndarray, fan: wire.TokenFanout, steps: np.ndarray
     return home, per_slot, np.asarray(steps), None, None if counts is None else np.asarray(counts)[token]
 
 
-def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, weights: np.ndarray,
-                  max_nodes: int, family: str | None) -> wire.NodeLimited:
-    """DeepSeek-V3's rule on the router's scores where every token of the page has its logits, else
-    the kept-weights approximation."""
+def _read_apart(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, has_logits: np.ndarray,
+                max_nodes: int, ordered: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(the tokens read one by one under node-limited routing, those the order of their gate weights
+    decides), as functions of a token's routing, home and stored logits alone, so that the groups and
+    the rows read back agree on every token: a token with stored logits is read; one without, whose
+    experts span at most `max_nodes` nodes, keeps its routing; over the limit, where `ordered` (the
+    weights' order is a group key), the order decides the kept-weights rule wherever every node the
+    token reaches scores its single heaviest weight (one slot per node, or k // M = 1), else it is read."""
+    n, k = fan.dest.shape
+    over = _spans(layout, fan, home) > max_nodes
+    decided = np.zeros(n, dtype=bool)
+    if ordered and over.any():
+        valid = fan.dest >= 0
+        node = np.where(valid, layout.rank_node[np.maximum(fan.dest, 0)], layout.nodes)
+        per_node = np.zeros((n, layout.nodes + 1), dtype=np.int64)
+        np.add.at(per_node, (np.broadcast_to(np.arange(n)[:, None], (n, k)), node), 1)
+        single = (max(1, k // max_nodes) == 1) | (per_node[:, :-1].max(axis=1, initial=0) <= 1)
+        decided = over & ~has_logits & single
+    return has_logits | (over & ~decided), decided
+
+
+def _limited_by_group(layout: wire.WireLayout, group, home: np.ndarray, fan: wire.TokenFanout,
+                      has_logits: np.ndarray, max_nodes: int) -> tuple[wire.NodeLimited, np.ndarray]:
+    """(node-limited routing of a page of groups, the groups whose rows are read one by one instead:
+    `_read_apart`). A group the order of its gate weights (`weight_rank`) decides moves the group's
+    summed shares of the slots it loses."""
+    page = group.routes
+    n, k = fan.dest.shape
+    valid = fan.dest >= 0
+    ids = np.where(valid, page.expert_ids, -1)
+    unchanged = wire.NodeLimited(np.zeros(n, dtype=bool), np.zeros(n), fan.remote_nodes, ids)
+    apart, decided = _read_apart(layout, fan, home, has_logits, max_nodes, group.weight_rank is not None)
+    if not decided.any():
+        return unchanged, apart
+    # weights in the same order, ties kept: the rule's choice of nodes is the same as on the rows' own
+    rank = group.weight_rank[decided]
+    order = wire.node_limited(layout, _select(fan, decided), home[decided], page.expert_ids[decided],
+                              np.where(rank > 0, k + 1 - rank, 0).astype(np.float64), max_nodes)
+    lost = valid[decided] & (order.expert_ids < 0)
+    moved = (np.where(lost, group.weight_share[decided], 0.0).sum(axis=1)
+             / group.count[decided].astype(np.float64))
+    changed, moved_weight = unchanged.changed.copy(), unchanged.moved_weight.copy()
+    remote, after = unchanged.remote_nodes.copy(), ids.copy()
+    changed[decided], moved_weight[decided] = order.changed, moved
+    remote[decided], after[decided] = order.remote_nodes, order.expert_ids
+    return wire.NodeLimited(changed, moved_weight, remote, after), apart
+
+
+def _spans(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray) -> np.ndarray:
+    """(n,) the nodes each token's kept experts run on, its home's included where it has one there."""
+    at_home = ((fan.dest >= 0) & (layout.rank_node[np.maximum(fan.dest, 0)]
+                                  == layout.rank_node[np.asarray(home, dtype=np.int64)][:, None])).any(axis=1)
+    return fan.remote_nodes + at_home
+
+
+def _limit_rules(layout: wire.WireLayout, page, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """{rule: the rows it applies to} among `rows`: DeepSeek-V3's rule on the router's scores ("scores")
+    for a token whose router logits were stored, every routed expert's; the kept-weights approximation
+    ("kept") for the others."""
     logits = page.logits
-    if logits is not None and logits.shape[1] >= layout.num_experts and len(logits) \
-            and not np.isnan(logits[:, :layout.num_experts]).any():
-        scores = wire.router_scores(logits[:, :layout.num_experts], family)
-        return wire.node_limited_on_scores(layout, fan, home, page.expert_ids, weights, scores, max_nodes)
-    return wire.node_limited(layout, fan, home, page.expert_ids, weights, max_nodes)
+    scored = np.zeros(len(rows), dtype=bool)
+    if logits is not None and logits.shape[1] >= layout.num_experts:
+        scored = ~np.isnan(logits[:, :layout.num_experts]).any(axis=1)
+    return {"scores": rows & scored, "kept": rows & ~scored}
+
+
+def _node_limited(layout: wire.WireLayout, fan: wire.TokenFanout, home: np.ndarray, page, rows: np.ndarray,
+                  max_nodes: int, family: str | None, rule: str) -> wire.NodeLimited:
+    """The page's `rows` under node-limited routing by `rule` (`_limit_rules`); `fan` and `home` are theirs."""
+    ids = page.expert_ids[rows]
+    weights = page.gate_weights[rows] if page.gate_weights is not None else np.zeros(ids.shape)
+    if rule == "scores":
+        scores = wire.router_scores(page.logits[rows][:, :layout.num_experts], family)
+        return wire.node_limited_on_scores(layout, fan, home, ids, weights, scores, max_nodes)
+    return wire.node_limited(layout, fan, home, ids, weights, max_nodes)
 
 
 def _select_limited(limited: wire.NodeLimited, pick: np.ndarray) -> wire.NodeLimited:

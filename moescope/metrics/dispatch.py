@@ -30,6 +30,14 @@ DISPATCH: dict[str, tuple[str, str]] = {
                           "per 1024-slot block, the expert's n-th slot goes to copy (block + n) mod copies"),
 }
 ENGINE_OF_SOURCE = {"vllm": "vllm", "sglang": "sglang-static", "trtllm": "trtllm"}
+# The engines whose copy is a counter mod the expert's copy count, numbered where the routes rows are
+# (`moescope.store.queries.SlotCopies`): (the counter, whether the EP rank is added to it).
+# vLLM (`eplb_map_to_physical_and_record`): the slot's flat position in the forward's top-k ids.
+# TensorRT-LLM (`moeComputeRouteKernel`, moeLoadBalanceKernels.cu): per block of 1024 (token, slot)
+# positions, the block's index plus the slot's place among the earlier slots of its expert in the block,
+# plus the EP rank where `offsetByEpRank` (attention DP: `trtllm`; without it, `trtllm-tp`).
+COPY_COUNTERS: dict[str, tuple[str, bool]] = {"vllm": ("position", False), "trtllm": ("block", True),
+                                              "trtllm-tp": ("block", False)}
 
 
 def check_dispatch(dispatch: str) -> str:
@@ -82,10 +90,9 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     """Where each kept slot of a page of routes rows runs: entries (row of the page, rank, probability).
 
     `dispatch` names the engine's choice of copy (`DISPATCH`). The deterministic ones give each slot
-    one rank with probability 1: vLLM (copy = (token * k + slot) mod copies, the token's place in its
-    forward's batch), TensorRT-LLM (per block of 1024 (token, slot) positions of a forward and rank,
-    the n-th slot of the expert goes to copy (block + n + rank) mod copies with attention DP,
-    `trtllm`; (block + n) mod copies without it, `trtllm-tp`) and SGLang static where
+    one rank with probability 1: vLLM and TensorRT-LLM (`COPY_COUNTERS`: the copy number of each slot,
+    `page.copy`, counted where the rows are by `moescope.store.queries.SlotCopies`; a page without it
+    raises ValueError) and SGLang static where
     the token's rank is known (`homes_known`: the rows' recorded rank is the expert-parallel rank):
     the copy on that rank, else the copies share it evenly (SGLang fixes one per rank by a seeded
     draw that spreads the ranks evenly over the copies). The random ones (SGLang dynamic, "even") give
@@ -100,29 +107,13 @@ def slot_ranks(page, placement: Placement, layer: int, num_experts: int, dispatc
     expert = ids[row, slot]
     copy_rank, copies = _copies(placement, layer, num_experts)
     ones = np.ones(row.size)
-    k = ids.shape[1] if ids.ndim == 2 else 1
-    if dispatch == "vllm":
-        position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
-        return SlotRanks(row, copy_rank[expert, position % copies[expert]], ones)
+    if dispatch in COPY_COUNTERS:
+        if getattr(page, "copy", None) is None:
+            raise ValueError(f"the {dispatch} dispatch reads each slot's copy number (RoutePage.copy), which "
+                             "Store.route_groups counts with slot_copies")
+        return SlotRanks(row, copy_rank[expert, np.asarray(page.copy, dtype=np.int64)[row, slot] % copies[expert]],
+                         ones)
     home = np.asarray(page.rank, dtype=np.int64)[row] % placement.ranks
-    if dispatch in ("trtllm", "trtllm-tp"):
-        # the EP-rank offset only with attention DP (`offset_by_ep_rank=self.use_dp` in TensorRT-LLM's
-        # fused MoE): without it every rank routes the same tokens and must pick the same copy
-        offset = home if dispatch == "trtllm" else 0
-        position = np.asarray(page.token, dtype=np.int64)[row] * k + slot
-        block = position // TRTLLM_BLOCK_SLOTS
-        # the n-th slot of its expert within its (forward, rank, block): rows come in (step, rank, token)
-        # order and slots in row order, so a stable sort by (forward and rank, block, expert) keeps positions
-        step = np.asarray(page.step, dtype=np.int64)[row]
-        forward = np.concatenate([[0], np.cumsum((step[1:] != step[:-1]) | (home[1:] != home[:-1]))])
-        group = (forward * (int(block.max(initial=0)) + 1) + block) * num_experts + expert
-        order = np.argsort(group, kind="stable")
-        first = np.ones(order.size, dtype=bool)
-        first[1:] = group[order][1:] != group[order][:-1]
-        run_start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
-        nth = np.empty(order.size, dtype=np.int64)
-        nth[order] = np.arange(order.size) - run_start
-        return SlotRanks(row, copy_rank[expert, (block + nth + offset) % copies[expert]], ones)
     if dispatch == "sglang-static":
         even = placement.shares(layer, num_experts, "even")
         holds = even > 0

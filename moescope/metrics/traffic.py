@@ -423,43 +423,41 @@ class TrafficTally:
 
     def add(self, layout: WireLayout, home: np.ndarray, fanout: TokenFanout, steps: np.ndarray,
             limited: NodeLimited | None = None, counts: np.ndarray | None = None) -> None:
-        """Count one page of tokens (their home ranks, fan-out and forwards). `counts` (n,): the tokens
-        each row stands for (rows grouped by home and routing, `moescope.store.queries.RouteGroups`);
-        None: one each. Raises ValueError for counts with node-limited routing (it reads every
-        token's own weights)."""
+        """Count one page of tokens (their home ranks, fan-out and forwards), and with `limited` the same
+        tokens under node-limited routing (`add_limited`). `counts` (n,): the tokens each row stands for
+        (rows grouped by home and routing, `moescope.store.queries.RouteGroups`); None: one each."""
         home = np.asarray(home, dtype=np.int64)
-        if counts is not None and limited is not None:
-            raise ValueError("node-limited routing is counted token by token: give no counts with it")
         weight = None if counts is None else np.asarray(counts, dtype=np.int64)
-
-        def total(values: np.ndarray) -> np.ndarray:
-            return values.sum() if weight is None else (values * weight).sum()
-
-        def tally(values: np.ndarray, width: int, where: np.ndarray | None = None) -> np.ndarray:
-            w = weight if weight is None or where is None else np.broadcast_to(weight[:, None], where.shape)[where]
-            out = np.bincount(values, weights=None if w is None else w.astype(np.float64), minlength=width)
-            return np.rint(out).astype(np.int64)  # integer counts below 2**53: exact in float64
-
         self.tokens += len(home) if weight is None else int(weight.sum())
-        self.remote_ranks_sum += int(total(fanout.remote_ranks))
-        self.remote_nodes_sum += int(total(fanout.remote_nodes))
+        self.remote_ranks_sum += int(_total(fanout.remote_ranks, weight))
+        self.remote_nodes_sum += int(_total(fanout.remote_nodes, weight))
         floor_ranks, floor_nodes = floor_remote(layout, fanout.experts)
-        self.floor_ranks_sum += float(total(floor_ranks))
-        self.floor_nodes_sum += float(total(floor_nodes))
-        self.ranks_histogram += tally(fanout.remote_ranks, self.ranks)[:self.ranks]
-        self.nodes_histogram += tally(fanout.remote_nodes, self.nodes)[:self.nodes]
+        self.floor_ranks_sum += float(_total(floor_ranks, weight))
+        self.floor_nodes_sum += float(_total(floor_nodes, weight))
+        self.ranks_histogram += _tally(fanout.remote_ranks, self.ranks, weight)[:self.ranks]
+        self.nodes_histogram += _tally(fanout.remote_nodes, self.nodes, weight)[:self.nodes]
         pairs = home[:, None] * self.ranks + np.arange(self.ranks)[None, :]
-        self.rank_matrix += tally(pairs[fanout.reached], self.ranks * self.ranks, fanout.reached).reshape(
+        self.rank_matrix += _tally(pairs[fanout.reached], self.ranks * self.ranks, weight, fanout.reached).reshape(
             self.ranks, self.ranks)
         self.forwards.update(np.unique(steps).tolist())
         if limited is not None:
-            self.limited_changed += int(limited.changed.sum())
-            self.limited_moved += float(limited.moved_weight.sum())
+            self.add_limited(layout, home, limited, counts)
+
+    def add_limited(self, layout: WireLayout, home: np.ndarray, limited: NodeLimited,
+                    counts: np.ndarray | None = None) -> None:
+        """Count tokens under node-limited routing alone (their figures without the limit counted apart,
+        by `add`): changed tokens, moved weight, the rule, and every figure of the routing under the limit
+        (`LIMITED_FIGURES`, per forward over the forwards `add` counted). `counts` as in `add`."""
+        home = np.asarray(home, dtype=np.int64)
+        weight = None if counts is None else np.asarray(counts, dtype=np.int64)
+        self.limited_changed += int(_total(limited.changed.astype(np.int64), weight))
+        self.limited_moved += float(_total(limited.moved_weight, weight))
+        if len(home):
             self.limited_rules.add(limited.rule)
-            if self.limited is None:
-                self.limited = TrafficTally.for_layout(layout)
-            ids = limited.expert_ids
-            self.limited.add(layout, home, token_fanout(layout, home, ids, ids >= 0), steps)
+        if self.limited is None:
+            self.limited = TrafficTally.for_layout(layout)
+        ids = limited.expert_ids
+        self.limited.add(layout, home, token_fanout(layout, home, ids, ids >= 0), np.zeros(0), counts=weight)
 
     def node_matrix(self) -> np.ndarray:
         """(N, N): the rank matrix summed over node blocks (GPU-level sends; diagonal: within a node)."""
@@ -468,9 +466,10 @@ class TrafficTally:
         return onehot.T @ self.rank_matrix @ onehot
 
     def figures(self, hidden_size: int | None = None, dispatch_bytes: float = 2.0,
-                combine_bytes: float = 2.0) -> dict:
+                combine_bytes: float = 2.0, forwards: int | None = None) -> dict:
         """The tally's figures (see `moescope.analyses.traffic.TrafficReport` for each column); with
-        node-limited routing counted, also each of `LIMITED_FIGURES` under it as limited_<name>."""
+        node-limited routing counted, also each of `LIMITED_FIGURES` under it as limited_<name>.
+        `forwards`: the forwards bytes are counted over (None: those the tally saw)."""
         tokens = self.tokens
         sends = self.rank_matrix.copy()
         np.fill_diagonal(sends, 0)
@@ -482,7 +481,7 @@ class TrafficTally:
         np.fill_diagonal(node_sends, 0)
         busiest_node = (np.unravel_index(int(np.argmax(node_sends)), node_sends.shape)
                         if node_sends.sum() else (-1, -1))
-        forwards = len(self.forwards)
+        forwards = len(self.forwards) if forwards is None else int(forwards)
 
         def per_forward(count: float, element_bytes: float) -> float:
             if hidden_size is None or not forwards:
@@ -514,10 +513,22 @@ class TrafficTally:
                                           else 0.0 if tokens else float("nan")),
             limited_rule=" + ".join(sorted(self.limited_rules)) if self.limited_rules else None,
         )
-        under = self.limited.figures(hidden_size, dispatch_bytes, combine_bytes) if self.limited is not None else {}
+        under = (self.limited.figures(hidden_size, dispatch_bytes, combine_bytes, forwards)
+                 if self.limited is not None else {})
         for name in LIMITED_FIGURES:
             out[f"limited_{name}"] = under.get(name, float("nan"))
         return out
+
+
+def _total(values: np.ndarray, weight: np.ndarray | None) -> float:
+    return values.sum() if weight is None else (values * weight).sum()
+
+
+def _tally(values: np.ndarray, width: int, weight: np.ndarray | None, where: np.ndarray | None = None) -> np.ndarray:
+    """Counts of each value, each row weighted (`where`: the (n, m) mask `values` was taken by)."""
+    w = weight if weight is None or where is None else np.broadcast_to(weight[:, None], where.shape)[where]
+    out = np.bincount(values, weights=None if w is None else w.astype(np.float64), minlength=width)
+    return np.rint(out).astype(np.int64)  # integer counts below 2**53: exact in float64
 
 
 def coselection_layout(coselection: np.ndarray, load: np.ndarray, rank_capacity: np.ndarray,
