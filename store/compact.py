@@ -469,14 +469,16 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
     def compact_table(table: str) -> list[CompactResult]:
         # the log is read once per table: each run starts from the version the previous one's commit
         # made (its files and app version known without a read), unless a try had to look again
-        app = REWRITE_APP.format(table=table)
-        snap: delta.Snapshot | None = delta.snapshot(location, table, app=app)
+        # The app transaction a merge's commit needs is read only once a run has files to merge: delta-rs
+        # reads every log entry since the checkpoint to answer it, most of a table with nothing to merge.
+        snap: delta.Snapshot | None = delta.snapshot(location, table)
+        with_app = False  # whether `snap` was read with the app version
         if snap is None:
             return []
         runs = [run_id] if run_id else sorted({p.run_id for p in snap.files})
         table_results = []
         for run in runs:
-            seen = snap if snap is not None else delta.snapshot(location, table, app=app)
+            seen = snap if snap is not None else delta.snapshot(location, table)
             files = [p for p in seen.files if p.run_id == run] if seen is not None else []
             small = [p for p in files if not _at_target(p, target_size, target_rows)]
             if not files:
@@ -485,8 +487,9 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
                 table_results.append(CompactResult(table, run, skipped="nothing to merge",
                                                    left_alone=len(files) - len(small)))
                 continue
-            result, snap = _compact_run(location, table, run, catalog, seen, target_rows, row_group_rows, "4GB",
-                                        COMMIT_ATTEMPTS, target_size)
+            result, snap = _compact_run(location, table, run, catalog, seen if with_app else None, target_rows,
+                                        row_group_rows, "4GB", COMMIT_ATTEMPTS, target_size)
+            with_app = snap is not None  # the version its commit made, read with the app version
             table_results.append(result)
         if retention_hours is not None and any(r.merged_files for r in table_results):
             delta.vacuum(location, table, retention_hours)
