@@ -2,17 +2,23 @@
 
     python bench/compact.py               # 24 flushes of one run (about 24 small files per table)
     python bench/compact.py --flushes 48
+    python bench/compact.py --command 5   # also `moescope compact URL` with nothing to merge, 5 fresh processes
 
 A moto S3 server (tests/support/s3server.py) in its own process, behind the counting proxy
 (tests/support/s3faults.py): every request the compaction makes (data files and the Delta log) is
 counted by method at the server's door. Prints the wall time, GETs, PUTs and the data bytes read
-and written (`CompactResult.io`) of each compaction.
+and written (`CompactResult.io`) of each compaction. With `--command N`, then the command an operator
+or a cron job runs, `moescope compact URL`, with nothing to merge, N times in a fresh process each
+(wall time from its start to its exit, median [min-max], its CPU and its requests), beside `moescope --help`
+(the command line's start alone) in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -23,6 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flushes", type=int, default=24, help="writer flushes (one small file per table each)")
+    parser.add_argument("--command", type=int, default=0, metavar="N",
+                        help="also time `moescope compact URL` with nothing to merge, N fresh processes")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from moescope.store.compact import CompactIO, compact
@@ -50,8 +58,40 @@ def main(argv: list[str] | None = None) -> None:
                 merged = sum(r.merged_files for r in results)
                 print(f"{label}: {wall:.2f} s, {merged} files merged; requests {dict(sorted(requests.items()))} "
                       f"({data_gets} GETs of data files); data files {io}")
+            if args.command:
+                command_rounds(through, proxy, args.command)
     finally:
         server.stop()
+
+
+def command_rounds(location, proxy, rounds: int) -> None:
+    """`moescope compact URL` (nothing to merge) and `moescope --help`, `rounds` fresh processes each."""
+    options = [f"--storage-option={key}={value}" for key, value in location.storage_options.items()]
+    argvs = {"moescope compact URL (nothing to merge)": [sys.executable, "-m", "moescope.cli", "compact",
+                                                         location.url, *options],
+             "moescope --help (start alone)": [sys.executable, "-m", "moescope.cli", "--help"]}
+    walls: dict[str, list[float]] = {label: [] for label in argvs}
+    cpus: dict[str, list[float]] = {label: [] for label in argvs}
+    requests: list[int] = []
+    loads = []
+    for _ in range(rounds):
+        for label, argv in argvs.items():
+            proxy.reset_counts()
+            before = os.times()
+            started = time.perf_counter()
+            subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            walls[label].append(time.perf_counter() - started)
+            after = os.times()
+            cpus[label].append(after.children_user - before.children_user
+                               + after.children_system - before.children_system)
+            if "compact" in argv:
+                requests.append(sum(proxy.counts()["requests"].values()))
+            loads.append(os.getloadavg()[0])
+    print(f"fresh processes, {rounds} each, load average (1 min) {min(loads):.1f}-{max(loads):.1f}:")
+    for label, values in walls.items():
+        print(f"  {label:<42} {statistics.median(values):.2f} s [{min(values):.2f}-{max(values):.2f}], "
+              f"CPU {statistics.median(cpus[label]):.2f} s")
+    print(f"  requests of each compact: {sorted(requests)}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ clusters page's UMAP scatter, computed off the page's run, is timed apart until 
 `--repeats` times with a new server each time; prints the median and the largest per page.
 
     python bench/dashboard.py --first-render runs/demo --repeats 3 [--cold-numba]
+    python bench/dashboard.py --first-render STORE --repeats 3 --pages placement   # one page, first on its server
 """
 
 from __future__ import annotations
@@ -232,8 +233,9 @@ def _query_caches():
             if isinstance(fn, CachedFunc) and name not in ("tokenizer", "_open")]
 
 
-def first_renders(root: str, repeats: int, cold_numba: bool) -> dict[str, list[float]]:
-    """Seconds to each page's first render over `repeats` fresh servers, and to the clusters scatter."""
+def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | None = None) -> dict[str, list[float]]:
+    """Seconds to each page's first render over `repeats` fresh servers, and to the clusters scatter;
+    `only`: the pages (url paths) to visit, in this order, each server's first page first."""
     from playwright.sync_api import sync_playwright
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,7 +255,8 @@ def first_renders(root: str, repeats: int, cold_numba: bool) -> dict[str, list[f
                         os.environ["NUMBA_CACHE_DIR"] = os.path.join(scratch, "numba")
                     with running_dashboard(root, scratch) as url:
                         page = browser.new_page(viewport={"width": 1500, "height": 2400})
-                        for path, title in app_pages():
+                        pages = dict(app_pages())
+                        for path, title in ([(p, pages[p]) for p in only] if only else pages.items()):
                             started = time.perf_counter()
                             out.setdefault(title, []).append(first_render(page, url, path, title))
                             if path == "clusters":
@@ -265,10 +268,10 @@ def first_renders(root: str, repeats: int, cold_numba: bool) -> dict[str, list[f
     return out
 
 
-def main_first_render(root: str, repeats: int, cold_numba: bool) -> int:
+def main_first_render(root: str, repeats: int, cold_numba: bool, only: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     t = time.perf_counter()
-    results = first_renders(root, repeats, cold_numba)
+    results = first_renders(root, repeats, cold_numba, only)
     print(f"first render per page, a fresh server each time ({repeats} runs, {os.cpu_count()} CPUs, load average "
           f"{load:.1f} -> {os.getloadavg()[0]:.1f}; numba cache {'empty' if cold_numba else 'as installed'}):")
     print(f"{'page':<22}{'median':>9}{'max':>9}")
@@ -292,11 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the store (and reuse it if it exists)")
     parser.add_argument("--first-render", metavar="STORE",
                         help="time each page's first render in Chromium on this store (e.g. runs/demo)")
+    parser.add_argument("--pages", metavar="PATH,...",
+                        help="with --first-render: only these pages (url paths, e.g. placement), in this order, the "
+                             "first one on a server that has opened nothing yet")
     parser.add_argument("--cold-numba", action="store_true",
                         help="with --first-render: an empty numba cache too (a fresh install)")
     args = parser.parse_args(argv)
     if args.first_render:
-        return main_first_render(args.first_render, args.repeats, args.cold_numba)
+        only = [p.strip() for p in args.pages.split(",") if p.strip()] if args.pages else None
+        return main_first_render(args.first_render, args.repeats, args.cold_numba, only)
     root = args.store or tempfile.mkdtemp(prefix="moescope-bench-dashboard-")
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="moescope-bench-cache-"))
     try:

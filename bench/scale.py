@@ -405,9 +405,10 @@ def bench_size(root: str, shape: Shape, rows: float, args: argparse.Namespace, s
     plan = Plan.of(shape, steps)
     started = time.perf_counter()
     store = Store(loc)
+    store.check_files()  # a reader checks a table's files when a query first reads it: all of them here, timed apart
     figures.open_s = time.perf_counter() - started
-    print(f"duckdb: Store opened in {figures.open_s:.1f} s (snapshot, every file's footer and page checksums)",
-          flush=True)
+    print(f"duckdb: Store opened and every file checked in {figures.open_s:.1f} s (the logs, every file's footer "
+          f"and page checksums)", flush=True)
     try:
         engines: dict[str, dict[str, Callable[[], Rows]]] = {}
         if "duckdb" in args.engines:
@@ -473,7 +474,7 @@ def _table(results: list[SizeFigures]) -> str:
     row("write M rows/s (with generation)", [r.rows / r.written.loop_s / 1e6 for r in results], "{:.2f}")
     row("write s", [r.written.loop_s for r in results], "{:.0f}")
     row("compaction s", [r.compact_s for r in results], "{:.1f}")
-    row("Store open s", [r.open_s for r in results], "{:.2f}")
+    row("Store open + every file checked s", [r.open_s for r in results], "{:.2f}")
     for engine in ENGINES:
         for name in COLUMNS:
             values = [statistics.median(r.queries_ms[engine][name]) if engine in r.queries_ms else None

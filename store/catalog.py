@@ -1,11 +1,13 @@
 """Which files a reader reads now: one Delta snapshot per table, each file checked once.
 
-`Catalog.snapshot()` reads the latest version of every table (`moescope.store.delta.snapshot`: the log says
-which files are live; no folder is listed) and checks each file it has not seen before: its footer
-(rows as the log says), then every page against its checksum (`quarantine.deep_check`). A file
-that fails is quarantined (`Catalog.reject`): copied to `<store>/_quarantine/`, its rows counted as
-lost in `probe_stats` (reason `quarantined`), and removed from its table by a Delta commit, so no
-reader reads it again; this reader leaves it out of the snapshot it is building.
+`Catalog.logs()` reads the latest version of every table (`moescope.store.delta.snapshot`: the log
+says which files are live; no folder is listed, no data file read); `Catalog.check_all()` checks
+the files a reader is about to read that it has not checked before: the footer (rows as the log
+says), then every page against its checksum (`quarantine.deep_check`); `Catalog.snapshot()` does
+both for every file. A file that fails is quarantined (`Catalog.reject`): copied to
+`<store>/_quarantine/`, its rows counted as lost in `probe_stats` (reason `quarantined`), and
+removed from its table by a Delta commit, so no reader reads it again; this reader leaves it out of
+the files it was about to read.
 
 A file the log names with a run id or path that fails the store's naming rule is left out of the
 table's snapshot (`moescope.store.delta.snapshot`), and so is a file whose own `run_id` column disagrees
@@ -31,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pyarrow import fs as pafs
 
 from moescope.core import forking
 from moescope.store import delta
@@ -74,6 +76,14 @@ class FileInfo:
 
 
 @dataclass(frozen=True)
+class TableLog:
+    """One version of a table as its log says: its live files, none read yet (version None: no table yet)."""
+
+    version: int | None
+    files: tuple[delta.PartFile, ...]
+
+
+@dataclass(frozen=True)
 class TableFiles:
     """One version of a table as a reader reads it: its checked files (None: no table yet)."""
 
@@ -90,6 +100,8 @@ def quarantine_writer_id(table: str, relative: str) -> int:
 
 # Threads a reader of object storage reads table logs and checks new files on.
 READ_THREADS = 4
+# Threads a reader of a local store checks files on: a check reads and sums bytes, with no lock held.
+CHECK_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 @dataclass(frozen=True)
 class _Checked:
@@ -116,9 +128,73 @@ def _identity(source: Any) -> tuple[int, str]:
     return source.size(), etag.decode("ascii", "replace") if isinstance(etag, bytes) else str(etag)
 
 
+class _Opened(pafs.FileSystemHandler):
+    """A pyarrow filesystem handler over a store's filesystem that hands out the objects a check
+    opened, so a view's scan of a checked file asks for its column chunks and nothing else.
+
+    A check opens an object (a HEAD: its size and ETag) and reads it whole (one GET); the file's
+    fragment is made on this handler's `pyarrow.fs.PyFileSystem` and reads its footer from those
+    bytes (`serve`), then keeps the opened object (`keep`): every later scan reads ranges of it, with
+    no HEAD and no footer. A path no check opened is opened afresh. Read-only: the views only read."""
+
+    def __init__(self, filesystem: Any):
+        self.filesystem = filesystem
+        self.files: dict[str, Any] = {}
+
+    def serve(self, path: str, source: Any) -> None:
+        self.files[path] = source
+
+    def forget(self, path: str) -> None:
+        self.files.pop(path, None)
+
+    def get_type_name(self) -> str:
+        return "moescope-checked-" + self.filesystem.type_name
+
+    def normalize_path(self, path: str) -> str:
+        return self.filesystem.normalize_path(path)
+
+    def equals(self, other: Any) -> bool:
+        return other is self
+
+    def get_file_info(self, paths: list[str]) -> list:
+        return self.filesystem.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: Any) -> list:
+        return self.filesystem.get_file_info(selector)
+
+    def open_input_file(self, path: str) -> Any:
+        opened = self.files.get(path)
+        return opened if opened is not None else self.filesystem.open_input_file(path)
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.open_input_file(path)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError("moescope: a store's views only read")
+
+    create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = delete_file = _refuse
+    move = copy_file = open_output_stream = open_append_stream = _refuse
+
+
+# Object storage: this process's _Opened handler (and its PyFileSystem) per store location.
+_OPENED: dict[tuple, tuple[_Opened, Any]] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _opened(location: StoreLocation, filesystem: Any) -> tuple[_Opened, Any]:
+    key = (location.url, tuple(sorted(location.storage_options.items())))
+    with _OPENED_LOCK:
+        if key not in _OPENED:
+            handler = _Opened(filesystem)
+            _OPENED[key] = (handler, pafs.PyFileSystem(handler))
+        return _OPENED[key]
+
+
 def _reset_in_child() -> None:
-    global _SHARED_LOCK
+    global _SHARED_LOCK, _OPENED_LOCK
     _SHARED.clear()  # the parent's fragments hold its filesystem's connections
+    _OPENED.clear()
+    _OPENED_LOCK = threading.Lock()
     _SHARED_LOCK = threading.Lock()
 
 
@@ -166,6 +242,9 @@ class Catalog:
         # those whose own run_id column disagrees with their run (`check`)
         self.skipped: dict[tuple[str, str], delta.SkippedFile] = {}
         self._counted: set[tuple[str, str]] = set()
+        # rows counted as lost in probe_stats by this Catalog (a file quarantined, or left out for its
+        # names): a reader whose probe_stats view is older reads that table's log again
+        self.probe_stats_writes = 0
 
     def full_path(self, table: str, part: delta.PartFile) -> str:
         """Where a table's file is, as `self.filesystem` (and, for a local store, DuckDB) reads it."""
@@ -189,12 +268,14 @@ class Catalog:
         the same check (`moescope.store.quarantine.read_checked`: compaction) and rejects it if that fails;
         such a result is not cached as checked.
 
-        On object storage a file is checked once per process, in three requests: a HEAD (the
-        object's size and ETag), one GET of the whole object (footer and every page, checked from
-        memory), then its footer again into the `FileInfo.fragment` the views scan, so a query never
-        reads a footer (a footer-only check: the HEAD and that GET). Every Catalog of the process
-        shares what was checked, keyed by the file's path, size and ETag: another reader's first
-        look at it is the HEAD alone, and an object written over (another ETag) is checked again."""
+        On object storage a file is checked once per process, in two requests: a HEAD (the
+        object's size and ETag) and one GET of the whole object, footer and every page checked from
+        memory (a footer-only check: the HEAD and a GET of its footer). The `FileInfo.fragment` the
+        views scan holds its footer, read from those bytes, and reads ranges of the object the HEAD
+        opened (`_Opened`): a fresh query asks a file it has not seen for three requests in all, the
+        two of the check and its column chunks. Every Catalog of the process shares what was
+        checked, keyed by the file's path, size and ETag: another reader's first look at it is the
+        HEAD alone, and an object written over (another ETag) is checked again."""
         path = self.full_path(table, part)
         key = self._key(table, part, path)
         if key is None:
@@ -210,19 +291,26 @@ class Catalog:
             if self.location.is_local:
                 meta = pq.read_metadata(path)
             else:
-                with self.filesystem.open_input_file(path) as source:  # a HEAD: the object's size and ETag
-                    identity = _identity(source)
-                    shared = _SHARED.get(self._shared_key(key))
-                    if shared is not None and shared.identity == identity and (shared.deep or not deep):
-                        if shared.deep or not self.verify:  # checked by another reader of this process
-                            self._checked[key] = shared.info
-                        return shared.info
-                    if deep:
-                        data = source.read_buffer()  # the whole object: one GET, checked from memory
-                        meta = pq.read_metadata(pa.BufferReader(data))
-                fragment = _fragment(self.filesystem, path, part)
-                if not deep:
+                source = self.filesystem.open_input_file(path)  # a HEAD: the object's size and ETag; kept open
+                identity = _identity(source)
+                handler, opened = _opened(self.location, self.filesystem)
+                shared = _SHARED.get(self._shared_key(key))
+                if shared is not None and shared.identity == identity and (shared.deep or not deep):
+                    handler.serve(path, source)
+                    if shared.deep or not self.verify:  # checked by another reader of this process
+                        self._checked[key] = shared.info
+                    return shared.info
+                if deep:
+                    data = source.read_buffer()  # the whole object: one GET, checked from memory
+                    meta = pq.read_metadata(pa.BufferReader(data))
+                fragment = _fragment(opened, path, part)
+                # the fragment's footer, kept: from the bytes in hand (a footer-only check: one GET of it)
+                handler.serve(path, pa.BufferReader(data) if data is not None else source)
+                try:
                     fragment.ensure_complete_metadata()
+                finally:
+                    handler.serve(path, source)  # scans read ranges of the object the HEAD opened
+                if not deep:
                     meta = fragment.metadata
         except FileNotFoundError:
             self._warn_missing(table, part, key)
@@ -245,15 +333,6 @@ class Catalog:
         if deep and (problem := deep_check(path, filesystem, data=data)):
             self.reject(table, part, f"damaged data: {problem}", key)
             return None
-        if fragment is not None and data is not None:
-            try:
-                fragment.ensure_complete_metadata()  # the footer once more, kept: queries read no footer
-            except FileNotFoundError:
-                self._warn_missing(table, part, key)
-                return None
-            except Exception as e:
-                self.reject(table, part, f"unreadable footer: {type(e).__name__}: {e}", key)
-                return None
         info = FileInfo(path, part, meta.num_rows, tuple(meta.schema.to_arrow_schema().names),
                         sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)), fragment)
         if deep or not self.verify:
@@ -262,7 +341,8 @@ class Catalog:
             with _SHARED_LOCK:
                 _SHARED[self._shared_key(key)] = _Checked(info, deep, identity)
                 while len(_SHARED) > MAX_SHARED:  # the oldest first: mostly files compacted away since
-                    _SHARED.pop(next(iter(_SHARED)))
+                    forgotten = _SHARED.pop(next(iter(_SHARED)))
+                    _opened(self.location, self.filesystem)[0].forget(forgotten.info.path)
         return info
 
     def _shared_key(self, key: tuple) -> tuple:
@@ -289,12 +369,14 @@ class Catalog:
         self._checked.pop(key, None)
         if not self.location.is_local:
             _SHARED.pop(self._shared_key(key), None)
+            _opened(self.location, self.filesystem)[0].forget(path)
         self._bad[key] = reason
         if not self.quarantine_bad:
             return
         copy = copy_to_quarantine(self.location, self.filesystem, table, part.path, reason)
         if copy is None:
             return
+        self.probe_stats_writes += 1  # its rows are counted first (`remove_bad_file`), even if the removal fails
         try:
             remove_bad_file(self.location, table, part)
         except (StoreError, OSError) as e:
@@ -305,27 +387,52 @@ class Catalog:
             return
         self.quarantined_now.append(copy)
 
-    def snapshot(self, tables: tuple[str, ...] = TABLES) -> dict[str, TableFiles]:
-        """The latest version of every table and its checked files. Raises StoreError when the
+    def logs(self, tables: tuple[str, ...] = TABLES) -> dict[str, TableLog]:
+        """The latest version of every table and its live files, as the logs say: no data file is read
+        (`check_all` checks them). Files left out for their names are counted in `probe_stats` here,
+        and that table's log read again so this reader sees the count. Raises StoreError when the
         storage cannot be read."""
-        result: dict[str, TableFiles] = {}
-        quarantined = len(self.quarantined_now)
-        # On object storage every table's log, then every file not seen yet, is read on a few threads:
-        # a reader's time there is mostly waiting for requests (delta-rs and pyarrow let go of the GIL).
-        threads = 1 if self.location.is_local else READ_THREADS
+        # on object storage a table that is not there costs requests to find out: one listing says which are
+        present = None if self.location.is_local or len(tables) == 1 else delta.table_folders(self.location)
+        wanted = [t for t in tables if present is None or t in present]
+        threads = 1 if self.location.is_local else max(1, min(READ_THREADS, len(wanted)))
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            snaps = dict(zip(tables, pool.map(lambda table: delta.snapshot(self.location, table), tables)))
-            checks = [(table, part) for table, snap in snaps.items() if snap is not None for part in snap.files]
-            infos = dict(zip(checks, pool.map(lambda check: self.check(*check), checks)))
+            snaps = dict(zip(wanted, pool.map(lambda table: delta.snapshot(self.location, table), wanted)))
+        snaps = {table: snaps.get(table) for table in tables}
+        result: dict[str, TableLog] = {}
         for table, snap in snaps.items():
             if snap is None:
-                result[table] = TableFiles(None, [])
+                result[table] = TableLog(None, ())
                 continue
             self.skipped.update({(table, file.path): file for file in snap.skipped})
-            result[table] = TableFiles(snap.version, [info for part in snap.files
-                                                      if (info := infos[(table, part)]) is not None])
-        counted = len(self.quarantined_now) > quarantined  # rows of a file quarantined now: counted in probe_stats
-        if (self._count_skipped() or counted) and "probe_stats" in result:  # this reader sees its own count
+            result[table] = TableLog(snap.version, tuple(snap.files))
+        if self._count_skipped() and "probe_stats" in result:  # this reader sees its own count
+            result.update(self.logs(("probe_stats",)))
+        return result
+
+    def check_all(self, files: dict[str, tuple[delta.PartFile, ...]]) -> dict[str, list[FileInfo]]:
+        """Check each table's given files (`check`: those this Catalog checked before cost a stat, or
+        nothing); the good ones per table, in the given order. A few at once: a check's time is mostly
+        reading and summing bytes, or waiting for its GET. A bad file is quarantined (or skipped); its
+        count in `probe_stats` bumps `probe_stats_writes`, so a reader knows to read that table's log again."""
+        checks = [(table, part) for table, parts in files.items() for part in parts]
+        # a check mostly reads and sums bytes (no lock held: the CRC of a page, a read) or waits for its GET
+        threads = max(1, min(READ_THREADS if not self.location.is_local else CHECK_THREADS, len(checks)))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            infos = dict(zip(checks, pool.map(lambda check: self.check(*check), checks)))
+        self._count_skipped()  # files found here whose own run_id column disagrees with their run
+        return {table: [info for part in parts if (info := infos[(table, part)]) is not None]
+                for table, parts in files.items()}
+
+    def snapshot(self, tables: tuple[str, ...] = TABLES) -> dict[str, TableFiles]:
+        """The latest version of every table and its checked files: every file of the store read
+        through (`logs`, then `check_all` on them all), as `moescope store check` does. Raises
+        StoreError when the storage cannot be read."""
+        logs = self.logs(tables)
+        writes = self.probe_stats_writes
+        checked = self.check_all({table: log.files for table, log in logs.items()})
+        result = {table: TableFiles(log.version, checked[table]) for table, log in logs.items()}
+        if self.probe_stats_writes != writes and "probe_stats" in result:  # this reader sees its own count
             result.update(self.snapshot(("probe_stats",)))
         return result
 
@@ -341,7 +448,9 @@ class Catalog:
                 continue
             self._counted.add(key)
             try:
-                wrote |= count_skipped(self.location, key[0], file)
+                counted = count_skipped(self.location, key[0], file)
+                wrote |= counted
+                self.probe_stats_writes += counted
             except (StoreError, OSError) as e:
                 log.warning("moescope store: cannot count the rows of %s/%s left out for its names: %s",
                             self.location.redacted, key[0], e)
@@ -387,6 +496,8 @@ def _run_column_problem(path: str, filesystem: Any, run_id: str, data: pa.Buffer
     `run_id`. A file of this store holds none (the run is its folder); one that does came from
     another writer, and a value that differs from its run would be read, or compacted, as another run.
     `data`: the file's bytes, when they are at hand."""
+    import pyarrow.compute as pc
+
     try:
         if data is not None:
             column = pq.read_table(pa.BufferReader(data), columns=[delta.PARTITION_COLUMN]).column(0)

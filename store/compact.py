@@ -44,12 +44,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import duckdb
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moescope.store import delta
@@ -64,7 +61,9 @@ from moescope.store.naming import (
 )
 from moescope.store.quarantine import display, read_checked
 from moescope.store.schema import SCHEMAS, TABLES
-from moescope.store.store import connect
+
+if TYPE_CHECKING:  # DuckDB, numpy and pandas (the reader's) are imported by a merge: nothing to merge starts faster
+    import duckdb
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +281,9 @@ def _merge_in_memory(catalog: Catalog, table: str, run_id: str, group: list[File
     Where the sorted order is made of long runs of consecutive rows (a writer's files hold each
     layer's rows of a step together), a row group is assembled from slices of the sources, not
     copied row by row."""
+    import numpy as np
+    import pyarrow.compute as pc
+
     location = catalog.location
     filesystem = None if location.is_local else catalog.filesystem
     fields = [f for f in SCHEMAS[table] if f.name != delta.PARTITION_COLUMN]
@@ -384,6 +386,8 @@ def _compact_run(location: StoreLocation, table: str, run_id: str, catalog: Cata
         if not groups:
             result.skipped = "nothing to merge"
             return result, snap
+        from moescope.store.store import connect
+
         con = connect(memory_limit=memory_limit, preserve_insertion_order=True)
         merged: list[tuple[list[FileInfo], delta.PartFile]] = []
         try:
@@ -465,14 +469,16 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
     def compact_table(table: str) -> list[CompactResult]:
         # the log is read once per table: each run starts from the version the previous one's commit
         # made (its files and app version known without a read), unless a try had to look again
-        app = REWRITE_APP.format(table=table)
-        snap: delta.Snapshot | None = delta.snapshot(location, table, app=app)
+        # The app transaction a merge's commit needs is read only once a run has files to merge: delta-rs
+        # reads every log entry since the checkpoint to answer it, most of a table with nothing to merge.
+        snap: delta.Snapshot | None = delta.snapshot(location, table)
+        with_app = False  # whether `snap` was read with the app version
         if snap is None:
             return []
         runs = [run_id] if run_id else sorted({p.run_id for p in snap.files})
         table_results = []
         for run in runs:
-            seen = snap if snap is not None else delta.snapshot(location, table, app=app)
+            seen = snap if snap is not None else delta.snapshot(location, table)
             files = [p for p in seen.files if p.run_id == run] if seen is not None else []
             small = [p for p in files if not _at_target(p, target_size, target_rows)]
             if not files:
@@ -481,8 +487,9 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
                 table_results.append(CompactResult(table, run, skipped="nothing to merge",
                                                    left_alone=len(files) - len(small)))
                 continue
-            result, snap = _compact_run(location, table, run, catalog, seen, target_rows, row_group_rows, "4GB",
-                                        COMMIT_ATTEMPTS, target_size)
+            result, snap = _compact_run(location, table, run, catalog, seen if with_app else None, target_rows,
+                                        row_group_rows, "4GB", COMMIT_ATTEMPTS, target_size)
+            with_app = snap is not None  # the version its commit made, read with the app version
             table_results.append(result)
         if retention_hours is not None and any(r.merged_files for r in table_results):
             delta.vacuum(location, table, retention_hours)
@@ -490,9 +497,13 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
 
     # Tables are independent (a log each): on object storage most of a table's time is waiting for
     # requests, so a few are compacted at once. A local store goes one table at a time.
+    # On object storage a table that is not there costs requests to find out: one listing of the root
+    # says which tables have a folder. A table created since has nothing to merge yet.
     threads = 1 if location.is_local else TABLE_THREADS
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return [r for table_results in pool.map(compact_table, tables or TABLES) for r in table_results]
+    present = None if location.is_local else delta.table_folders(location)
+    names = [t for t in (tables or TABLES) if present is None or t in present]
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
+        return [r for table_results in pool.map(compact_table, names) for r in table_results]
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -1,36 +1,43 @@
 """Reading a store: DuckDB views over one Delta snapshot per table, and typed queries on top.
 
-Every table of `moescope.store.schema` is a view named after it, over the files of the table's latest
-version when the view was made (`refresh()`): `moescope.store.delta.snapshot` says which files are live (no
-folder is listed), and `Catalog` checks each (footer, page checksums) before it joins a view. A
-table with no Delta table yet is an empty view of the right schema, so a query over a new or empty
-store answers with no rows ("no data yet") instead of failing. Columns are the schema's, in its
-order (`run_id` comes from the folder name: hive partitioning), and a column a file predates reads
-as null. Every value that comes from a user goes into the SQL as a `?` parameter.
+Every table of `moescope.store.schema` is a view named after it, over the files of the table's
+version pinned by the last `refresh()`: `moescope.store.delta.snapshot` says which files are live (no
+folder is listed). Opening a store reads the tables' logs only. A table's files are checked (footer,
+then every page against its checksum: `Catalog`) when a query first names the table
+(`tables_named`), and its view is made over the checked files then: a view never holds a file that
+was not checked, and the first answer waits for the files of the tables it reads, not for the
+store. A table with no Delta table yet is an empty view of the right schema, so a query over a new
+or empty store answers with no rows ("no data yet") instead of failing. Columns are the schema's,
+in its order (`run_id` comes from the folder name: hive partitioning), and a column a file predates
+reads as null. Every value that comes from a user goes into the SQL as a `?` parameter.
 
 Local store: the views read the snapshot's files with `read_parquet`, and the connection reads
 only the store's folder and runs only SELECTs (`connect`, `check_read_only`). Object storage: each
-view is a pyarrow dataset over the snapshot's checked files, their footers already read
-(`FileInfo.fragment`; pyarrow's filesystem, credentials from the environment chain), that DuckDB
-scans with filter and projection pushdown: a query asks only for the column chunks it reads, in
-coalesced range requests. The connection reads no file at all itself.
+view is a pyarrow dataset over the snapshot's checked files (`FileInfo.fragment`; pyarrow's
+filesystem, credentials from the environment chain), that DuckDB scans with filter and projection
+pushdown: a query asks only for the column chunks it reads, in coalesced range requests, and each
+file's footer once. The connection reads no file at all itself.
 
 Sharp edges: the views hold the versions of the last `refresh()`. Files a compaction or prune
 removed since stay on the storage until `vacuum` deletes them after its retention (one hour by
 default), so a reader that refreshes more often than that never loses a file under its views; one
-that does not gets a StoreError naming the missing file. A file that fails to read is checked
-through (by pyarrow, and by DuckDB for a local store), quarantined if it is bad, and the query runs
-again without it. Each file is checked once per Store (on object storage once per process: another
-Store asks only whether the object is still the one checked, by its size and ETag): damage that
+that does not gets a StoreError naming the missing file. A file that fails to read is read through
+(by pyarrow, and by DuckDB for a local store), quarantined if it is bad, and the query runs again
+without it. Each file is checked once per Store (on object storage once per process: another
+Store asks only whether the object is still the one checked, see `Catalog.check`): damage that
 happens to a file after this reader checked it, without changing its size (or, locally, its mtime;
-on object storage, its ETag), is not seen until the next Store.
+on object storage, its ETag), is not seen until the next Store. A file of a table no query has
+named is not checked: `Store.check_files` (`moescope store check`) checks every file now.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -39,10 +46,10 @@ import pandas as pd
 import pyarrow as pa
 
 from moescope.store import delta
-from moescope.store.catalog import Catalog, FileInfo, TableFiles, parquet_format
+from moescope.store.catalog import Catalog, FileInfo, TableLog, parquet_format
 from moescope.store.errors import EmptyStoreError, QueryError, StoreError
 from moescope.store.location import StoreLocation, open_location
-from moescope.store.quarantine import QuarantinedFile, deep_check, quarantined
+from moescope.store.quarantine import QuarantinedFile, quarantined, read_through
 from moescope.store.queries import StoreQueries
 from moescope.store.reports import ReportQueries
 from moescope.store.schema import SCHEMAS
@@ -161,13 +168,13 @@ def _remote_version(location: StoreLocation, table: str) -> int | None:
 class Store(StoreQueries, ReportQueries):
     """A read-only view of a store: a local folder, or a URL (s3://, gs://, az://).
 
-    Call `refresh()` to see what was committed since opening. Every file is checked when first seen
-    (footer and page checksums; `verify=False`: footer only); a bad file is copied to
-    `<store>/_quarantine`, removed from its table and its rows counted as lost, with a
-    `BadFileWarning` (see `quarantined()`), or skipped where the store cannot take that. The DuckDB
-    connection reads only the store and runs only SELECTs. The typed queries (runs, layer steps,
-    reports) are methods too (`StoreQueries`, `ReportQueries`). Use as a context manager, or call
-    `close()`.
+    Call `refresh()` to see what was committed since opening. Every file is checked before a
+    query first reads its table (footer and page checksums; `verify=False`: footer only;
+    `check_files()` checks every file now); a bad file is copied to `<store>/_quarantine`, removed
+    from its table and its rows counted as lost, with a `BadFileWarning` (see `quarantined()`), or
+    skipped where the store cannot take that. The DuckDB connection reads only the store and runs
+    only SELECTs. The typed queries (runs, layer steps, reports) are methods too (`StoreQueries`,
+    `ReportQueries`). Use as a context manager, or call `close()`.
 
     Args:
         store: a local folder, a URL (`s3://bucket/prefix`, `gs://...`, `az://...`), or a
@@ -176,7 +183,7 @@ class Store(StoreQueries, ReportQueries):
             strings; credentials come from the environment chain, never from here.
         quarantine_bad: copy a bad file to `<store>/_quarantine` and take it out of its table (default
             True); False skips it without moving anything.
-        verify: check page checksums as well as footers when a file is first seen (default True).
+        verify: check page checksums as well as footers when a file is first read (default True).
 
     Raises:
         EmptyStoreError: when a local folder does not exist ("no data yet").
@@ -207,10 +214,14 @@ class Store(StoreQueries, ReportQueries):
             self.con = connect(read_no_files=True)
         self.catalog = Catalog(self.location, quarantine_bad=quarantine_bad, verify=verify)
         self.versions: dict[str, int | None] = {}
-        self.files: dict[str, list[FileInfo]] = {}
+        self._logs: dict[str, TableLog] = {}  # each table's pinned version, as its log says
+        self._files: dict[str, list[FileInfo]] = {}  # the checked files of the tables whose views are made
         self._datasets: dict[str, Any] = {}  # object storage: the pyarrow dataset behind each view
         self._duckdb_types: dict[str, dict[str, str]] = {}
         self._deep_checked: set[tuple[str, int]] = set()
+        self._lock = threading.RLock()  # views are made, and files checked, one caller at a time
+        for table in self.tables():  # every view is there (SHOW TABLES), empty until a query names its table
+            self._make_view(table, [])
         self.refresh()
 
     # -- views ---------------------------------------------------------------------------------
@@ -224,41 +235,90 @@ class Store(StoreQueries, ReportQueries):
         return list(SCHEMAS)
 
     def refresh(self) -> None:
-        """Pin the latest version of every table and re-create the views over its files.
+        """Pin the latest version of every table; the views are made over it as queries need them.
 
-        The one place views are made; a table without files gets an empty view of its schema.
+        Reads the tables' logs only. Each view is made again, over its table's pinned files, when
+        a query next names the table; files this reader has not checked are checked then.
 
         Raises:
             StoreError: when the store cannot be read.
         """
-        snapshot = self.catalog.snapshot(tuple(self.tables()))
-        self.versions = {table: files.version for table, files in snapshot.items()}
-        self.files = {table: files.files for table, files in snapshot.items()}
-        for table, files in snapshot.items():
-            self._make_view(table, files)
+        with self._lock:
+            self._logs = self.catalog.logs(tuple(self.tables()))
+            self.versions = {table: table_log.version for table, table_log in self._logs.items()}
+            # every view is made again when a query next names its table: over the new version's files,
+            # and over a file changed in place since (another size or mtime; on object storage, another
+            # size) checked again; a file this reader checked and that has not changed is not read again
+            self._files.clear()
 
-    def _make_view(self, table: str, files: TableFiles) -> None:
+    @property
+    def files(self) -> dict[str, list[FileInfo]]:
+        """Every table's checked files, at the pinned versions (every file of the store checked now,
+        those checked before excepted: see `check_files`)."""
+        self._prepare(self.tables())
+        return dict(self._files)
+
+    def check_files(self, tables: Sequence[str] | None = None) -> dict[str, list[FileInfo]]:
+        """Check every file of these tables (default: all) now, as a query reading all of them would:
+        footer, then every page against its checksum; a bad file is quarantined. A reader checks a
+        file only when a query first reads its table, so a file no query read is unchecked until this.
+
+        Returns:
+            The checked files of each table asked for, at the pinned version.
+
+        Raises:
+            StoreError: when the store cannot be read.
+        """
+        names = list(tables) if tables is not None else self.tables()
+        unknown = [t for t in names if t not in SCHEMAS]
+        if unknown:
+            raise QueryError(f"no table {', '.join(map(repr, unknown))}: the tables are {', '.join(SCHEMAS)}")
+        self._prepare(names)
+        return {table: list(self._files[table]) for table in names}
+
+    def _prepare(self, tables: Sequence[str]) -> None:
+        """Make the views of these tables over their checked files, checking the files not yet checked.
+
+        A view holds only checked files: a query never reads a file before its check. A file
+        quarantined now has its rows counted in probe_stats, so that table's log is read again (its
+        view is made again when next needed)."""
+        with self._lock:
+            pending = [t for t in dict.fromkeys(tables) if t not in self._files and t in self._logs]
+            if not pending:
+                return
+            writes = self.catalog.probe_stats_writes
+            checked = self.catalog.check_all({t: self._logs[t].files for t in pending})
+            for table in pending:
+                self._files[table] = checked[table]
+                self._make_view(table, checked[table])
+            if self.catalog.probe_stats_writes != writes:  # this reader sees its own count
+                self._logs.update(self.catalog.logs(("probe_stats",)))
+                self.versions["probe_stats"] = self._logs["probe_stats"].version
+                if self._files.pop("probe_stats", None) is not None or "probe_stats" in pending:
+                    self._prepare(["probe_stats"])
+
+    def _make_view(self, table: str, files: list[FileInfo]) -> None:
         schema = SCHEMAS[table]
-        if not files.files:
+        if not files:
             self._datasets.pop(table, None)
             self.con.from_arrow(schema.empty_table()).create_view(table, replace=True)
             return
         if not self.location.is_local:
             import pyarrow.dataset as ds
 
-            # the checked files' fragments, footers held: a query asks only for the column chunks it reads
-            dataset = ds.FileSystemDataset([info.fragment for info in files.files], schema, parquet_format(),
+            # the checked files' fragments: a query asks only for the column chunks it reads
+            dataset = ds.FileSystemDataset([info.fragment for info in files], schema, parquet_format(),
                                            self.catalog.filesystem)
             self._datasets[table] = dataset
             self.con.from_arrow(dataset).create_view(table, replace=True)
             return
-        present = {PARTITION}.union(*(info.columns for info in files.files))
+        present = {PARTITION}.union(*(info.columns for info in files))
         types = self._types(table)
         columns = [_ident(name) if name in present else f"NULL::{types[name]} AS {_ident(name)}"
                    for name in schema.names]
         columns += [_ident(name) for name in sorted(present - set(schema.names))]
-        paths = ", ".join(_literal(info.path) for info in files.files)
-        union = "true" if len({info.columns for info in files.files}) > 1 else "false"
+        paths = ", ".join(_literal(info.path) for info in files)
+        union = "true" if len({info.columns for info in files}) > 1 else "false"
         self.con.execute(f"CREATE OR REPLACE VIEW {_ident(table)} AS SELECT {', '.join(columns)} FROM read_parquet("
                          f"[{paths}], hive_partitioning = true, hive_types = {{'{PARTITION}': 'VARCHAR'}}, "
                          f"union_by_name = {union})")
@@ -273,12 +333,14 @@ class Store(StoreQueries, ReportQueries):
     @property
     def has_data(self) -> bool:
         """Whether any run has been recorded; False means "no data yet"."""
-        return bool(self.files.get("runs"))
+        self._prepare(["runs"])
+        return bool(self._files.get("runs"))
 
     # -- running SQL ---------------------------------------------------------------------------
 
-    def _run(self, fetch: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
+    def _run(self, query: str, fetch: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
         for attempt in range(QUERY_ATTEMPTS):
+            self._prepare(tables_named(query))
             try:
                 return fetch(self.con)
             except (duckdb.Error, OSError, pa.ArrowException) as error:
@@ -295,7 +357,7 @@ class Store(StoreQueries, ReportQueries):
         if isinstance(error, (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
                               duckdb.PermissionException)):
             return False  # the SQL is wrong, not a file (a damaged page may raise a bare duckdb.Error)
-        infos = [(table, i) for table, infos in self.files.items() for i in infos]
+        infos = [(table, i) for table, infos in self._files.items() for i in infos]
         named = [(table, i) for table, i in infos if i.part.path in str(error) or i.path in str(error)]
         filesystem = None if self.location.is_local else self.catalog.filesystem
         found = False
@@ -303,7 +365,7 @@ class Store(StoreQueries, ReportQueries):
             key = (info.path, info.rows)
             if key in self._deep_checked:
                 continue
-            problem = deep_check(info.path, filesystem)
+            problem = read_through(info.path, filesystem)
             if problem is None and self.location.is_local:
                 problem = self._duckdb_problem(info.path)
             if problem is None:
@@ -346,7 +408,7 @@ class Store(StoreQueries, ReportQueries):
             StoreError: when the store cannot be read.
         """
         self._check(query)
-        return self._run(lambda con: con.execute(query, list(params or [])).df())
+        return self._run(query, lambda con: con.execute(query, list(params or [])).df())
 
     def arrow(self, query: str, params: Sequence | None = None) -> pa.Table:
         """Run a read-only query as `sql` does, returning an Arrow table.
@@ -363,7 +425,7 @@ class Store(StoreQueries, ReportQueries):
             StoreError: when the store cannot be read.
         """
         self._check(query)
-        return self._run(lambda con: con.sql(query, params=list(params or [])).to_arrow_table())
+        return self._run(query, lambda con: con.sql(query, params=list(params or [])).to_arrow_table())
 
     def _check(self, query: str) -> None:
         try:
@@ -392,6 +454,60 @@ class Store(StoreQueries, ReportQueries):
     def __exit__(self, *exc: object) -> None:
         """Close the store (`close()`); exceptions pass through."""
         self.close()
+
+
+def tables_named(query: str) -> list[str]:
+    """The store's tables a query may read (a superset of those it reads): the tables DuckDB's parser
+    finds in its statements (`json_serialize_sql`: FROM, JOIN, subqueries, CTEs; an alias or a column
+    named like a table is not one). Where the parser cannot say (a statement that is not a SELECT,
+    such as PIVOT; `query_table('t')` or `query('...')`; SQL that does not parse), each table whose
+    name stands in the text as a word, in any case, quoted or not: a name in a comment or a string,
+    or a column named like a table, costs that table's check, never a read of an unchecked file."""
+    try:
+        names: set[str] = set()
+        with _PARSER_LOCK:
+            parser = _parser()
+            for statement in parser.extract_statements(query):
+                row = parser.execute("SELECT json_serialize_sql(?)", [statement.query]).fetchone()
+                tree = json.loads(row[0]) if row else {"error": True}
+                if tree.get("error") or not _base_tables(tree, names):
+                    raise ValueError("not a tree the parser can say all of")
+        return [table for table in SCHEMAS if table in names]
+    except (duckdb.Error, ValueError):
+        return [table for table in SCHEMAS if _word(table).search(query)]
+
+
+# A connection that only parses (`tables_named`): no views, no files, nothing else; one per process.
+_PARSERS: dict[int, duckdb.DuckDBPyConnection] = {}
+_PARSER_LOCK = threading.Lock()
+
+
+def _parser() -> duckdb.DuckDBPyConnection:
+    pid = os.getpid()  # a forked child opens its own: the parent's connection is not for it
+    if pid not in _PARSERS:
+        _PARSERS.clear()
+        _PARSERS[pid] = duckdb.connect(":memory:")
+    return _PARSERS[pid]
+_QUERY_FUNCTIONS = {"query", "query_table"}  # table functions that read a table named by a string
+
+
+def _base_tables(tree: Any, names: set[str]) -> bool:
+    """Add every base table a parsed statement names (lower case) to `names`; False where it calls a
+    table function that reads a table named in a string (the parser cannot say which)."""
+    if isinstance(tree, dict):
+        if tree.get("type") == "BASE_TABLE" and isinstance(tree.get("table_name"), str):
+            names.add(tree["table_name"].lower())
+        if str(tree.get("function_name", "")).lower() in _QUERY_FUNCTIONS:
+            return False
+        return all(_base_tables(value, names) for value in tree.values())
+    if isinstance(tree, list):
+        return all(_base_tables(value, names) for value in tree)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _word(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(?<![\w$]){re.escape(name)}(?![\w$])", re.IGNORECASE)
 
 
 def _ident(name: str) -> str:

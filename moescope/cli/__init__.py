@@ -34,7 +34,7 @@ COMMANDS: dict[str, Command] = {
     "compact": Command("moescope.cli.store", "merge a store's small files (safe while writing)"),
     "prune": Command("moescope.cli.store", "delete runs older than an age"),
     "query": Command("moescope.cli.store", "run SQL over a store and print a table"),
-    "store": Command("moescope.cli.store", "maintenance of a store: upgrade one of an earlier release"),
+    "store": Command("moescope.cli.store", "maintenance: check every file now, upgrade a store of an earlier release"),
     "import": Command("moescope.cli.ingest", "bring vLLM, SGLang, TensorRT-LLM or Megatron routing into a store"),
     "proxy": Command("moescope.cli.ingest", "record routed experts in front of a vLLM or SGLang server"),
     "alerts": Command("moescope.cli.alerts", "judge recorded routing and notify receivers"),

@@ -1,4 +1,4 @@
-"""`moescope compact`, `moescope prune`, `moescope query`, `moescope store upgrade`: the store's subcommands.
+"""`moescope compact`, `prune`, `query`, `store upgrade` and `store check`: the store's subcommands.
 
 `moescope/cli/__init__.py` calls `add_subcommands(subparsers)`; each subcommand sets `func(args) -> int`
 (the exit status) on its parser. A store that cannot be read or written raises: `main` prints the
@@ -8,10 +8,9 @@ message on one line and exits 1; a bad option value is argparse's usage error (e
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-
-import pandas as pd
-import pyarrow as pa
+from typing import TYPE_CHECKING
 
 from moescope.cli import command_help
 from moescope.cli.arguments import (
@@ -22,6 +21,10 @@ from moescope.cli.arguments import (
     store_epilog,
     store_location,
 )
+
+if TYPE_CHECKING:  # pandas and pyarrow are imported where `query` needs them: `compact` starts without them
+    import pandas as pd
+    import pyarrow as pa
 
 COMPACT_HELP = """\
 Merge a store's small Parquet files into large sorted ones.
@@ -89,8 +92,18 @@ example:  moescope query runs/ "SELECT run_id, count(*) AS steps FROM steps GROU
 """
 
 
+CHECK_HELP = """\
+Check every file of a store now: its footer, then every page against its checksum.
+
+A reader checks a file when a query first reads its table, so the first answer waits only for
+the files it reads; a file no query read stays unchecked until one does. This checks them all
+(each read once), quarantines a bad one as a reader does (copied to STORE/_quarantine, taken out
+of its table, its rows counted as lost in probe_stats), and exits 1 when a file was bad or skipped.
+"""
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Register compact, prune, query and store (upgrade) on the moescope command's subparsers."""
+    """Register compact, prune, query and store (upgrade, check) on the moescope command's subparsers."""
     raw = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("compact", help=command_help("compact"),
                               description=COMPACT_HELP, formatter_class=raw,
@@ -131,6 +144,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                            description=UPGRADE_HELP, formatter_class=raw)
     u.add_argument("path", metavar="PATH", help="the store folder")
     u.set_defaults(func=_upgrade, command_name=u.prog)  # messages say `moescope store upgrade: ...`
+    c = actions.add_parser("check", help="check every file of a store now: footers and page checksums",
+                           description=CHECK_HELP, formatter_class=raw,
+                           epilog=store_epilog("moescope store check STORE"))
+    add_store_arguments(c)
+    c.add_argument("--table", action="append", metavar="TABLE",
+                   help="only this table (repeatable; default every table)")
+    c.set_defaults(func=_check_files)
 
 
 def _add_retention(parser: argparse.ArgumentParser) -> None:
@@ -190,6 +210,8 @@ def _query(args: argparse.Namespace) -> int:
         if frame.empty:
             print("(no rows)" if len(frame.columns) else "no data yet")
         else:
+            import pandas as pd
+
             with pd.option_context("display.max_columns", None, "display.width", 200):
                 print(frame.head(args.max_rows).to_string(index=False))
         if len(frame) > args.max_rows:
@@ -204,6 +226,8 @@ def _displayed(result: pa.Table) -> pd.DataFrame:
     integer column, a decimal of scale 0 included, is a nullable integer column (Python ints past
     int64); other decimals are floats, maps dicts, and a repeated column name gets a suffix (a, a_1),
     as in DuckDB's own frames. The values are the query's: only their display changes."""
+    import pyarrow as pa
+
     columns, wide = [], []
     for i, column in enumerate(result.columns):
         if pa.types.is_decimal(column.type) and column.type.scale == 0:
@@ -215,7 +239,7 @@ def _displayed(result: pa.Table) -> pd.DataFrame:
             column = column.cast(pa.float64())
         columns.append(column)
     frame = pa.Table.from_arrays(columns, names=_unique(result.column_names)).to_pandas(
-        types_mapper=_NULLABLE.get, maps_as_pydicts="strict")
+        types_mapper=_nullable().get, maps_as_pydicts="strict")
     for i in wide:  # past int64: Python ints, every digit (a Decimal would be a string in JSON)
         frame.isetitem(i, frame.iloc[:, i].map(int, na_action="ignore"))
     return frame
@@ -234,15 +258,23 @@ def _unique(names: list[str]) -> list[str]:
     return unique
 
 
-_NULLABLE = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
-             pa.int64(): pd.Int64Dtype(), pa.uint8(): pd.UInt8Dtype(), pa.uint16(): pd.UInt16Dtype(),
-             pa.uint32(): pd.UInt32Dtype(), pa.uint64(): pd.UInt64Dtype(), pa.bool_(): pd.BooleanDtype()}
+@functools.cache
+def _nullable() -> dict:
+    """Arrow's integer and boolean types -> pandas' nullable dtypes (`_displayed`'s types_mapper)."""
+    import pandas as pd
+    import pyarrow as pa
+
+    return {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
+            pa.int64(): pd.Int64Dtype(), pa.uint8(): pd.UInt8Dtype(), pa.uint16(): pd.UInt16Dtype(),
+            pa.uint32(): pd.UInt32Dtype(), pa.uint64(): pd.UInt64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 
 def _printable(frame: pd.DataFrame) -> pd.DataFrame:
     """The frame with every string (in a cell, in a cell's lists and maps, and the column names)
     through `escape_control`: a store written before control characters were refused at the door
     (or by anything else) cannot clear the screen or rewrite a line of the terminal this prints to."""
+    import pandas as pd
+
     from moescope.store.text import escape_control
 
     def escape(value):
@@ -262,6 +294,25 @@ def _printable(frame: pd.DataFrame) -> pd.DataFrame:
         if pd.api.types.is_object_dtype(dtype) or pd.api.types.is_string_dtype(dtype):
             out.isetitem(i, frame.iloc[:, i].map(escape, na_action="ignore"))
     return out
+
+
+def _check_files(args: argparse.Namespace) -> int:
+    import warnings
+
+    from moescope.store import BadFileWarning, Store
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BadFileWarning)
+        with Store(store_location(args)) as store:
+            checked = store.check_files(args.table)
+            quarantined = list(store.catalog.quarantined_now)
+    for table, files in checked.items():
+        if files:
+            print(f"{table:<24} {len(files)} file(s), {sum(info.rows for info in files)} rows checked")
+    for warning in caught:
+        print(str(warning.message), file=sys.stderr)
+    print(f"{len(quarantined)} bad file(s) moved to _quarantine now" if quarantined else "every file holds")
+    return 1 if caught else 0
 
 
 def _upgrade(args: argparse.Namespace) -> int:

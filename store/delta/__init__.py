@@ -16,7 +16,7 @@ One module per idea:
     commits      writing the log: create_table, commit (retries, app transactions)
     snapshots    reading the log (names from it checked): snapshot, table_exists, transaction_version
     retention    vacuum: removed files and orphans past their retention
-    access       is the store usable: reachable, and not a previous release's (legacy_tables)
+    access       is the store usable: reachable, and not a previous release's (legacy_tables); its tables' folders
     tables       this process's open DeltaTables, and whether it started delta-rs's runtime
     helper       fork safety: the helper process a forked child routes its delta calls through
     messages     what crosses between a child and its helper (length-prefixed JSON)
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from moescope.store.delta.access import check_store as check_store
 from moescope.store.delta.access import legacy_tables as legacy_tables
+from moescope.store.delta.access import table_folders as table_folders
 from moescope.store.delta.commits import MAX_COMMIT_RETRIES as MAX_COMMIT_RETRIES
 from moescope.store.delta.commits import commit as commit
 from moescope.store.delta.commits import create_table as create_table
@@ -59,5 +60,5 @@ from moescope.store.delta.tables import TABLE_CONFIGURATION as TABLE_CONFIGURATI
 __all__ = ["APP_RETRIES", "APP_RETRY_DEADLINE_S", "BACKOFF_S", "MAX_COMMIT_RETRIES", "ORPHAN_MIN_HOURS",
            "PARTITION_COLUMN", "TABLE_CONFIGURATION", "CommitConflictError", "CommitError", "LegacyStoreError",
            "PartFile", "SkippedFile", "Snapshot", "StoreAccessError", "check_store", "commit", "create_table",
-           "file_stats", "legacy_tables", "snapshot", "table_exists", "transaction_version", "vacuum", "warn_skipped",
-           "write_part"]
+           "file_stats", "legacy_tables", "snapshot", "table_exists", "table_folders", "transaction_version", "vacuum",
+           "warn_skipped", "write_part"]

@@ -14,7 +14,7 @@ from moescope.store.delta.parts import PARTITION_COLUMN
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import is_valid_name
 
-__all__ = ["check_store", "legacy_tables"]
+__all__ = ["check_store", "legacy_tables", "table_folders"]
 
 _CHECKED: set[tuple[str, tuple]] = set()  # stores checked in this process
 
@@ -78,6 +78,29 @@ def legacy_tables(loc: StoreLocation | str | os.PathLike) -> list[str]:
         except OSError:
             continue
     return legacy
+
+
+def table_folders(loc: StoreLocation | str | os.PathLike) -> set[str] | None:
+    """The names of the folders directly under a store's root (a table has one once its log is
+    created): one listing on object storage, where opening a table that is not there costs requests
+    of its own (delta-rs lists its log). None when the root cannot be listed (the caller then opens
+    every table); an empty set for a store with nothing in it yet. A table created after the listing
+    is not in it: a caller that must see every table lists again."""
+    from pyarrow import fs as pafs
+
+    loc = open_location(loc)
+    if loc.is_local:
+        try:
+            return {entry.name for entry in os.scandir(loc.url) if entry.is_dir()}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        except OSError:
+            return None
+    try:
+        infos = filesystem(loc).get_file_info(pafs.FileSelector(loc.join(), allow_not_found=True, recursive=False))
+    except OSError:
+        return None
+    return {info.base_name for info in infos if info.type == pafs.FileType.Directory}
 
 
 def _check_reachable(loc: StoreLocation) -> None:

@@ -19,14 +19,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from moescope.store.delta.errors import CommitConflictError, CommitError, clean, message
 from moescope.store.delta.filesystems import filesystem
 from moescope.store.delta.helper import call_helper, guarded, routed
 from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, run_of
 from moescope.store.delta.retries import APP_RETRIES, APP_RETRY_DEADLINE_S, backoff, transient
-from moescope.store.delta.tables import forget_table, open_table, use_runtime
+from moescope.store.delta.tables import add_actions, forget_table, open_table, use_runtime
 from moescope.store.delta.transactions import held_version, record_commit
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
@@ -175,7 +173,7 @@ def _check_live(loc: StoreLocation, table: str, delta_table: DeltaTable, removes
     rewrite of files someone else removed meanwhile (a compaction of a file a quarantine took out)
     would then add their rows back. From the version checked here on, delta-rs's own conflict check
     takes over."""
-    actions = pa.table(delta_table.get_add_actions(flatten=True))
+    actions = add_actions(delta_table)
     live = set(actions.column("path").to_pylist()) if actions.num_rows else set()
     gone = [p.path if isinstance(p, PartFile) else p for p in removes]
     gone = [path for path in gone if path not in live]

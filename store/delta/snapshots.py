@@ -19,13 +19,11 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 from moescope.store.delta.errors import message
 from moescope.store.delta.helper import call_helper, guarded, routed
 from moescope.store.delta.parts import PARTITION_COLUMN, PartFile, SkippedFile, Snapshot
 from moescope.store.delta.stats import stats_of
-from moescope.store.delta.tables import open_table, use_runtime
+from moescope.store.delta.tables import add_actions, open_table, use_runtime
 from moescope.store.delta.transactions import held_version
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
@@ -164,7 +162,7 @@ def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: b
 
 def _files(delta_table: DeltaTable, with_stats: bool) -> tuple[list[PartFile], list[SkippedFile]]:
     """The log's live files whose names pass `stored_name_problem`, and those that do not."""
-    actions = pa.table(delta_table.get_add_actions(flatten=True))
+    actions = add_actions(delta_table)
     if not actions.num_rows:
         return [], []
     paths = actions.column("path").to_pylist()

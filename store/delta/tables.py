@@ -14,6 +14,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 from moescope.core import forking
 from moescope.store.delta.errors import clean, message
 from moescope.store.delta.parts import PARTITION_COLUMN
@@ -25,7 +27,8 @@ from moescope.store.schema import SCHEMAS
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["TABLE_CONFIGURATION", "OpenTable", "forget_table", "open_table", "runtime_used", "use_runtime"]
+__all__ = ["TABLE_CONFIGURATION", "OpenTable", "add_actions", "forget_table", "open_table", "runtime_used",
+           "use_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,13 @@ TABLE_CONFIGURATION = {
     "delta.checkpointInterval": "50",
     "delta.setTransactionRetentionDuration": "interval 7 days",
 }
+
+
+def add_actions(delta_table: DeltaTable) -> pa.Table:
+    """The table's live add actions (`get_add_actions(flatten=True)`) as a pyarrow Table, read from the
+    Arrow stream delta-rs hands over: `pa.table()` would first ask whether it is a pandas DataFrame,
+    importing pandas (about 0.5 s) into a process that needs none, such as `moescope compact`."""
+    return pa.RecordBatchReader.from_stream(delta_table.get_add_actions(flatten=True)).read_all()
 
 
 class OpenTable:

@@ -3,6 +3,7 @@ Delta commit, their rows counted as lost in probe_stats, and the copy kept; on a
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -12,6 +13,16 @@ from moescope.store import BadFileWarning, Store, delta
 from moescope.store.catalog import count_lost
 from moescope.store.quarantine import display
 from tests.support.deltafiles import exists, file_path, parts, read_bytes, read_part, write_bytes, write_run
+
+
+def pc_sum(column) -> int:
+    import pyarrow.compute as pc
+
+    return pc.sum(column).as_py() or 0
+
+
+def read_table_rows(location, table: str) -> int:
+    return sum(read_part(location, table, p).num_rows for p in parts(location, table))
 
 
 @pytest.fixture
@@ -48,9 +59,9 @@ def test_a_damaged_file_is_quarantined_removed_from_its_table_and_its_rows_count
     bad = _damaged(read_bytes(location, path), damage)
     write_bytes(location, path, bad)
 
+    store = Store(location)  # opening reads the logs only: the first query that reads routes checks its files
     with pytest.warns(BadFileWarning, match=victim.path.split("/")[-1]):
-        store = Store(location)
-    assert int(store.sql("SELECT count(*) AS n FROM routes").n[0]) == want
+        assert int(store.sql("SELECT count(*) AS n FROM routes").n[0]) == want
     [moved] = store.quarantined()
     assert moved.original_path == display(location, path)
     assert moved.reason.startswith("damaged data" if damage == "pages" else "unreadable footer")
@@ -64,7 +75,7 @@ def test_a_damaged_file_is_quarantined_removed_from_its_table_and_its_rows_count
     with warnings.catch_warnings():
         warnings.simplefilter("error", BadFileWarning)  # a fresh reader does not trip on it again
         other = Store(location)
-    assert int(other.sql("SELECT count(*) AS n FROM routes").n[0]) == want
+        assert int(other.sql("SELECT count(*) AS n FROM routes").n[0]) == want
     assert _lost(other, "r") == {("routes", "quarantined"): victim.rows}
 
 
@@ -76,8 +87,9 @@ def test_rows_of_a_file_two_readers_quarantine_are_counted_once(written):
     path = file_path(location, "routes", victim)
     write_bytes(location, path, _damaged(read_bytes(location, path), "truncated"))
     count_lost(location, "routes", victim)  # the first reader, killed after its count
+    store = Store(location)
     with pytest.warns(BadFileWarning):
-        store = Store(location)
+        store.sql("SELECT count(*) FROM routes")
     assert _lost(store, "r") == {("routes", "quarantined"): victim.rows}
 
 
@@ -87,8 +99,9 @@ def test_quarantined_files_are_kept_when_vacuum_deletes_the_removed_originals(wr
     path = file_path(location, "routes", victim)
     bad = _damaged(read_bytes(location, path), "truncated")
     write_bytes(location, path, bad)
+    store = Store(location)
     with pytest.warns(BadFileWarning):
-        store = Store(location)
+        store.check_files()
     delta.vacuum(location, "routes", retention_hours=0)
     assert not exists(location, path)
     [moved] = store.quarantined()
@@ -106,10 +119,66 @@ def test_damage_inside_a_file_is_found_when_it_is_next_listed(tmp_path):
     victim = files[3]
     want = sum(p.rows for p in files) - victim.rows
     store = Store(location)
+    query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
+    assert int(store.sql(query).n[0]) == sum(p.rows for p in files)  # every routes file checked now
     path = file_path(location, "routes", victim)
     write_bytes(location, path, _damaged(read_bytes(location, path), "pages"))
+    store.refresh()
     with pytest.warns(BadFileWarning, match="damaged data"):
-        store.refresh()
-    query = "SELECT count(*) AS n, sum(token_id) AS s, sum(list_sum(gate_weights)) AS g FROM routes"
-    assert int(store.sql(query).n[0]) == want
+        assert int(store.sql(query).n[0]) == want
     assert [q.original_path for q in store.quarantined()] == [path]
+
+
+def _raw_route_rows(location) -> int:
+    """Route rows of the files the routes log names, read from the raw Parquet files."""
+    return sum(read_part(location, "routes", p).num_rows for p in parts(location, "routes"))
+
+
+def test_a_damaged_file_waits_unread_until_a_query_reads_its_table(written):
+    """The first answer does not wait for every file: a damaged routes file is neither read nor
+    reported by queries of other tables, and the first query that reads routes quarantines it and
+    answers from the rest; the damage is never read as numbers."""
+    location, files = written
+    victim = files[4]
+    want = _raw_route_rows(location) - victim.rows  # counted from the raw files before the damage
+    path = file_path(location, "routes", victim)
+    write_bytes(location, path, _damaged(read_bytes(location, path), "pages"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadFileWarning)
+        store = Store(location)
+        runs = store.runs()  # reads `runs` only
+        steps = int(store.sql("SELECT count(*) AS n FROM steps").n[0])
+    assert runs.run_id.tolist() == ["r"]
+    assert steps == read_table_rows(location, "steps")
+    assert victim.path in {p.path for p in parts(location, "routes")}  # nobody has looked at it yet
+    assert store.quarantined() == []
+
+    with pytest.warns(BadFileWarning, match="damaged data"):
+        got = store.sql("SELECT count(*) AS n, sum(step) AS s FROM routes")
+    assert int(got.n[0]) == want
+    kept = [p for p in files if p.path != victim.path]
+    assert int(got.s[0]) == sum(int(pc_sum(read_part(location, "routes", p).column("step"))) for p in kept)
+    assert victim.path not in {p.path for p in parts(location, "routes")}
+    assert _lost(store, "r") == {("routes", "quarantined"): victim.rows}
+
+
+def test_store_check_finds_a_damaged_file_no_query_read(written, capsys):
+    """`moescope store check` checks every file now, as the first query of each table would."""
+    from moescope.cli import main
+
+    location, files = written
+    victim = files[1]
+    path = file_path(location, "routes", victim)
+    write_bytes(location, path, _damaged(read_bytes(location, path), "pages"))
+    options = [f"--storage-option={k}={v}" for k, v in location.storage_options.items()]
+    assert main(["store", "check", location.url, *options]) == 1
+    out = capsys.readouterr()
+    assert "1 bad file(s) moved to _quarantine now" in out.out
+    assert re.search(rf"^routes +{len(files) - 1} file\(s\), {sum(p.rows for p in files) - victim.rows} rows checked$",
+                     out.out, re.MULTILINE), out.out
+    assert victim.path.split("/")[-1] in out.err and "damaged data" in out.err
+    assert victim.path not in {p.path for p in parts(location, "routes")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadFileWarning)
+        assert main(["store", "check", location.url, *options]) == 0  # nothing bad is left
