@@ -109,6 +109,12 @@ def test_good_yaml_and_equivalent_toml(tmp_path):
         (GOOD.replace("version: 1", "version: 2"), 1, "version", "unsupported version"),
         ("version: 1\nrules: []\n", 2, "rules", "non-empty list"),
         (GOOD.replace("    expr: load_max_mean > 2.5\n", ""), 5, "rules[0]", "missing required field 'expr'"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: [Cooldwn]\n"), 7,
+         "rules[0].unless", "no rule named 'Cooldwn'"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: Skew\n"), 7,
+         "rules[0].unless", "is this rule"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: {a: 1}\n"), 7,
+         "rules[0].unless", "a list of rule names"),
     ],
 )
 def test_errors_name_file_line_and_field(tmp_path, text, line, fieldname, hint):
