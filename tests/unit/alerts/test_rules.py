@@ -202,7 +202,8 @@ def test_unless_names_rules_in_yaml_and_toml_and_the_check_lists_it(tmp_path, ca
     yaml_path = write(tmp_path, GOOD.replace("    expr: load_max_mean > 2.5\n",
                                              "    expr: load_max_mean > 2.5\n    unless: [Cooldown]\n"))
     toml_path = write(tmp_path, '[[rules]]\nname = "Skew"\nexpr = "load_max_mean > 2.5"\nunless = "Cooldown"\n'
-                      '[[rules]]\nname = "Cooldown"\nexpr = "router_entropy < 0.2 and capacity_use >= 0.95"\n', "r.toml")
+                      '[[rules]]\nname = "Cooldown"\nexpr = "router_entropy < 0.2 and capacity_use >= 0.95"\n',
+                      "r.toml")
     for path in (yaml_path, toml_path):
         skew = load_rules(path).rules[0]
         assert skew.unless == ("Cooldown",)
