@@ -282,9 +282,9 @@ def _lost_experts(load: np.ndarray, baseline_load: np.ndarray, min_expected: flo
 
 # KL (nats) within which the other experts' load keeps its baseline shape while an expert is lost (see
 # `lost_expert_alone_fraction`): twice the largest KL of a whole healthy layer over 64 forwards against its
-# baseline on the alert benchmark's models (0.015: generate, long context), half the smallest a domain shift
-# left on the experts it kept using (0.051). The rest of a layer whose one expert the router no longer
-# chooses stayed within 0.013.
+# baseline on the alert benchmark's models (0.015: long context), below the smallest a domain shift left on
+# the experts it kept using (0.051). The rest of a layer whose one expert the router no longer chooses
+# stayed within 0.013.
 LOST_ALONE_MAX_REST_KL = 0.03
 
 
