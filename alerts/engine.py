@@ -133,9 +133,9 @@ def fire_once(pack: RulePack, values: dict[str, float], *, run_id: str, layer: i
     now = dt.datetime.now(dt.timezone.utc)
     out = []
     for rule in pack.rules:
-        if not values or not {c.signal for c in rule.conditions} <= set(values):
+        if not values or not set(rule.signals) <= set(values):
             continue
-        if not all(c.holds(values[c.signal]) for c in rule.conditions):
+        if not rule.verdict(values):
             continue
         where = {} if layer is None else {"layer": str(layer)}
         names = {"alertname": rule.name, "severity": rule.severity, "run_id": run_id, **where, **(labels or {}),
@@ -144,7 +144,7 @@ def fire_once(pack: RulePack, values: dict[str, float], *, run_id: str, layer: i
             fingerprint=fingerprint(names), alertname=rule.name, state=FIRING, previous_state=INACTIVE, at=now,
             step=step, run_id=run_id, layer=layer,  # type: ignore[arg-type]
             severity=rule.severity, expr=rule.expr, labels=names, annotations=dict(rule.annotations),
-            values={c.signal: values[c.signal] for c in rule.conditions}, starts_at=now, ends_at=None,
+            values={signal: values[signal] for signal in rule.signals}, starts_at=now, ends_at=None,
             source=source))
     return out
 
@@ -345,10 +345,10 @@ class AlertEngine:
                     continue
                 latest = history.items[-1]
                 values = self.signals(rule, run_id, layer)
-                verdicts = [c.holds(values[c.signal]) for c in rule.conditions]
-                if any(v is None for v in verdicts):
+                verdict = rule.verdict(values)
+                if verdict is None:
                     continue  # no data: leave the alert where it is
-                out.extend(self._step(rule, latest, all(verdicts), values))
+                out.extend(self._step(rule, latest, verdict, values))
         return out
 
     def _labels(self, rule: Rule, run_id: str, layer: int) -> dict[str, str]:

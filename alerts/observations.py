@@ -232,6 +232,7 @@ def compute_signals(
             table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
             table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
             table["lost_expert_fraction"] = lambda: sig.lost_expert_fraction(load, baseline_load)
+            table["lost_expert_alone_fraction"] = lambda: sig.lost_expert_alone_fraction(load, baseline_load)
         if rank_shares is not None and np.shape(rank_shares)[0] == experts:
             rank_load = sig.rank_load(load, rank_shares)  # slots per rank
             table["rank_balancedness"] = lambda: sig.balancedness(rank_load)

@@ -16,12 +16,19 @@ The shape (YAML shown; TOML uses `[defaults]`, `[baseline]` and `[[rules]]`)::
         window: 32                     # steps, or a duration such as 10m
         for: 2m                        # how long the condition must hold before firing
         cooldown: 5m                   # how long it must be false before the alert resolves
-
-`for` and `cooldown` are durations of event time (the recorded steps' timestamps), or a count of
-steps written `200 steps`: a count means the same forwards on a fast machine and a slow one.
         severity: warning              # info | warning | critical
         labels: {team: training}
         annotations: {summary: "...", runbook_url: "https://..."}
+        unless: [RoutingDriftFromBaseline]  # silent while a named rule's expression holds over this window
+
+`for` and `cooldown` are durations of event time (the recorded steps' timestamps), or a count of
+steps written `200 steps`: a count means the same forwards on a fast machine and a slow one.
+
+`unless` is PromQL's `A unless B`: the rule holds only where none of the named rules' expressions
+holds, each judged over this rule's window (the forwards it judges), so a consequence stays silent
+while the alert that says its cause holds, whichever fires first. Only a named rule's expression
+counts, not its own window, `for` or `unless`; a named expression on a signal of no data holds
+nothing back.
 
 `alerts/default_rules.yaml` is the default rule pack; each rule there says why its threshold is
 what it is.
@@ -35,7 +42,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -66,6 +73,8 @@ SIGNALS: dict[str, str] = {
     "dead_expert_fraction": "fraction of experts with no token over the window",
     "lost_expert_fraction": "fraction of experts with no token over the window although their baseline share "
                             "predicted at least 16 of its slots (an expert always barely routed is not newly dead)",
+    "lost_expert_alone_fraction": "lost_expert_fraction while the other experts' load keeps its baseline shape (KL "
+                                  "of their renormalised load under 0.03 nats): experts gone, not a traffic change",
     "router_entropy_rise": "router_entropy over the window minus the same over the layer's baseline rows "
                            "(fractions of ln experts; needs a baseline from the run's own first steps)",
     "dropped_token_rate_rise": "dropped_token_rate over the window minus the same over the layer's baseline rows "
@@ -132,7 +141,7 @@ _STEPS_RE = re.compile(r"(\d+)\s*steps?")
 _TOP_KEYS = {"version", "defaults", "baseline", "rules", "grouping"}
 _DEFAULT_KEYS = {"window", "for", "cooldown", "severity"}
 _BASELINE_KEYS = {"run_id", "first_steps"}
-_RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels", "annotations"}
+_RULE_KEYS = {"name", "expr", "window", "for", "cooldown", "severity", "labels", "annotations", "unless"}
 
 
 class RulesError(ValueError):
@@ -195,6 +204,9 @@ class Rule:
     # `for` / `cooldown` counted in steps (forwards) instead of seconds; None: the seconds above count
     for_steps: int | None = None
     cooldown_steps: int | None = None
+    # rules whose expressions hold this one back (PromQL's `A unless B`), and those expressions
+    unless: tuple[str, ...] = ()
+    unless_conditions: tuple[tuple[Condition, ...], ...] = ()
 
     def describe_for(self) -> str:
         return f"{self.for_steps} steps" if self.for_steps is not None else f"{self.for_s:g}s"
@@ -204,7 +216,24 @@ class Rule:
 
     @property
     def signals(self) -> tuple[str, ...]:
-        return tuple(c.signal for c in self.conditions)
+        """The signals the rule reads: its expression's, then those of the rules named in `unless`."""
+        named = [c.signal for c in self.conditions] + [c.signal for conds in self.unless_conditions for c in conds]
+        return tuple(dict.fromkeys(named))
+
+    def verdict(self, values: dict[str, float]) -> bool | None:
+        """Whether the rule holds for `values` (each of its `signals`, over its window).
+
+        PromQL's `A unless B`: the expression must hold, and no expression named in `unless` may hold
+        (a named expression with a signal of no data has no element, so it holds nothing back).
+
+        Returns:
+            True or False; None when a signal of the rule's own expression is no data (NaN).
+        """
+        verdicts = [c.holds(values[c.signal]) for c in self.conditions]
+        if any(v is None for v in verdicts):
+            return None
+        held_back = any(all(c.holds(values[c.signal]) for c in conds) for conds in self.unless_conditions)
+        return all(verdicts) and not held_back
 
 
 @dataclass(frozen=True)
@@ -461,6 +490,30 @@ class _Reader:
         return out
 
 
+def _rule_names(value: Any, path: Path, reader: _Reader) -> list[str]:
+    """An `unless`: a rule name or a list of them."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and _NAME_RE.match(n) for n in names):
+        raise reader.fail(path, "must be a rule name or a list of rule names, such as [RoutingDriftFromBaseline]")
+    return names
+
+
+def _resolve_unless(rules: list[Rule], reader: _Reader) -> list[Rule]:
+    """Each rule with the expressions its `unless` names; an unknown name or the rule's own is an error."""
+    by_name = {r.name: r for r in rules}
+    out = []
+    for i, rule in enumerate(rules):
+        for name in rule.unless:
+            if name == rule.name:
+                reader.report(("rules", i, "unless"), f"{name!r} is this rule; name another rule of the pack")
+            elif name not in by_name:
+                reader.report(("rules", i, "unless"), f"no rule named {name!r} in this pack; "
+                              f"rules: {', '.join(by_name)}")
+        named = tuple(by_name[n].conditions for n in rule.unless if n in by_name and n != rule.name)
+        out.append(replace(rule, unless_conditions=named) if named else rule)
+    return out
+
+
 def _build(doc: Any, reader: _Reader) -> RulePack:
     """Return the rule pack of a parsed document; raise one RulesError naming every problem."""
     doc = reader.attempt(reader.mapping, doc if doc is not None else {}, (), _TOP_KEYS)
@@ -519,6 +572,7 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
         def field(key: str, check: Callable[[Any, Path], Any], default: Any) -> Any:
             return reader.attempt(check, item[key], path + (key,), default=default) if key in item else default
 
+        unless = reader.attempt(_rule_names, item.get("unless", []), path + ("unless",), reader, default=[])
         for_s, for_steps = field("for", reader.span, default_for)
         cooldown_s, cooldown_steps = field("cooldown", reader.span, default_cooldown)
         rules.append(
@@ -534,8 +588,10 @@ def _build(doc: Any, reader: _Reader) -> RulePack:
                 annotations=reader.attempt(reader.string_map, item.get("annotations", {}), path + ("annotations",),
                                            default={}),
                 line=reader.lines.get(path),
+                unless=tuple(unless),
             )
         )
+    rules = _resolve_unless(rules, reader)
     grouping = reader.attempt(parse_grouping, doc.get("grouping"), ("grouping",), reader, default=Grouping())
     reader.raise_errors()
     return RulePack(rules=tuple(rules), baseline=Baseline(run_id=run_id, first_steps=first_steps), source=reader.source,

@@ -295,7 +295,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{len(errors)} errors in {args.rules}", file=sys.stderr)
         return 2
     for rule in pack.rules:
-        print(f"{rule.name}: {rule.expr} (for {rule.describe_for()}, cooldown {rule.describe_cooldown()}, "
+        unless = f" unless {', '.join(rule.unless)}" if rule.unless else ""
+        print(f"{rule.name}: {rule.expr}{unless} (for {rule.describe_for()}, cooldown {rule.describe_cooldown()}, "
               f"{rule.severity})")
     return 0
 

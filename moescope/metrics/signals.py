@@ -62,7 +62,8 @@ __all__ = [
     "balancedness", "coefficient_of_variation", "dead_expert_count", "dead_expert_fraction", "DEFAULT_SMOOTHING",
     "divergence_over_time", "dropped_token_rate", "expert_tag_contingency", "extreme_experts", "imbalance",
     "jain_fairness", "js_divergence", "kl_divergence", "load_balancing_loss", "load_distribution", "load_entropy",
-    "load_spread", "LoadSpread", "LOST_EXPERT_MIN_EXPECTED", "lost_expert_fraction", "max_mean_ratio",
+    "load_spread", "LoadSpread", "LOST_ALONE_MAX_REST_KL", "LOST_EXPERT_MIN_EXPECTED", "lost_expert_alone_fraction",
+    "lost_expert_fraction", "max_mean_ratio",
     "normalized_entropy", "normalized_mutual_information",
     "routed_load", "router_entropy", "router_z_loss", "RouterEntropy", "routing_drift_rate",
     "specialisation_by_layer", "switch_entropy", "token_weighted_mean", "uniform_load", "zero_expert_share",
@@ -271,8 +272,51 @@ def lost_expert_fraction(load: np.ndarray, baseline_load: np.ndarray,
     arr, base = _as_load(load), np.asarray(baseline_load, dtype=np.float64).reshape(-1)
     if arr.size != base.size or arr.sum() <= 0 or base.sum() <= 0:
         return float("nan")
-    expected = base / base.sum() * arr.sum()
-    return float(np.count_nonzero((arr == 0) & (expected >= min_expected))) / arr.size
+    return float(np.count_nonzero(_lost_experts(arr, base, min_expected))) / arr.size
+
+
+def _lost_experts(load: np.ndarray, baseline_load: np.ndarray, min_expected: float) -> np.ndarray:
+    expected = baseline_load / baseline_load.sum() * load.sum()
+    return (load == 0) & (expected >= min_expected)
+
+
+# KL (nats) within which the other experts' load keeps its baseline shape while an expert is lost (see
+# `lost_expert_alone_fraction`): twice the largest KL of a whole healthy layer over 64 forwards against its
+# baseline on the alert benchmark's models (0.015: long context), below the smallest a domain shift left on
+# the experts it kept using (0.051). The rest of a layer whose one expert the router no longer chooses
+# stayed within 0.013.
+LOST_ALONE_MAX_REST_KL = 0.03
+
+
+def lost_expert_alone_fraction(load: np.ndarray, baseline_load: np.ndarray,
+                               min_expected: float = LOST_EXPERT_MIN_EXPECTED,
+                               max_rest_kl: float = LOST_ALONE_MAX_REST_KL) -> float:
+    """Return the fraction of experts lost (`lost_expert_fraction`) while the rest of the layer's routing
+    kept its baseline shape: 0 when the other experts' load, renormalised, is more than `max_rest_kl`
+    nats (KL, 0.5-token smoothing) from their baseline load, renormalised.
+
+    An expert the router no longer chooses loses its tokens to each token's next choice, and the other
+    experts' shares stay near their baseline's. A change of traffic moves them all: the experts the new
+    traffic does not use are part of that drift, which `kl_baseline` measures, not experts gone.
+
+    Args:
+        load: (E,) tokens per expert over the window.
+        baseline_load: (E,) the same over the baseline.
+        min_expected: as in `lost_expert_fraction`.
+        max_rest_kl: how far the other experts' shares may move, in nats.
+
+    Returns:
+        The fraction of the E experts; NaN when the window or the baseline holds no token, or their sizes
+        differ.
+    """
+    arr, base = _as_load(load), np.asarray(baseline_load, dtype=np.float64).reshape(-1)
+    if arr.size != base.size or arr.sum() <= 0 or base.sum() <= 0:
+        return float("nan")
+    lost = _lost_experts(arr, base, min_expected)
+    kept = ~lost
+    if not lost.any() or not kept.any() or kl_divergence(arr[kept], base[kept]) > max_rest_kl:
+        return 0.0
+    return float(np.count_nonzero(lost)) / arr.size
 
 
 def jain_fairness(load: np.ndarray) -> float:

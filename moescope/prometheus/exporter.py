@@ -111,6 +111,9 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
     "lost_expert_fraction": ("moescope_layer_lost_expert_ratio",
                              "Fraction of experts with no token over the window whose baseline share predicted "
                              "at least 16 of its slots"),
+    "lost_expert_alone_fraction": ("moescope_layer_lost_expert_alone_ratio",
+                                   "The same, while the other experts' load kept its baseline shape (KL under 0.03 "
+                                   "nats)"),
     "dropped_token_rate": ("moescope_layer_dropped_token_ratio", "Dropped tokens / tokens over the window"),
     "window_tokens": ("moescope_layer_window_tokens", "Tokens the layer routed over the window"),
     "router_entropy_rise": ("moescope_layer_router_entropy_rise_ratio",

@@ -23,17 +23,21 @@ def prom_duration(seconds: float) -> str:
 
 
 def rule_expr(rule: Rule) -> str:
-    """Return the PromQL of a rule; raise RulesError for a signal the exporter does not serve."""
-    parts = []
-    for cond in rule.conditions:
-        metric = SIGNAL_METRICS.get(cond.signal)
-        if metric is None:
-            raise RulesError(
-                f"{rule.name}: signal {cond.signal!r} has no Prometheus metric; "
-                f"alert on it with `moescope alerts run`, or use one of: {', '.join(SIGNAL_METRICS)}"
-            )
-        parts.append(f"{metric[0]} {cond.op} {cond.threshold!r}")
-    return " and ".join(parts)
+    """Return the PromQL of a rule (its `unless` as PromQL's `unless`, on the exporter's one window);
+    raise RulesError for a signal the exporter does not serve."""
+    def conjunction(conditions) -> str:
+        parts = []
+        for cond in conditions:
+            metric = SIGNAL_METRICS.get(cond.signal)
+            if metric is None:
+                raise RulesError(
+                    f"{rule.name}: signal {cond.signal!r} has no Prometheus metric; "
+                    f"alert on it with `moescope alerts run`, or use one of: {', '.join(SIGNAL_METRICS)}"
+                )
+            parts.append(f"{metric[0]} {cond.op} {cond.threshold!r}")
+        return " and ".join(parts)
+    held_back = "".join(f" unless ({conjunction(conds)})" for conds in rule.unless_conditions)
+    return conjunction(rule.conditions) + held_back
 
 
 def prometheus_rules(pack: RulePack, group: str = "moescope", interval_s: float | None = None) -> dict:

@@ -222,11 +222,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/prometheus/test_prometheus_rules.py",),
         "a two-condition rule's PromQL fires when either condition holds"),
     Mutation(
-        "promql-wrong-metric", "moescope/prometheus/exporter.py",
-        '"lost_expert_fraction": ("moescope_layer_lost_expert_ratio",',
-        '"lost_expert_fraction": ("moescope_layer_dropped_token_ratio",',
+        # the PromQL side alone: renaming the gauge in SIGNAL_METRICS renames the rule's metric with it
+        "promql-wrong-metric", "moescope/prometheus/rules.py",
+        "            metric = SIGNAL_METRICS.get(cond.signal)\n",
+        '            metric = SIGNAL_METRICS.get("dropped_token_rate" if cond.signal == "lost_expert_alone_fraction"'
+        ' else cond.signal)\n',
         ("tests/integration/prometheus/test_prometheus_rules.py",),
         "DeadExpert's PromQL reads another gauge"),
+    Mutation(
+        "promql-unless-dropped", "moescope/prometheus/rules.py",
+        '    held_back = "".join(f" unless ({conjunction(conds)})" for conds in rule.unless_conditions)\n',
+        '    held_back = ""\n',
+        ("tests/integration/prometheus/test_prometheus_rules.py",),
+        "the load rules' PromQL forgets `unless`: a skew that drifted from the baseline fires beside the drift"),
+    Mutation(
+        "unless-ignored", "alerts/rules.py",
+        "        return all(verdicts) and not held_back\n",
+        "        return all(verdicts)\n",
+        ("tests/unit/alerts/test_engine.py",),
+        "a rule's `unless` holds nothing back (issue 50: a domain shift said by every load rule)"),
+    Mutation(
+        "dead-expert-of-a-shift", "moescope/metrics/signals.py",
+        "    if not lost.any() or not kept.any() or kl_divergence(arr[kept], base[kept]) > max_rest_kl:\n",
+        "    if not lost.any() or not kept.any():\n",
+        ("tests/unit/metrics/test_signals.py", "tests/unit/alerts/test_engine.py"),
+        "DeadExpert counts an expert the traffic left as dead (issue 50: an idle expert is not a dead one)"),
     Mutation(
         "ci-skips-missing-servers", "tests/support/realparts.py",
         "    if in_ci():\n",

@@ -115,7 +115,8 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     by_name = {r["alert"]: r for r in doc["groups"][0]["rules"]}
     assert set(by_name) == {r.name for r in pack.rules}
     assert by_name["ExpertLoadSkew"]["expr"] == (
-        "moescope_layer_load_max_over_mean > 2.0 and moescope_layer_window_tokens >= 1024.0")
+        "moescope_layer_load_max_over_mean > 2.0 and moescope_layer_window_tokens >= 1024.0"
+        " unless (moescope_layer_load_kl_baseline_nats > 0.1) unless (moescope_layer_lost_expert_alone_ratio > 0.0)")
     assert by_name["RoutingCooldown"]["expr"] == (
         "moescope_layer_router_entropy_ratio < 0.25 and moescope_layer_capacity_use_ratio > 0.95"
     )

@@ -29,12 +29,15 @@ pytestmark = pytest.mark.integration
 STEPS, WINDOW, BASELINE = 10, 8, 2
 BIASED = [31, 31, 31, 31, 1, 1, 1, 1]  # KL(load || uniform) = 0.54 > 0.5; max/mean = 1.94 < 2
 DRIFTED = [24, 24, 24, 24, 8, 8, 8, 8]  # KL against the balanced baseline = 0.13 > 0.1; vs uniform 0.13 < 0.5
-DEAD = [18, 18, 18, 18, 18, 18, 20, 0]  # one expert of 8 never chosen; max/mean 1.25, KL 0.13
+DEAD = [18, 18, 18, 18, 18, 18, 20, 0]  # one expert of 8 never chosen, the rest as before; max/mean 1.25, KL 0.13
+SHIFTED = [0, 40, 40, 8, 8, 8, 8, 16]  # expert 0 left by a shift that moves every share
 # Two ranks: even experts on one, odd on the other, so the loads above are even over ranks (DEAD:
-# 74 / 54 slots, balancedness 0.86); SKEWED's layer puts its hot expert alone (72 / 56, 0.89), and
-# layer 11 the contiguous layout, under which DRIFTED's load is 96 / 32 slots: balancedness 0.67 < 0.8.
+# 74 / 54 slots, balancedness 0.86; SHIFTED 56 / 72, 0.89); SKEWED's layers put its hot expert alone
+# (72 / 56, 0.89), and layer 11 the contiguous layout, under which DRIFTED's load is 96 / 32 slots:
+# balancedness 0.67 < 0.8.
 PLACEMENT = Placement(ranks=2, default=((0, 2, 4, 6), (1, 3, 5, 7)),
-                      layers={10: ((0,), (1, 2, 3, 4, 5, 6, 7)), 11: ((0, 1, 2, 3), (4, 5, 6, 7))})
+                      layers={10: ((0,), (1, 2, 3, 4, 5, 6, 7)), 11: ((0, 1, 2, 3), (4, 5, 6, 7)),
+                              13: ((0,), (1, 2, 3, 4, 5, 6, 7))})
 
 
 def _no_locality() -> Routes:
@@ -65,13 +68,20 @@ def _layers(step: int) -> list:
         layer_step(11, DRIFTED, **healthy),  # ranks 96 / 32 (PLACEMENT): balancedness 0.67 < 0.8; nothing else
         # per-token entropy 0.3 -> 1.9 nats: (1.9 - 0.3) / ln 8 = 0.77 of ln E over the baseline > 0.25
         layer_step(12, BALANCED, entropy=0.3 if step < BASELINE else 1.9, capacity_use=0.5),
+        # balanced, then skewed: max/mean 4.5 and KL vs uniform 0.54, but drifted from the baseline (KL 0.54 >
+        # 0.1): the skew and the bias are the drift's news (`unless`), held back by Prometheus' own `unless`
+        layer_step(13, BALANCED if step < BASELINE else SKEWED, **healthy),
+        # a shift: expert 0 gets nothing (lost) and the others' shares move too (KL 0.39; max/mean 2.5 over
+        # 1024 tokens): the drift alone, neither DeadExpert (not lost alone) nor the skew (held back)
+        layer_step(14, BALANCED if step < BASELINE else SHIFTED, **healthy),
     ]
 
 
 EXPECTED = {
     ("ExpertLoadSkew", "10"),
     ("LoadBiasedAgainstUniform", "1"), ("LoadBiasedAgainstUniform", "10"),
-    ("RoutingDriftFromBaseline", "2"), ("RoutingDriftFromBaseline", "3"),
+    ("RoutingDriftFromBaseline", "2"), ("RoutingDriftFromBaseline", "3"), ("RoutingDriftFromBaseline", "13"),
+    ("RoutingDriftFromBaseline", "14"),
     ("DeadExpert", "3"),
     ("RoutingCooldown", "4"),
     ("DroppedTokens", "7"),
@@ -106,7 +116,8 @@ def test_every_default_rule_fires_in_prometheus_on_its_layer_only(tmp_path):
         rounds = http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["lastEvaluation"]
         wait_until(lambda: http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["lastEvaluation"] != rounds,
                    10, what="another rule evaluation")
-        assert firing() == EXPECTED
+        got = firing()
+        assert got == EXPECTED, (sorted(got - EXPECTED), sorted(EXPECTED - got))
         health = http_get_json(prom_url + "/api/v1/rules")["data"]["groups"][0]["rules"]
         assert {r["name"]: r["health"] for r in health} == {r.name: "ok" for r in pack.rules}
     finally:

@@ -196,3 +196,72 @@ def test_rise_signals_and_lost_experts_compare_with_the_runs_own_baseline_rows()
         engine2.ingest(observations_from_record(step_record(step, [ls])))
     vals2 = engine2.signals(engine2.pack.rules[0], "run-a", 0)
     assert np.isnan(vals2["router_entropy_rise"]) and vals2["lost_expert_fraction"] == pytest.approx(1 / 8)
+
+
+UNLESS_PACK = """\
+version: 1
+baseline: {first_steps: 3}
+rules:
+  - name: Skew
+    expr: load_max_mean > 2.0
+    window: 2
+    for: 0 steps
+    cooldown: 0 steps
+    unless: [Drift]
+  - name: Drift
+    expr: kl_baseline > 0.1
+    window: 64
+    for: 0 steps
+"""
+
+
+def _kl_by_hand(load, reference):
+    p = (np.asarray(load, float) + 0.5) / (np.asarray(load, float) + 0.5).sum()
+    q = (np.asarray(reference, float) + 0.5) / (np.asarray(reference, float) + 0.5).sum()
+    return float(np.sum(p * np.log(p / q)))
+
+
+def _fired(transitions, name):
+    return [t.step for t in transitions if t.alertname == name and t.state == "firing"]
+
+
+def test_unless_holds_a_rule_back_while_the_named_expression_holds_over_its_own_window():
+    """PromQL's `A unless B`: the skew of a drift from the baseline is the drift's news; B is judged over
+    A's window (2 steps), not B's own (64), so A stays silent from the first skewed step."""
+    engine = AlertEngine(parse_rules(UNLESS_PACK))
+    skew, drift = engine.pack.rules
+    assert skew.signals == ("load_max_mean", "kl_baseline")
+    got = run_steps(engine, [BALANCED] * 33 + [SKEWED] * 4)
+    assert _fired(got, "Skew") == []
+    # by hand over the skew's window (the last 2 steps): far past the drift's 0.1 ...
+    values = engine.signals(skew, "run-a", 0)
+    assert values["kl_baseline"] == pytest.approx(_kl_by_hand(np.array(SKEWED) * 2, np.array(BALANCED) * 3))
+    assert values["kl_baseline"] > 0.1 and values["load_max_mean"] == pytest.approx(4.5)
+    # ... while over the drift's own 64 steps (all 37 here) it is still under it: judged there, A would fire
+    assert _kl_by_hand(np.array(BALANCED) * 33 + np.array(SKEWED) * 4, np.array(BALANCED) * 3) < 0.1
+    assert _fired(got, "Drift") == []
+
+
+def test_unless_lets_a_standing_condition_through_and_a_named_signal_of_no_data_holds_nothing_back():
+    # skewed from the first step: no drift from the baseline, the skew is the news (before the baseline
+    # is complete, kl_baseline is no data: no element of B, so A passes, as in PromQL)
+    standing = run_steps(AlertEngine(parse_rules(UNLESS_PACK)), [SKEWED] * 6)
+    assert _fired(standing, "Skew") == [0]
+    assert [t.state for t in standing if t.alertname == "Skew"] == ["pending", "firing"]  # and it stays firing
+    # a baseline run that cannot be loaded: kl_baseline is no data throughout, the drift holds nothing back
+    golden = UNLESS_PACK.replace("{first_steps: 3}", "{run_id: golden, first_steps: 3}")
+    engine = AlertEngine(parse_rules(golden), baseline_loader=lambda *a: None)
+    unknown = run_steps(engine, [BALANCED] * 33 + [SKEWED] * 4)
+    assert _fired(unknown, "Skew") == [33]
+    firing = next(t for t in unknown if t.alertname == "Skew" and t.state == "firing")
+    assert firing.values == {"load_max_mean": pytest.approx(88 / 32), "kl_baseline": None}  # steps 32-33
+
+
+def test_a_figure_judged_once_honours_unless():
+    from moescope.alerts.engine import fire_once
+    pack = parse_rules(UNLESS_PACK)
+    def names(values):
+        return [t.alertname for t in fire_once(pack, values, run_id="r", layer=0, source="rules")]
+    assert names({"load_max_mean": 3.0, "kl_baseline": 0.5}) == ["Drift"]
+    assert names({"load_max_mean": 3.0, "kl_baseline": 0.05}) == ["Skew"]
+    assert names({"load_max_mean": 3.0, "kl_baseline": float("nan")}) == ["Skew"]

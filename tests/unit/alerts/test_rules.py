@@ -109,6 +109,12 @@ def test_good_yaml_and_equivalent_toml(tmp_path):
         (GOOD.replace("version: 1", "version: 2"), 1, "version", "unsupported version"),
         ("version: 1\nrules: []\n", 2, "rules", "non-empty list"),
         (GOOD.replace("    expr: load_max_mean > 2.5\n", ""), 5, "rules[0]", "missing required field 'expr'"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: [Cooldwn]\n"), 7,
+         "rules[0].unless", "no rule named 'Cooldwn'"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: Skew\n"), 7,
+         "rules[0].unless", "is this rule"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: {a: 1}\n"), 7,
+         "rules[0].unless", "a list of rule names"),
     ],
 )
 def test_errors_name_file_line_and_field(tmp_path, text, line, fieldname, hint):
@@ -189,3 +195,20 @@ def test_every_error_is_reported_not_just_the_first(tmp_path, capsys):
     assert moescope_main(["alerts", "check", str(path)]) == 2
     out = capsys.readouterr().err
     assert out.count("error: ") == 4 and "4 errors" in out
+
+
+def test_unless_names_rules_in_yaml_and_toml_and_the_check_lists_it(tmp_path, capsys):
+    from moescope.cli import main as moescope_main
+    yaml_path = write(tmp_path, GOOD.replace("    expr: load_max_mean > 2.5\n",
+                                             "    expr: load_max_mean > 2.5\n    unless: [Cooldown]\n"))
+    toml_path = write(tmp_path, '[[rules]]\nname = "Skew"\nexpr = "load_max_mean > 2.5"\nunless = "Cooldown"\n'
+                      '[[rules]]\nname = "Cooldown"\nexpr = "router_entropy < 0.2 and capacity_use >= 0.95"\n',
+                      "r.toml")
+    for path in (yaml_path, toml_path):
+        skew = load_rules(path).rules[0]
+        assert skew.unless == ("Cooldown",)
+        assert [[str(c) for c in conds] for conds in skew.unless_conditions] == [
+            ["router_entropy < 0.2", "capacity_use >= 0.95"]]
+        assert skew.signals == ("load_max_mean", "router_entropy", "capacity_use")
+    assert moescope_main(["alerts", "check", str(yaml_path)]) == 0
+    assert "Skew: load_max_mean > 2.5 unless Cooldown (" in capsys.readouterr().out

@@ -183,3 +183,32 @@ def test_imbalance_is_tensorrt_llms_max_minus_mean_over_mean():
     assert sig.imbalance(load) == pytest.approx((4.0 - 2.0) / 2.0)
     assert sig.balancedness(load) == pytest.approx(1 / (1 + sig.imbalance(load)))
     assert math.isnan(sig.imbalance(np.zeros(3)))
+
+
+def _rest_kl_by_hand(load, baseline, keep):
+    """KL of the kept experts' load against their baseline, each renormalised with 0.5-token smoothing."""
+    p = np.array([load[e] + 0.5 for e in keep])
+    q = np.array([baseline[e] + 0.5 for e in keep])
+    p, q = p / p.sum(), q / q.sum()
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+
+
+def test_an_expert_lost_alone_counts_a_traffic_change_does_not():
+    baseline = [100] * 8
+    # the router stops choosing expert 3: its 100 slots go to the next choices, spread over the others
+    gone = [114, 115, 114, 0, 114, 115, 114, 114]
+    assert _rest_kl_by_hand(gone, baseline, [0, 1, 2, 4, 5, 6, 7]) < sig.LOST_ALONE_MAX_REST_KL
+    assert sig.lost_expert_alone_fraction(gone, baseline) == sig.lost_expert_fraction(gone, baseline) == 1 / 8
+    # a narrow domain: experts 3 and 5 get nothing because the new traffic never wants them, and the
+    # others' shares move too (expert 0 takes twice its share): the drift's news, not experts gone
+    shifted = [300, 100, 60, 0, 120, 0, 80, 140]
+    rest = _rest_kl_by_hand(shifted, baseline, [0, 1, 2, 4, 6, 7])
+    assert rest > sig.LOST_ALONE_MAX_REST_KL
+    assert sig.lost_expert_fraction(shifted, baseline) == 2 / 8
+    assert sig.lost_expert_alone_fraction(shifted, baseline) == 0.0
+    # the boundary is the rest's KL: a looser bound counts the shifted experts as gone
+    assert sig.lost_expert_alone_fraction(shifted, baseline, max_rest_kl=rest * 1.01) == 2 / 8
+    # nothing lost: 0; an expert the baseline barely routed to is not lost (expected 1.4 slots < 16)
+    assert sig.lost_expert_alone_fraction(baseline, baseline) == 0.0
+    assert sig.lost_expert_alone_fraction([114, 115, 114, 114, 114, 115, 128, 0], [100] * 7 + [2]) == 0.0
+    assert math.isnan(sig.lost_expert_alone_fraction([0] * 8, baseline))
