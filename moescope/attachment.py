@@ -98,11 +98,16 @@ def attach(model: nn.Module, store: str | os.PathLike | StoreLocation | None = N
     if location is None and storage_options:
         raise ValueError("storage_options without a store: give store= (a folder or a URL) too")
     if location is not None:
-        from moescope.store.exporter import DeltaExporter
-
         pipeline = options.get("pipeline") or Pipeline()
         flush_interval_s = options.get("flush_interval_s", pipeline.flush_interval_s)
-        exporters.append(DeltaExporter(location, max_age_s=flush_interval_s))
+        if options.get("writer", pipeline.writer) == "process":
+            from moescope.store.writer_process import ProcessExporter
+
+            exporters.append(ProcessExporter(location, max_age_s=flush_interval_s))
+        else:
+            from moescope.store.exporter import DeltaExporter
+
+            exporters.append(DeltaExporter(location, max_age_s=flush_interval_s))
     session = probe.attach(model, exporters, health=health, gate=trust_gate is not None, replay=forced, **options)
     if health or trust_gate:
         from moescope.alerts.trust_policy import bind_policy

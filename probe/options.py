@@ -16,6 +16,8 @@ from moescope.core.pipeline import DEFAULT_MAX_QUEUE_BYTES
 # Here, with the session's options, so that `moescope.attach` checks a mode without loading alerts,
 # and `alerts.trust_policy` checks the same modes.
 TRUST_GATE_MODES: tuple[str | None, ...] = (None, "manual", "auto")
+# Where `moescope.attach` runs the store's work: the pipeline's worker thread, or a writer process.
+WRITERS = ("thread", "process")
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,24 @@ class Pipeline:
         max_queue_bytes: the most host bytes of records waiting (default 256 MiB).
         flush_interval_s: how often exporters flush, in seconds (default 5.0); `moescope.attach` also
             gives it to the store's writer as the age at which its buffers are written.
+        writer: where `moescope.attach` runs the store's work (Arrow tables, Parquet files, Delta
+            commits): "thread" (default: the pipeline's worker thread, in the model's process) or
+            "process" (a writer process fed through a pipe, `moescope.store.writer_process`: that
+            work then holds no interpreter lock the model's thread needs).
+
+    Raises:
+        ValueError: for a `writer` other than "thread" or "process".
     """
 
     policy: str = "block"
     max_queue: int = 256
     max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES
     flush_interval_s: float = 5.0
+    writer: str = "thread"
+
+    def __post_init__(self) -> None:
+        if self.writer not in WRITERS:
+            raise ValueError(f"writer must be one of {WRITERS} (where the store's work runs), not {self.writer!r}")
 
 
 @dataclass(frozen=True)

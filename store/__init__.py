@@ -30,6 +30,7 @@ _EXPORTS = {
     "Store": "moescope.store.store",
     "DeltaExporter": "moescope.store.exporter",
     "ParquetExporter": "moescope.store.exporter",  # DeltaExporter's name before 0.2.0, for a release
+    "ProcessExporter": "moescope.store.writer_process",
     "RunWriter": "moescope.store.writer",
     "run_writer": "moescope.store.writer",
 }
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidNameWarning",
     "LegacyStoreError",
     "ParquetExporter",
+    "ProcessExporter",
     "QuarantinedFile",
     "QueryError",
     "RunWriter",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from moescope.store.schema import SCHEMAS, TABLES
     from moescope.store.store import Store
     from moescope.store.writer import RunWriter, run_writer
+    from moescope.store.writer_process import ProcessExporter
 
 else:
     __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -127,11 +127,13 @@ class DeltaExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRec
         if run is not None:
             self.on_attach(run)
 
-    def on_attach(self, run: RunInfo) -> None:
+    def on_attach(self, run: RunInfo, run_rows: bool = True) -> None:
         """Start writing `run`: its `runs` and `layers` rows first. The probe calls this at attach.
 
         Args:
             run: the run the probe attached as; the same run again is a no-op.
+            run_rows: write the run's own rows (default True); False where another exporter of the
+                run wrote them (the writer process that took over from one that died, or a forked child's).
 
         Raises:
             InvalidNameError: for a run id or rank that cannot be part of a path.
@@ -143,7 +145,7 @@ class DeltaExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRec
         self.writer = run_writer(self.location, run.run_id, run.rank)
         self.writer.watch(self.processor if self.processor is not None else self)
         self.run = run
-        self._unwritten_run = list(run_tables(run).items())
+        self._unwritten_run = list(run_tables(run).items()) if run_rows else []
         self._write_run()
         if not self.location.is_local:
             # The tables the session writes, opened now on a thread of their own: a table's first open
@@ -301,6 +303,35 @@ class DeltaExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRec
             self._write_run()
         self.writer.write_changed_stats()  # drops are made durable at the next flush, not only at exit
         return True
+
+    def state(self) -> dict[str, Any]:
+        """What a writer process tells the model's process after each request
+        (`moescope.store.writer_process`): rows written per table, rows buffered per table (lost if
+        the process dies now), rows dropped as [table, reason, rows], and whether the run's own rows
+        are still to be written.
+
+        Returns:
+            {"written": ..., "buffered": ..., "dropped": ..., "run_rows_due": ...}.
+        """
+        with self._drops_lock:
+            dropped = [[table, reason, rows] for (table, reason), rows in self.dropped_rows.items()]
+        return {"written": dict(self.written_rows), "buffered": dict(self._rows), "dropped": dropped,
+                "run_rows_due": bool(self._unwritten_run)}
+
+    def abandon(self) -> None:
+        """The producer is gone without closing (its process was killed): write what is buffered and
+        the counts, and release the writer, without a `run_ends` row (the session did not end; a
+        reader tells a killed run by its missing end). Safe to call twice, and after `shutdown`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.writer is None:
+            return
+        with self._run_rows_lock:
+            self._flush_tables(list(self._first_at), [(table, data, False) for table, data in self._unwritten_run])
+            self._unwritten_run = []
+        self.writer.write_probe_stats()
+        self.writer.release()
 
     def on_drain(self) -> None:
         """The pipeline drains (a `moescope.core.exporters.DrainListener`): no record comes after this
