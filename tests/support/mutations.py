@@ -331,8 +331,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "unsorted (issue 49 part 2)"),
     Mutation(
         "decision-margin-on-logits", "moescope/analyses/routing_compare.py",
-        "scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + rule.bias",
-        "scores = logits.astype(np.float64)",
+        "scores = 1.0 / (1.0 + np.exp(-scores)) + rule.bias",
+        "scores = scores",
         ("tests/unit/analyses/test_mismatch_top1.py", "-k", "margin"),
         "a DeepSeek-V3-style router's margin is taken on its logits, not on sigmoid scores plus the correction "
         "bias it decides by (issue 49 part 2)"),
