@@ -614,13 +614,9 @@ class StoreQueries:
         Yields nothing for an unknown run or a store without routes. Raises ValueError for
         page_rows, window_steps or a modulo below 1.
         """
-        page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
-        if page_rows < 1:
-            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
         keys = _GroupKeys(window_steps, by_rank, token_modulo, sequence_modulo)
-        clause, params = where(run_id, layer, step_from, step_to, tags)
-        steps, sizes, width = self._step_sizes(clause, params)
-        for first, last in _step_pages(sizes, page_rows):
+        steps, width, pages = self._group_pages(run_id, layer, step_from, step_to, tags, page_rows)
+        for first, last in pages:
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
             logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
             query, query_params = keys.query(width, page_clause, page_params, slot_copies,
@@ -651,6 +647,17 @@ class StoreQueries:
                 table.column("key").to_numpy().astype(np.int64) if keyed or logits_key else None,
                 *(order or (None, None)))
 
+    def _group_pages(self, run_id: str, layer: int, step_from: int | None, step_to: int | None,
+                     tags: dict[str, str] | None, page_rows: int | None) -> tuple[np.ndarray, int, list]:
+        """(the steps, the routing's width, pages of whole steps as (first, last) indices into the steps
+        of about `page_rows` rows each) of a layer's routes rows: what `route_groups` and
+        `rows_of_groups` page by. Raises ValueError for page_rows below 1."""
+        page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
+        if page_rows < 1:
+            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
+        steps, sizes, width = self._step_sizes(*where(run_id, layer, step_from, step_to, tags))
+        return steps, width, list(_step_pages(sizes, page_rows))
+
     def has_router_logits(self, run_id: str, layer: int, step_from: int | None = None,
                           step_to: int | None = None) -> bool:
         """Whether the run stored router logits of `layer` in steps `step_from` <= step < `step_to`."""
@@ -669,14 +676,10 @@ class StoreQueries:
         logits=True)` reads them; `RoutePage.has_logits` too), in no set order, a page of steps at a time.
         A row of another group may come too where two keys collide (the key is a 63-bit hash): a caller
         tells its rows by their routing. Raises ValueError for page_rows or a modulo below 1."""
-        page_rows = GROUP_PAGE_ROWS if page_rows is None else page_rows
-        if page_rows < 1:
-            raise ValueError(f"page_rows must be at least 1, not {page_rows}")
         keys = _GroupKeys(None, by_rank, token_modulo, sequence_modulo)
-        clause, params = where(run_id, layer, step_from, step_to, tags)
-        steps, sizes, width = self._step_sizes(clause, params)
+        steps, width, pages = self._group_pages(run_id, layer, step_from, step_to, tags, page_rows)
         wanted = [int(k) for k in group_keys]
-        for first, last in _step_pages(sizes, page_rows):
+        for first, last in pages:
             page_clause, page_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1, tags)
             logits_clause, logits_params = where(run_id, layer, int(steps[first]), int(steps[last]) + 1)
             table = self.arrow(f"""
