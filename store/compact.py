@@ -491,8 +491,12 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
                                         row_group_rows, "4GB", COMMIT_ATTEMPTS, target_size)
             with_app = snap is not None  # the version its commit made, read with the app version
             table_results.append(result)
-        if retention_hours is not None and any(r.merged_files for r in table_results):
-            delta.vacuum(location, table, retention_hours)
+        if any(r.merged_files for r in table_results):
+            if retention_hours is not None:
+                delta.vacuum(location, table, retention_hours)
+            # the next open of the table (the next compaction's, every reader's) reads one checkpoint and
+            # the commits after it, not each commit since the last one delta-rs wrote
+            delta.checkpoint(location, table)
         return table_results
 
     # Tables are independent (a log each): on object storage most of a table's time is waiting for

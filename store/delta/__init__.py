@@ -13,7 +13,7 @@ One module per idea:
 
     parts        the data files: write_part (pyarrow only), PartFile, Snapshot, SkippedFile
     stats        a data file's Delta stats, from its footer or from the log
-    commits      writing the log: create_table, commit (retries, app transactions)
+    commits      writing the log: create_table, commit (retries, app transactions), checkpoint
     snapshots    reading the log (names from it checked): snapshot, table_exists, transaction_version
     retention    vacuum: removed files and orphans past their retention
     access       is the store usable: reachable, and not a previous release's (legacy_tables); its tables' folders
@@ -34,6 +34,7 @@ from moescope.store.delta.access import check_store as check_store
 from moescope.store.delta.access import legacy_tables as legacy_tables
 from moescope.store.delta.access import table_folders as table_folders
 from moescope.store.delta.commits import MAX_COMMIT_RETRIES as MAX_COMMIT_RETRIES
+from moescope.store.delta.commits import checkpoint as checkpoint
 from moescope.store.delta.commits import commit as commit
 from moescope.store.delta.commits import create_table as create_table
 from moescope.store.delta.errors import CommitConflictError as CommitConflictError
@@ -59,6 +60,6 @@ from moescope.store.delta.tables import TABLE_CONFIGURATION as TABLE_CONFIGURATI
 
 __all__ = ["APP_RETRIES", "APP_RETRY_DEADLINE_S", "BACKOFF_S", "MAX_COMMIT_RETRIES", "ORPHAN_MIN_HOURS",
            "PARTITION_COLUMN", "TABLE_CONFIGURATION", "CommitConflictError", "CommitError", "LegacyStoreError",
-           "PartFile", "SkippedFile", "Snapshot", "StoreAccessError", "check_store", "commit", "create_table",
-           "file_stats", "legacy_tables", "snapshot", "table_exists", "table_folders", "transaction_version", "vacuum",
-           "warn_skipped", "write_part"]
+           "PartFile", "SkippedFile", "Snapshot", "StoreAccessError", "check_store", "checkpoint", "commit",
+           "create_table", "file_stats", "legacy_tables", "snapshot", "table_exists", "table_folders",
+           "transaction_version", "vacuum", "warn_skipped", "write_part"]

@@ -1,5 +1,6 @@
 """Writing a table's log: making sure a table exists, and `commit`, the second step of a write,
-which adds written files to the table (and removes rewritten ones) in one atomic Delta commit.
+which adds written files to the table (and removes rewritten ones) in one atomic Delta commit; and
+`checkpoint`, which sums the log up to a version in one object.
 
 Commits from many processes and hosts race on the log's next version; delta-rs retries a conflict
 itself (`MAX_COMMIT_RETRIES`), and `commit` retries again with jittered backoff when that runs out.
@@ -34,7 +35,7 @@ from moescope.store.schema import SCHEMAS
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["MAX_COMMIT_RETRIES", "commit", "create_table"]
+__all__ = ["MAX_COMMIT_RETRIES", "checkpoint", "commit", "create_table"]
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,7 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
             cached = open_table(loc, table, create=True)
             assert cached is not None
             with cached.lock:
-                delta_table = cached.dt
-                delta_table.update_incremental()
+                delta_table = cached.latest()
                 base = delta_table.version()
                 if (app is not None and (attempt or not app_unseen)
                         and (held_version(loc, table, delta_table, app[0]) or -1) >= app[1]):
@@ -165,6 +165,33 @@ def _commit(loc: StoreLocation, table: str, adds: Sequence[PartFile], removes: S
                               "(check that the store is reachable and writable)", last)) from last
 
 
+def checkpoint(loc: StoreLocation | str | os.PathLike, table: str) -> int | None:
+    """Write a checkpoint of the table's latest version (its live files and app transactions in one
+    Parquet object, named in `_delta_log/_last_checkpoint`): whoever opens the table next reads it and
+    the commits after it, not every commit since the last checkpoint (delta-rs writes one itself every
+    `delta.checkpointInterval` commits, `TABLE_CONFIGURATION`). It changes no version: a reader or
+    writer at any version reads the same files. Returns the version, or None when there is no table.
+
+    Raises:
+        StoreError: the storage refused.
+    """
+    loc = open_location(loc)
+    check_name("table", table)
+    if routed():
+        return call_helper("checkpoint", loc, table)
+    return guarded(lambda: _checkpoint(loc, table), loc, "checkpoint", table)
+
+
+def _checkpoint(loc: StoreLocation, table: str) -> int | None:
+    cached = open_table(loc, table, create=False)
+    if cached is None:
+        return None
+    with cached.lock:
+        delta_table = cached.latest()
+        delta_table.create_checkpoint()
+        return delta_table.version()
+
+
 def _check_live(loc: StoreLocation, table: str, delta_table: DeltaTable, removes: Sequence[PartFile | str]) -> None:
     """Raise CommitConflictError unless every file to remove is live in `delta_table`'s version.
 
@@ -191,7 +218,7 @@ def _landed(loc: StoreLocation, table: str, app: tuple[str, int]) -> bool:
         if cached is None:
             return False
         with cached.lock:
-            cached.dt.update_incremental()
+            cached.latest()
             return (held_version(loc, table, cached.dt, app[0]) or -1) >= app[1]
     except Exception:
         return False

@@ -158,13 +158,13 @@ def serve(fd: int) -> None:
     message}}: a StoreError keeps its class (one of this package's), anything else becomes a
     StoreError with the error's cleaned text."""
     # Imported here: the operations route through this module, and the helper process alone serves.
-    from moescope.store.delta.commits import commit, create_table
+    from moescope.store.delta.commits import checkpoint, commit, create_table
     from moescope.store.delta.retention import vacuum
     from moescope.store.delta.snapshots import snapshot, table_exists, transaction_version
 
     connection = socket.socket(fileno=fd)
     ops: dict[str, Callable[..., Any]] = {"commit": commit, "snapshot": snapshot, "table_exists": table_exists,
-                                          "vacuum": vacuum, "create_table": create_table,
+                                          "vacuum": vacuum, "create_table": create_table, "checkpoint": checkpoint,
                                           "transaction_version": transaction_version}
     while True:
         try:

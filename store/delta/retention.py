@@ -47,6 +47,6 @@ def _vacuum(loc: StoreLocation, table: str, retention_hours: float) -> list[str]
         return []
     hours = math.ceil(retention_hours)
     with cached.lock:
-        cached.dt.update_incremental()
+        cached.latest()
         return list(cached.dt.vacuum(retention_hours=hours, dry_run=False, enforce_retention_duration=False,
                                      full=hours >= ORPHAN_MIN_HOURS))

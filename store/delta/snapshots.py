@@ -77,7 +77,7 @@ def _transaction_version(loc: StoreLocation, table: str, app_id: str) -> int | N
     if cached is None:
         return None
     with cached.lock:
-        cached.dt.update_incremental()
+        cached.latest()
         return held_version(loc, table, cached.dt, app_id)
 
 
@@ -137,8 +137,7 @@ def _snapshot(loc: StoreLocation, table: str, version: int | None, with_stats: b
         return None
     with cached.lock:
         if version is None:
-            cached.dt.update_incremental()
-            delta_table = cached.dt
+            delta_table = cached.latest()
         elif version == cached.dt.version():
             delta_table = cached.dt  # e.g. the version this process's commit just made: nothing to read
         else:

@@ -54,6 +54,18 @@ class OpenTable:
     def __init__(self, delta_table: DeltaTable):
         self.dt = delta_table
         self.lock = threading.Lock()
+        # Just opened by the `open_table` call that returned it: the open read the latest version, so
+        # its first use needs no update (`latest`). Any later `open_table` of the table clears it.
+        self.just_opened = True
+
+    def latest(self) -> DeltaTable:
+        """The table brought up to its latest version: a listing of the log past its version (and the
+        new entries), unless the `open_table` call that returned it has just opened it. Hold `lock`."""
+        if self.just_opened:
+            self.just_opened = False
+        else:
+            self.dt.update_incremental()
+        return self.dt
 
 
 _TABLES: dict[tuple[str, tuple], OpenTable] = {}
@@ -87,6 +99,7 @@ def open_table(loc: StoreLocation, table: str, create: bool) -> OpenTable | None
     with _TABLES_LOCK:
         cached = _TABLES.get(key)
     if cached is not None:
+        cached.just_opened = False  # opened before this call: it may be behind the log
         return cached
     use_runtime()
     from deltalake import DeltaTable

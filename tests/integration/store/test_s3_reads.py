@@ -140,3 +140,73 @@ def test_a_refresh_reads_only_what_the_new_versions_add(s3_store):
             assert all(asked[f] <= 3 for f in new_routes), asked  # a new file: checked, its footer, its data
             assert all(asked[f] <= 1 for f in set(asked) - new_routes), asked  # an old one: its data only
         assert dict(zip(counted["run_id"], counted["n"])) == _brute_force_route_rows(s3_store)
+
+
+def _checkpoints(location: StoreLocation) -> dict[str, tuple[int, int]]:
+    """Per table with a checkpoint: (its version, its top-level columns), read with pyarrow from the
+    objects `_delta_log/_last_checkpoint` names."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    filesystem = location.filesystem()
+    found = {}
+    for table in TABLES:
+        try:
+            with filesystem.open_input_stream(location.join(table, "_delta_log", "_last_checkpoint")) as f:
+                version = json.loads(f.read())["version"]
+        except FileNotFoundError:
+            continue
+        with filesystem.open_input_file(location.join(table, "_delta_log", f"{version:020d}.checkpoint.parquet")) as f:
+            found[table] = (version, len(pq.read_schema(f).names))
+    return found
+
+
+def _log_versions(location: StoreLocation) -> dict[str, list[int]]:
+    """Per table, the versions of its log's commit entries (a listing of each table's log)."""
+    from pyarrow import fs as pafs
+
+    versions: dict[str, list[int]] = {}
+    for table in TABLES:
+        selector = pafs.FileSelector(location.join(table, "_delta_log"), allow_not_found=True)
+        names = [info.base_name for info in location.filesystem().get_file_info(selector)]
+        entries = sorted(int(name[:20]) for name in names if re.fullmatch(r"\d{20}\.json", name))
+        if entries:
+            versions[table] = entries
+    return versions
+
+
+def test_compact_with_nothing_to_merge_reads_each_tables_log_past_its_checkpoint_and_no_data(s3_store):
+    """`moescope compact URL` in a fresh process, on a store a compaction has just merged: it reads each
+    table's log (its checkpoint pointer, a listing past it, the checkpoint, the commits after it; delta-rs
+    reads each of those twice when it opens a table) and nothing else: no data file, no commit the
+    checkpoint sums up, and no second look at a table it has just opened."""
+    import subprocess
+    import sys
+
+    from tests.support.paths import REPO
+
+    write_run(s3_store, "r", steps=8, max_rows=48)  # 8 routes files, and 2-4 commits in each other table
+    with FaultProxy(s3_store.storage_options["AWS_ENDPOINT_URL"]) as proxy:
+        through = _through(s3_store, proxy)
+        options = [f"--storage-option={key}={value}" for key, value in through.storage_options.items()]
+        command = [sys.executable, "-m", "moescope.cli", "compact", through.url, *options]
+        first = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
+        assert "8 files -> 1" in first.stdout, first.stdout
+        checkpoints, versions = _checkpoints(s3_store), _log_versions(s3_store)
+        assert "routes" in checkpoints  # a compaction that merged leaves a checkpoint of what it made
+        proxy.reset_counts()
+        again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
+        assert "nothing to compact" in again.stdout, again.stdout
+        requests = proxy.log()
+        data, entries = _data_requests(proxy), collections.Counter(_log_entries(proxy))
+
+    assert data == {}
+    after = {table: [v for v in vs if v > checkpoints.get(table, (-1, 0))[0]] for table, vs in versions.items()}
+    assert set(entries) == {(table, v) for table, vs in after.items() for v in vs}, entries  # none before a checkpoint
+    assert max(entries.values()) <= 2, entries
+    # What it must read: the root (the store is reachable; which tables exist: 2 listings); per table its
+    # checkpoint pointer and a listing of its log past it (2), each commit after the checkpoint (twice, 2
+    # each), the checkpoint object (twice: its footer and a range per top-level column, 2 x (1 + columns)).
+    budget = 2 + sum(2 + 2 * len(vs) for vs in after.values()) + sum(2 * (1 + c) for _, c in checkpoints.values())
+    assert len(requests) <= budget, (len(requests), budget, requests)
