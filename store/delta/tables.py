@@ -107,6 +107,7 @@ def open_table(loc: StoreLocation, table: str, create: bool) -> OpenTable | None
 
     uri, options = loc.table_uri(table), dict(loc.storage_options) or None
     deadline = time.monotonic() + APP_RETRY_DEADLINE_S
+    created = False
     for attempt in range(APP_RETRIES + 1):
         if attempt:
             backoff(attempt)
@@ -116,7 +117,7 @@ def open_table(loc: StoreLocation, table: str, create: bool) -> OpenTable | None
             except TableNotFoundError:
                 if not create:
                     return None
-                delta_table = _create(loc, table)
+                delta_table, created = _create(loc, table), True
             break
         except (OSError, DeltaError) as e:  # e.g. a file where the table's folder should be
             if loc.is_local or not transient(e) or attempt == APP_RETRIES or time.monotonic() > deadline:
@@ -124,8 +125,11 @@ def open_table(loc: StoreLocation, table: str, create: bool) -> OpenTable | None
                 raise StoreError(message(f"cannot {what} the table {loc.redacted}/{table}", e)) from e
             log.info("moescope: opening %s/%s failed (try %d), retrying: %s", loc.redacted, table, attempt + 1,
                      clean(e))
+    opened = OpenTable(delta_table)
+    # a creation that found the table made by another process may hold an earlier version than the log's
+    opened.just_opened = not created
     with _TABLES_LOCK:
-        return _TABLES.setdefault(key, OpenTable(delta_table))
+        return _TABLES.setdefault(key, opened)
 
 
 def forget_table(loc: StoreLocation, table: str) -> None:
