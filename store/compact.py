@@ -24,7 +24,9 @@ the table already holds, nor one that removes a file no longer in the table; the
 finds its merged files absent from the version it got (or gets CommitConflictError), deletes them
 and starts again from a new version. A crash before the commit leaves merged files no
 version names (never read; see the README's retention section); after it, the sources are removed
-files, which `vacuum` deletes once they are older than the retention.
+files, which `vacuum` deletes once they are older than the retention. A table a compaction merged in
+gets a checkpoint of its new version (`moescope.store.delta.checkpoint`): the next open of it (the next
+compaction's, a reader's) reads that and the commits after it, not every commit since the last one.
 
 `prune` removes every file of the runs whose newest file was committed longer ago than an age, in
 one commit per table, then vacuums each table: removed files older than the retention (default one
@@ -51,6 +53,7 @@ import pyarrow.parquet as pq
 
 from moescope.store import delta
 from moescope.store.catalog import REWRITE_APP, Catalog, FileInfo, app_version
+from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import (
     COMPACT_FILE_ROWS,
@@ -495,8 +498,13 @@ def compact(store: str | os.PathLike | StoreLocation, run_id: str | None = None,
             if retention_hours is not None:
                 delta.vacuum(location, table, retention_hours)
             # the next open of the table (the next compaction's, every reader's) reads one checkpoint and
-            # the commits after it, not each commit since the last one delta-rs wrote
-            delta.checkpoint(location, table)
+            # the commits after it, not each commit since the last one delta-rs wrote; without it (the
+            # storage refused) every version still reads the same, from the commits
+            try:
+                delta.checkpoint(location, table)
+            except StoreError as e:
+                log.warning("moescope compact: no checkpoint of %s/%s written (the merge is committed): %s",
+                            location.redacted, table, e)
         return table_results
 
     # Tables are independent (a log each): on object storage most of a table's time is waiting for
