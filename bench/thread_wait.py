@@ -25,10 +25,10 @@ The variants remove the writer's work part by part:
 
     hooks only          probe.attach(model): hooks, windows and records, no exporter
     store               moescope.attach(model, store): the aggregates' tables, writer thread
-    store, imports paid the same after importing pyarrow, pandas and deltalake before attach
+    store after imports the same after importing pyarrow, pandas and deltalake before attach
     store + routes      routes=True
     store + health      health=True (health sampling, the health score and the trust policy)
-    store, process      writer="process"
+    store in a process  writer="process"
 
     python bench/thread_wait.py                       # 3 rounds of every variant
     python bench/thread_wait.py --rounds 5 --variants "store,store + health"
@@ -54,10 +54,10 @@ import time
 VARIANTS: dict[str, dict] = {
     "hooks only": {},
     "store": {},
-    "store, imports paid": {},
+    "store after imports": {},
     "store + routes": dict(routes=True),
     "store + health": dict(health=True),
-    "store, process": dict(writer="process"),
+    "store in a process": dict(writer="process"),
 }
 GROUPS = ("model", "torch", "pipeline", "native", "other", "writer process")
 PHASES = ("attach", "first steps", "flush", "decode")
@@ -155,7 +155,7 @@ def child(args: argparse.Namespace) -> dict:
             profiler.runcall(run, self)
 
         BatchProcessor._run = profiled
-    if args.variant == "store, imports paid":
+    if args.variant == "store after imports":
         import deltalake  # noqa: F401
         import pandas  # noqa: F401
         import pyarrow  # noqa: F401
