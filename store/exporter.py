@@ -41,6 +41,7 @@ from moescope.core.exporters import (
 )
 from moescope.core.pipeline import BatchProcessor, array_bytes
 from moescope.core.records import RunInfo, StepRecord
+from moescope.store import columns
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.schema import SCHEMAS, RoutePiece, routes_table, run_tables, step_tables
 from moescope.store.writer import RunWriter, run_writer
@@ -361,9 +362,9 @@ class DeltaExporter(Exporter[StepRecord], AttachListener, BindsProcessor[StepRec
             return
         run, writer = self._attached()
         # The session closed: readers (the alerts runner) resolve the run's open alerts on this row.
-        ended = pa.Table.from_pylist([dict(run_id=run.run_id, rank=run.rank, pid=os.getpid(),
-                                           ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
-                                     schema=SCHEMAS["run_ends"])
+        ended = columns.rows_table([dict(run_id=run.run_id, rank=run.rank, pid=os.getpid(),
+                                         ended_at=dt.datetime.now(dt.timezone.utc), last_step=self.last_step)],
+                                   SCHEMAS["run_ends"])
         with self._run_rows_lock:  # the run's own rows get their last try (no later flush retries them)
             self._flush_tables(list(self._first_at), [(table, data, False) for table, data in self._unwritten_run]
                                + [("run_ends", ended, True)])

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from moescope.core.records import RunInfo, StepRecord, TokenSample
 from moescope.core.runs import current_host
+from moescope.store import columns
 
 TAGS = pa.map_(pa.string(), pa.string())
 TS = pa.timestamp("us", tz="UTC")
@@ -289,18 +290,19 @@ def table_from_columns(name: str, columns: Mapping[str, pa.Array], rows: int) ->
 
 
 def _tags(tags: dict[str, str], n: int) -> pa.Array:
-    return pa.repeat(pa.scalar(list(tags.items()), type=TAGS), n)
+    return columns.repeat(list(tags.items()), n, TAGS)
 
 
 def _const(value, n: int, type_: pa.DataType) -> pa.Array:
-    return pa.repeat(pa.scalar(value, type=type_), n)
+    return columns.repeat(value, n, type_)
 
 
 def _lists(matrix: np.ndarray, type_: pa.DataType) -> pa.Array:
     """A (rows, width) array as a list column without a Python loop."""
     rows, width = matrix.shape
-    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32) if rows else [0], pa.int32())
-    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=type_))
+    offsets = np.arange(0, (rows + 1) * width, width, dtype=np.int32) if rows else np.zeros(1, dtype=np.int32)
+    offsets = columns.array(offsets, pa.int32())
+    return pa.ListArray.from_arrays(offsets, columns.array(matrix.reshape(-1), type_))
 
 
 class LayerFacts(Protocol):
@@ -365,11 +367,11 @@ def runs_table(run_id: str, started_at: dt.datetime, model_class: str, source: s
     """
     world = world_size if world_size is not None else max(ranks, default=0) + 1
     tag_items = list((tags or {}).items())
-    return pa.Table.from_pylist([
+    return columns.rows_table([
         dict(run_id=run_id, started_at=started_at, model_class=model_class, total_params=total_params,
              routed_expert_params=routed_expert_params, tags=tag_items, rank=rank, world_size=world,
              source=source, host=host)
-        for rank in ranks], schema=SCHEMAS["runs"])
+        for rank in ranks], SCHEMAS["runs"])
 
 
 def layers_table(run_id: str, layers: Sequence[LayerFacts], ranks: Sequence[int] = (0,)) -> pa.Table:
@@ -383,11 +385,11 @@ def layers_table(run_id: str, layers: Sequence[LayerFacts], ranks: Sequence[int]
     Returns:
         A table of the `layers` schema.
     """
-    return pa.Table.from_pylist([
+    return columns.rows_table([
         dict(run_id=run_id, layer=info.layer, module=info.module, family=info.family,
              num_experts=info.num_experts, zero_experts=info.zero_experts, top_k=info.top_k,
              params_per_expert=info.params_per_expert, expert_capacity=info.expert_capacity, rank=rank)
-        for rank in ranks for info in layers], schema=SCHEMAS["layers"])
+        for rank in ranks for info in layers], SCHEMAS["layers"])
 
 
 def run_tables(run: RunInfo, source: str = "probe") -> dict[str, pa.Table]:
@@ -412,15 +414,15 @@ def run_tables(run: RunInfo, source: str = "probe") -> dict[str, pa.Table]:
 def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
     """The rows one forward adds to each table; tables with no rows are left out."""
     out: dict[str, pa.Table] = {}
-    out["steps"] = pa.Table.from_pylist([dict(
+    out["steps"] = columns.rows_table([dict(
         run_id=record.run_id, step=record.step, ts=record.ts, duration_s=record.duration_s,
         tokens=record.tokens, batch_size=record.batch_size, seq_len=record.seq_len,
         active_params=record.active_params, total_params=record.total_params,
         active_param_fraction=record.active_param_fraction, tags=list(record.tags.items()), rank=rank,
         step_end=record.step_end, forwards=record.forwards,
-    )], schema=SCHEMAS["steps"])
+    )], SCHEMAS["steps"])
     if record.layers:
-        out["layer_steps"] = pa.Table.from_pylist([dict(
+        out["layer_steps"] = columns.rows_table([dict(
             run_id=record.run_id, step=record.step, ts=record.ts, layer=ls.layer, tokens=ls.tokens,
             expert_load=ls.expert_load.tolist(), gate_weight_sum=ls.gate_weight_sum.tolist(),
             router_prob_sum=None if ls.router_prob_sum is None else ls.router_prob_sum.tolist(),
@@ -434,7 +436,7 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
             expert_compute_time_s=None if ls.expert_compute_time_s is None else ls.expert_compute_time_s.tolist(),
             router_topk_load=None if ls.router_topk_load is None else ls.router_topk_load.tolist(),
             router_z_sum=ls.router_z_sum,
-        ) for ls in record.layers], schema=SCHEMAS["layer_steps"])
+        ) for ls in record.layers], SCHEMAS["layer_steps"])
     routes = [RoutePiece(record.step, ls.layer, record.tags, ls.routes, rank)
               for ls in record.layers if ls.routes is not None]
     if routes:
@@ -446,9 +448,9 @@ def step_tables(record: StepRecord, rank: int = 0) -> dict[str, pa.Table]:
         if samples:
             out[name] = pa.concat_tables(samples)
     if record.kv_cache:
-        out["kv_cache"] = pa.Table.from_pylist([dict(
+        out["kv_cache"] = columns.rows_table([dict(
             run_id=record.run_id, step=record.step, ts=record.ts, layer=kv.layer, bytes=kv.bytes,
-            seq_len=kv.seq_len, rank=rank) for kv in record.kv_cache], schema=SCHEMAS["kv_cache"])
+            seq_len=kv.seq_len, rank=rank) for kv in record.kv_cache], SCHEMAS["kv_cache"])
     return out
 
 
@@ -506,12 +508,12 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
     widths = {r.expert_ids.shape[1] for r in routes}
     if len(widths) == 1:  # every piece has the same k: the offsets are a range
         width = widths.pop()
-        offsets = pa.array(np.arange(0, (total + 1) * width, width, dtype=np.int32))
+        offsets = columns.array(np.arange(0, (total + 1) * width, width, dtype=np.int32), pa.int32())
     else:
         ends = np.zeros(total + 1, dtype=np.int32)
         np.cumsum(np.repeat(np.array([r.expert_ids.shape[1] for r in routes], dtype=np.int32), counts),
                   out=ends[1:])
-        offsets = pa.array(ends)
+        offsets = columns.array(ends, pa.int32())
 
     def slots(name: str, dtype, type_: pa.DataType) -> pa.Array:
         """A (tokens, k) field of every piece as a list column; null rows where a piece lacks it."""
@@ -520,36 +522,36 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
             return pa.nulls(total, pa.list_(type_))
         values = np.concatenate([getattr(r, name).reshape(-1) if has else np.zeros(r.expert_ids.size)
                                  for r, has in zip(routes, present)]).astype(dtype, copy=False)
-        mask = None if all(present) else pa.array(np.repeat(~np.array(present), counts))
-        return pa.ListArray.from_arrays(offsets, pa.array(values, type=type_), mask=mask)
+        mask = None if all(present) else columns.array(np.repeat(~np.array(present), counts), pa.bool_())
+        return pa.ListArray.from_arrays(offsets, columns.array(values, type_), mask=mask)
 
     if all(r.token_ids is not None for r in routes):
-        token_ids = pa.array(np.concatenate([r.token_ids for r in routes]).astype(np.int64, copy=False))
+        token_ids = columns.array(np.concatenate([r.token_ids for r in routes]), pa.int64())
     else:
         values = np.concatenate([r.token_ids if r.token_ids is not None else np.zeros(n)
                                  for r, n in zip(routes, sizes)]).astype(np.int64)
         missing = np.concatenate([np.full(n, r.token_ids is None) for r, n in zip(routes, sizes)])
-        token_ids = pa.array(values, mask=missing)
+        token_ids = columns.array(values, pa.int64(), mask=missing)
     tag_sets: dict[tuple, int] = {}
     tag_index = np.repeat(np.array([tag_sets.setdefault(tuple(sorted(p.tags.items())), len(tag_sets))
                                     for p in pieces], dtype=np.int32), counts)
-    tags = pa.array([list(t) for t in tag_sets], type=TAGS).take(pa.array(tag_index))
+    tags = columns.array([list(t) for t in tag_sets], TAGS).take(columns.array(tag_index, pa.int32()))
     return pa.Table.from_arrays([
-        pa.repeat(pa.scalar(run_id, pa.string()), total),
-        pa.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)
-                 if all(r.step is None for r in routes) else
-                 np.concatenate([r.step if r.step is not None else np.full(n, p.step)
-                                 for p, r, n in zip(pieces, routes, sizes)]).astype(np.int64, copy=False)),
-        pa.array(np.repeat(np.array([p.layer for p in pieces], dtype=np.int32), counts)),
-        pa.array(token),
-        pa.array(np.concatenate([r.sequence for r in routes]).astype(np.int32, copy=False)),
-        pa.array(np.concatenate([r.position for r in routes]).astype(np.int32, copy=False)),
+        _const(run_id, total, pa.string()),
+        columns.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)
+                      if all(r.step is None for r in routes) else
+                      np.concatenate([r.step if r.step is not None else np.full(n, p.step)
+                                      for p, r, n in zip(pieces, routes, sizes)]), pa.int64()),
+        columns.array(np.repeat(np.array([p.layer for p in pieces], dtype=np.int32), counts), pa.int32()),
+        columns.array(token, pa.int32()),
+        columns.array(np.concatenate([r.sequence for r in routes]), pa.int32()),
+        columns.array(np.concatenate([r.position for r in routes]), pa.int32()),
         token_ids,
-        pa.ListArray.from_arrays(offsets, pa.array(
-            np.concatenate([r.expert_ids.reshape(-1) for r in routes]).astype(np.int32, copy=False))),
+        pa.ListArray.from_arrays(offsets, columns.array(
+            np.concatenate([r.expert_ids.reshape(-1) for r in routes]), pa.int32())),
         slots("gate_weights", np.float32, pa.float32()),
         slots("kept", bool, pa.bool_()),
-        tags, pa.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts)),
+        tags, columns.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts), pa.int32()),
     ], schema=schema)
 
 
@@ -587,10 +589,10 @@ def trace_findings_table(run_id: str, ts: dt.datetime, origin: str, findings: Se
     Returns:
         A table of the `trace_findings` schema, a row per finding.
     """
-    return pa.Table.from_pylist([
+    return columns.rows_table([
         dict(run_id=run_id, ts=ts, origin=origin, check_name=f.check, count=int(f.count), checked=int(f.checked),
              expected=float(f.expected), sequences=list(f.sequences), rows=list(f.rows), detail=f.detail, rank=rank)
-        for f in findings], schema=SCHEMAS["trace_findings"])
+        for f in findings], SCHEMAS["trace_findings"])
 
 
 def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written: Mapping[str, int],
@@ -613,19 +615,20 @@ def probe_stats_table(run_id: str, rank: int, pid: int, ts: dt.datetime, written
         rows += [dict(base, written_rows=0, dropped_rows=dropped[(table, reason)],
                       dropped_records=dropped_records.get(reason, 0) if table == "steps" else 0, reason=reason)
                  for reason in reasons]
-    return pa.Table.from_pylist(rows, schema=SCHEMAS["probe_stats"])
+    return columns.rows_table(rows, SCHEMAS["probe_stats"])
 
 
 def _sample_table(record: StepRecord, layer: int, sample: TokenSample, name: str, column: str,
                   rank: int) -> pa.Table:
     n = len(sample.token)
-    token_ids = (pa.array(sample.token_ids, pa.int64()) if sample.token_ids is not None
+    token_ids = (columns.array(np.asarray(sample.token_ids), pa.int64()) if sample.token_ids is not None
                  else pa.nulls(n, pa.int64()))
     arrays = {
         "run_id": _const(record.run_id, n, pa.string()),
-        "step": (pa.array(sample.step, pa.int64()) if sample.step is not None else _const(record.step, n, pa.int64())),
-        "layer": _const(layer, n, pa.int32()), "token": pa.array(sample.token, pa.int32()),
-        "token_id": token_ids, "top1_expert": pa.array(sample.top1_expert, pa.int32()),
+        "step": (columns.array(np.asarray(sample.step), pa.int64()) if sample.step is not None
+                 else _const(record.step, n, pa.int64())),
+        "layer": _const(layer, n, pa.int32()), "token": columns.array(np.asarray(sample.token), pa.int32()),
+        "token_id": token_ids, "top1_expert": columns.array(np.asarray(sample.top1_expert), pa.int32()),
         column: _lists(sample.values.astype(np.float32), pa.float32()),
         "tags": _tags(record.tags, n), "rank": _const(rank, n, pa.int32()),
     }
@@ -657,12 +660,12 @@ def engine_logprobs_table(run_id: str, pieces: Sequence[LogprobPiece]) -> pa.Tab
     missing = np.concatenate([np.full(len(p.logprob), p.token_ids is None) for p in pieces])
     values = np.concatenate([np.asarray(p.logprob, dtype=np.float64) for p in pieces])
     return pa.Table.from_arrays([
-        pa.repeat(pa.scalar(run_id, pa.string()), total),
-        pa.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts)),
-        pa.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts)),
-        pa.array(np.repeat(np.array([p.sequence for p in pieces], dtype=np.int32), counts)),
-        pa.array(np.concatenate([np.arange(p.first_position, p.first_position + len(p.logprob), dtype=np.int32)
-                                 for p in pieces])),
-        pa.array(ids, mask=missing if missing.any() else None),
-        pa.array(values, mask=np.isnan(values)),  # NaN: not measured, null in the table
+        _const(run_id, total, pa.string()),
+        columns.array(np.repeat(np.array([p.step for p in pieces], dtype=np.int64), counts), pa.int64()),
+        columns.array(np.repeat(np.array([p.rank for p in pieces], dtype=np.int32), counts), pa.int32()),
+        columns.array(np.repeat(np.array([p.sequence for p in pieces], dtype=np.int32), counts), pa.int32()),
+        columns.array(np.concatenate([np.arange(p.first_position, p.first_position + len(p.logprob), dtype=np.int32)
+                                      for p in pieces]), pa.int32()),
+        columns.array(ids, pa.int64(), mask=missing),
+        columns.array(values, pa.float64(), mask=np.isnan(values)),  # NaN: not measured, null in the table
     ], schema=schema)

@@ -62,7 +62,7 @@ from moescope.core.exporters import DropCounts, Exporter
 from moescope.core.lazy import lazy_exports
 from moescope.core.pipeline import BatchProcessor
 from moescope.core.runs import current_host
-from moescope.store import delta
+from moescope.store import columns, delta
 from moescope.store.errors import StoreError
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name, check_rank, host_name_part, part_name
@@ -464,9 +464,9 @@ def _as_table(table: str, data: pa.Table | Sequence[dict]) -> pa.Table:
     """Rows as a table of `table`'s schema; raises InvalidNameError for a name that cannot be a folder.
     A `runs` row without a host gets this process's (`moescope.core.runs.current_host`)."""
     check_name("table", table)  # before any row is converted or queued
-    data = data if isinstance(data, pa.Table) else pa.Table.from_pylist(list(data), schema=SCHEMAS[table])
+    data = data if isinstance(data, pa.Table) else columns.rows_table(list(data), SCHEMAS[table])
     if table == "runs" and data.num_rows:
-        host = pa.repeat(pa.scalar(current_host(), pa.string()), data.num_rows)
+        host = columns.repeat(current_host(), data.num_rows, pa.string())
         if "host" not in data.column_names:
             data = data.append_column("host", host)
         elif data.column("host").null_count:

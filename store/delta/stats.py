@@ -56,8 +56,13 @@ def file_stats(footer: pq.FileMetaData) -> str:
                 if st.null_count < footer.row_group(g).num_rows:  # values without bounds: no min/max at all
                     with_min_max = False
                 continue
-            low = st.min if low is None else min(low, st.min)
-            high = st.max if high is None else max(high, st.max)
+            # a timestamp's bounds from their raw integers: pyarrow's own conversion of them (st.min) imports
+            # pandas, most of a first attach's CPU in a process that records (store/columns.py)
+            raw = pa.types.is_timestamp(field.type) and st.physical_type == "INT64"
+            st_min, st_max = (_instant(st.min_raw, field.type.unit, floor=True),
+                              _instant(st.max_raw, field.type.unit, floor=False)) if raw else (st.min, st.max)
+            low = st_min if low is None else min(low, st_min)
+            high = st_max if high is None else max(high, st_max)
         if null_count < 0:
             continue
         nulls[field.name] = null_count
@@ -65,6 +70,18 @@ def file_stats(footer: pq.FileMetaData) -> str:
             mins[field.name], maxs[field.name] = stat_value(low, floor=True), stat_value(high, floor=False)
     return json.dumps({"numRecords": footer.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls},
                       separators=(",", ":"))
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+_TO_MICROSECONDS = {"s": (1_000_000, 1), "ms": (1000, 1), "us": (1, 1), "ns": (1, 1000)}  # (times, divided by)
+
+
+def _instant(raw: int, unit: str, floor: bool) -> dt.datetime:
+    """A timestamp statistic's raw integer as a UTC datetime, to the microsecond (rounded down for a
+    minimum, up for a maximum, so that the bound still holds every row)."""
+    times, per = _TO_MICROSECONDS[unit]
+    micros = raw * times // per if floor else -(-raw * times // per)
+    return _EPOCH + dt.timedelta(microseconds=micros)
 
 
 def stat_value(value: Any, floor: bool) -> Any:
