@@ -21,7 +21,8 @@ once per sample; its first computation is reported separately).
 STORE` (with an empty embedding cache; with `--cold-numba` an empty numba cache too, as on a fresh
 install) opened in headless Chromium, each page visited once in the navigation's order, from asking
 for the page to its first render (title shown, script run over, every chart drawn); the Semantic
-clusters page's UMAP scatter, computed off the page's run, is timed apart until it is drawn. Repeated
+clusters page's UMAP scatter, computed off the page's run, is timed apart until it is drawn, and so is the
+Placement page's traffic section, computed on the run after its first render. Repeated
 `--repeats` times with a new server each time; prints the median and the largest per page.
 
     python bench/dashboard.py --first-render runs/demo --repeats 3 [--cold-numba]
@@ -242,7 +243,7 @@ def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | N
     if repo not in sys.path:  # the browser helpers the tests use: tests/support/
         sys.path.insert(0, repo)
     from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard
-    from tests.support.first_render import SCATTER, app_pages, first_render
+    from tests.support.first_render import SCATTER, TRAFFIC, app_pages, first_render
 
     out: dict[str, list[float]] = {}
     with sync_playwright() as pw:
@@ -262,6 +263,9 @@ def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | N
                             if path == "clusters":
                                 page.wait_for_selector(SCATTER, timeout=900_000)
                                 out.setdefault("  UMAP scatter drawn", []).append(time.perf_counter() - started)
+                            if path == "placement":
+                                page.wait_for_selector(TRAFFIC, timeout=900_000)
+                                out.setdefault("  traffic drawn", []).append(time.perf_counter() - started)
                         page.close()
         finally:
             browser.close()

@@ -3,6 +3,8 @@
 The entry file (`dashboard/app.py`) draws the sidebar widgets (keys prefixed `ms_`, shared by all
 pages); a page asks `page_context()` for the result and stops with a friendly message when there
 is nothing to show. `guard()` turns the store's errors into a warning instead of a traceback.
+`after_first_render()` keeps a heavy section out of a page's first render: it is computed on the run
+after, which a fragment asks for.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ RUN_KEY = "ms_run"
 TAG_KEY_KEY = "ms_tag_key"
 TAG_VALUE_KEY = "ms_tag_value"
 LIVE_KEY = "ms_live"
+LATER_KEY = "ms_later"  # per heavy section: the arguments it may compute now, and those asked on the run before
+LATER_S = 1.0  # how soon after the page's run ends a waiting section asks for the next (its charts drawn first)
+LATER_KEPT = 64  # arguments remembered per section (each one's data is in data.py's cache)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,45 @@ def guard() -> Iterator[None]:
     except StoreError as e:
         log.warning("store query failed: %s", e)
         st.warning(f"The store could not answer this view: {e}")
+
+
+def after_first_render(section: str, args: tuple, what: str) -> bool:
+    """Whether the heavy `section` (a pass over the routes rows, say) may compute its data for `args`
+    in this run: not on the first run that asks for them, so that the rest of the page is drawn first.
+
+    On that run the section says `what` it computes in its place and a fragment (`_ask_again`) asks
+    for the next run as soon as this one has ended; that run computes it (through data.py's cache,
+    as any section) and draws it. Arguments computed once are computed, or read from the cache, at
+    once on every later run. `args` must be what keys the section's data (store version included)."""
+    ready = st.session_state.setdefault(LATER_KEY, {}).setdefault(section, [])
+    if args in ready:
+        return True
+    _ask_again(section, args, what)
+    return False
+
+
+def waiting_sections(state) -> list[str]:
+    """The sections of the page last run (`state`: its session state) that wait for the next run
+    (`after_first_render`); in a browser their fragment asks for it."""
+    later = state[LATER_KEY] if LATER_KEY in state else {}
+    return [section for section, ready in later.items()
+            if not isinstance(section, tuple) and later.get((section, "asked")) not in ready]
+
+
+@st.fragment(run_every=LATER_S)
+def _ask_again(section: str, args: tuple, what: str) -> None:
+    """Called in the page's run, say `what` and remember `args` as asked; run again by its timer (or
+    by the next run of the page), let the section compute them and run the page again. (A fragment
+    that draws nothing leaves a skeleton in the page until its next run.)"""
+    later = st.session_state[LATER_KEY]
+    if later.get((section, "asked")) != args:
+        later[(section, "asked")] = args
+        st.info(what)
+        return
+    ready = later[section]
+    ready.append(args)
+    del ready[:-LATER_KEPT]
+    st.rerun(scope="app")
 
 
 NOT_RECORDED = schema.NOT_RECORDED

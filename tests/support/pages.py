@@ -6,7 +6,7 @@ import os
 
 from streamlit.testing.v1 import AppTest
 
-from moescope.dashboard import settings
+from moescope.dashboard import common, settings
 from moescope.dashboard.embedding import embedding_jobs
 from tests.support.paths import REPO
 
@@ -22,7 +22,8 @@ def app_for(monkeypatch, store: str, allow_writes: bool = False) -> AppTest:
 
 def open_page(at: AppTest, page: str) -> AppTest:
     """`page` run in `at`, with any UMAP embedding it asked for drawn: the Semantic clusters page fits
-    off its run and draws the points on the run after (in a browser, its fragment asks for that run)."""
+    off its run and draws the points on the run after (in a browser, its fragment asks for that run),
+    and with every section it computes after its first render drawn (`settle`)."""
     at.run()
     if page != "views/overview.py":
         at.switch_page(page).run()
@@ -30,7 +31,17 @@ def open_page(at: AppTest, page: str) -> AppTest:
     if jobs.pending():
         assert jobs.wait(timeout=600), "the UMAP embedding did not finish in 10 minutes"
         at.run()
-    return at
+    return settle(at)
+
+
+def settle(at: AppTest) -> AppTest:
+    """Run the page again while a section of it waits for the run after its first render
+    (`moescope.dashboard.common.after_first_render`; in a browser its fragment asks for that run)."""
+    for _ in range(3):
+        if not common.waiting_sections(at.session_state):
+            return at
+        at.run()
+    raise AssertionError(f"sections still waiting after 3 runs: {common.waiting_sections(at.session_state)}")
 
 
 def assert_clean(at: AppTest) -> None:

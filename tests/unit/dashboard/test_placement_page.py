@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from moescope.cli import main
-from tests.support.pages import app_for, assert_clean, open_page
+from tests.support.pages import app_for, assert_clean, open_page, settle
 
 
 def _array(value) -> np.ndarray:
@@ -41,7 +41,7 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
     assert_clean(at)
     assert at.title[0].value == "Placement"
-    at.number_input(key="pl_ranks").set_value(2).run()
+    settle(at.number_input(key="pl_ranks").set_value(2).run())
     assert_clean(at)
     charts = at.get("plotly_chart")
     assert len(charts) == 6  # and the traffic section's two (test_traffic_section_is_the_raw_routes_per_link)
@@ -85,6 +85,12 @@ def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded):
     at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
     at.number_input(key="pl_ranks").set_value(2).run()
     assert_clean(at)
+    # the rest of the page first, traffic on the run after
+    assert "pl_traffic_fanout" not in [c.key for c in at.get("plotly_chart")]
+    assert any("routes for its traffic on the wire" in i.value for i in at.info)
+    settle(at)
+    assert_clean(at)
+    assert not any("routes for its traffic on the wire" in i.value for i in at.info)
     charts = at.get("plotly_chart")
     matrix_chart, histogram = (json.loads(c.proto.spec) for c in charts[-2:])
     layer = int(at.selectbox(key="pl_traffic_layer").value)
