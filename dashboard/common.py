@@ -3,16 +3,18 @@
 The entry file (`dashboard/app.py`) draws the sidebar widgets (keys prefixed `ms_`, shared by all
 pages); a page asks `page_context()` for the result and stops with a friendly message when there
 is nothing to show. `guard()` turns the store's errors into a warning instead of a traceback.
-`after_first_render()` keeps a heavy section out of a page's first render: it is computed on the run
-after, which a fragment asks for.
+`after_first_render()` keeps a heavy section out of a page's first render: it is computed off the
+page's run and drawn on the run after, which a fragment asks for.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pandas as pd
 import streamlit as st
@@ -23,14 +25,13 @@ from moescope.store import schema
 from moescope.store.store import StoreError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUN_KEY = "ms_run"
 TAG_KEY_KEY = "ms_tag_key"
 TAG_VALUE_KEY = "ms_tag_value"
 LIVE_KEY = "ms_live"
-LATER_KEY = "ms_later"  # per heavy section: the arguments it may compute now, and those asked on the run before
-LATER_S = 1.0  # how soon after the page's run ends a waiting section asks for the next (its charts drawn first)
-LATER_KEPT = 64  # arguments remembered per section (each one's data is in data.py's cache)
+AWAIT_S = 1.0  # how often a page asks whether a section computed off its run is there (`after_first_render`)
 
 
 @dataclass(frozen=True)
@@ -111,43 +112,25 @@ def guard() -> Iterator[None]:
         st.warning(f"The store could not answer this view: {e}")
 
 
-def after_first_render(section: str, args: tuple, what: str) -> bool:
-    """Whether the heavy `section` (a pass over the routes rows, say) may compute its data for `args`
-    in this run: not on the first run that asks for them, so that the rest of the page is drawn first.
-
-    On that run the section says `what` it computes in its place and a fragment (`_ask_again`) asks
-    for the next run as soon as this one has ended; that run computes it (through data.py's cache,
-    as any section) and draws it. Arguments computed once are computed, or read from the cache, at
-    once on every later run. `args` must be what keys the section's data (store version included)."""
-    ready = st.session_state.setdefault(LATER_KEY, {}).setdefault(section, [])
-    if args in ready:
-        return True
-    _ask_again(section, args, what)
-    return False
-
-
-def waiting_sections(state) -> list[str]:
-    """The sections of the page last run (`state`: its session state) that wait for the next run
-    (`after_first_render`); in a browser their fragment asks for it."""
-    later = state[LATER_KEY] if LATER_KEY in state else {}
-    return [section for section, ready in later.items()
-            if not isinstance(section, tuple) and later.get((section, "asked")) not in ready]
-
-
-@st.fragment(run_every=LATER_S)
-def _ask_again(section: str, args: tuple, what: str) -> None:
-    """Called in the page's run, say `what` and remember `args` as asked; run again by its timer (or
-    by the next run of the page), let the section compute them and run the page again. (A fragment
-    that draws nothing leaves a skeleton in the page until its next run.)"""
-    later = st.session_state[LATER_KEY]
-    if later.get((section, "asked")) != args:
-        later[(section, "asked")] = args
+def after_first_render(fn: Callable[..., T], *args: Any, what: str) -> T | None:
+    """`fn(*args)` (a cached function of `moescope.dashboard.data`) where it is computed; else None,
+    and the page's first render does not wait for it: the section says `what` it computes in its
+    place, `data.off_the_run` computes it on the server's worker thread into `fn`'s own cache, and a
+    fragment runs the page again once it is there (as the Semantic clusters page waits for its UMAP).
+    A computation that failed is run again here, in the page's run, whose guard shows its error."""
+    future = data.off_the_run(fn, *args)
+    if not future.done():
         st.info(what)
-        return
-    ready = later[section]
-    ready.append(args)
-    del ready[:-LATER_KEPT]
-    st.rerun(scope="app")
+        _await_section(future)
+        return None
+    return fn(*args)
+
+
+@st.fragment(run_every=AWAIT_S)
+def _await_section(future: concurrent.futures.Future) -> None:
+    if future.done():
+        st.rerun(scope="app")
+    st.caption("The rest of the page is above; this part is drawn when it is computed.")
 
 
 NOT_RECORDED = schema.NOT_RECORDED

@@ -6,7 +6,7 @@ import os
 
 from streamlit.testing.v1 import AppTest
 
-from moescope.dashboard import common, settings
+from moescope.dashboard import data, settings
 from moescope.dashboard.embedding import embedding_jobs
 from tests.support.paths import REPO
 
@@ -35,13 +35,12 @@ def open_page(at: AppTest, page: str) -> AppTest:
 
 
 def settle(at: AppTest) -> AppTest:
-    """Run the page again while a section of it waits for the run after its first render
-    (`moescope.dashboard.common.after_first_render`; in a browser its fragment asks for that run)."""
-    for _ in range(3):
-        if not common.waiting_sections(at.session_state):
-            return at
+    """Run the page again once the sections it computes off its run are there
+    (`moescope.dashboard.common.after_first_render`; in a browser their fragment asks for that run)."""
+    if data.off_the_run_pending() or any("drawn when it is computed" in c.value for c in at.caption):
+        assert data.off_the_run_wait(timeout=600), "a section computed off the page's run took over 10 minutes"
         at.run()
-    raise AssertionError(f"sections still waiting after 3 runs: {common.waiting_sections(at.session_state)}")
+    return at
 
 
 def assert_clean(at: AppTest) -> None:
