@@ -109,11 +109,16 @@ def off_the_run(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future
     """The future of `fn(*args)`, a cached function of this module, computed on the server's worker
     thread (one at a time, each asked once however many sessions ask): its result lands in `fn`'s
     cache, where the page's next run reads it at once (`common.after_first_render`). A computation
-    that failed is asked again."""
+    that failed, or was cancelled, is asked again. A new question of `fn` cancels its questions that
+    wait in the queue (a live page asks again at every new version of the store, a user at every click:
+    the queue never holds more than one question a function), never one under way."""
     key = (fn.__qualname__, args)
     with _off_the_run_lock:
         future = _off_the_run.get(key)
-        if future is None or (future.done() and future.exception() is not None):
+        if future is None or future.cancelled() or (future.done() and future.exception() is not None):
+            for (name, _), queued in _off_the_run.items():
+                if name == key[0]:
+                    queued.cancel()  # only a future that has not started can be cancelled
             future = _off_the_run[key] = _worker.submit(fn, *args)
         for old in [k for k, f in _off_the_run.items() if f.done()][:-OFF_THE_RUN_KEPT]:
             del _off_the_run[old]
