@@ -12,7 +12,9 @@ browser session; a lock serialises its use because a DuckDB connection is not me
 by two threads at once). Query results go through `st.cache_data` keyed by the widget values and
 by the store's *version* (`store.store.data_version`, a fingerprint of its committed files): when
 the probe writes a new file the version changes, the views are re-made and every query reads
-fresh data, while a finished store is queried once per distinct question.
+fresh data, while a finished store is queried once per distinct question. A question too slow for
+a page's first render (Placement's traffic) is asked of the same cached function on the server's
+worker thread (`off_the_run`), and the page reads the answer from the cache on its run after.
 """
 
 from __future__ import annotations
