@@ -21,7 +21,8 @@ once per sample; its first computation is reported separately).
 STORE` (with an empty embedding cache; with `--cold-numba` an empty numba cache too, as on a fresh
 install) opened in headless Chromium, each page visited once in the navigation's order, from asking
 for the page to its first render (title shown, script run over, every chart drawn); the Semantic
-clusters page's UMAP scatter, computed off the page's run, is timed apart until it is drawn. Repeated
+clusters page's UMAP scatter, computed off the page's run, is timed apart until it is drawn, and so is the
+Placement page's traffic section, computed on the run after its first render. Repeated
 `--repeats` times with a new server each time; prints the median and the largest per page.
 
     python bench/dashboard.py --first-render runs/demo --repeats 3 [--cold-numba]
@@ -233,16 +234,36 @@ def _query_caches():
             if isinstance(fn, CachedFunc) and name not in ("tokenizer", "_open")]
 
 
-def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | None = None) -> dict[str, list[float]]:
-    """Seconds to each page's first render over `repeats` fresh servers, and to the clusters scatter;
-    `only`: the pages (url paths) to visit, in this order, each server's first page first."""
+def _server_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) of the dashboard servers this process started (and
+    their children): what a page cost the server, which a loaded machine does not inflate as it does
+    the wall time."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "streamlit" in " ".join(child.cmdline()):
+                times = child.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | None = None,
+                  cpu_s: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Seconds to each page's first render over `repeats` fresh servers, and to the clusters scatter
+    and the Placement page's traffic; `only`: the pages (url paths) to visit, in this order, each
+    server's first page first. `cpu_s`, where given, gets the server's CPU seconds for each."""
+    cpu_s = {} if cpu_s is None else cpu_s
     from playwright.sync_api import sync_playwright
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if repo not in sys.path:  # the browser helpers the tests use: tests/support/
         sys.path.insert(0, repo)
     from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, running_dashboard
-    from tests.support.first_render import SCATTER, app_pages, first_render
+    from tests.support.first_render import SCATTER, TRAFFIC, app_pages, first_render
 
     out: dict[str, list[float]] = {}
     with sync_playwright() as pw:
@@ -257,11 +278,16 @@ def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | N
                         page = browser.new_page(viewport={"width": 1500, "height": 2400})
                         pages = dict(app_pages())
                         for path, title in ([(p, pages[p]) for p in only] if only else pages.items()):
-                            started = time.perf_counter()
+                            started, cpu = time.perf_counter(), _server_cpu_s()
                             out.setdefault(title, []).append(first_render(page, url, path, title))
+                            cpu_s.setdefault(title, []).append(_server_cpu_s() - cpu)
                             if path == "clusters":
                                 page.wait_for_selector(SCATTER, timeout=900_000)
                                 out.setdefault("  UMAP scatter drawn", []).append(time.perf_counter() - started)
+                            if path == "placement":
+                                page.wait_for_selector(TRAFFIC, timeout=900_000)
+                                out.setdefault("  traffic drawn", []).append(time.perf_counter() - started)
+                                cpu_s.setdefault("  traffic drawn", []).append(_server_cpu_s() - cpu)
                         page.close()
         finally:
             browser.close()
@@ -271,12 +297,14 @@ def first_renders(root: str, repeats: int, cold_numba: bool, only: list[str] | N
 def main_first_render(root: str, repeats: int, cold_numba: bool, only: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     t = time.perf_counter()
-    results = first_renders(root, repeats, cold_numba, only)
+    cpu_s: dict[str, list[float]] = {}
+    results = first_renders(root, repeats, cold_numba, only, cpu_s)
     print(f"first render per page, a fresh server each time ({repeats} runs, {os.cpu_count()} CPUs, load average "
           f"{load:.1f} -> {os.getloadavg()[0]:.1f}; numba cache {'empty' if cold_numba else 'as installed'}):")
-    print(f"{'page':<22}{'median':>9}{'max':>9}")
+    print(f"{'page':<22}{'median':>9}{'max':>9}{'server CPU-s':>14}")
     for title, times in results.items():
-        print(f"{title:<22}{statistics.median(times):>8.1f}s{max(times):>8.1f}s")
+        cpu = f"{statistics.median(cpu_s[title]):>13.2f}" if title in cpu_s else ""
+        print(f"{title:<22}{statistics.median(times):>8.1f}s{max(times):>8.1f}s{cpu}")
     print(f"(goal: every page's first render under 10 s)   [{time.perf_counter() - t:.0f} s in all]")
     return 0
 

@@ -3,14 +3,18 @@
 The entry file (`dashboard/app.py`) draws the sidebar widgets (keys prefixed `ms_`, shared by all
 pages); a page asks `page_context()` for the result and stops with a friendly message when there
 is nothing to show. `guard()` turns the store's errors into a warning instead of a traceback.
+`after_first_render()` keeps a heavy section out of a page's first render: it is computed off the
+page's run and drawn on the run after, which a fragment asks for.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pandas as pd
 import streamlit as st
@@ -21,11 +25,13 @@ from moescope.store import schema
 from moescope.store.store import StoreError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUN_KEY = "ms_run"
 TAG_KEY_KEY = "ms_tag_key"
 TAG_VALUE_KEY = "ms_tag_value"
 LIVE_KEY = "ms_live"
+AWAIT_S = 1.0  # how often a page asks whether a section computed off its run is there (`after_first_render`)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,27 @@ def guard() -> Iterator[None]:
     except StoreError as e:
         log.warning("store query failed: %s", e)
         st.warning(f"The store could not answer this view: {e}")
+
+
+def after_first_render(fn: Callable[..., T], *args: Any, what: str) -> T | None:
+    """`fn(*args)` (a cached function of `moescope.dashboard.data`) where it is computed; else None,
+    and the page's first render does not wait for it: the section says `what` it computes in its
+    place, `data.off_the_run` computes it on the server's worker thread into `fn`'s own cache, and a
+    fragment runs the page again once it is there (as the Semantic clusters page waits for its UMAP).
+    A computation that failed is run again here, in the page's run, whose guard shows its error."""
+    future = data.off_the_run(fn, *args)
+    if not future.done():
+        st.info(what)
+        _await_section(future)
+        return None
+    return fn(*args)
+
+
+@st.fragment(run_every=AWAIT_S)
+def _await_section(future: concurrent.futures.Future) -> None:
+    if future.done():
+        st.rerun(scope="app")
+    st.caption("The rest of the page is above; this part is drawn when it is computed.")
 
 
 NOT_RECORDED = schema.NOT_RECORDED

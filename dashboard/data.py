@@ -12,11 +12,14 @@ browser session; a lock serialises its use because a DuckDB connection is not me
 by two threads at once). Query results go through `st.cache_data` keyed by the widget values and
 by the store's *version* (`store.store.data_version`, a fingerprint of its committed files): when
 the probe writes a new file the version changes, the views are re-made and every query reads
-fresh data, while a finished store is queried once per distinct question.
+fresh data, while a finished store is queried once per distinct question. A question too slow for
+a page's first render (Placement's traffic) is asked of the same cached function on the server's
+worker thread (`off_the_run`), and the page reads the answer from the cache on its run after.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from collections.abc import Callable
@@ -96,6 +99,46 @@ def _cached(fn: Callable[..., T], tagged: bool = False) -> Callable[..., T]:
     call.__doc__ = fn.__doc__
     call.__module__ = __name__
     return st.cache_data(ttl=TTL_S, max_entries=256, show_spinner=False)(call)
+
+
+_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moescope-off-the-run")
+_off_the_run: dict[tuple, concurrent.futures.Future] = {}
+_off_the_run_lock = threading.Lock()
+OFF_THE_RUN_KEPT = 64  # finished computations remembered (their results are in their functions' caches)
+
+
+def off_the_run(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """The future of `fn(*args)`, a cached function of this module, computed on the server's worker
+    thread (one at a time, each asked once however many sessions ask): its result lands in `fn`'s
+    cache, where the page's next run reads it at once (`common.after_first_render`). A computation
+    that failed, or was cancelled, is asked again. A new question of `fn` cancels its questions that
+    wait in the queue (a live page asks again at every new version of the store, a user at every click:
+    the queue never holds more than one question a function), never one under way."""
+    key = (fn.__qualname__, args)
+    with _off_the_run_lock:
+        future = _off_the_run.get(key)
+        if future is None or future.cancelled() or (future.done() and future.exception() is not None):
+            for (name, _), queued in _off_the_run.items():
+                if name == key[0]:
+                    queued.cancel()  # only a future that has not started can be cancelled
+            future = _off_the_run[key] = _worker.submit(fn, *args)
+        for old in [k for k, f in _off_the_run.items() if f.done()][:-OFF_THE_RUN_KEPT]:
+            del _off_the_run[old]
+        return future
+
+
+def off_the_run_pending() -> int:
+    """How many computations `off_the_run` has under way."""
+    with _off_the_run_lock:
+        return sum(not future.done() for future in _off_the_run.values())
+
+
+def off_the_run_wait(timeout: float | None = None) -> bool:
+    """Wait until no computation `off_the_run` asked for is under way; False if `timeout` (seconds) passed first."""
+    with _off_the_run_lock:
+        futures = list(_off_the_run.values())
+    _, waiting = concurrent.futures.wait(futures, timeout=timeout)
+    return not waiting
 
 
 def _runs_newest_first(store: Store) -> pd.DataFrame:

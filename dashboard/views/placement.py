@@ -8,6 +8,8 @@ over time per candidate placement and before/after for one
 or computed here with the page's settings), when to rebalance (`moescope.analyses.rebalance`: the
 policies' curve of balancedness against bytes moved), and traffic on the wire
 (`moescope.analyses.traffic.traffic_report`). Every frame comes through `moescope.dashboard.data`.
+The sections that read only the expert loads are drawn at once; traffic, a pass over one layer's routes
+rows, is computed off the page's run and drawn on the run after (`moescope.dashboard.common.after_first_render`).
 """
 
 from __future__ import annotations
@@ -100,7 +102,11 @@ def traffic(ctx: common.PageContext, ranks: int) -> None:
     if st.session_state.get(TRAFFIC_LAYER) not in layers:
         st.session_state[TRAFFIC_LAYER] = layers[0]
     layer = int(right.selectbox("MoE layer", layers, key=TRAFFIC_LAYER) or layers[0])
-    frame = data.traffic(ctx.root, ctx.version, ctx.run_id, ranks, per_node, layer, ctx.tag)
+    # the only section that reads the routes rows (and checks their files): computed off the page's first run
+    frame = common.after_first_render(data.traffic, ctx.root, ctx.version, ctx.run_id, ranks, per_node, layer,
+                                      ctx.tag, what=f"Counting layer {layer}'s routes for its traffic on the wire…")
+    if frame is None:
+        return
     row = frame.iloc[0] if not frame.empty else None
     st.plotly_chart(fg.rank_matrix_heatmap(row), key="pl_traffic_matrix")
     st.plotly_chart(fg.fanout_histogram(row), key="pl_traffic_fanout")

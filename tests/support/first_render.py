@@ -17,6 +17,8 @@ RENDERED = """() => { const app = document.querySelector('[data-testid=stApp]');
         && document.querySelectorAll('[data-testid=stSkeleton]').length === 0
         && charts.every(chart => chart.querySelector('.js-plotly-plot .main-svg')); }"""
 SCATTER = ".st-key-cl_umap_chart .main-svg"  # the Semantic clusters page's UMAP scatter, drawn
+# The Placement page's traffic charts, drawn on the run after its first render (`common.after_first_render`)
+TRAFFIC = ".st-key-pl_traffic_fanout .main-svg"
 
 
 def app_pages() -> list[tuple[str, str]]:

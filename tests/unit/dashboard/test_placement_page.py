@@ -10,13 +10,16 @@ import base64
 import glob
 import json
 import os
+import shutil
+import threading
 
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
 from moescope.cli import main
-from tests.support.pages import app_for, assert_clean, open_page
+from moescope.dashboard import data
+from tests.support.pages import app_for, assert_clean, open_page, settle
 
 
 def _array(value) -> np.ndarray:
@@ -41,7 +44,7 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
     at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
     assert_clean(at)
     assert at.title[0].value == "Placement"
-    at.number_input(key="pl_ranks").set_value(2).run()
+    settle(at.number_input(key="pl_ranks").set_value(2).run())
     assert_clean(at)
     charts = at.get("plotly_chart")
     assert len(charts) == 6  # and the traffic section's two (test_traffic_section_is_the_raw_routes_per_link)
@@ -59,8 +62,6 @@ def test_placement_page_heatmap_is_the_raw_rows_per_rank(monkeypatch, recorded):
 
 
 def test_placement_page_shows_a_stored_whatif(monkeypatch, recorded, tmp_path):
-    import shutil
-
     root = str(tmp_path / "store")
     shutil.copytree(recorded["root"], root)
     run_id = recorded["runs"][-1]
@@ -80,15 +81,33 @@ def test_placement_page_fits_eplb_when_the_ranks_do_not_divide_the_experts(monke
     assert any(f"3 ranks, {-experts % 3} redundant slot(s)" in c.value for c in at.caption)
 
 
-def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded):
+def test_traffic_section_is_the_raw_routes_per_link(monkeypatch, recorded, tmp_path):
+    """The page's first render does not wait for its traffic (a pass over the routes rows): that is
+    computed off the page's run (here behind a computation that holds the server's worker) and drawn
+    on the run after."""
     run_id = recorded["runs"][-1]
-    at = open_page(app_for(monkeypatch, recorded["root"]), "views/placement.py")
-    at.number_input(key="pl_ranks").set_value(2).run()
+    root = str(tmp_path / "store")  # a store of its own: no traffic of it in the caches yet
+    shutil.copytree(recorded["root"], root)
+    gate = threading.Event()
+    data.off_the_run(gate.wait, 120)
+    try:
+        at = app_for(monkeypatch, root)
+        at.run()
+        at.switch_page("views/placement.py").run()
+        at.number_input(key="pl_ranks").set_value(2).run()
+        assert_clean(at)
+        assert [c.key for c in at.get("plotly_chart")] == ["pl_heatmap", "pl_over_time", "pl_before_after",
+                                                           "pl_rebalance_curve"]
+        assert any("routes for its traffic on the wire" in i.value for i in at.info)
+    finally:
+        gate.set()
+    settle(at)
     assert_clean(at)
+    assert not any("routes for its traffic on the wire" in i.value for i in at.info)
     charts = at.get("plotly_chart")
     matrix_chart, histogram = (json.loads(c.proto.spec) for c in charts[-2:])
     layer = int(at.selectbox(key="pl_traffic_layer").value)
-    rows = _raw(recorded["root"], "routes", run_id)
+    rows = _raw(root, "routes", run_id)
     rows = rows[rows.layer == layer]
     experts = int(max(max(ids) for ids in rows.expert_ids)) + 1
     half = (experts + 1) // 2  # the default layout over 2 ranks: experts 0..half-1 on rank 0
