@@ -109,6 +109,20 @@ def test_labels_hold_on_the_tiny_qwen3_moe(bench, outcomes):
                 assert "RoutingDriftFromBaseline" in rules[rule].unless, (rule, scenario)
                 assert "RoutingDriftFromBaseline" in outcomes[scenario].firings, (rule, scenario)
     assert all(scores[r].recall == 1.0 for r in (bench.HEALTH_RULE, "RoutingDriftFromBaseline", "DeadExpert"))
+    # the collapse skews the load past 2x the mean (raw rows), yet the skew stays silent: at every forward where
+    # its own expression held, the routing had moved over its 32 forwards or was moving over their latest 16
+    # (KL against the first 32 forwards past the drift's 0.1), and the drift says it
+    collapsed, warm, end = outcomes["router_collapse"].root, bench.WARM, bench.WARM + bench.AFTER
+    skewed = 0
+    for layer in (0, 1):
+        base = _load(collapsed, layer, 0, 32)
+        for last in range(warm + 1, end + 1):
+            window = _load(collapsed, layer, last - 32, last)
+            if window.max() / window.mean() > 2.0 and window.sum() / 2 >= 1024:  # top-2, dropless: 2 slots a token
+                skewed += 1
+                assert max(_kl(window, base), _kl(_load(collapsed, layer, last - 16, last), base)) > 0.1, (layer, last)
+    assert skewed and "ExpertLoadSkew" not in outcomes["router_collapse"].firings
+    assert "RoutingDriftFromBaseline" in outcomes["router_collapse"].firings
     health = scores[bench.HEALTH_RULE]
     assert health.precision == 1.0 and max(health.latency) <= 4 * 8 + 12  # the promised window, E = 8
 
