@@ -93,6 +93,16 @@ def test_each_scenario_produces_its_fault(bench, outcomes):
         moved, base = _load(shifted, layer, end - 64, end), _load(shifted, layer, 0, 32)
         empty = moved == 0
         assert empty.any() and _kl(moved[~empty], base[~empty]) > LOST_ALONE_MAX_REST_KL
+    # the skew, layer 0 only: the expert's share of slots rises to what forcing the first choice of a fraction p of
+    # the tokens predicts from its own baseline share s (top-2: a fraction 2s of the tokens chose it, now
+    # 2s + p (1 - 2s)); past 2x the mean, the distribution within the drift's 0.1 of its baseline; layer 1 keeps
+    # its routing
+    skew = outcomes["router_skew"].root
+    base, after = _load(skew, 0, 0, warm), _load(skew, 0, warm, end)
+    chose, p = 2 * base[expert] / base.sum(), bench.SKEW_FRACTION
+    assert after[expert] / after.sum() == pytest.approx((chose + p * (1 - chose)) / 2, abs=0.01)
+    assert after.max() / after.mean() > 2.0 and _kl(after, base) < 0.1
+    assert _kl(_load(skew, 1, warm, end), _load(skew, 1, 0, warm)) < 0.02
 
 
 def test_labels_hold_on_the_tiny_qwen3_moe(bench, outcomes):
