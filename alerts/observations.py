@@ -118,6 +118,13 @@ def last_forwards(items: Sequence[LayerObservation], steps: int) -> list[LayerOb
     return list(items[start:])
 
 
+def latest_half(observations: Sequence[LayerObservation]) -> list[LayerObservation]:
+    """The newest observations covering half of the window's forwards (at least one row; a row is never
+    split): what `kl_baseline_latest_half` judges."""
+    forwards = sum(max(int(o.forwards), 1) for o in observations)
+    return last_forwards(observations, max(forwards // 2, 1))
+
+
 def _token_weighted(values: Iterable[tuple[float | None, int]]) -> float:
     """Token-weighted mean of per-row means (rows with no value or no tokens are left out)."""
     kept = [(v, t) for v, t in values if v is not None and not math.isnan(v) and t > 0]
@@ -230,6 +237,8 @@ def compute_signals(
         }
         if baseline_load is not None and np.size(baseline_load) == experts and np.sum(baseline_load) > 0:
             table["kl_baseline"] = lambda: sig.kl_divergence(load, baseline_load)
+            table["kl_baseline_latest_half"] = lambda: sig.kl_divergence(
+                sig.routed_load(summed_load(latest_half(observations)), num_experts), baseline_load)
             table["js_baseline"] = lambda: sig.js_divergence(load, baseline_load)
             table["lost_expert_fraction"] = lambda: sig.lost_expert_fraction(load, baseline_load)
             table["lost_expert_alone_fraction"] = lambda: sig.lost_expert_alone_fraction(load, baseline_load)

@@ -20,6 +20,7 @@ The shape (YAML shown; TOML uses `[defaults]`, `[baseline]` and `[[rules]]`)::
         labels: {team: training}
         annotations: {summary: "...", runbook_url: "https://..."}
         unless: [RoutingDriftFromBaseline]  # silent while a named rule's expression holds over this window
+                                            # (or an expression of its own: "kl_baseline_latest_half > 0.1")
 
 `for` and `cooldown` are durations of event time (the recorded steps' timestamps), or a count of
 steps written `200 steps`: a count means the same forwards on a fast machine and a slow one.
@@ -28,7 +29,8 @@ steps written `200 steps`: a count means the same forwards on a fast machine and
 holds, each judged over this rule's window (the forwards it judges), so a consequence stays silent
 while the alert that says its cause holds, whichever fires first. Only a named rule's expression
 counts, not its own window, `for` or `unless`; a named expression on a signal of no data holds
-nothing back.
+nothing back. An entry may also be an expression of its own (`"kl_baseline_latest_half > 0.1"`),
+which holds back only this rule and pages no one.
 
 `alerts/default_rules.yaml` is the default rule pack; each rule there says why its threshold is
 what it is.
@@ -68,6 +70,8 @@ SIGNALS: dict[str, str] = {
     "kl_uniform": "KL(load || uniform) in nats, 0.5-token smoothing",
     "js_uniform": "Jensen-Shannon divergence of the load against uniform, nats",
     "kl_baseline": "KL(load || baseline load) in nats, 0.5-token smoothing",
+    "kl_baseline_latest_half": "kl_baseline over the latest half of the window's forwards (the routing moving "
+                               "now, before the whole window has moved)",
     "js_baseline": "Jensen-Shannon divergence of the load against the baseline, nats",
     "router_entropy": "mean per-token router entropy / ln(experts), averaged over the window",
     "dead_expert_fraction": "fraction of experts with no token over the window",
@@ -491,26 +495,35 @@ class _Reader:
 
 
 def _rule_names(value: Any, path: Path, reader: _Reader) -> list[str]:
-    """An `unless`: a rule name or a list of them."""
+    """An `unless`: a rule name or an expression, or a list of them."""
     names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(n, str) and _NAME_RE.match(n) for n in names):
-        raise reader.fail(path, "must be a rule name or a list of rule names, such as [RoutingDriftFromBaseline]")
-    return names
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise reader.fail(path, "must be a rule name or a list of rule names (or expressions), such as "
+                                "[RoutingDriftFromBaseline, 'kl_baseline_latest_half > 0.1']")
+    return [n.strip() for n in names]
 
 
 def _resolve_unless(rules: list[Rule], reader: _Reader) -> list[Rule]:
-    """Each rule with the expressions its `unless` names; an unknown name or the rule's own is an error."""
+    """Each rule with the expressions its `unless` names or writes; an unknown name, the rule's own or an
+    expression that does not parse is an error."""
     by_name = {r.name: r for r in rules}
     out = []
     for i, rule in enumerate(rules):
+        held: list[tuple[Condition, ...]] = []
         for name in rule.unless:
-            if name == rule.name:
+            if not _NAME_RE.match(name):  # an expression of its own
+                try:
+                    held.append(parse_expr(name))
+                except ValueError as exc:
+                    reader.report(("rules", i, "unless"), f"{name!r} is neither a rule name nor an expression: {exc}")
+            elif name == rule.name:
                 reader.report(("rules", i, "unless"), f"{name!r} is this rule; name another rule of the pack")
             elif name not in by_name:
                 reader.report(("rules", i, "unless"), f"no rule named {name!r} in this pack; "
                               f"rules: {', '.join(by_name)}")
-        named = tuple(by_name[n].conditions for n in rule.unless if n in by_name and n != rule.name)
-        out.append(replace(rule, unless_conditions=named) if named else rule)
+            else:
+                held.append(by_name[name].conditions)
+        out.append(replace(rule, unless_conditions=tuple(held)) if held else rule)
     return out
 
 

@@ -57,7 +57,13 @@ EXPERT = 3  # the expert a fault hits, in layer 0
 HEALTHY = ("healthy_forward", "healthy_generate", "batch_change")
 SHIFTS = ("domain_shift", "long_context")
 EXPERT_FAULTS = ("expert_scale", "expert_nan", "expert_zero")
-ROUTER_FAULTS = ("router_collapse", "router_hot", "dead_expert", "capacity_overflow")
+ROUTER_FAULTS = ("router_collapse", "router_skew", "router_hot", "dead_expert", "capacity_overflow")
+# router_skew: the share of tokens whose first choice it forces to the expert (layer 0 only). From an even
+# share (a quarter of the tokens choose an expert under top-2, E = 8) the expert's share of slots becomes
+# (1/4 + p * 3/4) / 2: p = 1/3 puts it on the skew rule's 2x exactly (no margin), p = 1/2 at 2.5x but with the
+# others scaled by 0.79 (KL 0.12 past the drift's 0.1); p = 2/5 gives 2.2x with KL 0.08: a skew past 2x
+# with the rest of the distribution in place, by this hand computation, fixed before the first run.
+SKEW_FRACTION = 0.4
 SCENARIOS = HEALTHY + SHIFTS + EXPERT_FAULTS + ROUTER_FAULTS
 
 # Which scenarios each rule should fire on; docs/alerts.md gives the reason for each. A rule on a
@@ -67,7 +73,7 @@ LABELS: dict[str, frozenset[str]] = {
     "RoutingDriftFromBaseline": frozenset({"domain_shift", "expert_nan", "router_collapse", "router_hot",
                                            "dead_expert"}),
     "DeadExpert": frozenset({"dead_expert"}),
-    "ExpertLoadSkew": frozenset({"expert_nan", "router_collapse"}),
+    "ExpertLoadSkew": frozenset({"expert_nan", "router_collapse", "router_skew"}),
     "LoadBiasedAgainstUniform": frozenset({"expert_nan"}),
     "DroppedTokens": frozenset({"capacity_overflow", "router_collapse", "expert_nan"}),
     "RouterEntropyRise": frozenset({"router_hot"}),
@@ -139,14 +145,20 @@ def _expert_views(layer, expert: int) -> list[torch.Tensor]:
             for p, row in _expert_tensors(layer)[expert]]
 
 
-def router_fault(router: torch.nn.Module, kind: str, expert: int):
+def router_fault(router: torch.nn.Module, kind: str, expert: int, seed: int = 0):
     """A forward hook, run before the probe's, that rebuilds the router's (logits, weights, ids) from
     faulty logits by the router's own rule (softmax, top-k, renormalised where the router does)."""
+    chance = torch.Generator().manual_seed(seed)  # which tokens router_skew hits, the same on every run
+
     def hook(module, args, output):
         logits = output[0]
         if kind == "router_collapse":
             logits = logits.clone()
             logits[:, expert] += 30.0  # every token's first choice
+        elif kind == "router_skew":
+            logits = logits.clone()
+            hit = torch.rand(logits.shape[0], generator=chance) < SKEW_FRACTION
+            logits[hit, expert] += 30.0  # the first choice of SKEW_FRACTION of the tokens
         elif kind == "router_hot":
             logits = logits / 100.0  # temperature x100: near uniform
         else:  # dead_expert
@@ -200,6 +212,8 @@ def play(model: Model, scenario: str, seed: int = 0, warm: int = WARM, after: in
                      "expert_zero": lambda v: v.zero_()}[scenario](view)
             elif scenario in ("router_collapse", "router_hot", "dead_expert"):
                 handles = [router_fault(moe.router, scenario, EXPERT) for moe in session.layers]
+            elif scenario == "router_skew":  # one expert's router row, in one layer
+                handles = [router_fault(layer.router, scenario, EXPERT, seed)]
             elif scenario == "capacity_overflow":
                 for module in net.modules():
                     if hasattr(module, "capacity_factor"):

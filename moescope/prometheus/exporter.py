@@ -105,6 +105,9 @@ SIGNAL_METRICS: dict[str, tuple[str, str]] = {
                    "KL divergence (nats) of the window's expert load from uniform"),
     "kl_baseline": ("moescope_layer_load_kl_baseline_nats",
                     "KL divergence (nats) of the window's expert load from the baseline"),
+    "kl_baseline_latest_half": ("moescope_layer_load_kl_baseline_latest_half_nats",
+                                "KL divergence (nats) of the expert load over the window's latest half of "
+                                "its forwards from the baseline"),
     "router_entropy": ("moescope_layer_router_entropy_ratio",
                        "Mean per-token router entropy / ln(experts) over the window"),
     "dead_expert_fraction": ("moescope_layer_dead_expert_ratio", "Fraction of experts with no token over the window"),

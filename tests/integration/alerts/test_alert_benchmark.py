@@ -93,6 +93,16 @@ def test_each_scenario_produces_its_fault(bench, outcomes):
         moved, base = _load(shifted, layer, end - 64, end), _load(shifted, layer, 0, 32)
         empty = moved == 0
         assert empty.any() and _kl(moved[~empty], base[~empty]) > LOST_ALONE_MAX_REST_KL
+    # the skew, layer 0 only: the expert's share of slots rises to what forcing the first choice of a fraction p of
+    # the tokens predicts from its own baseline share s (top-2: a fraction 2s of the tokens chose it, now
+    # 2s + p (1 - 2s)); past 2x the mean, the distribution within the drift's 0.1 of its baseline; layer 1 keeps
+    # its routing
+    skew = outcomes["router_skew"].root
+    base, after = _load(skew, 0, 0, warm), _load(skew, 0, warm, end)
+    chose, p = 2 * base[expert] / base.sum(), bench.SKEW_FRACTION
+    assert after[expert] / after.sum() == pytest.approx((chose + p * (1 - chose)) / 2, abs=0.01)
+    assert after.max() / after.mean() > 2.0 and _kl(after, base) < 0.1
+    assert _kl(_load(skew, 1, warm, end), _load(skew, 1, 0, warm)) < 0.02
 
 
 def test_labels_hold_on_the_tiny_qwen3_moe(bench, outcomes):
@@ -109,6 +119,20 @@ def test_labels_hold_on_the_tiny_qwen3_moe(bench, outcomes):
                 assert "RoutingDriftFromBaseline" in rules[rule].unless, (rule, scenario)
                 assert "RoutingDriftFromBaseline" in outcomes[scenario].firings, (rule, scenario)
     assert all(scores[r].recall == 1.0 for r in (bench.HEALTH_RULE, "RoutingDriftFromBaseline", "DeadExpert"))
+    # the collapse skews the load past 2x the mean (raw rows), yet the skew stays silent: at every forward where
+    # its own expression held, the routing had moved over its 32 forwards or was moving over their latest 16
+    # (KL against the first 32 forwards past the drift's 0.1), and the drift says it
+    collapsed, warm, end = outcomes["router_collapse"].root, bench.WARM, bench.WARM + bench.AFTER
+    skewed = 0
+    for layer in (0, 1):
+        base = _load(collapsed, layer, 0, 32)
+        for last in range(warm + 1, end + 1):
+            window = _load(collapsed, layer, last - 32, last)
+            if window.max() / window.mean() > 2.0 and window.sum() / 2 >= 1024:  # top-2, dropless: 2 slots a token
+                skewed += 1
+                assert max(_kl(window, base), _kl(_load(collapsed, layer, last - 16, last), base)) > 0.1, (layer, last)
+    assert skewed and "ExpertLoadSkew" not in outcomes["router_collapse"].firings
+    assert "RoutingDriftFromBaseline" in outcomes["router_collapse"].firings
     health = scores[bench.HEALTH_RULE]
     assert health.precision == 1.0 and max(health.latency) <= 4 * 8 + 12  # the promised window, E = 8
 

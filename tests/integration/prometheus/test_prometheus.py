@@ -40,6 +40,9 @@ def test_per_layer_values_match_the_signals():
     assert get("moescope_layer_load_cv") == pytest.approx(sig.coefficient_of_variation(window))
     assert get("moescope_layer_load_kl_uniform_nats") == pytest.approx(sig.kl_divergence(window, np.ones(EXPERTS)))
     assert get("moescope_layer_load_kl_baseline_nats") == pytest.approx(sig.kl_divergence(window, baseline))
+    # the window's latest half: its last 2 of 4 forwards
+    assert get("moescope_layer_load_kl_baseline_latest_half_nats") == pytest.approx(
+        sig.kl_divergence(np.array(SKEWED) * 2, baseline))
     assert get("moescope_layer_router_entropy_ratio") == pytest.approx(1.5 / np.log(EXPERTS))
     assert get("moescope_layer_tokens_total") == 6 * 128
     assert get("moescope_layer_dropped_tokens_total") == 12
@@ -116,7 +119,8 @@ def test_generated_rules_match_the_default_pack_and_pass_promtool(tmp_path):
     assert set(by_name) == {r.name for r in pack.rules}
     assert by_name["ExpertLoadSkew"]["expr"] == (
         "moescope_layer_load_max_over_mean > 2.0 and moescope_layer_window_tokens >= 1024.0"
-        " unless (moescope_layer_load_kl_baseline_nats > 0.1) unless (moescope_layer_lost_expert_alone_ratio > 0.0)")
+        " unless (moescope_layer_load_kl_baseline_nats > 0.1) unless (moescope_layer_lost_expert_alone_ratio > 0.0)"
+        " unless (moescope_layer_load_kl_baseline_latest_half_nats > 0.1)")
     assert by_name["RoutingCooldown"]["expr"] == (
         "moescope_layer_router_entropy_ratio < 0.25 and moescope_layer_capacity_use_ratio > 0.95"
     )

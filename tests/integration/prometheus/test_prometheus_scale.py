@@ -1,10 +1,11 @@
 """A real Prometheus scrapes the exporter of a 64-expert, 48-layer model: the series stay bounded and
 the per-expert ones name exactly the experts the model's own routers made hottest and coldest.
 
-Series in all: 1444. 48 layers x 30 = 1440 carry a `layer` label, whatever the experts and ranks,
+Series in all: 1492. 48 layers x 31 = 1488 carry a `layer` label, whatever the experts and ranks,
 and 4 describe the run (run info, forwards, the last forward's time, active parameters; a probe with
-no store writes no rows, so no row counters). Per layer: 2 counters (tokens, dropped tokens), 14
-signal gauges with data (load cv, max/mean, balancedness, KL from uniform and from the baseline,
+no store writes no rows, so no row counters). Per layer: 2 counters (tokens, dropped tokens), 15
+signal gauges with data (load cv, max/mean, balancedness, KL from uniform, from the baseline and from
+it over the window's latest half,
 router entropy and its rise over the baseline, dead, lost-expert, lost-expert-alone and dropped ratios and the drop
 rate's rise, the window's tokens, active parameters; this run records no capacity and no routes),
 the dead-expert count, Jain's fairness index, 4 rank figures under a placement on 8 ranks
@@ -30,7 +31,7 @@ from tests.support.zoo import tiny_model
 pytestmark = pytest.mark.integration
 
 EXPERTS, LAYERS, TOP_K, K, RANKS = 64, 48, 2, 4, 8
-PER_LAYER = 2 + 14 + 2 + 4 + 2 * K  # see the module's docstring
+PER_LAYER = 2 + 15 + 2 + 4 + 2 * K  # see the module's docstring
 
 
 def _query(prom_url: str, expr: str) -> list[dict]:
@@ -63,12 +64,12 @@ def test_a_64_expert_48_layer_model_keeps_8_expert_series_per_layer_in_a_real_pr
                    what="a first scrape")
         per_layer = {int(r["metric"]["layer"]): int(r["value"][1])
                      for r in _query(prom_url, 'count by (layer) ({__name__=~"moescope_.+", layer!=""})')}
-        assert per_layer == {layer: PER_LAYER for layer in range(LAYERS)}  # 30 each: 1440 layer series
+        assert per_layer == {layer: PER_LAYER for layer in range(LAYERS)}  # 31 each: 1488 layer series
         total = int(_query(prom_url, 'count({__name__=~"moescope_.+"})')[0]["value"][1])
         run_level = {r["metric"]["__name__"] for r in _query(prom_url, '{__name__=~"moescope_.+", layer=""}')}
         assert run_level == {"moescope_run_info", "moescope_steps_total", "moescope_last_step_timestamp_seconds",
                              "moescope_active_param_ratio"}
-        assert total == LAYERS * PER_LAYER + len(run_level) == 1444
+        assert total == LAYERS * PER_LAYER + len(run_level) == 1492
         experts = _query(prom_url, "moescope_expert_load_ratio")
         assert len(experts) == LAYERS * 2 * K
         for layer in range(LAYERS):

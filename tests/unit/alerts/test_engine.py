@@ -265,3 +265,54 @@ def test_a_figure_judged_once_honours_unless():
     assert names({"load_max_mean": 3.0, "kl_baseline": 0.5}) == ["Drift"]
     assert names({"load_max_mean": 3.0, "kl_baseline": 0.05}) == ["Skew"]
     assert names({"load_max_mean": 3.0, "kl_baseline": float("nan")}) == ["Skew"]
+
+
+# a layer's baseline traffic (max/mean 30/16 = 1.875) and the traffic it shifts to: the busiest expert
+# barely gains (34/16 = 2.125) while most others move, as the demo model's layer 2 on its domain shift
+BASE_MIX = [30, 20, 14, 12, 14, 14, 12, 12]
+SHIFTED_MIX = [34, 34, 24, 6, 6, 12, 6, 6]
+
+
+def _shipped_skew_pack():
+    """The default pack's ExpertLoadSkew and the rules it names, as shipped but for `for: 0 steps`
+    (the alert benchmark's), so each step's verdict shows."""
+    import dataclasses
+
+    from moescope.alerts.rules import default_rules
+    pack = default_rules()
+    keep = [dataclasses.replace(r, for_s=0.0, for_steps=0, cooldown_s=0.0, cooldown_steps=48) for r in pack.rules
+            if r.name in ("ExpertLoadSkew", "RoutingDriftFromBaseline", "DeadExpert")]
+    return dataclasses.replace(pack, rules=tuple(keep))
+
+
+def _one_layer(engine, loads, first=0):
+    out = []
+    for step, load in enumerate(loads, start=first):
+        out.extend(engine.ingest(observations_from_record(step_record(step, [layer_step(0, load)]))))
+    return out
+
+
+def test_the_shipped_skew_is_silent_while_the_routing_moves_and_fires_on_a_steady_skew():
+    """A shift lifts the busiest expert over 2x the mean 17 forwards in, when the skew's 32 forwards hold
+    15 old ones: their KL against the baseline is still under the drift's 0.1, but over the latest 16
+    forwards (all shifted) it is past it, so the skew waits; once the whole window has moved, the drift's
+    own expression holds it back. The same skew standing from the start fires."""
+    base, shifted = np.array(BASE_MIX), np.array(SHIFTED_MIX)
+    engine = AlertEngine(_shipped_skew_pack())
+    skew = next(r for r in engine.pack.rules if r.name == "ExpertLoadSkew")
+    got = _one_layer(engine, [BASE_MIX] * 48 + [SHIFTED_MIX] * 17)
+    values = engine.signals(skew, "run-a", 0)
+    # by hand: the window's 32 forwards (15 old, 17 shifted) and its latest 16, against the first 32 forwards
+    assert values["load_max_mean"] == pytest.approx((15 * 30 + 17 * 34) / (32 * 16)) and values["load_max_mean"] > 2
+    assert values["kl_baseline"] == pytest.approx(_kl_by_hand(15 * base + 17 * shifted, 32 * base))
+    assert values["kl_baseline"] < 0.1
+    assert values["kl_baseline_latest_half"] == pytest.approx(_kl_by_hand(16 * shifted, 32 * base))
+    assert values["kl_baseline_latest_half"] > 0.1
+    more = _one_layer(engine, [SHIFTED_MIX] * 40, first=65)
+    assert _fired(got + more, "ExpertLoadSkew") == []
+    assert engine.signals(skew, "run-a", 0)["kl_baseline"] > 0.1  # the whole window moved: the drift's news
+    # a skew the baseline has too (the model on its traffic as deployed) still fires, once 1024 tokens are in
+    steady = AlertEngine(_shipped_skew_pack())
+    assert _fired(_one_layer(steady, [SHIFTED_MIX] * 64), "ExpertLoadSkew") == [7]
+    assert steady.signals(skew, "run-a", 0)["kl_baseline_latest_half"] == pytest.approx(
+        _kl_by_hand(16 * shifted, 32 * shifted))  # the same shares: only the smoothing's 1e-7

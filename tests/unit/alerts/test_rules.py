@@ -115,6 +115,9 @@ def test_good_yaml_and_equivalent_toml(tmp_path):
          "rules[0].unless", "is this rule"),
         (GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n    unless: {a: 1}\n"), 7,
          "rules[0].unless", "a list of rule names"),
+        (GOOD.replace("    expr: load_max_mean > 2.5\n",
+                      "    expr: load_max_mean > 2.5\n    unless: ['kl_baseline >> 1']\n"),
+         7, "rules[0].unless", "neither a rule name nor an expression"),
     ],
 )
 def test_errors_name_file_line_and_field(tmp_path, text, line, fieldname, hint):
@@ -212,3 +215,24 @@ def test_unless_names_rules_in_yaml_and_toml_and_the_check_lists_it(tmp_path, ca
         assert skew.signals == ("load_max_mean", "router_entropy", "capacity_use")
     assert moescope_main(["alerts", "check", str(yaml_path)]) == 0
     assert "Skew: load_max_mean > 2.5 unless Cooldown (" in capsys.readouterr().out
+
+
+def test_unless_takes_an_expression_of_its_own_beside_rule_names(tmp_path, capsys):
+    """An expression in `unless` holds back only its rule (no rule of its own, so nothing pages), judged
+    like a named rule's expression; Prometheus gets it as PromQL's `unless (...)`."""
+    from moescope.cli import main as moescope_main
+    from moescope.prometheus.rules import rule_expr
+    path = write(tmp_path, GOOD.replace("    expr: load_max_mean > 2.5\n", "    expr: load_max_mean > 2.5\n"
+                                        "    unless: [Cooldown, 'kl_baseline_latest_half > 0.1']\n"))
+    pack = load_rules(path)
+    skew = pack.rules[0]
+    assert [r.name for r in pack.rules] == ["Skew", "Cooldown"]
+    assert [[str(c) for c in conds] for conds in skew.unless_conditions] == [
+        ["router_entropy < 0.2", "capacity_use >= 0.95"], ["kl_baseline_latest_half > 0.1"]]
+    base = {"load_max_mean": 3.0, "router_entropy": 0.5, "capacity_use": 0.5}
+    assert skew.verdict({**base, "kl_baseline_latest_half": 0.05}) is True
+    assert skew.verdict({**base, "kl_baseline_latest_half": 0.2}) is False
+    assert skew.verdict({**base, "kl_baseline_latest_half": float("nan")}) is True  # no data holds nothing back
+    assert rule_expr(skew).endswith(" unless (moescope_layer_load_kl_baseline_latest_half_nats > 0.1)")
+    assert moescope_main(["alerts", "check", str(path)]) == 0
+    assert "unless Cooldown, kl_baseline_latest_half > 0.1 (" in capsys.readouterr().out
