@@ -72,15 +72,18 @@ __all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFi
 
 class EngineMap(Protocol):
     """What the physical_ids check reads of an engine's map (`moescope.metrics.placement.RecordedMap`
-    is one): where it came from, its logical experts, and per MoE layer of a trace, (the logical
-    expert of each physical slot, the load the engine recorded under it or None, what that load
-    counts per: "physical" slot or "logical" expert)."""
+    is one): where it came from, its logical experts, the most physical slots a layer has, and per
+    MoE layer of a trace, (the logical expert of each physical slot, the load the engine recorded
+    under it or None, what that load counts per: "physical" slot or "logical" expert)."""
 
     @property
     def source(self) -> str: ...
 
     @property
     def logical_experts(self) -> int: ...
+
+    @property
+    def physical_slots(self) -> int: ...
 
     def layer_maps(self, layer_ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None, str]]: ...
 
@@ -177,6 +180,9 @@ class TraceChecks:
     def __init__(self, engine_map: EngineMap | None = None):
         self.engine_map = engine_map
         self.logical_experts = None if engine_map is None else int(engine_map.logical_experts)
+        # the MoE layers that have routed since the checks began, kept by `reset`: the map is placed on
+        # all of them, so a chunk in which a layer routed nothing places its rows as the whole trace does
+        self._layers_seen: set[int] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -192,6 +198,15 @@ class TraceChecks:
         self._counts: dict[int, np.ndarray] = {}  # layer -> how often each id was named (engine map given)
         self._sample: dict[int, list[tuple[str, int, np.ndarray]]] = {}  # layer -> its first routed rows
         self._physical: tuple[int, str] | None = None  # physical_ids' (count, detail), once judged
+
+    def forget_map(self) -> None:
+        """Stop checking physical_ids (a map that does not fit the trace's layers): `findings` then
+        leaves it out."""
+        self.engine_map = None
+        self.logical_experts = None
+        self._physical = None
+        self._counts.clear()
+        self._sample.clear()
 
     def add(self, ids: np.ndarray, label: str, first_row: int = 0, ends: bool = True,
             layer_numbers: Sequence[int] | None = None) -> None:
@@ -258,6 +273,7 @@ class TraceChecks:
                     known = np.concatenate([known, np.zeros(len(counts) - len(known), dtype=np.int64)])
                 known[:len(counts)] += counts
                 self._counts[int(layer)] = known
+                self._layers_seen.add(int(layer))
                 sample = self._sample.setdefault(int(layer), [])
                 for row in at[:SAMPLE_ROWS - len(sample)]:
                     sample.append((label, int(numbers[routed][row]), layer_ids[row, column].copy()))
@@ -312,7 +328,8 @@ class TraceChecks:
         if self._physical is not None or self.engine_map is None:
             return self._physical or (0, "")
         experts = int(self.logical_experts or 0)
-        maps = self.engine_map.layer_maps(sorted(self._counts)) if self._counts else {}
+        placed = self.engine_map.layer_maps(sorted(self._layers_seen)) if self._counts else {}
+        maps = {layer: value for layer, value in placed.items() if layer in self._counts}
         threshold = math.log(LOAD_ODDS * max(len(maps), 1))
         count, by_range, by_load, loads = 0, [], [], 0
         named = self.tallies["physical_ids"]
