@@ -34,17 +34,19 @@ names its check:
   `--num-experts`): the import is refused, its message naming this check.
 
 The checks are sums over rows, so a sequence read in chunks gives the same findings as one read
-whole; `TraceChecks.findings` turns the sums into `TraceFinding`s.
+whole; `TraceChecks.findings` turns the sums into `TraceFinding`s (`moescope.store.schema`'s, the
+record of a `trace_findings` row, which the checks against the model give too).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from moescope.store.schema import TraceFinding as TraceFinding  # one record for every check's findings
 
 CHECKS = ("zero_rows", "sentinel_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids",
           "out_of_range")
@@ -66,8 +68,8 @@ SAMPLE_ROWS = 4 * MAX_NAMED  # rows kept per layer to name a layer found physica
 BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids", "chance_agreement", "shifted",
           "large_margin_flips")
 
-__all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFinding", "broken_share", "load_evidence",
-           "summary_line"]
+__all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFinding", "broken_share", "finding_line",
+           "load_evidence", "summary_line"]
 
 
 class EngineMap(Protocol):
@@ -128,28 +130,6 @@ def load_evidence(counts: np.ndarray, physical_to_logical: np.ndarray, load: np.
     q_physical = physical[ids] / physical.sum()
     q_logical = logical[ids] / logical.sum()
     return float(np.sum(counts[ids] * (np.log(q_physical) - np.log(q_logical))))
-
-
-@dataclass
-class TraceFinding:
-    """One check that found something in a trace.
-
-    `count` is what the check counts (`COUNTS[check]`) out of `checked`; `expected` what an honest
-    router gives (0 where it gives none); `sequences` and `rows` name the first few where it was
-    found (rows as "sequence row N"); `detail` says it in a sentence.
-    """
-
-    check: str
-    count: int
-    checked: int
-    expected: float = 0.0
-    sequences: list[str] = field(default_factory=list)
-    rows: list[str] = field(default_factory=list)
-    detail: str = ""
-
-    def line(self) -> str:
-        """`check count of checked unit` for one-line summaries."""
-        return f"{self.check} {self.count:,} of {self.checked:,} {COUNTS.get(self.check, 'rows')}"
 
 
 class _Tally:
@@ -385,12 +365,17 @@ class TraceChecks:
         return ""
 
 
+def finding_line(finding: TraceFinding) -> str:
+    """`check count of checked unit` (the unit: `COUNTS[check]`) for one-line summaries."""
+    return f"{finding.check} {finding.count:,} of {finding.checked:,} {COUNTS.get(finding.check, 'rows')}"
+
+
 def summary_line(findings: list[TraceFinding], rows: int) -> str:
     """One line: `trace checks: no finding in N token rows`, or the findings' checks and counts."""
     if not findings:
         return f"trace checks: no finding in {rows:,} token rows"
     return f"trace checks: {len(findings)} finding{'s' if len(findings) != 1 else ''}: " + \
-        "; ".join(f.line() for f in findings) + " (moescope check STORE --run RUN says more)"
+        "; ".join(finding_line(f) for f in findings) + " (moescope check STORE --run RUN says more)"
 
 
 def broken_share(findings: Iterable[tuple[str, int, int]]) -> float:
