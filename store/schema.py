@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -555,27 +556,27 @@ def routes_table(run_id: str, pieces: Sequence[RoutePiece]) -> pa.Table:
     ], schema=schema)
 
 
-class TraceFindingFacts(Protocol):
-    """One finding of the trace checks as its `trace_findings` row describes it
-    (`moescope.ingest.trace_checks.TraceFinding` is one)."""
+@dataclass(frozen=True)
+class TraceFinding:
+    """One check that found something in an engine's routed-experts trace, as its `trace_findings`
+    row describes it: the model-free checks' (`moescope.ingest.trace_checks`) and those against the
+    model (`moescope.analyses.trace_check`) alike.
 
-    @property
-    def check(self) -> str: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def checked(self) -> int: ...
-    @property
-    def expected(self) -> float: ...
-    @property
-    def sequences(self) -> list[str]: ...
-    @property
-    def rows(self) -> list[str]: ...
-    @property
-    def detail(self) -> str: ...
+    `count` is what the check counts out of `checked`; `expected` what an honest router gives (0
+    where it gives none); `sequences` and `rows` name the first few where it was found (rows as
+    "sequence row N"); `detail` says it in a sentence.
+    """
+
+    check: str
+    count: int
+    checked: int
+    expected: float = 0.0
+    sequences: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+    detail: str = ""
 
 
-def trace_findings_table(run_id: str, ts: dt.datetime, origin: str, findings: Sequence[TraceFindingFacts],
+def trace_findings_table(run_id: str, ts: dt.datetime, origin: str, findings: Sequence[TraceFinding],
                          rank: int = 0) -> pa.Table:
     """The `trace_findings` rows of one check of a trace: the one builder of `trace_findings`.
 

@@ -32,7 +32,8 @@ this model's router would not give, on the tokens the engine routed:
   of 0.25 between two biased scores (the bias is a constant) takes the two logits moving by 1 logit
   together at least, the same evidence as `LARGE_MARGIN`.
 
-Each check that finds something gives a finding of the engine run (`ModelFinding`), written as its
+Each check that finds something gives a finding of the engine run (`TraceFinding`, the record of a
+`trace_findings` row, `moescope.store.schema`'s, which the model-free checks give too), written as its
 `trace_findings` rows (origin "mismatch") beside the import's and the proxy's.
 """
 
@@ -40,11 +41,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from moescope.analyses.routing_compare import MARGIN_KIND, RouterRule, decision_margin
+from moescope.store.schema import TraceFinding
 
 OFFSETS = (-2, -1, 0, 1, 2)
 LARGE_MARGIN = 1.0  # logits; see the module doc
@@ -52,7 +54,7 @@ LARGE_SCORE_MARGIN = LARGE_MARGIN / 4  # biased scores: a sigmoid's slope is at 
 BROKEN_FRACTION = 0.25  # of the way from chance (k/E) to full agreement
 SHIFT_SIGMA = 3.0  # standard errors an offset's agreement must beat offset 0's by
 
-__all__ = ["BROKEN_FRACTION", "LARGE_MARGIN", "LARGE_SCORE_MARGIN", "OFFSETS", "SHIFT_SIGMA", "ModelFinding",
+__all__ = ["BROKEN_FRACTION", "LARGE_MARGIN", "LARGE_SCORE_MARGIN", "OFFSETS", "SHIFT_SIGMA",
            "TraceAgreement", "large_margin", "trace_agreement"]
 
 
@@ -60,20 +62,6 @@ def large_margin(kind: str) -> float:
     """The margin of a large-margin flip in a margin kind's unit: `LARGE_MARGIN` logits, or
     `LARGE_SCORE_MARGIN` for a biased router's scores."""
     return LARGE_MARGIN if kind == MARGIN_KIND else LARGE_SCORE_MARGIN
-
-
-@dataclass
-class ModelFinding:
-    """A finding of the model-based checks, as a `trace_findings` row describes it (check, count of
-    checked, expected, sequences, rows, detail)."""
-
-    check: str
-    count: int
-    checked: int
-    expected: float = 0.0
-    sequences: list[str] = field(default_factory=list)
-    rows: list[str] = field(default_factory=list)
-    detail: str = ""
 
 
 @dataclass
@@ -138,21 +126,21 @@ class TraceAgreement:
                 f"{self.large_margin_flips} of {self.flips} flips at a reference margin >= {self.threshold:g} "
                 f"{self.unit}")
 
-    def findings(self) -> list[ModelFinding]:
+    def findings(self) -> list[TraceFinding]:
         """The findings of the engine run: chance_agreement, shifted, large_margin_flips."""
         out = []
         compared = self.pairs.get(0, 0)
         shares = ", ".join(f"{d:+d} {self.agreement[d]:.3f}" for d in sorted(self.agreement))
         if self.broken:
-            out.append(ModelFinding("chance_agreement", compared, compared, 0.0, detail=(
+            out.append(TraceFinding("chance_agreement", compared, compared, 0.0, detail=(
                 f"the trace agrees with the model's routing near chance (k/E = {self.chance:.3f}; by offset {shares}): "
                 "broken, not mismatched (zeros, stale rows, another model's or physical ids)")))
         elif self.shifted:
-            out.append(ModelFinding("shifted", compared, compared, 0.0, detail=(
+            out.append(TraceFinding("shifted", compared, compared, 0.0, detail=(
                 f"the trace agrees best at token offset {self.best_offset:+d} (by offset {shares}): row t holds "
                 f"token t{self.best_offset:+d}'s routing")))
         if self.large_margin_flips and self.verdict() == "sound":  # a shift or a broken trace explains them
-            out.append(ModelFinding("large_margin_flips", self.large_margin_flips, compared, 0.0, detail=(
+            out.append(TraceFinding("large_margin_flips", self.large_margin_flips, compared, 0.0, detail=(
                 f"{self.large_margin_flips} (token, layer) pairs differ although the reference's top-k margin is at "
                 f"least {self.threshold:g} {self.unit}: a plumbing or placement bug, not rounding")))
         return out
@@ -209,7 +197,7 @@ def reference_pairs(routed: Sequence[Sequence], positions: Sequence[int],
              for i, rule in zip(positions, rules)] for per_layer in routed]
 
 
-def write_findings(store, engine_run: str, findings: Sequence[ModelFinding]) -> None:
+def write_findings(store, engine_run: str, findings: Sequence[TraceFinding]) -> None:
     """Write `findings` as the engine run's `trace_findings` rows (origin "mismatch"); nothing when
     there are none. Raises OSError when the store refused them."""
     import datetime as dt

@@ -14,9 +14,10 @@ import json
 from typing import Any
 
 from moescope.cli import command_help
-from moescope.cli.arguments import add_store_arguments, store_epilog, store_location
+from moescope.cli.arguments import add_store_arguments, positive_int, store_epilog, store_location
 
-__all__ = ["FOUND_STATUS", "add_subcommands", "judge_trace", "read_engine_map"]
+__all__ = ["FOUND_STATUS", "add_engine_map_arguments", "add_subcommands", "engine_map_from",
+           "judge_trace", "read_engine_map"]
 
 FOUND_STATUS = 3  # the exit status when a check found something
 
@@ -46,6 +47,22 @@ example:  moescope check runs/ --run vllm-rollout-7
 """
 
 
+def add_engine_map_arguments(p: argparse.ArgumentParser) -> None:
+    """`--placement FILE [--ranks N]`, the engine's map for the physical_ids check (`check`, `import`,
+    `proxy`); `engine_map_from(args)` reads it."""
+    p.add_argument("--placement", metavar="FILE",
+                   help="the engine's map (JSON or YAML as `moescope placement` reads, with the load the engine "
+                        "recorded beside it where it has one, or an SGLang recorder dump .pt): the trace checks "
+                        "report physical (post-EPLB) ids under it (physical_ids; see `moescope check --help`)")
+    p.add_argument("--ranks", type=positive_int,
+                   help="expert-parallel size, for a --placement map that does not say it")
+
+
+def engine_map_from(args: argparse.Namespace):
+    """The map `--placement` names (`read_engine_map`), or None without one."""
+    return read_engine_map(args.placement, args.ranks) if args.placement else None
+
+
 def read_engine_map(path: str, ranks: int | None = None):
     """An engine's map for the physical_ids check, from any placement source of `moescope placement`
     (a placement file, an engine's `physical_to_logical_map` with the load it recorded beside it, an
@@ -65,10 +82,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                               epilog=store_epilog("moescope check STORE --run RUN"))
     add_store_arguments(p, what="the store holding the run: a folder or a URL (s3://BUCKET/PREFIX, ...)")
     p.add_argument("--run", help="run id (default: the most recently started run)")
-    p.add_argument("--placement", metavar="FILE",
-                   help="the engine's map (JSON or YAML as `moescope placement` reads, with the load the engine "
-                        "recorded beside it where it has one, or an SGLang recorder dump .pt), for physical_ids")
-    p.add_argument("--ranks", type=int, help="expert-parallel size, for a map that does not say it")
+    add_engine_map_arguments(p)
     p.add_argument("--save", action="store_true",
                    help="write what the stored routes gave as the run's trace_findings rows (origin check), for "
                         "the dashboard, summary and alert rules")
@@ -85,7 +99,7 @@ def _check(args: argparse.Namespace) -> int:
     from moescope.store import Store
     from moescope.store.writer import run_writer
 
-    engine_map = read_engine_map(args.placement, args.ranks) if args.placement else None
+    engine_map = engine_map_from(args)
     location = store_location(args)
     with Store(location) as store:
         run_id = store.check_run(args.run) if args.run else store.latest_run()

@@ -10,6 +10,7 @@ import sys
 
 from moescope.cli import command_help
 from moescope.cli.arguments import add_store_arguments, positive_int, positive_number, store_epilog, store_location
+from moescope.cli.check import add_engine_map_arguments, engine_map_from
 from moescope.core.lifecycle import add_grace_period_argument
 
 IMPORT_HELP = """\
@@ -76,8 +77,21 @@ printed or returned to clients (the command line itself is visible to other loca
 If the recorder stops (it should not: a body it cannot read is counted and skipped), the proxy
 answers 503, says so, and exits 1 rather than pass traffic it cannot record.
 
+Trace checks: every response's routing is checked as it is recorded (the checks: `moescope check
+--help`); what they find is written with the run (trace_findings) and said in the last line. With
+--placement FILE, the engine's map (JSON or YAML as `moescope placement` reads it, with the load
+the engine recorded beside it where it has one, or an SGLang recorder dump .pt; --ranks N where it
+does not say the expert-parallel size), they also look for physical (post-EPLB) ids where training
+needs logical ones (physical_ids): ids past the map's logical experts, or counts per id that match
+the load the engine recorded per physical slot better than per expert. The map must hold
+--num-experts logical experts; a bad map stops the proxy before it starts. A response naming a
+slot past --num-experts is counted by physical_ids, then refused (bad_routing) as any id out of
+range is. The responses of each flush (every 2 s or 256 responses) are judged together.
+
 example:  moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-experts 64
           then send requests to http://127.0.0.1:8100 instead of :8000
+          moescope proxy --upstream http://127.0.0.1:8000 --store runs/ --num-experts 256 \\
+              --placement eplb_map.json --ranks 32
 """
 
 
@@ -105,7 +119,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name shown for the run (default: from the files)")
     p.add_argument("--in-order", action="store_true",
                    help="SGLang stat dumps: the buffer was unbounded (size -1), so a full buffer is still in order")
-    _add_trace_check_arguments(p)
+    add_engine_map_arguments(p)
     p.set_defaults(func=_import)
 
     p = subparsers.add_parser("proxy", help=command_help("proxy"),
@@ -142,21 +156,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream-timeout", type=positive_number, default=600.0, metavar="SECONDS",
                    help="longest wait for the engine to connect or send the next bytes; a non-streamed generation "
                         "sends nothing until it is done (default 600)")
+    add_engine_map_arguments(p)
     add_grace_period_argument(p, "stop accepting, answer the requests in flight and record what was captured")
     p.set_defaults(func=_proxy)
 
-
-def _add_trace_check_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--placement", metavar="FILE",
-                   help="the engine's map (as `moescope placement` reads, with the load the engine recorded beside "
-                        "it where it has one): the trace checks report physical ids under it (see `moescope check`)")
-    p.add_argument("--ranks", type=int, help="expert-parallel size, for a --placement map that does not say it")
-
-
-def _engine_map(args: argparse.Namespace):
-    from moescope.cli.check import read_engine_map
-
-    return read_engine_map(args.placement, args.ranks) if args.placement else None
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -166,7 +169,7 @@ def _import(args: argparse.Namespace) -> int:
     summary = import_files(args.kind, args.paths, store_location(args), run_id=args.run_id, tags=parse_tags(args.tag),
                            num_experts=args.num_experts, top_k=args.top_k, num_layers=args.num_layers,
                            model=args.model, in_order=args.in_order, max_experts=args.max_experts,
-                           engine_map=_engine_map(args))
+                           engine_map=engine_map_from(args))
     print(summary.report())
     return 0
 
@@ -179,6 +182,7 @@ def _proxy(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     parse_upstream(args.upstream)  # a bad URL is refused before the store is touched
     grace_s = grace_period_s(args.grace_period)  # a bad value is refused before anything starts
+    engine_map = engine_map_from(args)  # a bad map too, before the store is touched
     location = store_location(args)
     limits = ProxyLimits(max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
                          header_timeout_s=args.header_timeout, read_timeout_s=args.read_timeout,
@@ -186,12 +190,14 @@ def _proxy(args: argparse.Namespace) -> int:
     proxy = RoutingProxy(args.upstream, location, num_experts=args.num_experts, host=host, port=port,
                          run_id=args.run_id, tags=parse_tags(args.tag), num_layers=args.num_layers,
                          top_k=args.top_k, max_queue=args.max_queue, limits=limits,
-                         max_queue_bytes=int(args.max_queue_mb * 2**20), record_token_ids=args.record_token_ids)
+                         max_queue_bytes=int(args.max_queue_mb * 2**20), record_token_ids=args.record_token_ids,
+                         engine_map=engine_map)
     with GracefulStop(on_stop=proxy.stop_accepting, grace_s=grace_s, what="moescope proxy",
                       on_exit=lambda status: print(proxy.recorder.report(), flush=True)):
         # said once the signals are handled: a supervisor that waits for this line may stop it at once
         print(f"moescope proxy: http://{proxy.host}:{proxy.port} -> {proxy.upstream_url}, recording run "
-              f"{proxy.recorder.spec.run_id} into {location.redacted}", flush=True)
+              f"{proxy.recorder.spec.run_id} into {location.redacted}"
+              + (f", trace checks against the engine map {engine_map.source}" if engine_map else ""), flush=True)
         try:
             proxy.serve_forever()  # returns once a signal stopped the server taking requests
         finally:

@@ -34,17 +34,19 @@ names its check:
   `--num-experts`): the import is refused, its message naming this check.
 
 The checks are sums over rows, so a sequence read in chunks gives the same findings as one read
-whole; `TraceChecks.findings` turns the sums into `TraceFinding`s.
+whole; `TraceChecks.findings` turns the sums into `TraceFinding`s (`moescope.store.schema`'s, the
+record of a `trace_findings` row, which the checks against the model give too).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from moescope.store.schema import TraceFinding as TraceFinding  # one record for every check's findings
 
 CHECKS = ("zero_rows", "sentinel_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids",
           "out_of_range")
@@ -66,21 +68,24 @@ SAMPLE_ROWS = 4 * MAX_NAMED  # rows kept per layer to name a layer found physica
 BROKEN = ("zero_rows", "repeated_ids", "row_count", "final_row_zero", "physical_ids", "chance_agreement", "shifted",
           "large_margin_flips")
 
-__all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFinding", "broken_share", "load_evidence",
-           "summary_line"]
+__all__ = ["BROKEN", "CHECKS", "LOAD_ODDS", "EngineMap", "TraceChecks", "TraceFinding", "broken_share", "finding_line",
+           "load_evidence", "summary_line"]
 
 
 class EngineMap(Protocol):
     """What the physical_ids check reads of an engine's map (`moescope.metrics.placement.RecordedMap`
-    is one): where it came from, its logical experts, and per MoE layer of a trace, (the logical
-    expert of each physical slot, the load the engine recorded under it or None, what that load
-    counts per: "physical" slot or "logical" expert)."""
+    is one): where it came from, its logical experts, the most physical slots a layer has, and per
+    MoE layer of a trace, (the logical expert of each physical slot, the load the engine recorded
+    under it or None, what that load counts per: "physical" slot or "logical" expert)."""
 
     @property
     def source(self) -> str: ...
 
     @property
     def logical_experts(self) -> int: ...
+
+    @property
+    def physical_slots(self) -> int: ...
 
     def layer_maps(self, layer_ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None, str]]: ...
 
@@ -127,28 +132,6 @@ def load_evidence(counts: np.ndarray, physical_to_logical: np.ndarray, load: np.
     return float(np.sum(counts[ids] * (np.log(q_physical) - np.log(q_logical))))
 
 
-@dataclass
-class TraceFinding:
-    """One check that found something in a trace.
-
-    `count` is what the check counts (`COUNTS[check]`) out of `checked`; `expected` what an honest
-    router gives (0 where it gives none); `sequences` and `rows` name the first few where it was
-    found (rows as "sequence row N"); `detail` says it in a sentence.
-    """
-
-    check: str
-    count: int
-    checked: int
-    expected: float = 0.0
-    sequences: list[str] = field(default_factory=list)
-    rows: list[str] = field(default_factory=list)
-    detail: str = ""
-
-    def line(self) -> str:
-        """`check count of checked unit` for one-line summaries."""
-        return f"{self.check} {self.count:,} of {self.checked:,} {COUNTS.get(self.check, 'rows')}"
-
-
 class _Tally:
     def __init__(self) -> None:
         self.count = 0
@@ -177,6 +160,9 @@ class TraceChecks:
     def __init__(self, engine_map: EngineMap | None = None):
         self.engine_map = engine_map
         self.logical_experts = None if engine_map is None else int(engine_map.logical_experts)
+        # the MoE layers that have routed since the checks began, kept by `reset`: the map is placed on
+        # all of them, so a chunk in which a layer routed nothing places its rows as the whole trace does
+        self._layers_seen: set[int] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -192,6 +178,15 @@ class TraceChecks:
         self._counts: dict[int, np.ndarray] = {}  # layer -> how often each id was named (engine map given)
         self._sample: dict[int, list[tuple[str, int, np.ndarray]]] = {}  # layer -> its first routed rows
         self._physical: tuple[int, str] | None = None  # physical_ids' (count, detail), once judged
+
+    def forget_map(self) -> None:
+        """Stop checking physical_ids (a map that does not fit the trace's layers): `findings` then
+        leaves it out."""
+        self.engine_map = None
+        self.logical_experts = None
+        self._physical = None
+        self._counts.clear()
+        self._sample.clear()
 
     def add(self, ids: np.ndarray, label: str, first_row: int = 0, ends: bool = True,
             layer_numbers: Sequence[int] | None = None) -> None:
@@ -258,6 +253,7 @@ class TraceChecks:
                     known = np.concatenate([known, np.zeros(len(counts) - len(known), dtype=np.int64)])
                 known[:len(counts)] += counts
                 self._counts[int(layer)] = known
+                self._layers_seen.add(int(layer))
                 sample = self._sample.setdefault(int(layer), [])
                 for row in at[:SAMPLE_ROWS - len(sample)]:
                     sample.append((label, int(numbers[routed][row]), layer_ids[row, column].copy()))
@@ -312,7 +308,8 @@ class TraceChecks:
         if self._physical is not None or self.engine_map is None:
             return self._physical or (0, "")
         experts = int(self.logical_experts or 0)
-        maps = self.engine_map.layer_maps(sorted(self._counts)) if self._counts else {}
+        placed = self.engine_map.layer_maps(sorted(self._layers_seen)) if self._counts else {}
+        maps = {layer: value for layer, value in placed.items() if layer in self._counts}
         threshold = math.log(LOAD_ODDS * max(len(maps), 1))
         count, by_range, by_load, loads = 0, [], [], 0
         named = self.tallies["physical_ids"]
@@ -368,12 +365,17 @@ class TraceChecks:
         return ""
 
 
+def finding_line(finding: TraceFinding) -> str:
+    """`check count of checked unit` (the unit: `COUNTS[check]`) for one-line summaries."""
+    return f"{finding.check} {finding.count:,} of {finding.checked:,} {COUNTS.get(finding.check, 'rows')}"
+
+
 def summary_line(findings: list[TraceFinding], rows: int) -> str:
     """One line: `trace checks: no finding in N token rows`, or the findings' checks and counts."""
     if not findings:
         return f"trace checks: no finding in {rows:,} token rows"
     return f"trace checks: {len(findings)} finding{'s' if len(findings) != 1 else ''}: " + \
-        "; ".join(f.line() for f in findings) + " (moescope check STORE --run RUN says more)"
+        "; ".join(finding_line(f) for f in findings) + " (moescope check STORE --run RUN says more)"
 
 
 def broken_share(findings: Iterable[tuple[str, int, int]]) -> float:

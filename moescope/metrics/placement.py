@@ -343,6 +343,14 @@ class RecordedMap:
                                  "logical experts")
         return largest + 1
 
+    @property
+    def physical_slots(self) -> int:
+        """The most physical slots any layer of the map has: a trace returned under it names ids below
+        this (0 for the contiguous layout of `--ranks`, which lists none)."""
+        p = self.placement
+        lists = [*p.layers.values(), *p.moe_rows] + ([p.default] if p.default else [])
+        return max((sum(len(slots) for slots in rank_lists) for rank_lists in lists), default=0)
+
     def layer_maps(self, layer_ids: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray | None, str]]:
         """Per MoE layer of a run (`layer_ids`): (the logical expert of each physical slot, the load
         recorded for that layer or None, `load_per`), the map's rows placed as `Placement.on_layers`

@@ -13,7 +13,10 @@ never stops the recorder. Should its thread end all the same, `RoutingRecorder.f
 text back. Responses not recorded are counted in `probe_stats` (table_name "steps", one row per
 reason), like the probe's own drops, and the run's writer writes its final counts when the recorder
 shuts down. Every response's routing goes through the trace checks (`moescope.ingest.trace_checks`)
-as it is parsed; each flush writes what they found since the last as `trace_findings` rows.
+as it is parsed; each flush writes what they found since the last as `trace_findings` rows. With
+the engine's map (`engine_map`, `--placement`) they check physical_ids too: a response naming ids
+past `num_experts` but within the map's physical slots is checked, then refused (out_of_range) as
+any such response is, so the finding names what was not stored.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from moescope.ingest.importers.tables import (
     run_tables,
 )
 from moescope.ingest.proxy.limits import DEFAULT_MAX_QUEUE_BYTES
-from moescope.ingest.trace_checks import TraceChecks
+from moescope.ingest.trace_checks import EngineMap, TraceChecks
 from moescope.store.location import StoreLocation, open_location
 from moescope.store.naming import check_name
 from moescope.store.schema import trace_findings_table
@@ -121,7 +124,7 @@ class RoutingRecorder:
                  tags: dict[str, str] | None = None, num_layers: int | None = None, top_k: int | None = None,
                  max_queue: int = 1024, flush_interval_s: float = 2.0, max_steps: int = 256,
                  model: str = "served model", max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
-                 record_token_ids: bool = False):
+                 record_token_ids: bool = False, engine_map: EngineMap | None = None):
         """Open the run in the store and start the recorder's worker.
 
         Args:
@@ -137,9 +140,12 @@ class RoutingRecorder:
             model: the run's model name.
             max_queue_bytes: the queue's bound in the responses' bodies' bytes.
             record_token_ids: keep prompt and generated token ids in `routes.token_id`.
+            engine_map: the engine's map (`moescope.cli.check.read_engine_map`), for the physical_ids
+                check; its logical experts must be `num_experts`.
 
         Raises:
-            ValueError: a bad option, a store URL that cannot be used or a run id the store already has.
+            ValueError: a bad option, a map of another expert count, a store URL that cannot be used or a
+                run id the store already has.
             OSError: the store does not take the run's first row.
         """
         if num_experts < 1:
@@ -148,6 +154,10 @@ class RoutingRecorder:
             raise ValueError(f"--max-queue must be positive, not {max_queue}")
         if max_queue_bytes < 1:
             raise ValueError(f"--max-queue-mb must be positive, not {max_queue_bytes / 2**20:g}")
+        if engine_map is not None and engine_map.logical_experts != num_experts:
+            raise ValueError(f"--placement {engine_map.source}: the map holds {engine_map.logical_experts} logical "
+                             f"experts, but --num-experts is {num_experts}: give the map of the model this server "
+                             "serves")
         self.location = open_location(root)
         self.root = self.location.redacted  # how messages name the store
         self.num_experts = num_experts
@@ -166,7 +176,11 @@ class RoutingRecorder:
         self._first_pending_at: float | None = None
         self._next_step = 0
         self._failure: str | None = None
-        self.checks = TraceChecks()  # the trace checks since the last flush (the worker's)
+        self.checks = TraceChecks(engine_map)  # the trace checks since the last flush (the worker's)
+        # ids the trace checks read: physical slots of the map past num_experts are checked, not stored
+        self._checked_ids = max(num_experts, engine_map.physical_slots if engine_map is not None else 0)
+        self.map_problem: str | None = None  # why physical_ids stopped being checked (a map that does not fit)
+        self._refused_checked = 0  # responses checked, then refused: ids of the map's slots past num_experts
         self._findings: Counter[str] = Counter()  # every flush's findings, per check, for `report`
         self._checked_rows = 0
         self.writer: RunWriter = run_writer(self.location, run_id)
@@ -220,8 +234,18 @@ class RoutingRecorder:
                     if sequence.logprobs is not None:
                         sequence.logprobs.token_ids = None
             step, _ = sequences_step(sequences, self._next_step, captured.ts, "response", tags=captured.tags)
-            self._check(step)
-            self._trace_check(sequences)
+            largest = self._check(step)
+            if largest < self.num_experts:
+                self._trace_check(sequences, f"response {self._next_step}")
+            else:  # a physical slot of the map past the experts: checked, then refused as out of range
+                self._refused_checked += 1
+                self._trace_check(sequences, f"refused response {self._refused_checked}")
+            if self._first_pending_at is None:  # what the checks saw is written within the flush interval
+                self._first_pending_at = time.monotonic()
+            if largest >= self.num_experts:
+                raise SourceFormatError(f"a layer routes to expert {largest}, outside --num-experts "
+                                        f"{self.num_experts} (check out_of_range): a physical slot of the "
+                                        "--placement map, counted by the physical_ids check but not stored")
         except (SourceFormatError, ValueError) as e:  # json errors are ValueErrors too
             log.warning("moescope proxy: a response's routing could not be read: %s", e)
             self.count("bad_routing")
@@ -251,23 +275,35 @@ class RoutingRecorder:
             return sglang_sequences(bodies, self.num_layers, self.top_k, "response", stream=stream)
         return None
 
-    def _check(self, step: SourceStep) -> None:
+    def _check(self, step: SourceStep) -> int:
+        """The largest id the step names (-1: none); refuses a layer routing another k than before, or
+        an id past both `num_experts` and the map's physical slots."""
+        largest = -1
         for layer, routes in step.routes.items():
             k = routes.expert_ids.shape[1]
             known = self._shapes.get(layer)
             if known is not None and known.top_k != k:
                 raise SourceFormatError(f"layer {layer} routes {k} experts per token, earlier responses {known.top_k}")
-            if len(routes.expert_ids) and int(routes.expert_ids.max()) >= self.num_experts:
-                raise SourceFormatError(f"layer {layer} routes to expert {int(routes.expert_ids.max())}, outside "
-                                        f"--num-experts {self.num_experts} (check out_of_range)")
+            if len(routes.expert_ids):
+                largest = max(largest, int(routes.expert_ids.max()))
+            if largest >= self._checked_ids:
+                raise SourceFormatError(f"layer {layer} routes to expert {largest}, outside --num-experts "
+                                        f"{self.num_experts} (check out_of_range)")
+        return largest
 
-    def _trace_check(self, sequences: list[RoutedSequence]) -> None:
+    def _trace_check(self, sequences: list[RoutedSequence], label: str) -> None:
         for sequence in sequences:
-            check_sequence(self.checks, sequence, f"response {self._next_step}")
+            check_sequence(self.checks, sequence, label)
 
     def _trace_findings(self) -> dict:
         """The trace checks' findings since the last flush as rows (none: {}), the checks then reset."""
-        findings = self.checks.findings(num_experts=self.num_experts)
+        try:
+            findings = self.checks.findings(num_experts=self.num_experts)
+        except ValueError as e:  # PlacementError: the map's rows do not fit the responses' MoE layers
+            self.map_problem = f"physical_ids not checked: {e}"
+            log.error("moescope proxy: %s; the other trace checks go on", self.map_problem)
+            self.checks.forget_map()
+            findings = self.checks.findings(num_experts=self.num_experts)
         self._checked_rows += self.checks.rows
         self.checks.reset()
         with self._lock:
@@ -284,7 +320,14 @@ class RoutingRecorder:
 
     def _write_pending(self) -> None:
         steps, self._pending, self._first_pending_at = self._pending, [], None
-        if not steps:
+        if not steps:  # responses checked, then refused (physical ids past the experts): their findings
+            try:
+                tables = self._trace_findings()
+            except Exception:
+                log.exception("moescope proxy: the trace checks' findings could not be made into rows")
+                return
+            for table, data in tables.items():
+                self.writer.write(table, data)  # refused rows are counted
             return
         try:
             new = {layer: LayerShape(self.num_experts, s.routes[layer].expert_ids.shape[1])
@@ -331,6 +374,7 @@ class RoutingRecorder:
                 + (f"; not recorded: {others}" if others else "")
                 + (f"; trace checks found: {found} (moescope check STORE --run RUN)" if found
                    else f"; trace checks: no finding in {self._checked_rows:,} token rows")
+                + (f"; {self.map_problem}" if self.map_problem else "")
                 + (f"; {why}" if (why := self.failed) else ""))
 
 

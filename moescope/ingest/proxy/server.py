@@ -27,6 +27,7 @@ from moescope.ingest.proxy.bounds import CaptureBudget, Deadlines, hang_up
 from moescope.ingest.proxy.handler import Handler
 from moescope.ingest.proxy.limits import DEFAULT_MAX_QUEUE_BYTES, LISTEN_BACKLOG, ProxyLimits, Upstream, parse_upstream
 from moescope.ingest.proxy.recorder import RoutingRecorder
+from moescope.ingest.trace_checks import EngineMap
 from moescope.store.location import StoreLocation
 
 __all__ = ["ProxyServer", "RecorderFailed", "RoutingProxy"]
@@ -143,7 +144,8 @@ class RoutingProxy:
                  port: int = 8100, run_id: str | None = None, tags: dict[str, str] | None = None,
                  num_layers: int | None = None, top_k: int | None = None, max_queue: int = 1024,
                  flush_interval_s: float = 2.0, limits: ProxyLimits | None = None,
-                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, record_token_ids: bool = False):
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, record_token_ids: bool = False,
+                 engine_map: EngineMap | None = None):
         """Bind the address and open the run; nothing is served before `start()` or `serve_forever()`.
 
         Args:
@@ -161,10 +163,11 @@ class RoutingProxy:
             limits: the connection and time bounds (`ProxyLimits()` when None).
             max_queue_bytes: the recorder's; the server bounds what it captures by it too.
             record_token_ids: the recorder's.
+            engine_map: the recorder's: the engine's map, for the physical_ids trace check.
 
         Raises:
-            ValueError: an upstream that is not http://HOST[:PORT], a bad limit, or a run id the
-                store already has.
+            ValueError: an upstream that is not http://HOST[:PORT], a bad limit, a map of another
+                expert count, or a run id the store already has.
             OSError: the address cannot be bound or the store cannot be written.
         """
         self.upstream = parse_upstream(upstream)
@@ -173,7 +176,8 @@ class RoutingProxy:
         self.failure: str | None = None
         self.recorder = RoutingRecorder(store, num_experts, run_id=run_id, tags=tags, num_layers=num_layers,
                                         top_k=top_k, max_queue=max_queue, flush_interval_s=flush_interval_s,
-                                        max_queue_bytes=max_queue_bytes, record_token_ids=record_token_ids)
+                                        max_queue_bytes=max_queue_bytes, record_token_ids=record_token_ids,
+                                        engine_map=engine_map)
         try:
             self.server = ProxyServer((host, port), self.upstream, self.recorder, self.limits, max_queue_bytes)
         except BaseException:

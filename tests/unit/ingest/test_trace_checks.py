@@ -219,3 +219,17 @@ def test_the_check_command_reads_the_map_and_its_load_from_the_placement_file(tm
     assert [(f["check"], f["count"]) for f in report["stored_routes"]] == [
         ("physical_ids", misread_slots(arrays, mapping))]
     assert "physical_ids" in report["rechecked"]
+
+
+def test_a_chunk_in_which_a_layer_routed_nothing_places_the_map_as_the_whole_trace_does(tmp_path):
+    """The proxy judges each flush's responses and then resets: a flush in which layer 1 routed no
+    token must still place vLLM's map (a row per MoE layer) on both layers, not refuse its row count."""
+    from moescope.ingest.trace_checks import TraceChecks
+
+    experts, layers = 4, 2
+    checks = TraceChecks(read_engine_map(map_file(tmp_path, redundant_map(experts, layers))))
+    checks.add(np.array([[[0, 1], [2, 3]], [[1, 2], [0, 3]]]), "response 0")
+    assert checks.findings() == []
+    checks.reset()
+    checks.add(np.array([[[experts, 2], [0, 0]], [[1, experts + 1], [0, 0]]]), "response 1")  # layer 1: zeros
+    assert [(f.check, f.count) for f in checks.findings()] == [("physical_ids", 2)]
