@@ -45,17 +45,18 @@ TARGET_RATIO = 1.2  # the prefill and 8 decode steps right after attach, to the 
 TARGET_CPU_S = 0.3  # CPU of the first attach to a new store, beyond the steps' own, in the model's process
 
 
-def child(args: argparse.Namespace) -> dict:
-    """One round, in this fresh interpreter: the figures as a dict."""
+def decode_pair(threads: int, decode_steps: int):
+    """bench/overhead.py's decode preset, a bare copy and one to attach to, and the steps a round times
+    on either (a 16-token prefill and `decode_steps` one-token steps with a KV cache): (shape, bare,
+    probed, steps). bench/thread_wait.py builds its rounds with it too."""
     import torch
     from transformers import DynamicCache
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import moescope
     from bench.overhead import PRESETS, arguments, build_model
 
     torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     shape = arguments(["--preset", "decode"])
     model = build_model(shape)
     bare, probed = copy.deepcopy(model), copy.deepcopy(model)
@@ -69,8 +70,16 @@ def child(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             cache = DynamicCache()
             model(prompt, past_key_values=cache, use_cache=True)
-            for _ in range(args.decode_steps):
+            for _ in range(decode_steps):
                 model(token, past_key_values=cache, use_cache=True)
+
+    return shape, bare, probed, steps
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One round, in this fresh interpreter: the figures as a dict."""
+    _, bare, probed, steps = decode_pair(args.threads, args.decode_steps)
+    import moescope
 
     for _ in range(2):
         steps(bare)

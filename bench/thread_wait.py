@@ -38,7 +38,6 @@ The variants remove the writer's work part by part:
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import json
@@ -97,31 +96,14 @@ def thread_cpu() -> dict[str, float]:
 def child(args: argparse.Namespace) -> dict:
     """One round of one variant, in this fresh interpreter: per phase, wall and CPU per group."""
     import torch
-    from transformers import DynamicCache
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import moescope
-    from bench.overhead import PRESETS, Workload, arguments, build_model
+    from bench.fresh_attach import decode_pair
+    from bench.overhead import Workload
     from moescope import probe
 
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    shape = arguments(["--preset", "decode"])
-    model = build_model(shape)
-    bare, probed = copy.deepcopy(model), copy.deepcopy(model)
-    del model
-    batch = PRESETS["decode"]["batch"]
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 1024, (batch, PRESETS["decode"]["seq"]), generator=g)
-    token = torch.randint(0, 1024, (batch, 1), generator=g)
-
-    def steps(model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            cache = DynamicCache()
-            model(prompt, past_key_values=cache, use_cache=True)
-            for _ in range(8):
-                model(token, past_key_values=cache, use_cache=True)
-
+    shape, bare, probed, steps = decode_pair(args.threads, 8)
     decode_bare, decode_probed = Workload(shape, bare), Workload(shape, probed)
     for _ in range(2):
         steps(bare)
