@@ -121,16 +121,19 @@ def after_first_render(fn: Callable[..., T], *args: Any, what: str) -> T | None:
     future = data.off_the_run(fn, *args)
     if not future.done():
         st.info(what)
-        _await_section(future)
+        rerun_when_done(future, lambda: "The rest of the page is above; this part is drawn when it is computed.")
         return None
     return fn(*args)
 
 
 @st.fragment(run_every=AWAIT_S)
-def _await_section(future: concurrent.futures.Future) -> None:
+def rerun_when_done(future: concurrent.futures.Future, caption: Callable[[], str]) -> None:
+    """A fragment that asks every `AWAIT_S` whether `future` is done, runs the whole page again once it
+    is, and meanwhile shows `caption()`: how a page waits for work computed off its run (a section
+    after its first render, the clusters page's UMAP)."""
     if future.done():
         st.rerun(scope="app")
-    st.caption("The rest of the page is above; this part is drawn when it is computed.")
+    st.caption(caption())
 
 
 NOT_RECORDED = schema.NOT_RECORDED

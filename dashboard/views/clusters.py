@@ -11,7 +11,7 @@ import streamlit as st
 
 from moescope.dashboard import common, data
 from moescope.dashboard import figures as fg
-from moescope.dashboard.embedding import Job, embedding_jobs, embedding_key
+from moescope.dashboard.embedding import embedding_jobs, embedding_key
 from moescope.metrics import signals
 
 st.title("Semantic clusters")
@@ -38,20 +38,13 @@ def embedded_points(points: pd.DataFrame, hidden: np.ndarray, layer: int) -> pd.
         status.write("Once per run, layer and sample: the points are kept on disk and drawn at once next time. "
                      "The first embedding after a dashboard starts also loads UMAP, and the first on this machine "
                      "compiles it (numba): up to a minute on two busy cores. The rest of the page is below.")
-        _await_embedding(job)
+        common.rerun_when_done(job.future, lambda: f"{job.elapsed_s:.0f} s so far")
         return None
     except Exception as e:  # the worker died (out of memory, say) or UMAP refused the sample: asked again next run
         st.error(f"The UMAP embedding of layer {layer} failed: {type(e).__name__}: {e}. Reload the page to try "
                  "again; the rest of the page is below.")
         return None
     return points.assign(x=xy[:, 0], y=xy[:, 1])
-
-
-@st.fragment(run_every=1.0)
-def _await_embedding(job: Job) -> None:
-    if job.future.done():
-        st.rerun(scope="app")
-    st.caption(f"{job.elapsed_s:.0f} s so far")
 
 
 with common.guard():

@@ -27,6 +27,17 @@ def _app(monkeypatch, root: str) -> AppTest:
     return AppTest.from_file(APP, default_timeout=240)
 
 
+def _loads_of_first_forwards(rows: pd.DataFrame, forwards: int, experts: int) -> list[np.ndarray]:
+    """The expert loads of `rows`, in their order, until they cover `forwards` forwards (a row is never split)."""
+    covered, loads = 0, []
+    for row in rows.itertuples():
+        if covered >= forwards:
+            break
+        loads.append(np.asarray(row.expert_load)[:experts])
+        covered += row.forwards
+    return loads
+
+
 def test_every_alert_a_receiver_got_is_a_row_of_alerts_and_vice_versa(demo):
     root, out, summary = demo
     alerts = ds.dataset(os.path.join(root, "alerts"), format="parquet").to_table().to_pandas()
@@ -58,19 +69,8 @@ def test_the_webhooks_drift_values_equal_the_raw_rows(demo):
     for alert in fired.itertuples():
         rows = layer_steps[(layer_steps.layer == alert.layer) & (layer_steps.run_id == alert.run_id)]
         rows = rows.sort_values("step")
-        covered, base = 0, []
-        for row in rows.itertuples():
-            if covered >= alert.baseline_steps:
-                break
-            base.append(np.asarray(row.expert_load)[:experts])
-            covered += row.forwards
-        upto = rows[rows.step <= alert.step].iloc[::-1]
-        covered, window = 0, []
-        for row in upto.itertuples():
-            if covered >= alert.window_steps:
-                break
-            window.append(np.asarray(row.expert_load)[:experts])
-            covered += row.forwards
+        base = _loads_of_first_forwards(rows, alert.baseline_steps, experts)
+        window = _loads_of_first_forwards(rows[rows.step <= alert.step].iloc[::-1], alert.window_steps, experts)
         p, q = np.sum(window, axis=0) + 0.5, np.sum(base, axis=0) + 0.5
         assert dict(alert.signal_values)["kl_baseline"] == pytest.approx(entropy(p / p.sum(), q / q.sum()), rel=1e-9)
 
